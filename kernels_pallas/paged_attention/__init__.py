@@ -1,0 +1,154 @@
+"""Paged attention over a paged KV cache: decode (q_len 1), verify (q_len gamma + 1) and ragged prefill chunks.
+
+Terms and the contract are defined in ``reference.py`` (the pure-jnp oracle); query-head folding in
+``layout.py``; the GPU (Pallas Triton) body in ``kernel_gpu.py``; the TPU (Mosaic, scalar prefetch) body in
+``kernel_tpu.py``. This module validates inputs and picks the body.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.paged_attention.kernel_gpu import GPU_TUNING_DEFAULTS, paged_attention_gpu
+from kernels_pallas.paged_attention.kernel_tpu import TPU_TUNING_DEFAULTS, paged_attention_tpu
+from kernels_pallas.paged_attention.reference import paged_attention_reference
+
+__all__ = ["import_pallas_backends", "paged_attention", "paged_attention_reference"]
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
+BACKENDS = ("auto", "gpu", "tpu")
+
+# Modules that register pallas_call lowerings. Importing them lazily, inside a trace, has been seen to make a
+# jitted function holding a pallas_call compile twice (jax 0.11.x), so the engine imports them at start-up.
+_PALLAS_BACKEND_MODULES = (
+    "jax.experimental.pallas.triton",
+    "jax._src.pallas.triton.pallas_call_registration",
+    "jax.experimental.pallas.mosaic_gpu",
+    "jax._src.pallas.mosaic_gpu.pallas_call_registration",
+    "jax.experimental.pallas.tpu",
+    "jax._src.pallas.mosaic.pallas_call_registration",
+)
+
+
+def import_pallas_backends() -> list[str]:
+    """Import every Pallas backend lowering module this jax has; returns the names imported. Call once at start-up."""
+    imported = []
+    for name in _PALLAS_BACKEND_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            logger.debug("Pallas backend module %s not importable: %s", name, error)
+        else:
+            imported.append(name)
+    return imported
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    # On CPU (and anything else) the GPU body runs interpreted.
+    return "tpu" if jax.default_backend() == "tpu" else "gpu"
+
+
+def _validate(q, k_pages, v_pages, block_tables, context_lens, scale) -> None:
+    if q.ndim != 4:
+        raise ValueError(f"q must be [num_seqs, q_len, num_q_heads, head_dim] (rank 4), got shape {q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(
+            f"k_pages must be [num_kv_heads, num_pages, page_size, head_dim] (rank 4), got shape {k_pages.shape}"
+        )
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
+    for name, array in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if array.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} dtype {array.dtype} is not supported; allowed: float32, bfloat16")
+    if not q.dtype == k_pages.dtype == v_pages.dtype:
+        raise ValueError(f"q, k_pages, v_pages must share a dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    num_seqs, _, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
+    if k_pages.shape[3] != head_dim:
+        raise ValueError(f"k_pages head_dim {k_pages.shape[3]} must equal q head_dim {head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} (q axis 2) must be a multiple of num_kv_heads={num_kv_heads}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_pages_per_seq], got {block_tables.shape}")
+    if block_tables.dtype != jnp.int32:
+        raise ValueError(f"block_tables dtype must be int32, got {block_tables.dtype}")
+    if context_lens.shape != (num_seqs,):
+        raise ValueError(f"context_lens must be [num_seqs={num_seqs}], got shape {context_lens.shape}")
+    if context_lens.dtype != jnp.int32:
+        raise ValueError(f"context_lens dtype must be int32, got {context_lens.dtype}")
+    if not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a Python float (it is baked into the kernel), got {type(scale).__name__}")
+
+
+def _validate_tuning(tuning: dict, defaults: dict, backend: str, page_size: int, head_dim: int, compiled: bool):
+    unknown = set(tuning) - set(defaults)
+    if unknown:
+        raise ValueError(
+            f"unknown tuning parameters {sorted(unknown)} for backend {backend!r}; allowed: {sorted(defaults)}"
+        )
+    params = {**defaults, **tuning}
+    for name in ("pages_per_block", "block_rows"):
+        value = params[name]
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if backend == "gpu" and compiled:
+        # Triton tiles must have power-of-two sides: [pages_per_block * page_size, head_dim].
+        for name, value in (
+            ("pages_per_block", params["pages_per_block"]),
+            ("page_size", page_size),
+            ("head_dim", head_dim),
+        ):
+            if value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two for the compiled GPU (Triton) kernel")
+    return params
+
+
+def paged_attention(
+    q: jax.Array,  # [num_seqs, q_len, num_q_heads, head_dim] float32 | bfloat16
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim], dtype of q
+    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim], dtype of q
+    block_tables: jax.Array,  # [num_seqs, max_pages_per_seq] int32
+    context_lens: jax.Array,  # [num_seqs] int32, including the q_len new tokens
+    *,
+    scale: float,
+    backend: str = "auto",
+    interpret: bool | None = None,
+    **tuning: int,
+) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim], dtype of q
+    """Paged multi-query causal attention with GQA; same contract as ``paged_attention_reference``.
+
+    backend: "gpu" (Pallas Triton body), "tpu" (Mosaic TPU body) or "auto" (TPU body on TPU, GPU body elsewhere).
+    interpret: None -> interpret exactly when running on CPU. With backend="tpu", ``interpret=True`` uses the TPU
+      interpreter (``pltpu.InterpretParams()``), which models SMEM scalar prefetch and the page DMAs.
+    tuning: ``GPU_TUNING_DEFAULTS`` / ``TPU_TUNING_DEFAULTS`` keys (pages_per_block, block_rows; GPU also
+      num_warps, num_stages).
+    """
+    _validate(q, k_pages, v_pages, block_tables, context_lens, scale)
+    backend = _resolve_backend(backend)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    page_size, head_dim = k_pages.shape[2], k_pages.shape[3]
+    if backend == "gpu":
+        params = _validate_tuning(tuning, GPU_TUNING_DEFAULTS, backend, page_size, head_dim, not interpret)
+        return paged_attention_gpu(
+            q, k_pages, v_pages, block_tables, context_lens, scale=float(scale), interpret=bool(interpret), **params
+        )
+    params = _validate_tuning(tuning, TPU_TUNING_DEFAULTS, backend, page_size, head_dim, not interpret)
+    tpu_interpret = False
+    if interpret:
+        from jax.experimental.pallas import tpu as pltpu
+
+        tpu_interpret = pltpu.InterpretParams()
+    return paged_attention_tpu(
+        q, k_pages, v_pages, block_tables, context_lens, scale=float(scale), interpret=tpu_interpret, **params
+    )

@@ -1,0 +1,188 @@
+"""TPU body of paged attention: Pallas Mosaic TPU with the block tables as scalar prefetch.
+
+Grid ``(num_seqs, num_kv_heads, num_q_blocks, num_page_steps)``; the last axis walks the sequence's pages
+``pages_per_block`` at a time and is sequential ("arbitrary"): the online-softmax state lives in VMEM scratch
+and the output block is written on the last step. The gather is done by the pipeline, not the body: K and V are
+each passed ``pages_per_block`` times, and input ``j``'s index_map reads the page id of logical page
+``step * pages_per_block + j`` from the prefetched block table (in SMEM). Past the last page a q block can see,
+the index_map repeats that last page, so the pipeline issues no new DMA, and the body skips the step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas.paged_attention.layout import (
+    MASK_VALUE,
+    QueryBlocking,
+    fold_queries,
+    normalise,
+    num_keys_needed,
+    online_softmax_step,
+    pad_block_tables,
+    unfold_outputs,
+)
+
+try:  # the Mosaic TPU backend module; absent from some jax builds
+    from jax.experimental.pallas import tpu as pltpu
+except ImportError:  # pragma: no cover
+    pltpu = None
+
+TPU_TUNING_DEFAULTS = {
+    "pages_per_block": 2,  # pages DMA'd per grid step (K and V each passed this many times)
+    "block_rows": 128,  # target rows (queries x group) per q block
+}
+
+
+def _paged_attention_tpu_kernel(
+    block_tables_ref,  # SMEM [num_seqs * padded_pages_per_seq] int32 (flattened; scalar prefetch)
+    context_lens_ref,  # SMEM [num_seqs] int32 (scalar prefetch)
+    row_query_index_ref,  # VMEM [block_rows, 1] int32
+    q_ref,  # VMEM [block_rows, head_dim]
+    *refs,  # k page refs x pages_per_block, v page refs x pages_per_block, out_ref, acc, row_max, row_sum scratch
+    blocking: QueryBlocking,
+    pages_per_block: int,
+    scale: float,
+):
+    del block_tables_ref  # used by the index_maps only
+    k_refs = refs[:pages_per_block]  # each VMEM [page_size, head_dim]
+    v_refs = refs[pages_per_block : 2 * pages_per_block]
+    out_ref, acc_ref, row_max_ref, row_sum_ref = refs[2 * pages_per_block :]
+    seq, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    page_size = k_refs[0].shape[0]
+
+    @pl.when(step == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+        row_max_ref[...] = jnp.full_like(row_max_ref, MASK_VALUE)
+        row_sum_ref[...] = jnp.zeros_like(row_sum_ref)
+
+    context_len = context_lens_ref[seq]
+    num_pages = lax.div(num_keys_needed(context_len, q_block, blocking) + page_size - 1, page_size)
+    query_pos = context_len - blocking.q_len + row_query_index_ref[...]  # [block_rows, 1]
+
+    for j in range(pages_per_block):
+        logical_page = step * pages_per_block + j
+
+        @pl.when(logical_page < num_pages)
+        def _attend(j=j, logical_page=logical_page):
+            start = logical_page * page_size
+            key_pos_row = start + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+            key_pos_col = start + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
+            acc, row_max, row_sum = online_softmax_step(
+                q_ref[...],
+                k_refs[j][...],
+                v_refs[j][...],
+                key_pos_row,
+                key_pos_col,
+                query_pos,
+                context_len,
+                acc_ref[...],
+                row_max_ref[...],
+                row_sum_ref[...],
+                scale=scale,
+            )
+            acc_ref[...] = acc
+            row_max_ref[...] = row_max
+            row_sum_ref[...] = row_sum
+
+    @pl.when(step == pl.num_programs(3) - 1)
+    def _finish():
+        out_ref[...] = normalise(acc_ref[...], row_sum_ref[...]).astype(out_ref.dtype)
+
+
+def _page_index_map(j, *, blocking, pages_per_block, page_size, padded_pages_per_seq):
+    """index_map of the ``j``-th K (or V) input: the physical page of logical page ``step * ppb + j``."""
+
+    def index_map(seq, kv_head, q_block, step, block_tables_ref, context_lens_ref):
+        num_keys = num_keys_needed(context_lens_ref[seq], q_block, blocking)
+        last_page = jnp.maximum(lax.div(num_keys + page_size - 1, page_size) - 1, 0)
+        # Past the last visible page, repeat it: same block index as the previous step -> no new DMA.
+        logical_page = jnp.minimum(step * pages_per_block + j, last_page)
+        return kv_head, block_tables_ref[seq * padded_pages_per_seq + logical_page], 0, 0
+
+    return index_map
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "pages_per_block", "block_rows"))
+def paged_attention_tpu(
+    q: jax.Array,  # [num_seqs, q_len, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    block_tables: jax.Array,  # [num_seqs, max_pages_per_seq] int32
+    context_lens: jax.Array,  # [num_seqs] int32
+    *,
+    scale: float,
+    interpret: bool | object,
+    pages_per_block: int = TPU_TUNING_DEFAULTS["pages_per_block"],
+    block_rows: int = TPU_TUNING_DEFAULTS["block_rows"],
+) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim]
+    """Paged attention with the TPU body; inputs are assumed validated by ``paged_attention``.
+
+    ``interpret`` is False (compile with Mosaic), True (Pallas' generic interpreter) or a
+    ``pltpu.InterpretParams`` (the TPU interpreter, which simulates VMEM/SMEM and DMAs on CPU).
+    """
+    if pltpu is None:  # pragma: no cover
+        raise RuntimeError("jax.experimental.pallas.tpu is not available in this jax build")
+    num_seqs, q_len, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    blocking = QueryBlocking.choose(q_len, num_q_heads // num_kv_heads, block_rows)
+    q_folded = fold_queries(q, num_kv_heads, blocking)  # [num_seqs, num_kv_heads, num_q_blocks * rows, head_dim]
+    block_tables = pad_block_tables(block_tables, pages_per_block)
+    padded_pages_per_seq = block_tables.shape[1]
+    row_query_index = jnp.asarray(blocking.row_query_index())  # [num_q_blocks * rows, 1]
+    rows = blocking.block_rows
+
+    page_specs = [
+        pl.BlockSpec(
+            (None, None, page_size, head_dim),
+            _page_index_map(
+                j,
+                blocking=blocking,
+                pages_per_block=pages_per_block,
+                page_size=page_size,
+                padded_pages_per_seq=padded_pages_per_seq,
+            ),
+        )
+        for j in range(pages_per_block)
+    ]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(num_seqs, num_kv_heads, blocking.num_q_blocks, padded_pages_per_seq // pages_per_block),
+        in_specs=[
+            pl.BlockSpec((rows, 1), lambda s, h, b, p, *_: (b, 0)),
+            pl.BlockSpec((None, None, rows, head_dim), lambda s, h, b, p, *_: (s, h, b, 0)),
+            *page_specs,
+            *page_specs,
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda s, h, b, p, *_: (s, h, b, 0)),
+        scratch_shapes=[
+            pltpu.VMEM((rows, head_dim), jnp.float32),  # acc
+            pltpu.VMEM((rows, 1), jnp.float32),  # row_max
+            pltpu.VMEM((rows, 1), jnp.float32),  # row_sum
+        ],
+    )
+    kernel = functools.partial(
+        _paged_attention_tpu_kernel, blocking=blocking, pages_per_block=pages_per_block, scale=scale
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q_folded.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name=f"paged_attention_tpu_rows{rows}_ppb{pages_per_block}",
+    )(
+        block_tables.reshape(-1),
+        context_lens,
+        row_query_index,
+        q_folded,
+        *([k_pages] * pages_per_block),
+        *([v_pages] * pages_per_block),
+    )
+    return unfold_outputs(out, blocking)

@@ -1,0 +1,66 @@
+"""Pure-jnp paged attention: the oracle for the Pallas kernels and the CPU fallback.
+
+Vocabulary
+- page: ``page_size`` consecutive token slots of K (or V) for one KV head, in a pool of ``num_pages`` pages.
+- block table: per sequence, the physical page id of each logical page (logical page j holds positions
+  ``j * page_size ... (j + 1) * page_size - 1``). Entries past the sequence's last page are padding (0).
+- context length: the number of tokens of a sequence in the cache, *including* the ``q_len`` new tokens whose
+  K/V were written before attention runs.
+- query position: query ``i`` of a sequence sits at absolute position ``context_len - q_len + i``; it attends
+  keys at positions ``0 .. that position`` (causal within the new tokens). A query whose position is negative is
+  left padding (used to right-align ragged prefill chunks) and its output is zero.
+
+Worked example (page_size 4, q_len 2, context_len 6, block table [7, 3, 0, ...]): query 0 is position 4 and reads
+keys 0..4 = page 7 slots 0..3 and page 3 slot 0; query 1 is position 5 and also reads page 3 slot 1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def paged_attention_reference(
+    q: jax.Array,  # [num_seqs, q_len, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    block_tables: jax.Array,  # [num_seqs, max_pages_per_seq] int32
+    context_lens: jax.Array,  # [num_seqs] int32
+    *,
+    scale: float,
+) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim], dtype of q
+    """Multi-query causal attention over a paged KV cache with GQA; see the module docstring for terms.
+
+    Scores and softmax run in float32. Keys at positions >= context_len are never used: their scores are masked
+    and their values are replaced by zeros before the weighted sum, so NaN in unused pages cannot leak.
+    """
+    num_seqs, q_len, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    max_pages = block_tables.shape[1]
+    num_keys = max_pages * page_size
+
+    # [num_kv_heads, num_seqs, max_pages, page_size, head_dim] -> [num_seqs, num_kv_heads, num_keys, head_dim]
+    k = k_pages[:, block_tables].transpose(1, 0, 2, 3, 4).reshape(num_seqs, num_kv_heads, num_keys, head_dim)
+    v = v_pages[:, block_tables].transpose(1, 0, 2, 3, 4).reshape(num_seqs, num_kv_heads, num_keys, head_dim)
+
+    key_pos = jnp.arange(num_keys, dtype=jnp.int32)  # [num_keys]
+    key_valid = key_pos[None, :] < context_lens[:, None]  # [num_seqs, num_keys]
+    k = jnp.where(key_valid[:, None, :, None], k, 0).astype(jnp.float32)
+    v = jnp.where(key_valid[:, None, :, None], v, 0).astype(jnp.float32)
+
+    query_pos = context_lens[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]  # [num_seqs, q_len]
+    # [num_seqs, q_len, num_keys]
+    mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & key_valid[:, None, :]
+
+    qg = q.astype(jnp.float32).reshape(num_seqs, q_len, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("sqhgd,shkd->shgqk", qg, k) * scale  # [num_seqs, kv_heads, group, q_len, num_keys]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    row_valid = (query_pos >= 0)[:, None, None, :, None]  # [num_seqs, 1, 1, q_len, 1]
+    scores = jnp.where(row_valid, scores, 0.0)  # padding rows: finite scores, output zeroed below
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("shgqk,shkd->sqhgd", probs, v)
+    out = jnp.where((query_pos >= 0)[:, :, None, None, None], out, 0.0)
+    return out.reshape(num_seqs, q_len, num_q_heads, head_dim).astype(q.dtype)

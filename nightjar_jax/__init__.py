@@ -1,0 +1,36 @@
+"""nightjar-jax: a pure-JAX LLM serving engine with load-adaptive speculative decoding.
+
+Public API (imported lazily, so ``import nightjar_jax.planner`` stays JAX-free):
+``LLM``, ``SamplingParams``, ``EngineConfig``, ``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``,
+``SpecConfig``, ``LLMEngine``, ``RequestOutput``, ``CompletionOutput``, ``make_planner``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "nightjar_jax.engine.llm",
+    "LLMEngine": "nightjar_jax.engine.engine",
+    "SamplingParams": "nightjar_jax.engine.sampling_params",
+    "RequestOutput": "nightjar_jax.engine.outputs",
+    "CompletionOutput": "nightjar_jax.engine.outputs",
+    "EngineConfig": "nightjar_jax.config",
+    "ModelConfig": "nightjar_jax.config",
+    "CacheConfig": "nightjar_jax.config",
+    "SchedulerConfig": "nightjar_jax.config",
+    "SpecConfig": "nightjar_jax.config",
+    "make_engine_config": "nightjar_jax.config",
+    "make_planner": "nightjar_jax.planner",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'nightjar_jax' has no attribute {name!r}")

@@ -1,0 +1,53 @@
+"""The one dispatch point for paged attention: ``impl = auto | pallas | reference``.
+
+- ``reference``: the pure-jnp oracle in ``kernels_pallas/paged_attention/reference.py`` (the CPU path).
+- ``pallas``: the Pallas kernel; compiled on GPU/TPU, interpreted (``interpret=True``) on CPU for tests.
+- ``auto``: ``pallas`` on GPU/TPU, ``reference`` on CPU.
+
+All implementations share one contract (see the reference's docstring): q ``[num_seqs, q_len, num_q_heads,
+head_dim]``, one layer's K/V pools ``[num_kv_heads, num_pages, page_size, head_dim]``, block tables, context lengths
+that include the ``q_len`` new tokens, and query ``i`` at position ``context_len - q_len + i``.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from kernels_pallas.paged_attention.reference import paged_attention_reference
+
+IMPLS = ("auto", "pallas", "reference")
+
+
+def resolve_impl(impl: str) -> str:
+    """Map ``auto`` to the concrete implementation for the default backend."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl {impl!r} is unknown: allowed {IMPLS}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "reference"
+    return impl
+
+
+def paged_attention(
+    q: jax.Array,  # [num_seqs, q_len, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    block_tables: jax.Array,  # [num_seqs, max_pages_per_seq] int32
+    context_lens: jax.Array,  # [num_seqs] int32, including the q_len new tokens
+    *,
+    scale: float,
+    impl: str = "auto",
+) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim]
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return paged_attention_reference(q, k_pages, v_pages, block_tables, context_lens, scale=scale)
+    from kernels_pallas.paged_attention import paged_attention as pallas_paged_attention
+
+    return pallas_paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        context_lens,
+        scale=scale,
+        interpret=jax.default_backend() not in ("gpu", "tpu"),
+    )

@@ -1,0 +1,241 @@
+"""Typed, frozen configuration for every subsystem.
+
+Each dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError` with a message that names
+the field, the value it got and what is allowed. CLI flags map 1:1 onto these fields (``--max-num-seqs`` ->
+``EngineConfig.max_num_seqs``), see :func:`nightjar_jax.cli.add_engine_args`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value: the message names the field and the allowed values."""
+
+
+DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLS = ("auto", "pallas", "reference")
+LOAD_FORMATS = ("auto", "hf", "safetensors", "gguf", "llama2c", "orbax", "dummy")
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is invalid: allowed {allowed}")
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+    _check(ok, name, value, f"an integer in [{low}, {'inf' if high is None else high}]")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 style RoPE frequency scaling (HF ``rope_scaling`` with ``rope_type == "llama3"``)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        _check(self.factor >= 1.0, "rope_scaling.factor", self.factor, "a float >= 1")
+        _check(
+            0 < self.low_freq_factor < self.high_freq_factor,
+            "rope_scaling.low_freq_factor",
+            (self.low_freq_factor, self.high_freq_factor),
+            "0 < low_freq_factor < high_freq_factor",
+        )
+        _check_int("rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings, 1)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of one Llama-family model (target or draft).
+
+    Attention uses HF's rotate-half RoPE layout; checkpoints in Meta's interleaved layout (llama2.c, GGUF) are
+    permuted by their loaders.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = (2,)
+    dtype: str = "float32"  # parameter and activation dtype; softmax and norms run in float32
+    name: str = "llama"
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+            _check_int(f, getattr(self, f), 1)
+        if self.head_dim is None:
+            _check(
+                self.hidden_size % self.num_heads == 0,
+                "hidden_size",
+                self.hidden_size,
+                f"a multiple of num_heads={self.num_heads} when head_dim is not given",
+            )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        _check_int("head_dim", self.head_dim, 1)
+        _check(self.head_dim % 2 == 0, "head_dim", self.head_dim, "an even integer (RoPE rotates pairs)")
+        _check(
+            self.num_heads % self.num_kv_heads == 0,
+            "num_kv_heads",
+            self.num_kv_heads,
+            f"a divisor of num_heads={self.num_heads}",
+        )
+        _check(self.rope_theta > 0, "rope_theta", self.rope_theta, "a positive float")
+        _check(0 < self.rms_norm_eps < 1, "rms_norm_eps", self.rms_norm_eps, "a float in (0, 1)")
+        _check_int("max_position_embeddings", self.max_position_embeddings, 1)
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
+        eos = tuple(self.eos_token_ids) if self.eos_token_ids is not None else ()
+        object.__setattr__(self, "eos_token_ids", eos)
+        for t in eos:
+            _check_int("eos_token_ids[]", t, 0, self.vocab_size - 1)
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        hd = self.head_dim
+        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else v * d
+        return v * d + self.num_layers * per_layer + d + head
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def dtype_bytes(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2}[dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    ``num_pages`` counts page 0, which is reserved as the padding target and never handed to a sequence. When
+    ``num_pages`` is None it is derived from ``kv_cache_bytes``.
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_bytes: int = 256 * 2**20
+
+    def __post_init__(self) -> None:
+        _check_int("page_size", self.page_size, 1, 1024)
+        if self.num_pages is not None:
+            _check_int("num_pages", self.num_pages, 2)
+        _check_int("kv_cache_bytes", self.kv_cache_bytes, 1)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512  # prefill token budget per step (chunked prefill)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 2)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: which draft, how many tokens, and who picks γ each step."""
+
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4  # gamma_max: variants gamma in 0..this are compiled
+    planner: str = "static"  # a planner name (see nightjar_jax.planner); "static" uses num_speculative_tokens
+    planner_log: str | None = None  # JSONL path for decisions and rewards (opt-in)
+
+    def __post_init__(self) -> None:
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 0, 16)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs; the CLI flags map 1:1 onto these fields (nested configs flatten)."""
+
+    model: str = "smollm2-135m-instruct"
+    tokenizer: str | None = None
+    load_format: str = "auto"
+    dtype: str | None = None  # None: the checkpoint's / preset's dtype
+    attention_impl: str = "auto"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    compilation_cache_dir: str | None = None  # None: ~/.cache/nightjar_jax/jax_cache; "" disables
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.model, str) and bool(self.model), "model", self.model, "a preset, path or repo id")
+        _check(self.load_format in LOAD_FORMATS, "load_format", self.load_format, f"one of {LOAD_FORMATS}")
+        _check(self.dtype is None or self.dtype in DTYPES, "dtype", self.dtype, f"None or one of {DTYPES}")
+        _check(
+            self.attention_impl in ATTENTION_IMPLS, "attention_impl", self.attention_impl, f"one of {ATTENTION_IMPLS}"
+        )
+        _check_int("seed", self.seed, 0)
+
+
+AttentionImpl = Literal["auto", "pallas", "reference"]
+
+
+_NESTED = {"cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig}
+
+
+def engine_config_fields() -> dict[str, str]:
+    """Flat field name -> owning section ("" for EngineConfig itself); the CLI and ``LLM(**kwargs)`` use these."""
+    out = {f.name: "" for f in dataclasses.fields(EngineConfig) if f.name not in _NESTED}
+    for section, cls in _NESTED.items():
+        out.update({f.name: section for f in dataclasses.fields(cls)})
+    return out
+
+
+def make_engine_config(**kwargs: Any) -> EngineConfig:
+    """Build an :class:`EngineConfig` from flat keyword arguments (``max_num_seqs=8, page_size=16, ...``).
+
+    ``None`` values are ignored so callers can pass unset CLI flags through.
+    """
+    fields = engine_config_fields()
+    unknown = sorted(set(kwargs) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown engine option(s) {unknown}: allowed {sorted(fields)}")
+    top: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {name: {} for name in _NESTED}
+    for key, value in kwargs.items():
+        if value is None and key not in ("draft_model",):
+            continue
+        section = fields[key]
+        (nested[section] if section else top)[key] = value
+    for section, cls in _NESTED.items():
+        top[section] = cls(**nested[section])
+    return EngineConfig(**top)

@@ -1,0 +1,390 @@
+"""The engine loop: ``step()`` = schedule → plan γ → run → update outputs.
+
+``LLMEngine`` owns one scheduler (host), one runner (device) and one planner (host). Requests come in with
+:meth:`LLMEngine.add_request` and leave with a finish reason; :meth:`step` returns a ``RequestOutput`` for every
+request that made progress in that step (new tokens, or finished). Bad input raises ``ValueError`` from
+``add_request`` for that request only; the engine keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nightjar_jax.cache.allocator import PageAllocator
+from nightjar_jax.config import EngineConfig
+from nightjar_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nightjar_jax.engine.request import FinishReason, Request
+from nightjar_jax.engine.runner import DecodeResult, ModelHandle, ModelRunner
+from nightjar_jax.engine.sampling_params import SamplingParams
+from nightjar_jax.engine.scheduler import ScheduledBatch, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges the server's metrics and the benchmarks read."""
+
+    num_steps: int = 0
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    num_generated_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [γ_max]: drafts accepted at position i
+    drafted_per_position: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_catchup_tokens: int = 0
+    catchup_seconds: float = 0.0
+    last_gamma: int = 0
+    last_step_seconds: float = 0.0
+    last_batch_size: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+    step_log: list[dict] = field(default_factory=list)  # per decode step (kept only when record_steps)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Mean tokens committed per sequence per speculative step (accepted drafts + 1)."""
+        n = sum(self.drafted_per_position[:1])
+        return 1 + self.num_accepted_tokens / n if n else 1.0
+
+
+def setup_compilation_cache(path: str | None) -> None:
+    """Enable JAX's persistent compilation cache (default ``~/.cache/nightjar_jax/jax_cache``; "" disables)."""
+    import jax
+
+    if path == "":
+        return
+    path = path or os.environ.get("NIGHTJAR_JAX_CACHE") or os.path.expanduser("~/.cache/nightjar_jax/jax_cache")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        target: ModelHandle | None = None,
+        draft: ModelHandle | None = None,
+        tokenizer=None,
+        record_steps: bool = False,
+    ):
+        """Build from ``config`` (loading the models it names), or from ready ``target``/``draft`` handles."""
+        setup_compilation_cache(config.compilation_cache_dir)
+        self.config = config
+        if target is None:
+            target, tokenizer = self._load(config.model, tokenizer_spec=config.tokenizer)
+        if draft is None and config.spec.draft_model is not None:
+            draft, _ = self._load(config.spec.draft_model, tokenizer_spec=None)
+        if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(
+                f"draft model vocabulary ({draft.config.vocab_size} tokens, {draft.config.name}) does not match the "
+                f"target's ({target.config.vocab_size} tokens, {target.config.name}): they must share a tokenizer"
+            )
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        sched = config.scheduler
+        self.max_model_len = min(sched.max_model_len or target.config.max_position_embeddings,
+                                 target.config.max_position_embeddings)
+        num_pages = self._num_pages()
+        self.allocator = PageAllocator(num_pages, config.cache.page_size)
+        self.scheduler = Scheduler(sched, self.allocator, self.max_model_len)
+        gamma_max = config.spec.num_speculative_tokens if draft is not None else 0
+        self.runner = ModelRunner(
+            target, draft, num_pages=num_pages, page_size=config.cache.page_size, max_model_len=self.max_model_len,
+            max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+            gamma_max=gamma_max,
+        )
+        self.gamma_max = gamma_max
+        self.planner = self._make_planner()
+        self.stats = EngineStats(accepted_per_position=[0] * gamma_max, drafted_per_position=[0] * gamma_max)
+        self.record_steps = record_steps
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._prev_gamma = 0
+        self._eos_ids = frozenset(target.config.eos_token_ids) | frozenset(
+            getattr(tokenizer, "eos_token_ids", ()) or ()
+        )
+        logger.info(
+            "engine ready: target %s, draft %s, %d KV pages x %d tokens, max_model_len %d, γ_max %d, planner %s",
+            target.config.name, draft.config.name if draft else None, num_pages, config.cache.page_size,
+            self.max_model_len, gamma_max, self.planner,
+        )
+
+    # ---- construction helpers -----------------------------------------------------------------------------------
+    def _load(self, spec: str, tokenizer_spec: str | None):
+        from nightjar_jax.models.loader import load_model
+
+        ckpt, graphdef, state = load_model(
+            spec, load_format=self.config.load_format, dtype=self.config.dtype, tokenizer=tokenizer_spec,
+            seed=self.config.seed, attention_impl=self.config.attention_impl,
+        )
+        return ModelHandle(ckpt.config, graphdef, state), ckpt.tokenizer
+
+    def _num_pages(self) -> int:
+        cache = self.config.cache
+        if cache.num_pages is not None:
+            return cache.num_pages
+        per_token = self.target.config.kv_bytes_per_token()
+        if self.draft is not None:
+            per_token += self.draft.config.kv_bytes_per_token()
+        return max(2, cache.kv_cache_bytes // (per_token * cache.page_size))
+
+    def _make_planner(self):
+        from nightjar_jax.planner import make_planner
+
+        spec = self.config.spec
+        name = spec.planner
+        if self.gamma_max == 0:
+            name = "ar"
+        elif name == "static":
+            name = f"static:{self.gamma_max}"
+        planner = make_planner(name, self.gamma_max)
+        if spec.planner_log:
+            from nightjar_jax.planner import DecisionLogger
+
+            planner.attach_logger(DecisionLogger(spec.planner_log))
+        return planner
+
+    # ---- requests -------------------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int] | dict,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises ``ValueError`` (nothing queued) on bad input."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("LLMEngine.add_request takes n=1; LLM.generate and the server fan n out")
+        text, ids = self._tokenize(prompt)
+        vocab = self.target.config.vocab_size
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is required")
+        bad = [t for t in ids if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}): got {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, the context limit is {self.max_model_len} "
+                f"(prompt + at least one generated token must fit)"
+            )
+        if self.allocator.pages_for(len(ids) + 1) > self.allocator.num_usable:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the whole KV pool holds "
+                f"{self.allocator.num_usable * self.allocator.page_size}: it can never be scheduled"
+            )
+        if request_id is None:
+            request_id = str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        req = Request(request_id, [int(t) for t in ids], params, seed, prompt=text)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        if self.tokenizer is not None:
+            from nightjar_jax.models.tokenizer import IncrementalDetokenizer
+
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.stats.num_prompt_tokens += len(ids)
+        return request_id
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a request at once with reason ``abort``; its pages are freed immediately."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        self._finish(req, FinishReason.ABORT)
+        return self._make_output(req, [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_total_pages(self) -> int:
+        return self.allocator.num_usable
+
+    # ---- the step -------------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule_prefill()
+        outputs: list[RequestOutput] = []
+        if batch is not None:
+            sampled = self.runner.execute_prefill(batch)
+            now = time.monotonic()
+            for r, n, tok in zip(batch.requests, batch.num_new_tokens, sampled, strict=True):
+                if r.first_scheduled_time is None:
+                    r.first_scheduled_time = now
+                r.num_computed += n
+                if r.num_computed == r.num_tokens:  # the chunk reached the end: the sampled token is real
+                    outputs.append(self._append(r, [int(tok)], now))
+            self.stats.num_prefill_steps += 1
+        else:
+            gamma = self._select_gamma()
+            batch = self.scheduler.schedule_decode(gamma)
+            if batch is None:
+                return []
+            self._count_preemptions(batch)
+            if batch.requests:
+                result = self.runner.execute_decode(batch, gamma)
+                now = time.monotonic()
+                for r, toks in zip(batch.requests, result.committed, strict=True):
+                    r.num_computed = r.num_tokens + len(toks) - 1
+                    outputs.append(self._append(r, toks, now))
+                self._record_decode(batch, result, time.perf_counter() - t0)
+        self.stats.num_steps += 1
+        self.stats.last_step_seconds = time.perf_counter() - t0
+        return [o for o in outputs if o is not None]
+
+    def _select_gamma(self) -> int:
+        batch_size = self.scheduler.num_decoding()
+        if self.draft is None or batch_size == 0:
+            return 0
+        gamma = self.planner.select(
+            batch_size, queue_len=len(self.scheduler.waiting), free_pages=self.allocator.num_free,
+            draft_on_device=True,
+        )
+        return min(int(gamma), self.gamma_max)
+
+    def _record_decode(self, batch: ScheduledBatch, result: DecodeResult, seconds: float) -> None:
+        s = self.stats
+        s.num_decode_steps += 1
+        s.last_gamma = result.gamma
+        s.last_batch_size = batch.num_seqs
+        committed = sum(len(c) for c in result.committed)
+        if result.gamma > 0:
+            s.num_drafted_tokens += result.num_drafted
+            s.num_accepted_tokens += sum(result.num_accepted)
+            for k in result.num_accepted:
+                for i in range(result.gamma):
+                    s.drafted_per_position[i] += 1
+                    s.accepted_per_position[i] += int(i < k)
+            s.num_catchup_tokens += result.catchup_tokens
+            s.catchup_seconds += result.catchup_seconds
+        switch = result.catchup_seconds if (self._prev_gamma == 0 and result.gamma > 0) else 0.0
+        if self.draft is not None:
+            self.planner.observe(result.gamma, batch.num_seqs, committed, seconds - switch, switch_seconds=switch)
+        self._prev_gamma = result.gamma
+        if self.record_steps:
+            s.step_log.append(dict(
+                gamma=result.gamma, batch_size=batch.num_seqs, committed=committed, seconds=seconds,
+                draft_seconds=result.draft_seconds, verify_seconds=result.verify_seconds,
+                catchup_seconds=result.catchup_seconds, accepted=list(result.num_accepted),
+            ))
+
+    def _count_preemptions(self, batch: ScheduledBatch) -> None:
+        if batch.preempted:
+            self.stats.num_preemptions += len(batch.preempted)
+
+    # ---- outputs ------------------------------------------------------------------------------------------------
+    def _append(self, r: Request, tokens: list[int], now: float) -> RequestOutput | None:
+        """Append committed tokens one by one, stopping at the first stop condition (later ones are dropped)."""
+        if r.is_finished:
+            return None
+        sp = r.sampling
+        eos = self._eos_ids if not sp.ignore_eos else ()
+        new_ids: list[int] = []
+        for tok in tokens:
+            r.output_token_ids.append(tok)
+            r.token_times.append(now)
+            new_ids.append(tok)
+            if r.first_token_time is None:
+                r.first_token_time = now
+            reason: FinishReason | None = None
+            text_ids = [tok]
+            if tok in sp.stop_token_ids or tok in eos:
+                reason, r.stop_reason, text_ids = FinishReason.STOP, tok, []
+            elif (sp.max_tokens is not None and len(r.output_token_ids) >= sp.max_tokens) or (
+                r.num_tokens >= self.max_model_len
+            ):
+                reason = FinishReason.LENGTH
+            if self._detokenize(r, text_ids, final=reason is not None):
+                reason = FinishReason.STOP
+            if reason is not None:
+                self._finish(r, reason)
+                break
+        self.stats.num_generated_tokens += len(new_ids)
+        return self._make_output(r, new_ids)
+
+    def _detokenize(self, r: Request, ids: list[int], final: bool) -> bool:
+        """Extend ``r.output_text`` with ``ids``; returns True when a stop string ended the text (trimmed).
+
+        While stop strings are set, the last ``max(len(stop)) - 1`` characters are held back from the streamed
+        text until it is clear they do not start a stop string.
+        """
+        if r.detokenizer is None:
+            return False
+        emitted = r.output_text
+        full = emitted + r.held_text + (r.detokenizer.add(ids) if ids else "")
+        sp = r.sampling
+        stopped = False
+        if sp.stop:
+            longest = max(len(s) for s in sp.stop)
+            hits = [(full.find(s, max(0, len(emitted) - longest)), s) for s in sp.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                full = full[: i + len(s)] if sp.include_stop_str_in_output else full[: max(i, len(emitted))]
+                r.stop_reason, stopped, final = s, True, True
+        hold = 0 if (final or not sp.stop) else max(len(s) for s in sp.stop) - 1
+        visible = max(len(emitted), len(full) - hold)
+        r.new_text += full[len(emitted) : visible]
+        r.output_text, r.held_text = full[:visible], full[visible:]
+        return stopped
+
+    def _finish(self, r: Request, reason: FinishReason) -> None:
+        if r.held_text:  # the end of the text: nothing more can complete a stop string
+            r.new_text += r.held_text
+            r.output_text += r.held_text
+            r.held_text = ""
+        self.scheduler.finish(r, reason)
+        r.finish_time = time.monotonic()
+        self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
+
+    def _make_output(self, r: Request, new_ids: list[int]) -> RequestOutput:
+        delta, r.new_text = r.new_text, ""
+        comp = CompletionOutput(
+            index=0, text=r.output_text, token_ids=list(r.output_token_ids),
+            finish_reason=r.finish_reason.value if r.finish_reason else None, stop_reason=r.stop_reason,
+            delta_text=delta, delta_token_ids=new_ids,
+        )
+        metrics = RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finish_time,
+                                 list(r.token_times))
+        if r.is_finished:
+            self.requests.pop(r.request_id, None)
+        return RequestOutput(r.request_id, r.prompt, list(r.prompt_token_ids), [comp], r.is_finished, metrics,
+                             r.error)

@@ -1,0 +1,104 @@
+"""``LLM``: the offline, vLLM-style entry point over :class:`LLMEngine`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from nightjar_jax.config import make_engine_config
+from nightjar_jax.engine.engine import LLMEngine
+from nightjar_jax.engine.outputs import CompletionOutput, RequestOutput
+from nightjar_jax.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Generate completions for a batch of prompts with continuous batching and speculative decoding.
+
+    >>> llm = LLM("stories260k", max_model_len=256)
+    >>> out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=16))
+    >>> out[0].outputs[0].text
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any):
+        self.engine = LLMEngine(make_engine_config(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order. ``n > 1`` fans a prompt out into
+        ``n`` sequences (seeds ``seed + i`` when seeded) returned as ``outputs[0..n-1]``."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        engine = self.engine
+        children: dict[str, tuple[int, int]] = {}  # engine request id -> (prompt index, completion index)
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+                for j in range(sp.n):
+                    child = _child_params(sp, j)
+                    rid = engine.add_request(prompt, child, request_id=f"gen-{id(self)}-{i}-{j}")
+                    children[rid] = (i, j)
+        except Exception:
+            for rid in children:
+                engine.abort_request(rid)
+            raise
+        finals: dict[str, RequestOutput] = {}
+        bar = _progress(len(children), use_tqdm)
+        while len(finals) < len(children):
+            for out in engine.step():
+                if out.finished and out.request_id in children:
+                    finals[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        for rid, (i, j) in sorted(children.items(), key=lambda kv: kv[1]):
+            out = finals[rid]
+            comp: CompletionOutput = out.outputs[0]
+            comp.index = j
+            if results[i] is None:
+                out.request_id = str(i)
+                results[i] = out
+            else:
+                results[i].outputs.append(comp)
+        return results  # type: ignore[return-value]
+
+
+def _child_params(sp: SamplingParams, index: int) -> SamplingParams:
+    if sp.n == 1:
+        return sp
+    import dataclasses
+
+    return dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + index)
+
+
+def _progress(total: int, use_tqdm: bool | None):
+    if use_tqdm is False or (use_tqdm is None and total < 64):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

@@ -1,0 +1,85 @@
+"""A request as the engine tracks it: tokens, pages, progress through prefill, and timestamps.
+
+Vocabulary
+- tokens: ``prompt_token_ids + output_token_ids``; ``num_tokens`` counts both.
+- computed: tokens whose K/V are in the target's cache. A step processes tokens ``[num_computed, num_tokens)``
+  and, when it reaches ``num_tokens``, samples the next token. A fresh prompt is "prefilled"; a request with only
+  its last sampled token unprocessed is "decoding" (``num_computed == num_tokens - 1``).
+- draft computed: the same for the draft model's cache; it lags behind while γ = 0 and is caught up before the
+  next speculative step.
+- preemption (by recompute): pages are freed, ``num_computed`` resets to 0, and the request is prefilled again
+  over its prompt and the output so far, so no generated token is lost.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from nightjar_jax.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # the client went away or asked to stop
+    ERROR = "error"  # the request could not be served (message in Request.error)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    seed: int  # resolved seed (the request's own or one drawn by the engine)
+    arrival_time: float = field(default_factory=time.monotonic)
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None
+    block_table: list[int] = field(default_factory=list)  # page ids, logical page order
+    num_computed: int = 0
+    num_draft_computed: int = 0
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per output token
+    finish_time: float | None = None
+    output_text: str = ""  # detokenized output (stop strings trimmed)
+    new_text: str = ""  # text produced since the last output, for streaming
+    held_text: str = ""  # decoded text held back: it may be the start of a stop string
+    detokenizer: object | None = field(default=None, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than the last token remains to be processed."""
+        return self.num_computed < self.num_tokens - 1
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]

@@ -1,0 +1,347 @@
+"""The model runner: owns the device state (weights, KV pools) and the jitted step functions.
+
+Every step function is jitted with the KV pools donated and runs at a shape from a small, known set:
+- ``forward_sample[S, T]``: the target over ``T`` new tokens for ``S`` sequences, then sampling of the next token
+  at the last position. Prefill chunks use ``T`` from the prefill buckets; plain decoding (γ = 0) is ``T = 1``.
+- ``propose[S, γ]``: γ fused draft decode steps (``lax.fori_loop``) returning draft tokens (and, for sampled
+  requests, the draft's processed distributions).
+- ``verify[S, γ]``: one target pass over ``γ + 1`` positions, then rejection sampling.
+- ``draft_fill[S, T]``: the draft over tokens it missed (catch-up after γ = 0 steps, or a fresh prompt).
+``S`` is a batch bucket (powers of two up to ``max_num_seqs``); ``T`` a chunk bucket (powers of two). Each
+function also has a greedy variant (static ``all_greedy``) that skips the vocabulary-sized distributions.
+Variants compile on first use (kept across runs by JAX's persistent compilation cache) or all at once in
+:meth:`ModelRunner.warmup`; after that a step never compiles. Only committed token ids come back to the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nightjar_jax.config import ModelConfig
+from nightjar_jax.engine.request import Request
+from nightjar_jax.engine.sampler import SamplingTensors, processed_probs, sample
+from nightjar_jax.engine.scheduler import ScheduledBatch
+from nightjar_jax.models.llama import BatchMetadata, KVCache, allocate_kv_cache, make_model_fns
+from nightjar_jax.spec.rejection import draft_sample, greedy_verify, rejection_sample
+
+logger = logging.getLogger(__name__)
+
+SALT_SAMPLE = 0  # AR sampling of the next token
+SALT_VERIFY = 1  # rejection sampling uniforms / resampling
+SALT_DRAFT = 16  # draft sampling at draft position i uses SALT_DRAFT + i
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def buckets_up_to(limit: int, start: int = 1) -> list[int]:
+    out, b = [], start
+    while b < limit:
+        out.append(b)
+        b *= 2
+    out.append(limit if not out or limit > out[-1] else out[-1])
+    return sorted(set(out))
+
+
+def bucket_for(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclass
+class ModelHandle:
+    """A model split for jit: config, graph definition and flat state (weights on device)."""
+
+    config: ModelConfig
+    graphdef: nnx.GraphDef | None
+    state: nnx.State | dict
+    fns: tuple | None = None  # (hidden_fn, logits_fn); derived from graphdef unless given (fake models)
+
+    def __post_init__(self) -> None:
+        if self.fns is None:
+            self.fns = make_model_fns(self.graphdef)
+
+
+@dataclass
+class DecodeResult:
+    """What a decode step produced, per request in batch order."""
+
+    committed: list[list[int]]  # tokens to append (1 .. γ + 1 each)
+    gamma: int
+    num_drafted: int  # γ * num_seqs
+    num_accepted: list[int]  # accepted draft tokens per request
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0  # target pass + sampling (the whole step when γ = 0)
+    catchup_seconds: float = 0.0
+    catchup_tokens: int = 0
+
+
+@dataclass
+class RunnerShapes:
+    decode_buckets: list[int]
+    prefill_seq_buckets: list[int]
+    prefill_len_buckets: list[int]
+    max_pages_per_seq: int
+
+
+@dataclass
+class CompileStats:
+    compiled: set = field(default_factory=set)  # variant keys seen
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        target: ModelHandle,
+        draft: ModelHandle | None,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        gamma_max: int,
+    ):
+        self.target = target
+        self.draft = draft
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.max_model_len = max_model_len
+        self.gamma_max = gamma_max if draft is not None else 0
+        self.shapes = RunnerShapes(
+            decode_buckets=buckets_up_to(max_num_seqs),
+            prefill_seq_buckets=buckets_up_to(max_num_seqs),
+            prefill_len_buckets=buckets_up_to(next_power_of_two(max_num_batched_tokens), start=8),
+            max_pages_per_seq=-(-(max_model_len + self.gamma_max + 1) // page_size),
+        )
+        self.kv: KVCache = allocate_kv_cache(target.config, num_pages, page_size)
+        self.draft_kv: KVCache | None = (
+            allocate_kv_cache(draft.config, num_pages, page_size) if draft is not None else None
+        )
+        self.variants_seen: set[tuple] = set()
+        self._build_jitted()
+
+    # ---- jitted step functions --------------------------------------------------------------------------------
+    def _build_jitted(self) -> None:
+        t_hidden, t_logits = self.target.fns
+
+        def forward_sample(state, kv, tokens, block_tables, context_lens, query_lens, st, all_greedy):
+            md = BatchMetadata(block_tables, context_lens, query_lens)
+            hidden, kv = t_hidden(state, tokens, kv, md)
+            logits = t_logits(state, hidden[:, -1])  # [S, V] f32
+            if all_greedy:
+                next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            else:
+                next_tokens = sample(logits, st, SALT_SAMPLE)
+            return next_tokens, kv
+
+        self._forward_sample = jax.jit(forward_sample, donate_argnums=(1,), static_argnums=(7,))
+
+        if self.draft is None:
+            return
+        d_hidden, d_logits = self.draft.fns
+
+        def draft_fill(state, kv, tokens, block_tables, context_lens, query_lens):
+            _, kv = d_hidden(state, tokens, kv, BatchMetadata(block_tables, context_lens, query_lens))
+            return kv
+
+        def propose(state, kv, tokens, block_tables, context_lens, st, gamma, all_greedy):
+            """tokens [S, 2] = the last two committed tokens; context_lens [S] = committed tokens n."""
+            num_seqs = tokens.shape[0]
+            vocab = self.draft.config.vocab_size
+            real = (context_lens > 0).astype(jnp.int32)  # [S]: 0 for padding rows
+
+            def draft_step(i, tok_in, kv):
+                md = BatchMetadata(block_tables, context_lens + i * real, real * tok_in.shape[1])
+                hidden, kv = d_hidden(state, tok_in, kv, md)
+                logits = d_logits(state, hidden[:, -1])  # [S, V]
+                if all_greedy:
+                    return jnp.argmax(logits, axis=-1).astype(jnp.int32), None, kv
+                tok, probs = draft_sample(logits, st, SALT_DRAFT + i)
+                return tok, probs, kv
+
+            tok, probs, kv = draft_step(0, tokens, kv)
+            draft_tokens = jnp.zeros((num_seqs, gamma), jnp.int32).at[:, 0].set(tok)
+            draft_probs = None
+            if not all_greedy:
+                draft_probs = jnp.zeros((num_seqs, gamma, vocab), jnp.float32).at[:, 0].set(probs)
+
+            def body(i, carry):
+                draft_tokens, draft_probs, kv = carry
+                prev = jax.lax.dynamic_slice_in_dim(draft_tokens, i - 1, 1, axis=1)  # [S, 1]
+                tok, probs, kv = draft_step(i, prev, kv)
+                draft_tokens = jax.lax.dynamic_update_slice_in_dim(draft_tokens, tok[:, None], i, axis=1)
+                if draft_probs is not None:
+                    draft_probs = jax.lax.dynamic_update_slice_in_dim(draft_probs, probs[:, None], i, axis=1)
+                return draft_tokens, draft_probs, kv
+
+            draft_tokens, draft_probs, kv = jax.lax.fori_loop(1, gamma, body, (draft_tokens, draft_probs, kv))
+            return draft_tokens, draft_probs, kv
+
+        def verify(state, kv, last_tokens, draft_tokens, draft_probs, block_tables, context_lens, st, all_greedy):
+            """last_tokens [S]; draft_tokens [S, γ]; context_lens [S] = n + γ."""
+            tokens = jnp.concatenate([last_tokens[:, None], draft_tokens], axis=1)  # [S, γ + 1]
+            query_lens = jnp.where(context_lens > 0, tokens.shape[1], 0).astype(jnp.int32)
+            hidden, kv = t_hidden(state, tokens, kv, BatchMetadata(block_tables, context_lens, query_lens))
+            logits = t_logits(state, hidden)  # [S, γ + 1, V]
+            if all_greedy:
+                out, num_accepted = greedy_verify(draft_tokens, logits)
+            else:
+                target_probs = processed_probs(logits, st)
+                out, num_accepted = rejection_sample(draft_tokens, draft_probs, target_probs, st, salt=SALT_VERIFY)
+            return out, num_accepted, kv
+
+        self._draft_fill = jax.jit(draft_fill, donate_argnums=(1,))
+        self._propose = jax.jit(propose, donate_argnums=(1,), static_argnums=(6, 7))
+        self._verify = jax.jit(verify, donate_argnums=(1,), static_argnums=(8,))
+
+    # ---- host-side batch assembly -------------------------------------------------------------------------------
+    def _block_tables(self, requests: list[Request], num_rows: int) -> np.ndarray:
+        bt = np.zeros((num_rows, self.shapes.max_pages_per_seq), np.int32)  # [S, P]; 0 = padding page
+        for i, r in enumerate(requests):
+            bt[i, : len(r.block_table)] = r.block_table
+        return bt
+
+    @staticmethod
+    def _sampling_tensors(requests: list[Request], num_rows: int) -> SamplingTensors:
+        temperature = np.zeros(num_rows, np.float32)
+        top_k = np.zeros(num_rows, np.int32)
+        top_p = np.ones(num_rows, np.float32)
+        min_p = np.zeros(num_rows, np.float32)
+        seeds = np.zeros(num_rows, np.uint32)
+        steps = np.zeros(num_rows, np.int32)
+        for i, r in enumerate(requests):
+            sp = r.sampling
+            temperature[i], top_k[i], top_p[i], min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+            seeds[i] = r.seed % 2**32
+            steps[i] = len(r.output_token_ids)
+        return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps)
+
+    # ---- steps --------------------------------------------------------------------------------------------------
+    def execute_prefill(self, batch: ScheduledBatch) -> np.ndarray:
+        """Run prefill chunks; returns the sampled token per request ``[num_seqs]`` (meaningful only for requests
+        whose chunk reached the end of their tokens)."""
+        num_rows = bucket_for(batch.num_seqs, self.shapes.prefill_seq_buckets)
+        q_len = bucket_for(max(batch.num_new_tokens), self.shapes.prefill_len_buckets)
+        tokens = np.zeros((num_rows, q_len), np.int32)
+        context_lens = np.zeros(num_rows, np.int32)
+        query_lens = np.zeros(num_rows, np.int32)
+        for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
+            start = r.num_computed
+            tokens[i, q_len - n :] = r.all_token_ids[start : start + n]  # right-aligned (left padding)
+            context_lens[i] = start + n
+            query_lens[i] = n
+        return self._run_forward_sample(batch.requests, tokens, context_lens, query_lens, num_rows)
+
+    def _run_forward_sample(self, requests, tokens, context_lens, query_lens, num_rows) -> np.ndarray:
+        all_greedy = all(r.sampling.greedy for r in requests)
+        st = self._sampling_tensors(requests, num_rows)
+        bt = self._block_tables(requests, num_rows)
+        self.variants_seen.add(("forward_sample", num_rows, tokens.shape[1], all_greedy))
+        next_tokens, self.kv = self._forward_sample(
+            self.target.state, self.kv, tokens, bt, context_lens, query_lens, st, all_greedy
+        )
+        return np.asarray(next_tokens)[: len(requests)]
+
+    def execute_decode(self, batch: ScheduledBatch, gamma: int) -> DecodeResult:
+        """One decode step at speculative length ``gamma`` (0: plain autoregressive)."""
+        requests = batch.requests
+        num_rows = bucket_for(len(requests), self.shapes.decode_buckets)
+        if gamma == 0 or self.draft is None:
+            t0 = time.perf_counter()
+            tokens = np.zeros((num_rows, 1), np.int32)
+            context_lens = np.zeros(num_rows, np.int32)
+            for i, r in enumerate(requests):
+                tokens[i, 0] = r.token_at(r.num_tokens - 1)
+                context_lens[i] = r.num_tokens
+            query_lens = (context_lens > 0).astype(np.int32)
+            out = self._run_forward_sample(requests, tokens, context_lens, query_lens, num_rows)
+            return DecodeResult([[int(t)] for t in out], 0, 0, [0] * len(requests),
+                                verify_seconds=time.perf_counter() - t0)
+        if gamma > self.gamma_max:
+            raise ValueError(f"gamma={gamma} exceeds the compiled maximum {self.gamma_max}")
+
+        t0 = time.perf_counter()
+        catchup_tokens = self.catch_up_draft(requests)
+        t1 = time.perf_counter()
+
+        all_greedy = all(r.sampling.greedy for r in requests)
+        st = self._sampling_tensors(requests, num_rows)
+        bt = self._block_tables(requests, num_rows)
+        last_two = np.zeros((num_rows, 2), np.int32)
+        n = np.zeros(num_rows, np.int32)
+        for i, r in enumerate(requests):
+            last_two[i] = (r.token_at(r.num_tokens - 2), r.token_at(r.num_tokens - 1))
+            n[i] = r.num_tokens
+        self.variants_seen.add(("propose", num_rows, gamma, all_greedy))
+        draft_tokens, draft_probs, self.draft_kv = self._propose(
+            self.draft.state, self.draft_kv, last_two, bt, n, st, gamma, all_greedy
+        )
+        draft_tokens.block_until_ready()
+        t2 = time.perf_counter()
+        verify_lens = np.where(n > 0, n + gamma, 0).astype(np.int32)
+        self.variants_seen.add(("verify", num_rows, gamma, all_greedy))
+        out, num_accepted, self.kv = self._verify(
+            self.target.state, self.kv, last_two[:, 1], draft_tokens, draft_probs, bt, verify_lens, st, all_greedy
+        )
+        out_np, acc_np = np.asarray(out), np.asarray(num_accepted)
+        t3 = time.perf_counter()
+        committed, accepted = [], []
+        for i, r in enumerate(requests):
+            k = int(acc_np[i])
+            committed.append([int(t) for t in out_np[i, : k + 1]])
+            accepted.append(k)
+            # Draft KV now holds positions up to n - 1 + min(k, γ - 1) (see docs/architecture.md).
+            r.num_draft_computed = int(n[i]) + min(k, gamma - 1)
+        return DecodeResult(
+            committed, gamma, gamma * len(requests), accepted,
+            draft_seconds=t2 - t1, verify_seconds=t3 - t2, catchup_seconds=t1 - t0, catchup_tokens=catchup_tokens,
+        )
+
+    def catch_up_draft(self, requests: list[Request]) -> int:
+        """Run the draft over committed tokens it has not seen, up to (not including) the last two, which the
+        next ``propose`` processes itself. Returns the number of tokens processed."""
+        total = 0
+        budget = self.shapes.prefill_len_buckets[-1]
+        while True:
+            todo = [(r, r.num_tokens - 2 - r.num_draft_computed) for r in requests]
+            todo = [(r, m) for r, m in todo if m > 0]
+            if not todo:
+                return total
+            todo = todo[: self.shapes.prefill_seq_buckets[-1]]
+            num_rows = bucket_for(len(todo), self.shapes.prefill_seq_buckets)
+            chunk = min(budget, max(m for _, m in todo))
+            q_len = bucket_for(chunk, self.shapes.prefill_len_buckets)
+            tokens = np.zeros((num_rows, q_len), np.int32)
+            context_lens = np.zeros(num_rows, np.int32)
+            query_lens = np.zeros(num_rows, np.int32)
+            rows = [r for r, _ in todo]
+            for i, (r, m) in enumerate(todo):
+                c = min(m, chunk)
+                start = r.num_draft_computed
+                tokens[i, q_len - c :] = r.all_token_ids[start : start + c]
+                context_lens[i] = start + c
+                query_lens[i] = c
+                r.num_draft_computed += c
+                total += c
+            bt = self._block_tables(rows, num_rows)
+            self.variants_seen.add(("draft_fill", num_rows, q_len))
+            self.draft_kv = self._draft_fill(self.draft.state, self.draft_kv, tokens, bt, context_lens, query_lens)
+
+    # ---- compilation ----------------------------------------------------------------------------------------------
+    def compiled_cache_sizes(self) -> dict[str, int]:
+        """Number of compiled executables per step function (grows only when a new variant compiles)."""
+        fns = {"forward_sample": self._forward_sample}
+        if self.draft is not None:
+            fns.update(draft_fill=self._draft_fill, propose=self._propose, verify=self._verify)
+        return {name: f._cache_size() for name, f in fns.items()}

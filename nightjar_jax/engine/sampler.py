@@ -1,0 +1,170 @@
+"""Token sampling on device: per-request temperature, top-k, top-p, min-p and seeds, as pure jnp functions.
+
+Vocabulary
+- **logits**: the model's raw scores over the vocabulary, ``[B, ..., V] float32`` (``V`` = vocabulary size).
+- **processed distribution**: the distribution a request actually samples from, obtained from the logits by
+  temperature scaling, then top-k, then top-p (nucleus), then min-p, then renormalisation. A greedy request
+  (temperature 0) has the one-hot distribution of ``argmax(logits)``.
+- **draft / target**: in speculative decoding (see ``nightjar_jax.spec.rejection``) the small draft model proposes
+  tokens and the target model verifies them. Both must go through :func:`processed_probs` with the same
+  :class:`SamplingTensors`; rejection sampling is lossless only with respect to the *processed* target
+  distribution (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", §2.3;
+  Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling", Alg. 2).
+- **request key**: the PRNG key of one request at one generation step,
+  ``fold_in(fold_in(key(seed), step), salt)``. It depends only on the request's seed, how many tokens it has
+  generated, and a salt naming the use (plain sampling, verification, drafting), never on the batch slot or on
+  the other requests in the batch. That is what makes a seeded request reproducible under continuous batching.
+
+JIT notes: every function here is traceable with static shapes; the sampling parameters are arrays, so changing
+them never recompiles. The full-vocabulary sort that top-k/top-p need (V = 49152 for SmolLM2) runs only when some
+non-greedy row of the batch asks for it (``lax.cond``); under ``vmap`` a ``lax.cond`` becomes a select and both
+branches run, so call these on the whole batch rather than vmapping over rows.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Salts name the independent random streams a request draws from at one step.
+SALT_SAMPLE = 0  # plain (autoregressive) sampling
+SALT_VERIFY = 1  # rejection sampling in the verify pass
+SALT_DRAFT = 2  # the draft proposer's samples
+
+
+class SamplingTensors(NamedTuple):
+    """Per-request sampling parameters for one batch, on device. Padding rows should be greedy."""
+
+    temperature: jax.Array  # [B] float32; 0 means greedy
+    top_k: jax.Array  # [B] int32; 0 (or >= V) means off
+    top_p: jax.Array  # [B] float32 in (0, 1]; 1 means off
+    min_p: jax.Array  # [B] float32 in [0, 1); 0 means off
+    seeds: jax.Array  # [B] uint32 per-request seed
+    steps: jax.Array  # [B] int32 number of tokens this request has generated so far
+
+    @classmethod
+    def create(
+        cls,
+        batch_size: int,
+        *,
+        temperature: float | np.ndarray | list = 0.0,
+        top_k: int | np.ndarray | list = 0,
+        top_p: float | np.ndarray | list = 1.0,
+        min_p: float | np.ndarray | list = 0.0,
+        seeds: int | np.ndarray | list = 0,
+        steps: int | np.ndarray | list = 0,
+    ) -> SamplingTensors:
+        """Builds the tensors from scalars (broadcast to the batch) or per-row sequences (host side)."""
+
+        def column(value: object, dtype: type) -> jax.Array:
+            return jnp.asarray(np.broadcast_to(np.asarray(value, dtype=dtype), (batch_size,)))
+
+        return cls(
+            temperature=column(temperature, np.float32),
+            top_k=column(top_k, np.int32),
+            top_p=column(top_p, np.float32),
+            min_p=column(min_p, np.float32),
+            seeds=column(np.asarray(seeds, dtype=np.int64) & 0xFFFFFFFF, np.uint32),
+            steps=column(steps, np.int32),
+        )
+
+
+def request_keys(st: SamplingTensors, salt: int) -> jax.Array:
+    """[B] typed PRNG keys ``fold_in(fold_in(key(seed), step), salt)``, independent of batch composition."""
+
+    def one(seed: jax.Array, step: jax.Array) -> jax.Array:
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), salt)
+
+    return jax.vmap(one)(st.seeds, st.steps)  # [B] key
+
+
+def _per_row(x: jax.Array, ndim: int) -> jax.Array:
+    """[B] -> [B, 1, ..., 1] with ``ndim`` dimensions, to broadcast against [B, ..., V]."""
+    return x.reshape(x.shape + (1,) * (ndim - 1))
+
+
+def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The smallest logit each row keeps after top-k then top-p. Sorts the vocabulary.
+
+    scaled: [B, ..., V] f32 temperature-scaled logits; top_k: [B, ..., 1] int32 (already clamped to [1, V]);
+    top_p: [B, ..., 1] f32. Returns [B, ..., 1] f32. Worked example, V = 4, logits sorted [3, 2, 1, 0] with
+    probabilities [.64, .24, .09, .03], top_k = 3, top_p = 0.8: top-k keeps ranks 0..2 (renormalised
+    [.66, .25, .09]); the exclusive cumulative mass [0, .66, .91] is < 0.8 at ranks 0 and 1, so two tokens stay
+    and the threshold is the logit of rank 1 (= 2).
+    """
+    vocab = scaled.shape[-1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [B, ..., V] f32
+    rank = jnp.arange(vocab, dtype=jnp.int32)  # [V] int32
+    in_top_k = rank < top_k  # [B, ..., V] bool
+    probs_sorted = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)  # [B, ..., V] f32
+    mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted  # [B, ..., V] f32 exclusive cumsum
+    # Nucleus: the smallest prefix whose mass reaches top_p is the set of ranks whose mass *before* them is
+    # still below top_p; rank 0 has mass_before 0 < top_p, so the top token always stays.
+    num_nucleus = jnp.sum((mass_before < top_p) & in_top_k, axis=-1, keepdims=True)  # [B, ..., 1] int32
+    # top_p == 1 means off: float rounding in the cumsum must not drop the tail.
+    num_kept = jnp.where(top_p >= 1.0, top_k, jnp.maximum(num_nucleus, 1))  # [B, ..., 1] int32
+    return jnp.take_along_axis(sorted_desc, num_kept - 1, axis=-1)  # [B, ..., 1] f32
+
+
+def processed_logprobs(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """Log of the processed distribution: [B, ..., V] f32 logits -> [B, ..., V] f32 log-probabilities.
+
+    Temperature, then top-k, top-p (keep the smallest set with mass >= p; the top token always stays), min-p
+    (keep tokens with p >= min_p * p_max), renormalise. Removed tokens get -inf. Tokens tied with the last kept
+    logit are all kept, so with ties top-k / top-p may keep slightly more than k / the minimal set. Greedy rows
+    (temperature 0) give the one-hot of ``argmax(logits)`` (ties: lowest index): 0 there, -inf elsewhere.
+    """
+    logits = logits.astype(jnp.float32)
+    ndim, vocab = logits.ndim, logits.shape[-1]
+    greedy = _per_row(st.temperature == 0, ndim)  # [B, ..., 1] bool
+    temperature = _per_row(st.temperature, ndim)  # [B, ..., 1] f32
+    scaled = logits / jnp.where(greedy, 1.0, temperature)  # [B, ..., V] f32
+
+    top_k = _per_row(jnp.where((st.top_k <= 0) | (st.top_k >= vocab), vocab, st.top_k), ndim)  # [B, ..., 1]
+    top_p = _per_row(st.top_p, ndim)  # [B, ..., 1] f32
+    needs_sort = (st.temperature != 0) & ((st.top_k > 0) & (st.top_k < vocab) | (st.top_p < 1.0))  # [B] bool
+    threshold = jax.lax.cond(
+        jnp.any(needs_sort),
+        _top_k_top_p_threshold,
+        lambda scaled, top_k, top_p: jnp.full(scaled.shape[:-1] + (1,), -jnp.inf, jnp.float32),
+        scaled,
+        top_k,
+        top_p,
+    )  # [B, ..., 1] f32
+    max_logit = jnp.max(scaled, axis=-1, keepdims=True)  # [B, ..., 1] f32; the top token survives top-k/p
+    # min-p in log space: p(x) >= min_p * p_max  <=>  x >= x_max + log(min_p); log(0) = -inf keeps everything.
+    min_p_floor = max_logit + jnp.log(_per_row(st.min_p, ndim))  # [B, ..., 1] f32
+    keep = (scaled >= threshold) & (scaled >= min_p_floor)  # [B, ..., V] bool
+    sampled = jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)  # [B, ..., V] f32
+
+    argmax = jnp.argmax(logits, axis=-1)[..., None]  # [B, ..., 1] int32
+    one_hot = jnp.where(jnp.arange(vocab) == argmax, 0.0, -jnp.inf)  # [B, ..., V] f32
+    return jnp.where(greedy, one_hot, sampled)
+
+
+def processed_probs(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """The processed distribution: [B, ..., V] f32 logits -> [B, ..., V] f32 probabilities (rows sum to 1)."""
+    return jnp.exp(processed_logprobs(logits, st))
+
+
+def sample_from_logprobs(log_probs: jax.Array, keys: jax.Array) -> jax.Array:
+    """One categorical sample per row: log_probs [B, V] f32 (may hold -inf), keys [B] -> tokens [B] int32."""
+    return jax.vmap(jax.random.categorical)(keys, log_probs).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, st: SamplingTensors, salt: int = SALT_SAMPLE) -> jax.Array:
+    """Samples one token per request: logits [B, V] f32 -> tokens [B] int32.
+
+    Greedy rows get exactly ``argmax(logits)``; the others a draw from the processed distribution with
+    ``request_keys(st, salt)``. When every row is greedy only the argmax runs.
+    """
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B] int32
+
+    def draw(logits: jax.Array) -> jax.Array:
+        drawn = sample_from_logprobs(processed_logprobs(logits, st), request_keys(st, salt))  # [B] int32
+        return jnp.where(st.temperature == 0, argmax, drawn)
+
+    return jax.lax.cond(jnp.all(st.temperature == 0), lambda _: argmax, draw, logits)

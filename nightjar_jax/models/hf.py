@@ -1,0 +1,249 @@
+"""Hugging Face checkpoints: ``config.json`` -> :class:`ModelConfig`, ``*.safetensors`` -> HF-named numpy arrays.
+
+A local HF folder holds ``config.json``, either ``model.safetensors`` or shards listed by
+``model.safetensors.index.json``, and tokenizer files. Safetensors are read by a small header parser over a
+memory map (so bf16 works without torch, and nothing is copied until the model is built). Every shard is opened
+and every tensor's dtype/shape checked before any array is handed out, so a bad folder fails with one error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from nightjar_jax.config import DTYPES, ModelConfig, RopeScaling
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model"]
+
+_SAFETENSORS_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+
+_HF_DTYPES = {"float32": "float32", "float64": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}
+
+
+def config_from_hf(hf: dict[str, Any], *, source: str = "config.json", name: str | None = None) -> ModelConfig:
+    """Map an HF Llama ``config.json`` dict onto :class:`ModelConfig`; unsupported features raise ``ValueError``."""
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    if model_type not in ("llama", "mistral") and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(
+            f"{source}: unsupported architecture {archs or model_type!r} (model_type={model_type!r}); "
+            f"only Llama-family models ({', '.join(SUPPORTED_ARCHITECTURES)}) are supported"
+        )
+    if model_type == "mistral" and hf.get("sliding_window") is not None:
+        raise ValueError(f"{source}: sliding_window={hf['sliding_window']} is unsupported (full attention only)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ValueError(f"{source}: {flag}=true is unsupported (Llama projections without bias only)")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{source}: hidden_act={act!r} is unsupported (SwiGLU with silu only)")
+
+    # transformers >= 5 writes rope_parameters (with rope_theta inside); older versions rope_scaling + rope_theta
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        rope_scaling = None
+    elif rope_type == "llama3":
+        rope_scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    else:
+        raise ValueError(f"{source}: rope_scaling type {rope_type!r} is unsupported (allowed: default, llama3)")
+
+    eos = hf.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    torch_dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    dtype = _HF_DTYPES.get(str(torch_dtype).removeprefix("torch."))
+    if dtype is None:
+        raise ValueError(f"{source}: dtype {torch_dtype!r} is unsupported (allowed: {sorted(_HF_DTYPES)})")
+    num_heads = int(hf["num_attention_heads"])
+    try:
+        return ModelConfig(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=hf.get("head_dim"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            dtype=dtype,
+            name=name or hf.get("_name_or_path") or model_type or "llama",
+        )
+    except KeyError as e:
+        raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
+
+
+def read_config(folder: Path) -> ModelConfig:
+    path = folder / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{folder}: no config.json (not an HF model folder)")
+    with open(path, encoding="utf-8") as f:
+        return config_from_hf(json.load(f), source=str(path), name=folder.name)
+
+
+# ---- safetensors ------------------------------------------------------------------------------------------------
+
+
+def _safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    with open(path, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise ValueError(f"{path}: not a safetensors file (truncated header)")
+        n = int.from_bytes(raw_len, "little")
+        if n <= 0 or n > 100 * 2**20:
+            raise ValueError(f"{path}: not a safetensors file (header length {n})")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Read-only numpy views of every tensor in one safetensors file (memory-mapped, any dtype incl. bf16)."""
+    path = Path(path)
+    header, data_start = _safetensors_header(path)
+    size = os.path.getsize(path)
+    buf = None
+    if size > data_start:
+        with open(path, "rb") as f:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    out: dict[str, np.ndarray] = {}
+    for name, info in header.items():
+        dt = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dt is None:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        count = int(np.prod(shape)) if shape else 1
+        if end - begin != count * dt.itemsize or data_start + end > size:
+            raise ValueError(f"{path}: tensor {name} is truncated or corrupt (shape {shape}, {info['dtype']})")
+        if count == 0:
+            out[name] = np.zeros(shape, dt)
+            continue
+        out[name] = np.frombuffer(buf, dtype=dt, count=count, offset=data_start + begin).reshape(shape)
+    return out
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Write numpy arrays (incl. ml_dtypes bfloat16) as safetensors, atomically (tmp file + rename)."""
+    inverse = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    arrays = {}
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        header[name] = {"dtype": inverse[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        arrays[name] = arr
+        offset += arr.nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = Path(f"{path}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for arr in arrays.values():
+            f.write(arr.data)
+    os.replace(tmp, path)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of an HF folder (all shards of the index, each checked to exist)."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (folder / s).exists()]
+        if missing:
+            raise FileNotFoundError(f"{index}: shard file(s) {missing} are missing from {folder}")
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        found = sorted(p.name for p in folder.iterdir())[:12]
+        hint = " (PyTorch .bin weights are not supported; convert to safetensors)" if any(
+            n.endswith(".bin") for n in found) else ""
+        raise FileNotFoundError(f"{folder}: no *.safetensors weight files found (folder has {found}){hint}")
+    return files
+
+
+def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and HF-named state dict (memory-mapped numpy views) of a local HF folder."""
+    folder = Path(folder)
+    cfg = read_config(folder)
+    state: dict[str, np.ndarray] = {}
+    for path in weight_files(folder):
+        for name, arr in read_safetensors(path).items():
+            if name in state:
+                raise ValueError(f"{path}: tensor {name} appears in more than one shard")
+            state[name] = arr
+    logger.info("read %d tensors from %s", len(state), folder)
+    return cfg, state
+
+
+def has_tokenizer_files(folder: Path) -> bool:
+    return any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
+
+
+def snapshot_download_offline_aware(repo_id: str, *, timeout_s: float = 10.0, local_only: bool = False) -> Path:
+    """Resolve an HF repo id to a local snapshot folder (config, safetensors, tokenizer files only).
+
+    Fails fast with an actionable message when there is no network and the repo is not in the local HF cache.
+    """
+    message = (
+        f"cannot download {repo_id}: no network / not in local HF cache; "
+        "pass a local folder or use --load-format dummy"
+    )
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency
+        raise ValueError(message) from e
+    try:
+        # local cache first: works offline and costs no request
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, local_files_only=True))
+    except Exception:  # noqa: BLE001 - any failure here just means "not cached"
+        pass
+    if local_only or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        raise ValueError(message)
+    try:
+        logger.info("downloading %s from the HF hub", repo_id)
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, etag_timeout=timeout_s))
+    except Exception as e:  # noqa: BLE001 - connection errors come in many types
+        raise ValueError(f"{message} ({type(e).__name__}: {str(e)[:200]})") from e
+
+
+def cast_dtype(name: str) -> str:
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is invalid: allowed {DTYPES}")
+    return name

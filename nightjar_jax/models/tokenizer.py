@@ -1,0 +1,277 @@
+"""Tokenizers: one wrapper over HF ``tokenizers`` / ``transformers`` backends, plus streaming detokenization.
+
+Vocabulary
+- BOS handling: ``encode(text, add_special_tokens=True)`` prepends BOS when the tokenizer wants it (``add_bos``).
+  A bare ``tokenizer.json`` without a post-processor (stories260K) gets BOS prepended by this wrapper; folders with
+  ``tokenizer_config.json`` follow transformers' own post-processor.
+- chat template: a jinja2 template over ``messages`` (``[{"role", "content"}]``), rendered the way transformers
+  does it (sandboxed, ``trim_blocks``/``lstrip_blocks``).
+- incremental detokenization: text for a growing list of ids, emitting only complete characters (a UTF-8
+  character split across byte-fallback or byte-level tokens is held back until its last byte arrives).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+logger = logging.getLogger(__name__)
+
+# SmolLM2-Instruct's template (ChatML with its default system prompt), used when a tokenizer carries ChatML tokens
+# and SmolLM's special-token set but no template of its own (the GGUF tokenizer.json built from metadata).
+SMOLLM2_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CHATML_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def default_chat_template(vocab: dict[str, int]) -> str | None:
+    """A template inferred from the special tokens, for tokenizers that ship none (None: no chat support)."""
+    if "<|im_start|>" in vocab and "<|im_end|>" in vocab:
+        smollm = "<repo_name>" in vocab and "<empty_output>" in vocab  # SmolLM's StarCoder-derived special tokens
+        return SMOLLM2_CHAT_TEMPLATE if smollm else CHATML_CHAT_TEMPLATE
+    return None
+
+
+class Tokenizer:
+    """Text <-> ids for one model.
+
+    Backed by either a ``tokenizers.Tokenizer`` (``backend``) or a transformers tokenizer (``hf_tokenizer``).
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer | _SentencePieceBackend | None = None,
+        *,
+        hf_tokenizer: Any = None,
+        bos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        add_bos: bool = False,
+        chat_template: str | None = None,
+        source: str = "tokenizer",
+    ):
+        if (backend is None) == (hf_tokenizer is None):
+            raise ValueError("Tokenizer needs exactly one of backend (tokenizers.Tokenizer) or hf_tokenizer")
+        self.backend = backend
+        self.hf_tokenizer = hf_tokenizer
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self.source = source
+
+    # ---- construction -------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path_or_file: str | Path) -> Tokenizer:
+        """Load from a folder (``tokenizer_config.json`` + ``tokenizer.json`` or ``tokenizer.model``), a bare
+        ``tokenizer.json`` or a SentencePiece ``.model`` file."""
+        path = Path(path_or_file)
+        if path.is_dir():
+            if (path / "tokenizer_config.json").exists():
+                return cls._from_transformers(path)
+            if (path / "tokenizer.json").exists():
+                return cls.from_tokenizer_json(path / "tokenizer.json")
+            if (path / "tokenizer.model").exists():
+                return cls.from_sentencepiece(path / "tokenizer.model")
+            raise FileNotFoundError(f"{path}: no tokenizer.json, tokenizer_config.json or tokenizer.model in folder")
+        if not path.exists():
+            raise FileNotFoundError(f"tokenizer file {path} does not exist")
+        if path.suffix == ".json":
+            return cls.from_tokenizer_json(path)
+        if path.suffix == ".model":
+            return cls.from_sentencepiece(path)
+        raise ValueError(f"{path}: unknown tokenizer file type (expected a folder, tokenizer.json or a .model file)")
+
+    @classmethod
+    def from_tokenizer_json(cls, path: str | Path, **overrides: Any) -> Tokenizer:
+        """A bare ``tokenizers`` file. Without a post-processor, an SPM-style ``<s>`` BOS is prepended by us."""
+        path = Path(path)
+        backend = tokenizers.Tokenizer.from_file(str(path))
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        kwargs = _special_defaults(backend, has_post_processor=raw.get("post_processor") is not None)
+        kwargs.update(overrides)
+        return cls(backend, source=str(path), **kwargs)
+
+    @classmethod
+    def from_sentencepiece(cls, path: str | Path) -> Tokenizer:
+        """A SentencePiece ``.model`` (Llama 2 style: BOS prepended, no chat template)."""
+        backend = _SentencePieceBackend(str(path))
+        sp = backend.sp
+        bos = sp.bos_id() if sp.bos_id() >= 0 else None
+        eos = (sp.eos_id(),) if sp.eos_id() >= 0 else ()
+        return cls(backend, bos_token_id=bos, eos_token_ids=eos, add_bos=bos is not None, source=str(path))
+
+    @classmethod
+    def _from_transformers(cls, folder: Path) -> Tokenizer:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        return cls._wrap_transformers(hf, str(folder), add_bos=False)
+
+    @classmethod
+    def _wrap_transformers(cls, hf: Any, source: str, add_bos: bool) -> Tokenizer:
+        eos = hf.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        template = getattr(hf, "chat_template", None) or default_chat_template(hf.get_vocab())
+        # transformers adds BOS itself (post-processor / add_bos_token) when add_special_tokens=True
+        return cls(
+            hf_tokenizer=hf, bos_token_id=hf.bos_token_id, eos_token_ids=eos_ids, add_bos=add_bos,
+            chat_template=template, source=source,
+        )
+
+    # ---- properties ---------------------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        if self.backend is not None:
+            return self.backend.get_vocab_size(with_added_tokens=True)
+        return len(self.hf_tokenizer)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True) if self.backend else self.hf_tokenizer.get_vocab()
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.get_vocab().get(token)
+
+    # ---- encode / decode ----------------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids for ``text``; with ``add_special_tokens`` BOS is prepended when the model wants it."""
+        if self.hf_tokenizer is not None:
+            return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return list(ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        if self.hf_tokenizer is not None:
+            return self.hf_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # ---- chat ---------------------------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` with the model's chat template (jinja2, sandboxed like transformers)."""
+        if not self.chat_template:
+            raise ValueError(f"{self.source}: this tokenizer has no chat template; use a plain-text prompt instead")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        vocab_inv = {v: k for k, v in self.get_vocab().items()} if self.backend is not None else None
+
+        def token_str(i: int | None) -> str:
+            if i is None:
+                return ""
+            if vocab_inv is not None:
+                return vocab_inv.get(i, "")
+            return self.hf_tokenizer.convert_ids_to_tokens(i)
+
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        return env.from_string(self.chat_template).render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=token_str(self.bos_token_id),
+            eos_token=token_str(eos),
+        )
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, bos={self.bos_token_id}, " \
+               f"eos={self.eos_token_ids}, add_bos={self.add_bos})"
+
+
+def _special_defaults(backend: tokenizers.Tokenizer, *, has_post_processor: bool) -> dict[str, Any]:
+    """BOS/EOS/template guesses for a bare tokenizer.json (no tokenizer_config.json next to it)."""
+    vocab = backend.get_vocab(with_added_tokens=True)
+    if "<|im_start|>" in vocab and "<|im_end|>" in vocab:  # ChatML models (SmolLM2): no BOS, stop on <|im_end|>
+        return dict(bos_token_id=vocab["<|im_start|>"], eos_token_ids=(vocab["<|im_end|>"],), add_bos=False,
+                    chat_template=default_chat_template(vocab))
+    if "<s>" in vocab:  # SentencePiece-style (Llama 2, stories260K)
+        eos = (vocab["</s>"],) if "</s>" in vocab else ()
+        return dict(bos_token_id=vocab["<s>"], eos_token_ids=eos, add_bos=not has_post_processor, chat_template=None)
+    if "<|begin_of_text|>" in vocab:  # Llama 3
+        eos = tuple(vocab[t] for t in ("<|end_of_text|>", "<|eot_id|>") if t in vocab)
+        return dict(bos_token_id=vocab["<|begin_of_text|>"], eos_token_ids=eos, add_bos=not has_post_processor)
+    eos = (vocab["<|endoftext|>"],) if "<|endoftext|>" in vocab else ()
+    return dict(bos_token_id=None, eos_token_ids=eos, add_bos=False, chat_template=None)
+
+
+class _SentencePieceBackend:
+    """The subset of ``tokenizers.Tokenizer`` that :class:`Tokenizer` uses, over a ``sentencepiece`` model."""
+
+    class _Encoding:
+        def __init__(self, ids: list[int]):
+            self.ids = ids
+
+    def __init__(self, path: str):
+        import sentencepiece
+
+        self.sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        self._special = {i for i in range(self.sp.get_piece_size()) if self.sp.is_control(i) or self.sp.is_unknown(i)}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> _Encoding:
+        return self._Encoding(list(self.sp.encode(text)))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._special]
+        return self.sp.decode(list(ids))
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return self.sp.get_piece_size()
+
+    def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
+        return {self.sp.id_to_piece(i): i for i in range(self.sp.get_piece_size())}
+
+
+class IncrementalDetokenizer:
+    """Streams text for a growing id sequence; ``add`` returns only the newly completed text.
+
+    Decodes a small window ``ids[prefix_offset:]`` and diffs it against ``ids[prefix_offset:read_offset]`` (the
+    vLLM scheme), so leading-space stripping and byte fallback behave as in a full decode. Text ending in U+FFFD
+    (an incomplete UTF-8 character) is held back until the character is complete.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        self.ids.extend(int(t) for t in token_ids)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
+        new_text = decode(self.ids[self._prefix_offset :], self.skip_special_tokens)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        self.text += delta
+        return delta

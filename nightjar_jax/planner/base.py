@@ -1,0 +1,304 @@
+"""The planner interface: one γ per decode step, learned from what past steps produced.
+
+Vocabulary (shared by every planner module, after Nightjar, arXiv 2512.22420, §4):
+
+- **γ (gamma)**: the speculative length of one decode step; γ = 0 is plain autoregressive (AR) decoding.
+- **arm**: one candidate γ ∈ {0, ..., γ_max}.
+- **decision**: one call of `Planner.select` — the γ for one decode step of the whole batch.
+- **observation**: one call of `Planner.observe` — what that step produced:
+  `num_tokens` committed over the whole batch in `seconds` of wall time, of which `switch_seconds` were spent
+  on a draft-KV catch-up (or a draft reload) because speculation was switched back on.
+- **reward**: committed tokens per second per sequence, `num_tokens / step_seconds / batch_size`, where
+  `step_seconds = seconds - switch_seconds` (the switch cost is modelled separately, see `nightjar.py`).
+- **switch**: a change of the chosen γ between consecutive decisions (`Planner.num_switches`).
+
+Contract for callers (the engine, the simulator, replay):
+
+    gamma = planner.select(batch_size, queue_len=..., free_pages=..., draft_on_device=...)
+    ... run the step with gamma ...
+    planner.observe(gamma, batch_size, num_tokens, seconds, switch_seconds)
+
+`seconds` is the full wall time of the step *including* `switch_seconds` (so `switch_seconds <= seconds`).
+With `draft_on_device=False` every planner returns 0 (the draft cannot run). Planners are plain Python/numpy,
+never import JAX, and their learned state round-trips through JSON (`to_json` / `Planner.from_json`,
+`save` / `Planner.load`) for warm starts.
+
+New planners subclass `Planner`, define a frozen `Options` dataclass, implement `_select` / `_observe`
+(and `_learned_state` / `_load_learned_state` if they learn), and register with `@register_planner("name")`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+import logging
+import math
+import numbers
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from nightjar_jax.planner.decision_log import DecisionLogger
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = "nightjar-jax/planner-state/v1"
+
+_REGISTRY: dict[str, type[Planner]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """Options of a planner that has none."""
+
+
+class Planner(abc.ABC):
+    """Abstract planner: `select` a γ per decode step, `observe` what the step produced.
+
+    Attributes read by the engine and metrics:
+      `gamma_max`: the largest γ this planner may return.
+      `num_switches`: how many times the returned γ changed between consecutive decisions.
+      `last_gamma`: the γ returned by the latest `select` (None before the first).
+      `num_decisions` / `num_observations`: call counters.
+    """
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type] = NoOptions
+
+    def __init__(self, gamma_max: int, options: Any = None, *, spec: str | None = None) -> None:
+        if isinstance(gamma_max, bool) or not isinstance(gamma_max, int) or gamma_max < 0:
+            raise ValueError(f"gamma_max must be an int >= 0, got {gamma_max!r}")
+        self.gamma_max = gamma_max
+        self.options = options if options is not None else self.Options()
+        self.spec = spec or self.name  # the name make_planner was called with, e.g. "static:3"
+        self.num_switches = 0
+        self.num_decisions = 0
+        self.num_observations = 0
+        self.last_gamma: int | None = None
+        self._logger: DecisionLogger | None = None
+
+    # ----------------------------------------------------------------------------------------- public API
+    def select(
+        self,
+        batch_size: int,
+        *,
+        queue_len: int = 0,
+        free_pages: int | None = None,
+        draft_on_device: bool = True,
+    ) -> int:
+        """Return γ ∈ {0..gamma_max} for the next decode step of `batch_size` sequences.
+
+        `queue_len` (waiting requests) and `free_pages` (free KV pages) are context a planner may use; the
+        built-in planners use only the batch size. With `draft_on_device=False` the result is always 0.
+        """
+        _check_int("batch_size", batch_size, minimum=1)
+        _check_int("queue_len", queue_len, minimum=0)
+        if free_pages is not None:
+            _check_int("free_pages", free_pages, minimum=0)
+            free_pages = int(free_pages)
+        batch_size, queue_len = int(batch_size), int(queue_len)
+        if draft_on_device and self.gamma_max > 0:
+            gamma = int(self._select(batch_size, queue_len=queue_len, free_pages=free_pages))
+        else:
+            gamma = 0  # the draft cannot run; its reload cost arrives later as switch_seconds
+        if not 0 <= gamma <= self.gamma_max:
+            raise RuntimeError(f"{type(self).__name__} chose gamma={gamma} outside 0..{self.gamma_max}")
+        if self.last_gamma is not None and gamma != self.last_gamma:
+            self.num_switches += 1
+        self.last_gamma = gamma
+        self.num_decisions += 1
+        if self._logger is not None:
+            self._logger.on_select(
+                planner=self.spec,
+                decision=self.num_decisions,
+                context=self.context_of(batch_size),
+                batch_size=batch_size,
+                queue_len=queue_len,
+                free_pages=free_pages,
+                draft_on_device=draft_on_device,
+                gamma=gamma,
+            )
+        return gamma
+
+    def observe(
+        self, gamma: int, batch_size: int, num_tokens: int, seconds: float, switch_seconds: float = 0.0
+    ) -> None:
+        """Record what a step with `gamma` over `batch_size` sequences produced.
+
+        `num_tokens`: tokens committed in the step over the whole batch (>= 0).
+        `seconds`: wall time of the step, including `switch_seconds` (> 0).
+        `switch_seconds`: draft catch-up / reload time paid in this step (0 <= switch_seconds <= seconds).
+        """
+        _check_int("gamma", gamma, minimum=0, maximum=self.gamma_max)
+        _check_int("batch_size", batch_size, minimum=1)
+        _check_int("num_tokens", num_tokens, minimum=0)
+        gamma, batch_size, num_tokens = int(gamma), int(batch_size), int(num_tokens)
+        seconds, switch_seconds = float(seconds), float(switch_seconds)
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"seconds must be finite and > 0, got {seconds!r}")
+        if not (math.isfinite(switch_seconds) and 0 <= switch_seconds <= seconds):
+            raise ValueError(f"switch_seconds must be in [0, seconds={seconds}], got {switch_seconds!r}")
+        self.num_observations += 1
+        self._observe(gamma, batch_size, num_tokens, seconds, switch_seconds)
+        if self._logger is not None:
+            self._logger.on_observe(
+                gamma=gamma,
+                batch_size=batch_size,
+                num_tokens=num_tokens,
+                seconds=seconds,
+                switch_seconds=switch_seconds,
+                reward=step_reward(batch_size, num_tokens, seconds, switch_seconds),
+            )
+
+    def context_of(self, batch_size: int) -> int | None:
+        """The context id a contextual planner files `batch_size` under (None: no context)."""
+        return None
+
+    def attach_logger(self, decision_logger: DecisionLogger | None) -> None:
+        """Log every decision and observation as JSONL (opt-in); None detaches."""
+        self._logger = decision_logger
+
+    # ----------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state: enough to rebuild this planner and continue where it stopped."""
+        return {
+            "format": STATE_FORMAT,
+            "spec": self.spec,
+            "gamma_max": self.gamma_max,
+            "options": dataclasses.asdict(self.options),
+            "counters": {
+                "num_switches": self.num_switches,
+                "num_decisions": self.num_decisions,
+                "num_observations": self.num_observations,
+                "last_gamma": self.last_gamma,
+            },
+            "learned": self._learned_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore counters and learned state saved by `state_dict` (the planner kind must match)."""
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a planner state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
+        base = state["spec"].split(":", 1)[0]
+        if base != self.name or state["gamma_max"] != self.gamma_max:
+            raise ValueError(
+                f"state is for planner {state['spec']!r} with gamma_max={state['gamma_max']}, "
+                f"this is {self.spec!r} with gamma_max={self.gamma_max}"
+            )
+        counters = state["counters"]
+        self.num_switches = int(counters["num_switches"])
+        self.num_decisions = int(counters["num_decisions"])
+        self.num_observations = int(counters["num_observations"])
+        self.last_gamma = counters["last_gamma"]
+        self._load_learned_state(state["learned"])
+
+    def to_json(self) -> str:
+        return json.dumps(self.state_dict())
+
+    @staticmethod
+    def from_json(text: str) -> Planner:
+        """Rebuild a planner (of whatever registered kind) from `to_json` output."""
+        state = json.loads(text)
+        planner = make_planner(state["spec"], state["gamma_max"], **state["options"])
+        planner.load_state_dict(state)
+        return planner
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @staticmethod
+    def load(path: str | Path) -> Planner:
+        return Planner.from_json(Path(path).read_text())
+
+    # ----------------------------------------------------------------------------------------- subclass hooks
+    @abc.abstractmethod
+    def _select(self, batch_size: int, *, queue_len: int, free_pages: int | None) -> int:
+        """Choose γ (inputs validated; only called when the draft is on device and gamma_max > 0)."""
+
+    def _observe(self, gamma: int, batch_size: int, num_tokens: int, seconds: float, switch_seconds: float) -> None:
+        """Learn from one step (inputs validated). Default: nothing to learn."""
+
+    def _learned_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_learned_state(self, learned: dict[str, Any]) -> None:
+        del learned
+
+    @classmethod
+    def _options_from_spec_argument(cls, argument: str, gamma_max: int) -> dict[str, Any]:
+        """Options encoded after the colon of a spec such as "static:3"."""
+        raise ValueError(f"planner {cls.name!r} takes no ':' argument, got {argument!r}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(spec={self.spec!r}, gamma_max={self.gamma_max}, options={self.options})"
+
+
+def step_reward(batch_size: int, num_tokens: int, seconds: float, switch_seconds: float = 0.0) -> float | None:
+    """Committed tokens per second per sequence of one step, excluding switch time (None if undefined)."""
+    step_seconds = seconds - switch_seconds
+    if step_seconds <= 0:
+        return None
+    return num_tokens / step_seconds / batch_size
+
+
+def register_planner(name: str):
+    """Class decorator: make a `Planner` subclass available to `make_planner(name, ...)`."""
+
+    def decorate(cls: type[Planner]) -> type[Planner]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"planner name {name!r} already registered by {_REGISTRY[name].__name__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def known_planners() -> list[str]:
+    """Registered planner names (a spec may add ':ARG' where the planner takes one, e.g. 'static:2')."""
+    return sorted(_REGISTRY)
+
+
+def make_planner(
+    name: str, gamma_max: int, *, decision_log: str | Path | DecisionLogger | None = None, **options: Any
+) -> Planner:
+    """Build a registered planner by name.
+
+    `name` is a registered name or `name:ARG` (e.g. "static:3"). `options` are fields of that planner's frozen
+    `Options` dataclass. `decision_log` (a path or a `DecisionLogger`) turns on JSONL decision logging.
+    Raises ValueError for unknown names, bad gamma_max and bad options.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"planner name must be a non-empty string, got {name!r}")
+    if isinstance(gamma_max, bool) or not isinstance(gamma_max, int) or gamma_max < 0:
+        raise ValueError(f"gamma_max must be an int >= 0, got {gamma_max!r}")
+    base, _, argument = name.partition(":")
+    cls = _REGISTRY.get(base)
+    if cls is None:
+        raise ValueError(f"unknown planner {name!r}; known planners: {', '.join(known_planners())}")
+    if argument:
+        options = {**cls._options_from_spec_argument(argument, gamma_max), **options}
+    field_names = {f.name for f in dataclasses.fields(cls.Options)}
+    unknown = sorted(set(options) - field_names)
+    if unknown:
+        raise ValueError(
+            f"planner {base!r} has no option(s) {unknown}; its options are: {sorted(field_names) or 'none'}"
+        )
+    planner = cls(gamma_max, cls.Options(**options), spec=name)
+    if decision_log is not None:
+        from nightjar_jax.planner.decision_log import DecisionLogger
+
+        planner.attach_logger(
+            decision_log if isinstance(decision_log, DecisionLogger) else DecisionLogger(decision_log)
+        )
+    return planner
+
+
+def _check_int(field: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:
+    # numbers.Integral admits numpy integers, which engines and simulators pass around.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{field} must be an int, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        allowed = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise ValueError(f"{field} must be {allowed}, got {value}")

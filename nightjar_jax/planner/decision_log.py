@@ -1,0 +1,128 @@
+"""Opt-in JSONL log of planner decisions, and `replay` to feed a logged run back through a planner.
+
+One line per decision (a `select` and the `observe` that followed it), e.g.
+
+    {"planner": "nightjar", "decision": 17, "context": 3, "batch_size": 9, "queue_len": 0, "free_pages": 812,
+     "draft_on_device": true, "gamma": 2, "observed_gamma": 2, "num_tokens": 21, "seconds": 0.0113,
+     "switch_seconds": 0.0, "reward": 206.5}
+
+Observation fields are null when a decision was not followed by an observation (e.g. the run stopped).
+Replaying a log through a fresh planner of the same kind, options and seed reproduces its decisions exactly,
+because planners see nothing but these fields (and their own seeded RNG).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import IO, Any
+
+from nightjar_jax.planner.base import Planner
+
+logger = logging.getLogger(__name__)
+
+_OBSERVATION_FIELDS = ("observed_gamma", "num_tokens", "seconds", "switch_seconds", "reward")
+
+
+class DecisionLogger:
+    """Writes one JSON line per planner decision to `path` (appends; `close()` or use as a context manager)."""
+
+    def __init__(self, path: str | Path, *, flush_every: int = 64) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
+        self._pending: dict[str, Any] | None = None
+        self._flush_every = max(1, flush_every)
+        self.num_lines = 0
+
+    def on_select(self, **decision: Any) -> None:
+        """Called by `Planner.select`: starts a record (writing the previous one if it had no observation)."""
+        if self._pending is not None:
+            self._write(self._pending)
+        self._pending = {**decision, **dict.fromkeys(_OBSERVATION_FIELDS)}
+
+    def on_observe(self, *, gamma: int, **observation: Any) -> None:
+        """Called by `Planner.observe`: completes the pending record and writes it."""
+        record = self._pending if self._pending is not None else {"decision": None, "gamma": None}
+        record.update(observed_gamma=gamma, **observation)
+        self._pending = None
+        self._write(record)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            raise RuntimeError(f"DecisionLogger for {self.path} is closed")
+        self._file.write(json.dumps(record) + "\n")
+        self.num_lines += 1
+        if self.num_lines % self._flush_every == 0:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is None:
+            return
+        if self._pending is not None:
+            self._write(self._pending)
+            self._pending = None
+        self._file.close()
+        self._file = None
+
+    def __enter__(self) -> DecisionLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_log(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a decision log, in order."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayResult:
+    logged_gammas: list[int | None]  # [num_records] γ the logged planner chose
+    replayed_gammas: list[int | None]  # [num_records] γ the replayed planner chose (None: observation only)
+    num_matching: int  # records where both agree
+
+    @property
+    def num_records(self) -> int:
+        return len(self.logged_gammas)
+
+    @property
+    def all_match(self) -> bool:
+        return self.num_matching == self.num_records
+
+
+def replay(path: str | Path, planner: Planner) -> ReplayResult:
+    """Feed a logged run through `planner`: each record's `select` inputs, then its logged observation.
+
+    The planner is asked for its own γ, but observes what the logged step actually did (counterfactual
+    rewards are unknown), so this reproduces the logged planner exactly when `planner` is a fresh planner of
+    the same spec, options and seed, and otherwise shows where another planner would have decided differently.
+    """
+    logged: list[int | None] = []
+    replayed: list[int | None] = []
+    for record in read_log(path):
+        chosen = None
+        if record.get("batch_size") is not None and record.get("decision") is not None:
+            chosen = planner.select(
+                record["batch_size"],
+                queue_len=record.get("queue_len", 0),
+                free_pages=record.get("free_pages"),
+                draft_on_device=record.get("draft_on_device", True),
+            )
+        if record.get("observed_gamma") is not None:
+            planner.observe(
+                record["observed_gamma"],
+                record["batch_size"],
+                record["num_tokens"],
+                record["seconds"],
+                record.get("switch_seconds", 0.0),
+            )
+        logged.append(record.get("gamma"))
+        replayed.append(chosen)
+    matching = sum(1 for a, b in zip(logged, replayed, strict=True) if a == b)
+    logger.info("replayed %d records from %s: %d match", len(logged), path, matching)
+    return ReplayResult(logged_gammas=logged, replayed_gammas=replayed, num_matching=matching)

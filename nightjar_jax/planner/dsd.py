@@ -1,0 +1,129 @@
+"""Goodput-model baseline in the style of SmartSpec / DSD: γ from measured acceptance and a latency model.
+
+Model (fitted online from `observe`):
+
+- **acceptance rate α**: one α for every draft position. With γ drafts, the expected committed tokens per
+  sequence per step is E(γ) = (1 - α^(γ+1)) / (1 - α) = 1 + α + ... + α^γ. α is the moment estimate: the α in
+  [0, 1] at which Σ_steps E(γ_step) equals the committed tokens per sequence observed over all γ > 0 steps
+  (solved by bisection; E is increasing in α).
+- **step latency** ≈ a + b·batch + c·batch·γ, least squares (tiny ridge) over all observed steps, with
+  seconds excluding `switch_seconds`.
+- **decision**: γ maximising batch·E(γ) / latency(batch, γ), the expected committed tokens per second.
+
+Until both fits exist it cycles γ = 0, 1, ..., γ_max for `warmup_steps` decisions (a latency model needs
+steps at several γ: with one γ the batch and batch·γ columns are collinear), then uses `default_gamma` until
+the least-squares system is well-posed. Switching costs are ignored, as in the original systems.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from nightjar_jax.planner.base import Planner, register_planner
+
+
+@dataclasses.dataclass(frozen=True)
+class DsdOptions:
+    default_gamma: int = 1  # γ before the models are fitted (clipped to gamma_max)
+    warmup_steps: int | None = None  # decisions cycling through all γ first; None: 2 * (gamma_max + 1)
+    ridge: float = 1e-9  # Tikhonov weight (relative to the data) for the latency least squares
+
+    def __post_init__(self) -> None:
+        if self.default_gamma < 0:
+            raise ValueError(f"default_gamma must be >= 0, got {self.default_gamma}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0 or None, got {self.warmup_steps}")
+        if not self.ridge >= 0:
+            raise ValueError(f"ridge must be >= 0, got {self.ridge}")
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected committed tokens per sequence with γ drafts at per-position acceptance α: Σ_{i=0..γ} α^i."""
+    return float(sum(alpha**i for i in range(gamma + 1)))
+
+
+@register_planner("dsd")
+class DsdPlanner(Planner):
+    """Pick γ maximising modelled goodput (SmartSpec/DSD style)."""
+
+    Options = DsdOptions
+
+    def __init__(self, gamma_max: int, options: DsdOptions | None = None, *, spec: str | None = None) -> None:
+        super().__init__(gamma_max, options, spec=spec)
+        self.steps_per_gamma = [0] * (gamma_max + 1)  # [num_arms] observed steps with γ
+        self.tokens_per_seq_sum = [0.0] * (gamma_max + 1)  # [num_arms] Σ committed tokens per sequence
+        self.gram = np.zeros((3, 3))  # [3, 3] Σ x xᵀ with x = (1, batch, batch·γ)
+        self.moment = np.zeros(3)  # [3] Σ x · seconds
+        self.warmup_steps = 2 * (gamma_max + 1) if self.options.warmup_steps is None else self.options.warmup_steps
+
+    # ------------------------------------------------------------------------------------------- models
+    def acceptance(self) -> float | None:
+        """Fitted α, or None without any γ > 0 observation."""
+        gammas = [g for g in range(1, self.gamma_max + 1) if self.steps_per_gamma[g] > 0]
+        if not gammas:
+            return None
+        target = sum(self.tokens_per_seq_sum[g] for g in gammas)
+
+        def excess(alpha: float) -> float:
+            return sum(self.steps_per_gamma[g] * expected_tokens(alpha, g) for g in gammas) - target
+
+        low, high = 0.0, 1.0
+        if excess(high) <= 0:
+            return 1.0
+        if excess(low) >= 0:
+            return 0.0
+        for _ in range(40):
+            mid = 0.5 * (low + high)
+            low, high = (mid, high) if excess(mid) < 0 else (low, mid)
+        return 0.5 * (low + high)
+
+    def latency_coefficients(self) -> np.ndarray | None:
+        """(a, b, c) of seconds ≈ a + b·batch + c·batch·γ, or None while under-determined."""
+        if np.linalg.matrix_rank(self.gram) < 3:
+            return None
+        regularised = self.gram + self.options.ridge * np.trace(self.gram) * np.eye(3)
+        return np.linalg.solve(regularised, self.moment)
+
+    # ------------------------------------------------------------------------------------------- planner
+    def _select(self, batch_size: int, *, queue_len: int, free_pages: int | None) -> int:
+        if self.num_decisions < self.warmup_steps:
+            return self.num_decisions % (self.gamma_max + 1)
+        alpha = self.acceptance()
+        coefficients = self.latency_coefficients()
+        if alpha is None or coefficients is None:
+            return min(self.options.default_gamma, self.gamma_max)
+        a, b, c = coefficients
+        best_gamma, best_rate = 0, -1.0
+        for gamma in range(self.gamma_max + 1):
+            latency = max(a + b * batch_size + c * batch_size * gamma, 1e-9)
+            rate = batch_size * expected_tokens(alpha, gamma) / latency
+            if rate > best_rate:
+                best_gamma, best_rate = gamma, rate
+        return best_gamma
+
+    def _observe(self, gamma: int, batch_size: int, num_tokens: int, seconds: float, switch_seconds: float) -> None:
+        step_seconds = seconds - switch_seconds
+        if step_seconds <= 0:
+            return
+        self.steps_per_gamma[gamma] += 1
+        self.tokens_per_seq_sum[gamma] += num_tokens / batch_size
+        x = np.array([1.0, batch_size, batch_size * gamma])
+        self.gram += np.outer(x, x)
+        self.moment += x * step_seconds
+
+    def _learned_state(self) -> dict[str, Any]:
+        return {
+            "steps_per_gamma": list(self.steps_per_gamma),
+            "tokens_per_seq_sum": list(self.tokens_per_seq_sum),
+            "gram": self.gram.tolist(),
+            "moment": self.moment.tolist(),
+        }
+
+    def _load_learned_state(self, learned: dict[str, Any]) -> None:
+        self.steps_per_gamma = [int(n) for n in learned["steps_per_gamma"]]
+        self.tokens_per_seq_sum = [float(s) for s in learned["tokens_per_seq_sum"]]
+        self.gram = np.array(learned["gram"], dtype=float)
+        self.moment = np.array(learned["moment"], dtype=float)

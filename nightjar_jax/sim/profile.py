@@ -1,0 +1,180 @@
+"""Cost profiles: what a decode step costs and how often drafts are accepted, as data.
+
+Vocabulary: a **cost surface** gives step seconds as a function of (batch size, γ, mean context length) on a
+measured **grid**; between grid points it is interpolated linearly (and extrapolated linearly beyond the batch
+and context ranges, clamped to stay positive). **Acceptance per position** α_i is the probability that draft
+token i is accepted given drafts 1..i-1 were (Nightjar, arXiv 2512.22420, §2). **Catch-up** is the draft prefill
+over tokens it skipped while γ = 0; **reload** moves the draft weights back from host memory.
+
+JSON schema (`schema: "nightjar-jax/cost-profile/v1"`):
+
+    kind                      "measured" or "synthetic-model" (a model, not a measurement)
+    label, notes, device, target, draft   free text
+    batch_sizes               [nb] increasing ints
+    gammas                    [ng] = 0..gamma_max
+    context_lengths           [nc] increasing ints (mean tokens per sequence in the batch)
+    step_seconds              [nb][ng][nc] seconds of one decode step (draft + verify for γ > 0)
+    acceptance_per_position   [gamma_max] α_1..α_γmax
+    prefill_seconds           {"fixed": s, "per_token": s}
+    catchup_seconds           {"fixed": s, "per_token": s}
+    reload_seconds            seconds to bring the draft back on device
+    kv_budget_pages, page_size, max_num_seqs   defaults for the simulator's memory and batch limits
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "nightjar-jax/cost-profile/v1"
+PROFILES_DIR = Path(__file__).parent / "profiles"
+DEFAULT_PROFILE = PROFILES_DIR / "synthetic_llama7b_llama68m_h200.json"
+
+
+def _axis_weights(axis: Sequence[float], x: float) -> tuple[int, float]:
+    """(i, t) with x ≈ axis[i] + t·(axis[i+1] - axis[i]); t outside [0, 1] extrapolates linearly."""
+    if len(axis) == 1:
+        return 0, 0.0
+    i = min(max(bisect.bisect_right(axis, x) - 1, 0), len(axis) - 2)
+    return i, (x - axis[i]) / (axis[i + 1] - axis[i])
+
+
+@dataclasses.dataclass(frozen=True)
+class CostProfile:
+    """Step cost surface and acceptance per position (see module docstring for the JSON schema)."""
+
+    batch_sizes: tuple[int, ...]
+    gammas: tuple[int, ...]
+    context_lengths: tuple[int, ...]
+    step_seconds_grid: tuple[tuple[tuple[float, ...], ...], ...]  # [nb][ng][nc]
+    acceptance_per_position: tuple[float, ...]  # [gamma_max]
+    prefill_fixed_seconds: float
+    prefill_seconds_per_token: float
+    catchup_fixed_seconds: float
+    catchup_seconds_per_token: float
+    reload_seconds: float = 0.0
+    kv_budget_pages: int = 10_000
+    page_size: int = 16
+    max_num_seqs: int = 256
+    kind: str = "measured"
+    label: str = ""
+    notes: str = ""
+    device: str = ""
+    target: str = ""
+    draft: str = ""
+
+    def __post_init__(self) -> None:
+        nb, ng, nc = len(self.batch_sizes), len(self.gammas), len(self.context_lengths)
+        if self.kind not in ("measured", "synthetic-model"):
+            raise ValueError(f"kind must be 'measured' or 'synthetic-model', got {self.kind!r}")
+        if list(self.gammas) != list(range(ng)):
+            raise ValueError(f"gammas must be 0..gamma_max, got {list(self.gammas)}")
+        for name, axis in (("batch_sizes", self.batch_sizes), ("context_lengths", self.context_lengths)):
+            if not axis or any(b <= a for a, b in zip(axis, axis[1:], strict=False)):
+                raise ValueError(f"{name} must be non-empty and strictly increasing, got {list(axis)}")
+        shape = (len(self.step_seconds_grid), *{len(row) for row in self.step_seconds_grid})
+        if shape != (nb, ng) or any(len(cell) != nc for row in self.step_seconds_grid for cell in row):
+            raise ValueError(f"step_seconds must have shape [{nb}][{ng}][{nc}] (batch, gamma, context)")
+        if any(not (s > 0) for row in self.step_seconds_grid for cell in row for s in cell):
+            raise ValueError("step_seconds must all be > 0")
+        if len(self.acceptance_per_position) != self.gamma_max:
+            raise ValueError(f"acceptance_per_position must have gamma_max={self.gamma_max} entries")
+        if any(not 0 <= a <= 1 for a in self.acceptance_per_position):
+            raise ValueError("acceptance_per_position entries must be in [0, 1]")
+
+    @property
+    def gamma_max(self) -> int:
+        return len(self.gammas) - 1
+
+    # ------------------------------------------------------------------------------------------- costs
+    def step_seconds(self, batch_size: int, gamma: int, mean_context: float) -> float:
+        """Seconds of one decode step (bilinear in batch and context on the grid; γ must be on the grid)."""
+        if not 0 <= gamma <= self.gamma_max:
+            raise ValueError(f"gamma must be in 0..{self.gamma_max} for this profile, got {gamma}")
+        ib, tb = _axis_weights(self.batch_sizes, batch_size)
+        ic, tc = _axis_weights(self.context_lengths, mean_context)
+        nb, nc = len(self.batch_sizes), len(self.context_lengths)
+
+        def at(i: int, j: int) -> float:
+            return self.step_seconds_grid[min(i, nb - 1)][gamma][min(j, nc - 1)]
+
+        low = at(ib, ic) + tc * (at(ib, ic + 1) - at(ib, ic))
+        high = at(ib + 1, ic) + tc * (at(ib + 1, ic + 1) - at(ib + 1, ic))
+        value = low + tb * (high - low)
+        return max(value, 0.25 * self.step_seconds_grid[0][gamma][0])  # extrapolation must stay positive
+
+    def prefill_seconds(self, num_tokens: int) -> float:
+        return self.prefill_fixed_seconds + self.prefill_seconds_per_token * num_tokens
+
+    def catchup_seconds(self, num_tokens: int) -> float:
+        """Draft catch-up over `num_tokens` skipped tokens (0 if none)."""
+        return self.catchup_fixed_seconds + self.catchup_seconds_per_token * num_tokens if num_tokens > 0 else 0.0
+
+    def expected_tokens(self, gamma: int) -> float:
+        """Expected committed tokens per sequence per step: 1 + Σ_i Π_{j<=i} α_j."""
+        total, survive = 1.0, 1.0
+        for alpha in self.acceptance_per_position[:gamma]:
+            survive *= alpha
+            total += survive
+        return total
+
+    # ------------------------------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "kind": self.kind,
+            "label": self.label,
+            "notes": self.notes,
+            "device": self.device,
+            "target": self.target,
+            "draft": self.draft,
+            "batch_sizes": list(self.batch_sizes),
+            "gammas": list(self.gammas),
+            "context_lengths": list(self.context_lengths),
+            "step_seconds": [[list(cell) for cell in row] for row in self.step_seconds_grid],
+            "acceptance_per_position": list(self.acceptance_per_position),
+            "prefill_seconds": {"fixed": self.prefill_fixed_seconds, "per_token": self.prefill_seconds_per_token},
+            "catchup_seconds": {"fixed": self.catchup_fixed_seconds, "per_token": self.catchup_seconds_per_token},
+            "reload_seconds": self.reload_seconds,
+            "kv_budget_pages": self.kv_budget_pages,
+            "page_size": self.page_size,
+            "max_num_seqs": self.max_num_seqs,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CostProfile:
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"not a cost profile: schema {data.get('schema')!r}, expected {SCHEMA!r}")
+        return cls(
+            batch_sizes=tuple(int(b) for b in data["batch_sizes"]),
+            gammas=tuple(int(g) for g in data["gammas"]),
+            context_lengths=tuple(int(c) for c in data["context_lengths"]),
+            step_seconds_grid=tuple(tuple(tuple(float(s) for s in cell) for cell in row) for row in data["step_seconds"]),
+            acceptance_per_position=tuple(float(a) for a in data["acceptance_per_position"]),
+            prefill_fixed_seconds=float(data["prefill_seconds"]["fixed"]),
+            prefill_seconds_per_token=float(data["prefill_seconds"]["per_token"]),
+            catchup_fixed_seconds=float(data["catchup_seconds"]["fixed"]),
+            catchup_seconds_per_token=float(data["catchup_seconds"]["per_token"]),
+            reload_seconds=float(data.get("reload_seconds", 0.0)),
+            kv_budget_pages=int(data.get("kv_budget_pages", 10_000)),
+            page_size=int(data.get("page_size", 16)),
+            max_num_seqs=int(data.get("max_num_seqs", 256)),
+            kind=data.get("kind", "measured"),
+            label=data.get("label", ""),
+            notes=data.get("notes", ""),
+            device=data.get("device", ""),
+            target=data.get("target", ""),
+            draft=data.get("draft", ""),
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path | None = None) -> CostProfile:
+        """Load a profile file (default: the checked-in synthetic llama-7b/llama-68m H200 model)."""
+        return cls.from_dict(json.loads(Path(path or DEFAULT_PROFILE).read_text()))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))

@@ -1,0 +1,153 @@
+"""Lossless verification of drafted tokens: speculative (rejection) sampling, and its greedy limit.
+
+Vocabulary (one verify step of one request)
+- **γ (gamma)**: the number of tokens the draft proposed this step.
+- **draft tokens** ``d_0 .. d_{γ-1}``: the draft model's proposals; ``q_i`` is the draft's *processed
+  distribution* at position i (the one ``d_i`` was drawn from, see ``nightjar_jax.engine.sampler``).
+- **target distribution** ``p_0 .. p_γ``: the target's processed distribution at the γ + 1 verified positions
+  (position i predicts the token after the prefix plus ``d_0 .. d_{i-1}``), with the *same* sampling parameters
+  as the draft. The output is distributed exactly as sampling from ``p`` token by token.
+- **accepted**: ``d_i`` is accepted while ``u_i < p_i(d_i) / q_i(d_i)``, ``u_i ~ U[0, 1)``. ``num_accepted`` is
+  the length of the accepted prefix, in [0, γ].
+- **recovered token**: at the first rejection i, a draw from the residual ``norm(max(p_i - q_i, 0))``.
+- **bonus token**: when all γ drafts are accepted, a free draw from ``p_γ``.
+- **committed tokens**: ``output[:num_accepted + 1]`` — the accepted drafts, then the recovered or bonus token.
+  Entries after ``num_accepted`` are :data:`PAD_TOKEN` (-1).
+
+Algorithm: Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", Alg. 1 and
+Appendix A.1 (proof that the output is distributed as p); Chen et al. 2023, "Accelerating Large Language Model
+Decoding with Speculative Sampling", Alg. 2. Greedy rows (temperature 0) use the exact limit case through
+``argmax``: accept while ``d_i == argmax p_i``, then commit ``argmax`` at the first mismatch (or the bonus).
+
+Randomness: the uniform ``u_i`` and the draw at position i come from ``fold_in(fold_in(k, i), 0)`` and
+``fold_in(fold_in(k, i), 1)`` with ``k = request_keys(st, salt)``, so results depend on the request's seed and
+step only, not on γ's padding or the batch.
+
+Worked example (γ = 3, greedy): drafts [5, 7, 2], target argmax per position [5, 7, 9, 4] -> d_0 and d_1 match,
+d_2 does not: num_accepted = 2, output = [5, 7, 9, -1] (three committed tokens).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from nightjar_jax.engine.sampler import (
+    SALT_DRAFT,
+    SALT_VERIFY,
+    SamplingTensors,
+    processed_logprobs,
+    request_keys,
+    sample_from_logprobs,
+)
+
+PAD_TOKEN = -1  # fills output positions after the committed tokens
+
+
+def _commit(draft_tokens: jax.Array, accepted: jax.Array, final_token: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Assembles the outputs from per-position acceptance.
+
+    draft_tokens: [B, γ] int32; accepted: [B, γ] bool; final_token: [B] int32 (recovered or bonus) or
+    [B, γ + 1] int32 (the candidate final token at every position; the one at num_accepted is used).
+    Returns output_tokens [B, γ + 1] int32 and num_accepted [B] int32.
+    """
+    batch, gamma = draft_tokens.shape
+    num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)  # [B] int32
+    position = jnp.arange(gamma + 1, dtype=jnp.int32)[None, :]  # [1, γ + 1] int32
+    padded_drafts = jnp.concatenate([draft_tokens, jnp.full((batch, 1), PAD_TOKEN, jnp.int32)], axis=1)
+    if final_token.ndim == 1:
+        final_token = jnp.broadcast_to(final_token[:, None], (batch, gamma + 1))
+    output = jnp.where(
+        position < num_accepted[:, None],
+        padded_drafts,
+        jnp.where(position == num_accepted[:, None], final_token, PAD_TOKEN),
+    )  # [B, γ + 1] int32
+    return output.astype(jnp.int32), num_accepted
+
+
+def greedy_verify(draft_tokens: jax.Array, target_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Verification when every row is greedy; needs no probability tensors.
+
+    draft_tokens: [B, γ] int32; target_logits: [B, γ + 1, V] f32.
+    Returns output_tokens [B, γ + 1] int32 (the target's argmax chain up to num_accepted, then -1) and
+    num_accepted [B] int32 in [0, γ].
+    """
+    draft_tokens = draft_tokens.astype(jnp.int32)
+    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, γ + 1] int32
+    accepted = draft_tokens == target_argmax[:, :-1]  # [B, γ] bool
+    return _commit(draft_tokens, accepted, target_argmax)
+
+
+def _residual_logprobs(p: jax.Array, q: jax.Array) -> jax.Array:
+    """log norm(max(p - q, 0)), falling back to log p where the residual has no mass (p == q).
+
+    p, q: [B, V] f32 probabilities. Returns [B, V] f32 (unnormalised logs are fine for categorical).
+    """
+    residual = jnp.maximum(p - q, 0.0)  # [B, V] f32
+    has_mass = jnp.sum(residual, axis=-1, keepdims=True) > 0  # [B, 1] bool
+    return jnp.log(jnp.where(has_mass, residual, p))
+
+
+def rejection_sample(
+    draft_tokens: jax.Array,
+    draft_probs: jax.Array,
+    target_probs: jax.Array,
+    st: SamplingTensors,
+    *,
+    salt: int = SALT_VERIFY,
+) -> tuple[jax.Array, jax.Array]:
+    """Speculative sampling (Leviathan et al. 2023, Alg. 1) for a batch.
+
+    draft_tokens: [B, γ] int32 tokens the draft proposed.
+    draft_probs: [B, γ, V] f32 the draft's processed distribution q at each drafted position.
+    target_probs: [B, γ + 1, V] f32 the target's processed distribution p (last position: bonus).
+    st: the batch's sampling tensors (temperature 0 rows are verified greedily via argmax of p).
+    Returns output_tokens [B, γ + 1] int32 (committed = output[:num_accepted + 1], the rest -1) and
+    num_accepted [B] int32 in [0, γ].
+    """
+    batch, gamma = draft_tokens.shape
+    draft_tokens = draft_tokens.astype(jnp.int32)
+    greedy = st.temperature == 0  # [B] bool
+    keys = request_keys(st, salt)  # [B] key
+    position_keys = jax.vmap(lambda k: jax.vmap(lambda i: jax.random.fold_in(k, i))(jnp.arange(gamma + 1)))(keys)
+    # position_keys: [B, γ + 1] key; stream 0 = acceptance uniform, stream 1 = recovered/bonus draw.
+    uniforms = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 0))))(position_keys[:, :gamma])
+    # uniforms: [B, γ] f32 in [0, 1)
+
+    p_draft = jnp.take_along_axis(target_probs[:, :gamma], draft_tokens[..., None], axis=-1)[..., 0]  # [B, γ] f32
+    q_draft = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]  # [B, γ] f32
+    # u < p/q written without the division: q(d) = 0 (never drawn) accepts iff p(d) > 0.
+    sampled_accept = uniforms * q_draft < p_draft  # [B, γ] bool
+    target_argmax = jnp.argmax(target_probs, axis=-1).astype(jnp.int32)  # [B, γ + 1] int32
+    greedy_accept = draft_tokens == target_argmax[:, :gamma]  # [B, γ] bool
+    accepted = jnp.where(greedy[:, None], greedy_accept, sampled_accept)  # [B, γ] bool
+    num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)  # [B] int32
+
+    # Only one final draw per row is ever used, so gather its position first and draw over [B, V], not
+    # [B, γ + 1, V]. At position γ (all accepted) there is no q: the residual with q = 0 is p itself (bonus).
+    rows = jnp.arange(batch)
+    p_final = target_probs[rows, num_accepted]  # [B, V] f32
+    if gamma == 0:  # static: nothing drafted, the bonus token alone
+        q_final = jnp.zeros_like(p_final)  # [B, V] f32
+    else:
+        q_final = jnp.where(
+            (num_accepted < gamma)[:, None], draft_probs[rows, jnp.minimum(num_accepted, gamma - 1)], 0.0
+        )  # [B, V] f32
+    final_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(position_keys[rows, num_accepted])  # [B] key
+    drawn = sample_from_logprobs(_residual_logprobs(p_final, q_final), final_keys)  # [B] int32
+    final_token = jnp.where(greedy, target_argmax[rows, num_accepted], drawn)  # [B] int32
+    return _commit(draft_tokens, accepted, final_token)
+
+
+def draft_sample(
+    logits: jax.Array, st: SamplingTensors, salt: int = SALT_DRAFT
+) -> tuple[jax.Array, jax.Array]:
+    """One draft step: logits [B, V] f32 -> (token [B] int32, probs [B, V] f32 the processed q).
+
+    Greedy rows: argmax and its one-hot. For draft position j of a step, pass ``st._replace(steps=st.steps + j)``
+    so every drafted position draws from its own stream.
+    """
+    log_probs = processed_logprobs(logits, st)  # [B, V] f32
+    drawn = sample_from_logprobs(log_probs, request_keys(st, salt))  # [B] int32
+    token = jnp.where(st.temperature == 0, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)  # [B] int32
+    return token, jnp.exp(log_probs)

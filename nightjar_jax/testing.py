@@ -1,0 +1,68 @@
+"""A fake model with hand-computable logits, for exact scheduler/engine/server tests (like JetStream's mock).
+
+The fake stores each token (and a presence flag) in the real paged KV cache and "attends" by summing what the
+block tables point to, so a lost, stale or misplaced page changes its output. Its next token after a prefix
+``t_0 .. t_{n-1}`` is :func:`fake_next_token`: ``(31 * sum(prefix) + n) % vocab_size``, as a one-hot logit of
+height 10 (greedy picks it; sampling at temperature 1 picks it with probability ~1).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from nightjar_jax.config import ModelConfig
+from nightjar_jax.engine.runner import ModelHandle
+from nightjar_jax.models.llama import BatchMetadata
+
+
+def fake_next_token(prefix: list[int], vocab_size: int, perturb: int = 0) -> int:
+    n = len(prefix)
+    return (31 * sum(prefix) + n + (perturb if n % 3 == 0 else 0)) % vocab_size
+
+
+def fake_greedy_continuation(prompt: list[int], num_tokens: int, vocab_size: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(num_tokens):
+        seq.append(fake_next_token(seq, vocab_size))
+    return seq[len(prompt):]
+
+
+def fake_model(
+    vocab_size: int = 97, max_len: int = 256, eos_token_id: int | None = None, perturb: int = 0
+) -> ModelHandle:
+    """A :class:`ModelHandle` whose logits follow :func:`fake_next_token`; works as target or draft.
+
+    A draft built with ``perturb != 0`` disagrees with the target whenever the prefix length is a multiple of 3,
+    so speculative steps see both acceptances and rejections."""
+    config = ModelConfig(
+        name="fake", vocab_size=vocab_size, hidden_size=2, intermediate_size=2, num_layers=1, num_heads=1,
+        num_kv_heads=1, max_position_embeddings=max_len,
+        eos_token_ids=() if eos_token_id is None else (eos_token_id,),
+    )
+
+    def hidden_fn(state, tokens, kv_cache, md: BatchMetadata):
+        (k_pages, v_pages), = kv_cache  # [1, num_pages, page_size, 2]
+        num_seqs, q_len = tokens.shape
+        page_size = k_pages.shape[2]
+        positions = md.context_lens[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]
+        valid = (positions >= 0) & (jnp.arange(q_len)[None, :] >= q_len - md.query_lens[:, None])
+        page_ids = jnp.where(valid, jnp.take_along_axis(md.block_tables, jnp.where(valid, positions // page_size, 0),
+                                                        axis=1), 0)
+        slots = jnp.where(valid, positions % page_size, 0)
+        value = jnp.stack([tokens.astype(jnp.float32), jnp.ones_like(tokens, jnp.float32)], axis=-1)
+        k_pages = k_pages.at[0, page_ids, slots].set(value)
+        keys = k_pages[0][md.block_tables].reshape(num_seqs, -1, 2)  # [S, max_pages * page_size, 2]
+        key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)
+        mask = (key_pos[None, None, :] <= positions[:, :, None]) & (positions >= 0)[:, :, None]  # [S, Q, K]
+        total = jnp.sum(jnp.where(mask, keys[:, None, :, 0], 0.0), axis=-1)
+        count = jnp.sum(jnp.where(mask, keys[:, None, :, 1], 0.0), axis=-1)
+        return jnp.stack([total, count], axis=-1), ((k_pages, v_pages),)
+
+    def logits_fn(state, hidden):
+        total = hidden[..., 0].astype(jnp.int32)
+        count = hidden[..., 1].astype(jnp.int32)
+        nxt = (31 * total + count + jnp.where(count % 3 == 0, perturb, 0)) % vocab_size
+        return jax.nn.one_hot(nxt, vocab_size, dtype=jnp.float32) * 10.0
+
+    return ModelHandle(config, None, {}, fns=(hidden_fn, logits_fn))

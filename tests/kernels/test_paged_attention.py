@@ -1,0 +1,201 @@
+"""Paged attention kernels vs the jnp reference, interpreted on CPU (tiny shapes).
+
+Coverage: fp32 / bf16; page sizes 4 / 8 / 16; GQA ratios 1, 2, 4, 8; q_len 1 (decode), 2..8 (verify, gamma + 1)
+and a 24-token prefill chunk tiled into several q blocks; context lengths 1, page boundary -1 / 0 / +1 and longer,
+mixed in one batch; context < q_len (left-padded ragged chunks); shuffled page ids; NaN in every slot a kernel
+must not read (see ``paged_cases.py``), with two tests showing that a stray read does turn into NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.paged_attention import kernel_gpu, layout, paged_attention, paged_attention_reference
+from tests.kernels.paged_cases import assert_close, make_case
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+def boundary_context_lens(page_size: int, q_len: int) -> list[int]:
+    """Length 1, the q_len minimum, both sides of the first two page boundaries, and a longer one."""
+    lens = [1, q_len, page_size - 1, page_size, page_size + 1, 2 * page_size - 1, 2 * page_size + 1, 3 * page_size + 2]
+    return sorted({max(n, 1) for n in lens})
+
+
+# (dtype, page_size, num_q_heads, num_kv_heads, q_len): GQA ratio = num_q_heads // num_kv_heads.
+DECODE_VERIFY_CASES = [
+    (F32, 4, 2, 2, 1),  # ratio 1 decode
+    (BF16, 4, 4, 2, 1),  # ratio 2 decode
+    (F32, 8, 8, 2, 4),  # ratio 4 verify (gamma 3)
+    (BF16, 8, 8, 1, 8),  # ratio 8 verify (gamma 7)
+    (F32, 16, 4, 4, 2),  # ratio 1 verify (gamma 1)
+    (BF16, 16, 8, 2, 5),  # ratio 4 verify (gamma 4)
+]
+
+
+def _case_id(case) -> str:
+    dtype, page_size, num_q_heads, num_kv_heads, q_len = case
+    return f"{jnp.dtype(dtype).name}-ps{page_size}-g{num_q_heads // num_kv_heads}-q{q_len}"
+
+
+def _check(case, **kwargs) -> None:
+    expected = paged_attention_reference(*case.args, scale=case.scale)
+    actual = paged_attention(*case.args, scale=case.scale, **kwargs)
+    assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("params", DECODE_VERIFY_CASES, ids=_case_id)
+def test_gpu_body_decode_and_verify(params):
+    dtype, page_size, num_q_heads, num_kv_heads, q_len = params
+    case = make_case(
+        boundary_context_lens(page_size, q_len),
+        q_len=q_len,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        page_size=page_size,
+        dtype=dtype,
+    )
+    _check(case, backend="gpu")
+
+
+@pytest.mark.parametrize("pages_per_block", [1, 2, 8])
+def test_gpu_body_pages_per_block(pages_per_block):
+    """max_pages_per_seq (5) is not a multiple of pages_per_block 2 or 8: the padded block-table tail is read."""
+    case = make_case([1, 3, 4, 5, 13], q_len=2, num_q_heads=4, num_kv_heads=2, page_size=4)
+    _check(case, backend="gpu", pages_per_block=pages_per_block, block_rows=16)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["float32", "bfloat16"])
+def test_gpu_body_prefill_chunks(dtype):
+    """24-token chunks, 3 q blocks of 8 queries x group 2; right-aligned ragged rows (context < q_len)."""
+    case = make_case([5, 24, 37, 50], q_len=24, num_q_heads=4, num_kv_heads=2, page_size=8, dtype=dtype)
+    _check(case, backend="gpu", block_rows=16, pages_per_block=2)
+
+
+@pytest.mark.parametrize(
+    "params, context_lens, tuning",
+    [
+        ((F32, 4, 4, 2, 1), [1, 3, 4, 5, 9], {}),
+        ((BF16, 8, 8, 2, 4), [2, 7, 8, 9, 17], {"pages_per_block": 1}),
+        ((F32, 8, 2, 2, 8), [8, 15, 16, 17], {"pages_per_block": 2}),
+        ((F32, 8, 4, 1, 20), [6, 20, 33], {"block_rows": 16, "pages_per_block": 2}),  # prefill, 5 q blocks
+    ],
+    ids=["decode-g2", "verify-g4-bf16", "verify-q8", "prefill-g4"],
+)
+def test_tpu_body_interpreted(params, context_lens, tuning):
+    """The Mosaic TPU body (scalar-prefetched block tables) under the TPU interpreter on CPU."""
+    dtype, page_size, num_q_heads, num_kv_heads, q_len = params
+    case = make_case(
+        context_lens,
+        q_len=q_len,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        page_size=page_size,
+        dtype=dtype,
+    )
+    _check(case, backend="tpu", interpret=True, **tuning)
+
+
+def test_auto_backend_under_jit():
+    """The model calls the kernel inside its own jit, with backend="auto" (interpreted GPU body on CPU)."""
+    case = make_case([3, 9], q_len=3, num_q_heads=4, num_kv_heads=2, page_size=4)
+    expected = paged_attention_reference(*case.args, scale=case.scale)
+    actual = jax.jit(functools.partial(paged_attention, scale=case.scale))(*case.args)
+    assert_close(actual, expected)
+
+
+def test_nan_fill_catches_reading_one_slot_past_the_context():
+    """Claiming one more token than was written makes the kernel read a NaN slot: the NaN fill is in place."""
+    case = make_case([3, 4, 8], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
+    out = paged_attention(*case.args[:4], case.context_lens + 1, scale=case.scale, backend="gpu")
+    assert np.isnan(np.asarray(out)).all(axis=(1, 2, 3)).all()
+
+
+def test_nan_fill_catches_masking_values_by_multiply(monkeypatch):
+    """A body that zeroes past-context values by multiplying (0 * nan = nan) instead of selecting must fail."""
+
+    def broken_step(q, k, v, key_pos_row, key_pos_col, *args, **kwargs):
+        v = v * (key_pos_col < args[1]).astype(v.dtype)  # args[1] is context_len
+        return unmasked_step(q, k, v, key_pos_row, jnp.full_like(key_pos_col, -1), *args, **kwargs)
+
+    unmasked_step = layout.online_softmax_step
+    monkeypatch.setattr(kernel_gpu, "online_softmax_step", broken_step)
+    case = make_case([3, 9], q_len=2, num_q_heads=2, num_kv_heads=1, page_size=4)
+    # __wrapped__: trace afresh instead of reusing the jit cache entry of the correct body.
+    out = kernel_gpu.paged_attention_gpu.__wrapped__(*case.args, scale=case.scale, interpret=True)
+    assert np.isnan(np.asarray(out)).any()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: {**a, "q": a["q"][0]}, "q must be"),
+        (lambda a: {**a, "q": a["q"].astype(jnp.float16)}, "q dtype"),
+        (lambda a: {**a, "k_pages": a["k_pages"].astype(BF16)}, "share a dtype"),
+        (lambda a: {**a, "v_pages": a["v_pages"][:, :1]}, "v_pages shape"),
+        (
+            lambda a: {
+                **a,
+                "q": jnp.zeros((2, 1, 3, 16)),
+                "k_pages": jnp.concatenate([a["k_pages"]] * 2),
+                "v_pages": jnp.concatenate([a["v_pages"]] * 2),
+            },
+            "multiple of num_kv_heads",
+        ),
+        (
+            lambda a: {
+                **a,
+                "block_tables": a["block_tables"].astype(jnp.int64 if jax.config.x64_enabled else jnp.int16),
+            },
+            "block_tables dtype",
+        ),
+        (lambda a: {**a, "block_tables": a["block_tables"][:1]}, "block_tables must be"),
+        (lambda a: {**a, "context_lens": a["context_lens"][:, None]}, "context_lens must be"),
+        (lambda a: {**a, "backend": "cuda"}, "backend="),
+        (lambda a: {**a, "pages_per_blok": 2}, "unknown tuning"),
+        (lambda a: {**a, "backend": "gpu", "interpret": False, "pages_per_block": 3}, "power of two"),
+    ],
+)
+def test_wrapper_rejects_bad_inputs(change, message):
+    case = make_case([3, 5], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
+    names = ("q", "k_pages", "v_pages", "block_tables", "context_lens")
+    kwargs = change(dict(zip(names, case.args, strict=True)))
+    with pytest.raises(ValueError, match=message):
+        paged_attention(**kwargs, scale=case.scale)
+
+
+def _lower_for(platform: str, body, **kwargs) -> str:
+    """Lower (not run) a compiled body for ``platform`` from this CPU host; returns the StableHLO text."""
+    from jax import export
+
+    dtype = BF16
+    shapes = [
+        jax.ShapeDtypeStruct((4, 4, 32, 128), dtype),  # q: llama-3-8b-like GQA 32 / 8, verify gamma 3
+        jax.ShapeDtypeStruct((8, 64, 16, 128), dtype),  # k_pages
+        jax.ShapeDtypeStruct((8, 64, 16, 128), dtype),  # v_pages
+        jax.ShapeDtypeStruct((4, 16), jnp.int32),  # block_tables
+        jax.ShapeDtypeStruct((4,), jnp.int32),  # context_lens
+    ]
+    fn = jax.jit(functools.partial(body, scale=128**-0.5, interpret=False, **kwargs))
+    # The Triton custom call has no serialisation-compatibility guarantee; we only want the lowering.
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    return export.export(fn, platforms=[platform], disabled_checks=checks)(*shapes).mlir_module()
+
+
+def test_gpu_body_lowers_to_triton():
+    """Runs the Pallas -> Triton IR lowering on CPU (needs jaxlib's Triton bindings); Triton compile is not run."""
+    text = _lower_for("cuda", kernel_gpu.paged_attention_gpu)
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def test_tpu_body_lowers_to_mosaic():
+    """Runs the Pallas -> Mosaic lowering on CPU; Mosaic's own TPU compile passes (layouts) are not run."""
+    from kernels_pallas.paged_attention import kernel_tpu
+
+    text = _lower_for("tpu", kernel_tpu.paged_attention_tpu)
+    assert "tpu_custom_call" in text
