@@ -70,8 +70,8 @@ def _validate(q, k_pages, v_pages, block_tables, context_lens, scale) -> None:
     for name, array in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
         if array.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{name} dtype {array.dtype} is not supported; allowed: float32, bfloat16")
-    if not q.dtype == k_pages.dtype == v_pages.dtype:
-        raise ValueError(f"q, k_pages, v_pages must share a dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages and v_pages must share a dtype, got {k_pages.dtype} and {v_pages.dtype}")
     num_seqs, _, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     if k_pages.shape[3] != head_dim:
@@ -115,8 +115,8 @@ def _validate_tuning(tuning: dict, defaults: dict, backend: str, page_size: int,
 
 def paged_attention(
     q: jax.Array,  # [num_seqs, q_len, num_q_heads, head_dim] float32 | bfloat16
-    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim], dtype of q
-    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim], dtype of q
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim] float32 | bfloat16
+    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim], dtype of k_pages
     block_tables: jax.Array,  # [num_seqs, max_pages_per_seq] int32
     context_lens: jax.Array,  # [num_seqs] int32, including the q_len new tokens
     *,
@@ -127,6 +127,9 @@ def paged_attention(
 ) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim], dtype of q
     """Paged multi-query causal attention with GQA; same contract as ``paged_attention_reference``.
 
+    If q's dtype differs from the pages' dtype, q is cast to the pages' dtype for the matmuls and the output is
+    returned in q's dtype.
+
     backend: "gpu" (Pallas Triton body), "tpu" (Mosaic TPU body) or "auto" (TPU body on TPU, GPU body elsewhere).
     interpret: None -> interpret exactly when running on CPU. With backend="tpu", ``interpret=True`` uses the TPU
       interpreter (``pltpu.InterpretParams()``), which models SMEM scalar prefetch and the page DMAs.
@@ -135,20 +138,25 @@ def paged_attention(
     """
     _validate(q, k_pages, v_pages, block_tables, context_lens, scale)
     backend = _resolve_backend(backend)
+    out_dtype = q.dtype
+    # The matmuls take one input dtype; casting q (small) beats casting the page pool (large).
+    q = q.astype(k_pages.dtype)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     page_size, head_dim = k_pages.shape[2], k_pages.shape[3]
     if backend == "gpu":
         params = _validate_tuning(tuning, GPU_TUNING_DEFAULTS, backend, page_size, head_dim, not interpret)
-        return paged_attention_gpu(
+        out = paged_attention_gpu(
             q, k_pages, v_pages, block_tables, context_lens, scale=float(scale), interpret=bool(interpret), **params
         )
+        return out.astype(out_dtype)
     params = _validate_tuning(tuning, TPU_TUNING_DEFAULTS, backend, page_size, head_dim, not interpret)
     tpu_interpret = False
     if interpret:
         from jax.experimental.pallas import tpu as pltpu
 
         tpu_interpret = pltpu.InterpretParams()
-    return paged_attention_tpu(
+    out = paged_attention_tpu(
         q, k_pages, v_pages, block_tables, context_lens, scale=float(scale), interpret=tpu_interpret, **params
     )
+    return out.astype(out_dtype)

@@ -297,7 +297,7 @@ class LLMEngine:
             s.catchup_seconds += result.catchup_seconds
         switch = result.catchup_seconds if (self._prev_gamma == 0 and result.gamma > 0) else 0.0
         if self.draft is not None:
-            self.planner.observe(result.gamma, batch.num_seqs, committed, seconds - switch, switch_seconds=switch)
+            self.planner.observe(result.gamma, batch.num_seqs, committed, seconds, switch_seconds=min(switch, seconds))
         self._prev_gamma = result.gamma
         if self.record_steps:
             s.step_log.append(dict(

@@ -297,7 +297,7 @@ def make_planner(
 
 def _check_int(field: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:
     # numbers.Integral admits numpy integers, which engines and simulators pass around.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         raise ValueError(f"{field} must be an int, got {value!r}")
     if value < minimum or (maximum is not None and value > maximum):
         allowed = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"

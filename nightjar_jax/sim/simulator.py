@@ -21,6 +21,7 @@ and decode steps are not mixed (vLLM v0 style, prefill first), the draft is alwa
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import logging
@@ -87,6 +88,7 @@ class SimResult:
     num_switches: int
     num_preemptions: int
     switch_seconds: float
+    busy_seconds: float  # time spent in prefill and decode steps (including switches)
     gamma_counts: dict[int, int]
     phase_names: list[str]
     phase_tokens: list[int]  # [num_phases] tokens committed in steps that started in the phase
@@ -96,7 +98,13 @@ class SimResult:
 
     @property
     def throughput(self) -> float:
+        """Output tokens per wall second, first arrival to last finish (arrival-limited when not saturated)."""
         return self.total_tokens / self.makespan_seconds
+
+    @property
+    def busy_throughput(self) -> float:
+        """Output tokens per busy second: the device time the policy needed to serve the trace."""
+        return self.total_tokens / self.busy_seconds
 
     def phase_throughput(self) -> list[float]:
         return [t / s if s > 0 else 0.0 for t, s in zip(self.phase_tokens, self.phase_seconds, strict=True)]
@@ -108,6 +116,8 @@ class SimResult:
             "total_tokens": self.total_tokens,
             "makespan_seconds": self.makespan_seconds,
             "throughput_tokens_per_second": self.throughput,
+            "busy_seconds": self.busy_seconds,
+            "tokens_per_busy_second": self.busy_throughput,
             "mean_latency_seconds": float(self.latencies.mean()),
             "p90_latency_seconds": float(np.percentile(self.latencies, 90)),
             "mean_ttft_seconds": float(self.ttfts.mean()),
@@ -177,8 +187,9 @@ class Simulator:
         t = float(arrival[0]) if n_req else 0.0
         next_arrival = 0
         decode_steps = prefill_steps = preemptions = num_done = 0
-        switch_total = 0.0
+        switch_total = busy = 0.0
         clock = getattr(planner, "set_clock", None)
+        phase_ends = [float(e) for e in trace.phase_ends[:-1]]  # phase i ends at phase_ends[i]
 
         def pages(tokens: np.ndarray | int) -> np.ndarray | int:
             return -(-(tokens + lookahead) // self.page_size)
@@ -191,7 +202,7 @@ class Simulator:
                 t = float(arrival[next_arrival])
                 continue
             used = int(pages(ctx[:n]).sum()) if n else 0
-            phase = trace.phase_at(t)
+            phase = bisect.bisect_right(phase_ends, t)
             # ---- prefill step: admit FIFO while slots, pages and the prefill token budget allow
             admitted, prefill_tokens = [], 0
             while waiting and n + len(admitted) < capacity:
@@ -206,6 +217,7 @@ class Simulator:
                 prefill_tokens += tokens
             if admitted:
                 t += profile.prefill_seconds(prefill_tokens)
+                busy += profile.prefill_seconds(prefill_tokens)
                 prefill_steps += 1
                 for r, done in admitted:
                     req[n], gen[n], lag[n] = r, max(done, 1), 0
@@ -247,6 +259,7 @@ class Simulator:
             ctx[:n] += committed
             num_tokens = int(committed.sum())
             t += step + switch
+            busy += step + switch
             planner.observe(gamma, batch, num_tokens, step + switch, switch)
             decode_steps += 1
             switch_total += switch
@@ -280,6 +293,7 @@ class Simulator:
             num_switches=planner.num_switches,
             num_preemptions=preemptions,
             switch_seconds=switch_total,
+            busy_seconds=busy,
             gamma_counts=dict(gamma_counts),
             phase_names=[p.name for p in trace.phases],
             phase_tokens=phase_tokens,

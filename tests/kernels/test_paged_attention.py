@@ -101,6 +101,16 @@ def test_tpu_body_interpreted(params, context_lens, tuning):
     _check(case, backend="tpu", interpret=True, **tuning)
 
 
+def test_q_dtype_differs_from_pages():
+    """fp32 q over a bf16 pool: q is cast to bf16 for the kernel, the output comes back fp32."""
+    case = make_case([5, 9], q_len=2, num_q_heads=4, num_kv_heads=2, page_size=4, dtype=BF16)
+    q = case.q.astype(F32)
+    expected = paged_attention_reference(case.q, *case.args[1:], scale=case.scale).astype(F32)
+    actual = paged_attention(q, *case.args[1:], scale=case.scale)
+    assert actual.dtype == F32
+    assert_close(actual.astype(BF16), expected.astype(BF16))
+
+
 def test_auto_backend_under_jit():
     """The model calls the kernel inside its own jit, with backend="auto" (interpreted GPU body on CPU)."""
     case = make_case([3, 9], q_len=3, num_q_heads=4, num_kv_heads=2, page_size=4)
@@ -136,7 +146,7 @@ def test_nan_fill_catches_masking_values_by_multiply(monkeypatch):
     [
         (lambda a: {**a, "q": a["q"][0]}, "q must be"),
         (lambda a: {**a, "q": a["q"].astype(jnp.float16)}, "q dtype"),
-        (lambda a: {**a, "k_pages": a["k_pages"].astype(BF16)}, "share a dtype"),
+        (lambda a: {**a, "k_pages": a["k_pages"].astype(BF16)}, "k_pages and v_pages must share a dtype"),
         (lambda a: {**a, "v_pages": a["v_pages"][:, :1]}, "v_pages shape"),
         (
             lambda a: {

@@ -1,0 +1,130 @@
+"""Run every planner on dynamic traces in the simulator and print a comparison table (issue 6).
+
+    python scripts/sim_planners.py --out results.json
+
+Planners: ar, static:1..γmax, banditspec, dsd, table, nightjar (cold start), nightjar+warm (its state after
+one run on a different-seed trace of the same preset, loaded through to_json/from_json: "the second day"),
+and two best-in-hindsight oracles built from the static runs (per phase, per phase × batch bucket).
+Metrics: tok/s = output tokens / (first arrival .. last finish), which is arrival-limited (nearly equal for all
+planners) whenever the system keeps up; tok/busy-s = output tokens / device-busy seconds (what the policy costs
+to serve the trace); per-phase tok/s of wall time (a saturated phase shows capacity); request latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nightjar_jax.planner import Planner, make_planner  # noqa: E402
+from nightjar_jax.sim import (  # noqa: E402
+    PRESETS,
+    CostProfile,
+    SimConfig,
+    Simulator,
+    build_oracles,
+    low_burst_low,
+    make_trace,
+    oscillating,
+)
+
+
+def preset_phases(preset: str, phase_seconds: float):
+    if preset == "low-burst-low":
+        return low_burst_low(seconds=phase_seconds)
+    if preset == "oscillating":
+        return oscillating(period_seconds=2 * phase_seconds)
+    return PRESETS[preset]()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", default=None, help="cost profile JSON (default: the synthetic model)")
+    parser.add_argument("--presets", default="low-burst-low,oscillating", help="comma-separated workload presets")
+    parser.add_argument("--gamma-max", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write all results as JSON here")
+    parser.add_argument("--phase-seconds", type=float, default=60.0, help="length of each load phase")
+    args = parser.parse_args()
+
+    profile = CostProfile.from_json(args.profile)
+    config = SimConfig(gamma_max=args.gamma_max, seed=args.seed)
+    print(f"profile: {profile.label} [kind={profile.kind}]")
+    report: dict = {"profile": profile.label, "profile_kind": profile.kind, "gamma_max": args.gamma_max, "runs": {}}
+    all_ok = True
+    for preset in args.presets.split(","):
+        started = time.perf_counter()
+        trace = make_trace(preset_phases(preset, args.phase_seconds), seed=args.seed)
+        simulator = Simulator(trace, profile, config)
+        results = {}
+        statics = {0: "ar", **{g: f"static:{g}" for g in range(1, args.gamma_max + 1)}}
+        for spec in [*statics.values(), "banditspec", "dsd", "table", "nightjar"]:
+            results[spec] = simulator.run(make_planner(spec, args.gamma_max))
+        # Warm start: learn on another day's trace of the same shape, save, load, then run this trace.
+        warmup = Simulator(make_trace(preset_phases(preset, args.phase_seconds), seed=args.seed + 1000), profile, config)
+        learner = make_planner("nightjar", args.gamma_max)
+        warmup.run(learner)
+        results["nightjar+warm"] = simulator.run(Planner.from_json(learner.to_json()), name="nightjar+warm")
+        static_results = {g: results[s] for g, s in statics.items()}
+        for oracle in build_oracles(static_results, trace, config.bucket_edges, args.gamma_max):
+            results[oracle.spec] = simulator.run(oracle)
+        elapsed = time.perf_counter() - started
+
+        best_static = max(statics.values(), key=lambda s: results[s].busy_throughput)
+        oracle = results["oracle:phase"]
+        phases = trace.phases
+        print(f"\n### {preset}: {trace.num_requests} requests, {int(trace.output_lengths.sum())} output tokens, "
+              f"phases {[f'{p.name} {p.duration_seconds:g}s@{p.rate_per_second:g}/s' for p in phases]} "
+              f"({elapsed:.0f} s to simulate)\n")
+        header = (
+            "| planner | tok/s | tok/busy-s | vs best static | vs oracle:phase | mean lat s | p90 lat s | "
+            + " | ".join(f"{p.name} tok/s" for p in phases)
+            + " | switches | γ histogram |"
+        )
+        print(header)
+        print("|" + "---|" * (header.count("|") - 1))
+        for spec, result in results.items():
+            s = result.summary()
+            histogram = " ".join(f"{g}:{n}" for g, n in sorted(result.gamma_counts.items()))
+            print(
+                f"| {spec} | {result.throughput:.0f} | {result.busy_throughput:.0f} | "
+                f"{result.busy_throughput / results[best_static].busy_throughput - 1:+.2%} | "
+                f"{result.busy_throughput / oracle.busy_throughput - 1:+.2%} | {s['mean_latency_seconds']:.2f} | "
+                f"{s['p90_latency_seconds']:.2f} | "
+                + " | ".join(f"{x:.0f}" for x in result.phase_throughput())
+                + f" | {result.num_switches} | {histogram} |"
+            )
+        checks = {}
+        for spec in ("nightjar", "nightjar+warm"):
+            r = results[spec]
+            checks[spec] = {
+                "tok/busy-s >= every static": all(r.busy_throughput >= results[s].busy_throughput for s in statics.values()),
+                "tok/busy-s within 5% of oracle:phase": r.busy_throughput >= 0.95 * oracle.busy_throughput,
+                "wall tok/s within 0.5% of every static": all(
+                    r.throughput >= 0.995 * results[s].throughput for s in statics.values()
+                ),
+                "every phase within 5% of oracle:phase": all(
+                    a >= 0.95 * b for a, b in zip(r.phase_throughput(), oracle.phase_throughput(), strict=True)
+                ),
+                "mean latency <= best static's": r.latencies.mean() <= min(results[s].latencies.mean() for s in statics.values()),
+            }
+            print(f"\n{spec}: " + "; ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in checks[spec].items()))
+        all_ok &= all(checks["nightjar"].values())
+        report["runs"][preset] = {
+            "phases": [vars(p) for p in phases],
+            "results": {spec: r.summary() for spec, r in results.items()},
+            "checks": checks,
+            "seconds_to_simulate": elapsed,
+        }
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(f"\nwrote {args.out}")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

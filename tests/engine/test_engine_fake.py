@@ -1,0 +1,115 @@
+"""Engine behaviour on the fake model of known logits: exact tokens under chunking, preemption, abort, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import VOCAB, fake_engine, greedy, run_all
+from nightjar_jax.testing import fake_greedy_continuation
+
+PROMPTS = [[5, 6, 7], list(range(1, 21)), [42], [3, 3], list(range(30, 43))]
+
+
+def expected(prompt, n):
+    return fake_greedy_continuation(prompt, n, VOCAB)
+
+
+@pytest.mark.parametrize("budget", [64, 16, 5])
+def test_chunked_prefill_gives_exact_tokens(budget):
+    eng = fake_engine(max_num_batched_tokens=budget)
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, greedy(12), request_id=str(i))
+    done = run_all(eng)
+    assert {k: v for k, v in done.items()} == {str(i): expected(p, 12) for i, p in enumerate(PROMPTS)}
+    assert eng.num_free_pages == eng.num_total_pages
+
+
+def test_admission_order_is_fcfs_with_slot_limit():
+    eng = fake_engine(max_num_seqs=2)
+    for i, p in enumerate(PROMPTS):
+        if len(p) > 1:  # a 1-token prompt needs no prefill: its first token comes from a decode step
+            eng.add_request(p, greedy(4), request_id=str(i))
+    first_token_order = []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if len(out.outputs[0].token_ids) == 1 and out.outputs[0].delta_token_ids:
+                first_token_order.append(out.request_id)
+    assert first_token_order == ["0", "1", "3", "4"]
+
+
+def test_preemption_and_resume_give_the_same_tokens():
+    # 12 usable pages of 4 tokens for 5 requests growing to ~40 tokens each forces preemptions.
+    eng = fake_engine(num_pages=13, max_num_seqs=5)
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, greedy(24), request_id=str(i))
+    done = run_all(eng)
+    assert eng.stats.num_preemptions > 0
+    assert done == {str(i): expected(p, 24) for i, p in enumerate(PROMPTS)}
+    assert eng.num_free_pages == eng.num_total_pages
+
+
+def test_abort_frees_pages_at_once_and_others_continue():
+    eng = fake_engine()
+    for i, p in enumerate(PROMPTS[:3]):
+        eng.add_request(p, greedy(20), request_id=str(i))
+    for _ in range(4):
+        eng.step()
+    used_before = eng.num_total_pages - eng.num_free_pages
+    out = eng.abort_request("1")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert eng.num_total_pages - eng.num_free_pages < used_before
+    done = run_all(eng)
+    assert done == {"0": expected(PROMPTS[0], 20), "2": expected(PROMPTS[2], 20)}
+    assert eng.num_free_pages == eng.num_total_pages
+    assert eng.abort_request("1") is None  # already gone: no error
+
+
+def test_stop_conditions_eos_stop_ids_max_tokens_and_context_limit():
+    cont = expected(PROMPTS[0], 10)
+    eng = fake_engine(eos=cont[3])
+    eng.add_request(PROMPTS[0], greedy(10), request_id="eos")
+    eng.add_request(PROMPTS[0], greedy(10, ignore_eos=True), request_id="ignore")
+    eng.add_request(PROMPTS[0], greedy(10, stop_token_ids=[cont[1]]), request_id="stopid")
+    done = run_all(eng)
+    assert done["eos"] == cont[:4] and done["stopid"] == cont[:2] and done["ignore"] == cont
+    eng = fake_engine(max_model_len=10)
+    eng.add_request(PROMPTS[0], greedy(100), request_id="ctx")
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 7
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([], greedy(4), "empty"),
+        ([1, VOCAB + 5], greedy(4), r"\[0, 97\)"),
+        ([1] * 300, greedy(4), "context limit"),
+        ("text", greedy(4), "no tokenizer"),
+        (3.5, greedy(4), "must be a string"),
+    ],
+)
+def test_bad_requests_are_rejected_alone(prompt, params, match):
+    eng = fake_engine(max_model_len=256)
+    eng.add_request(PROMPTS[0], greedy(5), request_id="good")
+    with pytest.raises(ValueError, match=match):
+        eng.add_request(prompt, params)
+    assert run_all(eng) == {"good": expected(PROMPTS[0], 5)}
+    assert eng.num_free_pages == eng.num_total_pages
+
+
+def test_prompt_larger_than_pool_is_rejected():
+    eng = fake_engine(num_pages=4, max_model_len=256)  # 3 usable pages = 12 tokens
+    with pytest.raises(ValueError, match="whole KV pool"):
+        eng.add_request(list(range(1, 20)), greedy(2))
+
+
+def test_bad_sampling_values_raise_with_field_names():
+    from nightjar_jax.engine.sampling_params import SamplingParams
+
+    for kwargs, field in [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
+                          ({"top_p": 0}, "top_p"), ({"top_k": -3}, "top_k"), ({"min_p": 1.5}, "min_p"),
+                          ({"n": 0}, "n")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)

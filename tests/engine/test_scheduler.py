@@ -1,0 +1,96 @@
+"""Scheduler and allocator (host side, no JAX): admission, chunking, preemption, abort, page accounting."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from nightjar_jax.cache.allocator import OutOfPagesError, PageAllocator
+from nightjar_jax.config import SchedulerConfig
+from nightjar_jax.engine.request import FinishReason, Request
+from nightjar_jax.engine.sampling_params import SamplingParams
+from nightjar_jax.engine.scheduler import Scheduler
+
+
+def make(num_pages=16, page_size=4, max_num_seqs=4, budget=8, max_len=128):
+    alloc = PageAllocator(num_pages, page_size)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), alloc, max_len), alloc
+
+
+def req(rid, n):
+    return Request(rid, list(range(1, n + 1)), SamplingParams(temperature=0), seed=0)
+
+
+def test_allocator_reserves_page_zero_and_detects_double_free():
+    alloc = PageAllocator(5, 4)
+    pages = alloc.allocate(4)
+    assert sorted(pages) == [1, 2, 3, 4] and alloc.num_free == 0
+    with pytest.raises(OutOfPagesError):
+        alloc.allocate(1)
+    alloc.free(pages[:2])
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.free(pages[:1])
+    with pytest.raises(ValueError, match="page 0"):
+        alloc.free([0])
+
+
+def test_fcfs_admission_and_chunked_prefill_budget():
+    sched, alloc = make(budget=8)
+    a, b, c = req("a", 5), req("b", 6), req("c", 3)
+    for r in (a, b, c):
+        sched.add(r)
+    batch = sched.schedule()
+    assert batch.kind == "prefill"
+    assert [r.request_id for r in batch.requests] == ["a", "b"] and batch.num_new_tokens == [5, 3]
+    a.num_computed, b.num_computed = 5, 3
+    batch = sched.schedule()  # b continues first (already running), then c is admitted
+    assert [r.request_id for r in batch.requests] == ["b", "c"] and batch.num_new_tokens == [3, 3]
+
+
+def test_admission_waits_for_pages_and_slots():
+    sched, alloc = make(num_pages=5, page_size=4, max_num_seqs=1, budget=64)
+    a, b = req("a", 8), req("b", 2)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert [r.request_id for r in batch.requests] == ["a"]  # one slot only
+    assert len(a.block_table) == 3  # pages for 8 prompt tokens + 1
+    assert list(sched.waiting) == [b]
+
+
+def test_decode_preempts_latest_and_requeues_at_front():
+    sched, alloc = make(num_pages=5, page_size=4, budget=64)  # 4 usable pages
+    a, b = req("a", 4), req("b", 4)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    a.num_computed = b.num_computed = 4
+    a.output_token_ids = [9]
+    b.output_token_ids = [9]  # both now 5 tokens, 2 pages each: pool full
+    assert alloc.num_free == 0
+    a.output_token_ids += [9, 9, 9, 9]  # a needs a third page for its next decode
+    a.num_computed = a.num_tokens - 1
+    b.num_computed = b.num_tokens - 1
+    batch = sched.schedule(lookahead=0)
+    assert batch.kind == "decode" and [r.request_id for r in batch.requests] == ["a"]
+    assert [r.request_id for r in batch.preempted] == ["b"]
+    assert sched.waiting[0] is b and b.num_computed == 0 and b.block_table == []
+
+
+def test_finish_frees_pages_from_any_queue():
+    sched, alloc = make()
+    a, b = req("a", 5), req("b", 5)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    sched.finish(a, FinishReason.ABORT)
+    sched.finish(b, FinishReason.ABORT)
+    assert alloc.num_free == alloc.num_usable and not sched.has_unfinished()
+
+
+def test_host_scheduler_imports_no_jax():
+    import subprocess
+
+    code = "import sys; import nightjar_jax.engine.scheduler, nightjar_jax.cache.allocator; assert 'jax' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

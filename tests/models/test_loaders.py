@@ -1,0 +1,249 @@
+"""Checkpoint loaders: format round trips (orbax, GGUF, llama2.c), dummy weights, and clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from nightjar_jax.config import ModelConfig
+from nightjar_jax.models.hf import write_safetensors
+from nightjar_jax.models.llama import random_state
+from nightjar_jax.models.llama2c import rotate_half_to_interleaved
+from nightjar_jax.models.loader import ASSETS_DIR, load_checkpoint, load_model
+from nightjar_jax.models.orbax_io import save_orbax, state_to_hf
+
+STORIES = ASSETS_DIR / "stories260K"
+TINY = ModelConfig(vocab_size=512, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                   max_position_embeddings=128, name="tiny")
+
+
+def _hf_config(cfg: ModelConfig, **overrides) -> dict:
+    d = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=cfg.vocab_size,
+             hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+             num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, rms_norm_eps=cfg.rms_norm_eps,
+             tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_position_embeddings,
+             bos_token_id=1, eos_token_id=[2, 3], dtype="float32")
+    d.update(overrides)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_weights() -> dict[str, np.ndarray]:
+    _, state = random_state(TINY, seed=3)
+    return state_to_hf(TINY, state)
+
+
+def _write_hf(folder: Path, weights: dict, **config_overrides) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(_hf_config(TINY, **config_overrides)))
+    write_safetensors(folder / "model.safetensors", weights)
+    return folder
+
+
+def _assert_same(state_dict: dict, expected: dict) -> None:
+    assert sorted(state_dict) == sorted(expected)
+    for k, v in expected.items():
+        np.testing.assert_array_equal(np.asarray(state_dict[k], np.float32), np.asarray(v, np.float32), err_msg=k)
+
+
+# ---- happy paths ------------------------------------------------------------------------------------------------
+
+
+def test_hf_folder_round_trip(tmp_path, tiny_weights):
+    folder = _write_hf(tmp_path / "m", tiny_weights)
+    ckpt = load_checkpoint(str(folder))
+    assert ckpt.config.eos_token_ids == (2, 3) and ckpt.load_format == "hf" and ckpt.tokenizer is None
+    _assert_same(ckpt.state_dict, tiny_weights)
+    assert load_checkpoint(str(folder), dtype="bfloat16").config.dtype == "bfloat16"
+
+
+def test_orbax_round_trip(tmp_path, tiny_weights):
+    graphdef, state = random_state(TINY, seed=3)
+    out = save_orbax(tmp_path / "ck", TINY, (graphdef, state), tokenizer_dir=STORIES / "tokenizer.json")
+    ckpt, _, state2 = load_model(str(out))
+    assert ckpt.config == TINY and ckpt.load_format == "orbax"
+    assert ckpt.tokenizer is not None and ckpt.tokenizer.encode("Once upon a time")[0] == 1
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(state2), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # from an HF-named dict too, and load_format="orbax" forced
+    save_orbax(tmp_path / "ck2", TINY, tiny_weights)
+    _assert_same(load_checkpoint(str(tmp_path / "ck2"), load_format="orbax").state_dict, tiny_weights)
+
+
+def test_dummy_format():
+    ckpt, graphdef, state = load_model("tiny-gqa", load_format="dummy")
+    assert ckpt.state_dict is None and ckpt.load_format == "dummy" and ckpt.tokenizer is not None
+    big = load_checkpoint("llama-7b", load_format="dummy")  # config only: no weights, no download
+    assert big.state_dict is None and big.config.hidden_size == 4096
+
+
+def test_llama2c_stories_and_separate_classifier(tmp_path, tiny_weights):
+    ckpt = load_checkpoint(str(STORIES / "stories260K.bin"))
+    assert ckpt.config.tie_word_embeddings and ckpt.config.num_kv_heads == 4 and ckpt.tokenizer is not None
+    # write our own v0 file with a separate classifier (negative vocab in the header) and read it back
+    cfg, w = TINY, tiny_weights
+    L = cfg.num_layers
+    stack = lambda fmt, f=lambda x: x: np.stack([f(w[fmt.format(i)]) for i in range(L)])  # noqa: E731
+    q = lambda x: rotate_half_to_interleaved(x, cfg.num_heads)  # noqa: E731
+    k = lambda x: rotate_half_to_interleaved(x, cfg.num_kv_heads)  # noqa: E731
+    p = "model.layers.{}."
+    parts = [w["model.embed_tokens.weight"], stack(p + "input_layernorm.weight"),
+             stack(p + "self_attn.q_proj.weight", q), stack(p + "self_attn.k_proj.weight", k),
+             stack(p + "self_attn.v_proj.weight"), stack(p + "self_attn.o_proj.weight"),
+             stack(p + "post_attention_layernorm.weight"), stack(p + "mlp.gate_proj.weight"),
+             stack(p + "mlp.down_proj.weight"), stack(p + "mlp.up_proj.weight"), w["model.norm.weight"],
+             np.zeros((128, 4)), np.zeros((128, 4)), w["lm_head.weight"]]
+    header = np.array([32, 48, 2, 4, 2, -512, 128], np.int32)
+    path = tmp_path / "m.bin"
+    path.write_bytes(header.tobytes() + b"".join(np.asarray(x, np.float32).tobytes() for x in parts))
+    loaded = load_checkpoint(str(path))
+    assert not loaded.config.tie_word_embeddings
+    _assert_same(loaded.state_dict, w)
+
+
+def _write_stories_gguf(path: Path) -> None:
+    """stories260K in llama.cpp naming/layout (q/k interleaved, F32) with its SentencePiece vocab."""
+    import gguf
+    import sentencepiece
+
+    ckpt = load_checkpoint(str(STORIES / "stories260K.bin"))
+    cfg, w = ckpt.config, ckpt.state_dict
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(STORIES / "tok512.model"))
+    n = sp.get_piece_size()
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    writer.add_token_scores([sp.get_score(i) for i in range(n)])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    names = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    writer.add_tensor("token_embd.weight", np.asarray(w["model.embed_tokens.weight"]))
+    writer.add_tensor("output_norm.weight", np.asarray(w["model.norm.weight"]))
+    for i in range(cfg.num_layers):
+        for g, h in names.items():
+            arr = np.asarray(w[f"model.layers.{i}.{h}.weight"])
+            if g == "attn_q":
+                arr = rotate_half_to_interleaved(arr, cfg.num_heads)
+            elif g == "attn_k":
+                arr = rotate_half_to_interleaved(arr, cfg.num_kv_heads)
+            writer.add_tensor(f"blk.{i}.{g}.weight", np.ascontiguousarray(arr))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_round_trip_with_spm_tokenizer(tmp_path):
+    path = tmp_path / "stories.gguf"
+    _write_stories_gguf(path)
+    ref = load_checkpoint(str(STORIES / "stories260K.bin"))
+    got = load_checkpoint(str(path))
+    assert got.load_format == "gguf" and got.config.tie_word_embeddings
+    assert got.config.replace(name="x") == ref.config.replace(name="x")
+    _assert_same(got.state_dict, ref.state_dict)
+    texts = ["Once upon a time", "Héllo 😀 世界, 123 dogs!", "  two  spaces\nnewline"]
+    for text in texts:
+        assert got.tokenizer.encode(text) == ref.tokenizer.encode(text), text
+        assert got.tokenizer.decode(ref.tokenizer.encode(text)) == text
+
+
+# ---- errors -----------------------------------------------------------------------------------------------------
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown model preset 'no-such-model'"):
+        load_checkpoint("no-such-model")
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_checkpoint(str(tmp_path / "nope"))
+
+
+def test_folder_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(_hf_config(TINY)))
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        load_checkpoint(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="not a model folder"):
+        load_checkpoint(str(tmp_path / ".."))  # neither config.json nor an orbax checkpoint
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match=r"config\.json: unsupported architecture.*GPT2LMHeadModel"):
+        load_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is unsupported"),
+        ({"attention_bias": True}, "attention_bias=true is unsupported"),
+    ],
+)
+def test_unsupported_config_fields(tmp_path, tiny_weights, overrides, message):
+    _write_hf(tmp_path, tiny_weights, **overrides)
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(str(tmp_path))
+
+
+def test_mismatched_shape(tmp_path, tiny_weights):
+    _write_hf(tmp_path, tiny_weights, intermediate_size=40)
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape"):
+        load_model(str(tmp_path))
+
+
+def test_missing_tensor(tmp_path, tiny_weights):
+    weights = dict(tiny_weights)
+    del weights["model.layers.1.self_attn.v_proj.weight"]
+    _write_hf(tmp_path, weights)
+    with pytest.raises(ValueError, match=r"missing tensors.*model\.layers\.1\.self_attn\.v_proj\.weight"):
+        load_model(str(tmp_path))
+
+
+def test_missing_shard(tmp_path, tiny_weights):
+    _write_hf(tmp_path, tiny_weights)
+    index = {"weight_map": {k: "model.safetensors" for k in tiny_weights}}
+    index["weight_map"]["lm_head.weight"] = "model-00002-of-00002.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        load_checkpoint(str(tmp_path))
+
+
+def test_truncated_safetensors(tmp_path, tiny_weights):
+    _write_hf(tmp_path, tiny_weights)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        load_checkpoint(str(tmp_path))
+
+
+def test_hf_repo_id_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="cannot download some-org/some-model: no network / not in local HF cache"):
+        load_checkpoint("some-org/some-model")
+
+
+def test_preset_without_weights_and_bad_args():
+    with pytest.raises(ValueError, match="no real weights; use load_format='dummy'"):
+        load_checkpoint("tiny-gqa")
+    with pytest.raises(ValueError, match="load_format='pt' is invalid"):
+        load_checkpoint("tiny-gqa", load_format="pt")
+    with pytest.raises(ValueError, match="dtype='float16' is invalid"):
+        load_checkpoint("tiny-gqa", load_format="dummy", dtype="float16")

@@ -1,0 +1,109 @@
+"""Tokenizer wrapper: BOS handling, round trips, chat templates, streaming detokenization."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nightjar_jax.models.loader import ASSETS_DIR
+from nightjar_jax.models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+STORIES = ASSETS_DIR / "stories260K"
+SMOLLM_TOKENIZER = Path("/work/shared/models/smollm2-135m-instruct/tokenizer.json")  # tests only, when present
+needs_smollm = pytest.mark.skipif(not SMOLLM_TOKENIZER.exists(), reason=f"{SMOLLM_TOKENIZER} not present here")
+TEXTS = ["Once upon a time", "Héllo 😀 世界, naïve café — ok", "digits 1234567 and  double  spaces\n\tnewline", ""]
+SMOLLM_PROMPT_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
+                     19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 19842, 281, 582, 6330, 30,
+                     2, 198, 1, 520, 9531, 198]
+MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+@pytest.fixture(scope="module")
+def stories() -> Tokenizer:
+    return Tokenizer.from_pretrained(STORIES / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def smollm() -> Tokenizer:
+    return Tokenizer.from_pretrained(SMOLLM_TOKENIZER)
+
+
+def test_stories_bos_and_round_trip(stories):
+    assert stories.encode("Once upon a time") == [1, 403, 407, 261, 378]
+    assert stories.encode("Once upon a time", add_special_tokens=False) == [403, 407, 261, 378]
+    assert (stories.bos_token_id, stories.eos_token_ids, stories.vocab_size) == (1, (2,), 512)
+    for text in TEXTS:
+        assert stories.decode(stories.encode(text)) == text
+    assert stories.decode([1, 403, 407, 2]) == "Once upon"
+
+
+def test_sentencepiece_model_matches_tokenizer_json(stories):
+    sp = Tokenizer.from_pretrained(STORIES / "tok512.model")
+    assert (sp.bos_token_id, sp.eos_token_ids, sp.vocab_size) == (1, (2,), 512)
+    for text in TEXTS:
+        assert sp.encode(text) == stories.encode(text)
+        assert sp.decode(sp.encode(text)) == text
+
+
+def test_no_chat_template_is_a_clear_error(stories):
+    with pytest.raises(ValueError, match="no chat template"):
+        stories.apply_chat_template(MESSAGES)
+
+
+@needs_smollm
+def test_smollm2_chat_template_and_round_trip(smollm):
+    prompt = smollm.apply_chat_template(MESSAGES)
+    assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert smollm.encode(prompt) == SMOLLM_PROMPT_IDS  # no BOS added: the template carries <|im_start|>
+    assert smollm.apply_chat_template(MESSAGES, add_generation_prompt=False).endswith("<|im_end|>\n")
+    with_system = [{"role": "system", "content": "Be brief."}, *MESSAGES]
+    assert "SmolLM" not in smollm.apply_chat_template(with_system)
+    assert smollm.eos_token_ids == (2,) and not smollm.add_bos
+    for text in TEXTS:
+        assert smollm.decode(smollm.encode(text)) == text
+
+
+@needs_smollm
+def test_folder_with_tokenizer_config_uses_transformers(tmp_path, smollm):
+    (tmp_path / "tokenizer.json").write_bytes(SMOLLM_TOKENIZER.read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "add_bos_token": False, "chat_template": "{% for m in messages %}[{{ m['content'] }}]{% endfor %}",
+    }))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    assert tok.hf_tokenizer is not None and tok.eos_token_ids == (2,)
+    assert tok.apply_chat_template(MESSAGES) == f"[{MESSAGES[0]['content']}]"
+    for text in TEXTS:
+        assert tok.encode(text) == smollm.encode(text)
+
+
+def _stream(tok: Tokenizer, ids: list[int]) -> list[str]:
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add([i]) for i in ids]
+    assert detok.text == "".join(deltas)
+    return deltas
+
+
+def test_incremental_detokenizer_byte_fallback(stories):
+    text = "Héllo 😀 世界! Once upon a time 🐉🐉 ünïcödé"
+    ids = stories.encode(text)
+    assert any(3 <= i <= 258 for i in ids)  # byte-fallback tokens <0x..> are in play
+    deltas = _stream(stories, ids)
+    assert "".join(deltas) == stories.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert "😀" in deltas  # the emoji's 4 byte tokens come out as one complete character
+
+
+@needs_smollm
+def test_incremental_detokenizer_byte_level(smollm):
+    text = "Paris 🇫🇷 est la capitale — 東京は日本の首都です 🎉"
+    ids = smollm.encode(text)
+    deltas = _stream(smollm, ids)
+    assert "".join(deltas) == smollm.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+    # several ids at once, and special tokens skipped
+    detok = IncrementalDetokenizer(smollm)
+    assert detok.add(ids[:3]) + detok.add(ids[3:]) + detok.add([2]) == text

@@ -1,0 +1,70 @@
+"""Cost profiles: schema round trip, interpolation, the labelled synthetic model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nightjar_jax.sim import DEFAULT_PROFILE, CostProfile, build_synthetic_profile
+
+
+def test_checked_in_profile_loads_and_is_labelled_synthetic():
+    profile = CostProfile.from_json()
+    raw = json.loads(DEFAULT_PROFILE.read_text())
+    assert raw["kind"] == "synthetic-model" and "SYNTHETIC" in raw["label"] and "not a measurement" in raw["notes"]
+    assert profile == build_synthetic_profile()  # the file is what the builder writes
+    assert profile.gamma_max >= 4
+
+
+def test_round_trip(tmp_path):
+    profile = build_synthetic_profile(gamma_max=3, batch_sizes=(1, 8, 64), context_lengths=(128, 1024))
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert CostProfile.from_json(path) == profile
+
+
+def test_interpolation_is_exact_on_the_grid_and_linear_between():
+    profile = CostProfile(
+        batch_sizes=(1, 3),
+        gammas=(0, 1),
+        context_lengths=(100, 300),
+        step_seconds_grid=(((1.0, 2.0), (2.0, 3.0)), ((3.0, 4.0), (5.0, 6.0))),
+        acceptance_per_position=(0.5,),
+        prefill_fixed_seconds=0.1,
+        prefill_seconds_per_token=0.01,
+        catchup_fixed_seconds=0.2,
+        catchup_seconds_per_token=0.001,
+    )
+    assert profile.step_seconds(1, 0, 100) == 1.0 and profile.step_seconds(3, 1, 300) == 6.0
+    assert profile.step_seconds(2, 0, 200) == pytest.approx(2.5)  # mean of the four corners
+    assert profile.step_seconds(5, 0, 100) == pytest.approx(5.0)  # linear extrapolation in batch
+    assert profile.catchup_seconds(0) == 0.0 and profile.catchup_seconds(100) == pytest.approx(0.3)
+    assert profile.expected_tokens(1) == 1.5
+    with pytest.raises(ValueError, match="gamma"):
+        profile.step_seconds(1, 2, 100)
+
+
+def test_bad_profiles_are_rejected():
+    good = build_synthetic_profile(gamma_max=2, batch_sizes=(1, 2), context_lengths=(10, 20)).to_dict()
+    for field, value, message in [
+        ("gammas", [0, 2, 1], "gammas"),
+        ("batch_sizes", [2, 1], "batch_sizes"),
+        ("acceptance_per_position", [0.5], "acceptance"),
+        ("kind", "guess", "kind"),
+        ("schema", "other", "schema"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            CostProfile.from_dict({**good, field: value})
+
+
+def test_synthetic_model_has_the_speculation_crossover():
+    profile = CostProfile.from_json()
+
+    def best(batch: int, context: int) -> int:
+        rates = [profile.expected_tokens(g) / profile.step_seconds(batch, g, context) for g in range(5)]
+        return max(range(5), key=rates.__getitem__)
+
+    assert best(1, 512) >= 2  # memory-bound: speculate deeply
+    assert best(256, 256) <= 1  # compute-bound: speculation barely pays or costs
+    assert profile.step_seconds(256, 4, 512) > 2 * profile.step_seconds(1, 4, 512)
