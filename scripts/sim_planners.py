@@ -113,6 +113,7 @@ def main() -> int:
                 "mean latency <= best static's": r.latencies.mean() <= min(results[s].latencies.mean() for s in statics.values()),
             }
             print(f"\n{spec}: " + "; ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in checks[spec].items()))
+        checks = {k: {c: bool(v) for c, v in d.items()} for k, d in checks.items()}
         all_ok &= all(checks["nightjar"].values())
         report["runs"][preset] = {
             "phases": [vars(p) for p in phases],

@@ -124,13 +124,25 @@ class LLMEngine:
 
     # ---- construction helpers -----------------------------------------------------------------------------------
     def _load(self, spec: str, tokenizer_spec: str | None):
-        from nightjar_jax.models.loader import load_model
+        """Load a model spec (see ``nightjar_jax.models.loader``; ``<model>@skip=...`` derives a layer-skip draft)."""
+        from nightjar_jax.models.llama import state_from_hf
+        from nightjar_jax.models.loader import load_checkpoint, load_model
+        from nightjar_jax.spec.drafts import derive_state_dict, parse_draft_spec
 
-        ckpt, graphdef, state = load_model(
-            spec, load_format=self.config.load_format, dtype=self.config.dtype, tokenizer=tokenizer_spec,
-            seed=self.config.seed, attention_impl=self.config.attention_impl,
-        )
-        return ModelHandle(ckpt.config, graphdef, state), ckpt.tokenizer
+        cfg = self.config
+        base, skip, keep_first = parse_draft_spec(spec)
+        if skip is None and keep_first is None:
+            ckpt, graphdef, state = load_model(
+                spec, load_format=cfg.load_format, dtype=cfg.dtype, tokenizer=tokenizer_spec, seed=cfg.seed,
+                attention_impl=cfg.attention_impl,
+            )
+            return ModelHandle(ckpt.config, graphdef, state), ckpt.tokenizer
+        ckpt = load_checkpoint(base, load_format=cfg.load_format, dtype=cfg.dtype, tokenizer=tokenizer_spec)
+        if ckpt.state_dict is None:
+            raise ValueError(f"draft spec {spec!r} derives layers from real weights; load_format=dummy has none")
+        model_cfg, sd = derive_state_dict(ckpt.config, ckpt.state_dict, skip=skip, keep_first=keep_first)
+        graphdef, state = state_from_hf(model_cfg, sd, attention_impl=cfg.attention_impl, source=spec)
+        return ModelHandle(model_cfg, graphdef, state), ckpt.tokenizer
 
     def _num_pages(self) -> int:
         cache = self.config.cache

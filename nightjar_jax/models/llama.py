@@ -300,7 +300,7 @@ def state_from_hf(
     dtype = _jnp_dtype(cfg.dtype)
     for hf_name, (path, transpose) in pmap.items():
         arr = state_dict[hf_name]
-        want = tuple(flat[path].value.shape)
+        want = tuple(flat[path].get_value().shape)
         got = tuple(arr.shape[::-1]) if transpose else tuple(arr.shape)
         if got != want:
             raise ValueError(f"{source}: tensor {hf_name} has shape {tuple(arr.shape)}, expected "

@@ -9,6 +9,7 @@ Model (fitted online from `observe`):
 - **step latency** ≈ a + b·batch + c·batch·γ, least squares (tiny ridge) over all observed steps, with
   seconds excluding `switch_seconds`.
 - **decision**: γ maximising batch·E(γ) / latency(batch, γ), the expected committed tokens per second.
+  Both fits are refreshed every `refit_every` observations (cheap enough per step, but there is no need).
 
 Until both fits exist it cycles γ = 0, 1, ..., γ_max for `warmup_steps` decisions (a latency model needs
 steps at several γ: with one γ the batch and batch·γ columns are collinear), then uses `default_gamma` until
@@ -30,6 +31,7 @@ class DsdOptions:
     default_gamma: int = 1  # γ before the models are fitted (clipped to gamma_max)
     warmup_steps: int | None = None  # decisions cycling through all γ first; None: 2 * (gamma_max + 1)
     ridge: float = 1e-9  # Tikhonov weight (relative to the data) for the latency least squares
+    refit_every: int = 8  # refit α and the latency model every this many observations (they move slowly)
 
     def __post_init__(self) -> None:
         if self.default_gamma < 0:
@@ -38,6 +40,8 @@ class DsdOptions:
             raise ValueError(f"warmup_steps must be >= 0 or None, got {self.warmup_steps}")
         if not self.ridge >= 0:
             raise ValueError(f"ridge must be >= 0, got {self.ridge}")
+        if self.refit_every < 1:
+            raise ValueError(f"refit_every must be >= 1, got {self.refit_every}")
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -58,6 +62,8 @@ class DsdPlanner(Planner):
         self.gram = np.zeros((3, 3))  # [3, 3] Σ x xᵀ with x = (1, batch, batch·γ)
         self.moment = np.zeros(3)  # [3] Σ x · seconds
         self.warmup_steps = 2 * (gamma_max + 1) if self.options.warmup_steps is None else self.options.warmup_steps
+        self._fit: tuple[float | None, np.ndarray | None] | None = None  # cached (α, coefficients)
+        self._fitted_at = -1  # num_observations at the cached fit
 
     # ------------------------------------------------------------------------------------------- models
     def acceptance(self) -> float | None:
@@ -91,8 +97,10 @@ class DsdPlanner(Planner):
     def _select(self, batch_size: int, *, queue_len: int, free_pages: int | None) -> int:
         if self.num_decisions < self.warmup_steps:
             return self.num_decisions % (self.gamma_max + 1)
-        alpha = self.acceptance()
-        coefficients = self.latency_coefficients()
+        if self._fit is None or self.num_observations - self._fitted_at >= self.options.refit_every:
+            self._fit = (self.acceptance(), self.latency_coefficients())
+            self._fitted_at = self.num_observations
+        alpha, coefficients = self._fit
         if alpha is None or coefficients is None:
             return min(self.options.default_gamma, self.gamma_max)
         a, b, c = coefficients
@@ -127,3 +135,4 @@ class DsdPlanner(Planner):
         self.tokens_per_seq_sum = [float(s) for s in learned["tokens_per_seq_sum"]]
         self.gram = np.array(learned["gram"], dtype=float)
         self.moment = np.array(learned["moment"], dtype=float)
+        self._fit = None

@@ -48,6 +48,12 @@ Choices where the paper leaves room (why each, also in docs/planner.md):
    the batch size sweeps through buckets that each see few decisions; without a prior every new bucket would
    play every arm for a bin before exploiting. The ranking of arms changes slowly with the batch size, so the
    neighbour is a good first guess, and one pseudo-observation is overwritten by the context's own data fast.
+11. Buckets with ratio ~√2 (`FINE_BUCKET_EDGES`, see context.py) bound the within-bucket bias of choice 1.
+12. Exploration skips an alternative that is already confidently worse than the greedy arm (mean gap larger
+   than `elimination_z` standard errors, both arms with >= `elimination_min_samples` real observations):
+   successive elimination inside the paper's exploration bins. Exploring γ = 0 at batch 256 when it is 15%
+   worse than γ = 1 is pure loss, and a step at a large batch costs many sequences' time. The test uses the
+   current means, so an arm comes back into exploration if the gap closes (e.g. as contexts lengthen).
 """
 
 from __future__ import annotations
@@ -78,6 +84,8 @@ class NightjarOptions:
     initial_switch_seconds: float = 0.0  # switch cost assumed before any measurement
     reward_discount: float = 1.0  # 1: plain running mean; < 1: older observations fade
     prior_weight: float = 1.0  # a new context starts from the nearest visited context's means at this weight
+    elimination_z: float = 2.0  # exploration skips arms worse than the greedy one by > z standard errors
+    elimination_min_samples: int = 8  # ... but only once both arms have this many real observations
     seed: int = 0  # seeds the exploration coin flips and tie breaks
 
     def __post_init__(self) -> None:
@@ -96,6 +104,10 @@ class NightjarOptions:
             raise ValueError(f"initial_switch_seconds must be >= 0, got {self.initial_switch_seconds}")
         if not 0 < self.reward_discount <= 1:
             raise ValueError(f"reward_discount must be in (0, 1], got {self.reward_discount}")
+        if not self.elimination_z >= 0:
+            raise ValueError(f"elimination_z must be >= 0 (inf disables elimination), got {self.elimination_z}")
+        if self.elimination_min_samples < 2:
+            raise ValueError(f"elimination_min_samples must be >= 2, got {self.elimination_min_samples}")
         if not self.prior_weight >= 0:
             raise ValueError(f"prior_weight must be >= 0, got {self.prior_weight}")
 
@@ -116,6 +128,8 @@ class ContextState:
     reward_sum: list[float] = dataclasses.field(default_factory=list)  # [num_arms] sum of rewards
     seconds_sum: list[float] = dataclasses.field(default_factory=list)  # [num_arms] sum of step seconds
     decisions: list[int] = dataclasses.field(default_factory=list)  # [num_arms] decisions that chose the arm
+    count: list[int] = dataclasses.field(default_factory=list)  # [num_arms] real observations (no prior)
+    reward_moments: list[list[float]] = dataclasses.field(default_factory=list)  # [num_arms][2] Σr, Σr² (real)
     switch_seconds: float | None = None  # learned switch cost (None: never measured here)
 
     def __post_init__(self) -> None:
@@ -124,6 +138,15 @@ class ContextState:
                 setattr(self, name, [0.0] * self.num_arms)
         if not self.decisions:
             self.decisions = [0] * self.num_arms
+        if not self.count:
+            self.count = [0] * self.num_arms
+        if not self.reward_moments:
+            self.reward_moments = [[0.0, 0.0] for _ in range(self.num_arms)]
+
+    def reward_variance(self, arm: int) -> float:
+        """Sample variance of the arm's real rewards (needs count >= 2)."""
+        n, (total, squares) = self.count[arm], self.reward_moments[arm]
+        return max(squares - total * total / n, 0.0) / (n - 1)
 
     def mean_reward(self, arm: int) -> float:
         return self.reward_sum[arm] / self.weight[arm]
@@ -234,12 +257,23 @@ class NightjarPlanner(Planner):
                 candidates = [a for a in (greedy - 1, greedy + 1) if 0 <= a <= self.gamma_max]
             else:
                 candidates = [a for a in arms if a != greedy]
-            candidates = [a for a in candidates if crossing_allowed(a)]
+            candidates = [a for a in candidates if crossing_allowed(a) and not self._eliminated(state, a, greedy)]
             if candidates:
                 fewest = min(state.decisions[a] for a in candidates)
                 least_played = [a for a in candidates if state.decisions[a] == fewest]
                 return int(least_played[self._rng.integers(len(least_played))]), True
         return greedy, False
+
+    def _eliminated(self, state: ContextState, arm: int, greedy: int) -> bool:
+        """Whether `arm` is confidently worse than `greedy` (choice 12): no point exploring it."""
+        minimum = self.options.elimination_min_samples
+        if state.count[arm] < minimum or state.count[greedy] < minimum or math.isinf(self.options.elimination_z):
+            return False
+        gap = state.mean_reward(greedy) - state.mean_reward(arm)
+        stderr = math.sqrt(
+            state.reward_variance(arm) / state.count[arm] + state.reward_variance(greedy) / state.count[greedy]
+        )
+        return gap > self.options.elimination_z * stderr
 
     # ------------------------------------------------------------------------------------------- learning
     def _observe(self, gamma: int, batch_size: int, num_tokens: int, seconds: float, switch_seconds: float) -> None:
@@ -258,6 +292,9 @@ class NightjarPlanner(Planner):
         state.weight[gamma] = d * state.weight[gamma] + 1.0
         state.reward_sum[gamma] = d * state.reward_sum[gamma] + reward
         state.seconds_sum[gamma] = d * state.seconds_sum[gamma] + (seconds - switch_seconds)
+        state.count[gamma] += 1
+        state.reward_moments[gamma][0] += reward
+        state.reward_moments[gamma][1] += reward * reward
 
     # ------------------------------------------------------------------------------------------- inspection
     def best_arms(self) -> dict[int, int]:

@@ -139,9 +139,7 @@ def rejection_sample(
     return _commit(draft_tokens, accepted, final_token)
 
 
-def draft_sample(
-    logits: jax.Array, st: SamplingTensors, salt: int = SALT_DRAFT
-) -> tuple[jax.Array, jax.Array]:
+def draft_sample(logits: jax.Array, st: SamplingTensors, salt: int = SALT_DRAFT) -> tuple[jax.Array, jax.Array]:
     """One draft step: logits [B, V] f32 -> (token [B] int32, probs [B, V] f32 the processed q).
 
     Greedy rows: argmax and its one-hot. For draft position j of a step, pass ``st._replace(steps=st.steps + j)``

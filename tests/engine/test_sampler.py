@@ -157,9 +157,12 @@ def test_mixed_greedy_and_sampled_batch() -> None:
 
 
 def test_jit_compiles_once_across_parameter_values() -> None:
-    jitted = jax.jit(lambda logits, st: sample(logits, st))  # a fresh function: its own compilation cache
+    num_traces = []  # jit traces once per compilation, so this counts compilations without private APIs
+    jitted = jax.jit(lambda logits, st: (num_traces.append(1), sample(logits, st))[1])
     logits = _logits(4, 32)
     for temperature, top_k, top_p, min_p in [(0.0, 0, 1.0, 0.0), (1.0, 3, 0.9, 0.1), (0.5, 0, 1.0, 0.0)]:
         st = SamplingTensors.create(4, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=7)
         jitted(logits, st).block_until_ready()
-    assert jitted._cache_size() == 1
+    assert len(num_traces) == 1
+    if hasattr(jitted, "_cache_size"):  # private, present in jax 0.10 / 0.11
+        assert jitted._cache_size() == 1

@@ -58,10 +58,8 @@ class Experiment:
         target_0 = rng.standard_normal(VOCAB) * 1.5  # [V] position 0
         target_1 = rng.standard_normal((VOCAB, VOCAB)) * 1.5  # [V (token at 0), V] position 1 given d_0
         target_2 = rng.standard_normal(VOCAB) * 1.5  # [V] position 2 (bonus), fixed
-        draft_0, draft_1 = (target_0, target_1) if same_draft else (
-            rng.standard_normal(VOCAB) * 1.5,
-            rng.standard_normal((VOCAB, VOCAB)) * 1.5,
-        )
+        draft_0 = target_0 if same_draft else rng.standard_normal(VOCAB) * 1.5  # [V]
+        draft_1 = target_1 if same_draft else rng.standard_normal((VOCAB, VOCAB)) * 1.5  # [V, V]
         self.st = SamplingTensors.create(
             NUM_ROWS, temperature=0.9, top_k=top_k, top_p=top_p, seeds=np.arange(NUM_ROWS) + 1000 * seed, steps=4
         )
@@ -71,9 +69,9 @@ class Experiment:
         d_1, q_1 = _draft_sample(draft_1[np.asarray(d_0)].astype(np.float32), self.st._replace(steps=self.st.steps + 1))
         self.draft_tokens = jnp.stack([d_0, d_1], axis=1)  # [N, γ] int32
         self.draft_probs = jnp.stack([q_0, q_1], axis=1)  # [N, γ, V] f32
-        target_logits = np.stack(
-            [rows(target_0), target_1[np.asarray(d_0)], rows(target_2)], axis=1
-        ).astype(np.float32)  # [N, γ + 1, V]
+        target_logits = np.stack([rows(target_0), target_1[np.asarray(d_0)], rows(target_2)], axis=1).astype(
+            np.float32
+        )  # [N, γ + 1, V]
         self.target_probs = _probs(target_logits, self.st)  # [N, γ + 1, V] f32
 
         # Exact quantities from the processed distributions (numpy, float64).
@@ -147,8 +145,9 @@ def test_rejection_sample_greedy_rows_match_greedy_verify() -> None:
     np.testing.assert_array_equal(np.asarray(output)[[0, 2]], expected[[0, 2]])
     np.testing.assert_array_equal(np.asarray(num_accepted)[[0, 2]], [3, 0])
     all_greedy = st._replace(temperature=jnp.zeros(4))
-    output, num_accepted = _rejection_sample(draft_tokens, _probs(target_logits[:, :3], all_greedy),
-                                             _probs(target_logits, all_greedy), all_greedy)
+    output, num_accepted = _rejection_sample(
+        draft_tokens, _probs(target_logits[:, :3], all_greedy), _probs(target_logits, all_greedy), all_greedy
+    )
     np.testing.assert_array_equal(output, expected)
     np.testing.assert_array_equal(num_accepted, [3, 0, 0, 2])
 
@@ -210,9 +209,9 @@ def test_bonus_token_when_draft_equals_target() -> None:
 def test_residual_without_mass_falls_back_to_target() -> None:
     """p <= q everywhere (here p = q / 2, as rounding can make it) leaves no residual: draw from p instead."""
     st = SamplingTensors.create(4, temperature=1.0, seeds=[1, 2, 3, 4])
-    q = _probs(np.random.default_rng(4).standard_normal((4, 3, 16)).astype(np.float32), st)  # [4, 3, 16]
-    draft_tokens = jnp.argmax(q[:, :2], axis=-1).astype(jnp.int32)  # [4, 2]
-    output, num_accepted = _rejection_sample(draft_tokens, q[:, :2], q / 2, st)
+    q = _probs(np.random.default_rng(4).standard_normal((4, 4, 16)).astype(np.float32), st)  # [4, γ + 1, 16]
+    draft_tokens = jnp.argmax(q[:, :3], axis=-1).astype(jnp.int32)  # [4, γ = 3]
+    output, num_accepted = _rejection_sample(draft_tokens, q[:, :3], q / 2, st)
     output, num_accepted = np.asarray(output), np.asarray(num_accepted)
     final = output[np.arange(4), num_accepted]
     assert (final >= 0).all() and (final < 16).all()
@@ -221,8 +220,6 @@ def test_residual_without_mass_falls_back_to_target() -> None:
 def test_gamma_zero_is_a_plain_target_sample() -> None:
     st = SamplingTensors.create(4, temperature=[0.0, 1.0, 1.0, 0.0], seeds=[1, 2, 3, 4])
     target_probs = _probs(np.random.default_rng(5).standard_normal((4, 1, 16)).astype(np.float32), st)
-    output, num_accepted = _rejection_sample(
-        jnp.zeros((4, 0), jnp.int32), jnp.zeros((4, 0, 16)), target_probs, st
-    )
+    output, num_accepted = _rejection_sample(jnp.zeros((4, 0), jnp.int32), jnp.zeros((4, 0, 16)), target_probs, st)
     np.testing.assert_array_equal(num_accepted, 0)
     assert output.shape == (4, 1) and (np.asarray(target_probs)[np.arange(4), 0, np.asarray(output)[:, 0]] > 0).all()

@@ -1,0 +1,96 @@
+"""Command-line flags for the engine, generated 1:1 from the config dataclasses.
+
+Every flat field of :func:`nightjar_jax.config.engine_config_fields` becomes one flag (``max_num_seqs`` ->
+``--max-num-seqs``) whose type comes from the field's annotation. Every flag defaults to ``None`` ("not given"), so
+the dataclass default stays the single source of truth; :func:`engine_config_from_args` drops unset flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import typing
+from typing import Any
+
+from nightjar_jax.config import (
+    ATTENTION_IMPLS,
+    DTYPES,
+    LOAD_FORMATS,
+    EngineConfig,
+    engine_config_fields,
+    make_engine_config,
+)
+
+_CHOICES = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "attention_impl": ATTENTION_IMPLS}
+_HELP = {
+    "model": "a preset name (e.g. stories260k), a local folder / GGUF file, or a Hugging Face repo id",
+    "tokenizer": "tokenizer folder or file (default: the model's own)",
+    "draft_model": "draft model for speculative decoding (same spec forms as --model)",
+    "num_speculative_tokens": "γ_max: the most draft tokens per step",
+    "planner": "who picks γ each step: a planner name (static, nightjar, banditspec, dsd, ...)",
+    "kv_cache_bytes": "KV cache memory budget in bytes (suffixes K, M, G, KiB, MiB, GiB allowed)",
+    "num_pages": "KV pages (overrides --kv-cache-bytes)",
+    "compilation_cache_dir": "JAX persistent compilation cache folder ('' disables)",
+}
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """``"256MiB"`` -> 268435456; plain integers pass through."""
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else "?"
+    unit = unit if unit.endswith("ib") else unit.removesuffix("b")
+    if unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 268435456, 256MiB, 1G)")
+    return int(m.group(1)) * _UNITS[unit]
+
+
+def _field_types() -> dict[str, Any]:
+    """Flat field name -> its annotation (resolved), over EngineConfig and its nested sections."""
+    hints = typing.get_type_hints(EngineConfig)
+    out: dict[str, Any] = {}
+    for name, section in engine_config_fields().items():
+        if section:
+            out[name] = typing.get_type_hints(hints[section])[name]
+        else:
+            out[name] = hints[name]
+    return out
+
+
+def _scalar(annotation: Any) -> type:
+    """``int | None`` -> int; ``str`` -> str."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    return args[0] if args[0] in (int, float, str, bool) else str
+
+
+def _defaults() -> dict[str, Any]:
+    cfg = EngineConfig()
+    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    for section in ("cache", "scheduler", "spec"):
+        sub = getattr(cfg, section)
+        out.update({f.name: getattr(sub, f.name) for f in dataclasses.fields(sub)})
+    return out
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one ``--flag`` per engine config field (all default to None = "use the config default")."""
+    group = parser.add_argument_group("engine")
+    defaults = _defaults()
+    for name, annotation in _field_types().items():
+        kind = _scalar(annotation)
+        kwargs: dict[str, Any] = dict(dest=name, default=None, type=kind)
+        if name == "kv_cache_bytes":
+            kwargs["type"] = parse_bytes
+        if name in _CHOICES:
+            kwargs["choices"] = _CHOICES[name]
+        help_text = _HELP.get(name, name.replace("_", " "))
+        kwargs["help"] = f"{help_text} (default: {defaults.get(name)!r})"
+        group.add_argument("--" + name.replace("_", "-"), **kwargs)
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build the :class:`EngineConfig` from parsed flags; flags left unset keep the dataclass defaults."""
+    flat = {name: getattr(args, name, None) for name in engine_config_fields()}
+    return make_engine_config(**{k: v for k, v in flat.items() if v is not None})

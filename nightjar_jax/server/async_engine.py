@@ -1,0 +1,269 @@
+"""``AsyncEngine``: one engine thread that owns the (not thread-safe) :class:`LLMEngine`, and an asyncio front.
+
+Vocabulary:
+
+- **group**: the engine requests behind one HTTP request (one per prompt × ``n``), added and aborted together.
+- **command**: an add / abort / stop message from the event loop to the engine thread (a deque under a condition).
+- **sink**: the group's ``asyncio.Queue`` on the event loop; the engine thread hands it ``(index, RequestOutput)``
+  pairs through ``loop.call_soon_threadsafe``, and a final ``None`` when every member has finished.
+
+The engine thread drains commands, runs ``engine.step()`` while anything is unfinished, and otherwise sleeps on the
+condition (no busy spin). Only that thread calls into the engine; other threads read a few integer gauges for
+``/metrics`` (single attribute reads, safe under the GIL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nightjar_jax.engine.outputs import RequestOutput
+from nightjar_jax.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Group:
+    """Engine requests that belong to one HTTP request."""
+
+    request_ids: list[str]  # engine request id per member, member i = index i
+    sink: asyncio.Queue  # (index, RequestOutput) items, then None; or an Exception if the add failed
+    loop: asyncio.AbstractEventLoop
+    num_unfinished: int = 0
+    added: bool = False  # every member is in the engine (set by the engine thread)
+
+    def push(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.sink.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class _Add:
+    group: _Group
+    prompts: list[Any]  # per member: str | list[int]
+    params: list[SamplingParams]  # per member
+    ack: asyncio.Future  # resolved with None, or the ValueError that rejected the group
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class EngineHooks:
+    """Callbacks the engine thread runs on each output (the server's metrics)."""
+
+    on_output: list[Callable[[RequestOutput], None]] = field(default_factory=list)
+
+
+class GroupStream:
+    """The outputs of one group, in arrival order; ``abort()`` stops every unfinished member."""
+
+    def __init__(self, engine: AsyncEngine, group: _Group):
+        self._engine, self._group = engine, group
+        self.finished = False
+
+    @property
+    def request_ids(self) -> list[str]:
+        return self._group.request_ids
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while True:
+            item = await self._group.sink.get()
+            if item is None:
+                self.finished = True
+                return
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            yield item
+
+    async def next(self, timeout: float | None = None) -> tuple[int, RequestOutput] | None:
+        """The next output, ``None`` when the group is done; raises ``TimeoutError`` after ``timeout`` seconds."""
+        item = await asyncio.wait_for(self._group.sink.get(), timeout)
+        if item is None:
+            self.finished = True
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self._engine.abort(self._group.request_ids)
+
+
+class AsyncEngine:
+    """Runs ``engine.step()`` in a dedicated thread; ``add`` / ``abort`` are safe to call from the event loop."""
+
+    def __init__(self, engine, hooks: EngineHooks | None = None):
+        self.engine = engine
+        self.hooks = hooks or EngineHooks()
+        self._commands: deque = deque()
+        self._cond = threading.Condition()
+        self._groups: dict[str, tuple[_Group, int]] = {}  # engine request id -> (group, member index)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self.error: BaseException | None = None  # set when the engine thread died
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="nightjar-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort whatever is still running, then end the engine thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_active_groups(self) -> int:
+        return len({id(g) for g, _ in list(self._groups.values())})
+
+    # ---- event-loop side ----------------------------------------------------------------------------------------
+    async def add(self, prompts: list[Any], params: list[SamplingParams], request_id: str | None = None) -> GroupStream:
+        """Queue one group (member i = ``prompts[i]`` with ``params[i]``); raises ValueError if any member is bad
+        (then nothing is queued)."""
+        if self._stopping or not self.is_alive:
+            raise RuntimeError("the engine is shutting down")
+        loop = asyncio.get_running_loop()
+        base = request_id or f"req-{next(self._ids)}"
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        group = _Group(ids, asyncio.Queue(), loop, num_unfinished=len(ids))
+        ack = loop.create_future()
+        self._send(_Add(group, prompts, params, ack))
+        await ack
+        return GroupStream(self, group)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._send(_Abort(list(request_ids)))
+
+    def _send(self, command: Any) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    # ---- engine thread ------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and not self._stopping and not engine.has_unfinished_requests():
+                        self._cond.wait()
+                    commands = list(self._commands)
+                    self._commands.clear()
+                    stopping = self._stopping
+                for command in commands:
+                    self._handle(command)
+                if stopping:
+                    self._abort_all()
+                    return
+                if engine.has_unfinished_requests():
+                    try:
+                        outputs = engine.step()
+                    except Exception as exc:  # a bug or device error: fail the in-flight requests, keep serving
+                        logger.exception("engine step failed; aborting %d request(s)", len(self._groups))
+                        self._abort_all(error=exc)
+                        continue
+                    for out in outputs:
+                        self._deliver(out)
+        except BaseException as exc:  # pragma: no cover - last resort, keeps waiting clients from hanging
+            self.error = exc
+            logger.exception("engine thread died")
+            self._abort_all(error=exc)
+
+    def _handle(self, command: Any) -> None:
+        if isinstance(command, _Abort):
+            for rid in command.request_ids:
+                out = self.engine.abort_request(rid)
+                if out is not None:
+                    self._deliver(out)
+            return
+        group = command.group
+        if self._stopping:
+            self._resolve(command.ack, RuntimeError("the engine is shutting down"))
+            return
+        added: list[str] = []
+        try:
+            for i, (rid, prompt, sp) in enumerate(zip(group.request_ids, command.prompts, command.params,
+                                                      strict=True)):
+                self.engine.add_request(prompt, sp, request_id=rid)
+                added.append(rid)
+                self._groups[rid] = (group, i)
+        except ValueError as exc:
+            for rid in added:
+                self.engine.abort_request(rid)
+                self._groups.pop(rid, None)
+            self._resolve(command.ack, exc)
+            return
+        group.added = True
+        self._resolve(command.ack, None)
+
+    @staticmethod
+    def _resolve(ack: asyncio.Future, exc: BaseException | None) -> None:
+        def settle() -> None:
+            if ack.done():
+                return
+            if exc is None:
+                ack.set_result(None)
+            else:
+                ack.set_exception(exc)
+
+        try:
+            ack.get_loop().call_soon_threadsafe(settle)
+        except RuntimeError:
+            pass
+
+    def _deliver(self, out: RequestOutput) -> None:
+        entry = self._groups.get(out.request_id)
+        if entry is None:
+            return
+        group, index = entry
+        for hook in self.hooks.on_output:
+            try:
+                hook(out)
+            except Exception:  # metrics must never break serving
+                logger.exception("output hook failed")
+        group.push((index, out))
+        if out.finished:
+            del self._groups[out.request_id]
+            group.num_unfinished -= 1
+            if group.num_unfinished == 0:
+                group.push(None)
+
+    def _abort_all(self, error: BaseException | None = None) -> None:
+        for rid in list(self._groups):
+            try:
+                out = self.engine.abort_request(rid)
+            except Exception:  # pragma: no cover
+                out = None
+                logger.exception("abort of %s failed", rid)
+            if out is not None:
+                if error is not None:
+                    out.outputs[0].finish_reason = "error"
+                    out.error = str(error)
+                self._deliver(out)
+            elif rid in self._groups:  # already gone from the engine: close the member by hand
+                group, _ = self._groups.pop(rid)
+                group.num_unfinished -= 1
+                if group.num_unfinished == 0:
+                    group.push(None)

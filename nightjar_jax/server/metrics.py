@@ -1,0 +1,89 @@
+"""Prometheus metrics for one server (its own ``CollectorRegistry``, so several apps can live in one process).
+
+Latency histograms and the per-finish-reason counter are fed by the engine thread as outputs finish
+(``ServerMetrics.on_output``); the gauges and engine counters (pages, queue lengths, γ, drafted / accepted tokens,
+planner switches) are read from the engine at scrape time by :class:`_EngineCollector`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from nightjar_jax.engine.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _EngineCollector:
+    """Reads engine gauges and counters when ``/metrics`` is scraped."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        e = self.engine
+        stats = e.stats
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=value)
+
+        yield gauge("nightjar_num_requests_running", "Requests in the running batch", len(e.scheduler.running))
+        yield gauge("nightjar_num_requests_waiting", "Requests waiting to be scheduled", len(e.scheduler.waiting))
+        yield gauge("nightjar_kv_pages_total", "Usable KV cache pages", e.num_total_pages)
+        yield gauge("nightjar_kv_pages_free", "Free KV cache pages", e.num_free_pages)
+        yield gauge("nightjar_spec_gamma", "Speculation length γ of the latest decode step", stats.last_gamma)
+        yield counter("nightjar_spec_draft_tokens", "Draft tokens proposed", stats.num_drafted_tokens)
+        yield counter("nightjar_spec_accepted_tokens", "Draft tokens accepted by the target", stats.num_accepted_tokens)
+        # No draft offloading exists yet: the draft always stays on the device.
+        yield gauge("nightjar_draft_offloaded", "1 while the draft model is offloaded from the device", 0)
+        yield counter("nightjar_draft_offloads", "Draft model offloads", getattr(stats, "num_draft_offloads", 0))
+        yield counter("nightjar_draft_reloads", "Draft model reloads", getattr(stats, "num_draft_reloads", 0))
+        yield counter("nightjar_planner_switches", "Changes of γ chosen by the planner",
+                      getattr(e.planner, "num_switches", 0))
+        yield counter("nightjar_preemptions", "Requests preempted for KV space", stats.num_preemptions)
+        yield counter("nightjar_prompt_tokens", "Prompt tokens accepted", stats.num_prompt_tokens)
+        yield counter("nightjar_generation_tokens", "Tokens generated", stats.num_generated_tokens)
+
+
+class ServerMetrics:
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("nightjar_requests", "Finished engine requests by finish reason", ["finish_reason"],
+                                registry=r)
+        for reason in ("stop", "length", "abort", "error"):
+            self.requests.labels(reason)
+        self.ttft = Histogram("nightjar_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("nightjar_time_per_output_token_seconds", "Mean time per output token after the first",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("nightjar_inter_token_latency_seconds", "Time between consecutive output tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("nightjar_e2e_request_latency_seconds", "Arrival to finish", buckets=_E2E_BUCKETS,
+                             registry=r)
+        r.register(_EngineCollector(engine))
+
+    def on_output(self, out: RequestOutput) -> None:
+        """Record a finished request's latencies (runs on the engine thread)."""
+        if not out.finished:
+            return
+        self.requests.labels(out.outputs[0].finish_reason or "error").inc()
+        m = out.metrics
+        if m is None:
+            return
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.tpot is not None:
+            self.tpot.observe(m.tpot)
+        for itl in m.itls():
+            self.itl.observe(itl)
+        if m.e2e is not None:
+            self.e2e.observe(m.e2e)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

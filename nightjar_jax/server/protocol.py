@@ -1,0 +1,170 @@
+"""OpenAI-compatible request bodies (pydantic) and the OpenAI error shape.
+
+Unknown fields are rejected (``extra="forbid"``), but the fields the official clients commonly send are accepted
+at their neutral values (``user``, ``logprobs`` false/null, ``presence_penalty``/``frequency_penalty`` 0, ``echo``
+false, ...); a non-neutral value of a field this server does not implement is a 400 that names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nightjar_jax.engine.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(_Strict):
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0, le=100)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, lt=1)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Accepted at their neutral values only (see _check_unsupported).
+    user: str | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    def unsupported(self) -> list[tuple[str, bool]]:
+        """(field, is_set_to_a_value_this_server_cannot_honour) pairs."""
+        return [
+            ("presence_penalty", bool(self.presence_penalty)),
+            ("frequency_penalty", bool(self.frequency_penalty)),
+            ("logit_bias", bool(self.logit_bias)),
+            ("best_of", self.best_of is not None and self.best_of != self.n),
+            ("store", bool(self.store)),
+        ]
+
+    def check_unsupported(self) -> None:
+        for name, bad in self.unsupported():
+            if bad:
+                raise APIError(400, f"'{name}'={getattr(self, name)!r} is not supported by this server", param=name)
+        if isinstance(self.stop, list) and not all(self.stop):
+            raise APIError(400, "'stop' strings must be non-empty", param="stop")
+        if isinstance(self.stop, str) and not self.stop:
+            raise APIError(400, "'stop' must be a non-empty string", param="stop")
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        kwargs: dict[str, Any] = dict(
+            n=1, max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, seed=self.seed,
+        )
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        return SamplingParams(**kwargs)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptField = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptField
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[tuple[str, bool]]:
+        return super().unsupported() + [
+            ("echo", bool(self.echo)),
+            ("logprobs", self.logprobs is not None),
+            ("suffix", bool(self.suffix)),
+        ]
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (a string or a list of token ids each)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "'prompt' is empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[misc]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # clients echo back extra keys (refusal, annotations, ...)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def unsupported(self) -> list[tuple[str, bool]]:
+        fmt = (self.response_format or {}).get("type", "text")
+        return super().unsupported() + [
+            ("logprobs", bool(self.logprobs)),
+            ("top_logprobs", bool(self.top_logprobs)),
+            ("tools", bool(self.tools)),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto")),
+            ("response_format", fmt != "text"),
+        ]
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
