@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,6 +27,7 @@ from nightjar_jax.sim import (  # noqa: E402
     PRESETS,
     CostProfile,
     SimConfig,
+    SimResult,
     Simulator,
     build_oracles,
     low_burst_low,
@@ -41,6 +44,22 @@ def preset_phases(preset: str, phase_seconds: float):
     return PRESETS[preset]()
 
 
+def run_one(job: tuple) -> SimResult:
+    """One (preset, planner) simulation; runs in a worker process."""
+    preset, spec, profile_path, gamma_max, seed, phase_seconds = job
+    profile = CostProfile.from_json(profile_path)
+    config = SimConfig(gamma_max=gamma_max, seed=seed)
+    trace = make_trace(preset_phases(preset, phase_seconds), seed=seed)
+    simulator = Simulator(trace, profile, config)
+    if spec != "nightjar+warm":
+        return simulator.run(make_planner(spec, gamma_max))
+    # Warm start: learn on another day's trace of the same shape, save, load, then run this trace.
+    warmup = Simulator(make_trace(preset_phases(preset, phase_seconds), seed=seed + 1000), profile, config)
+    learner = make_planner("nightjar", gamma_max)
+    warmup.run(learner)
+    return simulator.run(Planner.from_json(learner.to_json()), name="nightjar+warm")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default=None, help="cost profile JSON (default: the synthetic model)")
@@ -49,6 +68,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write all results as JSON here")
     parser.add_argument("--phase-seconds", type=float, default=60.0, help="length of each load phase")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="worker processes")
     args = parser.parse_args()
 
     profile = CostProfile.from_json(args.profile)
@@ -56,19 +76,21 @@ def main() -> int:
     print(f"profile: {profile.label} [kind={profile.kind}]")
     report: dict = {"profile": profile.label, "profile_kind": profile.kind, "gamma_max": args.gamma_max, "runs": {}}
     all_ok = True
-    for preset in args.presets.split(","):
-        started = time.perf_counter()
+    presets = args.presets.split(",")
+    statics = {0: "ar", **{g: f"static:{g}" for g in range(1, args.gamma_max + 1)}}
+    specs = [*statics.values(), "banditspec", "dsd", "table", "nightjar", "nightjar+warm"]
+    jobs = [(preset, spec) for preset in presets for spec in specs]
+    job_args = (args.profile, args.gamma_max, args.seed, args.phase_seconds)
+    started = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        finished = list(pool.map(run_one, [(*job, *job_args) for job in jobs]))
+    all_results = {preset: {} for preset in presets}
+    for (preset, spec), result in zip(jobs, finished, strict=True):
+        all_results[preset][spec] = result
+    for preset in presets:
         trace = make_trace(preset_phases(preset, args.phase_seconds), seed=args.seed)
         simulator = Simulator(trace, profile, config)
-        results = {}
-        statics = {0: "ar", **{g: f"static:{g}" for g in range(1, args.gamma_max + 1)}}
-        for spec in [*statics.values(), "banditspec", "dsd", "table", "nightjar"]:
-            results[spec] = simulator.run(make_planner(spec, args.gamma_max))
-        # Warm start: learn on another day's trace of the same shape, save, load, then run this trace.
-        warmup = Simulator(make_trace(preset_phases(preset, args.phase_seconds), seed=args.seed + 1000), profile, config)
-        learner = make_planner("nightjar", args.gamma_max)
-        warmup.run(learner)
-        results["nightjar+warm"] = simulator.run(Planner.from_json(learner.to_json()), name="nightjar+warm")
+        results = all_results[preset]
         static_results = {g: results[s] for g, s in statics.items()}
         for oracle in build_oracles(static_results, trace, config.bucket_edges, args.gamma_max):
             results[oracle.spec] = simulator.run(oracle)
@@ -79,7 +101,7 @@ def main() -> int:
         phases = trace.phases
         print(f"\n### {preset}: {trace.num_requests} requests, {int(trace.output_lengths.sum())} output tokens, "
               f"phases {[f'{p.name} {p.duration_seconds:g}s@{p.rate_per_second:g}/s' for p in phases]} "
-              f"({elapsed:.0f} s to simulate)\n")
+              f"(all presets simulated in {elapsed:.0f} s so far)\n")
         header = (
             "| planner | tok/s | tok/busy-s | vs best static | vs oracle:phase | mean lat s | p90 lat s | "
             + " | ".join(f"{p.name} tok/s" for p in phases)

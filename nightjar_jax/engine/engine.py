@@ -83,6 +83,13 @@ class LLMEngine:
         """Build from ``config`` (loading the models it names), or from ready ``target``/``draft`` handles."""
         setup_compilation_cache(config.compilation_cache_dir)
         self.config = config
+        from nightjar_jax.attention import resolve_impl
+
+        if resolve_impl(config.attention_impl) == "pallas":
+            # Import the Pallas lowering modules before the first jit, or a jitted pallas_call compiles twice.
+            from kernels_pallas.paged_attention import import_pallas_backends
+
+            import_pallas_backends()
         if target is None:
             target, tokenizer = self._load(config.model, tokenizer_spec=config.tokenizer)
         if draft is None and config.spec.draft_model is not None:

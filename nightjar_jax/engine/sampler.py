@@ -67,9 +67,15 @@ class SamplingTensors(NamedTuple):
             top_k=column(top_k, np.int32),
             top_p=column(top_p, np.float32),
             min_p=column(min_p, np.float32),
-            seeds=column(np.asarray(seeds, dtype=np.int64) & 0xFFFFFFFF, np.uint32),
+            seeds=column(_fold_to_uint32(seeds), np.uint32),
             steps=column(steps, np.int32),
         )
+
+
+def _fold_to_uint32(seeds: int | np.ndarray | list) -> np.ndarray:
+    """Host-side: 64-bit seeds (SamplingParams allows [0, 2**63)) -> uint32, mixing in the high half."""
+    wide = np.asarray(seeds, dtype=np.uint64)
+    return ((wide ^ (wide >> np.uint64(32))) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
 
 def request_keys(st: SamplingTensors, salt: int) -> jax.Array:

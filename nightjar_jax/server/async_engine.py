@@ -209,10 +209,13 @@ class AsyncEngine:
                 self.engine.add_request(prompt, sp, request_id=rid)
                 added.append(rid)
                 self._groups[rid] = (group, i)
-        except ValueError as exc:
+        except Exception as exc:  # ValueError: bad input; anything else (e.g. the tokenizer choking) is one too
             for rid in added:
                 self.engine.abort_request(rid)
                 self._groups.pop(rid, None)
+            if not isinstance(exc, ValueError):
+                logger.warning("add_request failed: %r", exc)
+                exc = ValueError(f"the prompt could not be processed: {exc}")
             self._resolve(command.ack, exc)
             return
         group.added = True

@@ -1,0 +1,132 @@
+"""``python -m nightjar_jax.serve``: load the engine, warm it up, and serve the OpenAI-compatible API.
+
+Shutdown on SIGINT / SIGTERM is graceful: uvicorn stops accepting connections, in-flight requests get
+``--shutdown-timeout`` seconds to finish, whatever is left is aborted (pages freed), and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from nightjar_jax.cli import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger("nightjar_jax.serve")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 picks a free one)")
+    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
+    group.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
+    group.add_argument("--chat-template", default=None,
+                       help="a jinja chat template, or a path to a file holding one (overrides the tokenizer's)")
+    group.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default: 1 MiB)")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish on SIGINT/SIGTERM before being aborted")
+    group.add_argument("--no-warmup", action="store_true", help="skip the warm-up request before serving")
+    group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m nightjar_jax.serve", description=__doc__.splitlines()[0])
+    add_engine_args(parser)
+    add_server_args(parser)
+    return parser
+
+
+def load_chat_template(spec: str) -> str:
+    path = Path(spec)
+    try:
+        if len(spec) < 4096 and path.is_file():
+            return path.read_text()
+    except OSError:
+        pass
+    return spec
+
+
+def load_engine(args: argparse.Namespace):
+    """Build the engine (progress bar over load → warm-up) and log what was loaded."""
+    from tqdm.auto import tqdm
+
+    from nightjar_jax.engine.engine import LLMEngine
+    from nightjar_jax.engine.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    steps = ["load models", "warm up"] if not args.no_warmup else ["load models"]
+    with tqdm(total=len(steps), desc="starting", unit="step", file=sys.stderr) as bar:
+        bar.set_postfix_str(f"loading {config.model}")
+        t0 = time.perf_counter()
+        engine = LLMEngine(config)
+        bar.update(1)
+        logger.info("loaded %s (draft %s) in %.1fs; %d KV pages x %d tokens; max_model_len %d",
+                    engine.target.config.name, engine.draft.config.name if engine.draft else None,
+                    time.perf_counter() - t0, engine.num_total_pages, config.cache.page_size, engine.max_model_len)
+        if args.chat_template is not None:
+            engine.tokenizer.chat_template = load_chat_template(args.chat_template)
+        if not args.no_warmup:
+            bar.set_postfix_str("compiling (warm-up request)")
+            t0 = time.perf_counter()
+            engine.add_request([engine.tokenizer.bos_token_id or 1] if engine.tokenizer else [1],
+                               SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), request_id="warmup")
+            while engine.has_unfinished_requests():
+                engine.step()
+            bar.update(1)
+            logger.info("warm-up done in %.1fs; compiled variants: %s", time.perf_counter() - t0,
+                        engine.runner.compiled_cache_sizes())
+    return engine
+
+
+class _Server:
+    """Factory for a uvicorn Server whose signal handling exits 0 instead of re-raising the signal."""
+
+    @staticmethod
+    def make(config):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame) -> None:
+                # uvicorn re-raises captured signals after shutdown (exit status 128+n); we exit 0 instead.
+                if self.should_exit and sig == signal.SIGINT:
+                    self.force_exit = True
+                else:
+                    self.should_exit = True
+
+        return Server(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from nightjar_jax.config import ConfigError
+    from nightjar_jax.server.app import ServerSettings, build_app
+    from nightjar_jax.server.async_engine import AsyncEngine
+
+    try:
+        engine = load_engine(args)
+    except ConfigError as exc:
+        logger.error("%s", exc)
+        return 2
+    settings = ServerSettings(served_model_name=args.served_model_name or engine.config.model, api_key=args.api_key,
+                              max_body_bytes=args.max_body_bytes)
+    app = build_app(AsyncEngine(engine), settings)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
+    server = _Server.make(config)
+    logger.info("serving %s on http://%s:%d/v1", settings.served_model_name, args.host, args.port)
+    server.run()
+    logger.info("server stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""The OpenAI-compatible HTTP API over an :class:`AsyncEngine`.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as server-sent
+events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+
+Every error is answered in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
+input (malformed JSON, invalid UTF-8, wrong types, unknown fields, bad values, prompts longer than the context),
+401 for a missing / wrong API key, 404 for an unknown model or route, 413 for a body over the size limit.
+
+One HTTP request becomes one **group** of engine requests (``len(prompts) * n`` members); choice ``i`` of the
+response is member ``i`` (prompt ``i // n``, sample ``i % n``, seeded ``seed + i % n`` when a seed is given). When
+the client goes away the whole group is aborted, which frees its KV pages at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nightjar_jax.engine.outputs import RequestOutput
+from nightjar_jax.engine.sampling_params import SamplingParams
+from nightjar_jax.server.async_engine import AsyncEngine, GroupStream
+from nightjar_jax.server.metrics import ServerMetrics
+from nightjar_jax.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    disconnect_poll_seconds: float = 0.5  # how often a non-streaming request checks that its client is still there
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
+    """The FastAPI app. The engine thread starts with the app (if not yet running) and stops when it shuts down."""
+    engine = async_engine.engine
+    metrics = metrics or ServerMetrics(engine)
+    if metrics.on_output not in async_engine.hooks.on_output:
+        async_engine.hooks.on_output.append(metrics.on_output)
+    model_names = {settings.served_model_name, engine.config.model}
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not async_engine.is_alive:
+            async_engine.start()
+        yield
+        logger.info("shutting down: aborting %d in-flight request(s)", async_engine.num_active_groups)
+        await asyncio.get_running_loop().run_in_executor(None, async_engine.stop)
+
+    app = FastAPI(title="nightjar-jax", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+
+    # ---- errors -------------------------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return JSONResponse(APIError(400, str(exc)).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):  # pragma: no cover - a bug, but keep the shape
+        logger.exception("unhandled error")
+        return JSONResponse(APIError(500, f"internal error: {exc}", type="internal_error").body(), status_code=500)
+
+    # ---- helpers ------------------------------------------------------------------------------------------------
+    def authorize(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), settings.api_key):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def read_body(request: Request, model: type[BaseModel]) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+            raise APIError(413, f"the request body is over the {settings.max_body_bytes}-byte limit",
+                           code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > settings.max_body_bytes:
+                raise APIError(413, f"the request body is over the {settings.max_body_bytes}-byte limit",
+                               code="request_too_large")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise APIError(400, f"the request body is not valid UTF-8: {exc}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            text.encode("utf-8")  # rejects lone surrogates smuggled in as \ud800 escapes
+        except UnicodeEncodeError:
+            raise APIError(400, "the request contains invalid Unicode (a lone surrogate escape)") from None
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"])
+            raise APIError(400, f"{loc}: {err['msg']}" if loc else err["msg"], param=loc or None) from None
+
+    def check_model(name: str | None) -> str:
+        if name is not None and name not in model_names:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{settings.served_model_name}'",
+                           type="not_found_error", param="model", code="model_not_found")
+        return settings.served_model_name
+
+    def check_max_tokens(max_tokens: int | None, param: str) -> int | None:
+        if max_tokens is not None and max_tokens > engine.max_model_len:
+            raise APIError(400, f"'{param}'={max_tokens} is more than the context length {engine.max_model_len}",
+                           param=param)
+        return max_tokens
+
+    def make_params(req, max_tokens: int | None) -> SamplingParams:
+        try:
+            return req.sampling_params(max_tokens)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+
+    async def add_group(prompts: list[Any], params: SamplingParams, n: int, request_id: str) -> GroupStream:
+        members, member_params = [], []
+        for prompt in prompts:
+            for j in range(n):
+                members.append(prompt)
+                seed = None if params.seed is None else params.seed + j
+                member_params.append(dataclasses.replace(params, seed=seed) if n > 1 else params)
+        try:
+            return await async_engine.add(members, member_params, request_id=request_id)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="prompt") from None
+        except RuntimeError as exc:
+            raise APIError(503, str(exc), type="server_error") from None
+
+    async def collect(stream: GroupStream, request: Request, size: int) -> list[RequestOutput]:
+        """Wait for every member to finish; aborts the group if the client disconnects."""
+        finals: list[RequestOutput | None] = [None] * size
+        try:
+            while True:
+                try:
+                    item = await stream.next(timeout=settings.disconnect_poll_seconds)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        raise _ClientGone() from None
+                    continue
+                if item is None:
+                    break
+                index, out = item
+                if out.finished:
+                    finals[index] = out
+        finally:
+            stream.abort()  # no-op once finished; frees the pages on disconnect or cancellation
+        return finals  # type: ignore[return-value]
+
+    def usage(outs: list[RequestOutput], n: int) -> dict[str, int]:
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outs[::n])
+        completion_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def sse(data: dict[str, Any]) -> str:
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    async def stream_events(stream: GroupStream, size: int, n: int, chunk, include_usage: bool,
+                            first: list[dict] | None = None) -> AsyncIterator[str]:
+        """SSE frames: ``chunk(index, out)`` per output (None = skip), usage when asked, then ``[DONE]``."""
+        finals: list[RequestOutput | None] = [None] * size
+        try:
+            for frame in first or []:
+                yield sse(frame)
+            async for index, out in stream:
+                body = chunk(index, out)
+                if body is not None:
+                    yield sse(body)
+                if out.finished:
+                    finals[index] = out
+            if include_usage:
+                yield sse({**chunk(None, None), "choices": [], "usage": usage(finals, n)})  # type: ignore[arg-type]
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.abort()  # the client went away (generator cancelled / closed): free the pages now
+
+    # ---- endpoints ----------------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not async_engine.is_alive:
+            return JSONResponse({"status": "error", "detail": "the engine thread is not running"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        authorize(request)
+        card = {"id": settings.served_model_name, "object": "model", "created": created, "owned_by": "nightjar-jax",
+                "root": engine.config.model, "max_model_len": engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        authorize(request)
+        req: CompletionRequest = await read_body(request, CompletionRequest)
+        model = check_model(req.model)
+        req.check_unsupported()
+        prompts = req.prompts()
+        params = make_params(req, check_max_tokens(req.max_tokens, "max_tokens"))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        stream = await add_group(prompts, params, req.n, rid)
+        size, now = len(prompts) * req.n, int(time.time())
+        base = {"id": rid, "object": "text_completion", "created": now, "model": model}
+
+        if req.stream:
+            def chunk(index, out):
+                if out is None:
+                    return dict(base)
+                comp = out.outputs[0]
+                if not comp.delta_text and not comp.finished:
+                    return None
+                choice = {"index": index, "text": comp.delta_text, "logprobs": None,
+                          "finish_reason": comp.finish_reason}
+                return {**base, "choices": [choice]}
+
+            return StreamingResponse(stream_events(stream, size, req.n, chunk, req.include_usage),
+                                     media_type="text/event-stream")
+        try:
+            outs = await collect(stream, request, size)
+        except _ClientGone:
+            return Response(status_code=499)
+        choices = [{"index": i, "text": o.outputs[0].text, "logprobs": None,
+                    "finish_reason": o.outputs[0].finish_reason} for i, o in enumerate(outs)]
+        return {**base, "choices": choices, "usage": usage(outs, req.n)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        authorize(request)
+        req: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
+        model = check_model(req.model)
+        req.check_unsupported()
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        params = make_params(req, check_max_tokens(req.requested_max_tokens(), param))
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+        try:
+            prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        except Exception as exc:  # no template, or the template rejected the messages
+            raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from None
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await add_group([prompt], params, req.n, rid)
+        size, now = req.n, int(time.time())
+        base = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model}
+
+        if req.stream:
+            def chunk(index, out):
+                if out is None:
+                    return dict(base)
+                comp = out.outputs[0]
+                if not comp.delta_text and not comp.finished:
+                    return None
+                delta = {"content": comp.delta_text} if comp.delta_text else {}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": comp.finish_reason}
+                return {**base, "choices": [choice]}
+
+            first = [{**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]} for i in range(size)]
+            return StreamingResponse(stream_events(stream, size, req.n, chunk, req.include_usage, first=first),
+                                     media_type="text/event-stream")
+        try:
+            outs = await collect(stream, request, size)
+        except _ClientGone:
+            return Response(status_code=499)
+        choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text}, "logprobs": None,
+                    "finish_reason": o.outputs[0].finish_reason} for i, o in enumerate(outs)]
+        return {**base, "object": "chat.completion", "choices": choices, "usage": usage(outs, req.n)}
+
+    return app

@@ -1,0 +1,50 @@
+"""The planner wired into the engine: it picks γ every decode step, output stays lossless, and the opt-in JSONL
+log of decisions and rewards replays through a fresh planner."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+from helpers import VOCAB, fake_engine, greedy, run_all  # noqa: E402
+
+from nightjar_jax.testing import fake_greedy_continuation  # noqa: E402
+
+PROMPTS = [[5, 6, 7], list(range(1, 21)), [42, 1], [3, 3], list(range(30, 43))]
+
+
+@pytest.mark.parametrize("planner", ["nightjar", "banditspec", "dsd", "table", "ar"])
+def test_planner_drives_gamma_losslessly(planner, tmp_path):
+    log = tmp_path / "decisions.jsonl"
+    eng = fake_engine(draft=True, num_speculative_tokens=3, planner=planner, planner_log=str(log))
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, greedy(25), request_id=str(i))
+    assert run_all(eng) == {str(i): fake_greedy_continuation(p, 25, VOCAB) for i, p in enumerate(PROMPTS)}
+    eng.planner.attach_logger(None) if hasattr(eng.planner, "attach_logger") else None
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(records) == eng.stats.num_decode_steps
+    gammas = {r["gamma"] for r in records}
+    assert gammas <= set(range(4))
+    if planner == "ar":
+        assert gammas == {0}
+    if planner == "nightjar":
+        assert all(r.get("seconds") is not None for r in records)
+
+
+def test_engine_log_replays_through_the_planner(tmp_path):
+    from nightjar_jax.planner import make_planner, read_log, replay
+
+    log = tmp_path / "decisions.jsonl"
+    eng = fake_engine(draft=True, num_speculative_tokens=3, planner="nightjar", planner_log=str(log))
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, greedy(20), request_id=str(i))
+    run_all(eng)
+    eng.planner.attach_logger(None)
+    records = read_log(log)
+    assert records
+    result = replay(log, make_planner("nightjar", 3))
+    assert result is not None
