@@ -99,9 +99,11 @@ def main() -> int:
         best_static = max(statics.values(), key=lambda s: results[s].busy_throughput)
         oracle = results["oracle:phase"]
         phases = trace.phases
-        print(f"\n### {preset}: {trace.num_requests} requests, {int(trace.output_lengths.sum())} output tokens, "
-              f"phases {[f'{p.name} {p.duration_seconds:g}s@{p.rate_per_second:g}/s' for p in phases]} "
-              f"(all presets simulated in {elapsed:.0f} s so far)\n")
+        print(
+            f"\n### {preset}: {trace.num_requests} requests, {int(trace.output_lengths.sum())} output tokens, "
+            f"phases {[f'{p.name} {p.duration_seconds:g}s@{p.rate_per_second:g}/s' for p in phases]} "
+            f"(all presets simulated in {elapsed:.0f} s so far)\n"
+        )
         header = (
             "| planner | tok/s | tok/busy-s | vs best static | vs oracle:phase | mean lat s | p90 lat s | "
             + " | ".join(f"{p.name} tok/s" for p in phases)
@@ -124,7 +126,9 @@ def main() -> int:
         for spec in ("nightjar", "nightjar+warm"):
             r = results[spec]
             checks[spec] = {
-                "tok/busy-s >= every static": all(r.busy_throughput >= results[s].busy_throughput for s in statics.values()),
+                "tok/busy-s >= every static": all(
+                    r.busy_throughput >= results[s].busy_throughput for s in statics.values()
+                ),
                 "tok/busy-s within 5% of oracle:phase": r.busy_throughput >= 0.95 * oracle.busy_throughput,
                 "wall tok/s within 0.5% of every static": all(
                     r.throughput >= 0.995 * results[s].throughput for s in statics.values()
@@ -132,7 +136,8 @@ def main() -> int:
                 "every phase within 5% of oracle:phase": all(
                     a >= 0.95 * b for a, b in zip(r.phase_throughput(), oracle.phase_throughput(), strict=True)
                 ),
-                "mean latency <= best static's": r.latencies.mean() <= min(results[s].latencies.mean() for s in statics.values()),
+                "mean latency <= best static's": r.latencies.mean()
+                <= min(results[s].latencies.mean() for s in statics.values()),
             }
             print(f"\n{spec}: " + "; ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in checks[spec].items()))
         checks = {k: {c: bool(v) for c, v in d.items()} for k, d in checks.items()}

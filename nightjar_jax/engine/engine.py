@@ -129,6 +129,12 @@ class LLMEngine:
             self.max_model_len, gamma_max, self.planner,
         )
 
+    def close(self) -> None:
+        """Flush the planner's decision log (if any). The engine stays usable for reading stats."""
+        close = getattr(self.planner, "close", None)
+        if close is not None:
+            close()
+
     # ---- construction helpers -----------------------------------------------------------------------------------
     def _load(self, spec: str, tokenizer_spec: str | None):
         """Load a model spec (see ``nightjar_jax.models.loader``; ``<model>@skip=...`` derives a layer-skip draft)."""

@@ -339,6 +339,46 @@ class ModelRunner:
             self.draft_kv = self._draft_fill(self.draft.state, self.draft_kv, tokens, bt, context_lens, query_lens)
 
     # ---- compilation ----------------------------------------------------------------------------------------------
+    def warmup(
+        self,
+        batch_sizes: list[int] | None = None,
+        gammas: list[int] | None = None,
+        sampled: bool = True,
+        progress=None,
+    ) -> list[tuple]:
+        """Compile the decode variants ahead of time by running them on padding-only batches (every write lands
+        on the reserved page 0, so no real state changes). Returns the variant keys compiled."""
+        sizes = batch_sizes or self.shapes.decode_buckets
+        gammas = list(range(self.gamma_max + 1)) if gammas is None else gammas
+        modes = [True, False] if sampled else [True]
+        keys: list[tuple] = []
+        for num_rows in sizes:
+            zeros = np.zeros(num_rows, np.int32)
+            st = self._sampling_tensors([], num_rows)
+            bt = np.zeros((num_rows, self.shapes.max_pages_per_seq), np.int32)
+            for all_greedy in modes:
+                for gamma in gammas:
+                    if gamma == 0:
+                        _, self.kv = self._forward_sample(
+                            self.target.state, self.kv, np.zeros((num_rows, 1), np.int32), bt, zeros, zeros, st,
+                            all_greedy,
+                        )
+                        keys.append(("forward_sample", num_rows, 1, all_greedy))
+                    else:
+                        tokens, probs, self.draft_kv = self._propose(
+                            self.draft.state, self.draft_kv, np.zeros((num_rows, 2), np.int32), bt, zeros, st, gamma,
+                            all_greedy,
+                        )
+                        out, _, self.kv = self._verify(
+                            self.target.state, self.kv, zeros, tokens, probs, bt, zeros, st, all_greedy
+                        )
+                        out.block_until_ready()
+                        keys += [("propose", num_rows, gamma, all_greedy), ("verify", num_rows, gamma, all_greedy)]
+                    if progress is not None:
+                        progress()
+        self.variants_seen.update(keys)
+        return keys
+
     def compiled_cache_sizes(self) -> dict[str, int]:
         """Number of compiled executables per step function (grows only when a new variant compiles)."""
         fns = {"forward_sample": self._forward_sample}

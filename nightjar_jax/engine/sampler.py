@@ -16,9 +16,9 @@ Vocabulary
   the other requests in the batch. That is what makes a seeded request reproducible under continuous batching.
 
 JIT notes: every function here is traceable with static shapes; the sampling parameters are arrays, so changing
-them never recompiles. The full-vocabulary sort that top-k/top-p need (V = 49152 for SmolLM2) runs only when some
-non-greedy row of the batch asks for it (``lax.cond``); under ``vmap`` a ``lax.cond`` becomes a select and both
-branches run, so call these on the whole batch rather than vmapping over rows.
+them never recompiles. Top-k/top-p find their thresholds by bisection (64 passes over the logits, no sort) and
+run only when some non-greedy row of the batch asks for them (``lax.cond``). Under ``vmap`` a ``lax.cond``
+becomes a select and both branches run, so call these on the whole batch rather than vmapping over rows.
 """
 
 from __future__ import annotations
@@ -92,8 +92,63 @@ def _per_row(x: jax.Array, ndim: int) -> jax.Array:
     return x.reshape(x.shape + (1,) * (ndim - 1))
 
 
+def _sortable(x: jax.Array) -> jax.Array:
+    """float32 -> int32 with the same order (flip the magnitude bits of negatives), so ints can be bisected."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))
+
+
+def _unsortable(key: jax.Array) -> jax.Array:
+    """Inverse of :func:`_sortable`."""
+    return jax.lax.bitcast_convert_type(jnp.where(key >= 0, key, key ^ jnp.int32(0x7FFFFFFF)), jnp.float32)
+
+
+def _half_gap(lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """floor((hi - lo) / 2) for int32 lo <= hi, without overflow (the gap can exceed 2**31)."""
+    return ((hi.astype(jnp.uint32) - lo.astype(jnp.uint32)) >> 1).astype(jnp.int32)
+
+
 def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """The smallest logit each row keeps after top-k then top-p. Sorts the vocabulary.
+    """The smallest logit each row keeps after top-k then top-p, by bisection instead of a sort.
+
+    scaled: [B, ..., V] f32 temperature-scaled logits; top_k: [B, ..., 1] int32 (already clamped to [1, V]);
+    top_p: [B, ..., 1] f32. Returns [B, ..., 1] f32, exactly a logit of the row.
+
+    Each search bisects the 2**32 float32 values (as ordered ints), so 32 passes over the row find the exact
+    answer: top-k's threshold is the largest t with #{x >= t} >= k (the k-th largest logit); top-p's is the
+    smallest t whose strictly-greater mass (within the top-k set, renormalised) is < top_p — the last token of
+    the smallest prefix reaching top_p. On CPU this is ~7x faster than sorting 64 x 49152 logits.
+    Worked example, V = 4, logits [3, 2, 1, 0] with probabilities [.64, .24, .09, .03], top_k = 3, top_p = 0.8:
+    top-k's threshold is 1 (renormalised [.66, .25, .09]); the mass above 2 is .66 < 0.8 and above 1 is
+    .91 >= 0.8, so top-p's threshold is 2 and two tokens stay.
+    """
+    keys = _sortable(scaled)  # [B, ..., V] int32
+    lowest = jnp.min(keys, axis=-1, keepdims=True)  # [B, ..., 1] int32
+    highest = jnp.max(keys, axis=-1, keepdims=True)  # [B, ..., 1] int32
+
+    def top_k_step(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bounds  # invariant: #{x >= lo} >= k; the answer lies in [lo, hi]
+        mid = hi - _half_gap(lo, hi)  # upper middle, so lo moves up when lo + 1 == hi
+        enough = jnp.sum(keys >= mid, axis=-1, keepdims=True) >= top_k  # [B, ..., 1] bool
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid - 1)
+
+    kth_largest, _ = jax.lax.fori_loop(0, 32, top_k_step, (lowest, highest))  # [B, ..., 1] int32
+    probs = jax.nn.softmax(jnp.where(keys >= kth_largest, scaled, -jnp.inf), axis=-1)  # [B, ..., V] f32
+
+    def top_p_step(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bounds  # invariant: mass(x > hi) < p; the answer lies in [lo, hi]
+        mid = lo + _half_gap(lo, hi)
+        below_p = jnp.sum(jnp.where(keys > mid, probs, 0.0), axis=-1, keepdims=True) < top_p  # [B, ..., 1]
+        return jnp.where(below_p, lo, mid + 1), jnp.where(below_p, mid, hi)
+
+    _, nucleus_last = jax.lax.fori_loop(0, 32, top_p_step, (kth_largest, highest))  # [B, ..., 1] int32
+    # top_p == 1 means off: float rounding in the sums must not drop the tail.
+    threshold = jnp.where(top_p >= 1.0, kth_largest, jnp.maximum(kth_largest, nucleus_last))
+    return _unsortable(threshold)
+
+
+def _top_k_top_p_threshold_by_sort(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Reference for :func:`_top_k_top_p_threshold` (same result, by a full sort; tests compare the two).
 
     scaled: [B, ..., V] f32 temperature-scaled logits; top_k: [B, ..., 1] int32 (already clamped to [1, V]);
     top_p: [B, ..., 1] f32. Returns [B, ..., 1] f32. Worked example, V = 4, logits sorted [3, 2, 1, 0] with
@@ -131,9 +186,9 @@ def processed_logprobs(logits: jax.Array, st: SamplingTensors) -> jax.Array:
 
     top_k = _per_row(jnp.where((st.top_k <= 0) | (st.top_k >= vocab), vocab, st.top_k), ndim)  # [B, ..., 1]
     top_p = _per_row(st.top_p, ndim)  # [B, ..., 1] f32
-    needs_sort = (st.temperature != 0) & ((st.top_k > 0) & (st.top_k < vocab) | (st.top_p < 1.0))  # [B] bool
+    needs_threshold = (st.temperature != 0) & ((st.top_k > 0) & (st.top_k < vocab) | (st.top_p < 1.0))  # [B] bool
     threshold = jax.lax.cond(
-        jnp.any(needs_sort),
+        jnp.any(needs_threshold),
         _top_k_top_p_threshold,
         lambda scaled, top_k, top_p: jnp.full(scaled.shape[:-1] + (1,), -jnp.inf, jnp.float32),
         scaled,

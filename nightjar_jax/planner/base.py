@@ -159,6 +159,11 @@ class Planner(abc.ABC):
         """Log every decision and observation as JSONL (opt-in); None detaches."""
         self._logger = decision_logger
 
+    def close(self) -> None:
+        """Flush and close the attached decision logger, if any (call at engine shutdown)."""
+        if self._logger is not None:
+            self._logger.close()
+
     # ----------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state: enough to rebuild this planner and continue where it stopped."""
@@ -218,6 +223,7 @@ class Planner(abc.ABC):
 
     def _observe(self, gamma: int, batch_size: int, num_tokens: int, seconds: float, switch_seconds: float) -> None:
         """Learn from one step (inputs validated). Default: nothing to learn."""
+        del gamma, batch_size, num_tokens, seconds, switch_seconds
 
     def _learned_state(self) -> dict[str, Any]:
         return {}

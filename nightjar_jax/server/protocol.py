@@ -117,12 +117,14 @@ class CompletionRequest(_SamplingFields):
         """The prompt field as a list of prompts (a string or a list of token ids each)."""
         p = self.prompt
         if isinstance(p, str):
-            return [p]
-        if not p:
-            raise APIError(400, "'prompt' is empty", param="prompt")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[misc]
+            prompts: list = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        else:
+            prompts = [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[union-attr]
+        if not prompts or not all(prompts):
+            raise APIError(400, "'prompt' is empty: give at least one non-empty prompt", param="prompt")
+        return prompts
 
 
 class TextPart(_Strict):

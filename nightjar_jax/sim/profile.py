@@ -153,7 +153,9 @@ class CostProfile:
             batch_sizes=tuple(int(b) for b in data["batch_sizes"]),
             gammas=tuple(int(g) for g in data["gammas"]),
             context_lengths=tuple(int(c) for c in data["context_lengths"]),
-            step_seconds_grid=tuple(tuple(tuple(float(s) for s in cell) for cell in row) for row in data["step_seconds"]),
+            step_seconds_grid=tuple(
+                tuple(tuple(float(s) for s in cell) for cell in row) for row in data["step_seconds"]
+            ),
             acceptance_per_position=tuple(float(a) for a in data["acceptance_per_position"]),
             prefill_fixed_seconds=float(data["prefill_seconds"]["fixed"]),
             prefill_seconds_per_token=float(data["prefill_seconds"]["per_token"]),

@@ -209,7 +209,9 @@ class Simulator:
                 r, done = waiting[0]
                 tokens = int(prompt[r]) + done
                 need = pages(tokens)
-                if used + need > self.kv_budget_pages or (admitted and prefill_tokens + tokens > cfg.max_prefill_tokens):
+                if used + need > self.kv_budget_pages or (
+                    admitted and prefill_tokens + tokens > cfg.max_prefill_tokens
+                ):
                     break
                 waiting.popleft()
                 admitted.append((r, done))

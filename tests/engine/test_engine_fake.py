@@ -113,3 +113,24 @@ def test_bad_sampling_values_raise_with_field_names():
                           ({"n": 0}, "n")]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kwargs)
+
+
+def test_warmup_compiles_every_decode_variant_so_decoding_compiles_nothing():
+    eng = fake_engine(draft=True, num_speculative_tokens=2, max_num_seqs=4)
+    runner = eng.runner
+    keys = runner.warmup()
+    assert len(keys) == len(runner.shapes.decode_buckets) * 2 * (1 + 2 * 2)  # sizes x greedy/sampled x variants
+    assert eng.num_free_pages == eng.num_total_pages
+    sizes = runner.compiled_cache_sizes()
+    # decoding at any batch size / γ after warmup: prompts of one token skip prefill entirely
+    import random
+
+    rng = random.Random(0)
+    eng._select_gamma = lambda: rng.randint(0, 2)
+    for i in range(3):
+        eng.add_request([7 + i], greedy(6), request_id=str(i))
+    done = run_all(eng)
+    assert done == {str(i): expected([7 + i], 6) for i in range(3)}
+    after = runner.compiled_cache_sizes()
+    assert after["forward_sample"] == sizes["forward_sample"]
+    assert after["propose"] == sizes["propose"] and after["verify"] == sizes["verify"]

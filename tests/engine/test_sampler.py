@@ -10,7 +10,14 @@ import jax
 import numpy as np
 from scipy import stats
 
-from nightjar_jax.engine.sampler import SamplingTensors, processed_probs, request_keys, sample
+from nightjar_jax.engine.sampler import (
+    SamplingTensors,
+    _top_k_top_p_threshold,
+    _top_k_top_p_threshold_by_sort,
+    processed_probs,
+    request_keys,
+    sample,
+)
 
 NUM_DRAWS = 20_000
 MIN_P_VALUE = 1e-3  # chi-square significance: a correct sampler fails about 1 run in 1000
@@ -115,13 +122,28 @@ def test_top_k_then_top_p_and_min_p() -> None:
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
 
 
-def test_sort_skipping_does_not_change_rows_without_top_k_top_p() -> None:
+def test_skipping_the_threshold_search_does_not_change_other_rows() -> None:
     logits = _logits(4, 32, seed=4)
-    # Row 1 is greedy, so its top_k must not trigger the sort: with row 3 sampled-and-unfiltered, no sort runs;
-    # with row 3 asking for top-k, the sorting branch runs. Rows 0..2 must not change between the two.
+    # Row 1 is greedy, so its top_k must not trigger the top-k/top-p search: with row 3 sampled and unfiltered
+    # the search is skipped; with row 3 asking for top-k it runs. Rows 0..2 must not change between the two.
     no_sort = SamplingTensors.create(4, temperature=[0.9, 0.0, 1.1, 1.0], top_k=[0, 5, 0, 0], min_p=[0, 0, 0.05, 0])
     sort = no_sort._replace(top_k=no_sort.top_k.at[3].set(2))
     np.testing.assert_allclose(_probs(logits, sort)[:3], _probs(logits, no_sort)[:3], rtol=1e-6, atol=1e-7)
+
+
+def test_bisection_threshold_equals_sort_reference() -> None:
+    """The bisected top-k/top-p threshold is exactly the sort-based one, with ties, -inf and extreme k / p."""
+    rng = np.random.default_rng(9)
+    scaled = (rng.standard_normal((16, 300)) * 3).astype(np.float32)
+    scaled[0, :50] = -np.inf  # masked vocabulary
+    scaled[1, 10:20] = 5.0  # a tie across the top-k boundary
+    scaled[2] = np.round(scaled[2])  # many ties
+    scaled[3] = 1e30  # one flat row
+    scaled[4, :] = -1e-30  # negative values near zero, to exercise the float -> int order
+    top_k = rng.choice([1, 2, 15, 100, 299, 300], (16, 1)).astype(np.int32)
+    top_p = rng.choice([1.0, 0.999, 0.9, 0.5, 0.01], (16, 1)).astype(np.float32)
+    bisected = jax.jit(_top_k_top_p_threshold)(scaled, top_k, top_p)
+    np.testing.assert_array_equal(bisected, jax.jit(_top_k_top_p_threshold_by_sort)(scaled, top_k, top_p))
 
 
 def test_seed_reproducible_and_independent_of_batch_slot_and_composition() -> None:

@@ -11,8 +11,17 @@ import numpy as np
 
 
 class SyntheticEnv:
-    def __init__(self, *, alpha: float = 0.7, base: float = 0.010, per_seq: float = 0.0004,
-                 per_draft: float = 0.0015, noise: float = 0.05, switch_seconds: float = 0.0, seed: int = 0):
+    def __init__(
+        self,
+        *,
+        alpha: float = 0.7,
+        base: float = 0.010,
+        per_seq: float = 0.0004,
+        per_draft: float = 0.0015,
+        noise: float = 0.05,
+        switch_seconds: float = 0.0,
+        seed: int = 0,
+    ):
         self.alpha, self.base, self.per_seq, self.per_draft = alpha, base, per_seq, per_draft
         self.noise, self.switch_seconds = noise, switch_seconds
         self.rng = np.random.default_rng(seed)

@@ -14,12 +14,21 @@ def test_log_has_one_line_per_decision_with_observation(tmp_path):
     planner = make_planner("nightjar", 3, decision_log=path)
     run(planner, SyntheticEnv(seed=1), [2, 5, 9] * 20)
     planner.select(4)  # a decision with no observation (run stopped)
-    planner._logger.close()
+    planner.close()
     records = read_log(path)
     assert len(records) == 61
     first = records[0]
-    assert set(first) >= {"planner", "decision", "context", "batch_size", "gamma", "num_tokens", "seconds",
-                          "switch_seconds", "reward"}
+    assert set(first) >= {
+        "planner",
+        "decision",
+        "context",
+        "batch_size",
+        "gamma",
+        "num_tokens",
+        "seconds",
+        "switch_seconds",
+        "reward",
+    }
     assert first["gamma"] == first["observed_gamma"] and first["reward"] > 0
     assert records[-1]["observed_gamma"] is None and records[-1]["gamma"] == planner.last_gamma
     json.dumps(records)  # plain JSON all the way

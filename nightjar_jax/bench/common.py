@@ -1,0 +1,173 @@
+"""Shared pieces of the benchmark scripts (``scripts/bench_engine.py``, ``scripts/bench_spec.py``).
+
+Vocabulary:
+- *workload*: ``batch_size`` prompts of exactly ``prompt_len`` tokens, each generating exactly ``output_len``
+  tokens greedily (``ignore_eos``), submitted at once so every decode step runs at the full batch.
+- *decode step*: one ``LLMEngine.step`` that ran the decode path (not prefill); the engine's ``step_log`` records
+  its wall seconds (schedule → device → output bookkeeping) and the tokens it committed.
+- *decode tokens/s*: committed tokens over the summed wall seconds of decode steps only (prefill excluded).
+- *TPOT*: time per output token of one sequence = mean decode step seconds / mean tokens committed per sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT_DATASET = "/work/shared/datasets/spec_bench/question.jsonl"
+
+
+def load_prompt_texts(path: str | None, limit: int = 256) -> list[str]:
+    """First turns of a ``{"turns": [...]}`` JSONL file (MT-Bench / Spec-Bench format); [] when absent."""
+    if not path or not os.path.exists(path):
+        return []
+    texts = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                rec = json.loads(line)
+                turns = rec.get("turns") or [rec.get("instruction", "")]
+                if turns and turns[0]:
+                    texts.append(turns[0])
+            if len(texts) >= limit:
+                break
+    return texts
+
+
+def make_prompt_ids(tokenizer, texts: list[str], num: int, prompt_len: int, vocab_size: int, seed: int = 0
+                    ) -> tuple[list[list[int]], str]:
+    """``num`` prompts of exactly ``prompt_len`` token ids: real text (cut / repeated to length) when a tokenizer
+    and texts exist, else synthetic ids. Returns (prompts, source description)."""
+    if tokenizer is not None and texts:
+        out = []
+        for i in range(num):
+            ids = list(tokenizer.encode(texts[i % len(texts)]))
+            j = 1
+            while len(ids) < prompt_len:  # short question: append the next one
+                ids += list(tokenizer.encode(" " + texts[(i + j) % len(texts)]))
+                j += 1
+            out.append(ids[:prompt_len])
+        return out, "dataset"
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab_size, prompt_len).tolist() for _ in range(num)], "synthetic"
+
+
+def memory_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> dict:
+    """Read bandwidth: best-of-``repeats`` time of a float32 sum over ``num_bytes`` (numpy, and jitted JAX, which
+    uses all cores). Returns GB/s (1e9 bytes) for each and the best."""
+    import jax
+    import jax.numpy as jnp
+
+    n = num_bytes // 4
+    a = np.ones(n, np.float32)
+    best_np = min(_timed(lambda: a.sum()) for _ in range(repeats))
+    x = jnp.asarray(a)
+    del a
+    f = jax.jit(jnp.sum)
+    f(x).block_until_ready()
+    best_jax = min(_timed(lambda: f(x).block_until_ready()) for _ in range(repeats))
+    del x
+    res = {"numpy_gbs": num_bytes / best_np / 1e9, "jax_gbs": num_bytes / best_jax / 1e9, "bytes": num_bytes}
+    res["best_gbs"] = max(res["numpy_gbs"], res["jax_gbs"])
+    return res
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def state_bytes(state) -> int:
+    """Total bytes of a model's weights (a pytree of arrays)."""
+    import jax
+
+    return int(sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state)
+                   if hasattr(x, "shape")))
+
+
+def pages_needed(batch_size: int, prompt_len: int, output_len: int, gamma_max: int, page_size: int = 16) -> int:
+    """KV pages that hold a whole workload with no preemption (+ page 0 reserved, + slack)."""
+    per_seq = -(-(prompt_len + output_len + gamma_max + 2) // page_size)
+    return batch_size * per_seq + 8
+
+
+@dataclass
+class DecodeRun:
+    """One workload through the engine: decode-only numbers from ``step_log``."""
+
+    batch_size: int
+    gamma: int
+    num_decode_steps: int
+    decode_seconds: float  # summed wall seconds of decode steps
+    committed_tokens: int
+    draft_seconds: float
+    verify_seconds: float
+    catchup_seconds: float
+    total_seconds: float  # whole generate() wall, prefill included
+    mean_accepted_length: float  # committed tokens per sequence per decode step
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.committed_tokens / self.decode_seconds
+
+    @property
+    def tpot_ms(self) -> float:
+        return 1e3 * self.decode_seconds / self.num_decode_steps / self.mean_accepted_length
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d.update(tokens_per_second=self.tokens_per_second, tpot_ms=self.tpot_ms)
+        return d
+
+
+def run_decode_workload(llm, prompts: list[list[int]], output_len: int, gamma: int = 0) -> DecodeRun:
+    """Generate ``output_len`` greedy tokens for every prompt at a forced γ; time decode steps only."""
+    from nightjar_jax import SamplingParams
+
+    engine = llm.engine
+    engine.record_steps = True
+    engine.stats.step_log.clear()
+    if engine.draft is not None:
+        engine._select_gamma = lambda: gamma if engine.scheduler.num_decoding() else 0
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    total = time.perf_counter() - t0
+    log = list(engine.stats.step_log)
+    engine.stats.step_log.clear()
+    steps = len(log)
+    seq_steps = sum(s["batch_size"] for s in log)
+    committed = sum(s["committed"] for s in log)
+    return DecodeRun(
+        batch_size=len(prompts), gamma=gamma, num_decode_steps=steps,
+        decode_seconds=sum(s["seconds"] for s in log), committed_tokens=committed,
+        draft_seconds=sum(s["draft_seconds"] for s in log), verify_seconds=sum(s["verify_seconds"] for s in log),
+        catchup_seconds=sum(s["catchup_seconds"] for s in log), total_seconds=total,
+        mean_accepted_length=committed / seq_steps if seq_steps else 0.0,
+    )
+
+
+def machine_note() -> dict:
+    import jax
+
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "loadavg_at_start": os.getloadavg(),
+        "jax": jax.__version__,
+        "jax_backend": jax.default_backend(),
+    }
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=float)

@@ -1,0 +1,234 @@
+"""Issue 4 benchmark: offline AR decode throughput and TPOT vs batch size, against HF transformers (torch CPU).
+
+One run measures, on the same machine and under the same load:
+1. memory read bandwidth (float32 sum over a large array) → the batch-1 floor = weight bytes / bandwidth;
+2. nightjar-jax AR decoding at each batch size: decode-only tokens/s and TPOT from the engine's step log;
+3. the host-side share of a decode step at ``--host-batch`` (engine.step wall minus the jitted forward call,
+   dispatch + block, measured by wrapping ``ModelRunner._forward_sample``);
+4. the peer: the same weights in ``transformers.LlamaForCausalLM.generate`` (greedy), decode time =
+   time(generate N tokens) - time(generate 1 token);
+then prints a table with the ratios and writes JSON.
+
+    python scripts/bench_engine.py --batch-sizes 1,4,16,32,64 --prompt-len 32 --output-len 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from nightjar_jax.bench.common import (  # noqa: E402
+    DEFAULT_DATASET,
+    load_prompt_texts,
+    machine_note,
+    make_prompt_ids,
+    memory_bandwidth_gbs,
+    pages_needed,
+    run_decode_workload,
+    state_bytes,
+    write_json,
+)
+
+logger = logging.getLogger("bench_engine")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--batch-sizes", default="1,4,16,32,64")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--dataset", default=DEFAULT_DATASET, help="JSONL with 'turns'; synthetic ids if absent")
+    p.add_argument("--host-batch", type=int, default=32, help="batch size for the host-side share")
+    p.add_argument("--bandwidth-mib", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=2, help="torch threads for the peer")
+    p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--out", default="results/bench_engine.json")
+    return p.parse_args()
+
+
+# ---- nightjar-jax ---------------------------------------------------------------------------------------------
+def host_share(llm, prompts: list[list[int]], output_len: int) -> dict:
+    """Share of decode-step wall time spent outside the jitted forward call (dispatch + device + block)."""
+    import jax
+
+    runner = llm.engine.runner
+    inner = runner._forward_sample
+    call_seconds: list[float] = []
+
+    def timed(*args):
+        t0 = time.perf_counter()
+        out = inner(*args)
+        jax.block_until_ready(out)
+        if args[2].shape[1] == 1:  # tokens [S, 1]: a decode step (prefill chunks are longer)
+            call_seconds.append(time.perf_counter() - t0)
+        return out
+
+    runner._forward_sample = timed
+    try:
+        run = run_decode_workload(llm, prompts, output_len)
+    finally:
+        runner._forward_sample = inner
+    step = run.decode_seconds / run.num_decode_steps
+    device = sum(call_seconds) / len(call_seconds)
+    return {"batch_size": len(prompts), "step_ms": 1e3 * step, "forward_call_ms": 1e3 * device,
+            "host_ms": 1e3 * (step - device), "host_fraction": (step - device) / step,
+            "num_steps": run.num_decode_steps}
+
+
+# ---- the peer ---------------------------------------------------------------------------------------------------
+def build_hf_peer(model: str, threads: int):
+    import torch
+    import transformers
+
+    from nightjar_jax.models.loader import load_checkpoint
+
+    torch.set_num_threads(threads)
+    ck = load_checkpoint(model)
+    c = ck.config
+    cfg = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings,
+        max_position_embeddings=c.max_position_embeddings, head_dim=c.head_dim or c.hidden_size // c.num_heads,
+    )
+    hf = transformers.LlamaForCausalLM(cfg)
+    missing, unexpected = hf.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v))
+                                              for k, v in ck.state_dict.items()}, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise RuntimeError(f"HF peer weights mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    hf.tie_weights()
+    hf.eval()
+    return hf
+
+
+def hf_decode(hf, prompts: list[list[int]], output_len: int) -> dict:
+    """Decode-only tokens/s of ``generate``: time(N new tokens) - time(1 new token), best of 2 each."""
+    import torch
+
+    ids = torch.tensor(prompts, dtype=torch.long)  # equal lengths: no padding needed
+    mask = torch.ones_like(ids)
+
+    def gen(n: int) -> tuple[float, torch.Tensor]:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t0, out
+
+    gen(2)  # warm-up
+    t1 = min(gen(1)[0] for _ in range(2))
+    tn, out = gen(output_len)
+    decode = tn - t1
+    new_tokens = len(prompts) * (output_len - 1)
+    return {"batch_size": len(prompts), "decode_seconds": decode, "tokens_per_second": new_tokens / decode,
+            "tpot_ms": 1e3 * decode / (output_len - 1), "first_token_seconds": t1,
+            "tokens": out[:, ids.shape[1]:].tolist()}
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    max_batch = max(batch_sizes + [args.host_batch])
+    from nightjar_jax import LLM
+
+    meta = machine_note()
+    print(f"# {meta['date']}  cpus={meta['cpu_count']}  load={meta['loadavg_at_start']}", flush=True)
+
+    bw = memory_bandwidth_gbs(args.bandwidth_mib << 20)
+    print(f"memory read bandwidth: numpy {bw['numpy_gbs']:.1f} GB/s, jax {bw['jax_gbs']:.1f} GB/s", flush=True)
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, max_model_len=512, max_num_seqs=max_batch, max_num_batched_tokens=512,
+              num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, 0), dtype=args.dtype)
+    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s", flush=True)
+    weight_bytes = state_bytes(llm.engine.runner.target.state)
+    floor_s = weight_bytes / (bw["best_gbs"] * 1e9)
+    print(f"weights {weight_bytes / 2**20:.0f} MiB -> batch-1 floor {1e3 * floor_s:.1f} ms/token "
+          f"({1 / floor_s:.1f} tok/s)", flush=True)
+    texts = load_prompt_texts(args.dataset)
+    all_prompts, source = make_prompt_ids(llm.get_tokenizer(), texts, max_batch, args.prompt_len,
+                                          llm.engine.target.config.vocab_size)
+
+    ours: dict[int, dict] = {}
+    for b in batch_sizes:
+        prompts = all_prompts[:b]
+        run_decode_workload(llm, prompts, args.output_len)  # warm-up: compiles this batch's shapes
+        run = run_decode_workload(llm, prompts, args.output_len)
+        ours[b] = run.as_dict()
+        print(f"nightjar b={b:3d}: {run.tokens_per_second:8.1f} tok/s  TPOT {run.tpot_ms:7.2f} ms", flush=True)
+    host = host_share(llm, all_prompts[: args.host_batch], args.output_len)
+    print(f"host share at b={args.host_batch}: step {host['step_ms']:.2f} ms, forward call "
+          f"{host['forward_call_ms']:.2f} ms, host {host['host_ms']:.2f} ms ({100 * host['host_fraction']:.1f}%)",
+          flush=True)
+    ours_tokens = {}
+    if not args.no_peer:
+        from nightjar_jax import SamplingParams
+
+        sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in all_prompts[:4]], sp, use_tqdm=False)
+        ours_tokens = {i: o.outputs[0].token_ids for i, o in enumerate(outs)}
+    del llm
+
+    peer: dict[int, dict] = {}
+    if not args.no_peer:
+        hf = build_hf_peer(args.model, args.threads)
+        for b in batch_sizes:
+            peer[b] = hf_decode(hf, all_prompts[:b], args.output_len)
+            print(f"HF peer  b={b:3d}: {peer[b]['tokens_per_second']:8.1f} tok/s  TPOT {peer[b]['tpot_ms']:7.2f} ms",
+                  flush=True)
+        ref = peer[min(batch_sizes)]["tokens"]
+        agree = [ours_tokens[i] == ref[i] for i in range(min(len(ref), len(ours_tokens)))]
+        print(f"greedy tokens equal to the peer's (first {len(agree)} prompts): {agree}")
+
+    print()
+    print("| batch | nightjar tok/s | nightjar TPOT ms | HF tok/s | HF TPOT ms | nightjar / HF |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for b in batch_sizes:
+        o = ours[b]
+        p = peer.get(b)
+        ptxt = f"{p['tokens_per_second']:.1f} | {p['tpot_ms']:.1f} | {o['tokens_per_second'] / p['tokens_per_second']:.2f}x" \
+            if p else "- | - | -"
+        print(f"| {b} | {o['tokens_per_second']:.1f} | {o['tpot_ms']:.1f} | {ptxt} |")
+    goals = {}
+    if 1 in ours:
+        goals["batch1_tpot_over_floor"] = ours[1]["tpot_ms"] / (1e3 * floor_s)
+        if 1 in peer:
+            goals["batch1_vs_peer"] = ours[1]["tokens_per_second"] / peer[1]["tokens_per_second"]
+    if 32 in ours and 32 in peer:
+        goals["batch32_vs_peer"] = ours[32]["tokens_per_second"] / peer[32]["tokens_per_second"]
+    goals["host_fraction"] = host["host_fraction"]
+    if 1 in peer:
+        goals["peer_batch1_tpot_over_floor"] = peer[1]["tpot_ms"] / (1e3 * floor_s)
+    print()
+    print(f"floor (batch 1): {1e3 * floor_s:.1f} ms/token = weights {weight_bytes / 1e6:.0f} MB / "
+          f"{bw['best_gbs']:.1f} GB/s")
+    checks = [
+        ("batch-1 TPOT / floor <= 1.25", "batch1_tpot_over_floor", lambda v: v <= 1.25),
+        ("batch-1 tok/s / peer >= 1.0", "batch1_vs_peer", lambda v: v >= 1.0),
+        ("batch-32 tok/s / peer >= 1.5", "batch32_vs_peer", lambda v: v >= 1.5),
+        ("host share at batch 32 < 10%", "host_fraction", lambda v: v < 0.10),
+    ]
+    for name, key, ok in checks:
+        if key in goals:
+            print(f"goal {name}: {goals[key]:.3f} -> {'MET' if ok(goals[key]) else 'MISSED'}")
+    for p in peer.values():
+        p.pop("tokens", None)
+    write_json(args.out, {"args": vars(args), "machine": meta, "prompt_source": source, "bandwidth": bw,
+                          "weight_bytes": weight_bytes, "floor_ms": 1e3 * floor_s, "nightjar": ours, "peer": peer,
+                          "host": host, "goals": goals})
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+"""End-to-end tests of the OpenAI-compatible server: a real ``python -m nightjar_jax.serve`` subprocess on a
+loopback port with stories260k, driven by the official ``openai`` client and raw ``httpx`` for bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+API_KEY = "test-key"
+MODEL = "tiny-stories"
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+NUM_PAGES = 257  # 256 usable pages of 16 tokens: 64 concurrent requests of <= 64 tokens fit
+MAX_MODEL_LEN = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env.setdefault("NIGHTJAR_JAX_CACHE", os.path.expanduser("~/.cache/nightjar_jax/jax_cache_tests"))
+        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"nightjar_server_{self.port}.log"), "w+")
+        cmd = [sys.executable, "-m", "nightjar_jax.serve", "--model", "stories260k", "--max-model-len",
+               str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--num-pages", str(NUM_PAGES), "--port", str(self.port),
+               "--api-key", API_KEY, "--served-model-name", MODEL, "--chat-template", CHAT_TEMPLATE,
+               "--shutdown-timeout", "3", "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not come up:\n{self.logs()}")
+
+    def logs(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-5000:]
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        out = {}
+        for line in text.splitlines():
+            m = re.match(r"^(nightjar_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+            if m:
+                out[m.group(1)] = float(m.group(2))
+        return out
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def post(server, path, body, *, key=API_KEY, raw=None, headers=None):
+    h = {"Content-Type": "application/json", **(headers or {})}
+    if key is not None:
+        h["Authorization"] = f"Bearer {key}"
+    content = raw if raw is not None else json.dumps(body)
+    return httpx.post(server.url + path, content=content, headers=h, timeout=60)
+
+
+# ---- happy paths ------------------------------------------------------------------------------------------------
+def test_models_and_health(server, client):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_usage_and_stream_match(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    resp = client.completions.create(**kw)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length" and choice.text
+    assert resp.usage.completion_tokens == 12
+    assert resp.usage.prompt_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 12
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
+
+
+def test_chat_completion(client):
+    messages = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "Once upon a time"}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8, temperature=0)
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content
+    assert resp.usage.completion_tokens == 8
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == resp.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == resp.usage.total_tokens
+
+
+def test_stop_string(client):
+    base = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0)
+    text = base.choices[0].text
+    words = text.split()
+    assert len(words) >= 3
+    stop = words[2]
+    cut = text[: text.index(stop)]
+    resp = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0, stop=[stop])
+    assert resp.choices[0].text == cut
+    assert resp.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                       stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == cut
+
+
+def test_seed_reproducible_and_n(client):
+    kw = dict(model=MODEL, prompt="The dog", max_tokens=12, temperature=1.0, seed=1234)
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b
+    many = client.completions.create(**kw, n=3)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert many.choices[0].text == a  # sample j uses seed + j
+    assert many.usage.completion_tokens == sum(1 for _ in range(3)) * 12
+    again = client.completions.create(**kw, n=3)
+    assert [c.text for c in again.choices] == [c.text for c in many.choices]
+    assert len({c.text for c in many.choices}) > 1
+
+
+def test_prompt_forms(client, server):
+    tok_prompt = client.completions.create(model=MODEL, prompt="Once", max_tokens=1, temperature=0)
+    assert tok_prompt.usage.prompt_tokens >= 1
+    ids = [1, 403, 407]
+    one = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert one.usage.prompt_tokens == 3 and len(one.choices) == 1
+    two = client.completions.create(model=MODEL, prompt=[ids, ids[:2]], max_tokens=4, temperature=0)
+    assert two.usage.prompt_tokens == 5 and len(two.choices) == 2
+    assert two.choices[0].text == one.choices[0].text
+    strs = client.completions.create(model=MODEL, prompt=["Once", "The cat"], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in strs.choices] == [0, 1, 2, 3]
+    assert strs.choices[0].text == strs.choices[1].text  # greedy: same prompt, same text
+
+
+def test_common_openai_fields_accepted(client):
+    resp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, user="u1", presence_penalty=0,
+                                     frequency_penalty=0, echo=False, logprobs=None)
+    assert resp.choices[0].text is not None
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                          user="u1", logprobs=False, presence_penalty=0)
+    assert chat.choices[0].finish_reason in ("length", "stop")
+
+
+# ---- bad input --------------------------------------------------------------------------------------------------
+GOOD = {"model": MODEL, "prompt": "Once", "max_tokens": 2}
+BAD_CASES = [
+    ("malformed json", "/v1/completions", None, b'{"model": "x", "prompt": ', 400),
+    ("not an object", "/v1/completions", [1, 2], None, 400),
+    ("invalid utf-8", "/v1/completions", None, b'{"prompt": "\xff\xfe", "max_tokens": 2}', 400),
+    ("lone surrogate", "/v1/completions", None, b'{"prompt": "\\ud800", "max_tokens": 2}', 400),
+    ("wrong type", "/v1/completions", {**GOOD, "max_tokens": "many"}, None, 400),
+    ("prompt type", "/v1/completions", {**GOOD, "prompt": {"a": 1}}, None, 400),
+    ("unknown field", "/v1/completions", {**GOOD, "bogus": 1}, None, 400),
+    ("missing prompt", "/v1/completions", {"model": MODEL}, None, 400),
+    ("negative max_tokens", "/v1/completions", {**GOOD, "max_tokens": -1}, None, 400),
+    ("zero max_tokens", "/v1/completions", {**GOOD, "max_tokens": 0}, None, 400),
+    ("huge max_tokens", "/v1/completions", {**GOOD, "max_tokens": 10**12}, None, 400),
+    ("bad temperature", "/v1/completions", {**GOOD, "temperature": -1}, None, 400),
+    ("n zero", "/v1/completions", {**GOOD, "n": 0}, None, 400),
+    ("unsupported penalty", "/v1/completions", {**GOOD, "presence_penalty": 0.5}, None, 400),
+    ("unsupported echo", "/v1/completions", {**GOOD, "echo": True}, None, 400),
+    ("empty prompt", "/v1/completions", {**GOOD, "prompt": ""}, None, 400),
+    ("empty prompt list", "/v1/completions", {**GOOD, "prompt": []}, None, 400),
+    ("token id out of range", "/v1/completions", {**GOOD, "prompt": [1, 99999]}, None, 400),
+    ("prompt too long", "/v1/completions", {**GOOD, "prompt": [5] * (MAX_MODEL_LEN + 10)}, None, 400),
+    ("text prompt too long", "/v1/completions", {**GOOD, "prompt": "Once upon a time " * 200}, None, 400),
+    ("unknown model", "/v1/completions", {**GOOD, "model": "gpt-9"}, None, 404),
+    ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, None, 400),
+    ("bad role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, None,
+     400),
+    ("chat tools", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, None, 400),
+    ("chat unknown model", "/v1/chat/completions",
+     {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, None, 404),
+    ("body too large", "/v1/completions", None, b'{"prompt": "' + b"a" * (2 << 20) + b'"}', 413),
+]
+
+
+@pytest.mark.parametrize("name,path,body,raw,status", BAD_CASES, ids=[c[0] for c in BAD_CASES])
+def test_bad_input(server, name, path, body, raw, status):
+    resp = post(server, path, body, raw=raw)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+
+def test_auth(server):
+    assert post(server, "/v1/completions", GOOD, key=None).status_code == 401
+    resp = post(server, "/v1/completions", GOOD, key="wrong")
+    assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert post(server, "/v1/completions", GOOD).status_code == 200
+
+
+def test_unknown_route_and_client_errors(server, client):
+    resp = httpx.get(server.url + "/v1/nothing", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert resp.status_code == 404 and "error" in resp.json()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"nope": 1})
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices  # still serving
+
+
+# ---- disconnects ------------------------------------------------------------------------------------------------
+def _wait_pages_free(server, timeout=20.0) -> dict[str, float]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = server.metrics()
+        if m["nightjar_kv_pages_free"] == m["nightjar_kv_pages_total"] and m["nightjar_num_requests_running"] == 0:
+            return m
+        time.sleep(0.1)
+    raise AssertionError(f"pages not freed: {server.metrics()}")
+
+
+def test_disconnect_mid_stream_frees_pages(server):
+    before = server.metrics()['nightjar_requests_total{finish_reason="abort"}']
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=body, headers=headers) as resp:
+            assert resp.status_code == 200
+            seen = 0
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                if seen >= 3:
+                    break
+            m = server.metrics()
+            assert m["nightjar_kv_pages_free"] < m["nightjar_kv_pages_total"]  # still generating
+    m = _wait_pages_free(server)
+    assert m['nightjar_requests_total{finish_reason="abort"}'] == before + 1
+
+
+def test_disconnect_non_streaming_frees_pages(server):
+    before = server.metrics()['nightjar_requests_total{finish_reason="abort"}']
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "n": 2,
+            "temperature": 0}
+    with pytest.raises(httpx.TimeoutException):
+        post_timeout = httpx.Timeout(0.3, connect=5)
+        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=post_timeout)
+    m = _wait_pages_free(server)
+    assert m['nightjar_requests_total{finish_reason="abort"}'] == before + 2
+
+
+# ---- concurrency ------------------------------------------------------------------------------------------------
+def test_64_concurrent_streams_match_sequential(server, client):
+    prompts = [f"Once upon a time there was a {w}" for w in ("dog", "cat", "girl", "boy", "bird", "tree", "ball",
+                                                             "car")]
+    prompts = [f"{p}{' and' * (i // 8)}" for i, p in enumerate(prompts * 8)]  # 64 distinct prompts
+    expected = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
+                for p in prompts]
+
+    async def one(aclient, prompt):
+        stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                                  stream=True)
+        parts, reason = [], None
+        async for chunk in stream:
+            parts.append(chunk.choices[0].text)
+            reason = chunk.choices[0].finish_reason or reason
+        return "".join(parts), reason
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
+                                      timeout=120) as aclient:
+            return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+    results = asyncio.run(run_all())
+    assert all(reason is not None for _, reason in results)
+    assert [text for text, _ in results] == expected
+    _wait_pages_free(server)
+
+
+# ---- shutdown (runs last: it stops the module's server) ---------------------------------------------------------
+def test_zz_sigterm_graceful_shutdown(server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 32, "stream": True, "temperature": 0}
+    frames: list[str] = []
+
+    def stream():
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    frames.append(line)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.time() + 10
+    while not frames and time.time() < deadline:
+        time.sleep(0.01)
+    assert server.stop() == 0, server.logs()
+    t.join(10)
+    assert frames and frames[-1] == "data: [DONE]"  # the in-flight stream was allowed to finish
