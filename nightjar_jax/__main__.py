@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    sub.add_parser("serve", help="the OpenAI-compatible server (see python -m nightjar_jax.serve --help)",
-                   add_help=False)
+    sub.add_parser(
+        "serve", help="the OpenAI-compatible server (see python -m nightjar_jax.serve --help)", add_help=False
+    )
     if argv is None:
         argv = sys.argv[1:]
     if argv and argv[0] == "serve":

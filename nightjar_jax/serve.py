@@ -24,11 +24,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 picks a free one)")
     group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
     group.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
-    group.add_argument("--chat-template", default=None,
-                       help="a jinja chat template, or a path to a file holding one (overrides the tokenizer's)")
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        help="a jinja chat template, or a path to a file holding one (overrides the tokenizer's)",
+    )
     group.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default: 1 MiB)")
-    group.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="seconds in-flight requests get to finish on SIGINT/SIGTERM before being aborted")
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish on SIGINT/SIGTERM before being aborted",
+    )
     group.add_argument("--no-warmup", action="store_true", help="skip the warm-up request before serving")
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -55,7 +62,7 @@ def load_engine(args: argparse.Namespace):
     """Build the engine (progress bar over load → warm-up) and log what was loaded."""
     from tqdm.auto import tqdm
 
-    from nightjar_jax.engine.engine import LLMEngine
+    from nightjar_jax.engine.engine import EngineStats, LLMEngine
     from nightjar_jax.engine.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
@@ -65,21 +72,37 @@ def load_engine(args: argparse.Namespace):
         t0 = time.perf_counter()
         engine = LLMEngine(config)
         bar.update(1)
-        logger.info("loaded %s (draft %s) in %.1fs; %d KV pages x %d tokens; max_model_len %d",
-                    engine.target.config.name, engine.draft.config.name if engine.draft else None,
-                    time.perf_counter() - t0, engine.num_total_pages, config.cache.page_size, engine.max_model_len)
+        logger.info(
+            "loaded %s (draft %s) in %.1fs; %d KV pages x %d tokens; max_model_len %d",
+            engine.target.config.name,
+            engine.draft.config.name if engine.draft else None,
+            time.perf_counter() - t0,
+            engine.num_total_pages,
+            config.cache.page_size,
+            engine.max_model_len,
+        )
         if args.chat_template is not None:
             engine.tokenizer.chat_template = load_chat_template(args.chat_template)
         if not args.no_warmup:
             bar.set_postfix_str("compiling (warm-up request)")
             t0 = time.perf_counter()
-            engine.add_request([engine.tokenizer.bos_token_id or 1] if engine.tokenizer else [1],
-                               SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), request_id="warmup")
+            engine.add_request(
+                [engine.tokenizer.bos_token_id or 1] if engine.tokenizer else [1],
+                SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                request_id="warmup",
+            )
             while engine.has_unfinished_requests():
                 engine.step()
+            # Metrics count from here: the warm-up request is not traffic.
+            engine.stats = EngineStats(
+                accepted_per_position=[0] * engine.gamma_max, drafted_per_position=[0] * engine.gamma_max
+            )
             bar.update(1)
-            logger.info("warm-up done in %.1fs; compiled variants: %s", time.perf_counter() - t0,
-                        engine.runner.compiled_cache_sizes())
+            logger.info(
+                "warm-up done in %.1fs; compiled variants: %s",
+                time.perf_counter() - t0,
+                engine.runner.compiled_cache_sizes(),
+            )
     return engine
 
 
@@ -103,8 +126,9 @@ class _Server:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     import uvicorn
 
     from nightjar_jax.config import ConfigError
@@ -116,11 +140,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         logger.error("%s", exc)
         return 2
-    settings = ServerSettings(served_model_name=args.served_model_name or engine.config.model, api_key=args.api_key,
-                              max_body_bytes=args.max_body_bytes)
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or engine.config.model,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+    )
     app = build_app(AsyncEngine(engine), settings)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        lifespan="on",
+    )
     server = _Server.make(config)
     logger.info("serving %s on http://%s:%d/v1", settings.served_model_name, args.host, args.port)
     server.run()

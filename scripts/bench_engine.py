@@ -50,6 +50,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bandwidth-mib", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2, help="torch threads for the peer")
     p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per batch size (best kept)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default="results/bench_engine.json")
     return p.parse_args()
@@ -112,7 +113,7 @@ def build_hf_peer(model: str, threads: int):
 
 
 def hf_decode(hf, prompts: list[list[int]], output_len: int) -> dict:
-    """Decode-only tokens/s of ``generate``: time(N new tokens) - time(1 new token), best of 2 each."""
+    """Decode-only tokens/s of ``generate``: time(N new tokens) - time(1 new token), each after a warm-up."""
     import torch
 
     ids = torch.tensor(prompts, dtype=torch.long)  # equal lengths: no padding needed
@@ -125,8 +126,12 @@ def hf_decode(hf, prompts: list[list[int]], output_len: int) -> dict:
                               do_sample=False, pad_token_id=0)
         return time.perf_counter() - t0, out
 
-    gen(2)  # warm-up
-    t1 = min(gen(1)[0] for _ in range(2))
+    if not hasattr(hf, '_warm_batches'):
+        hf._warm_batches = set()
+    if len(prompts) not in hf._warm_batches:
+        gen(2)  # warm-up
+        hf._warm_batches.add(len(prompts))
+    t1 = gen(1)[0]
     tn, out = gen(output_len)
     decode = tn - t1
     new_tokens = len(prompts) * (output_len - 1)
@@ -160,36 +165,42 @@ def main() -> None:
     all_prompts, source = make_prompt_ids(llm.get_tokenizer(), texts, max_batch, args.prompt_len,
                                           llm.engine.target.config.vocab_size)
 
+    hf = None if args.no_peer else build_hf_peer(args.model, args.threads)
     ours: dict[int, dict] = {}
+    peer: dict[int, dict] = {}
+    # The machine is shared: ours and the peer run back to back per batch size, --repeats times, and each keeps
+    # its best, so both see similar background load.
     for b in batch_sizes:
         prompts = all_prompts[:b]
         run_decode_workload(llm, prompts, args.output_len)  # warm-up: compiles this batch's shapes
-        run = run_decode_workload(llm, prompts, args.output_len)
-        ours[b] = run.as_dict()
-        print(f"nightjar b={b:3d}: {run.tokens_per_second:8.1f} tok/s  TPOT {run.tpot_ms:7.2f} ms", flush=True)
+        for _ in range(args.repeats):
+            run = run_decode_workload(llm, prompts, args.output_len)
+            if b not in ours or run.tokens_per_second > ours[b]["tokens_per_second"]:
+                ours[b] = run.as_dict()
+            if hf is not None:
+                p = hf_decode(hf, prompts, args.output_len)
+                if b not in peer or p["tokens_per_second"] > peer[b]["tokens_per_second"]:
+                    peer[b] = p
+        o = ours[b]
+        ptxt = f"  | HF {peer[b]['tokens_per_second']:8.1f} tok/s  TPOT {peer[b]['tpot_ms']:7.2f} ms" if b in peer else ""
+        print(f"b={b:3d}: nightjar {o['tokens_per_second']:8.1f} tok/s  TPOT {o['tpot_ms']:7.2f} ms{ptxt}  "
+              f"load={os.getloadavg()[0]:.1f}", flush=True)
     host = host_share(llm, all_prompts[: args.host_batch], args.output_len)
     print(f"host share at b={args.host_batch}: step {host['step_ms']:.2f} ms, forward call "
           f"{host['forward_call_ms']:.2f} ms, host {host['host_ms']:.2f} ms ({100 * host['host_fraction']:.1f}%)",
           flush=True)
-    ours_tokens = {}
-    if not args.no_peer:
+    if peer:
         from nightjar_jax import SamplingParams
 
         sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in all_prompts[:4]], sp, use_tqdm=False)
-        ours_tokens = {i: o.outputs[0].token_ids for i, o in enumerate(outs)}
-    del llm
-
-    peer: dict[int, dict] = {}
-    if not args.no_peer:
-        hf = build_hf_peer(args.model, args.threads)
-        for b in batch_sizes:
-            peer[b] = hf_decode(hf, all_prompts[:b], args.output_len)
-            print(f"HF peer  b={b:3d}: {peer[b]['tokens_per_second']:8.1f} tok/s  TPOT {peer[b]['tpot_ms']:7.2f} ms",
-                  flush=True)
-        ref = peer[min(batch_sizes)]["tokens"]
-        agree = [ours_tokens[i] == ref[i] for i in range(min(len(ref), len(ours_tokens)))]
-        print(f"greedy tokens equal to the peer's (first {len(agree)} prompts): {agree}")
+        b0 = min(batch_sizes)
+        outs = llm.generate([{"prompt_token_ids": p} for p in all_prompts[:b0]], sp, use_tqdm=False)
+        agree = [o.outputs[0].token_ids == ref for o, ref in zip(outs, peer[b0]["tokens"])]
+        print(f"greedy tokens equal to the peer's (batch {b0}): {agree}")
+    bw2 = memory_bandwidth_gbs(args.bandwidth_mib << 20)  # again at the end: keep the best of the two
+    if bw2["best_gbs"] > bw["best_gbs"]:
+        bw = bw2
+        floor_s = weight_bytes / (bw["best_gbs"] * 1e9)
 
     print()
     print("| batch | nightjar tok/s | nightjar TPOT ms | HF tok/s | HF TPOT ms | nightjar / HF |")

@@ -160,6 +160,321 @@ def cmd_generate(args: argparse.Namespace) -> None:
     bar.close()
 
 
+# ---- draft model ---------------------------------------------------------------------------------------------
+
+
+def draft_config(hidden: int, num_layers: int, intermediate: int) -> Any:
+    """The draft's :class:`ModelConfig`: the target's tokenizer, RoPE and special ids; 64-wide heads, GQA 3:1."""
+    from nightjar_jax.models.presets import get_preset
+
+    t = get_preset(TARGET).config
+    num_heads = max(1, round(hidden / 64))
+    num_heads += (-num_heads) % 3 if num_heads >= 3 else 0
+    return t.replace(
+        hidden_size=hidden, intermediate_size=intermediate, num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=max(1, num_heads // 3), head_dim=64, tie_word_embeddings=True, dtype="float32",
+        name="smollm2-draft",
+    )
+
+
+def init_params(cfg: Any, seed: int) -> dict[str, np.ndarray]:
+    """HF-named float32 weights: embedding (= tied head) from the target's by PCA, layers random.
+
+    The target's logits are ``h @ E.T`` with ``E`` [49152, 576]; with ``V`` [576, D] the top right singular vectors
+    of ``E``, ``E @ V`` keeps the directions the target's head uses most, so the draft starts with the target's
+    token geometry and only its layers must learn to land the final hidden state there.
+    """
+    from nightjar_jax.models.loader import load_checkpoint
+
+    emb = np.asarray(load_checkpoint(TARGET).state_dict["model.embed_tokens.weight"], np.float32)  # [V, 576]
+    eigval, eigvec = np.linalg.eigh(emb.T.astype(np.float64) @ emb)  # ascending
+    proj = eigvec[:, ::-1][:, : cfg.hidden_size].astype(np.float32)  # [576, D]
+    emb_d = emb @ proj  # [V, D]
+    logger.info("PCA embedding: rank %d keeps %.1f%% of the energy", cfg.hidden_size,
+                100 * eigval[::-1][: cfg.hidden_size].sum() / eigval.sum())
+    rng = np.random.default_rng(seed)
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+
+    def lin(out: int, inp: int, scale: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((out, inp)) * scale / math.sqrt(inp)).astype(np.float32)
+
+    out = {"model.embed_tokens.weight": emb_d, "model.norm.weight": np.ones(d, np.float32)}
+    depth_scale = 1.0 / math.sqrt(2 * cfg.num_layers)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.q_proj.weight"] = lin(cfg.num_heads * hd, d)
+        out[p + "self_attn.k_proj.weight"] = lin(cfg.num_kv_heads * hd, d)
+        out[p + "self_attn.v_proj.weight"] = lin(cfg.num_kv_heads * hd, d)
+        out[p + "self_attn.o_proj.weight"] = lin(d, cfg.num_heads * hd, depth_scale)
+        out[p + "mlp.gate_proj.weight"] = lin(f, d)
+        out[p + "mlp.up_proj.weight"] = lin(f, d)
+        out[p + "mlp.down_proj.weight"] = lin(d, f, depth_scale)
+        out[p + "input_layernorm.weight"] = np.ones(d, np.float32)
+        out[p + "post_attention_layernorm.weight"] = np.ones(d, np.float32)
+    return out
+
+
+def causal_forward(cfg: Any, params: dict[str, Any], tokens: Any) -> Any:
+    """Plain (cache-free) causal forward over HF-named params: tokens [B, T] int32 -> logits [B, T, V] float32.
+
+    The same math as :class:`nightjar_jax.models.llama.Llama` (rotate-half RoPE, RMSNorm in float32, SwiGLU, GQA,
+    tied head), so trained weights load into the paged model unchanged; ``export`` checks the logits agree.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from nightjar_jax.models.llama import apply_rope, rope_inv_freq
+
+    def norm(x: Any, w: Any) -> Any:
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps) * w
+
+    b, t = tokens.shape
+    hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    inv_freq = jnp.asarray(rope_inv_freq(hd, cfg.rope_theta, cfg.rope_scaling))
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    emb = params["model.embed_tokens.weight"]
+    x = emb[tokens]  # [B, T, D]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        h = norm(x, params[p + "input_layernorm.weight"])
+        q = apply_rope((h @ params[p + "self_attn.q_proj.weight"].T).reshape(b, t, nh, hd), positions, inv_freq)
+        k = apply_rope((h @ params[p + "self_attn.k_proj.weight"].T).reshape(b, t, nkv, hd), positions, inv_freq)
+        v = (h @ params[p + "self_attn.v_proj.weight"].T).reshape(b, t, nkv, hd)
+        q = q.reshape(b, t, nkv, nh // nkv, hd)  # query heads grouped by their KV head
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k) / math.sqrt(hd)  # [B, KV, G, T, T]
+        scores = jnp.where(causal, scores, -1e30)
+        attn = jnp.einsum("bkgqs,bskd->bqkgd", jax.nn.softmax(scores, axis=-1), v).reshape(b, t, nh * hd)
+        x = x + attn @ params[p + "self_attn.o_proj.weight"].T
+        h = norm(x, params[p + "post_attention_layernorm.weight"])
+        gate = h @ params[p + "mlp.gate_proj.weight"].T
+        x = x + (jax.nn.silu(gate) * (h @ params[p + "mlp.up_proj.weight"].T)) @ params[p + "mlp.down_proj.weight"].T
+    x = norm(x, params["model.norm.weight"])
+    return x @ emb.T  # [B, T, V]
+
+
+# ---- training ------------------------------------------------------------------------------------------------------
+
+
+def load_sequences(path: Path, max_len: int) -> list[dict[str, Any]]:
+    """Training rows: ``tokens`` = prompt + response (+ EOS when the target stopped), ``num_prompt`` tokens."""
+    rows = []
+    for r in _read_jsonl(path):
+        toks = (r["prompt_ids"] + r["response_ids"])[:max_len]
+        if len(toks) > len(r["prompt_ids"]):
+            rows.append({"id": r["id"], "kind": r["kind"], "tokens": toks, "num_prompt": len(r["prompt_ids"])})
+    return rows
+
+
+BUCKETS = (128, 256, 512)
+
+
+def make_batches(rows: list[dict[str, Any]], tokens_per_batch: int, prompt_weight: float, seed: int) -> list[Any]:
+    """Shuffled, length-bucketed batches: (tokens [B, T] int32, labels [B, T] int32, weights [B, T] float32).
+
+    ``labels[t] = tokens[t + 1]``; weight 1 where the label is a target-written token, ``prompt_weight`` where it
+    is a prompt token, 0 on padding. One fixed list per epoch seed, so a resumed run sees the same order.
+    """
+    rng = np.random.default_rng(seed)
+    by_bucket: dict[int, list[dict[str, Any]]] = {b: [] for b in BUCKETS}
+    for r in rows:
+        by_bucket[next(b for b in BUCKETS if len(r["tokens"]) <= b)].append(r)
+    batches = []
+    for t, group in by_bucket.items():
+        rng.shuffle(group)
+        bsz = max(1, tokens_per_batch // t)
+        for s in range(0, len(group), bsz):
+            chunk = group[s : s + bsz]
+            tok = np.zeros((bsz, t), np.int32)
+            lab = np.zeros((bsz, t), np.int32)
+            wts = np.zeros((bsz, t), np.float32)
+            for j, r in enumerate(chunk):
+                n = len(r["tokens"])
+                tok[j, :n] = r["tokens"]
+                lab[j, : n - 1] = r["tokens"][1:]
+                wts[j, : n - 1] = prompt_weight
+                wts[j, r["num_prompt"] - 1 : n - 1] = 1.0
+            batches.append((tok, lab, wts))
+    order = rng.permutation(len(batches))
+    return [batches[i] for i in order]
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    """AdamW (warmup-cosine, global-norm clipping) on the target's responses; orbax checkpoints; ``--resume``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    workdir = Path(args.workdir).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg = draft_config(args.hidden, args.num_layers, args.intermediate)
+    (workdir / "draft_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    rows = load_sequences(Path(args.data), max(BUCKETS))
+    val_ids = sorted({r["id"] for r in rows})[:: max(1, args.val_every)]  # a fixed 1-in-N slice of train prompts
+    val_set = set(val_ids)
+    train_rows = [r for r in rows if r["id"] not in val_set]
+    val_rows = [r for r in rows if r["id"] in val_set and r["kind"] == "greedy"]
+    n_resp = sum(len(r["tokens"]) - r["num_prompt"] for r in train_rows)
+    logger.info("%d train sequences (%d response tokens), %d validation sequences", len(train_rows), n_resp,
+                len(val_rows))
+    val_batches = make_batches(val_rows, args.tokens_per_batch, 0.0, seed=0)
+
+    warmup = min(args.warmup, args.steps // 2)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr * 0.05)
+
+    def is_embedding(path: str) -> str:
+        return "embedding" if path == "model.embed_tokens.weight" else "layers"
+
+    resuming = args.resume and (workdir / "ckpt").exists() and any((workdir / "ckpt").iterdir())
+    init = _abstract_params(cfg) if resuming else init_params(cfg, args.seed)
+    params = {k: jnp.asarray(v) for k, v in init.items()}
+    labels = {k: is_embedding(k) for k in params}
+
+    def adamw(lr_scale: float) -> optax.GradientTransformation:
+        return optax.adamw(lambda s: schedule(s) * lr_scale, b1=0.9, b2=0.98, weight_decay=args.weight_decay,
+                           mask=lambda p: jax.tree.map(lambda v: v.ndim == 2, p))
+
+    tx = optax.chain(
+        optax.clip_by_global_norm(args.clip),
+        optax.multi_transform({"embedding": adamw(args.embedding_lr_scale), "layers": adamw(1.0)}, labels),
+    )
+    opt_state = tx.init(params)
+    step = 0
+    mngr = ocp.CheckpointManager(workdir / "ckpt", options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    if args.resume and mngr.latest_step() is not None:
+        step = mngr.latest_step()
+        target = {"params": params, "opt_state": opt_state}
+        restored = mngr.restore(step, args=ocp.args.StandardRestore(target))
+        params, opt_state = restored["params"], restored["opt_state"]
+        logger.info("resumed from step %d", step)
+
+    def loss_fn(p: dict[str, Any], tok: Any, lab: Any, wts: Any) -> tuple[Any, Any]:
+        logits = causal_forward(cfg, p, tok)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(logp, lab[..., None], axis=-1)[..., 0]
+        loss = jnp.sum(nll * wts) / jnp.maximum(jnp.sum(wts), 1.0)
+        resp = (wts >= 1.0).astype(jnp.float32)
+        hits = jnp.sum((jnp.argmax(logits, axis=-1) == lab) * resp)
+        return loss, (hits, jnp.sum(resp))
+
+    @jax.jit
+    def train_step(p, o, tok, lab, wts):
+        (loss, (hits, n)), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, tok, lab, wts)
+        updates, o = tx.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, loss, hits / jnp.maximum(n, 1.0), optax.global_norm(grads)
+
+    @jax.jit
+    def eval_step(p, tok, lab, wts):
+        return loss_fn(p, tok, lab, wts)
+
+    def validate(p: Any) -> tuple[float, float]:
+        tot_loss = tot_hits = tot_n = 0.0
+        for tok, lab, wts in val_batches:
+            loss, (hits, n) = eval_step(p, tok, lab, wts)
+            tot_loss += float(loss) * float(n)
+            tot_hits, tot_n = tot_hits + float(hits), tot_n + float(n)
+        return tot_loss / max(tot_n, 1.0), tot_hits / max(tot_n, 1.0)
+
+    def save(s: int) -> None:
+        mngr.save(s, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+
+    log = open(workdir / "train_log.jsonl", "a", encoding="utf-8")
+    epoch_batches: dict[int, list[Any]] = {}
+    bar = tqdm(total=args.steps, initial=step, desc="train", unit="step")
+    t_start, last_save = time.perf_counter(), time.perf_counter()
+    run_loss = run_acc = None
+    while step < args.steps:
+        n_per_epoch = len(epoch_batches.setdefault(0, make_batches(train_rows, args.tokens_per_batch,
+                                                                       args.prompt_weight, args.seed)))
+        epoch, index = divmod(step, n_per_epoch)
+        if epoch not in epoch_batches:
+            epoch_batches = {0: epoch_batches[0], epoch: make_batches(train_rows, args.tokens_per_batch,
+                                                                      args.prompt_weight, args.seed + epoch)}
+        tok, lab, wts = epoch_batches[epoch][index]
+        params, opt_state, loss, acc, gnorm = train_step(params, opt_state, tok, lab, wts)
+        step += 1
+        loss, acc = float(loss), float(acc)
+        run_loss = loss if run_loss is None else 0.95 * run_loss + 0.05 * loss
+        run_acc = acc if run_acc is None else 0.95 * run_acc + 0.05 * acc
+        bar.update(1)
+        bar.set_postfix(loss=f"{run_loss:.3f}", acc=f"{run_acc:.3f}", ep=epoch)
+        rec: dict[str, Any] = {"step": step, "epoch": epoch, "loss": loss, "resp_top1": acc, "grad_norm": float(gnorm),
+                               "lr": float(schedule(step)), "elapsed_s": round(time.perf_counter() - t_start, 1)}
+        if step % args.eval_every == 0 or step == args.steps:
+            rec["val_loss"], rec["val_top1"] = validate(params)
+            logger.info("step %d: val loss %.3f, val top-1 %.3f", step, rec["val_loss"], rec["val_top1"])
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        if time.perf_counter() - last_save > args.save_minutes * 60 or step == args.steps:
+            save(step)
+            last_save = time.perf_counter()
+    mngr.wait_until_finished()
+    bar.close()
+    np.savez(workdir / "final_params.npz", **{k: np.asarray(v) for k, v in params.items()})
+    logger.info("done: %d steps, params in %s", step, workdir / "final_params.npz")
+
+
+def _abstract_params(cfg: Any) -> dict[str, np.ndarray]:
+    """Zero arrays with the draft's parameter shapes (restore target for a resumed run)."""
+    from nightjar_jax.models.llama import hf_param_map, init_model
+
+    from flax import nnx
+
+    _, abstract = init_model(cfg, abstract=True)
+    flat = dict(nnx.to_flat_state(abstract))
+    out = {}
+    for name, (path, transpose) in hf_param_map(cfg).items():
+        shape = tuple(flat[path].get_value().shape)
+        out[name] = np.zeros(shape[::-1] if transpose else shape, np.float32)
+    return out
+
+
+# ---- export ------------------------------------------------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    """bf16 weights + config -> ``nightjar_jax/assets/drafts/smollm2-draft`` (our orbax format); checks that the
+    paged :class:`Llama` reproduces the training forward's logits."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from nightjar_jax.config import ModelConfig
+    from nightjar_jax.models.orbax_io import save_orbax
+
+    workdir = Path(args.workdir)
+    cfg = ModelConfig(**{**json.loads((workdir / "draft_config.json").read_text()), "rope_scaling": None,
+                         "eos_token_ids": (2,), "dtype": args.dtype})
+    params = dict(np.load(workdir / "final_params.npz"))
+    bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in params.items()}
+    out = Path(args.out)
+    save_orbax(out, cfg, bf16)
+    # paged forward of the shipped weights == training forward (same bf16-rounded weights, float32 math)
+    from nightjar_jax.models.llama import BatchMetadata, allocate_kv_cache, make_model_fns
+    from nightjar_jax.models.loader import load_model
+
+    ckpt, graphdef, state = load_model(str(out), dtype="float32")
+    tokens = np.asarray([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411]],
+                        np.int32)
+    page_size, t = 16, tokens.shape[1]
+    kv = allocate_kv_cache(ckpt.config, num_pages=4, page_size=page_size)
+    md = BatchMetadata(block_tables=jnp.asarray([[1, 2, 3]], jnp.int32), context_lens=jnp.asarray([t], jnp.int32),
+                       query_lens=jnp.asarray([t], jnp.int32))
+    hidden_fn, logits_fn = make_model_fns(graphdef)
+    hidden, _ = hidden_fn(state, jnp.asarray(tokens), kv, md)
+    paged = np.asarray(logits_fn(state, hidden))
+    ref = np.asarray(causal_forward(ckpt.config, {k: jnp.asarray(v.astype(np.float32)) for k, v in bf16.items()},
+                                    jnp.asarray(tokens)))
+    err = float(np.max(np.abs(paged - ref)))
+    same_argmax = bool((paged.argmax(-1) == ref.argmax(-1)).all())
+    logger.info("paged vs training forward: max |logit diff| %.2e, argmax equal %s", err, same_argmax)
+    if err > 1e-2 or not same_argmax:
+        raise SystemExit(f"paged forward disagrees with the training forward (max diff {err})")
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    logger.info("exported %s: %.2f MB on disk", out, size / 1e6)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,6 +486,31 @@ def main() -> None:
     g.add_argument("--num-sampled", type=int, default=0, help="extra temperature-0.7 responses per prompt")
     g.add_argument("--limit", type=int, default=0)
     g.set_defaults(fn=cmd_generate)
+    t = sub.add_parser("train", help="train the draft (orbax checkpoints in --workdir/ckpt, --resume)")
+    t.add_argument("--data", required=True)
+    t.add_argument("--workdir", required=True)
+    t.add_argument("--resume", action="store_true")
+    t.add_argument("--hidden", type=int, default=184)
+    t.add_argument("--num-layers", type=int, default=2)
+    t.add_argument("--intermediate", type=int, default=640)
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--tokens-per-batch", type=int, default=4096)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--embedding-lr-scale", type=float, default=0.1, help="the PCA-initialised embedding learns slower")
+    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--clip", type=float, default=1.0)
+    t.add_argument("--prompt-weight", type=float, default=0.2, help="loss weight of prompt tokens (response: 1)")
+    t.add_argument("--val-every", type=int, default=20, help="every N-th train prompt id is kept for validation")
+    t.add_argument("--eval-every", type=int, default=100)
+    t.add_argument("--save-minutes", type=float, default=3.0)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(fn=cmd_train)
+    e = sub.add_parser("export", help="write the bf16 checkpoint to the assets folder and check the paged forward")
+    e.add_argument("--workdir", required=True)
+    e.add_argument("--out", default=str(ASSET_DIR))
+    e.add_argument("--dtype", default="float32", help="compute dtype recorded in the config (weights stay bf16)")
+    e.set_defaults(fn=cmd_export)
     args = ap.parse_args()
     args.fn(args)
 

@@ -102,20 +102,26 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), settings.api_key):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           type="authentication_error", code="invalid_api_key")
+            raise APIError(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
 
     async def read_body(request: Request, model: type[BaseModel]) -> Any:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            raise APIError(413, f"the request body is over the {settings.max_body_bytes}-byte limit",
-                           code="request_too_large")
+            raise APIError(
+                413, f"the request body is over the {settings.max_body_bytes}-byte limit", code="request_too_large"
+            )
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > settings.max_body_bytes:
-                raise APIError(413, f"the request body is over the {settings.max_body_bytes}-byte limit",
-                               code="request_too_large")
+                raise APIError(
+                    413, f"the request body is over the {settings.max_body_bytes}-byte limit", code="request_too_large"
+                )
             chunks.append(chunk)
         raw = b"".join(chunks)
         try:
@@ -141,14 +147,20 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
 
     def check_model(name: str | None) -> str:
         if name is not None and name not in model_names:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{settings.served_model_name}'",
-                           type="not_found_error", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist; this server serves '{settings.served_model_name}'",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
         return settings.served_model_name
 
     def check_max_tokens(max_tokens: int | None, param: str) -> int | None:
         if max_tokens is not None and max_tokens > engine.max_model_len:
-            raise APIError(400, f"'{param}'={max_tokens} is more than the context length {engine.max_model_len}",
-                           param=param)
+            raise APIError(
+                400, f"'{param}'={max_tokens} is more than the context length {engine.max_model_len}", param=param
+            )
         return max_tokens
 
     def make_params(req, max_tokens: int | None) -> SamplingParams:
@@ -174,13 +186,19 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     async def collect(stream: GroupStream, request: Request, size: int) -> list[RequestOutput]:
         """Wait for every member to finish; aborts the group if the client disconnects."""
         finals: list[RequestOutput | None] = [None] * size
+        poll = settings.disconnect_poll_seconds
+        next_check = time.monotonic() + poll
         try:
             while True:
                 try:
-                    item = await stream.next(timeout=settings.disconnect_poll_seconds)
+                    item = await stream.next(timeout=poll)
                 except TimeoutError:
+                    item = False
+                if time.monotonic() >= next_check:  # outputs may arrive faster than the poll: check by the clock
+                    next_check = time.monotonic() + poll
                     if await request.is_disconnected():
-                        raise _ClientGone() from None
+                        raise _ClientGone()
+                if item is False:
                     continue
                 if item is None:
                     break
@@ -194,14 +212,18 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     def usage(outs: list[RequestOutput], n: int) -> dict[str, int]:
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outs[::n])
         completion_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
 
     def sse(data: dict[str, Any]) -> str:
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-    async def stream_events(stream: GroupStream, size: int, n: int, chunk, include_usage: bool,
-                            first: list[dict] | None = None) -> AsyncIterator[str]:
+    async def stream_events(
+        stream: GroupStream, size: int, n: int, chunk, include_usage: bool, first: list[dict] | None = None
+    ) -> AsyncIterator[str]:
         """SSE frames: ``chunk(index, out)`` per output (None = skip), usage when asked, then ``[DONE]``."""
         finals: list[RequestOutput | None] = [None] * size
         try:
@@ -233,8 +255,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     @app.get("/v1/models")
     async def list_models(request: Request):
         authorize(request)
-        card = {"id": settings.served_model_name, "object": "model", "created": created, "owned_by": "nightjar-jax",
-                "root": engine.config.model, "max_model_len": engine.max_model_len}
+        card = {
+            "id": settings.served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "nightjar-jax",
+            "root": engine.config.model,
+            "max_model_len": engine.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
@@ -251,24 +279,32 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         base = {"id": rid, "object": "text_completion", "created": now, "model": model}
 
         if req.stream:
+
             def chunk(index, out):
                 if out is None:
                     return dict(base)
                 comp = out.outputs[0]
                 if not comp.delta_text and not comp.finished:
                     return None
-                choice = {"index": index, "text": comp.delta_text, "logprobs": None,
-                          "finish_reason": comp.finish_reason}
+                choice = {
+                    "index": index,
+                    "text": comp.delta_text,
+                    "logprobs": None,
+                    "finish_reason": comp.finish_reason,
+                }
                 return {**base, "choices": [choice]}
 
-            return StreamingResponse(stream_events(stream, size, req.n, chunk, req.include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                stream_events(stream, size, req.n, chunk, req.include_usage), media_type="text/event-stream"
+            )
         try:
             outs = await collect(stream, request, size)
         except _ClientGone:
             return Response(status_code=499)
-        choices = [{"index": i, "text": o.outputs[0].text, "logprobs": None,
-                    "finish_reason": o.outputs[0].finish_reason} for i, o in enumerate(outs)]
+        choices = [
+            {"index": i, "text": o.outputs[0].text, "logprobs": None, "finish_reason": o.outputs[0].finish_reason}
+            for i, o in enumerate(outs)
+        ]
         return {**base, "choices": choices, "usage": usage(outs, req.n)}
 
     @app.post("/v1/chat/completions")
@@ -279,8 +315,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         req.check_unsupported()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = make_params(req, check_max_tokens(req.requested_max_tokens(), param))
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
         try:
             prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
         except Exception as exc:  # no template, or the template rejected the messages
@@ -291,6 +326,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         base = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model}
 
         if req.stream:
+
             def chunk(index, out):
                 if out is None:
                     return dict(base)
@@ -301,16 +337,37 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": comp.finish_reason}
                 return {**base, "choices": [choice]}
 
-            first = [{**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]} for i in range(size)]
-            return StreamingResponse(stream_events(stream, size, req.n, chunk, req.include_usage, first=first),
-                                     media_type="text/event-stream")
+            first = [
+                {
+                    **base,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+                for i in range(size)
+            ]
+            return StreamingResponse(
+                stream_events(stream, size, req.n, chunk, req.include_usage, first=first),
+                media_type="text/event-stream",
+            )
         try:
             outs = await collect(stream, request, size)
         except _ClientGone:
             return Response(status_code=499)
-        choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text}, "logprobs": None,
-                    "finish_reason": o.outputs[0].finish_reason} for i, o in enumerate(outs)]
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": o.outputs[0].text},
+                "logprobs": None,
+                "finish_reason": o.outputs[0].finish_reason,
+            }
+            for i, o in enumerate(outs)
+        ]
         return {**base, "object": "chat.completion", "choices": choices, "usage": usage(outs, req.n)}
 
     return app

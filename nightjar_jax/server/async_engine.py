@@ -127,7 +127,7 @@ class AsyncEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     @property
@@ -204,8 +204,7 @@ class AsyncEngine:
             return
         added: list[str] = []
         try:
-            for i, (rid, prompt, sp) in enumerate(zip(group.request_ids, command.prompts, command.params,
-                                                      strict=True)):
+            for i, (rid, prompt, sp) in enumerate(zip(group.request_ids, command.prompts, command.params, strict=True)):
                 self.engine.add_request(prompt, sp, request_id=rid)
                 added.append(rid)
                 self._groups[rid] = (group, i)

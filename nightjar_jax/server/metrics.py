@@ -43,8 +43,9 @@ class _EngineCollector:
         yield gauge("nightjar_draft_offloaded", "1 while the draft model is offloaded from the device", 0)
         yield counter("nightjar_draft_offloads", "Draft model offloads", getattr(stats, "num_draft_offloads", 0))
         yield counter("nightjar_draft_reloads", "Draft model reloads", getattr(stats, "num_draft_reloads", 0))
-        yield counter("nightjar_planner_switches", "Changes of γ chosen by the planner",
-                      getattr(e.planner, "num_switches", 0))
+        yield counter(
+            "nightjar_planner_switches", "Changes of γ chosen by the planner", getattr(e.planner, "num_switches", 0)
+        )
         yield counter("nightjar_preemptions", "Requests preempted for KV space", stats.num_preemptions)
         yield counter("nightjar_prompt_tokens", "Prompt tokens accepted", stats.num_prompt_tokens)
         yield counter("nightjar_generation_tokens", "Tokens generated", stats.num_generated_tokens)
@@ -54,18 +55,29 @@ class ServerMetrics:
     def __init__(self, engine):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("nightjar_requests", "Finished engine requests by finish reason", ["finish_reason"],
-                                registry=r)
+        self.requests = Counter(
+            "nightjar_requests", "Finished engine requests by finish reason", ["finish_reason"], registry=r
+        )
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(reason)
-        self.ttft = Histogram("nightjar_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS,
-                              registry=r)
-        self.tpot = Histogram("nightjar_time_per_output_token_seconds", "Mean time per output token after the first",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("nightjar_inter_token_latency_seconds", "Time between consecutive output tokens",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("nightjar_e2e_request_latency_seconds", "Arrival to finish", buckets=_E2E_BUCKETS,
-                             registry=r)
+        self.ttft = Histogram(
+            "nightjar_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "nightjar_time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "nightjar_inter_token_latency_seconds",
+            "Time between consecutive output tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "nightjar_e2e_request_latency_seconds", "Arrival to finish", buckets=_E2E_BUCKETS, registry=r
+        )
         r.register(_EngineCollector(engine))
 
     def on_output(self, out: RequestOutput) -> None:

@@ -17,8 +17,15 @@ from nightjar_jax.engine.sampling_params import SamplingParams
 class APIError(Exception):
     """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -81,9 +88,14 @@ class _SamplingFields(_Strict):
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         kwargs: dict[str, Any] = dict(
-            n=1, max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, seed=self.seed,
+            n=1,
+            max_tokens=max_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            seed=self.seed,
         )
         for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(self, name)

@@ -36,9 +36,9 @@ from nightjar_jax.engine.sampler import (
     SALT_DRAFT,
     SALT_VERIFY,
     SamplingTensors,
-    processed_logprobs,
+    processed_probs,
     request_keys,
-    sample_from_logprobs,
+    sample_from_probs,
 )
 
 PAD_TOKEN = -1  # fills output positions after the committed tokens
@@ -78,14 +78,14 @@ def greedy_verify(draft_tokens: jax.Array, target_logits: jax.Array) -> tuple[ja
     return _commit(draft_tokens, accepted, target_argmax)
 
 
-def _residual_logprobs(p: jax.Array, q: jax.Array) -> jax.Array:
-    """log norm(max(p - q, 0)), falling back to log p where the residual has no mass (p == q).
+def _residual_probs(p: jax.Array, q: jax.Array) -> jax.Array:
+    """max(p - q, 0), unnormalised (the sampler normalises), or p where the residual has no mass (p == q).
 
-    p, q: [B, V] f32 probabilities. Returns [B, V] f32 (unnormalised logs are fine for categorical).
+    p, q: [B, V] f32 probabilities. Returns [B, V] f32.
     """
     residual = jnp.maximum(p - q, 0.0)  # [B, V] f32
     has_mass = jnp.sum(residual, axis=-1, keepdims=True) > 0  # [B, 1] bool
-    return jnp.log(jnp.where(has_mass, residual, p))
+    return jnp.where(has_mass, residual, p)
 
 
 def rejection_sample(
@@ -134,7 +134,7 @@ def rejection_sample(
             (num_accepted < gamma)[:, None], draft_probs[rows, jnp.minimum(num_accepted, gamma - 1)], 0.0
         )  # [B, V] f32
     final_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(position_keys[rows, num_accepted])  # [B] key
-    drawn = sample_from_logprobs(_residual_logprobs(p_final, q_final), final_keys)  # [B] int32
+    drawn = sample_from_probs(_residual_probs(p_final, q_final), final_keys)  # [B] int32
     final_token = jnp.where(greedy, target_argmax[rows, num_accepted], drawn)  # [B] int32
     return _commit(draft_tokens, accepted, final_token)
 
@@ -145,7 +145,7 @@ def draft_sample(logits: jax.Array, st: SamplingTensors, salt: int = SALT_DRAFT)
     Greedy rows: argmax and its one-hot. For draft position j of a step, pass ``st._replace(steps=st.steps + j)``
     so every drafted position draws from its own stream.
     """
-    log_probs = processed_logprobs(logits, st)  # [B, V] f32
-    drawn = sample_from_logprobs(log_probs, request_keys(st, salt))  # [B] int32
+    probs = processed_probs(logits, st)  # [B, V] f32
+    drawn = sample_from_probs(probs, request_keys(st, salt))  # [B] int32
     token = jnp.where(st.temperature == 0, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)  # [B] int32
-    return token, jnp.exp(log_probs)
+    return token, probs

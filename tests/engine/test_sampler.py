@@ -17,6 +17,7 @@ from nightjar_jax.engine.sampler import (
     processed_probs,
     request_keys,
     sample,
+    sample_from_logprobs,
 )
 
 NUM_DRAWS = 20_000
@@ -79,6 +80,17 @@ def test_top_k_top_p_sampling_matches_processed_distribution() -> None:
     expected = np.asarray(_probs(logits, st))[0].astype(np.float64)
     assert 1 < len(_support(expected)) < 5  # top-p really cut below top-k here
     assert _chi_square_p_value(tokens, expected) > MIN_P_VALUE
+
+
+def test_inverse_cdf_across_blocks_with_zero_probability_tokens() -> None:
+    """V = 300 spans two CDF blocks (256 + 44); every 7th token has probability 0 and must never be drawn."""
+    probs = np.zeros(300)
+    probs[::7] = np.random.default_rng(10).random(43) + 0.2
+    log_probs = np.where(probs > 0, np.log(np.maximum(probs, 1e-30)), -np.inf).astype(np.float32)  # [300]
+    log_probs = np.broadcast_to(log_probs, (NUM_DRAWS, 300))
+    keys = jax.vmap(jax.random.key)(np.arange(NUM_DRAWS))
+    tokens = np.asarray(jax.jit(sample_from_logprobs)(log_probs, keys))
+    assert _chi_square_p_value(tokens, probs / probs.sum()) > MIN_P_VALUE
 
 
 def test_top_k_keeps_exactly_k_highest() -> None:

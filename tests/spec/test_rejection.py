@@ -179,7 +179,7 @@ def test_negative_control_accepting_with_p_only_fails(experiment: Experiment) ->
 
 def test_negative_control_resampling_from_p_fails(experiment: Experiment, monkeypatch: pytest.MonkeyPatch) -> None:
     """Right acceptance test, but the recovered token drawn from p instead of norm(max(p - q, 0))."""
-    monkeypatch.setattr(rejection, "_residual_logprobs", lambda p, q: jnp.log(p))
+    monkeypatch.setattr(rejection, "_residual_probs", lambda p, q: p)
     broken = jax.jit(lambda *args: rejection.rejection_sample(*args))  # a fresh trace sees the patch
     output, _ = experiment.run(fn=broken)
     assert experiment.first_token_p_value(output) < BROKEN_MAX_P_VALUE

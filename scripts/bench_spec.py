@@ -1,0 +1,122 @@
+"""Issue 5 benchmark: speculative decoding tokens/s for AR (γ = 0) and γ = 1..γ_max at several batch sizes.
+
+For each model (a target plus its best available draft) one ``LLM`` is built with ``num_speculative_tokens =
+γ_max``; γ is forced per step (``engine._select_gamma``) so every (batch, γ) cell reuses that engine's compiled
+variants. Per cell: a short warm-up run (compiles the shapes), then ``--repeats`` timed greedy runs (fastest kept) of ``--output-len`` tokens
+per sequence on real prompts. Reported from the engine's step log (decode steps only; prefill excluded):
+
+- tok/s: committed tokens / (decode-step seconds - draft catch-up seconds). Catch-up is the draft's own prefill
+  of the prompt on the first speculative step; it is excluded like the target's prefill and reported apart.
+- mean accepted length: committed tokens per sequence per decode step (1.0 for AR).
+- draft / verify split: seconds in ``propose`` vs the target's verify pass, as a share of decode time.
+
+    python scripts/bench_spec.py --batch-sizes 1,4,16,64 --gamma-max 4 --output-len 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from nightjar_jax.bench.common import (  # noqa: E402
+    DEFAULT_DATASET,
+    load_prompt_texts,
+    machine_note,
+    make_prompt_ids,
+    pages_needed,
+    run_decode_workload,
+    write_json,
+)
+
+MODELS = {  # target -> best available draft (layer-skip drafts derived from the target's own weights)
+    "smollm2-135m-instruct": "smollm2-135m-instruct@skip=9,13,17,21,25",
+    "stories260k": "stories260k@skip=2",
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma list from {list(MODELS)}")
+    p.add_argument("--batch-sizes", default="1,4,16,64")
+    p.add_argument("--gamma-max", type=int, default=4)
+    p.add_argument("--gammas", default=None, help="comma list of γ to run (default 0..γ_max; 0 = AR is always run)")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--dataset", default=DEFAULT_DATASET, help="JSONL with 'turns'; synthetic ids if absent")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per cell (fastest kept; the machine is shared)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--out", default="results/bench_spec.json")
+    return p.parse_args()
+
+
+def bench_model(model: str, args: argparse.Namespace, batch_sizes: list[int], texts: list[str]) -> list[dict]:
+    from nightjar_jax import LLM
+
+    max_batch = max(batch_sizes)
+    t0 = time.perf_counter()
+    llm = LLM(model, max_model_len=512, max_num_seqs=max_batch, max_num_batched_tokens=512,
+              num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, args.gamma_max),
+              dtype=args.dtype, draft_model=MODELS[model], num_speculative_tokens=args.gamma_max)
+    print(f"loaded {model} + draft {MODELS[model]} in {time.perf_counter() - t0:.1f}s", flush=True)
+    prompts_all, source = make_prompt_ids(llm.get_tokenizer(), texts, max_batch, args.prompt_len,
+                                          llm.engine.target.config.vocab_size)
+    gammas = sorted({0} | {int(g) for g in args.gammas.split(",")}) if args.gammas else range(args.gamma_max + 1)
+    rows = []
+    for b in batch_sizes:
+        prompts = prompts_all[:b]
+        for gamma in gammas:
+            run_decode_workload(llm, prompts, min(args.output_len, 2 * gamma + 4), gamma)  # warm-up / compile
+            runs = [run_decode_workload(llm, prompts, args.output_len, gamma) for _ in range(args.repeats)]
+            run = min(runs, key=lambda r: (r.decode_seconds - r.catchup_seconds) / r.committed_tokens)
+            spec_seconds = run.decode_seconds - run.catchup_seconds
+            row = run.as_dict()
+            row.update(model=model, draft=MODELS[model], prompt_source=source,
+                       tokens_per_second=run.committed_tokens / spec_seconds,
+                       draft_share=run.draft_seconds / spec_seconds, verify_share=run.verify_seconds / spec_seconds)
+            rows.append(row)
+            print(f"{model:22s} b={b:3d} γ={gamma}: {row['tokens_per_second']:9.1f} tok/s  "
+                  f"accepted len {run.mean_accepted_length:4.2f}  draft {100 * row['draft_share']:4.1f}%  "
+                  f"verify {100 * row['verify_share']:4.1f}%  load={os.getloadavg()[0]:.1f}", flush=True)
+    del llm
+    return rows
+
+
+def print_table(rows: list[dict], gamma_max: int) -> None:
+    gammas = list(range(gamma_max + 1))
+    print("| model | batch | " + " | ".join("AR tok/s" if g == 0 else f"γ={g} tok/s (x AR; acc len)" for g in gammas)
+          + " |")
+    print("|---|---:|" + "---:|" * len(gammas))
+    cells: dict[tuple, dict] = {(r["model"], r["batch_size"], r["gamma"]): r for r in rows}
+    for model, b in dict.fromkeys((r["model"], r["batch_size"]) for r in rows):
+        ar = cells[(model, b, 0)]["tokens_per_second"]
+        parts = [f"{ar:.1f}"]
+        for g in gammas[1:]:
+            r = cells.get((model, b, g))
+            parts.append(f"{r['tokens_per_second']:.1f} ({r['tokens_per_second'] / ar:.2f}x; "
+                         f"{r['mean_accepted_length']:.2f})" if r else "-")
+        print(f"| {model} | {b} | " + " | ".join(parts) + " |")
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    meta = machine_note()
+    print(f"# {meta['date']}  cpus={meta['cpu_count']}  load={meta['loadavg_at_start']}", flush=True)
+    texts = load_prompt_texts(args.dataset)
+    rows = []
+    for model in args.models.split(","):
+        rows += bench_model(model, args, batch_sizes, texts)
+    print()
+    print_table(rows, args.gamma_max)
+    write_json(args.out, {"args": vars(args), "machine": meta, "rows": rows})
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""``AsyncEngine`` on the fake model (exact tokens): groups, atomic adds, aborts, step failures, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nightjar_jax.config import make_engine_config
+from nightjar_jax.engine.engine import LLMEngine
+from nightjar_jax.engine.sampling_params import SamplingParams
+from nightjar_jax.server.async_engine import AsyncEngine
+from nightjar_jax.testing import fake_greedy_continuation, fake_model
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def engine():
+    config = make_engine_config(model="fake", page_size=4, num_pages=64, max_num_seqs=4, max_model_len=128)
+    return LLMEngine(config, target=fake_model(VOCAB, max_len=128))
+
+
+@pytest.fixture
+def async_engine(engine):
+    ae = AsyncEngine(engine)
+    ae.start()
+    yield ae
+    ae.stop()
+    assert not ae.is_alive
+    assert engine.num_free_pages == engine.num_total_pages
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def drain(stream) -> dict[int, list]:
+    outs: dict[int, list] = {}
+    async for index, out in stream:
+        outs.setdefault(index, []).append(out)
+    return outs
+
+
+def test_group_outputs_exact(async_engine):
+    prompts = [[1, 2, 3], [4, 5]]
+
+    async def go():
+        stream = await async_engine.add(prompts, [greedy(6), greedy(3)])
+        return await drain(stream)
+
+    outs = asyncio.run(go())
+    for i, prompt in enumerate(prompts):
+        final = outs[i][-1]
+        assert final.finished and final.outputs[0].finish_reason == "length"
+        assert final.outputs[0].token_ids == fake_greedy_continuation(prompt, [6, 3][i], VOCAB)
+        streamed = [t for o in outs[i] for t in o.outputs[0].delta_token_ids]
+        assert streamed == final.outputs[0].token_ids
+
+
+def test_bad_member_rejects_whole_group(async_engine, engine):
+    async def go():
+        await async_engine.add([[1, 2], [1, VOCAB + 5]], [greedy(2), greedy(2)])
+
+    with pytest.raises(ValueError, match="token ids"):
+        asyncio.run(go())
+    assert engine.requests == {} and not engine.has_unfinished_requests()
+
+
+def test_abort_frees_pages(async_engine, engine):
+    stream_box = {}
+
+    def abort_after_first(out):  # runs on the engine thread: abort lands after a known number of steps
+        stream_box["stream"].abort()
+
+    async def go():
+        stream = await async_engine.add([[1, 2, 3]], [greedy(100)])
+        stream_box["stream"] = stream
+        async_engine.hooks.on_output.append(abort_after_first)
+        try:
+            return await drain(stream)
+        finally:
+            async_engine.hooks.on_output.remove(abort_after_first)
+
+    outs = asyncio.run(go())
+    final = outs[0][-1]
+    assert final.outputs[0].finish_reason == "abort" and len(final.outputs[0].token_ids) < 100
+    assert engine.num_free_pages == engine.num_total_pages
+
+
+def test_step_failure_errors_requests_and_keeps_serving(async_engine, engine, monkeypatch):
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device on fire")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", flaky_step)
+
+    async def go(prompt):
+        return await drain(await async_engine.add([prompt], [greedy(20)]))
+
+    failed = asyncio.run(go([7, 8]))[0][-1]
+    assert failed.outputs[0].finish_reason == "error" and "device on fire" in failed.error
+    ok = asyncio.run(go([7, 8]))[0][-1]
+    assert ok.outputs[0].token_ids == fake_greedy_continuation([7, 8], 20, VOCAB)
+
+
+def test_stop_aborts_in_flight(engine):
+    ae = AsyncEngine(engine)
+    ae.start()
+
+    async def go():
+        stream = await ae.add([[1, 2, 3]], [greedy(120)])
+        ae.hooks.on_output.append(lambda out: ae.stop())  # from the engine thread itself: must not join
+        return await drain(stream)
+
+    final = asyncio.run(go())[0][-1]
+    ae._thread.join(10)
+    assert not ae.is_alive
+    assert final.outputs[0].finish_reason == "abort"
+    assert engine.num_free_pages == engine.num_total_pages
+
+    async def after():
+        await ae.add([[1]], [greedy(1)])
+
+    with pytest.raises(RuntimeError, match="shutting down"):
+        asyncio.run(after())

@@ -1,0 +1,100 @@
+"""The CLI flags map 1:1 onto the engine config; no model is loaded here."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from nightjar_jax.cli import add_engine_args, engine_config_from_args, parse_bytes
+from nightjar_jax.config import ConfigError, EngineConfig, engine_config_fields
+from nightjar_jax.serve import build_parser, load_chat_template
+
+
+def test_every_config_field_has_a_flag():
+    parser = add_engine_args(argparse.ArgumentParser())
+    dests = {a.dest for a in parser._actions}
+    assert set(engine_config_fields()) <= dests
+    flags = {s for a in parser._actions for s in a.option_strings}
+    for name in engine_config_fields():
+        assert "--" + name.replace("_", "-") in flags
+
+
+def test_unset_flags_keep_defaults():
+    args = add_engine_args(argparse.ArgumentParser()).parse_args([])
+    assert engine_config_from_args(args) == EngineConfig()
+
+
+def test_flags_reach_nested_configs():
+    args = build_parser().parse_args(
+        [
+            "--model",
+            "stories260k",
+            "--draft-model",
+            "d",
+            "--planner",
+            "nightjar",
+            "--num-speculative-tokens",
+            "3",
+            "--max-num-seqs",
+            "8",
+            "--page-size",
+            "32",
+            "--kv-cache-bytes",
+            "64MiB",
+            "--max-model-len",
+            "256",
+            "--dtype",
+            "bfloat16",
+            "--port",
+            "1234",
+            "--api-key",
+            "k",
+            "--served-model-name",
+            "m",
+        ]
+    )
+    cfg = engine_config_from_args(args)
+    assert cfg.model == "stories260k" and cfg.dtype == "bfloat16"
+    assert cfg.spec.draft_model == "d" and cfg.spec.planner == "nightjar" and cfg.spec.num_speculative_tokens == 3
+    assert cfg.scheduler.max_num_seqs == 8 and cfg.scheduler.max_model_len == 256
+    assert cfg.cache.page_size == 32 and cfg.cache.kv_cache_bytes == 64 * 2**20
+    assert (args.host, args.port, args.api_key, args.served_model_name) == ("127.0.0.1", 1234, "k", "m")
+
+
+def test_bad_values():
+    parser = add_engine_args(argparse.ArgumentParser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-num-seqs", "many"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "float8"])
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        engine_config_from_args(parser.parse_args(["--max-num-seqs", "0"]))
+
+
+def test_parse_bytes():
+    assert parse_bytes("1024") == 1024
+    assert parse_bytes("2KiB") == 2048 and parse_bytes("1G") == 10**9 and parse_bytes("3mb") == 3 * 10**6
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes("lots")
+
+
+def test_chat_template_string_or_file(tmp_path):
+    assert load_chat_template("{{ messages }}") == "{{ messages }}"
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ 1 }}")
+    assert load_chat_template(str(path)) == "{{ 1 }}"
+
+
+def test_main_help(capsys):
+    from nightjar_jax.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--help"])
+    assert exc.value.code == 0
+    assert "--prompt" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--api-key" in out and "--max-num-seqs" in out

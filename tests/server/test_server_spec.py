@@ -1,0 +1,45 @@
+"""The server with speculative decoding on: greedy text equals the plain server's, and the speculation metrics
+move (stories260k drafts for itself, so every draft token is accepted)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from server_process import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def spec_server():
+    srv = ServerProcess(
+        [
+            "--draft-model",
+            "stories260k",
+            "--num-speculative-tokens",
+            "3",
+            "--max-model-len",
+            "128",
+            "--max-num-seqs",
+            "4",
+            "--num-pages",
+            "33",
+        ]
+    )
+    yield srv
+    srv.stop()
+
+
+def test_speculative_server_metrics(spec_server):
+    client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    before = spec_server.metrics()
+    out = client.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=16, temperature=0)
+    assert out.choices[0].text.startswith(", there was a little girl named Lily")
+    assert out.usage.completion_tokens == 16
+    m = spec_server.metrics()
+    assert m["nightjar_spec_gamma"] == 3
+    drafted = m["nightjar_spec_draft_tokens_total"] - before["nightjar_spec_draft_tokens_total"]
+    accepted = m["nightjar_spec_accepted_tokens_total"] - before["nightjar_spec_accepted_tokens_total"]
+    assert drafted > 0 and accepted == drafted  # the draft is the target: every draft token is accepted
+    assert m["nightjar_draft_offloaded"] == 0 and m["nightjar_draft_offloads_total"] == 0
+    assert m["nightjar_draft_reloads_total"] == 0 and "nightjar_planner_switches_total" in m
+    assert m["nightjar_kv_pages_free"] == m["nightjar_kv_pages_total"]
+    assert spec_server.stop() == 0
