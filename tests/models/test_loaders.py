@@ -247,3 +247,23 @@ def test_preset_without_weights_and_bad_args():
         load_checkpoint("tiny-gqa", load_format="pt")
     with pytest.raises(ValueError, match="dtype='float16' is invalid"):
         load_checkpoint("tiny-gqa", load_format="dummy", dtype="float16")
+
+
+def test_gguf_caches_weights_config_and_tokenizer(tmp_path, monkeypatch):
+    from nightjar_jax.models import gguf_loader
+
+    path = tmp_path / "stories.gguf"
+    _write_stories_gguf(path)
+    cfg, sd, tok = gguf_loader.load_gguf(path, name="s", dequant_cache=True)
+    assert path.with_name(path.name + ".meta.json").exists()
+
+    def no_reader(*args, **kwargs):
+        raise AssertionError("the GGUF metadata should come from the cache")
+
+    monkeypatch.setattr(gguf_loader, "_reader", no_reader)
+    cfg2, sd2, tok2 = gguf_loader.load_gguf(path, name="s", dequant_cache=True)
+    assert cfg2 == cfg
+    _assert_same(sd2, sd)
+    text = "Once upon a time, 🙂 there was 42."
+    assert tok2.encode(text) == tok.encode(text) and tok2.eos_token_ids == tok.eos_token_ids
+    assert tok2.chat_template == tok.chat_template
