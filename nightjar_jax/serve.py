@@ -36,7 +36,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=30.0,
         help="seconds in-flight requests get to finish on SIGINT/SIGTERM before being aborted",
     )
-    group.add_argument("--no-warmup", action="store_true", help="skip the warm-up request before serving")
+    group.add_argument(
+        "--warmup",
+        default="request",
+        choices=["none", "request", "full"],
+        help="before serving: nothing, one tiny request (default), or also compile every decode variant "
+        "(batch bucket x γ x greedy/sampled) so no request waits on a compile",
+    )
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -66,7 +72,7 @@ def load_engine(args: argparse.Namespace):
     from nightjar_jax.engine.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
-    steps = ["load models", "warm up"] if not args.no_warmup else ["load models"]
+    steps = ["load models"] + (["warm up"] if args.warmup != "none" else [])
     with tqdm(total=len(steps), desc="starting", unit="step", file=sys.stderr) as bar:
         bar.set_postfix_str(f"loading {config.model}")
         t0 = time.perf_counter()
@@ -83,9 +89,14 @@ def load_engine(args: argparse.Namespace):
         )
         if args.chat_template is not None:
             engine.tokenizer.chat_template = load_chat_template(args.chat_template)
-        if not args.no_warmup:
+        if args.warmup != "none":
             bar.set_postfix_str("compiling (warm-up request)")
             t0 = time.perf_counter()
+            if args.warmup == "full":
+                runner = engine.runner
+                total = len(runner.shapes.decode_buckets) * 2 * (engine.gamma_max + 1)
+                with tqdm(total=total, desc="compiling decode variants", unit="variant", file=sys.stderr) as inner:
+                    runner.warmup(progress=lambda: inner.update(1))
             engine.add_request(
                 [engine.tokenizer.bos_token_id or 1] if engine.tokenizer else [1],
                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
