@@ -1,6 +1,7 @@
 """``python -m nightjar_jax {generate,serve} ...`` (also installed as the ``nightjar`` script).
 
-- ``generate --prompt TEXT [--max-tokens N --temperature T --chat]``: print one completion.
+- ``generate [--prompt TEXT --max-tokens N --temperature T --chat/--no-chat]``: print one completion (with no flags:
+  the default model answers a default question through its chat template).
 - ``serve ...``: the OpenAI-compatible server, same flags as ``python -m nightjar_jax.serve``.
 """
 
@@ -17,10 +18,16 @@ def _generate(args: argparse.Namespace) -> int:
     from nightjar_jax.engine.engine import LLMEngine
     from nightjar_jax.engine.sampling_params import SamplingParams
 
+    import time
+
     engine = LLMEngine(engine_config_from_args(args))
     prompt = args.prompt
-    if args.chat:
+    chat = args.chat
+    if chat is None:  # auto: instruct models with a chat template get their template
+        chat = engine.tokenizer is not None and bool(getattr(engine.tokenizer, "chat_template", None))
+    if chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    start = time.perf_counter()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed)
     engine.add_request(prompt, params, request_id="cli")
     while engine.has_unfinished_requests():
@@ -28,6 +35,15 @@ def _generate(args: argparse.Namespace) -> int:
             sys.stdout.write(out.outputs[0].delta_text)
             sys.stdout.flush()
     sys.stdout.write("\n")
+    seconds = time.perf_counter() - start
+    stats = engine.stats
+    sys.stderr.write(
+        f"[{engine.target.config.name}"
+        f"{' + draft ' + engine.draft.config.name if engine.draft is not None else ''}: "
+        f"{stats.num_generated_tokens} tokens in {seconds:.2f} s (incl. compile), "
+        f"{stats.num_decode_steps} decode steps, accepted {stats.num_accepted_tokens}/{stats.num_drafted_tokens} "
+        f"drafts]\n"
+    )
     return 0
 
 
@@ -36,11 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="print one completion")
     add_engine_args(gen)
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument(
+        "--chat", action=argparse.BooleanOptionalAction, default=None,
+        help="wrap the prompt in the model's chat template (default: when the tokenizer has one)",
+    )
     sub.add_parser(
         "serve", help="the OpenAI-compatible server (see python -m nightjar_jax.serve --help)", add_help=False
     )
