@@ -94,7 +94,8 @@ def load_engine(args: argparse.Namespace):
             t0 = time.perf_counter()
             if args.warmup == "full":
                 runner = engine.runner
-                total = len(runner.shapes.decode_buckets) * 2 * (engine.gamma_max + 1)
+                total = (len(runner.shapes.decode_buckets) * 2 * (engine.gamma_max + 1)
+                         * len(runner.warmup_widths()))
                 with tqdm(total=total, desc="compiling decode variants", unit="variant", file=sys.stderr) as inner:
                     runner.warmup(progress=lambda: inner.update(1))
             engine.add_request(

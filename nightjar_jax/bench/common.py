@@ -68,11 +68,9 @@ def memory_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> dict:
     a = np.ones(n, np.float32)
     best_np = min(_timed(lambda: a.sum()) for _ in range(repeats))
     x = jnp.asarray(a)
-    del a
     f = jax.jit(jnp.sum)
     f(x).block_until_ready()
     best_jax = min(_timed(lambda: f(x).block_until_ready()) for _ in range(repeats))
-    del x
     res = {"numpy_gbs": num_bytes / best_np / 1e9, "jax_gbs": num_bytes / best_jax / 1e9, "bytes": num_bytes}
     res["best_gbs"] = max(res["numpy_gbs"], res["jax_gbs"])
     return res

@@ -110,7 +110,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             target, draft, num_pages=num_pages, page_size=config.cache.page_size, max_model_len=self.max_model_len,
             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-            gamma_max=gamma_max,
+            gamma_max=gamma_max, bucket_pages=resolve_impl(config.attention_impl) == "reference",
         )
         self.gamma_max = gamma_max
         self.planner = self._make_planner()

@@ -92,6 +92,7 @@ class RunnerShapes:
     prefill_seq_buckets: list[int]
     prefill_len_buckets: list[int]
     max_pages_per_seq: int
+    page_buckets: list[int]  # block-table widths: powers of two (reference attention) or just the maximum
 
 
 @dataclass
@@ -111,18 +112,24 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         gamma_max: int,
+        bucket_pages: bool = True,
     ):
+        """``bucket_pages``: pad block tables to a power-of-two width covering the batch's longest sequence instead
+        of ``max_model_len``. The reference attention gathers the whole table, so on CPU this keeps attention cost
+        proportional to the context; the Pallas kernels stop at each context length and need one width only."""
         self.target = target
         self.draft = draft
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_model_len = max_model_len
         self.gamma_max = gamma_max if draft is not None else 0
+        max_pages = -(-(max_model_len + self.gamma_max + 1) // page_size)
         self.shapes = RunnerShapes(
             decode_buckets=buckets_up_to(max_num_seqs),
             prefill_seq_buckets=buckets_up_to(max_num_seqs),
             prefill_len_buckets=buckets_up_to(next_power_of_two(max_num_batched_tokens), start=8),
-            max_pages_per_seq=-(-(max_model_len + self.gamma_max + 1) // page_size),
+            max_pages_per_seq=max_pages,
+            page_buckets=buckets_up_to(max_pages, start=4) if bucket_pages else [max_pages],
         )
         self.kv: KVCache = allocate_kv_cache(target.config, num_pages, page_size)
         self.draft_kv: KVCache | None = (
@@ -206,8 +213,15 @@ class ModelRunner:
         self._verify = jax.jit(verify, donate_argnums=(1,), static_argnums=(8,))
 
     # ---- host-side batch assembly -------------------------------------------------------------------------------
-    def _block_tables(self, requests: list[Request], num_rows: int) -> np.ndarray:
-        bt = np.zeros((num_rows, self.shapes.max_pages_per_seq), np.int32)  # [S, P]; 0 = padding page
+    def _block_tables(self, requests: list[Request], num_rows: int, lookahead: int = 0) -> np.ndarray:
+        """``[num_rows, width]`` int32 page ids (0 = padding page); ``width`` covers every position written or read
+        this step (up to ``num_tokens + lookahead``)."""
+        needed = max(
+            (max(len(r.block_table), -(-(r.num_tokens + lookahead + 1) // self.page_size)) for r in requests),
+            default=1,
+        )
+        width = bucket_for(min(needed, self.shapes.max_pages_per_seq), self.shapes.page_buckets)
+        bt = np.zeros((num_rows, width), np.int32)
         for i, r in enumerate(requests):
             bt[i, : len(r.block_table)] = r.block_table
         return bt
@@ -247,7 +261,7 @@ class ModelRunner:
         all_greedy = all(r.sampling.greedy for r in requests)
         st = self._sampling_tensors(requests, num_rows)
         bt = self._block_tables(requests, num_rows)
-        self.variants_seen.add(("forward_sample", num_rows, tokens.shape[1], all_greedy))
+        self.variants_seen.add(("forward_sample", num_rows, tokens.shape[1], bt.shape[1], all_greedy))
         next_tokens, self.kv = self._forward_sample(
             self.target.state, self.kv, tokens, bt, context_lens, query_lens, st, all_greedy
         )
@@ -277,20 +291,20 @@ class ModelRunner:
 
         all_greedy = all(r.sampling.greedy for r in requests)
         st = self._sampling_tensors(requests, num_rows)
-        bt = self._block_tables(requests, num_rows)
+        bt = self._block_tables(requests, num_rows, lookahead=gamma)
         last_two = np.zeros((num_rows, 2), np.int32)
         n = np.zeros(num_rows, np.int32)
         for i, r in enumerate(requests):
             last_two[i] = (r.token_at(r.num_tokens - 2), r.token_at(r.num_tokens - 1))
             n[i] = r.num_tokens
-        self.variants_seen.add(("propose", num_rows, gamma, all_greedy))
+        self.variants_seen.add(("propose", num_rows, gamma, bt.shape[1], all_greedy))
         draft_tokens, draft_probs, self.draft_kv = self._propose(
             self.draft.state, self.draft_kv, last_two, bt, n, st, gamma, all_greedy
         )
         draft_tokens.block_until_ready()
         t2 = time.perf_counter()
         verify_lens = np.where(n > 0, n + gamma, 0).astype(np.int32)
-        self.variants_seen.add(("verify", num_rows, gamma, all_greedy))
+        self.variants_seen.add(("verify", num_rows, gamma, bt.shape[1], all_greedy))
         out, num_accepted, self.kv = self._verify(
             self.target.state, self.kv, last_two[:, 1], draft_tokens, draft_probs, bt, verify_lens, st, all_greedy
         )
@@ -335,47 +349,59 @@ class ModelRunner:
                 r.num_draft_computed += c
                 total += c
             bt = self._block_tables(rows, num_rows)
-            self.variants_seen.add(("draft_fill", num_rows, q_len))
+            self.variants_seen.add(("draft_fill", num_rows, q_len, bt.shape[1]))
             self.draft_kv = self._draft_fill(self.draft.state, self.draft_kv, tokens, bt, context_lens, query_lens)
 
     # ---- compilation ----------------------------------------------------------------------------------------------
+    def warmup_widths(self, max_context: int | None = None) -> list[int]:
+        """Block-table widths a batch reaches with contexts up to ``max_context`` (default ``max_model_len``)."""
+        limit = -(-((max_context or self.max_model_len) + self.gamma_max + 1) // self.page_size)
+        top = bucket_for(min(limit, self.shapes.max_pages_per_seq), self.shapes.page_buckets)
+        return [w for w in self.shapes.page_buckets if w <= top]
+
     def warmup(
         self,
         batch_sizes: list[int] | None = None,
         gammas: list[int] | None = None,
         sampled: bool = True,
+        max_context: int | None = None,
         progress=None,
     ) -> list[tuple]:
         """Compile the decode variants ahead of time by running them on padding-only batches (every write lands
-        on the reserved page 0, so no real state changes). Returns the variant keys compiled."""
+        on the reserved page 0, so no real state changes): every batch bucket, γ, greedy/sampled mode and
+        block-table width up to the one covering ``max_context`` tokens (default: ``max_model_len``).
+        Returns the variant keys compiled."""
         sizes = batch_sizes or self.shapes.decode_buckets
         gammas = list(range(self.gamma_max + 1)) if gammas is None else gammas
         modes = [True, False] if sampled else [True]
+        widths = self.warmup_widths(max_context)
         keys: list[tuple] = []
         for num_rows in sizes:
             zeros = np.zeros(num_rows, np.int32)
             st = self._sampling_tensors([], num_rows)
-            bt = np.zeros((num_rows, self.shapes.max_pages_per_seq), np.int32)
-            for all_greedy in modes:
-                for gamma in gammas:
-                    if gamma == 0:
-                        _, self.kv = self._forward_sample(
-                            self.target.state, self.kv, np.zeros((num_rows, 1), np.int32), bt, zeros, zeros, st,
-                            all_greedy,
-                        )
-                        keys.append(("forward_sample", num_rows, 1, all_greedy))
-                    else:
-                        tokens, probs, self.draft_kv = self._propose(
-                            self.draft.state, self.draft_kv, np.zeros((num_rows, 2), np.int32), bt, zeros, st, gamma,
-                            all_greedy,
-                        )
-                        out, _, self.kv = self._verify(
-                            self.target.state, self.kv, zeros, tokens, probs, bt, zeros, st, all_greedy
-                        )
-                        out.block_until_ready()
-                        keys += [("propose", num_rows, gamma, all_greedy), ("verify", num_rows, gamma, all_greedy)]
-                    if progress is not None:
-                        progress()
+            for width in widths:
+                bt = np.zeros((num_rows, width), np.int32)
+                for all_greedy in modes:
+                    for gamma in gammas:
+                        if gamma == 0:
+                            _, self.kv = self._forward_sample(
+                                self.target.state, self.kv, np.zeros((num_rows, 1), np.int32), bt, zeros, zeros,
+                                st, all_greedy,
+                            )
+                            keys.append(("forward_sample", num_rows, 1, width, all_greedy))
+                        else:
+                            tokens, probs, self.draft_kv = self._propose(
+                                self.draft.state, self.draft_kv, np.zeros((num_rows, 2), np.int32), bt, zeros, st,
+                                gamma, all_greedy,
+                            )
+                            out, _, self.kv = self._verify(
+                                self.target.state, self.kv, zeros, tokens, probs, bt, zeros, st, all_greedy
+                            )
+                            out.block_until_ready()
+                            keys += [("propose", num_rows, gamma, width, all_greedy),
+                                     ("verify", num_rows, gamma, width, all_greedy)]
+                        if progress is not None:
+                            progress()
         self.variants_seen.update(keys)
         return keys
 

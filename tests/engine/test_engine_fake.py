@@ -118,8 +118,11 @@ def test_bad_sampling_values_raise_with_field_names():
 def test_warmup_compiles_every_decode_variant_so_decoding_compiles_nothing():
     eng = fake_engine(draft=True, num_speculative_tokens=2, max_num_seqs=4)
     runner = eng.runner
-    keys = runner.warmup()
-    assert len(keys) == len(runner.shapes.decode_buckets) * 2 * (1 + 2 * 2)  # sizes x greedy/sampled x variants
+    keys = runner.warmup(max_context=16)
+    widths = [4, 8]  # block-table widths covering 16 + γ + 1 tokens of 4-token pages
+    assert runner.shapes.page_buckets[:2] == widths
+    # batch sizes x widths x greedy/sampled x (AR + propose/verify per γ)
+    assert len(keys) == len(runner.shapes.decode_buckets) * len(widths) * 2 * (1 + 2 * 2)
     assert eng.num_free_pages == eng.num_total_pages
     sizes = runner.compiled_cache_sizes()
     # decoding at any batch size / γ after warmup: prompts of one token skip prefill entirely
