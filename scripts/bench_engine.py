@@ -182,7 +182,9 @@ def main() -> None:
                 if b not in peer or p["tokens_per_second"] > peer[b]["tokens_per_second"]:
                     peer[b] = p
         o = ours[b]
-        ptxt = f"  | HF {peer[b]['tokens_per_second']:8.1f} tok/s  TPOT {peer[b]['tpot_ms']:7.2f} ms" if b in peer else ""
+        ptxt = ""
+        if b in peer:
+            ptxt = f"  | HF {peer[b]['tokens_per_second']:8.1f} tok/s  TPOT {peer[b]['tpot_ms']:7.2f} ms"
         print(f"b={b:3d}: nightjar {o['tokens_per_second']:8.1f} tok/s  TPOT {o['tpot_ms']:7.2f} ms{ptxt}  "
               f"load={os.getloadavg()[0]:.1f}", flush=True)
     host = host_share(llm, all_prompts[: args.host_batch], args.output_len)
@@ -195,7 +197,7 @@ def main() -> None:
         sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         b0 = min(batch_sizes)
         outs = llm.generate([{"prompt_token_ids": p} for p in all_prompts[:b0]], sp, use_tqdm=False)
-        agree = [o.outputs[0].token_ids == ref for o, ref in zip(outs, peer[b0]["tokens"])]
+        agree = [o.outputs[0].token_ids == ref for o, ref in zip(outs, peer[b0]["tokens"], strict=True)]
         print(f"greedy tokens equal to the peer's (batch {b0}): {agree}")
     bw2 = memory_bandwidth_gbs(args.bandwidth_mib << 20)  # again at the end: keep the best of the two
     if bw2["best_gbs"] > bw["best_gbs"]:
@@ -208,8 +210,10 @@ def main() -> None:
     for b in batch_sizes:
         o = ours[b]
         p = peer.get(b)
-        ptxt = f"{p['tokens_per_second']:.1f} | {p['tpot_ms']:.1f} | {o['tokens_per_second'] / p['tokens_per_second']:.2f}x" \
-            if p else "- | - | -"
+        ptxt = "- | - | -"
+        if p:
+            ratio = o["tokens_per_second"] / p["tokens_per_second"]
+            ptxt = f"{p['tokens_per_second']:.1f} | {p['tpot_ms']:.1f} | {ratio:.2f}x"
         print(f"| {b} | {o['tokens_per_second']:.1f} | {o['tpot_ms']:.1f} | {ptxt} |")
     goals = {}
     if 1 in ours:

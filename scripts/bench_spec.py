@@ -2,8 +2,9 @@
 
 For each model (a target plus its best available draft) one ``LLM`` is built with ``num_speculative_tokens =
 γ_max``; γ is forced per step (``engine._select_gamma``) so every (batch, γ) cell reuses that engine's compiled
-variants. Per cell: a short warm-up run (compiles the shapes), then ``--repeats`` timed greedy runs (fastest kept) of ``--output-len`` tokens
-per sequence on real prompts. Reported from the engine's step log (decode steps only; prefill excluded):
+variants. Per cell: a warm-up run of the same workload (compiles every shape it meets), then ``--repeats``
+timed greedy runs (fastest kept) of ``--output-len`` tokens per sequence on real prompts. Reported from the
+engine's step log (decode steps only; prefill excluded):
 
 - tok/s: committed tokens / (decode-step seconds - draft catch-up seconds). Catch-up is the draft's own prefill
   of the prompt on the first speculative step; it is excluded like the target's prefill and reported apart.
@@ -70,7 +71,9 @@ def bench_model(model: str, args: argparse.Namespace, batch_sizes: list[int], te
     for b in batch_sizes:
         prompts = prompts_all[:b]
         for gamma in gammas:
-            run_decode_workload(llm, prompts, min(args.output_len, 2 * gamma + 4), gamma)  # warm-up / compile
+            # Warm-up with the full workload: sequences finish at different steps under speculation, so the batch
+            # shrinks through smaller batch buckets whose variants must compile before the timed run.
+            run_decode_workload(llm, prompts, args.output_len, gamma)
             runs = [run_decode_workload(llm, prompts, args.output_len, gamma) for _ in range(args.repeats)]
             run = min(runs, key=lambda r: (r.decode_seconds - r.catchup_seconds) / r.committed_tokens)
             spec_seconds = run.decode_seconds - run.catchup_seconds
