@@ -1,0 +1,76 @@
+"""End to end through the engine: with temperature and top-k/top-p on, speculative decoding samples from the
+target's distribution (two-sample chi-square against plain decoding), and a verifier that ignores the draft's
+distribution is detected by the same test (so the test can fail)."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from nightjar_jax import LLM, SamplingParams
+
+NUM_SAMPLES = 1500
+PROMPT = {"prompt_token_ids": [1, 57, 300, 12]}
+PARAMS = dict(temperature=1.0, top_k=5, top_p=0.95, max_tokens=3, ignore_eos=True)
+
+
+def _samples(**llm_kwargs) -> list[tuple[int, ...]]:
+    llm = LLM("tiny-gqa", load_format="dummy", max_model_len=64, max_num_seqs=64, num_pages=400, seed=0,
+              **llm_kwargs)
+    if llm.engine.draft is not None:
+        llm.engine._select_gamma = lambda: 2
+    params = [SamplingParams(seed=1000 + i, **PARAMS) for i in range(NUM_SAMPLES)]
+    outs = llm.generate([PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
+    if llm.engine.draft is not None:
+        assert llm.engine.stats.num_drafted_tokens > 0
+    return [tuple(o.outputs[0].token_ids) for o in outs]
+
+
+def _chi2_two_sample(a: list, b: list, min_count: int = 5) -> float:
+    """p-value of the two-sample chi-square test on categories with enough counts (rare ones pooled)."""
+    from scipy import stats
+
+    ca, cb = collections.Counter(a), collections.Counter(b)
+    keys = [k for k in set(ca) | set(cb) if ca[k] + cb[k] >= min_count]
+    rest_a = sum(v for k, v in ca.items() if k not in keys)
+    rest_b = sum(v for k, v in cb.items() if k not in keys)
+    table = np.array([[ca[k] for k in keys] + [rest_a], [cb[k] for k in keys] + [rest_b]])
+    table = table[:, table.sum(axis=0) > 0]
+    return stats.chi2_contingency(table)[1]
+
+
+@pytest.fixture(scope="module")
+def ar_samples():
+    return _samples()
+
+
+def _draft_kwargs():
+    # a different random model with the same vocabulary: its distribution differs a lot from the target's
+    return dict(draft_model="tiny-mha", num_speculative_tokens=2)
+
+
+def test_speculative_sampling_matches_target_distribution(ar_samples):
+    sd = _samples(**_draft_kwargs())
+    for part in (slice(0, 2), slice(1, 3)):  # (t1, t2) joint and (t2, t3) joint
+        p = _chi2_two_sample([s[part] for s in sd], [s[part] for s in ar_samples])
+        assert p > 1e-3, f"SD tokens {part} differ from AR (p={p:.2e})"
+
+
+def test_verifier_that_ignores_the_draft_distribution_is_detected(ar_samples, monkeypatch):
+    import nightjar_jax.engine.runner as runner_module
+
+    def accept_everything(draft_tokens, draft_probs, target_probs, st, *, salt=1):
+        import jax.numpy as jnp
+
+        from nightjar_jax.engine.sampler import request_keys, sample_from_probs
+
+        bonus = sample_from_probs(target_probs[:, -1], request_keys(st, salt))
+        out = jnp.concatenate([draft_tokens, bonus[:, None]], axis=1)
+        return out, jnp.full(draft_tokens.shape[:1], draft_tokens.shape[1], jnp.int32)
+
+    monkeypatch.setattr(runner_module, "rejection_sample", accept_everything)
+    broken = _samples(**_draft_kwargs())
+    p = _chi2_two_sample([s[0:2] for s in broken], [s[0:2] for s in ar_samples])
+    assert p < 1e-6, f"a verifier that ignores the draft went undetected (p={p:.2e})"
