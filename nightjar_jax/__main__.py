@@ -15,10 +15,10 @@ from nightjar_jax.cli import add_engine_args, engine_config_from_args
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import time
+
     from nightjar_jax.engine.engine import LLMEngine
     from nightjar_jax.engine.sampling_params import SamplingParams
-
-    import time
 
     engine = LLMEngine(engine_config_from_args(args))
     prompt = args.prompt

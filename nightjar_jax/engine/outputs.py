@@ -34,7 +34,7 @@ class RequestMetrics:
 
     def itls(self) -> list[float]:
         """Inter-token latencies (tokens committed in one speculative step share a time: their ITL is 0)."""
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
 
     @property
     def tpot(self) -> float | None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers import VOCAB, fake_engine, greedy, run_all
+
 from nightjar_jax.testing import fake_greedy_continuation
 
 PROMPTS = [[5, 6, 7], list(range(1, 21)), [42], [3, 3], list(range(30, 43))]

@@ -92,5 +92,8 @@ def test_finish_frees_pages_from_any_queue():
 def test_host_scheduler_imports_no_jax():
     import subprocess
 
-    code = "import sys; import nightjar_jax.engine.scheduler, nightjar_jax.cache.allocator; assert 'jax' not in sys.modules"
+    code = (
+        "import sys; import nightjar_jax.engine.scheduler, nightjar_jax.cache.allocator; "
+        "assert 'jax' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
