@@ -172,7 +172,8 @@ class SchedulerConfig:
 class SpecConfig:
     """Speculative decoding: which draft, how many tokens, and who picks γ each step."""
 
-    draft_model: str | None = None
+    # A model spec, None / "none" for no draft, or "auto": the target preset's paired draft when it ships one.
+    draft_model: str | None = "auto"
     num_speculative_tokens: int = 4  # gamma_max: variants gamma in 0..this are compiled
     planner: str = "static"  # a planner name (see nightjar_jax.planner); "static" uses num_speculative_tokens
     planner_log: str | None = None  # JSONL path for decisions and rewards (opt-in)

@@ -92,8 +92,9 @@ class LLMEngine:
             import_pallas_backends()
         if target is None:
             target, tokenizer = self._load(config.model, tokenizer_spec=config.tokenizer)
-        if draft is None and config.spec.draft_model is not None:
-            draft, _ = self._load(config.spec.draft_model, tokenizer_spec=None)
+        draft_spec = self.resolve_draft_spec(config) if draft is None else None
+        if draft_spec is not None:
+            draft, _ = self._load(draft_spec, tokenizer_spec=None)
         if draft is not None and draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"draft model vocabulary ({draft.config.vocab_size} tokens, {draft.config.name}) does not match the "
@@ -134,6 +135,18 @@ class LLMEngine:
         close = getattr(self.planner, "close", None)
         if close is not None:
             close()
+
+    @staticmethod
+    def resolve_draft_spec(config: EngineConfig) -> str | None:
+        """``draft_model``: a spec, None / "none" (no draft), or "auto" (the target preset's paired draft)."""
+        spec = config.spec.draft_model
+        if spec is None or spec.lower() in ("none", ""):
+            return None
+        if spec.lower() == "auto":
+            from nightjar_jax.models.presets import default_draft_for
+
+            return default_draft_for(config.model)
+        return spec
 
     # ---- construction helpers -----------------------------------------------------------------------------------
     def _load(self, spec: str, tokenizer_spec: str | None):

@@ -18,6 +18,7 @@ class Preset:
     config: ModelConfig
     source: str | None  # where real weights come from; None: dummy only
     tokenizer: str | None = None  # a tokenizer source when the weights' own is not used
+    default_draft: str | None = None  # the draft used when draft_model="auto" (if its files are installed)
 
 
 def _llama(name: str, **kw) -> ModelConfig:
@@ -90,6 +91,20 @@ PRESETS: dict[str, Preset] = {
         tokenizer="asset:stories260K/tokenizer.json",
     ),
 }
+
+
+def default_draft_for(model: str) -> str | None:
+    """The paired draft of a preset target for ``draft_model="auto"``, or None (no pair, or not installed)."""
+    preset = PRESETS.get(model.lower())
+    if preset is None or preset.default_draft is None:
+        return None
+    draft = PRESETS.get(preset.default_draft)
+    if draft is not None and draft.source and draft.source.startswith("asset:"):
+        from pathlib import Path
+
+        if not (Path(__file__).resolve().parent.parent / "assets" / draft.source.removeprefix("asset:")).exists():
+            return None
+    return preset.default_draft
 
 
 def get_preset(name: str) -> Preset:
