@@ -13,12 +13,15 @@ to serve the trace); per-phase tok/s of wall time (a saturated phase shows capac
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -34,27 +37,54 @@ from nightjar_jax.sim import (  # noqa: E402
     make_trace,
     oscillating,
 )
+from nightjar_jax.sim.workload import DEFAULT_OUTPUT_LENGTHS, DEFAULT_PROMPT_LENGTHS  # noqa: E402
 
 
-def preset_phases(preset: str, phase_seconds: float):
+def preset_phases(preset: str, phase_seconds: float, rate_scale: float = 1.0):
     if preset == "low-burst-low":
-        return low_burst_low(seconds=phase_seconds)
-    if preset == "oscillating":
-        return oscillating(period_seconds=2 * phase_seconds)
-    return PRESETS[preset]()
+        phases = low_burst_low(seconds=phase_seconds)
+    elif preset == "oscillating":
+        phases = oscillating(period_seconds=2 * phase_seconds)
+    else:
+        phases = PRESETS[preset]()
+    if rate_scale == 1.0:
+        return phases
+    return [dataclasses.replace(p, rate_per_second=p.rate_per_second * rate_scale) for p in phases]
+
+
+AUTO_HIGH_LOAD = 1.5  # --rate-scale auto: the busiest phase arrives at this multiple of AR capacity
+
+
+def ar_capacity_requests_per_second(profile: CostProfile, samples: int = 200_000) -> float:
+    """Requests/s that AR (γ = 0) serves at the profile's largest batch on the default trace lengths:
+    1 / (E[out] · step_seconds(B, 0, E[prompt] + E[out]/2) / B + E[prompt] · prefill seconds per token),
+    with B = the profile's max_num_seqs (the prefill's fixed cost is shared by a step's prompts; left out)."""
+    rng = np.random.default_rng(0)
+    out = DEFAULT_OUTPUT_LENGTHS.sample(rng, samples).mean()
+    prompt = DEFAULT_PROMPT_LENGTHS.sample(rng, samples).mean()
+    batch = profile.max_num_seqs
+    per_request = out * profile.step_seconds(batch, 0, prompt + out / 2) / batch
+    return 1.0 / (per_request + prompt * profile.prefill_seconds_per_token)
+
+
+def auto_rate_scale(profile: CostProfile, preset: str, phase_seconds: float) -> float:
+    """Scale that puts the preset's busiest phase at AUTO_HIGH_LOAD x AR capacity (other phases keep their ratio
+    to it: low-burst-low's lows land at 1.5 · 2/24 = 0.125x, oscillating's at 1.5 · 3/20 = 0.225x)."""
+    busiest = max(p.rate_per_second for p in preset_phases(preset, phase_seconds))
+    return AUTO_HIGH_LOAD * ar_capacity_requests_per_second(profile) / busiest
 
 
 def run_one(job: tuple) -> SimResult:
     """One (preset, planner) simulation; runs in a worker process."""
-    preset, spec, profile_path, gamma_max, seed, phase_seconds = job
+    preset, spec, profile_path, gamma_max, seed, phase_seconds, rate_scale = job
     profile = CostProfile.from_json(profile_path)
     config = SimConfig(gamma_max=gamma_max, seed=seed)
-    trace = make_trace(preset_phases(preset, phase_seconds), seed=seed)
+    trace = make_trace(preset_phases(preset, phase_seconds, rate_scale), seed=seed)
     simulator = Simulator(trace, profile, config)
     if spec != "nightjar+warm":
         return simulator.run(make_planner(spec, gamma_max))
     # Warm start: learn on another day's trace of the same shape, save, load, then run this trace.
-    warmup = Simulator(make_trace(preset_phases(preset, phase_seconds), seed=seed + 1000), profile, config)
+    warmup = Simulator(make_trace(preset_phases(preset, phase_seconds, rate_scale), seed=seed + 1000), profile, config)
     learner = make_planner("nightjar", gamma_max)
     warmup.run(learner)
     return simulator.run(Planner.from_json(learner.to_json()), name="nightjar+warm")
@@ -69,6 +99,13 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="write all results as JSON here")
     parser.add_argument("--phase-seconds", type=float, default=60.0, help="length of each load phase")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="worker processes")
+    parser.add_argument(
+        "--rate-scale", default="1.0",
+        help="multiply every phase's arrival rate by this (default 1.0), or 'auto': per preset, scale so the "
+        f"busiest phase arrives at {AUTO_HIGH_LOAD}x the profile's AR capacity at its max batch (see "
+        "ar_capacity_requests_per_second); the other phases keep their ratio to it. For profiles far from the "
+        "default's device (e.g. one measured on a CPU)",
+    )
     args = parser.parse_args()
 
     profile = CostProfile.from_json(args.profile)
@@ -79,16 +116,27 @@ def main() -> int:
     presets = args.presets.split(",")
     statics = {0: "ar", **{g: f"static:{g}" for g in range(1, args.gamma_max + 1)}}
     specs = [*statics.values(), "banditspec", "dsd", "table", "nightjar", "nightjar+warm"]
+    if args.rate_scale == "auto":
+        scales = {preset: auto_rate_scale(profile, preset, args.phase_seconds) for preset in presets}
+        print(f"rate scale auto: AR capacity {ar_capacity_requests_per_second(profile):.3g} req/s at batch "
+              f"{profile.max_num_seqs}; busiest phase at {AUTO_HIGH_LOAD}x -> "
+              + ", ".join(f"{preset} x{scale:.4g}" for preset, scale in scales.items()))
+    else:
+        scales = dict.fromkeys(presets, float(args.rate_scale))
+        if scales and not all(s > 0 for s in scales.values()):
+            parser.error("--rate-scale must be > 0 or 'auto'")
+    if args.rate_scale != "1.0":
+        report["rate_scale"] = {"arg": args.rate_scale, "per_preset": scales}
     jobs = [(preset, spec) for preset in presets for spec in specs]
     job_args = (args.profile, args.gamma_max, args.seed, args.phase_seconds)
     started = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        finished = list(pool.map(run_one, [(*job, *job_args) for job in jobs]))
+        finished = list(pool.map(run_one, [(*job, *job_args, scales[job[0]]) for job in jobs]))
     all_results = {preset: {} for preset in presets}
     for (preset, spec), result in zip(jobs, finished, strict=True):
         all_results[preset][spec] = result
     for preset in presets:
-        trace = make_trace(preset_phases(preset, args.phase_seconds), seed=args.seed)
+        trace = make_trace(preset_phases(preset, args.phase_seconds, scales[preset]), seed=args.seed)
         simulator = Simulator(trace, profile, config)
         results = all_results[preset]
         static_results = {g: results[s] for g, s in statics.items()}

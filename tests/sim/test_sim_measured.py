@@ -1,0 +1,83 @@
+"""The checked-in profile measured by the engine (scripts/measure_profile.py): it loads, its values are sane, and
+the simulator runs on it with a rate-scaled workload."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nightjar_jax.planner import make_planner
+from nightjar_jax.sim import CostProfile, SimConfig, Simulator, make_trace
+from nightjar_jax.sim.profile import PROFILES_DIR
+
+MEASURED = PROFILES_DIR / "measured_stories260k_cpu.json"
+SIM_PLANNERS = Path(__file__).resolve().parents[2] / "scripts" / "sim_planners.py"
+
+
+@pytest.fixture(scope="module")
+def profile() -> CostProfile:
+    return CostProfile.from_json(MEASURED)
+
+
+@pytest.fixture(scope="module")
+def sim_planners():
+    spec = importlib.util.spec_from_file_location("sim_planners", SIM_PLANNERS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_measured_profile_loads_and_says_what_it_is(profile):
+    assert profile.kind == "measured"
+    assert "stories260k" in profile.target and "skip" in profile.draft
+    assert profile.device and "measure_profile.py" in profile.notes and "load average" in profile.notes
+    assert profile.gammas == tuple(range(profile.gamma_max + 1)) and profile.gamma_max >= 1
+    assert len(profile.batch_sizes) >= 4 and len(profile.context_lengths) >= 2
+    assert profile.max_num_seqs == max(profile.batch_sizes)
+
+
+def test_measured_values_are_sane(profile):
+    grid = np.asarray(profile.step_seconds_grid)  # [nb][ng][nc]
+    assert np.all(grid > 0) and np.all(grid < 10.0)
+    # Speculating costs more than not at the same batch and context (draft + wider verify on top of AR).
+    assert np.all(grid[:, 1:, :] > grid[:, :1, :])
+    # Monotonic-ish: the largest batch costs more than the smallest (per step), and γ_max more than γ = 1
+    # at most cells (timings are noisy on a shared CPU, so no strict cell-by-cell order).
+    assert np.all(grid[-1] > grid[0])
+    assert np.mean(grid[:, -1, :] > grid[:, 1, :]) >= 0.75
+    assert all(0.0 <= a <= 1.0 for a in profile.acceptance_per_position)
+    assert 1.0 <= profile.expected_tokens(profile.gamma_max) <= 1 + profile.gamma_max
+    assert profile.prefill_seconds(256) > 0 and profile.prefill_seconds_per_token >= 0
+    assert profile.catchup_seconds(256) > 0 and profile.catchup_seconds(0) == 0.0
+
+
+def test_auto_rate_scale_targets_ar_capacity(profile, sim_planners):
+    capacity = sim_planners.ar_capacity_requests_per_second(profile)
+    assert capacity > 0
+    scale = sim_planners.auto_rate_scale(profile, "low-burst-low", 10.0)
+    phases = sim_planners.preset_phases("low-burst-low", 10.0, scale)
+    busiest = max(p.rate_per_second for p in phases)
+    assert busiest == pytest.approx(sim_planners.AUTO_HIGH_LOAD * capacity)
+    unscaled = sim_planners.preset_phases("low-burst-low", 10.0)
+    assert sim_planners.preset_phases("low-burst-low", 10.0, 1.0) == unscaled  # default: unchanged
+    assert [p.rate_per_second / q.rate_per_second for p, q in zip(phases, unscaled, strict=True)] == pytest.approx(
+        [scale] * len(phases))
+
+
+@pytest.mark.parametrize("spec", ["ar", "static:2", "nightjar"])
+def test_short_sim_on_measured_profile_conserves_tokens(profile, sim_planners, spec):
+    scale = sim_planners.auto_rate_scale(profile, "low-burst-low", 4.0)
+    phases = sim_planners.preset_phases("low-burst-low", 4.0, scale)
+    trace = make_trace(phases, seed=1)
+    assert trace.num_requests > 10
+    config = SimConfig(gamma_max=profile.gamma_max, seed=1)
+    result = Simulator(trace, profile, config).run(make_planner(spec, profile.gamma_max))
+    assert sum(result.phase_tokens) == result.total_tokens == int(trace.output_lengths.sum())
+    assert np.all(np.isfinite(result.latencies)) and np.all(result.latencies > 0)
+    assert sum(result.gamma_counts.values()) == result.num_decode_steps
+    if spec == "ar":
+        assert set(result.gamma_counts) == {0}
+
