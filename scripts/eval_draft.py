@@ -1,0 +1,193 @@
+"""Issue 8 evaluation: the shipped SmolLM2 draft on held-out MT-Bench and Spec-Bench prompts.
+
+Prints and writes (JSON) two numbers:
+1. acceptance, greedy, γ = 4 (``planner="static:4"``): mean tokens committed per sequence per target step
+   (accepted drafts + 1, the engine's ``stats.mean_accepted_length``) and α = accepted / drafted, overall and per
+   source, on the held-out split of ``scripts/distill_draft.py`` (never trained on);
+2. the draft's cost per token relative to the target's: batch-1 greedy AR decode of each model alone on the same
+   prompts, decode steps only (from the engine's step log, after a warm-up run that compiles every shape).
+
+    python scripts/eval_draft.py --out results/eval_draft.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from distill_draft import ASSET_DIR, TARGET, chat_ids, heldout_ids, load_prompts  # noqa: E402
+
+from nightjar_jax.bench.common import machine_note, run_decode_workload  # noqa: E402
+
+logger = logging.getLogger("eval_draft")
+
+
+def acceptance(args: argparse.Namespace, prompts: list[dict]) -> dict:
+    """Greedy SD at a fixed γ over ``prompts`` in one batch; the engine's counters after the run."""
+    from nightjar_jax import LLM, SamplingParams
+
+    llm = LLM(
+        TARGET,
+        draft_model=args.draft,
+        num_speculative_tokens=args.gamma,
+        planner=f"static:{args.gamma}",
+        max_num_seqs=len(prompts),
+        max_model_len=args.max_prompt_tokens + args.max_tokens + 8,
+        max_num_batched_tokens=512,
+    )
+    engine = llm.engine
+    engine.record_steps = True
+    t0 = time.perf_counter()
+    outs = llm.generate(
+        [{"prompt_token_ids": p["ids"]} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=args.max_tokens),
+        use_tqdm=False,
+    )
+    seconds = time.perf_counter() - t0
+    s = engine.stats
+    log = [x for x in s.step_log if x["gamma"] > 0]
+    return {
+        "num_prompts": len(prompts),
+        "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        "num_drafted_tokens": s.num_drafted_tokens,
+        "num_accepted_tokens": s.num_accepted_tokens,
+        "accepted_per_position": list(s.accepted_per_position),
+        "drafted_per_position": list(s.drafted_per_position),  # [0]: sequence-steps that drafted (target steps)
+        "draft_seconds": sum(x["draft_seconds"] for x in log),
+        "verify_seconds": sum(x["verify_seconds"] for x in log),
+        "num_spec_steps": len(log),
+        "wall_seconds": seconds,
+        "outputs": {p["id"]: o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)},
+    }
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Pool runs: mean accepted length = 1 + accepted / target sequence-steps; α = accepted / drafted."""
+    acc = sum(r["num_accepted_tokens"] for r in runs)
+    drafted = sum(r["num_drafted_tokens"] for r in runs)
+    steps = sum(r["drafted_per_position"][0] for r in runs)
+    per_pos_acc = np.sum([r["accepted_per_position"] for r in runs], axis=0)
+    per_pos_drafted = np.sum([r["drafted_per_position"] for r in runs], axis=0)
+    return {
+        "num_prompts": sum(r["num_prompts"] for r in runs),
+        "generated_tokens": sum(r["generated_tokens"] for r in runs),
+        "target_sequence_steps": steps,
+        "mean_accepted_length": 1 + acc / max(steps, 1),
+        "accepted_per_drafted": acc / max(drafted, 1),  # counts drafts after a rejection (never acceptable)
+        "alpha": float(per_pos_acc[0] / max(per_pos_drafted[0], 1)),  # per-token acceptance: first position
+        "acceptance_per_position": (per_pos_acc / np.maximum(per_pos_drafted, 1)).round(4).tolist(),
+    }
+
+
+def decode_cost(model: str, prompts: list[list[int]], output_len: int) -> dict:
+    """Seconds per decoded token, batch 1, AR, one prompt at a time (a warm-up run compiles first)."""
+    from nightjar_jax import LLM
+
+    llm = LLM(
+        model,
+        draft_model=None,  # AR alone, even if a default draft pair is configured
+        max_num_seqs=1,
+        max_model_len=max(len(p) for p in prompts) + output_len + 8,
+        max_num_batched_tokens=512,
+    )
+    run_decode_workload(llm, prompts[:1], output_len)  # warm-up: compile prefill and decode shapes
+    seconds = tokens = 0.0
+    for p in prompts:
+        run = run_decode_workload(llm, [p], output_len)
+        seconds += run.decode_seconds
+        tokens += run.committed_tokens
+    return {"model": model, "decode_seconds": seconds, "decode_tokens": tokens, "seconds_per_token": seconds / tokens}
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", default=str(ASSET_DIR))
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer held-out prompts are skipped")
+    ap.add_argument("--cost-prompts", type=int, default=4, help="held-out prompts timed for the cost ratio")
+    ap.add_argument("--cost-tokens", type=int, default=32)
+    ap.add_argument("--limit", type=int, default=0, help="first N held-out prompts only (smoke runs)")
+    ap.add_argument("--out", default="results/eval_draft.json")
+    args = ap.parse_args()
+
+    from nightjar_jax.models.loader import load_checkpoint
+
+    tok = load_checkpoint(TARGET, load_format="dummy").tokenizer
+    prompts, skipped = [], []
+    for p in load_prompts("heldout"):
+        ids = chat_ids(tok, p["text"])
+        (prompts if len(ids) <= args.max_prompt_tokens else skipped).append(p | {"ids": ids})
+    if args.limit:
+        prompts = prompts[: args.limit]
+    logger.info(
+        "%d held-out prompts (%d longer than %d tokens skipped: %s)",
+        len(prompts),
+        len(skipped),
+        args.max_prompt_tokens,
+        [p["id"] for p in skipped],
+    )
+    machine = machine_note()
+    runs = {}
+    for src in ("mt_bench", "spec_bench"):  # one SD run per source; the pooled numbers sum their counters
+        sub = [p for p in prompts if p["id"].startswith(src)]
+        if sub:
+            runs[src] = acceptance(args, sub)
+    outputs = {k: v for r in runs.values() for k, v in r.pop("outputs").items()}
+    acc = summarize(list(runs.values()))
+    sources = {src: summarize([r]) for src, r in runs.items()}
+    draft_s = sum(r["draft_seconds"] for r in runs.values())
+    verify_s = sum(r["verify_seconds"] for r in runs.values())
+    cost_ids = [p["ids"] for p in prompts[: args.cost_prompts]]
+    target_cost = decode_cost(TARGET, cost_ids, args.cost_tokens)
+    draft_cost = decode_cost(args.draft, cost_ids, args.cost_tokens)
+    ratio = draft_cost["seconds_per_token"] / target_cost["seconds_per_token"]
+
+    print(f"\nheld-out split: {heldout_ids()}  (used {len(prompts)}, skipped {[p['id'] for p in skipped]})")
+    print(f"{'':16s} {'prompts':>8s} {'mean acc. len (γ=4)':>20s} {'α (pos. 1)':>11s} {'accepted/drafted':>17s}")
+    for name, r in [("all held-out", acc), *sources.items()]:
+        print(
+            f"{name:16s} {r['num_prompts']:8d} {r['mean_accepted_length']:20.3f} {r['alpha']:11.3f} "
+            f"{r['accepted_per_drafted']:17.3f}"
+        )
+    print(f"acceptance per draft position: {acc['acceptance_per_position']}")
+    print(f"inside SD (batched): draft {draft_s:.1f} s, verify {verify_s:.1f} s over the same steps")
+    print(
+        f"\nbatch-1 AR decode: target {1e3 * target_cost['seconds_per_token']:.2f} ms/token, draft "
+        f"{1e3 * draft_cost['seconds_per_token']:.2f} ms/token -> draft cost / target cost = {ratio:.3f}"
+    )
+    payload = {
+        "machine": machine,
+        "command": " ".join(sys.argv),
+        "heldout_ids": heldout_ids(),
+        "skipped_prompts": [p["id"] for p in skipped],
+        "gamma": args.gamma,
+        "max_tokens": args.max_tokens,
+        "acceptance": acc,
+        "per_source": sources,
+        "runs": runs,
+        "sd_draft_seconds": draft_s,
+        "sd_verify_seconds": verify_s,
+        "target_cost": target_cost,
+        "draft_cost": draft_cost,
+        "draft_cost_ratio": ratio,
+        "sd_outputs": outputs,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
