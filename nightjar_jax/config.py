@@ -175,7 +175,9 @@ class SpecConfig:
     # A model spec, None / "none" for no draft, or "auto": the target preset's paired draft when it ships one.
     draft_model: str | None = "auto"
     num_speculative_tokens: int = 4  # gamma_max: variants gamma in 0..this are compiled
-    planner: str = "static"  # a planner name (see nightjar_jax.planner); "static" uses num_speculative_tokens
+    # A planner name (see nightjar_jax.planner): "nightjar" adapts γ to the load (γ = 0 when speculation does not
+    # pay); "static" always uses num_speculative_tokens.
+    planner: str = "nightjar"
     planner_log: str | None = None  # JSONL path for decisions and rewards (opt-in)
 
     def __post_init__(self) -> None:

