@@ -41,7 +41,8 @@ def state_to_hf(cfg: ModelConfig, state: Any) -> dict[str, np.ndarray]:
     flat = dict(nnx.to_flat_state(state))
     out = {}
     for hf_name, (path, transpose) in hf_param_map(cfg).items():
-        arr = np.asarray(flat[path].value if hasattr(flat[path], "value") else flat[path])
+        leaf = flat[path]
+        arr = np.asarray(leaf.get_value() if hasattr(leaf, "get_value") else leaf)
         out[hf_name] = arr.T if transpose else arr
     return out
 
