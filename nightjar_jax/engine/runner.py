@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -95,11 +95,6 @@ class RunnerShapes:
     page_buckets: list[int]  # block-table widths: powers of two (reference attention) or just the maximum
 
 
-@dataclass
-class CompileStats:
-    compiled: set = field(default_factory=set)  # variant keys seen
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -135,7 +130,6 @@ class ModelRunner:
         self.draft_kv: KVCache | None = (
             allocate_kv_cache(draft.config, num_pages, page_size) if draft is not None else None
         )
-        self.variants_seen: set[tuple] = set()
         self._build_jitted()
 
     # ---- jitted step functions --------------------------------------------------------------------------------
@@ -261,7 +255,6 @@ class ModelRunner:
         all_greedy = all(r.sampling.greedy for r in requests)
         st = self._sampling_tensors(requests, num_rows)
         bt = self._block_tables(requests, num_rows)
-        self.variants_seen.add(("forward_sample", num_rows, tokens.shape[1], bt.shape[1], all_greedy))
         next_tokens, self.kv = self._forward_sample(
             self.target.state, self.kv, tokens, bt, context_lens, query_lens, st, all_greedy
         )
@@ -297,14 +290,12 @@ class ModelRunner:
         for i, r in enumerate(requests):
             last_two[i] = (r.token_at(r.num_tokens - 2), r.token_at(r.num_tokens - 1))
             n[i] = r.num_tokens
-        self.variants_seen.add(("propose", num_rows, gamma, bt.shape[1], all_greedy))
         draft_tokens, draft_probs, self.draft_kv = self._propose(
             self.draft.state, self.draft_kv, last_two, bt, n, st, gamma, all_greedy
         )
         draft_tokens.block_until_ready()
         t2 = time.perf_counter()
         verify_lens = np.where(n > 0, n + gamma, 0).astype(np.int32)
-        self.variants_seen.add(("verify", num_rows, gamma, bt.shape[1], all_greedy))
         out, num_accepted, self.kv = self._verify(
             self.target.state, self.kv, last_two[:, 1], draft_tokens, draft_probs, bt, verify_lens, st, all_greedy
         )
@@ -349,7 +340,6 @@ class ModelRunner:
                 r.num_draft_computed += c
                 total += c
             bt = self._block_tables(rows, num_rows)
-            self.variants_seen.add(("draft_fill", num_rows, q_len, bt.shape[1]))
             self.draft_kv = self._draft_fill(self.draft.state, self.draft_kv, tokens, bt, context_lens, query_lens)
 
     # ---- compilation ----------------------------------------------------------------------------------------------
@@ -402,7 +392,6 @@ class ModelRunner:
                                      ("verify", num_rows, gamma, width, all_greedy)]
                         if progress is not None:
                             progress()
-        self.variants_seen.update(keys)
         return keys
 
     def compiled_cache_sizes(self) -> dict[str, int]:
