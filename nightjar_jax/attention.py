@@ -1,8 +1,10 @@
-"""The one dispatch point for paged attention: ``impl = auto | pallas | reference``.
+"""The one dispatch point for paged attention: ``impl = auto | pallas | cpu | reference``.
 
-- ``reference``: the pure-jnp oracle in ``kernels_pallas/paged_attention/reference.py`` (the CPU path).
+- ``reference``: the pure-jnp oracle in ``kernels_pallas/paged_attention/reference.py``.
 - ``pallas``: the Pallas kernel; compiled on GPU/TPU, interpreted (``interpret=True``) on CPU for tests.
-- ``auto``: ``pallas`` on GPU/TPU, ``reference`` on CPU.
+- ``cpu``: the C++ XLA FFI kernel in ``kernels_pallas/paged_attention/cpu.py`` (CPU backend only; built on first
+  use, ~4-5x faster than the reference at batch 32).
+- ``auto``: ``pallas`` on GPU/TPU; on CPU, ``cpu`` when that kernel builds, else ``reference``.
 
 All implementations share one contract (see the reference's docstring): q ``[num_seqs, q_len, num_q_heads,
 head_dim]``, one layer's K/V pools ``[num_kv_heads, num_pages, page_size, head_dim]``, block tables, context lengths
@@ -15,7 +17,7 @@ import jax
 
 from kernels_pallas.paged_attention.reference import paged_attention_reference
 
-IMPLS = ("auto", "pallas", "reference")
+IMPLS = ("auto", "pallas", "cpu", "reference")
 
 
 def resolve_impl(impl: str) -> str:
@@ -23,7 +25,18 @@ def resolve_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"attention impl {impl!r} is unknown: allowed {IMPLS}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "reference"
+        if jax.default_backend() in ("gpu", "tpu"):
+            return "pallas"
+        from kernels_pallas.paged_attention import cpu
+
+        return "cpu" if cpu.available() else "reference"
+    if impl == "cpu":
+        from kernels_pallas.paged_attention import cpu
+
+        if jax.default_backend() != "cpu":
+            raise ValueError(f"attention impl 'cpu' runs on the CPU backend only, not {jax.default_backend()!r}")
+        if not cpu.available():
+            raise RuntimeError(f"attention impl 'cpu' is unavailable: {cpu.unavailable_reason()}")
     return impl
 
 
@@ -40,6 +53,10 @@ def paged_attention(
     impl = resolve_impl(impl)
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, block_tables, context_lens, scale=scale)
+    if impl == "cpu":
+        from kernels_pallas.paged_attention.cpu import paged_attention_cpu
+
+        return paged_attention_cpu(q, k_pages, v_pages, block_tables, context_lens, scale=scale)
     from kernels_pallas.paged_attention import paged_attention as pallas_paged_attention
 
     return pallas_paged_attention(

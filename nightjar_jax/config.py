@@ -17,7 +17,7 @@ class ConfigError(ValueError):
 
 
 DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = ("auto", "pallas", "reference")
+ATTENTION_IMPLS = ("auto", "pallas", "cpu", "reference")
 LOAD_FORMATS = ("auto", "hf", "safetensors", "gguf", "llama2c", "orbax", "dummy")
 
 
@@ -75,6 +75,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = (2,)
     dtype: str = "float32"  # parameter and activation dtype; softmax and norms run in float32
     name: str = "llama"
+    # A draft's cheap LM head: an untied head over only this many token ids (the checkpoint's int32
+    # ``lm_head.token_ids``, sorted and unique); every other id gets logit -inf (probability 0). None: full head.
+    head_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -105,6 +108,14 @@ class ModelConfig:
             _check_int("eos_token_ids[]", t, 0, self.vocab_size - 1)
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.head_vocab_size is not None:
+            _check_int("head_vocab_size", self.head_vocab_size, 1, self.vocab_size)
+            _check(
+                not self.tie_word_embeddings,
+                "head_vocab_size",
+                self.head_vocab_size,
+                "None when tie_word_embeddings is true (a subset head is its own untied matrix)",
+            )
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -116,7 +127,7 @@ class ModelConfig:
         hd = self.head_dim
         attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
         per_layer = attn + 3 * d * f + 2 * d
-        head = 0 if self.tie_word_embeddings else v * d
+        head = 0 if self.tie_word_embeddings else (self.head_vocab_size or v) * d
         return v * d + self.num_layers * per_layer + d + head
 
     def kv_bytes_per_token(self) -> int:

@@ -114,6 +114,66 @@ def chat_ids(tokenizer: Any, text: str) -> list[int]:
     )
 
 
+def self_prompt_prefix(tokenizer: Any) -> list[int]:
+    """The chat template up to and including the user turn's header: the target continues it with a user message
+    (Magpie, Xu et al. 2024), so it writes its own instructions; the system prompt is the template's default."""
+    marker = "\x00PROMPT\x00"
+    full = tokenizer.apply_chat_template([{"role": "user", "content": marker}])
+    return tokenizer.encode(full[: full.index(marker)], add_special_tokens=False)
+
+
+def load_self_prompts(path: Path) -> list[dict[str, Any]]:
+    """Kept self-written prompts (``kept`` true) as train prompts: ``[{"id": "self/17", "category": "self", ...}]``."""
+    if not path.exists():
+        return []
+    return [
+        {"id": r["id"], "category": "self", "text": r["text"]} for r in _read_jsonl(path) if r.get("kept", False)
+    ]
+
+
+def cmd_self_prompts(args: argparse.Namespace) -> None:
+    """Sample ``--num`` user prompts from the target itself (temperature 1, top-p 0.98, seeds 0..num-1; resumable).
+
+    Kept: the sample ended with the end-of-turn token (not cut by ``--max-tokens``), has at least 4 tokens, and its
+    text was not seen before (case-insensitive). Every attempt is written, with ``kept``, so a rerun resumes."""
+    from nightjar_jax.engine.llm import LLM
+    from nightjar_jax.engine.sampling_params import SamplingParams
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = _read_jsonl(out) if out.exists() else []
+    done = {r["seed"] for r in rows}
+    seen = {r["text"].strip().lower() for r in rows if r.get("kept")}
+    todo = [s for s in range(args.num) if s not in done]
+    if not todo:
+        logger.info("%s already has %d attempts", out, args.num)
+        return
+    from nightjar_jax.models.presets import get_preset
+
+    max_len = args.max_tokens + 64  # the prefix is 31 tokens
+    kv_bytes = args.batch_size * (max_len + 16) * get_preset(TARGET).config.kv_bytes_per_token()  # no preemption
+    llm = LLM(
+        TARGET, draft_model=None, max_num_seqs=args.batch_size, max_model_len=max_len,
+        max_num_batched_tokens=512, kv_cache_bytes=kv_bytes,
+    )
+    prefix = self_prompt_prefix(llm.get_tokenizer())
+    kept = 0
+    for start in range(0, len(todo), args.chunk):
+        seeds = todo[start : start + args.chunk]
+        params = [SamplingParams(temperature=1.0, top_p=0.98, max_tokens=args.max_tokens, seed=s) for s in seeds]
+        outs = llm.generate([prefix] * len(seeds), params, use_tqdm=False)
+        with open(out, "a", encoding="utf-8") as f:
+            for s, o in zip(seeds, outs, strict=True):
+                c = o.outputs[0]
+                text = c.text.strip()
+                ok = c.finish_reason == "stop" and len(c.token_ids) >= 4 and text.lower() not in seen and "<|" not in text
+                if ok:
+                    seen.add(text.lower())
+                    kept += 1
+                f.write(json.dumps({"id": f"self/{s}", "seed": s, "kept": ok, "text": text}) + "\n")
+        logger.info("self-prompts: %d / %d attempts, %d kept", start + len(seeds), len(todo), kept)
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     """Target responses for every train prompt: greedy, then ``--num-sampled`` at temperature 0.7 (appends)."""
     from tqdm import tqdm
@@ -139,6 +199,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
     tok = llm.get_tokenizer()
     prompts = load_prompts("train")
+    if args.self_prompts:
+        prompts += load_self_prompts(Path(args.self_prompts))
     if args.limit:
         prompts = prompts[: args.limit]
     jobs = []
@@ -178,8 +240,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 # ---- draft model ---------------------------------------------------------------------------------------------
 
 
-def draft_config(hidden: int, num_layers: int, intermediate: int) -> Any:
-    """The draft's :class:`ModelConfig`: the target's tokenizer, RoPE and special ids; 64-wide heads, GQA 3:1."""
+def draft_config(hidden: int, num_layers: int, intermediate: int, head_vocab: int = 0) -> Any:
+    """The draft's :class:`ModelConfig`: the target's tokenizer, RoPE and special ids; 64-wide heads, GQA 3:1.
+
+    ``head_vocab > 0``: an untied LM head over only that many ids (``head_vocab_size``), else the tied full head."""
     from nightjar_jax.models.presets import get_preset
 
     t = get_preset(TARGET).config
@@ -192,14 +256,16 @@ def draft_config(hidden: int, num_layers: int, intermediate: int) -> Any:
         num_heads=num_heads,
         num_kv_heads=max(1, num_heads // 3),
         head_dim=64,
-        tie_word_embeddings=True,
+        tie_word_embeddings=head_vocab == 0,
+        head_vocab_size=head_vocab or None,
         dtype="float32",
         name="smollm2-draft",
     )
 
 
-def init_params(cfg: Any, seed: int) -> dict[str, np.ndarray]:
-    """HF-named float32 weights: embedding (= tied head) from the target's by PCA, layers random.
+def init_params(cfg: Any, seed: int, head_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """HF-named float32 weights: embedding (= tied head) from the target's by PCA, layers random. With a subset
+    head (``head_ids``), its rows start as the PCA embedding's rows of those ids (a tied start, then untied).
 
     The target's logits are ``h @ E.T`` with ``E`` [49152, 576]; with ``V`` [576, D] the top right singular vectors
     of ``E``, ``E @ V`` keeps the directions the target's head uses most, so the draft starts with the target's
@@ -225,6 +291,8 @@ def init_params(cfg: Any, seed: int) -> dict[str, np.ndarray]:
     # final-norm gain so that initial logits have unit scale (the PCA rows are large: tied head logits of ~30)
     gain = 1.0 / (float(np.sqrt(np.mean(emb_d**2))) * math.sqrt(d))
     out = {"model.embed_tokens.weight": emb_d, "model.norm.weight": np.full(d, gain, np.float32)}
+    if head_ids is not None:
+        out["lm_head.weight"] = emb_d[head_ids].copy()
     depth_scale = 1.0 / math.sqrt(2 * cfg.num_layers)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -238,6 +306,11 @@ def init_params(cfg: Any, seed: int) -> dict[str, np.ndarray]:
         out[p + "input_layernorm.weight"] = np.ones(d, np.float32)
         out[p + "post_attention_layernorm.weight"] = np.ones(d, np.float32)
     return out
+
+
+def head_weight(params: dict[str, Any]) -> Any:
+    """The LM head's ``[rows, hidden]`` matrix: the subset head's own, or the tied embedding."""
+    return params.get("lm_head.weight", params["model.embed_tokens.weight"])
 
 
 def causal_forward(cfg: Any, params: dict[str, Any], tokens: Any, *, return_hidden: bool = False) -> Any:
@@ -276,7 +349,7 @@ def causal_forward(cfg: Any, params: dict[str, Any], tokens: Any, *, return_hidd
         gate = h @ params[p + "mlp.gate_proj.weight"].T
         x = x + (jax.nn.silu(gate) * (h @ params[p + "mlp.up_proj.weight"].T)) @ params[p + "mlp.down_proj.weight"].T
     x = norm(x, params["model.norm.weight"])
-    return x if return_hidden else x @ emb.T  # [B, T, D] or [B, T, V]
+    return x if return_hidden else x @ head_weight(params).T  # [B, T, D] or [B, T, V or head rows]
 
 
 # ---- training ------------------------------------------------------------------------------------------------------
@@ -308,6 +381,7 @@ def prompt_text_rows(skip_ids: set[str], max_len: int) -> list[dict[str, Any]]:
 
 BUCKETS = (128, 256, 512)
 VOCAB = 49152
+HEAD_TOKEN_IDS = "lm_head.token_ids"  # nightjar_jax.models.llama.HEAD_TOKEN_IDS (kept import-free here)
 
 
 def make_batches(
@@ -372,7 +446,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     workdir = Path(args.workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
-    cfg = draft_config(args.hidden, args.num_layers, args.intermediate)
+    cfg = draft_config(args.hidden, args.num_layers, args.intermediate, args.head_vocab)
     (workdir / "draft_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     rows = load_sequences(Path(args.data), max(BUCKETS))
     if args.prompt_text:
@@ -393,8 +467,26 @@ def cmd_train(args: argparse.Namespace) -> None:
     def is_embedding(path: str) -> str:
         return "embedding" if path == "model.embed_tokens.weight" else "layers"
 
+    # the most frequent ids of the target's responses: always softmax candidates (full head), or the subset head
+    counts = np.bincount(
+        np.concatenate([np.asarray(r["tokens"][r["num_prompt"] :], np.int64) for r in train_rows]), minlength=VOCAB
+    )
+    head_ids = None
+    if args.head_vocab:
+        ids_path = workdir / "head_token_ids.npy"
+        if args.resume and ids_path.exists():
+            head_ids = np.load(ids_path)
+        else:
+            eos = [int(t) for t in cfg.eos_token_ids]  # the draft must be able to propose end-of-turn
+            order = [int(t) for t in np.argsort(-counts, kind="stable") if int(t) not in eos]
+            head_ids = np.sort(np.asarray(eos + order[: args.head_vocab - len(eos)], np.int32))
+            np.save(ids_path, head_ids)
+        logger.info(
+            "subset head: %d ids cover %.2f%% of response tokens", len(head_ids),
+            100 * counts[head_ids].sum() / counts.sum(),
+        )
     resuming = args.resume and (workdir / "ckpt").exists() and any((workdir / "ckpt").iterdir())
-    init = _abstract_params(cfg) if resuming else init_params(cfg, args.seed)
+    init = _abstract_params(cfg) if resuming else init_params(cfg, args.seed, head_ids)
     params = {k: jnp.asarray(v) for k, v in init.items()}
     labels = {k: is_embedding(k) for k in params}
 
@@ -421,7 +513,24 @@ def cmd_train(args: argparse.Namespace) -> None:
         params, opt_state = restored["params"], restored["opt_state"]
         logger.info("resumed from step %d", step)
 
+    head_ids_dev = None if head_ids is None else jnp.asarray(head_ids)
+
+    def subset_loss_fn(p: dict[str, Any], tok: Any, lab: Any, wts: Any) -> tuple[Any, Any]:
+        """Full softmax over the subset head; labels outside it carry no loss and count as misses."""
+        logits = causal_forward(cfg, p, tok)  # [B, T, N]
+        sub = jnp.clip(jnp.searchsorted(head_ids_dev, lab), 0, len(head_ids) - 1)
+        in_head = head_ids_dev[sub] == lab
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(logp, sub[..., None], axis=-1)[..., 0]
+        w = wts * in_head
+        loss = jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+        resp = (wts >= 1.0).astype(jnp.float32)
+        hits = jnp.sum((head_ids_dev[jnp.argmax(logits, axis=-1)] == lab) * resp)
+        return loss, (hits, jnp.sum(resp))
+
     def loss_fn(p: dict[str, Any], tok: Any, lab: Any, wts: Any, cand: Any) -> tuple[Any, Any]:
+        if head_ids is not None:
+            return subset_loss_fn(p, tok, lab, wts)
         if cand is None:
             logits = causal_forward(cfg, p, tok)  # full head (validation)
         else:
@@ -455,10 +564,6 @@ def cmd_train(args: argparse.Namespace) -> None:
     def save(s: int) -> None:
         mngr.save(s, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
 
-    # the most frequent ids of the target's responses are always candidates; the rest are sampled per batch
-    counts = np.bincount(
-        np.concatenate([np.asarray(r["tokens"][r["num_prompt"] :], np.int64) for r in train_rows]), minlength=VOCAB
-    )
     frequent = np.argsort(-counts)[: args.num_frequent].astype(np.int32)
     frequent = frequent[counts[frequent] > 0]
     logger.info(
@@ -470,7 +575,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     def batches_for(epoch: int) -> list[Any]:
         return make_batches(
-            train_rows, args.tokens_per_batch, args.prompt_weight, args.seed + epoch, frequent, args.num_candidates
+            train_rows, args.tokens_per_batch, args.prompt_weight, args.seed + epoch,
+            None if head_ids is not None else frequent, args.num_candidates,
         )
 
     log = open(workdir / "train_log.jsonl", "a", encoding="utf-8")
@@ -516,7 +622,10 @@ def cmd_train(args: argparse.Namespace) -> None:
             break
     mngr.wait_until_finished()
     bar.close()
-    np.savez(workdir / "final_params.npz", **{k: np.asarray(v) for k, v in params.items()})
+    final = {k: np.asarray(v) for k, v in params.items()}
+    if head_ids is not None:
+        final[HEAD_TOKEN_IDS] = head_ids
+    np.savez(workdir / "final_params.npz", **final)
     logger.info("done: %d steps, params in %s", step, workdir / "final_params.npz")
 
 
@@ -530,6 +639,8 @@ def _abstract_params(cfg: Any) -> dict[str, np.ndarray]:
     flat = dict(nnx.to_flat_state(abstract))
     out = {}
     for name, (path, transpose) in hf_param_map(cfg).items():
+        if name == HEAD_TOKEN_IDS:
+            continue  # a constant, not trained (kept in the workdir)
         shape = tuple(flat[path].get_value().shape)
         out[name] = np.zeros(shape[::-1] if transpose else shape, np.float32)
     return out
@@ -557,7 +668,7 @@ def cmd_export(args: argparse.Namespace) -> None:
         }
     )
     params = dict(np.load(workdir / "final_params.npz"))
-    bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in params.items()}
+    bf16 = {k: v if np.issubdtype(v.dtype, np.integer) else v.astype(ml_dtypes.bfloat16) for k, v in params.items()}
     out = Path(args.out)
     save_orbax(out, cfg, bf16)
     # paged forward of the shipped weights == training forward (same bf16-rounded weights, float32 math)
@@ -580,9 +691,13 @@ def cmd_export(args: argparse.Namespace) -> None:
     paged = np.asarray(logits_fn(state, hidden))
     ref = np.asarray(
         causal_forward(
-            ckpt.config, {k: jnp.asarray(v.astype(np.float32)) for k, v in bf16.items()}, jnp.asarray(tokens)
+            ckpt.config,
+            {k: jnp.asarray(v.astype(np.float32)) for k, v in bf16.items() if k != HEAD_TOKEN_IDS},
+            jnp.asarray(tokens),
         )
     )
+    if HEAD_TOKEN_IDS in bf16:  # the paged model scatters the subset's logits into the full vocabulary
+        paged = paged[..., bf16[HEAD_TOKEN_IDS]]
     err = float(np.max(np.abs(paged - ref)))
     same_argmax = bool((paged.argmax(-1) == ref.argmax(-1)).all())
     logger.info("paged vs training forward: max |logit diff| %.2e, argmax equal %s", err, same_argmax)
@@ -602,7 +717,15 @@ def main() -> None:
     g.add_argument("--chunk", type=int, default=64, help="prompts per generate() call (a resume point)")
     g.add_argument("--num-sampled", type=int, default=0, help="extra temperature-0.7 responses per prompt")
     g.add_argument("--limit", type=int, default=0)
+    g.add_argument("--self-prompts", default="", help="also answer the kept prompts of this self-prompts JSONL")
     g.set_defaults(fn=cmd_generate)
+    sp = sub.add_parser("self-prompts", help="the target writes user prompts (Magpie); JSONL, resumable")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--num", type=int, required=True, help="attempts (seeds 0..num-1) the file should hold")
+    sp.add_argument("--batch-size", type=int, default=64)
+    sp.add_argument("--chunk", type=int, default=128)
+    sp.add_argument("--max-tokens", type=int, default=96)
+    sp.set_defaults(fn=cmd_self_prompts)
     t = sub.add_parser("train", help="train the draft (orbax checkpoints in --workdir/ckpt, --resume)")
     t.add_argument("--data", required=True)
     t.add_argument("--workdir", required=True)
@@ -610,6 +733,8 @@ def main() -> None:
     t.add_argument("--hidden", type=int, default=184)
     t.add_argument("--num-layers", type=int, default=2)
     t.add_argument("--intermediate", type=int, default=640)
+    t.add_argument("--head-vocab", type=int, default=0,
+                   help="untied LM head over the N most frequent response ids (0: tied head over all 49,152)")
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--tokens-per-batch", type=int, default=4096)
     t.add_argument("--lr", type=float, default=3e-3)

@@ -193,7 +193,12 @@ class Llama(nnx.Module):
         )
         self.layers = nnx.List([DecoderLayer(cfg, rngs, attention_impl) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs)
+        head_vocab = cfg.head_vocab_size or cfg.vocab_size
+        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, head_vocab, dtype, rngs)
+        # subset head: the vocabulary id of each head row (a draft proposes only these ids)
+        self.head_token_ids = (
+            None if cfg.head_vocab_size is None else nnx.Variable(jnp.arange(cfg.head_vocab_size, dtype=jnp.int32))
+        )
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
 
     def __call__(
@@ -220,7 +225,11 @@ class Llama(nnx.Module):
         else:
             w = self.lm_head.kernel[...]
             out = jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
-        return out.astype(jnp.float32)
+        out = out.astype(jnp.float32)
+        if self.head_token_ids is not None:  # scatter the subset's logits into the full vocabulary, -inf elsewhere
+            full = jnp.full(out.shape[:-1] + (self.config.vocab_size,), -jnp.inf, jnp.float32)
+            out = full.at[..., self.head_token_ids[...]].set(out, indices_are_sorted=True, unique_indices=True)
+        return out
 
 
 def make_forward(graphdef: nnx.GraphDef) -> Callable[..., tuple[jax.Array, KVCache]]:
@@ -274,7 +283,28 @@ def hf_param_map(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], bool]]:
         m[f"{p}post_attention_layernorm.weight"] = (("layers", i, "post_attention_layernorm", "weight"), False)
     if not cfg.tie_word_embeddings:
         m["lm_head.weight"] = (("lm_head", "kernel"), True)
+    if cfg.head_vocab_size is not None:
+        m[HEAD_TOKEN_IDS] = (("head_token_ids",), False)
     return m
+
+
+HEAD_TOKEN_IDS = "lm_head.token_ids"  # int32 [head_vocab_size]: the vocabulary id of each row of a subset head
+
+
+def _check_head_token_ids(cfg: ModelConfig, ids: np.ndarray, source: str) -> None:
+    ok = (
+        ids.ndim == 1
+        and np.issubdtype(ids.dtype, np.integer)
+        and ids.size == cfg.head_vocab_size
+        and bool(np.all(ids >= 0))
+        and bool(np.all(ids < cfg.vocab_size))
+        and bool(np.all(np.diff(ids) > 0))
+    )
+    if not ok:
+        raise ValueError(
+            f"{source}: tensor {HEAD_TOKEN_IDS} must be {cfg.head_vocab_size} strictly increasing integer token ids "
+            f"in [0, {cfg.vocab_size}); got dtype {ids.dtype}, shape {ids.shape}"
+        )
 
 
 def state_from_hf(
@@ -298,6 +328,8 @@ def state_from_hf(
     if extra:
         raise ValueError(f"{source}: unexpected tensors (unsupported architecture?): {extra[:8]}")
     dtype = _jnp_dtype(cfg.dtype)
+    if cfg.head_vocab_size is not None:
+        _check_head_token_ids(cfg, np.asarray(state_dict[HEAD_TOKEN_IDS]), source)
     for hf_name, (path, transpose) in pmap.items():
         arr = state_dict[hf_name]
         want = tuple(flat[path].get_value().shape)
@@ -308,7 +340,7 @@ def state_from_hf(
     for hf_name, (path, transpose) in pmap.items():
         arr = np.asarray(state_dict[hf_name])
         arr = arr.T if transpose else arr
-        flat[path] = flat[path].replace(jnp.asarray(arr, dtype=dtype))
+        flat[path] = flat[path].replace(jnp.asarray(arr, dtype=jnp.int32 if hf_name == HEAD_TOKEN_IDS else dtype))
     inv = flat[("inv_freq",)]
     flat[("inv_freq",)] = inv.replace(jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
     return graphdef, nnx.from_flat_state(flat)

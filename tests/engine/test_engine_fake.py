@@ -115,12 +115,18 @@ def test_bad_sampling_values_raise_with_field_names():
             SamplingParams(**kwargs)
 
 
-def test_warmup_compiles_every_decode_variant_so_decoding_compiles_nothing():
-    eng = fake_engine(draft=True, num_speculative_tokens=2, max_num_seqs=4)
+@pytest.mark.parametrize("impl", ["reference", "auto"])
+def test_warmup_compiles_every_decode_variant_so_decoding_compiles_nothing(impl):
+    from nightjar_jax.attention import resolve_impl
+
+    eng = fake_engine(draft=True, num_speculative_tokens=2, max_num_seqs=4, attention_impl=impl)
     runner = eng.runner
     keys = runner.warmup(max_context=16)
-    widths = [4, 8]  # block-table widths covering 16 + γ + 1 tokens of 4-token pages
-    assert runner.shapes.page_buckets[:2] == widths
+    if resolve_impl(impl) == "reference":
+        widths = [4, 8]  # the reference gathers the whole table: power-of-two widths covering 16 + γ + 1 tokens
+    else:
+        widths = [runner.shapes.max_pages_per_seq]  # kernels read only up to the context: one full-width table
+    assert runner.shapes.page_buckets[: len(widths)] == widths
     # batch sizes x widths x greedy/sampled x (AR + propose/verify per γ)
     assert len(keys) == len(runner.shapes.decode_buckets) * len(widths) * 2 * (1 + 2 * 2)
     assert eng.num_free_pages == eng.num_total_pages

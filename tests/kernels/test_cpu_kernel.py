@@ -1,0 +1,83 @@
+"""The CPU paged-attention custom call (``kernels_pallas/paged_attention/cpu.py``) vs the jnp reference.
+
+Same cases as the Pallas bodies (``paged_cases.py``: NaN in every slot the kernel must not read, shuffled pages):
+fp32 / bf16, page sizes 4 / 8 / 16, GQA 1..8, decode, verify (q_len 2..8), prefill chunks longer than the kernel's
+16-row block, left-padded rows (context < q_len), context 0 rows; under jit and vmap-free batching; bad block-table
+entries and bad dtypes give clear errors. Skips only when no C++ compiler exists (the reason is printed).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.paged_attention import cpu, paged_attention_reference
+from nightjar_jax.attention import paged_attention, resolve_impl
+from tests.kernels.paged_cases import assert_close, make_case
+from tests.kernels.test_paged_attention import DECODE_VERIFY_CASES, _case_id, boundary_context_lens
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    if not cpu.available():
+        pytest.skip(f"CPU kernel unavailable here: {cpu.unavailable_reason()}")
+
+
+def _check(case) -> None:
+    expected = paged_attention_reference(*case.args, scale=case.scale)
+    actual = jax.jit(lambda *a: cpu.paged_attention_cpu(*a, scale=case.scale))(*case.args)
+    assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("params", DECODE_VERIFY_CASES, ids=_case_id)
+def test_decode_and_verify(params):
+    dtype, page_size, num_q_heads, num_kv_heads, q_len = params
+    _check(make_case(boundary_context_lens(page_size, q_len), q_len=q_len, num_q_heads=num_q_heads,
+                     num_kv_heads=num_kv_heads, page_size=page_size, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_prefill_chunks_and_left_padding(dtype):
+    # 24 query rows x GQA 4 = 96 rows per head: six 16-row blocks; contexts below q_len are left-padded rows
+    _check(make_case([3, 24, 40, 57], q_len=24, num_q_heads=8, num_kv_heads=2, page_size=8, dtype=dtype))
+
+
+def test_context_zero_rows_are_zero():
+    case = make_case([5, 9], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
+    out = cpu.paged_attention_cpu(case.q, case.k_pages, case.v_pages, case.block_tables,
+                                  jnp.asarray([0, 9], jnp.int32), scale=case.scale)
+    assert np.all(np.asarray(out[0]) == 0) and np.isfinite(np.asarray(out)).all()
+
+
+def test_auto_picks_the_cpu_kernel_and_matches_reference():
+    assert resolve_impl("auto") == "cpu"
+    case = make_case([1, 17, 33], q_len=2, num_q_heads=6, num_kv_heads=3, page_size=16, head_dim=64)
+    assert_close(paged_attention(*case.args, scale=case.scale, impl="auto"),
+                 paged_attention_reference(*case.args, scale=case.scale))
+
+
+def test_bad_page_id_is_an_error_not_a_crash():
+    case = make_case([5, 9], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
+    bt = case.block_tables.at[1, 0].set(case.k_pages.shape[1] + 7)
+    with pytest.raises(Exception, match=r"block-table entry is outside \[0, num_pages\)"):
+        np.asarray(cpu.paged_attention_cpu(case.q, case.k_pages, case.v_pages, bt, case.context_lens,
+                                           scale=case.scale))
+
+
+def test_context_longer_than_the_block_table_is_an_error():
+    case = make_case([5, 9], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
+    too_long = jnp.asarray([5, 4 * case.block_tables.shape[1] + 1], jnp.int32)
+    with pytest.raises(Exception, match="context length .* outside"):
+        np.asarray(cpu.paged_attention_cpu(case.q, case.k_pages, case.v_pages, case.block_tables, too_long,
+                                           scale=case.scale))
+
+
+def test_mixed_dtypes_are_rejected():
+    case = make_case([5], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu.paged_attention_cpu(case.q.astype(BF16), case.k_pages, case.v_pages, case.block_tables,
+                                case.context_lens, scale=case.scale)
