@@ -584,6 +584,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     bar = tqdm(total=args.steps, initial=step, desc="train", unit="step")
     t_start, last_save = time.perf_counter(), time.perf_counter()
     run_loss = run_acc = None
+    best_top1 = -1.0
+    if resuming and (workdir / "best_params.npz").exists():  # keep the best point of the earlier run
+        best_top1 = max((r.get("val_top1", -1.0) for r in _read_jsonl(workdir / "train_log.jsonl")), default=-1.0)
     while step < args.steps:
         n_per_epoch = len(epoch_batches.setdefault(0, batches_for(0)))
         epoch, index = divmod(step, n_per_epoch)
@@ -609,6 +612,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         if step % args.eval_every == 0 or step == args.steps:
             rec["val_loss"], rec["val_top1"] = validate(params)
             logger.info("step %d: val loss %.3f, val top-1 %.3f", step, rec["val_loss"], rec["val_top1"])
+            if rec["val_top1"] > best_top1:  # export --params best picks the best validation point (early stopping)
+                best_top1 = rec["val_top1"]
+                np.savez(workdir / "best_params.npz", **_final_arrays(params, head_ids), step=step)
         log.write(json.dumps(rec) + "\n")
         log.flush()
         out_of_time = args.max_minutes > 0 and time.perf_counter() - t_start > args.max_minutes * 60
@@ -622,11 +628,15 @@ def cmd_train(args: argparse.Namespace) -> None:
             break
     mngr.wait_until_finished()
     bar.close()
-    final = {k: np.asarray(v) for k, v in params.items()}
-    if head_ids is not None:
-        final[HEAD_TOKEN_IDS] = head_ids
-    np.savez(workdir / "final_params.npz", **final)
+    np.savez(workdir / "final_params.npz", **_final_arrays(params, head_ids))
     logger.info("done: %d steps, params in %s", step, workdir / "final_params.npz")
+
+
+def _final_arrays(params: dict[str, Any], head_ids: np.ndarray | None) -> dict[str, np.ndarray]:
+    out = {k: np.asarray(v) for k, v in params.items()}
+    if head_ids is not None:
+        out[HEAD_TOKEN_IDS] = head_ids
+    return out
 
 
 def _abstract_params(cfg: Any) -> dict[str, np.ndarray]:
@@ -667,7 +677,9 @@ def cmd_export(args: argparse.Namespace) -> None:
             "dtype": args.dtype,
         }
     )
-    params = dict(np.load(workdir / "final_params.npz"))
+    loaded = dict(np.load(workdir / f"{args.params}_params.npz"))
+    logger.info("exporting %s_params.npz (step %s)", args.params, loaded.pop("step", "final"))
+    params = loaded
     bf16 = {k: v if np.issubdtype(v.dtype, np.integer) else v.astype(ml_dtypes.bfloat16) for k, v in params.items()}
     out = Path(args.out)
     save_orbax(out, cfg, bf16)
@@ -755,6 +767,8 @@ def main() -> None:
     e = sub.add_parser("export", help="write the bf16 checkpoint to the assets folder and check the paged forward")
     e.add_argument("--workdir", required=True)
     e.add_argument("--out", default=str(ASSET_DIR))
+    e.add_argument("--params", choices=("final", "best"), default="best",
+                   help="the last step's weights, or those of the best validation top-1 (default)")
     e.add_argument("--dtype", default="float32", help="compute dtype recorded in the config (weights stay bf16)")
     e.set_defaults(fn=cmd_export)
     args = ap.parse_args()
