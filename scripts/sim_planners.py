@@ -5,6 +5,9 @@
 Planners: ar, static:1..γmax, banditspec, dsd, table, nightjar (cold start), nightjar+warm (its state after
 one run on a different-seed trace of the same preset, loaded through to_json/from_json: "the second day"),
 and two best-in-hindsight oracles built from the static runs (per phase, per phase × batch bucket).
+`--nightjar-variant NAME=JSON` adds rows NAME and NAME+warm: nightjar with those options (e.g. an ablation or
+the behaviour before a change, to compare both in one run). `--seeds 0,1,2` repeats everything per seed: full
+tables for the first seed, then a summary over seeds (mean, min and max of "vs best static" / "vs oracle").
 Metrics: tok/s = output tokens / (first arrival .. last finish), which is arrival-limited (nearly equal for all
 planners) whenever the system keeps up; tok/busy-s = output tokens / device-busy seconds (what the policy costs
 to serve the trace); per-phase tok/s of wall time (a saturated phase shows capacity); request latency.
@@ -76,18 +79,36 @@ def auto_rate_scale(profile: CostProfile, preset: str, phase_seconds: float) -> 
 
 def run_one(job: tuple) -> SimResult:
     """One (preset, planner) simulation; runs in a worker process."""
-    preset, spec, profile_path, gamma_max, seed, phase_seconds, rate_scale = job
+    preset, row, spec, options, warm, profile_path, gamma_max, seed, phase_seconds, rate_scale = job
     profile = CostProfile.from_json(profile_path)
     config = SimConfig(gamma_max=gamma_max, seed=seed)
     trace = make_trace(preset_phases(preset, phase_seconds, rate_scale), seed=seed)
     simulator = Simulator(trace, profile, config)
-    if spec != "nightjar+warm":
-        return simulator.run(make_planner(spec, gamma_max))
+    if not warm:
+        return simulator.run(make_planner(spec, gamma_max, **options), name=row)
     # Warm start: learn on another day's trace of the same shape, save, load, then run this trace.
     warmup = Simulator(make_trace(preset_phases(preset, phase_seconds, rate_scale), seed=seed + 1000), profile, config)
-    learner = make_planner("nightjar", gamma_max)
+    learner = make_planner(spec, gamma_max, **options)
     warmup.run(learner)
-    return simulator.run(Planner.from_json(learner.to_json()), name="nightjar+warm")
+    return simulator.run(Planner.from_json(learner.to_json()), name=row)
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """'NAME=JSON' -> (NAME, options) for --nightjar-variant (JSON may use Infinity)."""
+    name, sep, options = text.partition("=")
+    if not sep or not name or name.startswith("nightjar+") or name in ("nightjar",):
+        raise argparse.ArgumentTypeError(f"expected NAME=JSON with a new NAME, got {text!r}")
+    try:
+        parsed = json.loads(options)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"bad JSON in {text!r}: {error}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"options of {name!r} must be a JSON object, got {options!r}")
+    try:
+        make_planner("nightjar", 1, **parsed)  # validate the options now, not in a worker
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{name}: {error}") from None
+    return name, parsed
 
 
 def main() -> int:
@@ -96,11 +117,21 @@ def main() -> int:
     parser.add_argument("--presets", default="low-burst-low,oscillating", help="comma-separated workload presets")
     parser.add_argument("--gamma-max", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds (overrides --seed); summary over them")
+    parser.add_argument(
+        "--nightjar-variant",
+        action="append",
+        default=[],
+        type=parse_variant,
+        metavar="NAME=JSON",
+        help="also run nightjar with these options as rows NAME and NAME+warm (repeatable)",
+    )
     parser.add_argument("--out", default=None, help="write all results as JSON here")
     parser.add_argument("--phase-seconds", type=float, default=60.0, help="length of each load phase")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="worker processes")
     parser.add_argument(
-        "--rate-scale", default="1.0",
+        "--rate-scale",
+        default="1.0",
         help="multiply every phase's arrival rate by this (default 1.0), or 'auto': per preset, scale so the "
         f"busiest phase arrives at {AUTO_HIGH_LOAD}x the profile's AR capacity at its max batch (see "
         "ar_capacity_requests_per_second); the other phases keep their ratio to it. For profiles far from the "
@@ -109,93 +140,141 @@ def main() -> int:
     args = parser.parse_args()
 
     profile = CostProfile.from_json(args.profile)
-    config = SimConfig(gamma_max=args.gamma_max, seed=args.seed)
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    except ValueError:
+        parser.error(f"--seeds must be comma-separated ints, got {args.seeds!r}")
     print(f"profile: {profile.label} [kind={profile.kind}]")
     report: dict = {"profile": profile.label, "profile_kind": profile.kind, "gamma_max": args.gamma_max, "runs": {}}
     all_ok = True
     presets = args.presets.split(",")
     statics = {0: "ar", **{g: f"static:{g}" for g in range(1, args.gamma_max + 1)}}
-    specs = [*statics.values(), "banditspec", "dsd", "table", "nightjar", "nightjar+warm"]
+    rows = [(spec, spec, {}, False) for spec in [*statics.values(), "banditspec", "dsd", "table", "nightjar"]]
+    rows.append(("nightjar+warm", "nightjar", {}, True))
+    for name, options in args.nightjar_variant:
+        rows += [(name, "nightjar", options, False), (f"{name}+warm", "nightjar", options, True)]
+    learners = ["nightjar", "nightjar+warm"] + [r for name, _ in args.nightjar_variant for r in (name, f"{name}+warm")]
+    if args.nightjar_variant:
+        report["nightjar_variants"] = dict(args.nightjar_variant)
     if args.rate_scale == "auto":
         scales = {preset: auto_rate_scale(profile, preset, args.phase_seconds) for preset in presets}
-        print(f"rate scale auto: AR capacity {ar_capacity_requests_per_second(profile):.3g} req/s at batch "
-              f"{profile.max_num_seqs}; busiest phase at {AUTO_HIGH_LOAD}x -> "
-              + ", ".join(f"{preset} x{scale:.4g}" for preset, scale in scales.items()))
+        print(
+            f"rate scale auto: AR capacity {ar_capacity_requests_per_second(profile):.3g} req/s at batch "
+            f"{profile.max_num_seqs}; busiest phase at {AUTO_HIGH_LOAD}x -> "
+            + ", ".join(f"{preset} x{scale:.4g}" for preset, scale in scales.items())
+        )
     else:
         scales = dict.fromkeys(presets, float(args.rate_scale))
         if scales and not all(s > 0 for s in scales.values()):
             parser.error("--rate-scale must be > 0 or 'auto'")
     if args.rate_scale != "1.0":
         report["rate_scale"] = {"arg": args.rate_scale, "per_preset": scales}
-    jobs = [(preset, spec) for preset in presets for spec in specs]
-    job_args = (args.profile, args.gamma_max, args.seed, args.phase_seconds)
+    jobs = [(seed, preset, row) for seed in seeds for preset in presets for row in rows]
     started = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        finished = list(pool.map(run_one, [(*job, *job_args, scales[job[0]]) for job in jobs]))
-    all_results = {preset: {} for preset in presets}
-    for (preset, spec), result in zip(jobs, finished, strict=True):
-        all_results[preset][spec] = result
-    for preset in presets:
-        trace = make_trace(preset_phases(preset, args.phase_seconds, scales[preset]), seed=args.seed)
-        simulator = Simulator(trace, profile, config)
-        results = all_results[preset]
-        static_results = {g: results[s] for g, s in statics.items()}
-        for oracle in build_oracles(static_results, trace, config.bucket_edges, args.gamma_max):
-            results[oracle.spec] = simulator.run(oracle)
-        elapsed = time.perf_counter() - started
-
-        best_static = max(statics.values(), key=lambda s: results[s].busy_throughput)
-        oracle = results["oracle:phase"]
-        phases = trace.phases
-        print(
-            f"\n### {preset}: {trace.num_requests} requests, {int(trace.output_lengths.sum())} output tokens, "
-            f"phases {[f'{p.name} {p.duration_seconds:g}s@{p.rate_per_second:g}/s' for p in phases]} "
-            f"(all presets simulated in {elapsed:.0f} s so far)\n"
-        )
-        header = (
-            "| planner | tok/s | tok/busy-s | vs best static | vs oracle:phase | mean lat s | p90 lat s | "
-            + " | ".join(f"{p.name} tok/s" for p in phases)
-            + " | switches | γ histogram |"
-        )
-        print(header)
-        print("|" + "---|" * (header.count("|") - 1))
-        for spec, result in results.items():
-            s = result.summary()
-            histogram = " ".join(f"{g}:{n}" for g, n in sorted(result.gamma_counts.items()))
-            print(
-                f"| {spec} | {result.throughput:.0f} | {result.busy_throughput:.0f} | "
-                f"{result.busy_throughput / results[best_static].busy_throughput - 1:+.2%} | "
-                f"{result.busy_throughput / oracle.busy_throughput - 1:+.2%} | {s['mean_latency_seconds']:.2f} | "
-                f"{s['p90_latency_seconds']:.2f} | "
-                + " | ".join(f"{x:.0f}" for x in result.phase_throughput())
-                + f" | {result.num_switches} | {histogram} |"
+        finished = list(
+            pool.map(
+                run_one,
+                [
+                    (preset, *row, args.profile, args.gamma_max, seed, args.phase_seconds, scales[preset])
+                    for seed, preset, row in jobs
+                ],
             )
-        checks = {}
-        for spec in ("nightjar", "nightjar+warm"):
-            r = results[spec]
-            checks[spec] = {
-                "tok/busy-s >= every static": all(
-                    r.busy_throughput >= results[s].busy_throughput for s in statics.values()
-                ),
-                "tok/busy-s within 5% of oracle:phase": r.busy_throughput >= 0.95 * oracle.busy_throughput,
-                "wall tok/s within 0.5% of every static": all(
-                    r.throughput >= 0.995 * results[s].throughput for s in statics.values()
-                ),
-                "every phase within 5% of oracle:phase": all(
-                    a >= 0.95 * b for a, b in zip(r.phase_throughput(), oracle.phase_throughput(), strict=True)
-                ),
-                "mean latency <= best static's": r.latencies.mean()
-                <= min(results[s].latencies.mean() for s in statics.values()),
+        )
+    all_results = {(seed, preset): {} for seed in seeds for preset in presets}
+    for (seed, preset, row), result in zip(jobs, finished, strict=True):
+        all_results[seed, preset][row[0]] = result
+    relative: dict = {preset: {} for preset in presets}  # preset -> row -> [(vs best static, vs oracle) per seed]
+    for seed in seeds:
+        config = SimConfig(gamma_max=args.gamma_max, seed=seed)
+        for preset in presets:
+            trace = make_trace(preset_phases(preset, args.phase_seconds, scales[preset]), seed=seed)
+            simulator = Simulator(trace, profile, config)
+            results = all_results[seed, preset]
+            static_results = {g: results[s] for g, s in statics.items()}
+            for oracle in build_oracles(static_results, trace, config.bucket_edges, args.gamma_max):
+                results[oracle.spec] = simulator.run(oracle)
+            elapsed = time.perf_counter() - started
+            best_static = max(statics.values(), key=lambda s: results[s].busy_throughput)
+            oracle = results["oracle:phase"]
+            for spec, result in results.items():
+                relative[preset].setdefault(spec, []).append(
+                    (
+                        result.busy_throughput / results[best_static].busy_throughput - 1,
+                        result.busy_throughput / oracle.busy_throughput - 1,
+                    )
+                )
+            checks = {}
+            for spec in learners:
+                r = results[spec]
+                checks[spec] = {
+                    "tok/busy-s >= every static": all(
+                        r.busy_throughput >= results[s].busy_throughput for s in statics.values()
+                    ),
+                    "tok/busy-s within 5% of oracle:phase": r.busy_throughput >= 0.95 * oracle.busy_throughput,
+                    "wall tok/s within 0.5% of every static": all(
+                        r.throughput >= 0.995 * results[s].throughput for s in statics.values()
+                    ),
+                    "every phase within 5% of oracle:phase": all(
+                        a >= 0.95 * b for a, b in zip(r.phase_throughput(), oracle.phase_throughput(), strict=True)
+                    ),
+                    "mean latency <= best static's": r.latencies.mean()
+                    <= min(results[s].latencies.mean() for s in statics.values()),
+                }
+            checks = {k: {c: bool(v) for c, v in d.items()} for k, d in checks.items()}
+            all_ok &= all(checks["nightjar"].values())
+            if seed != seeds[0]:
+                continue
+            phases = trace.phases
+            print(
+                f"\n### {preset}{f' (seed {seed})' if len(seeds) > 1 else ''}: {trace.num_requests} requests, "
+                f"{int(trace.output_lengths.sum())} output tokens, "
+                f"phases {[f'{p.name} {p.duration_seconds:g}s@{p.rate_per_second:g}/s' for p in phases]} "
+                f"(all presets simulated in {elapsed:.0f} s so far)\n"
+            )
+            header = (
+                "| planner | tok/s | tok/busy-s | vs best static | vs oracle:phase | mean lat s | p90 lat s | "
+                + " | ".join(f"{p.name} tok/s" for p in phases)
+                + " | switches | γ histogram |"
+            )
+            print(header)
+            print("|" + "---|" * (header.count("|") - 1))
+            for spec, result in results.items():
+                s = result.summary()
+                histogram = " ".join(f"{g}:{n}" for g, n in sorted(result.gamma_counts.items()))
+                print(
+                    f"| {spec} | {result.throughput:.0f} | {result.busy_throughput:.0f} | "
+                    f"{result.busy_throughput / results[best_static].busy_throughput - 1:+.2%} | "
+                    f"{result.busy_throughput / oracle.busy_throughput - 1:+.2%} | {s['mean_latency_seconds']:.2f} | "
+                    f"{s['p90_latency_seconds']:.2f} | "
+                    + " | ".join(f"{x:.0f}" for x in result.phase_throughput())
+                    + f" | {result.num_switches} | {histogram} |"
+                )
+            for spec in learners:
+                print(f"\n{spec}: " + "; ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in checks[spec].items()))
+            report["runs"][preset] = {
+                "seed": seed,
+                "phases": [vars(p) for p in phases],
+                "results": {spec: r.summary() for spec, r in results.items()},
+                "checks": checks,
+                "seconds_to_simulate": elapsed,
             }
-            print(f"\n{spec}: " + "; ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in checks[spec].items()))
-        checks = {k: {c: bool(v) for c, v in d.items()} for k, d in checks.items()}
-        all_ok &= all(checks["nightjar"].values())
-        report["runs"][preset] = {
-            "phases": [vars(p) for p in phases],
-            "results": {spec: r.summary() for spec, r in results.items()},
-            "checks": checks,
-            "seconds_to_simulate": elapsed,
-        }
+    if len(seeds) > 1:
+        report["seeds"] = seeds
+        report["summary"] = {}
+        for preset in presets:
+            print(f"\n### {preset}: tok/busy-s over seeds {seeds} (mean [min, max])\n")
+            print("| planner | vs best static | vs oracle:phase | seeds >= every static |")
+            print("|---|---|---|---|")
+            report["summary"][preset] = {}
+            for spec, values in relative[preset].items():
+                vs_static, vs_oracle = (np.asarray(v) for v in zip(*values, strict=True))
+                cell = [f"{x.mean():+.2%} [{x.min():+.2%}, {x.max():+.2%}]" for x in (vs_static, vs_oracle)]
+                print(f"| {spec} | {cell[0]} | {cell[1]} | {int(np.sum(vs_static >= 0))}/{len(seeds)} |")
+                report["summary"][preset][spec] = {
+                    "vs_best_static": vs_static.tolist(),
+                    "vs_oracle_phase": vs_oracle.tolist(),
+                }
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
         print(f"\nwrote {args.out}")

@@ -6,11 +6,17 @@ Vocabulary (see also `base.py`):
 - **block**: per context, decisions are grouped in blocks of exponentially growing length; block j holds
   2^(j-1) decisions of that context.
 - **bin**: a block is cut into bins of about √(block length) decisions; the arm of a context only changes at a
-  bin boundary, so a context makes O(√T) arm changes over T decisions (bounded switching).
+  bin boundary (a probe, below, adds at most one detour of `probe_length` decisions to a bin), so a context
+  makes O(√T) arm changes over T decisions (bounded switching).
 - **exploration bin**: bin k (1-based within its block) explores with probability min(1, explore_scale / k)
   — it plays the least-played alternative arm; otherwise the bin exploits the arm with the best estimated
   reward. Because later bins of a block explore less, and bins grow, the exploration cost per block is
   O(√L · log L) and cumulative regret against the best fixed arm per context grows like √T (up to logs).
+- **dominated arm**: an alternative whose estimated reward is below the greedy arm's by more than
+  `elimination_z` standard errors, with the evidence of the context's own steps and of a neighbouring
+  context's (choices 12-13). An exploration bin whose alternatives are all dominated does not spend the bin on
+  one: it **probes** it for `probe_length` (1) decision(s), if the context's probe credit covers the probe's
+  expected regret, and exploits for the rest of the bin (choice 14).
 - **reward**: committed tokens per second per sequence, `num_tokens / step_seconds / batch_size`.
 - **switching cost**: turning speculation back on (γ = 0 → γ > 0) makes the draft catch up on the tokens it
   skipped (or be reloaded). Its measured seconds (`switch_seconds` in `observe`) are learned per context and
@@ -43,17 +49,43 @@ Choices where the paper leaves room (why each, also in docs/planner.md):
 8. Estimates are running means (or discounted with `reward_discount` < 1 for drifting environments) and
    persist across blocks: blocks schedule exploration, they do not reset knowledge.
 9. A decision forced by `draft_on_device=False` is not a bandit decision: the bin clock does not advance.
-10. A context seen for the first time starts from the per-arm means of the nearest visited context, as
+10. A context seen for the first time starts from the per-arm estimates of the nearest visited context, as
    `prior_weight` pseudo-observations (default 1, i.e. one step's worth; 0 turns it off). Under changing load
    the batch size sweeps through buckets that each see few decisions; without a prior every new bucket would
    play every arm for a bin before exploiting. The ranking of arms changes slowly with the batch size, so the
    neighbour is a good first guess, and one pseudo-observation is overwritten by the context's own data fast.
+   With `prior_mode="relative"` (default) the prior keeps the neighbour's *ratios* between arms: it is
+   rescaled by (own rewards) / (what the prior predicts for the same steps), the same for step seconds.
+   Per-sequence reward falls with the batch, so an absolute prior made the arms a new, larger-batch context
+   had not played yet look better than the one it had measured, and it played them (measured: on the CPU
+   profile most of the cold-start loss came from this).
 11. Buckets with ratio ~√2 (`FINE_BUCKET_EDGES`, see context.py) bound the within-bucket bias of choice 1.
-12. Exploration skips an alternative that is already confidently worse than the greedy arm (mean gap larger
-   than `elimination_z` standard errors, both arms with >= `elimination_min_samples` real observations):
-   successive elimination inside the paper's exploration bins. Exploring γ = 0 at batch 256 when it is 15%
-   worse than γ = 1 is pure loss, and a step at a large batch costs many sequences' time. The test uses the
-   current means, so an arm comes back into exploration if the gap closes (e.g. as contexts lengthen).
+12. Exploration does not spend whole bins on an alternative that is already confidently worse than the greedy
+   arm (dominated: mean gap larger than `elimination_z` standard errors): successive elimination inside the
+   paper's exploration bins. Exploring γ = 0 at batch 256 when it is 15% worse than γ = 1 is pure loss, and a
+   step at a large batch costs many sequences' time. The test uses the current estimates, so an arm comes back
+   into exploration if the gap closes (e.g. as contexts lengthen). Own evidence alone needs
+   `elimination_min_samples` steps of both arms (a sample variance of 2-3 steps is meaningless).
+13. The prior also carries the neighbour's *confidence* (`prior_transfer_sd`): per arm, the variance of the
+   neighbour's estimate plus (prior_transfer_sd · mean)² per bucket of distance (how far the ranking may have
+   moved), and its per-step variance. The context combines it with its own steps by precision (a normal
+   prior and normal observations), so the dominance test of choice 12 works from the first decision of a new
+   context: "γ > 0 is 30% worse next door" is enough to skip its exploration bins here, while a gap within
+   the transfer uncertainty (at 5% per bucket and z = 2, about 14% one bucket away) is explored as before.
+   Transfer chains through contexts created from one another and fades with each bucket.
+14. A dominated arm is not dropped for good (the surface moves: contexts lengthen, the draft is reloaded): an
+   exploration bin whose alternatives are all dominated probes the least-played of them for `probe_length`
+   decision(s) and exploits for the rest of the bin. A probe is charged its expected regret — the share of
+   the greedy reward it loses times its step seconds, plus a switch if it crosses 0 ↔ γ > 0 — against a
+   per-context credit that accrues `probe_budget` (0.2%) of the context's step seconds, so re-checks cost at
+   most that share of the time (plus one probe), happen often where they are cheap (small batches, small
+   gaps) and rarely where they are not. Each probe is a change test: a reward more than `probe_reset_z` (3)
+   predictive standard deviations above the arm's estimate restarts the context (own and prior statistics
+   forgotten, first block again), as change-detecting bandits (e.g. M-UCB) restart; otherwise the probe is an
+   ordinary observation. This is the one structural deviation from the paper: a probe changes the arm inside
+   a bin (two switches), at most once per exploration bin. It is what keeps cold start cheap where one arm
+   dominates (docs/benchmarks.md, CPU profile, cold vs AR: -6.7% -> -0.13% on low-burst-low, -2.8% ->
+   -0.09% on oscillating).
 """
 
 from __future__ import annotations
@@ -84,8 +116,16 @@ class NightjarOptions:
     initial_switch_seconds: float = 0.0  # switch cost assumed before any measurement
     reward_discount: float = 1.0  # 1: plain running mean; < 1: older observations fade
     prior_weight: float = 1.0  # a new context starts from the nearest visited context's means at this weight
-    elimination_z: float = 2.0  # exploration skips arms worse than the greedy one by > z standard errors
-    elimination_min_samples: int = 8  # ... but only once both arms have this many real observations
+    prior_mode: str = "relative"  # "relative": the prior keeps the neighbour's ratios between arms, rescaled
+    #                               to this context's own rewards; "absolute": the neighbour's values as they are
+    prior_transfer_sd: float = 0.05  # relative sd of an arm's reward added per bucket of distance when a prior
+    #                                  carries the neighbour's confidence over (inf: priors carry no confidence)
+    elimination_z: float = 2.0  # an arm worse than the greedy one by > z standard errors is dominated
+    elimination_min_samples: int = 8  # own observations needed before an arm's own sample variance is used
+    probe_length: int = 1  # an exploration bin spends this many decisions on a dominated arm, then exploits
+    #                        (0: dominated arms are never explored)
+    probe_budget: float = 0.002  # probes may spend this fraction of a context's step seconds (expected regret)
+    probe_reset_z: float = 3.0  # a probe this many predictive sds above its arm's estimate restarts the context
     seed: int = 0  # seeds the exploration coin flips and tie breaks
 
     def __post_init__(self) -> None:
@@ -108,13 +148,32 @@ class NightjarOptions:
             raise ValueError(f"elimination_z must be >= 0 (inf disables elimination), got {self.elimination_z}")
         if self.elimination_min_samples < 2:
             raise ValueError(f"elimination_min_samples must be >= 2, got {self.elimination_min_samples}")
-        if not self.prior_weight >= 0:
-            raise ValueError(f"prior_weight must be >= 0, got {self.prior_weight}")
+        if not (math.isfinite(self.prior_weight) and self.prior_weight >= 0):
+            raise ValueError(f"prior_weight must be finite and >= 0, got {self.prior_weight}")
+        if self.prior_mode not in ("relative", "absolute"):
+            raise ValueError(f"prior_mode must be 'relative' or 'absolute', got {self.prior_mode!r}")
+        if not self.prior_transfer_sd > 0:
+            raise ValueError(
+                f"prior_transfer_sd must be > 0 (inf: priors carry no confidence), got {self.prior_transfer_sd}"
+            )
+        if isinstance(self.probe_length, bool) or not isinstance(self.probe_length, int) or self.probe_length < 0:
+            raise ValueError(f"probe_length must be an int >= 0 (0: no probes), got {self.probe_length!r}")
+        if not (math.isfinite(self.probe_budget) and 0 <= self.probe_budget <= 1):
+            raise ValueError(f"probe_budget must be in [0, 1], got {self.probe_budget}")
+        if not self.probe_reset_z > 0:
+            raise ValueError(
+                f"probe_reset_z must be > 0 (inf: probes never restart a context), got {self.probe_reset_z}"
+            )
 
 
 @dataclasses.dataclass
 class ContextState:
-    """What Nightjar knows and where it is in the block/bin schedule, for one context."""
+    """What Nightjar knows and where it is in the block/bin schedule, for one context.
+
+    Own observations (`weight`, `reward_sum`, `seconds_sum`, `count`, `reward_moments`) and the prior copied
+    from a neighbouring context at creation (`prior_*`, in that context's units; None: no prior for the arm)
+    are kept apart; `NightjarPlanner` combines them (choices 10 and 13).
+    """
 
     num_arms: int
     block: int  # j: the current block holds 2^(j-1) decisions
@@ -124,18 +183,29 @@ class ContextState:
     decisions_in_bin: int = 0
     arm: int | None = None  # the current bin's arm
     exploring: bool = False  # whether the current bin is an exploration bin
-    weight: list[float] = dataclasses.field(default_factory=list)  # [num_arms] (discounted) observations
-    reward_sum: list[float] = dataclasses.field(default_factory=list)  # [num_arms] sum of rewards
-    seconds_sum: list[float] = dataclasses.field(default_factory=list)  # [num_arms] sum of step seconds
+    probe_arm: int | None = None  # a dominated arm this bin probes for its first `probe_remaining` decisions
+    probe_remaining: int = 0
+    pending_probe: int | None = None  # the arm of a probe decision whose observation has not arrived yet
+    probe_credit: float = 0.0  # seconds of expected regret probes may still spend (accrues probe_budget)
+    weight: list[float] = dataclasses.field(default_factory=list)  # [num_arms] (discounted) own observations
+    reward_sum: list[float] = dataclasses.field(default_factory=list)  # [num_arms] sum of own rewards
+    seconds_sum: list[float] = dataclasses.field(default_factory=list)  # [num_arms] sum of own step seconds
     decisions: list[int] = dataclasses.field(default_factory=list)  # [num_arms] decisions that chose the arm
-    count: list[int] = dataclasses.field(default_factory=list)  # [num_arms] real observations (no prior)
-    reward_moments: list[list[float]] = dataclasses.field(default_factory=list)  # [num_arms][2] Σr, Σr² (real)
+    count: list[int] = dataclasses.field(default_factory=list)  # [num_arms] own observations (undiscounted)
+    reward_moments: list[list[float]] = dataclasses.field(default_factory=list)  # [num_arms][2] Σr, Σr² (own)
+    prior_reward: list[float | None] = dataclasses.field(default_factory=list)  # [num_arms] neighbour's mean
+    prior_seconds: list[float | None] = dataclasses.field(default_factory=list)  # [num_arms] neighbour's s̄
+    prior_variance: list[float | None] = dataclasses.field(default_factory=list)  # [num_arms] var of that mean
+    prior_obs_variance: list[float | None] = dataclasses.field(default_factory=list)  # [num_arms] per step
     switch_seconds: float | None = None  # learned switch cost (None: never measured here)
 
     def __post_init__(self) -> None:
         for name in ("weight", "reward_sum", "seconds_sum"):
             if not getattr(self, name):
                 setattr(self, name, [0.0] * self.num_arms)
+        for name in ("prior_reward", "prior_seconds", "prior_variance", "prior_obs_variance"):
+            if not getattr(self, name):
+                setattr(self, name, [None] * self.num_arms)
         if not self.decisions:
             self.decisions = [0] * self.num_arms
         if not self.count:
@@ -144,15 +214,9 @@ class ContextState:
             self.reward_moments = [[0.0, 0.0] for _ in range(self.num_arms)]
 
     def reward_variance(self, arm: int) -> float:
-        """Sample variance of the arm's real rewards (needs count >= 2)."""
+        """Sample variance of the arm's own rewards (needs count >= 2)."""
         n, (total, squares) = self.count[arm], self.reward_moments[arm]
         return max(squares - total * total / n, 0.0) / (n - 1)
-
-    def mean_reward(self, arm: int) -> float:
-        return self.reward_sum[arm] / self.weight[arm]
-
-    def mean_seconds(self, arm: int) -> float:
-        return self.seconds_sum[arm] / self.weight[arm]
 
 
 @register_planner("nightjar")
@@ -179,27 +243,115 @@ class NightjarPlanner(Planner):
         return state
 
     def _seed_from_neighbour(self, context: int, state: ContextState) -> None:
-        """Start a new context from the nearest visited context's per-arm means (choice 10)."""
-        weight = self.options.prior_weight
-        visited = [c for c, s in self.contexts.items() if any(w > 0 for w in s.weight)]
-        if weight <= 0 or not visited:
+        """Start a new context from the nearest visited context's estimates (choices 10 and 13)."""
+        if self.options.prior_weight <= 0:
             return
-        source = self.contexts[min(visited, key=lambda c: (abs(c - context), c))]
+        visited = [c for c, s in self.contexts.items() if any(self._has_estimate(s, a) for a in range(s.num_arms))]
+        if not visited:
+            return
+        source_context = min(visited, key=lambda c: (abs(c - context), c))
+        source, hops = self.contexts[source_context], abs(source_context - context)
+        tau = self.options.prior_transfer_sd
         for arm in range(self.gamma_max + 1):
-            if source.weight[arm] > 0:
-                state.weight[arm] = weight
-                state.reward_sum[arm] = weight * source.mean_reward(arm)
-                state.seconds_sum[arm] = weight * source.mean_seconds(arm)
+            if not self._has_estimate(source, arm):
+                continue
+            mean, variance = self._posterior(source, arm)
+            state.prior_reward[arm] = mean
+            state.prior_seconds[arm] = self.mean_seconds(source, arm)
+            if variance is not None and math.isfinite(tau):
+                state.prior_variance[arm] = variance + hops * (tau * mean) ** 2
+            state.prior_obs_variance[arm] = self._observation_variance(source, arm)
+
+    # ----------------------------------------------------------------------------------- estimates per arm
+    def _has_prior(self, state: ContextState, arm: int) -> bool:
+        return self.options.prior_weight > 0 and state.prior_reward[arm] is not None
+
+    def _has_estimate(self, state: ContextState, arm: int) -> bool:
+        return state.weight[arm] > 0 or self._has_prior(state, arm)
+
+    def _scales(self, state: ContextState) -> tuple[float, float]:
+        """(reward, seconds) factors mapping the prior's values to this context (choice 13): own totals over
+        what the prior predicts for the same observations; 1 when absolute or nothing to compare yet."""
+        if self.options.prior_mode == "absolute":
+            return 1.0, 1.0
+        own_r = prior_r = own_s = prior_s = 0.0
+        for arm in range(state.num_arms):
+            if state.weight[arm] > 0 and self._has_prior(state, arm):
+                own_r += state.reward_sum[arm]
+                prior_r += state.weight[arm] * state.prior_reward[arm]
+                own_s += state.seconds_sum[arm]
+                prior_s += state.weight[arm] * state.prior_seconds[arm]
+        reward_scale = own_r / prior_r if own_r > 0 and prior_r > 0 else 1.0
+        seconds_scale = own_s / prior_s if own_s > 0 and prior_s > 0 else 1.0
+        return reward_scale, seconds_scale
+
+    def mean_reward(self, state: ContextState, arm: int) -> float:
+        """Estimated reward (tokens/s/seq): own mean, with the (rescaled) prior as `prior_weight` observations."""
+        total, weight = state.reward_sum[arm], state.weight[arm]
+        if self._has_prior(state, arm):
+            w = self.options.prior_weight
+            total += w * self._scales(state)[0] * state.prior_reward[arm]
+            weight += w
+        return total / weight
+
+    def mean_seconds(self, state: ContextState, arm: int) -> float:
+        """Estimated step seconds of the arm in this context (same weighting as `mean_reward`)."""
+        total, weight = state.seconds_sum[arm], state.weight[arm]
+        if self._has_prior(state, arm):
+            w = self.options.prior_weight
+            total += w * self._scales(state)[1] * state.prior_seconds[arm]
+            weight += w
+        return total / weight
+
+    def _observation_variance(self, state: ContextState, arm: int) -> float | None:
+        """Variance of one step's reward: own sample variance once there are enough own observations, else the
+        prior's (rescaled); None if neither is known."""
+        if state.count[arm] >= self.options.elimination_min_samples:
+            return state.reward_variance(arm)
+        prior = state.prior_obs_variance[arm]
+        if prior is not None and self._has_prior(state, arm):
+            return self._scales(state)[0] ** 2 * prior
+        return None
+
+    def _posterior(self, state: ContextState, arm: int) -> tuple[float, float | None]:
+        """(mean, variance) of the arm's mean reward for the dominance test (choice 13).
+
+        With a prior that carries confidence, the neighbour's (rescaled) estimate and the own observations are
+        combined by precision; otherwise the mean is `mean_reward`'s and the variance comes from the own
+        observations alone (None while there are fewer than `elimination_min_samples`)."""
+        observations = self._observation_variance(state, arm)
+        prior = state.prior_variance[arm] if self._has_prior(state, arm) else None
+        n = state.weight[arm]
+        if prior is None:
+            mean = self.mean_reward(state, arm)
+            if observations is None or state.count[arm] < self.options.elimination_min_samples:
+                return mean, None
+            return mean, observations / n
+        scale = self._scales(state)[0]
+        prior_mean = scale * state.prior_reward[arm]
+        precision = 1.0 / max(scale * scale * prior, 1e-300)
+        weighted = precision * prior_mean
+        if observations is not None and n > 0:
+            own_mean = state.reward_sum[arm] / n
+            own_precision = n / max(observations, 1e-12 * own_mean * own_mean, 1e-300)
+            precision += own_precision
+            weighted += own_precision * own_mean
+        return weighted / precision, 1.0 / precision
 
     def _select(self, batch_size: int, *, queue_len: int, free_pages: int | None) -> int:
         state = self._state(self.context_of(batch_size))
         if state.arm is None or state.decisions_in_bin >= state.bin_length:
             self._start_bin(state)
         assert state.arm is not None
+        arm = state.arm
+        if state.probe_remaining > 0 and state.probe_arm is not None:
+            arm = state.probe_arm
+            state.probe_remaining -= 1
+            state.pending_probe = arm
         state.decisions_in_bin += 1
         state.decisions_in_block += 1
-        state.decisions[state.arm] += 1
-        return state.arm
+        state.decisions[arm] += 1
+        return arm
 
     def _start_bin(self, state: ContextState) -> None:
         block_length = 2 ** (state.block - 1)
@@ -212,6 +364,7 @@ class NightjarPlanner(Planner):
         state.bin_index += 1
         state.bin_length = min(nominal, block_length - state.decisions_in_block)
         state.decisions_in_bin = 0
+        state.probe_arm, state.probe_remaining = None, 0
         state.arm, state.exploring = self._choose_arm(state)
 
     def _switch_cost(self, state: ContextState) -> float:
@@ -225,8 +378,10 @@ class NightjarPlanner(Planner):
         previous = self.last_gamma
         draft_behind = previous == 0
         switch_cost = self._switch_cost(state)
-        tried = [a for a in arms if state.weight[a] > 0]
-        bin_seconds = state.bin_length * (float(np.mean([state.mean_seconds(a) for a in tried])) if tried else 0.0)
+        tried = [a for a in arms if self._has_estimate(state, a)]
+        bin_seconds = state.bin_length * (
+            float(np.mean([self.mean_seconds(state, a) for a in tried])) if tried else 0.0
+        )
 
         def crossing_allowed(arm: int) -> bool:
             crosses = previous is not None and (previous == 0) != (arm == 0)
@@ -236,17 +391,19 @@ class NightjarPlanner(Planner):
                 return True
             return switch_cost <= self.options.max_explore_switch_overhead * bin_seconds
 
-        untried = [a for a in arms if state.weight[a] == 0 and crossing_allowed(a)]
+        untried = [a for a in arms if not self._has_estimate(state, a) and crossing_allowed(a)]
         if untried:
             anchor = previous if previous is not None else self.gamma_max
             return min(untried, key=lambda a: (abs(a - anchor), -a)), True
         if not tried:  # every arm untried but none allowed (cannot happen: the anchor never crosses)
             return (previous if previous is not None else 0), False
 
+        means = {a: self.mean_reward(state, a) for a in tried}
+
         def value(arm: int) -> float:
-            reward = state.mean_reward(arm)
+            reward = means[arm]
             if draft_behind and arm > 0 and switch_cost > 0:
-                seconds = state.mean_seconds(arm)
+                seconds = self.mean_seconds(state, arm)
                 reward *= seconds / (seconds + switch_cost / state.bin_length)
             return reward
 
@@ -257,27 +414,43 @@ class NightjarPlanner(Planner):
                 candidates = [a for a in (greedy - 1, greedy + 1) if 0 <= a <= self.gamma_max]
             else:
                 candidates = [a for a in arms if a != greedy]
-            candidates = [a for a in candidates if crossing_allowed(a) and not self._eliminated(state, a, greedy)]
-            if candidates:
-                fewest = min(state.decisions[a] for a in candidates)
-                least_played = [a for a in candidates if state.decisions[a] == fewest]
-                return int(least_played[self._rng.integers(len(least_played))]), True
+            candidates = [a for a in candidates if crossing_allowed(a)]
+            dominated = [a for a in candidates if self._dominated(state, a, greedy)]
+            plausible = [a for a in candidates if a not in dominated]
+            if plausible:  # the paper's exploration bin
+                return self._least_played(state, plausible), True
+            if dominated and self.options.probe_length > 0:
+                # A short re-check of a dominated arm, paid from the context's probe credit (choice 14).
+                arm = self._least_played(state, dominated)
+                length = min(self.options.probe_length, state.bin_length)
+                crossing = previous is not None and (previous == 0) != (arm == 0)
+                # Its expected regret: the share of the greedy's reward it loses, over its step time, plus a switch.
+                loss = max(0.0, 1.0 - means[arm] / means[greedy]) if means[greedy] > 0 else 1.0
+                cost = length * self.mean_seconds(state, arm) * loss + (switch_cost if crossing else 0.0)
+                if cost <= state.probe_credit:
+                    state.probe_credit -= cost
+                    state.probe_arm, state.probe_remaining = arm, length
         return greedy, False
 
-    def _eliminated(self, state: ContextState, arm: int, greedy: int) -> bool:
-        """Whether `arm` is confidently worse than `greedy` (choice 12): no point exploring it."""
-        minimum = self.options.elimination_min_samples
-        if state.count[arm] < minimum or state.count[greedy] < minimum or math.isinf(self.options.elimination_z):
+    def _least_played(self, state: ContextState, candidates: list[int]) -> int:
+        fewest = min(state.decisions[a] for a in candidates)
+        least_played = [a for a in candidates if state.decisions[a] == fewest]
+        return int(least_played[self._rng.integers(len(least_played))])
+
+    def _dominated(self, state: ContextState, arm: int, greedy: int) -> bool:
+        """Whether `arm` is confidently worse than `greedy` (choices 12-13): mean gap > z standard errors."""
+        if math.isinf(self.options.elimination_z):
             return False
-        gap = state.mean_reward(greedy) - state.mean_reward(arm)
-        stderr = math.sqrt(
-            state.reward_variance(arm) / state.count[arm] + state.reward_variance(greedy) / state.count[greedy]
-        )
-        return gap > self.options.elimination_z * stderr
+        mean_arm, variance_arm = self._posterior(state, arm)
+        mean_greedy, variance_greedy = self._posterior(state, greedy)
+        if variance_arm is None or variance_greedy is None:
+            return False
+        return mean_greedy - mean_arm > self.options.elimination_z * math.sqrt(variance_arm + variance_greedy)
 
     # ------------------------------------------------------------------------------------------- learning
     def _observe(self, gamma: int, batch_size: int, num_tokens: int, seconds: float, switch_seconds: float) -> None:
-        state = self._state(self.context_of(batch_size))
+        context = self.context_of(batch_size)
+        state = self._state(context)
         if switch_seconds > 0:
             if state.switch_seconds is None:
                 state.switch_seconds = switch_seconds
@@ -288,22 +461,43 @@ class NightjarPlanner(Planner):
         if reward is None:
             logger.warning("step with no time outside the switch (seconds=%s); reward skipped", seconds)
             return
+        if state.pending_probe is not None:
+            probed, state.pending_probe = state.pending_probe, None
+            if probed == gamma and self._stale(state, gamma, reward):
+                # Restart the context as change-detecting bandits do: forget its own and prior statistics and
+                # start again from the first block (short bins); keep the learned switch cost and probe credit.
+                fresh = ContextState(num_arms=state.num_arms, block=self.options.first_block_exponent)
+                fresh.switch_seconds, fresh.probe_credit = state.switch_seconds, state.probe_credit
+                self.contexts[context] = state = fresh
         d = self.options.reward_discount
         state.weight[gamma] = d * state.weight[gamma] + 1.0
         state.reward_sum[gamma] = d * state.reward_sum[gamma] + reward
         state.seconds_sum[gamma] = d * state.seconds_sum[gamma] + (seconds - switch_seconds)
         state.count[gamma] += 1
+        state.probe_credit += self.options.probe_budget * (seconds - switch_seconds)
         state.reward_moments[gamma][0] += reward
         state.reward_moments[gamma][1] += reward * reward
+
+    def _stale(self, state: ContextState, arm: int, reward: float) -> bool:
+        """Change detection on a probe (choice 14): whether the probe's reward lies more than `probe_reset_z`
+        predictive standard deviations above what the arm's estimate predicts (one-sided: only an arm getting
+        better can matter to a context that does not play it)."""
+        if math.isinf(self.options.probe_reset_z):
+            return False
+        mean, variance = self._posterior(state, arm)
+        observations = self._observation_variance(state, arm)
+        if variance is None or observations is None:
+            return False
+        return reward - mean > self.options.probe_reset_z * math.sqrt(variance + observations)
 
     # ------------------------------------------------------------------------------------------- inspection
     def best_arms(self) -> dict[int, int]:
         """Greedy arm (best mean reward, no switch charge) per visited context with data."""
         best = {}
         for context, state in self.contexts.items():
-            tried = [a for a in range(self.gamma_max + 1) if state.weight[a] > 0]
+            tried = [a for a in range(self.gamma_max + 1) if self._has_estimate(state, a)]
             if tried:
-                best[context] = max(tried, key=state.mean_reward)
+                best[context] = max(tried, key=lambda a, s=state: self.mean_reward(s, a))
         return best
 
     def _learned_state(self) -> dict[str, Any]:

@@ -15,10 +15,14 @@ def test_converges_to_best_arm_per_context():
     runner_up = max(env.mean_reward(2, g) for g in (0, 1, 3, 4))
     assert env.mean_reward(2, 2) > 1.03 * runner_up  # ... separated by a few percent, not a tie
     rng = np.random.default_rng(0)
-    sequence = rng.choice(list(batches), size=12_000)
+    # Convergence is asymptotic: γ = 2 is only ~4% better than γ = 1 at batch 2, where rewards are very noisy, so
+    # a run whose γ = 2 starts unlucky needs a few blocks of the decaying exploration schedule to overtake. Over
+    # 100 seeds, 5-8% of runs (before and after the cross-context transfer of choice 13) had not yet switched by
+    # the second half of 12 000 decisions; so the run is 24 000 decisions and the last quarter is checked.
+    sequence = rng.choice(list(batches), size=24_000)
     planner = make_planner("nightjar", 4, seed=3)
     gammas, _ = run(planner, env, sequence)
-    tail = slice(len(sequence) // 2, None)
+    tail = slice(3 * len(sequence) // 4, None)
     for batch, best in batches.items():
         chosen = np.asarray(gammas)[tail][sequence[tail] == batch]
         assert np.mean(chosen == best) > 0.8, (batch, best, np.bincount(chosen, minlength=5))
