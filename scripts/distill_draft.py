@@ -2,8 +2,12 @@
 
 Vocabulary
 - target: SmolLM2-135M-Instruct (30 layers, hidden 576, tied 49,152-token head), the model being served.
-- draft: a 2-layer Llama with hidden 192 and a tied head over the full vocabulary, initialised from a PCA
-  projection of the target's embedding (its head is then a rank-192 copy of the target's).
+- draft: a small Llama (``--num-layers``, ``--hidden``) whose embedding is initialised from a PCA projection of the
+  target's; its head is tied to that embedding (full vocabulary) or, with ``--head-vocab N``, an untied head over
+  the N most frequent ids of the target's responses (``ModelConfig.head_vocab_size``; initialised from the same
+  PCA rows): a cheaper head, and a full softmax over N ids in training instead of a sampled one.
+- self-prompts (Magpie, Xu et al. 2024): the target continues its chat template's user header and so writes user
+  prompts itself; the kept ones (ended with end-of-turn, unique) are answered like the dataset prompts.
 - sequence-level KD (Kim & Rush 2016): the draft is trained with cross-entropy on the target's own responses to
   chat-templated prompts, which is what speculative decoding asks of it (predict the target's next token).
 - held-out split: a fixed set of MT-Bench and Spec-Bench question ids never used for training
@@ -12,7 +16,8 @@ Vocabulary
 
 Stages (each resumable; run them in order)::
 
-    python scripts/distill_draft.py generate --data runs/draft/data.jsonl        # target responses (engine)
+    python scripts/distill_draft.py self-prompts --out runs/draft/self.jsonl --num 2048   # optional
+    python scripts/distill_draft.py generate --data runs/draft/data.jsonl [--self-prompts runs/draft/self.jsonl]
     python scripts/distill_draft.py train --data runs/draft/data.jsonl --workdir runs/draft [--resume]
     python scripts/distill_draft.py export --workdir runs/draft                  # bf16 -> assets/drafts
 
