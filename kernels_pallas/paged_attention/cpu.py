@@ -64,10 +64,13 @@ def _build() -> Path:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (tried $CXX, g++, c++, clang++)")
+    import jaxlib
+
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jax.__version__.encode(), cxx.encode(), " ".join(FLAGS).encode(),
-                 _cpu_flags().encode()):
-        key.update(part)
+    for part in (SOURCE.read_bytes(), jax.__version__, jaxlib.__version__, cxx, version, " ".join(FLAGS),
+                 _cpu_flags()):
+        key.update(part if isinstance(part, bytes) else part.encode())
     out = _cache_dir() / f"paged_attention_{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
@@ -121,18 +124,26 @@ def paged_attention_cpu(
     *,
     scale: float,
 ) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim], dtype of q
-    """The reference's contract (float32 or bfloat16; q, K and V of one dtype), as a CPU custom call."""
+    """The reference's contract as a CPU custom call: K and V pools of one dtype (float32 or bfloat16) and one
+    shape; q is cast to the pools' dtype (as the Pallas wrapper does) and the result back to q's dtype."""
     if not available():
         raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {unavailable_reason()}")
-    dtype = jnp.dtype(q.dtype)
-    if dtype not in TARGETS or k_pages.dtype != dtype or v_pages.dtype != dtype:
+    dtype = jnp.dtype(k_pages.dtype)
+    if dtype not in TARGETS or v_pages.dtype != dtype:
         raise ValueError(
-            f"CPU paged attention takes q, k_pages and v_pages of one dtype in {[str(d) for d in TARGETS]}; got "
-            f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
+            f"CPU paged attention takes k_pages and v_pages of one dtype in {[str(d) for d in TARGETS]}; got "
+            f"{k_pages.dtype}, {v_pages.dtype}"
         )
-    if q.shape[2] % k_pages.shape[0]:
-        raise ValueError(f"num_q_heads={q.shape[2]} must be a multiple of num_kv_heads={k_pages.shape[0]}")
-    call = jax.ffi.ffi_call(TARGETS[dtype], jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(
-        q, k_pages, v_pages, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32), scale=np.float32(scale)
+    if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
+        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must both be [KVH, pages, page, dim]")
+    if q.ndim != 4 or q.shape[3] != k_pages.shape[3] or q.shape[2] % k_pages.shape[0]:
+        raise ValueError(
+            f"q {q.shape} must be [seqs, q_len, heads, {k_pages.shape[3]}] with heads a multiple of "
+            f"num_kv_heads={k_pages.shape[0]}"
+        )
+    call = jax.ffi.ffi_call(TARGETS[dtype], jax.ShapeDtypeStruct(q.shape, dtype), vmap_method="sequential")
+    out = call(
+        q.astype(dtype), k_pages, v_pages, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),
+        scale=np.float32(scale),
     )
+    return out.astype(q.dtype)

@@ -147,6 +147,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buff
                                        "block tables [S,W], context lengths [S]");
   }
   Dims n{qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], bd[1], 0};
+  auto vd = v_pages.dimensions();
+  if (vd.size() != 4 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3]) {
+    return ffi::Error::InvalidArgument("paged attention: v_pages must have k_pages' shape [KVH,NP,PS,D]");
+  }
   if (kd[3] != n.D || n.KVH == 0 || n.H % n.KVH != 0 || bd[0] != n.S || context_lens.dimensions()[0] != n.S) {
     return ffi::Error::InvalidArgument("paged attention: inconsistent shapes");
   }

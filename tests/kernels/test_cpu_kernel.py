@@ -76,8 +76,20 @@ def test_context_longer_than_the_block_table_is_an_error():
                                            scale=case.scale))
 
 
-def test_mixed_dtypes_are_rejected():
+def test_pools_of_different_dtypes_or_shapes_are_rejected():
     case = make_case([5], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
     with pytest.raises(ValueError, match="one dtype"):
-        cpu.paged_attention_cpu(case.q.astype(BF16), case.k_pages, case.v_pages, case.block_tables,
+        cpu.paged_attention_cpu(case.q, case.k_pages, case.v_pages.astype(BF16), case.block_tables,
                                 case.context_lens, scale=case.scale)
+    with pytest.raises(ValueError, match="must both be"):  # a shorter V pool would be read out of bounds
+        cpu.paged_attention_cpu(case.q, case.k_pages, case.v_pages[:, :-1], case.block_tables,
+                                case.context_lens, scale=case.scale)
+
+
+def test_q_is_cast_to_the_pool_dtype_like_the_pallas_wrapper():
+    case = make_case([5, 9], q_len=2, num_q_heads=4, num_kv_heads=2, page_size=4, dtype=BF16)
+    q32 = case.q.astype(F32)
+    out = cpu.paged_attention_cpu(q32, case.k_pages, case.v_pages, case.block_tables, case.context_lens,
+                                  scale=case.scale)
+    assert out.dtype == F32
+    assert_close(out.astype(BF16), paged_attention_reference(*case.args, scale=case.scale))
