@@ -73,9 +73,9 @@ PRESETS: dict[str, Preset] = {
     ),
     # The distilled draft for smollm2-135m-instruct (issue 8; scripts/distill_draft.py, MODEL_CARD.md beside it).
     "smollm2-draft": Preset(
-        _llama("smollm2-draft", vocab_size=49152, hidden_size=184, intermediate_size=640, num_layers=2, num_heads=3,
-               num_kv_heads=1, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-               max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,)),
+        _llama("smollm2-draft", vocab_size=49152, hidden_size=192, intermediate_size=768, num_layers=4, num_heads=3,
+               num_kv_heads=1, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+               head_vocab_size=8192, max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,)),
         "asset:drafts/smollm2-draft",
     ),
     "stories260k": Preset(
