@@ -285,23 +285,22 @@ class NightjarPlanner(Planner):
         seconds_scale = own_s / prior_s if own_s > 0 and prior_s > 0 else 1.0
         return reward_scale, seconds_scale
 
-    def mean_reward(self, state: ContextState, arm: int) -> float:
-        """Estimated reward (tokens/s/seq): own mean, with the (rescaled) prior as `prior_weight` observations."""
-        total, weight = state.reward_sum[arm], state.weight[arm]
+    def _blended_mean(self, state: ContextState, arm: int, own_sum: float, prior: float | None, which: int) -> float:
+        """Own mean with the prior (rescaled by `_scales(state)[which]`) counted as `prior_weight` observations."""
+        total, weight = own_sum, state.weight[arm]
         if self._has_prior(state, arm):
             w = self.options.prior_weight
-            total += w * self._scales(state)[0] * state.prior_reward[arm]
+            total += w * self._scales(state)[which] * prior
             weight += w
         return total / weight
 
+    def mean_reward(self, state: ContextState, arm: int) -> float:
+        """Estimated reward (tokens/s/seq): own mean, with the (rescaled) prior as `prior_weight` observations."""
+        return self._blended_mean(state, arm, state.reward_sum[arm], state.prior_reward[arm], 0)
+
     def mean_seconds(self, state: ContextState, arm: int) -> float:
         """Estimated step seconds of the arm in this context (same weighting as `mean_reward`)."""
-        total, weight = state.seconds_sum[arm], state.weight[arm]
-        if self._has_prior(state, arm):
-            w = self.options.prior_weight
-            total += w * self._scales(state)[1] * state.prior_seconds[arm]
-            weight += w
-        return total / weight
+        return self._blended_mean(state, arm, state.seconds_sum[arm], state.prior_seconds[arm], 1)
 
     def _observation_variance(self, state: ContextState, arm: int) -> float | None:
         """Variance of one step's reward: own sample variance once there are enough own observations, else the
