@@ -42,6 +42,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from nightjar_jax.models.llama import HEAD_TOKEN_IDS  # noqa: E402  (int32 ids of a subset head's rows)
+
 TARGET = "smollm2-135m-instruct"
 DATASETS = Path(os.environ.get("NIGHTJAR_DATASETS", "/work/shared/datasets"))
 ASSET_DIR = REPO / "nightjar_jax" / "assets" / "drafts" / "smollm2-draft"
@@ -171,7 +173,8 @@ def cmd_self_prompts(args: argparse.Namespace) -> None:
             for s, o in zip(seeds, outs, strict=True):
                 c = o.outputs[0]
                 text = c.text.strip()
-                ok = c.finish_reason == "stop" and len(c.token_ids) >= 4 and text.lower() not in seen and "<|" not in text
+                ok = (c.finish_reason == "stop" and len(c.token_ids) >= 4 and text.lower() not in seen
+                      and "<|" not in text)
                 if ok:
                     seen.add(text.lower())
                     kept += 1
@@ -386,7 +389,6 @@ def prompt_text_rows(skip_ids: set[str], max_len: int) -> list[dict[str, Any]]:
 
 BUCKETS = (128, 256, 512)
 VOCAB = 49152
-HEAD_TOKEN_IDS = "lm_head.token_ids"  # nightjar_jax.models.llama.HEAD_TOKEN_IDS (kept import-free here)
 
 
 def make_batches(

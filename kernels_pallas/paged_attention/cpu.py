@@ -32,8 +32,14 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
-TARGETS = {jnp.dtype(jnp.float32): "nightjar_paged_attention_f32", jnp.dtype(jnp.bfloat16): "nightjar_paged_attention_bf16"}
-_SYMBOLS = {"nightjar_paged_attention_f32": "NjPagedAttentionF32", "nightjar_paged_attention_bf16": "NjPagedAttentionBF16"}
+TARGETS = {  # pool dtype -> FFI target name
+    jnp.dtype(jnp.float32): "nightjar_paged_attention_f32",
+    jnp.dtype(jnp.bfloat16): "nightjar_paged_attention_bf16",
+}
+_SYMBOLS = {  # FFI target name -> handler symbol in the built library
+    "nightjar_paged_attention_f32": "NjPagedAttentionF32",
+    "nightjar_paged_attention_bf16": "NjPagedAttentionBF16",
+}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
          "-fno-signed-zeros", "-fassociative-math")
 
