@@ -15,6 +15,7 @@ from typing import Any
 
 from nightjar_jax.config import (
     ATTENTION_IMPLS,
+    LINEAR_IMPLS,
     DTYPES,
     LOAD_FORMATS,
     EngineConfig,
@@ -22,7 +23,8 @@ from nightjar_jax.config import (
     make_engine_config,
 )
 
-_CHOICES = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "attention_impl": ATTENTION_IMPLS}
+_CHOICES = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "attention_impl": ATTENTION_IMPLS,
+            "linear_impl": LINEAR_IMPLS}
 _HELP = {
     "model": "a preset name (e.g. stories260k), a local folder / GGUF file, or a Hugging Face repo id",
     "tokenizer": "tokenizer folder or file (default: the model's own)",

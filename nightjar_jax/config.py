@@ -18,6 +18,7 @@ class ConfigError(ValueError):
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "pallas", "cpu", "reference")
+LINEAR_IMPLS = ("auto", "cpu", "xla")  # nightjar_jax/linear.py
 LOAD_FORMATS = ("auto", "hf", "safetensors", "gguf", "llama2c", "orbax", "dummy")
 
 
@@ -204,6 +205,7 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str | None = None  # None: the checkpoint's / preset's dtype
     attention_impl: str = "auto"
+    linear_impl: str = "auto"  # linear layers: CPU kernels for few-row products (auto), or always XLA's dot (xla)
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -217,6 +219,7 @@ class EngineConfig:
         _check(
             self.attention_impl in ATTENTION_IMPLS, "attention_impl", self.attention_impl, f"one of {ATTENTION_IMPLS}"
         )
+        _check(self.linear_impl in LINEAR_IMPLS, "linear_impl", self.linear_impl, f"one of {LINEAR_IMPLS}")
         _check_int("seed", self.seed, 0)
 
 

@@ -50,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bandwidth-mib", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2, help="torch threads for the peer")
     p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--compare-linear-xla", action="store_true",
+                   help="also time a second engine with linear_impl='xla' (no CPU linear kernel) in the same run")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per batch size (best kept)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default="results/bench_engine.json")
@@ -158,6 +160,11 @@ def main() -> None:
               num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, 0), dtype=args.dtype,
               draft_model=None)  # AR only (no default draft pair)
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s", flush=True)
+    llm_xla = None
+    if args.compare_linear_xla:
+        llm_xla = LLM(args.model, max_model_len=512, max_num_seqs=max_batch, max_num_batched_tokens=512,
+                      num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, 0), dtype=args.dtype,
+                      draft_model=None, linear_impl="xla")
     weight_bytes = state_bytes(llm.engine.runner.target.state)
     floor_s = weight_bytes / (bw["best_gbs"] * 1e9)
     print(f"weights {weight_bytes / 2**20:.0f} MiB -> batch-1 floor {1e3 * floor_s:.1f} ms/token "
@@ -168,16 +175,23 @@ def main() -> None:
 
     hf = None if args.no_peer else build_hf_peer(args.model, args.threads)
     ours: dict[int, dict] = {}
+    ours_xla: dict[int, dict] = {}
     peer: dict[int, dict] = {}
     # The machine is shared: ours and the peer run back to back per batch size, --repeats times, and each keeps
     # its best, so both see similar background load.
     for b in batch_sizes:
         prompts = all_prompts[:b]
         run_decode_workload(llm, prompts, args.output_len)  # warm-up: compiles this batch's shapes
+        if llm_xla is not None:
+            run_decode_workload(llm_xla, prompts, args.output_len)
         for _ in range(args.repeats):
             run = run_decode_workload(llm, prompts, args.output_len)
             if b not in ours or run.tokens_per_second > ours[b]["tokens_per_second"]:
                 ours[b] = run.as_dict()
+            if llm_xla is not None:
+                run = run_decode_workload(llm_xla, prompts, args.output_len)
+                if b not in ours_xla or run.tokens_per_second > ours_xla[b]["tokens_per_second"]:
+                    ours_xla[b] = run.as_dict()
             if hf is not None:
                 p = hf_decode(hf, prompts, args.output_len)
                 if b not in peer or p["tokens_per_second"] > peer[b]["tokens_per_second"]:
@@ -186,6 +200,8 @@ def main() -> None:
         ptxt = ""
         if b in peer:
             ptxt = f"  | HF {peer[b]['tokens_per_second']:8.1f} tok/s  TPOT {peer[b]['tpot_ms']:7.2f} ms"
+        if b in ours_xla:
+            ptxt += f"  | xla-linear {ours_xla[b]['tokens_per_second']:8.1f} tok/s"
         print(f"b={b:3d}: nightjar {o['tokens_per_second']:8.1f} tok/s  TPOT {o['tpot_ms']:7.2f} ms{ptxt}  "
               f"load={os.getloadavg()[0]:.1f}", flush=True)
     host = host_share(llm, all_prompts[: args.host_batch], args.output_len)
@@ -216,6 +232,13 @@ def main() -> None:
             ratio = o["tokens_per_second"] / p["tokens_per_second"]
             ptxt = f"{p['tokens_per_second']:.1f} | {p['tpot_ms']:.1f} | {ratio:.2f}x"
         print(f"| {b} | {o['tokens_per_second']:.1f} | {o['tpot_ms']:.1f} | {ptxt} |")
+    if ours_xla:
+        print()
+        print("| batch | linear kernel tok/s | XLA dot tok/s | kernel / XLA |")
+        print("|---:|---:|---:|---:|")
+        for b in batch_sizes:
+            o, x = ours[b]["tokens_per_second"], ours_xla[b]["tokens_per_second"]
+            print(f"| {b} | {o:.1f} | {x:.1f} | {o / x:.2f}x |")
     goals = {}
     if 1 in ours:
         goals["batch1_tpot_over_floor"] = ours[1]["tpot_ms"] / (1e3 * floor_s)
@@ -241,7 +264,7 @@ def main() -> None:
     for p in peer.values():
         p.pop("tokens", None)
     write_json(args.out, {"args": vars(args), "machine": meta, "prompt_source": source, "bandwidth": bw,
-                          "weight_bytes": weight_bytes, "floor_ms": 1e3 * floor_s, "nightjar": ours, "peer": peer,
+                          "weight_bytes": weight_bytes, "floor_ms": 1e3 * floor_s, "nightjar": ours, "nightjar_linear_xla": ours_xla, "peer": peer,
                           "host": host, "goals": goals})
     print(f"wrote {args.out}")
 

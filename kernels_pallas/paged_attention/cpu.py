@@ -5,31 +5,21 @@ machine) and the per-sequence batched dots are tiny; at batch 32 the reference a
 SmolLM2-135M decode step. The kernel reads each key/value row in place, once per block of query rows, and only
 below the context length. Contract and results: those of ``reference.py`` (tests compare the two).
 
-Build: ``g++ -O3 -march=native`` against jaxlib's FFI headers (``jax.ffi.include_dir()``), into
-``$NIGHTJAR_CACHE_DIR/cpu_kernels`` (default ``~/.cache/nightjar_jax/cpu_kernels``), keyed by the source, jax's
-version, the compiler and this CPU's feature flags; the build takes ~10 s once. ``available()`` is False (with the
-reason in :func:`unavailable_reason`) when there is no C++ compiler or the build fails; the engine then uses the
-reference. ``NIGHTJAR_CPU_KERNEL=0`` disables the kernel.
+Build and caching: ``kernels_pallas/cpu_build.py`` (``g++ -O3 -march=native``, once per source/jax/compiler/CPU
+key, ~10 s). ``available()`` is False (with the reason in :func:`unavailable_reason`) when there is no C++ compiler or
+the build fails; the engine then uses the reference. ``NIGHTJAR_CPU_KERNEL=0`` disables the kernel.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-logger = logging.getLogger(__name__)
+from kernels_pallas.cpu_build import CpuKernelLibrary
+
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGETS = {  # pool dtype -> FFI target name
@@ -40,85 +30,16 @@ _SYMBOLS = {  # FFI target name -> handler symbol in the built library
     "nightjar_paged_attention_f32": "NjPagedAttentionF32",
     "nightjar_paged_attention_bf16": "NjPagedAttentionBF16",
 }
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
-         "-fno-signed-zeros", "-fassociative-math")
-
-_lock = threading.Lock()
-_state: dict[str, object] = {}
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("NIGHTJAR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nightjar_jax")
-    return Path(root) / "cpu_kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-
-
-def _build() -> Path:
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (tried $CXX, g++, c++, clang++)")
-    import jaxlib
-
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jax.__version__, jaxlib.__version__, cxx, version, " ".join(FLAGS),
-                 _cpu_flags()):
-        key.update(part if isinstance(part, bytes) else part.encode())
-    out = _cache_dir() / f"paged_attention_{key.hexdigest()[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_so = Path(tmp) / out.name
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_so)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
-        os.replace(tmp_so, out)  # atomic: a concurrent build of the same key writes the same bytes
-    logger.info("built the CPU paged-attention kernel: %s", out)
-    return out
-
-
-def _load() -> None:
-    """Build (once per key), load and register the FFI targets; records the failure reason instead of raising."""
-    with _lock:
-        if "ok" in _state:
-            return
-        if os.environ.get("NIGHTJAR_CPU_KERNEL", "1") == "0":
-            _state.update(ok=False, reason="disabled by NIGHTJAR_CPU_KERNEL=0")
-            return
-        try:
-            lib = ctypes.cdll.LoadLibrary(str(_build()))
-            for target, symbol in _SYMBOLS.items():
-                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-            _state.update(ok=True, reason="", lib=lib)
-        except Exception as e:  # noqa: BLE001 - any build/load failure means: use the reference
-            logger.warning("CPU paged-attention kernel unavailable, using the reference: %s", e)
-            _state.update(ok=False, reason=str(e))
+_LIBRARY = CpuKernelLibrary("paged_attention", SOURCE, _SYMBOLS)
 
 
 def available() -> bool:
     """Whether the kernel is built and registered (builds it on the first call)."""
-    _load()
-    return bool(_state["ok"])
+    return _LIBRARY.available()
 
 
 def unavailable_reason() -> str:
-    _load()
-    return str(_state["reason"])
+    return _LIBRARY.unavailable_reason()
 
 
 def paged_attention_cpu(

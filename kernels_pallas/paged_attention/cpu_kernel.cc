@@ -10,8 +10,7 @@
 // keys below the context length (a page slot past it is never read, so stale or NaN data cannot leak).
 //
 // Work split: one item = (sequence, KV head, block of up to kRowBlock query rows, rows ordered (query, group)).
-// Items run on XLA's intra-op thread pool; the calling thread takes items too, so it never waits on a task that
-// has not started (no deadlock when the pool is busy).
+// Items run on XLA's intra-op thread pool through nightjar::ParallelFor (../cpu_parallel.h).
 
 #include <algorithm>
 #include <atomic>
@@ -25,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "../cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -191,43 +191,14 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buff
   const int32_t* btp = block_tables.typed_data();
   T* op = out->typed_data();
 
-  struct Shared {
-    std::atomic<int64_t> next{0};
-    std::atomic<bool> bad_page{false};
-    std::mutex mu;
-    std::condition_variable cv;
-    int64_t running = 0;  // helper tasks that took an item and have not finished
-  };
-  auto shared = std::make_shared<Shared>();
-  auto work = [=](std::vector<float>& scratch) {
-    for (int64_t it; (it = shared->next.fetch_add(1)) < items;) {
-      const int64_t b = it % blocks, sh = it / blocks, h = sh % n.KVH, s = sh / n.KVH;
-      AttendBlock<T>(qp, kp, vp, btp, cl, op, n, scale, s, h, b * kRowBlock, std::min(rows, (b + 1) * kRowBlock),
-                     scratch, shared->bad_page);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items - 1);
-  for (int64_t t = 0; t < helpers; ++t) {
-    pool.Schedule([shared, work, items] {
-      {
-        std::lock_guard<std::mutex> lock(shared->mu);
-        if (shared->next.load() >= items) return;  // nothing left: the caller may already be gone
-        ++shared->running;
-      }
-      std::vector<float> scratch;
-      work(scratch);
-      std::lock_guard<std::mutex> lock(shared->mu);
-      if (--shared->running == 0) shared->cv.notify_all();
-    });
-  }
-  std::vector<float> scratch;
-  work(scratch);
-  {
-    // every item is taken; wait for helpers still finishing theirs (they are running, so this cannot deadlock)
-    std::unique_lock<std::mutex> lock(shared->mu);
-    shared->cv.wait(lock, [&] { return shared->running == 0; });
-  }
-  if (shared->bad_page.load()) {
+  std::atomic<bool> bad_page{false};
+  std::atomic<bool>* bad = &bad_page;
+  nightjar::ParallelFor(pool, items, [=, scratch = std::vector<float>()](int64_t it) mutable {
+    const int64_t b = it % blocks, sh = it / blocks, h = sh % n.KVH, s = sh / n.KVH;
+    AttendBlock<T>(qp, kp, vp, btp, cl, op, n, scale, s, h, b * kRowBlock, std::min(rows, (b + 1) * kRowBlock),
+                   scratch, *bad);
+  });
+  if (bad_page.load()) {
     return ffi::Error::InvalidArgument("paged attention: a block-table entry is outside [0, num_pages)");
   }
   return ffi::Error::Success();

@@ -160,14 +160,16 @@ class LLMEngine:
         if skip is None and keep_first is None:
             ckpt, graphdef, state = load_model(
                 spec, load_format=cfg.load_format, dtype=cfg.dtype, tokenizer=tokenizer_spec, seed=cfg.seed,
-                attention_impl=cfg.attention_impl,
+                attention_impl=cfg.attention_impl, linear_impl=cfg.linear_impl,
             )
             return ModelHandle(ckpt.config, graphdef, state), ckpt.tokenizer
         ckpt = load_checkpoint(base, load_format=cfg.load_format, dtype=cfg.dtype, tokenizer=tokenizer_spec)
         if ckpt.state_dict is None:
             raise ValueError(f"draft spec {spec!r} derives layers from real weights; load_format=dummy has none")
         model_cfg, sd = derive_state_dict(ckpt.config, ckpt.state_dict, skip=skip, keep_first=keep_first)
-        graphdef, state = state_from_hf(model_cfg, sd, attention_impl=cfg.attention_impl, source=spec)
+        graphdef, state = state_from_hf(
+            model_cfg, sd, attention_impl=cfg.attention_impl, linear_impl=cfg.linear_impl, source=spec
+        )
         return ModelHandle(model_cfg, graphdef, state), ckpt.tokenizer
 
     def _num_pages(self) -> int:

@@ -26,6 +26,8 @@ from flax import nnx
 
 from nightjar_jax.attention import paged_attention
 from nightjar_jax.config import ModelConfig, RopeScaling
+from nightjar_jax.linear import check_impl as check_linear_impl
+from nightjar_jax.linear import linear, linear_many
 
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer: (k_pages, v_pages)
 
@@ -95,11 +97,17 @@ def _linear(d_in: int, d_out: int, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Line
     )
 
 
+def _project(layer: nnx.Linear, x: jax.Array, impl: str) -> jax.Array:
+    """``layer(x)`` through :func:`nightjar_jax.linear.linear` (a CPU kernel for few-row products on CPU)."""
+    return linear(x.astype(layer.kernel.dtype), layer.kernel[...], impl=impl)
+
+
 class Attention(nnx.Module):
     """GQA self-attention over the paged cache."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention_impl: str):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention_impl: str, linear_impl: str):
         dtype = _jnp_dtype(cfg.dtype)
+        self.linear_impl = linear_impl
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = _linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, dtype, rngs)
         self.k_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, dtype, rngs)
@@ -116,9 +124,11 @@ class Attention(nnx.Module):
         md: BatchMetadata,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         num_seqs, q_len, _ = x.shape
-        q = self.q_proj(x).reshape(num_seqs, q_len, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(num_seqs, q_len, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(num_seqs, q_len, self.num_kv_heads, self.head_dim)
+        x = x.astype(self.q_proj.kernel.dtype)
+        q, k, v = linear_many(x, [p.kernel[...] for p in (self.q_proj, self.k_proj, self.v_proj)], impl=self.linear_impl)
+        q = q.reshape(num_seqs, q_len, self.num_heads, self.head_dim)
+        k = k.reshape(num_seqs, q_len, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_seqs, q_len, self.num_kv_heads, self.head_dim)
         rope_pos = jnp.maximum(positions, 0)
         q = apply_rope(q, rope_pos, inv_freq)
         k = apply_rope(k, rope_pos, inv_freq)
@@ -145,30 +155,35 @@ class Attention(nnx.Module):
             scale=1.0 / math.sqrt(self.head_dim),
             impl=self.attention_impl,
         )
-        out = self.o_proj(out.reshape(num_seqs, q_len, self.num_heads * self.head_dim))
+        out = _project(self.o_proj, out.reshape(num_seqs, q_len, self.num_heads * self.head_dim), self.linear_impl)
         return out, (k_pages, v_pages)
 
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, linear_impl: str):
         dtype = _jnp_dtype(cfg.dtype)
+        self.linear_impl = linear_impl
         self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
         self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, dtype, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        impl = self.linear_impl
+        gate, up = linear_many(x.astype(self.gate_proj.kernel.dtype), [self.gate_proj.kernel[...], self.up_proj.kernel[...]],
+                               impl=impl)
+        h = jax.nn.silu(gate) * up
+        return _project(self.down_proj, h, impl)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention_impl: str):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention_impl: str, linear_impl: str):
         dtype = _jnp_dtype(cfg.dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, rngs, attention_impl)
+        self.self_attn = Attention(cfg, rngs, attention_impl, linear_impl)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MLP(cfg, rngs, linear_impl)
 
     def __call__(self, x, positions, inv_freq, kv, md):
         h, kv = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv, md)
@@ -180,9 +195,10 @@ class DecoderLayer(nnx.Module):
 class Llama(nnx.Module):
     """A Llama-family causal LM. ``__call__`` returns final hidden states; :meth:`logits` applies the LM head."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_impl: str = "auto"):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_impl: str = "auto", linear_impl: str = "auto"):
         dtype = _jnp_dtype(cfg.dtype)
         self.config = cfg
+        self.linear_impl = check_linear_impl(linear_impl)
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -191,7 +207,7 @@ class Llama(nnx.Module):
             embedding_init=nnx.initializers.normal(0.02),
             rngs=rngs,
         )
-        self.layers = nnx.List([DecoderLayer(cfg, rngs, attention_impl) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, attention_impl, linear_impl) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         head_vocab = cfg.head_vocab_size or cfg.vocab_size
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, head_vocab, dtype, rngs)
@@ -221,10 +237,10 @@ class Llama(nnx.Module):
         """LM head in the model dtype with float32 output. hidden ``[..., hidden]`` -> ``[..., vocab]``."""
         if self.lm_head is None:
             w = self.embed_tokens.embedding[...]
-            out = jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+            out = linear(hidden, w, impl=self.linear_impl, transposed=True, out_dtype=jnp.float32)
         else:
             w = self.lm_head.kernel[...]
-            out = jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+            out = linear(hidden, w, impl=self.linear_impl, out_dtype=jnp.float32)
         out = out.astype(jnp.float32)
         if self.head_token_ids is not None:  # scatter the subset's logits into the full vocabulary, -inf elsewhere
             full = jnp.full(out.shape[:-1] + (self.config.vocab_size,), -jnp.inf, jnp.float32)
@@ -254,13 +270,14 @@ def allocate_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: s
 
 
 def init_model(
-    cfg: ModelConfig, *, seed: int = 0, attention_impl: str = "auto", abstract: bool = False
+    cfg: ModelConfig, *, seed: int = 0, attention_impl: str = "auto", linear_impl: str = "auto",
+    abstract: bool = False,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Build a model and split it. ``abstract=True`` only shapes the state (no memory, for loading weights)."""
-    if abstract:
-        model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(seed), attention_impl=attention_impl))
-    else:
-        model = Llama(cfg, rngs=nnx.Rngs(seed), attention_impl=attention_impl)
+    def build():
+        return Llama(cfg, rngs=nnx.Rngs(seed), attention_impl=attention_impl, linear_impl=linear_impl)
+
+    model = nnx.eval_shape(build) if abstract else build()
     return nnx.split(model)
 
 
@@ -308,7 +325,8 @@ def _check_head_token_ids(cfg: ModelConfig, ids: np.ndarray, source: str) -> Non
 
 
 def state_from_hf(
-    cfg: ModelConfig, state_dict: dict[str, np.ndarray], *, attention_impl: str = "auto", source: str = "checkpoint"
+    cfg: ModelConfig, state_dict: dict[str, np.ndarray], *, attention_impl: str = "auto", linear_impl: str = "auto",
+    source: str = "checkpoint",
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Build ``(graphdef, state)`` from an HF-named, HF-layout state dict of numpy arrays.
 
@@ -316,7 +334,7 @@ def state_from_hf(
     the tensor and loads nothing. ``lm_head.weight`` in a tied checkpoint is accepted if it equals the embedding.
     """
     pmap = hf_param_map(cfg)
-    graphdef, abstract = init_model(cfg, attention_impl=attention_impl, abstract=True)
+    graphdef, abstract = init_model(cfg, attention_impl=attention_impl, linear_impl=linear_impl, abstract=True)
     flat = dict(nnx.to_flat_state(abstract))
     extra = sorted(set(state_dict) - set(pmap))
     if cfg.tie_word_embeddings and "lm_head.weight" in extra:
@@ -346,9 +364,11 @@ def state_from_hf(
     return graphdef, nnx.from_flat_state(flat)
 
 
-def random_state(cfg: ModelConfig, *, seed: int = 0, attention_impl: str = "auto") -> tuple[nnx.GraphDef, nnx.State]:
+def random_state(
+    cfg: ModelConfig, *, seed: int = 0, attention_impl: str = "auto", linear_impl: str = "auto"
+) -> tuple[nnx.GraphDef, nnx.State]:
     """Random weights (``load_format="dummy"``), created directly on device in the model dtype."""
-    return init_model(cfg, seed=seed, attention_impl=attention_impl)
+    return init_model(cfg, seed=seed, attention_impl=attention_impl, linear_impl=linear_impl)
 
 
 def make_model_fns(graphdef: nnx.GraphDef):

@@ -219,6 +219,7 @@ def load_model(
     tokenizer: str | None = None,
     seed: int = 0,
     attention_impl: str = "auto",
+    linear_impl: str = "auto",
 ) -> tuple[Checkpoint, nnx.GraphDef, nnx.State]:
     """:func:`load_checkpoint` then ``state_from_hf`` (or ``random_state`` for dummy).
 
@@ -229,9 +230,9 @@ def load_model(
 
     ckpt = load_checkpoint(model, load_format=load_format, dtype=dtype, tokenizer=tokenizer)
     if ckpt.state_dict is None:
-        graphdef, state = random_state(ckpt.config, seed=seed, attention_impl=attention_impl)
+        graphdef, state = random_state(ckpt.config, seed=seed, attention_impl=attention_impl, linear_impl=linear_impl)
     else:
-        graphdef, state = state_from_hf(ckpt.config, ckpt.state_dict, attention_impl=attention_impl,
+        graphdef, state = state_from_hf(ckpt.config, ckpt.state_dict, attention_impl=attention_impl, linear_impl=linear_impl,
                                         source=ckpt.source)
         ckpt.state_dict = None
     return ckpt, graphdef, state

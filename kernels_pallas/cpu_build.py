@@ -1,0 +1,111 @@
+"""Build, cache and register the C++ XLA FFI kernels that serve the CPU backend (``*/cpu_kernel.cc``).
+
+Each kernel folder's ``cpu.py`` makes one :class:`CpuKernelLibrary`. On first use the library is compiled with
+``g++ -O3 -march=native`` against jaxlib's FFI headers (``jax.ffi.include_dir()``) into
+``$NIGHTJAR_CACHE_DIR/cpu_kernels`` (default ``~/.cache/nightjar_jax/cpu_kernels``), keyed by the sources (the
+kernel and the shared headers), jax's and jaxlib's versions, the compiler and this CPU's feature flags; a build
+takes ~10 s once. When there is no C++ compiler or the build fails, :meth:`CpuKernelLibrary.available` is False and
+:meth:`CpuKernelLibrary.unavailable_reason` says why; callers then use their pure-XLA path.
+``NIGHTJAR_CPU_KERNEL=0`` disables every CPU kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
+         "-fno-signed-zeros", "-fassociative-math")
+HEADERS = (Path(__file__).with_name("cpu_parallel.h"),)  # included by the kernels; part of the cache key
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("NIGHTJAR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nightjar_jax")
+    return Path(root) / "cpu_kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+class CpuKernelLibrary:
+    """One ``cpu_kernel.cc`` and the FFI targets it defines (``{target name: handler symbol}``)."""
+
+    def __init__(self, name: str, source: Path, symbols: dict[str, str]):
+        self.name, self.source, self.symbols = name, source, dict(symbols)
+        self._lock = threading.Lock()
+        self._state: dict[str, object] = {}
+
+    def _build(self) -> Path:
+        cxx = _compiler()
+        if cxx is None:
+            raise RuntimeError("no C++ compiler found (tried $CXX, g++, c++, clang++)")
+        import jaxlib
+
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+        key = hashlib.sha256()
+        parts = (self.source.read_bytes(), *(h.read_bytes() for h in HEADERS), jax.__version__, jaxlib.__version__,
+                 cxx, version, " ".join(FLAGS), _cpu_flags())
+        for part in parts:
+            key.update(part if isinstance(part, bytes) else part.encode())
+        out = cache_dir() / f"{self.name}_{key.hexdigest()[:16]}.so"
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_so = Path(tmp) / out.name
+            cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(self.source), "-o", str(tmp_so)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise RuntimeError(f"building {self.source.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+            os.replace(tmp_so, out)  # atomic: a concurrent build of the same key writes the same bytes
+        logger.info("built the CPU %s kernel: %s", self.name, out)
+        return out
+
+    def _load(self) -> None:
+        """Build (once per key), load and register the targets; records the failure reason instead of raising."""
+        with self._lock:
+            if "ok" in self._state:
+                return
+            if os.environ.get("NIGHTJAR_CPU_KERNEL", "1") == "0":
+                self._state.update(ok=False, reason="disabled by NIGHTJAR_CPU_KERNEL=0")
+                return
+            try:
+                lib = ctypes.cdll.LoadLibrary(str(self._build()))
+                for target, symbol in self.symbols.items():
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                self._state.update(ok=True, reason="", lib=lib)
+            except Exception as e:  # noqa: BLE001 - any build/load failure means: use the XLA path
+                logger.warning("CPU %s kernel unavailable, using the XLA path: %s", self.name, e)
+                self._state.update(ok=False, reason=str(e))
+
+    def available(self) -> bool:
+        """Whether the kernel is built and registered (builds it on the first call)."""
+        self._load()
+        return bool(self._state["ok"])
+
+    def unavailable_reason(self) -> str:
+        self._load()
+        return str(self._state["reason"])

@@ -1,0 +1,95 @@
+"""``y = x @ W`` on the CPU backend for the few-row products of decoding: C++ XLA FFI custom calls.
+
+A decode step multiplies a few rows (batch size x (γ + 1) query slots) by every weight matrix. XLA:CPU's dot
+handles one row well (it streams the weight near memory bandwidth) but 2-16 rows poorly: on the project's 2-core
+machine SmolLM2-135M's layers took about twice as long at 4 rows as at 1, though both read the same bytes. The
+kernels in ``cpu_kernel.cc`` stream each weight once per tile of rows (few rows) or pack L2-sized blocks for a
+register-tiled product (more rows); ``README.md`` has the measured ratios that set :data:`NN_ROWS` and
+:data:`NT_ROWS`, the row counts where :func:`use_kernel` picks them over XLA.
+
+Two layouts: ``linear_cpu(x, w)`` with ``w [K, N]`` (``nnx.Linear``'s kernel) and ``linear_cpu(x, w,
+transposed=True)`` with ``w [N, K]`` (a tied LM head, i.e. the embedding table). float32 only; leading dimensions
+of x are flattened. Build and caching: ``kernels_pallas/cpu_build.py``; ``NIGHTJAR_CPU_KERNEL=0`` disables it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.cpu_build import CpuKernelLibrary
+
+SOURCE = Path(__file__).with_name("cpu_kernel.cc")
+_TARGETS = {False: "nightjar_linear_f32", True: "nightjar_linear_nt_f32"}
+_MANY_TARGETS = {2: "nightjar_linear2_f32", 3: "nightjar_linear3_f32"}  # several W [K, N_i] sharing x
+_LIBRARY = CpuKernelLibrary("linear", SOURCE, {
+    "nightjar_linear_f32": "NjLinearF32", "nightjar_linear_nt_f32": "NjLinearNtF32",
+    "nightjar_linear2_f32": "NjLinear2F32", "nightjar_linear3_f32": "NjLinear3F32",
+})
+
+# Rows of x (all leading dimensions flattened) for which the kernels measured faster than XLA's dot inside a
+# SmolLM2-135M decode step (README.md): W [K, N] (q/k/v and gate/up fused into one call each) from 2 to 5 rows,
+# the transposed (tied-head) kernel from 2 to 8. One row: XLA's matrix-vector product already streams near memory
+# bandwidth; 6+ rows: XLA's tiled GEMM is as fast or faster in the whole step.
+NN_ROWS = (2, 5)
+NT_ROWS = (2, 8)
+
+
+def available() -> bool:
+    """Whether the kernels are built and registered (builds them on the first call)."""
+    return _LIBRARY.available()
+
+
+def unavailable_reason() -> str:
+    return _LIBRARY.unavailable_reason()
+
+
+def use_kernel(x_shape: tuple[int, ...], w: jax.Array, *, transposed: bool = False) -> bool:
+    """Whether ``auto`` dispatch runs this product on the kernel: CPU backend, float32, rows in the measured range."""
+    rows = math.prod(x_shape[:-1])
+    lo, hi = NT_ROWS if transposed else NN_ROWS
+    return (
+        jax.default_backend() == "cpu"
+        and w.dtype == jnp.float32
+        and w.ndim == 2
+        and lo <= rows <= hi
+        and available()
+    )
+
+
+def linear_cpu(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
+    """``x [..., K] @ w`` (``w [K, N]``, or ``[N, K]`` when ``transposed``) -> ``[..., N]`` float32."""
+    if not available():
+        raise RuntimeError(f"the CPU linear kernel is unavailable: {unavailable_reason()}")
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"the CPU linear kernel takes float32 x and w; got {x.dtype} and {w.dtype}")
+    if w.ndim != 2 or x.ndim < 1:
+        raise ValueError(f"x must be [..., K] and w 2-D; got x {x.shape}, w {w.shape}")
+    k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x {x.shape} and w {w.shape}{' (transposed: [N, K])' if transposed else ''} do not match")
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    call = jax.ffi.ffi_call(_TARGETS[transposed], jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(x2, w).reshape(*x.shape[:-1], n)
+
+
+def linear_many_cpu(x: jax.Array, ws: list[jax.Array] | tuple[jax.Array, ...]) -> list[jax.Array]:
+    """``[x @ w for w in ws]`` (2 or 3 weights ``[K, N_i]``, e.g. q/k/v or gate/up) in one custom call: the pool is
+    woken once and the products do not run as concurrent calls competing for the same cores."""
+    if len(ws) not in _MANY_TARGETS:
+        raise ValueError(f"linear_many_cpu takes 2 or 3 weights, got {len(ws)}")
+    if not available():
+        raise RuntimeError(f"the CPU linear kernel is unavailable: {unavailable_reason()}")
+    if x.dtype != jnp.float32 or any(w.dtype != jnp.float32 for w in ws):
+        raise ValueError(f"the CPU linear kernel takes float32 x and w; got {x.dtype} and {[w.dtype for w in ws]}")
+    k = x.shape[-1]
+    if any(w.ndim != 2 or w.shape[0] != k for w in ws):
+        raise ValueError(f"x {x.shape} and weights {[w.shape for w in ws]} do not match (each w must be [K, N])")
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    outs = tuple(jax.ShapeDtypeStruct((x2.shape[0], w.shape[1]), jnp.float32) for w in ws)
+    ys = jax.ffi.ffi_call(_MANY_TARGETS[len(ws)], outs, vmap_method="sequential")(x2, *ws)
+    return [y.reshape(*x.shape[:-1], w.shape[1]) for y, w in zip(ys, ws, strict=True)]

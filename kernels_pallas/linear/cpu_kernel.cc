@@ -1,0 +1,340 @@
+// Skinny matrix products y = x @ W for the CPU backend, as XLA FFI custom calls: the decode-time linear layers.
+//
+// Why: at decode a linear layer multiplies a few rows (batch size x (γ + 1) query slots) by a large weight, so it
+// is bound by reading the weight from memory. XLA:CPU's dot is fine for large M but poor for small M: on the
+// project's 2-core machine SmolLM2-135M's 30 layers took ~21 ms at M = 1 (~20 GB/s of weights) and ~42 ms at
+// M = 4 — twice M = 1, though both read the same bytes. These kernels read each weight element once per tile of
+// rows and keep the tile's partial sums in registers.
+//
+//   nightjar_linear_f32     x [M, K] f32, W [K, N] f32 -> y [M, N] f32   (nnx.Linear's kernel layout)
+//   nightjar_linear_nt_f32  x [M, K] f32, W [N, K] f32 -> y [M, N] f32   (a tied LM head: the embedding table)
+//
+// Work split: one item = a block of output columns (all rows of x); items run on XLA's intra-op pool.
+// NN: K is blocked (kKBlock rows) so a block's weights stay in L2 across row tiles; the inner kernel holds
+// kRowTile x 32 partial sums in 12 AVX registers and streams one weight row segment (two cache lines) per k,
+// prefetching the segment of the next column tile. NT: each weight row is a contiguous dot-product operand; four
+// rows x two x-rows of partial sums per pass.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../cpu_parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));                       // 8 floats in one AVX register
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));  // the same, at any float address
+
+inline v8 Load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void Store(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
+inline v8 Splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+
+constexpr int64_t kKUnroll = 4;   // weight rows consumed per pass over a column block
+constexpr int64_t kKBlock = 64;   // weight rows per L2 block (reused by every row tile of x)
+constexpr int64_t kPrefetchRows = 8;
+
+// y[r, c_begin:c_end] += sum_{u < U} x[r, k + u] * W[k + u, c_begin:c_end] for the R rows starting at r0:
+// U weight rows streamed left to right (U sequential streams), partial sums of y in L1.
+template <int R, int U>
+inline void RowsNN(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t r0, int64_t k,
+                   int64_t c_begin, int64_t c_end, bool prefetch) {
+  v8 xb[R][U];
+  for (int r = 0; r < R; ++r) for (int u = 0; u < U; ++u) xb[r][u] = Splat(x[(r0 + r) * K + k + u]);
+  const float* wk = w + k * N;
+  const int64_t vec_end = c_begin + (c_end - c_begin) / 8 * 8;
+  for (int64_t c = c_begin; c < vec_end; c += 8) {
+    if (prefetch && (c - c_begin) % 16 == 0) {
+      for (int u = 0; u < U; ++u) __builtin_prefetch(wk + (kPrefetchRows + u) * N + c, 0, 2);
+    }
+    v8 wv[U];
+    for (int u = 0; u < U; ++u) wv[u] = Load(wk + u * N + c);
+    for (int r = 0; r < R; ++r) {
+      v8 a = Load(y + (r0 + r) * N + c);
+      for (int u = 0; u < U; ++u) a += xb[r][u] * wv[u];
+      Store(y + (r0 + r) * N + c, a);
+    }
+  }
+  for (int64_t c = vec_end; c < c_end; ++c) {
+    for (int r = 0; r < R; ++r) {
+      float a = y[(r0 + r) * N + c];
+      for (int u = 0; u < U; ++u) a += x[(r0 + r) * K + k + u] * wk[u * N + c];
+      y[(r0 + r) * N + c] = a;
+    }
+  }
+}
+
+// Larger M: pack a kKBlock x width block of W into 16-column panels ([width / 16][kKBlock][16], zero-padded), then
+// an R x 16 register tile (R <= 6: 12 accumulators) walks each panel contiguously; every row tile reuses the block
+// from L2, so the product is bound by FMAs, not by memory.
+constexpr int64_t kPanel = 16;
+constexpr int64_t kPackMinRows = 6;
+
+void PackBlock(const float* w, int64_t N, int64_t k0, int64_t k1, int64_t c_begin, int64_t c_end, float* panel) {
+  const int64_t kc = k1 - k0;
+  for (int64_t c0 = c_begin; c0 < c_end; c0 += kPanel) {
+    float* dst = panel + (c0 - c_begin) * kc;
+    const int64_t cols = std::min(kPanel, c_end - c0);
+    for (int64_t k = k0; k < k1; ++k, dst += kPanel) {
+      const float* src = w + k * N + c0;
+      if (cols == kPanel) {
+        Store(dst, Load(src));
+        Store(dst + 8, Load(src + 8));
+      } else {
+        for (int64_t j = 0; j < kPanel; ++j) dst[j] = j < cols ? src[j] : 0.0f;
+      }
+    }
+  }
+}
+
+template <int R>
+inline void PanelNN(const float* x, const float* panel, float* y, int64_t K, int64_t N, int64_t r0, int64_t k0,
+                    int64_t kc, int64_t c0, int64_t cols) {
+  v8 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Splat(0.0f);
+  const float* xr = x + r0 * K + k0;
+  for (int64_t k = 0; k < kc; ++k, panel += kPanel) {
+    const v8 w0 = Load(panel), w1 = Load(panel + 8);
+    for (int r = 0; r < R; ++r) {
+      const v8 xv = Splat(xr[r * K + k]);
+      acc[r][0] += xv * w0;
+      acc[r][1] += xv * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* yr = y + (r0 + r) * N + c0;
+    if (cols == kPanel) {
+      Store(yr, Load(yr) + acc[r][0]);
+      Store(yr + 8, Load(yr + 8) + acc[r][1]);
+    } else {
+      for (int64_t j = 0; j < cols; ++j) yr[j] += acc[r][j / 8][j % 8];
+    }
+  }
+}
+
+// `next`: W's next k-block (rows k0 + kc ..), prefetched into L2 one panel's columns at a time while this block
+// computes, so the next PackBlock reads from cache (nullptr: none, or already done by an earlier row tile).
+template <int R>
+void PanelsNN(const float* x, const float* panel, float* y, int64_t K, int64_t N, int64_t r0, int64_t k0,
+              int64_t kc, int64_t c_begin, int64_t c_end, const float* next, int64_t next_rows) {
+  for (int64_t c0 = c_begin; c0 < c_end; c0 += kPanel) {
+    if (next != nullptr) {
+      for (int64_t k = 0; k < next_rows; ++k) __builtin_prefetch(next + k * N + c0, 0, 2);
+    }
+    PanelNN<R>(x, panel + (c0 - c_begin) * kc, y, K, N, r0, k0, kc, c0, std::min(kPanel, c_end - c0));
+  }
+}
+
+void BlockNN(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t c_begin,
+             int64_t c_end) {
+  for (int64_t r = 0; r < M; ++r) std::fill(y + r * N + c_begin, y + r * N + c_end, 0.0f);
+  if (M >= kPackMinRows) {
+    thread_local std::vector<float> panel;
+    const int64_t padded = (c_end - c_begin + kPanel - 1) / kPanel * kPanel;
+    panel.resize(padded * kKBlock);
+    for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
+      const int64_t k1 = std::min(K, k0 + kKBlock);
+      PackBlock(w, N, k0, k1, c_begin, c_end, panel.data());
+      const float* next = k1 < K ? w + k1 * N : nullptr;
+      const int64_t next_rows = std::min(K, k1 + kKBlock) - k1;
+      const float* p = panel.data();
+      const int64_t kc = k1 - k0;
+      int64_t r0 = 0;
+      for (; r0 + 6 <= M; r0 += 6, next = nullptr) PanelsNN<6>(x, p, y, K, N, r0, k0, kc, c_begin, c_end, next, next_rows);
+      switch (M - r0) {
+        case 5: PanelsNN<5>(x, p, y, K, N, r0, k0, kc, c_begin, c_end, next, next_rows); break;
+        case 4: PanelsNN<4>(x, p, y, K, N, r0, k0, kc, c_begin, c_end, next, next_rows); break;
+        case 3: PanelsNN<3>(x, p, y, K, N, r0, k0, kc, c_begin, c_end, next, next_rows); break;
+        case 2: PanelsNN<2>(x, p, y, K, N, r0, k0, kc, c_begin, c_end, next, next_rows); break;
+        case 1: PanelsNN<1>(x, p, y, K, N, r0, k0, kc, c_begin, c_end, next, next_rows); break;
+        default: break;
+      }
+    }
+    return;
+  }
+  // Few rows: stream W's rows left to right (sequential reads are what reaches memory bandwidth).
+  for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
+    const int64_t k1 = std::min(K, k0 + kKBlock);
+    for (int64_t r0 = 0; r0 < M; r0 += 2) {
+      const bool two = r0 + 1 < M;
+      const bool first = r0 == 0;  // later row tiles find this block's weights in L2
+      int64_t k = k0;
+      for (; k + kKUnroll <= k1; k += kKUnroll) {
+        const bool pf = first && k + kPrefetchRows + kKUnroll <= K;
+        if (two) RowsNN<2, kKUnroll>(x, w, y, K, N, r0, k, c_begin, c_end, pf);
+        else RowsNN<1, kKUnroll>(x, w, y, K, N, r0, k, c_begin, c_end, pf);
+      }
+      for (; k < k1; ++k) {
+        if (two) RowsNN<2, 1>(x, w, y, K, N, r0, k, c_begin, c_end, false);
+        else RowsNN<1, 1>(x, w, y, K, N, r0, k, c_begin, c_end, false);
+      }
+    }
+  }
+}
+
+inline float Sum(v8 v) {
+  float s = 0.0f;
+  for (int i = 0; i < 8; ++i) s += v[i];
+  return s;
+}
+
+// y[r, n] = dot(x[r, :], W[n, :]) for rows r in [r0, r0 + R) and weight rows n in [n0, n0 + 4).
+template <int R>
+inline void TileNT(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t r0, int64_t n0) {
+  v8 acc[R][4];
+  for (int r = 0; r < R; ++r) for (int j = 0; j < 4; ++j) acc[r][j] = Splat(0.0f);
+  const int64_t kv = K / 8 * 8;
+  const float* w0 = w + n0 * K;
+  for (int64_t k = 0; k < kv; k += 8) {
+    const v8 a = Load(w0 + k), b = Load(w0 + K + k), c = Load(w0 + 2 * K + k), d = Load(w0 + 3 * K + k);
+    for (int r = 0; r < R; ++r) {
+      const v8 xv = Load(x + (r0 + r) * K + k);
+      acc[r][0] += xv * a;
+      acc[r][1] += xv * b;
+      acc[r][2] += xv * c;
+      acc[r][3] += xv * d;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) {
+      float s = Sum(acc[r][j]);
+      for (int64_t k = kv; k < K; ++k) s += x[(r0 + r) * K + k] * w0[j * K + k];
+      y[(r0 + r) * N + n0 + j] = s;
+    }
+  }
+}
+
+constexpr int64_t kNtRows = 64;  // weight rows per L2 block (64 x K floats)
+
+void BlockNT(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n_begin,
+             int64_t n_end) {
+  for (int64_t b0 = n_begin; b0 < n_end; b0 += kNtRows) {
+    const int64_t b1 = std::min(n_end, b0 + kNtRows);
+    const int64_t full_end = b0 + (b1 - b0) / 4 * 4;
+    for (int64_t r0 = 0; r0 < M; r0 += 3) {
+      const int64_t rows = std::min<int64_t>(3, M - r0);
+      for (int64_t n0 = b0; n0 < full_end; n0 += 4) {
+        if (rows == 3) TileNT<3>(x, w, y, K, N, r0, n0);
+        else if (rows == 2) TileNT<2>(x, w, y, K, N, r0, n0);
+        else TileNT<1>(x, w, y, K, N, r0, n0);
+      }
+      for (int64_t r = r0; r < r0 + rows; ++r) {
+        for (int64_t n = full_end; n < b1; ++n) {
+          float s = 0.0f;
+          for (int64_t k = 0; k < K; ++k) s += x[r * K + k] * w[n * K + k];
+          y[r * N + n] = s;
+        }
+      }
+    }
+  }
+}
+
+// Column blocks: a multiple of `align`, about 4 per thread so dynamic item taking balances uneven blocks.
+int64_t BlockWidth(int64_t N, int64_t threads, int64_t align, int64_t cap) {
+  const int64_t want = (N + 4 * threads - 1) / (4 * threads);
+  return std::min(cap, std::max(align, (want + align - 1) / align * align));
+}
+
+// One product of a call: W, its output and its width N (a call may take several weights that share x).
+struct Segment {
+  const float* w;
+  float* y;
+  int64_t N;
+};
+
+std::string Dims2(const char* name, const ffi::Span<const int64_t>& d) {
+  std::string s = std::string(name) + " [";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+// Checks shapes and collects the segment; returns an error message or "".
+template <bool kTransposed>
+std::string AddSegment(int64_t M, int64_t K, ffi::Buffer<ffi::F32>& w, ffi::Result<ffi::Buffer<ffi::F32>>& y,
+                       std::vector<Segment>& out) {
+  const auto wd = w.dimensions(), yd = y->dimensions();
+  if (wd.size() != 2 || yd.size() != 2) return "linear: w and y must be 2-D";
+  const int64_t N = kTransposed ? wd[0] : wd[1];
+  if ((kTransposed ? wd[1] : wd[0]) != K || yd[0] != M || yd[1] != N) {
+    return "linear: shapes do not match: x [" + std::to_string(M) + ", " + std::to_string(K) + "], " +
+           Dims2("w", wd) + ", " + Dims2("y", yd) + (kTransposed ? " (w is [N, K])" : "");
+  }
+  out.push_back(Segment{w.typed_data(), y->typed_data(), N});
+  return "";
+}
+
+// Column blocks over every segment, taken from one pool: a call with q/k/v (or gate/up) weights wakes the pool
+// once, and XLA does not run the products as separate, concurrent custom calls that oversubscribe the cores.
+template <bool kTransposed>
+ffi::Error RunSegments(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const std::vector<Segment>& segments) {
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  const float* xp = x.typed_data();
+  const int64_t threads = pool.num_threads() + 1;
+  int64_t total = 0;
+  for (const Segment& s : segments) total += s.N;
+  struct Item {
+    Segment seg;
+    int64_t c0, c1;
+  };
+  std::vector<Item> items;
+  for (const Segment& s : segments) {
+    if (M == 0 || s.N == 0) continue;
+    if (K == 0) {
+      std::fill(s.y, s.y + M * s.N, 0.0f);
+      continue;
+    }
+    const int64_t width = kTransposed ? BlockWidth(total, threads, 64, 4096) : BlockWidth(total, threads, 128, 512);
+    for (int64_t c0 = 0; c0 < s.N; c0 += width) items.push_back(Item{s, c0, std::min(s.N, c0 + width)});
+  }
+  const Item* ip = items.data();
+  nightjar::ParallelFor(pool, static_cast<int64_t>(items.size()), [=](int64_t it) {
+    const Item& item = ip[it];
+    if (kTransposed) BlockNT(xp, item.seg.w, item.seg.y, M, K, item.seg.N, item.c0, item.c1);
+    else BlockNN(xp, item.seg.w, item.seg.y, M, K, item.seg.N, item.c0, item.c1);
+  });
+  return ffi::Error::Success();
+}
+
+using In = ffi::Buffer<ffi::F32>;
+using Out = ffi::Result<ffi::Buffer<ffi::F32>>;
+
+template <bool kTransposed>
+ffi::Error Run(ffi::ThreadPool& pool, In& x, std::initializer_list<std::pair<In*, Out*>> products) {
+  if (x.dimensions().size() != 2) return ffi::Error::InvalidArgument("linear: x must be 2-D");
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  std::vector<Segment> segments;
+  for (const auto& [w, y] : products) {
+    const std::string error = AddSegment<kTransposed>(M, K, *w, *y, segments);
+    if (!error.empty()) return ffi::Error::InvalidArgument(error);
+  }
+  return RunSegments<kTransposed>(pool, x, segments);
+}
+
+template <bool kTransposed>
+ffi::Error Linear1(ffi::ThreadPool pool, In x, In w, Out y) {
+  return Run<kTransposed>(pool, x, {{&w, &y}});
+}
+ffi::Error Linear2(ffi::ThreadPool pool, In x, In w1, In w2, Out y1, Out y2) {
+  return Run<false>(pool, x, {{&w1, &y1}, {&w2, &y2}});
+}
+ffi::Error Linear3(ffi::ThreadPool pool, In x, In w1, In w2, In w3, Out y1, Out y2, Out y3) {
+  return Run<false>(pool, x, {{&w1, &y1}, {&w2, &y2}, {&w3, &y3}});
+}
+
+}  // namespace
+
+#define NJ_W .Arg<ffi::Buffer<ffi::F32>>()
+#define NJ_Y .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinearF32, (Linear1<false>), ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_Y);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinearNtF32, (Linear1<true>), ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_Y);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinear2F32, Linear2, ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_Y NJ_Y);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinear3F32, Linear3,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_W NJ_Y NJ_Y NJ_Y);

@@ -1,0 +1,85 @@
+"""CPU linear kernel vs XLA's dot inside a whole decode step (what ``linear_impl="auto"`` chooses from).
+
+For each row count (batch x query slots: a decode batch of B sequences, or one sequence verifying γ + 1 slots), one
+jitted forward + LM-head step of the model is timed with ``linear_impl="xla"`` and with ``"cpu"`` (every product on
+the kernel), interleaved, ``--repeats`` times each; the median is kept. Prints a table and writes JSON.
+
+    python scripts/bench_linear.py --rows 1,2,3,4,5,6,8,12,16,32
+
+The ratio (xla / cpu > 1: the kernel is faster) is what sets ``NN_ROWS`` in ``kernels_pallas/linear/cpu.py``.
+Weights are random (``load_format=dummy`` shapes of the preset); timings do not depend on their values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from nightjar_jax.bench.common import machine_note, write_json  # noqa: E402
+from nightjar_jax.models.llama import BatchMetadata, allocate_kv_cache, init_model, make_model_fns  # noqa: E402
+from nightjar_jax.models.presets import get_preset  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a preset")
+    p.add_argument("--rows", default="1,2,3,4,5,6,8,12,16,32", help="decode batch sizes (one query slot each)")
+    p.add_argument("--verify", default="2,3,5", help="query slots of one sequence (γ + 1), verify-shaped")
+    p.add_argument("--context", type=int, default=64, help="tokens already in each sequence's cache")
+    p.add_argument("--repeats", type=int, default=12)
+    p.add_argument("--out", default="results/bench_linear.json")
+    args = p.parse_args()
+    cfg = get_preset(args.model).config
+    if cfg.dtype != "float32":
+        cfg = dataclasses.replace(cfg, dtype="float32")  # the kernel is float32-only
+    steps = {}
+    for impl in ("xla", "cpu"):
+        graphdef, state = init_model(cfg, seed=0, linear_impl=impl)
+        hidden_fn, logits_fn = make_model_fns(graphdef)
+
+        def step(state, tokens, kv, md, hidden_fn=hidden_fn, logits_fn=logits_fn):
+            hidden, kv = hidden_fn(state, tokens, kv, md)
+            return logits_fn(state, hidden), kv
+
+        steps[impl] = (jax.jit(step, donate_argnums=2), state)
+    shapes = [(b, 1) for b in map(int, args.rows.split(","))] + [(1, q) for q in map(int, args.verify.split(","))]
+    page = 16
+    rows = []
+    print(f"# {machine_note()['date']}  model {args.model}  context {args.context}  repeats {args.repeats}")
+    print("| shape (seqs x slots) | rows | XLA dot ms | kernel ms | XLA / kernel |")
+    print("|---|---:|---:|---:|---:|")
+    for seqs, slots in shapes:
+        pages_per_seq = (args.context + slots + page - 1) // page
+        kv = {impl: allocate_kv_cache(cfg, num_pages=seqs * pages_per_seq + 1, page_size=page) for impl in steps}
+        tokens = jnp.ones((seqs, slots), jnp.int32)
+        tables = np.arange(1, seqs * pages_per_seq + 1, dtype=np.int32).reshape(seqs, pages_per_seq)
+        md = BatchMetadata(block_tables=jnp.asarray(tables), context_lens=jnp.full((seqs,), args.context + slots,
+                                                                                   jnp.int32))
+        times = {impl: [] for impl in steps}
+        for r in range(args.repeats + 2):  # the first two: compile and warm up
+            for impl, (fn, state) in steps.items():
+                t0 = time.perf_counter()
+                out, kv[impl] = fn(state, tokens, kv[impl], md)
+                out.block_until_ready()
+                if r >= 2:
+                    times[impl].append(time.perf_counter() - t0)
+        xla_ms, cpu_ms = (1e3 * float(np.median(times[i])) for i in ("xla", "cpu"))
+        rows.append({"seqs": seqs, "slots": slots, "rows": seqs * slots, "xla_ms": xla_ms, "kernel_ms": cpu_ms})
+        print(f"| {seqs} x {slots} | {seqs * slots} | {xla_ms:.1f} | {cpu_ms:.1f} | {xla_ms / cpu_ms:.2f}x |",
+              flush=True)
+    write_json(args.out, {"args": vars(args), "machine": machine_note(), "rows": rows})
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The CPU linear custom calls (``kernels_pallas/linear/cpu.py``) against a float64 numpy product.
+
+Shapes cover both NN paths (streaming for < 6 rows, packed register tiles for >= 6 with a row remainder), column
+counts that are not multiples of the 8/16-wide vectors and panels, K not a multiple of the 4-row unroll or of the
+64-row block, the transposed (tied-head) kernel's 4-row and 3-row tiles with remainders, leading batch dimensions,
+jit, the dispatch rule (which products ``auto`` sends to the kernel), clear errors for bad dtypes and shapes, and a
+whole model giving the same logits with ``linear_impl="cpu"`` and ``"xla"``. Skips only when no C++ compiler
+exists (the reason is printed).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.linear import cpu
+from nightjar_jax.linear import linear, linear_many
+
+F32 = jnp.float32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    if not cpu.available():
+        pytest.skip(f"CPU linear kernel unavailable here: {cpu.unavailable_reason()}")
+
+
+def _data(m, k, n, *, transposed, seed=0):
+    rng = np.random.default_rng(seed + 1000 * m + 10 * k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k) if transposed else (k, n)).astype(np.float32)
+    return x, w
+
+
+def _check(x, w, *, transposed):
+    expected = x.astype(np.float64) @ (w.T if transposed else w).astype(np.float64)
+    actual = np.asarray(jax.jit(lambda a, b: cpu.linear_cpu(a, b, transposed=transposed))(x, w))
+    assert actual.shape == expected.shape and actual.dtype == np.float32
+    # float32 accumulation over K terms: error bound relative to sum |x| |w|
+    scale = np.abs(x).astype(np.float64) @ np.abs(w.T if transposed else w).astype(np.float64)
+    np.testing.assert_array_less(np.abs(actual - expected), 1e-5 * scale + 1e-6)
+
+
+NN_SHAPES = [
+    (1, 576, 960), (2, 64, 8), (3, 7, 5), (5, 130, 33), (2, 1, 17),  # streaming path; K tails; N tails
+    (6, 64, 16), (7, 130, 40), (13, 65, 23), (48, 576, 96), (50, 200, 130),  # packed path; row remainders
+]
+NT_SHAPES = [(1, 576, 4096), (2, 8, 4), (3, 7, 5), (4, 130, 65), (8, 1, 3), (9, 576, 130), (5, 64, 64)]
+
+
+@pytest.mark.parametrize("m,k,n", NN_SHAPES)
+def test_nn_matches_numpy(m, k, n):
+    _check(*_data(m, k, n, transposed=False), transposed=False)
+
+
+@pytest.mark.parametrize("m,k,n", NT_SHAPES)
+def test_nt_matches_numpy(m, k, n):
+    _check(*_data(m, k, n, transposed=True), transposed=True)
+
+
+def test_leading_dimensions_and_empty_k():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 40)).astype(np.float32)
+    w = rng.standard_normal((40, 24)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(cpu.linear_cpu(x, w)), x @ w, rtol=1e-5, atol=1e-5)
+    zeros = cpu.linear_cpu(jnp.ones((3, 0), F32), jnp.ones((0, 5), F32))
+    np.testing.assert_array_equal(np.asarray(zeros), np.zeros((3, 5), np.float32))
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="float32"):
+        cpu.linear_cpu(jnp.ones((2, 4), jnp.bfloat16), jnp.ones((4, 3), jnp.bfloat16))
+    with pytest.raises(ValueError, match="do not match"):
+        cpu.linear_cpu(jnp.ones((2, 4), F32), jnp.ones((5, 3), F32))
+    with pytest.raises(ValueError, match="do not match"):
+        cpu.linear_cpu(jnp.ones((2, 4), F32), jnp.ones((4, 3), F32), transposed=True)
+    with pytest.raises(ValueError, match="allowed"):
+        linear(jnp.ones((2, 4), F32), jnp.ones((4, 3), F32), impl="fast")
+
+
+@pytest.mark.parametrize("m", [1, 3, 7])
+@pytest.mark.parametrize("widths", [(40, 8), (64, 16, 16)])  # gate/up-like, q/k/v-like (GQA: narrower k, v)
+def test_many_weights_in_one_call(m, widths):
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, 72)).astype(np.float32)
+    ws = [rng.standard_normal((72, n)).astype(np.float32) for n in widths]
+    ys = jax.jit(lambda a, *b: cpu.linear_many_cpu(a, list(b)))(x, *ws)
+    for y, w in zip(ys, ws, strict=True):
+        np.testing.assert_allclose(np.asarray(y), x @ w, rtol=1e-5, atol=1e-4)
+    via_dispatch = linear_many(jnp.asarray(x), [jnp.asarray(w) for w in ws], impl="cpu")
+    np.testing.assert_allclose(np.asarray(via_dispatch[0]), np.asarray(ys[0]), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu.linear_many_cpu(jnp.asarray(x), [jnp.asarray(ws[0]), jnp.ones((71, 4), F32)])
+    with pytest.raises(ValueError, match="2 or 3"):
+        cpu.linear_many_cpu(jnp.asarray(x), [jnp.asarray(ws[0])])
+
+
+def _uses_kernel(fn, *args) -> bool:
+    return "nightjar_linear" in jax.jit(fn).lower(*args).as_text()
+
+
+def test_auto_dispatch_follows_the_measured_row_ranges():
+    w, w_t = jnp.ones((64, 32), F32), jnp.ones((32, 64), F32)
+    for rows in (1, 2, 5, 6, 8, 9, 48):
+        x = jnp.ones((rows, 64), F32)
+        lo, hi = cpu.NN_ROWS
+        assert _uses_kernel(lambda a, b: linear(a, b), x, w) == (lo <= rows <= hi)
+        lo, hi = cpu.NT_ROWS
+        assert _uses_kernel(lambda a, b: linear(a, b, transposed=True), x, w_t) == (lo <= rows <= hi)
+    x = jnp.ones((4, 64), F32)
+    assert _uses_kernel(lambda a, b: linear_many(a, [b, b]), x, w)
+    assert not _uses_kernel(lambda a, b: linear_many(a, [b, b]), jnp.ones((1, 64), F32), w)
+    assert not _uses_kernel(lambda a, b: linear(a, b, impl="xla"), x, w)
+    assert _uses_kernel(lambda a, b: linear(a, b, impl="cpu"), jnp.ones((1, 64), F32), w)
+    assert not _uses_kernel(lambda a, b: linear(a, b), x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    np.testing.assert_allclose(np.asarray(linear(x, w)), np.asarray(linear(x, w, impl="xla")), rtol=1e-6)
+
+
+@pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-mha"])  # tied head (transposed kernel) and untied
+def test_model_logits_match_with_and_without_the_kernel(preset):
+    from nightjar_jax.models.llama import BatchMetadata, allocate_kv_cache, init_model, make_model_fns
+    from nightjar_jax.models.presets import get_preset
+
+    cfg = get_preset(preset).config
+    assert cfg.dtype == "float32"
+    outs = {}
+    for impl in ("xla", "cpu"):  # "cpu": every product on the kernel, whatever its row count
+        graphdef, state = init_model(cfg, seed=3, linear_impl=impl)
+        hidden_fn, logits_fn = make_model_fns(graphdef)
+        kv = allocate_kv_cache(cfg, num_pages=8, page_size=4)
+        tokens = jnp.asarray(np.arange(10, dtype=np.int32).reshape(2, 5) * 37 % cfg.vocab_size)
+        md = BatchMetadata(block_tables=jnp.asarray([[1, 2], [3, 4]], jnp.int32),
+                           context_lens=jnp.asarray([5, 5], jnp.int32))
+        hidden, _ = jax.jit(hidden_fn)(state, tokens, kv, md)
+        outs[impl] = np.asarray(jax.jit(logits_fn)(state, hidden))
+    np.testing.assert_allclose(outs["cpu"], outs["xla"], rtol=2e-4, atol=2e-4)
