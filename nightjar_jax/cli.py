@@ -15,8 +15,8 @@ from typing import Any
 
 from nightjar_jax.config import (
     ATTENTION_IMPLS,
-    LINEAR_IMPLS,
     DTYPES,
+    LINEAR_IMPLS,
     LOAD_FORMATS,
     EngineConfig,
     engine_config_fields,

@@ -264,7 +264,8 @@ def main() -> None:
     for p in peer.values():
         p.pop("tokens", None)
     write_json(args.out, {"args": vars(args), "machine": meta, "prompt_source": source, "bandwidth": bw,
-                          "weight_bytes": weight_bytes, "floor_ms": 1e3 * floor_s, "nightjar": ours, "nightjar_linear_xla": ours_xla, "peer": peer,
+                          "weight_bytes": weight_bytes, "floor_ms": 1e3 * floor_s, "nightjar": ours,
+                          "nightjar_linear_xla": ours_xla, "peer": peer,
                           "host": host, "goals": goals})
     print(f"wrote {args.out}")
 

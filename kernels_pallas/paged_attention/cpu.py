@@ -20,7 +20,6 @@ import numpy as np
 
 from kernels_pallas.cpu_build import CpuKernelLibrary
 
-
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGETS = {  # pool dtype -> FFI target name
     jnp.dtype(jnp.float32): "nightjar_paged_attention_f32",

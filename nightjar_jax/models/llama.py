@@ -125,7 +125,8 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         num_seqs, q_len, _ = x.shape
         x = x.astype(self.q_proj.kernel.dtype)
-        q, k, v = linear_many(x, [p.kernel[...] for p in (self.q_proj, self.k_proj, self.v_proj)], impl=self.linear_impl)
+        weights = [p.kernel[...] for p in (self.q_proj, self.k_proj, self.v_proj)]
+        q, k, v = linear_many(x, weights, impl=self.linear_impl)
         q = q.reshape(num_seqs, q_len, self.num_heads, self.head_dim)
         k = k.reshape(num_seqs, q_len, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_seqs, q_len, self.num_kv_heads, self.head_dim)
@@ -171,8 +172,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         impl = self.linear_impl
-        gate, up = linear_many(x.astype(self.gate_proj.kernel.dtype), [self.gate_proj.kernel[...], self.up_proj.kernel[...]],
-                               impl=impl)
+        x = x.astype(self.gate_proj.kernel.dtype)
+        gate, up = linear_many(x, [self.gate_proj.kernel[...], self.up_proj.kernel[...]], impl=impl)
         h = jax.nn.silu(gate) * up
         return _project(self.down_proj, h, impl)
 

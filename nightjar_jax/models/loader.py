@@ -232,7 +232,8 @@ def load_model(
     if ckpt.state_dict is None:
         graphdef, state = random_state(ckpt.config, seed=seed, attention_impl=attention_impl, linear_impl=linear_impl)
     else:
-        graphdef, state = state_from_hf(ckpt.config, ckpt.state_dict, attention_impl=attention_impl, linear_impl=linear_impl,
+        graphdef, state = state_from_hf(ckpt.config, ckpt.state_dict, attention_impl=attention_impl,
+                                        linear_impl=linear_impl,
                                         source=ckpt.source)
         ckpt.state_dict = None
     return ckpt, graphdef, state
