@@ -70,6 +70,25 @@ class ModelHandle:
     def __post_init__(self) -> None:
         if self.fns is None:
             self.fns = make_model_fns(self.graphdef)
+        self._flat: tuple[object, tuple] | None = None  # (the state object the leaves came from, leaves)
+        self.treedef = jax.tree.structure(self.state)
+
+    def leaves(self) -> tuple:
+        """The state's arrays as a flat tuple, for the jitted steps (which rebuild the state with :meth:`unflatten`).
+
+        A jitted call flattens its arguments on every call; for an ``nnx.State`` of a 30-layer model (273 arrays)
+        that costs ~0.65 ms of Python per call on the project's CPU, against ~0.1 ms for a tuple. Cached until
+        ``state`` is replaced (which must keep the same structure: the compiled steps rebuild it from ``treedef``).
+        """
+        if self._flat is None or self._flat[0] is not self.state:
+            leaves, treedef = jax.tree.flatten(self.state)
+            if treedef != self.treedef:
+                raise ValueError("ModelHandle.state was replaced by a state of a different structure")
+            self._flat = (self.state, tuple(leaves))
+        return self._flat[1]
+
+    def unflatten(self, leaves) -> nnx.State | dict:
+        return jax.tree.unflatten(self.treedef, leaves)
 
 
 @dataclass
@@ -136,7 +155,8 @@ class ModelRunner:
     def _build_jitted(self) -> None:
         t_hidden, t_logits = self.target.fns
 
-        def forward_sample(state, kv, tokens, block_tables, context_lens, query_lens, st, all_greedy):
+        def forward_sample(leaves, kv, tokens, block_tables, context_lens, query_lens, st, all_greedy):
+            state = self.target.unflatten(leaves)
             md = BatchMetadata(block_tables, context_lens, query_lens)
             hidden, kv = t_hidden(state, tokens, kv, md)
             logits = t_logits(state, hidden[:, -1])  # [S, V] f32
@@ -152,12 +172,14 @@ class ModelRunner:
             return
         d_hidden, d_logits = self.draft.fns
 
-        def draft_fill(state, kv, tokens, block_tables, context_lens, query_lens):
+        def draft_fill(leaves, kv, tokens, block_tables, context_lens, query_lens):
+            state = self.draft.unflatten(leaves)
             _, kv = d_hidden(state, tokens, kv, BatchMetadata(block_tables, context_lens, query_lens))
             return kv
 
-        def propose(state, kv, tokens, block_tables, context_lens, st, gamma, all_greedy):
+        def propose(leaves, kv, tokens, block_tables, context_lens, st, gamma, all_greedy):
             """tokens [S, 2] = the last two committed tokens; context_lens [S] = committed tokens n."""
+            state = self.draft.unflatten(leaves)
             num_seqs = tokens.shape[0]
             vocab = self.draft.config.vocab_size
             real = (context_lens > 0).astype(jnp.int32)  # [S]: 0 for padding rows
@@ -189,8 +211,9 @@ class ModelRunner:
             draft_tokens, draft_probs, kv = jax.lax.fori_loop(1, gamma, body, (draft_tokens, draft_probs, kv))
             return draft_tokens, draft_probs, kv
 
-        def verify(state, kv, last_tokens, draft_tokens, draft_probs, block_tables, context_lens, st, all_greedy):
+        def verify(leaves, kv, last_tokens, draft_tokens, draft_probs, block_tables, context_lens, st, all_greedy):
             """last_tokens [S]; draft_tokens [S, γ]; context_lens [S] = n + γ."""
+            state = self.target.unflatten(leaves)
             tokens = jnp.concatenate([last_tokens[:, None], draft_tokens], axis=1)  # [S, γ + 1]
             query_lens = jnp.where(context_lens > 0, tokens.shape[1], 0).astype(jnp.int32)
             hidden, kv = t_hidden(state, tokens, kv, BatchMetadata(block_tables, context_lens, query_lens))
@@ -256,7 +279,7 @@ class ModelRunner:
         st = self._sampling_tensors(requests, num_rows)
         bt = self._block_tables(requests, num_rows)
         next_tokens, self.kv = self._forward_sample(
-            self.target.state, self.kv, tokens, bt, context_lens, query_lens, st, all_greedy
+            self.target.leaves(), self.kv, tokens, bt, context_lens, query_lens, st, all_greedy
         )
         return np.asarray(next_tokens)[: len(requests)]
 
@@ -291,13 +314,13 @@ class ModelRunner:
             last_two[i] = (r.token_at(r.num_tokens - 2), r.token_at(r.num_tokens - 1))
             n[i] = r.num_tokens
         draft_tokens, draft_probs, self.draft_kv = self._propose(
-            self.draft.state, self.draft_kv, last_two, bt, n, st, gamma, all_greedy
+            self.draft.leaves(), self.draft_kv, last_two, bt, n, st, gamma, all_greedy
         )
         draft_tokens.block_until_ready()
         t2 = time.perf_counter()
         verify_lens = np.where(n > 0, n + gamma, 0).astype(np.int32)
         out, num_accepted, self.kv = self._verify(
-            self.target.state, self.kv, last_two[:, 1], draft_tokens, draft_probs, bt, verify_lens, st, all_greedy
+            self.target.leaves(), self.kv, last_two[:, 1], draft_tokens, draft_probs, bt, verify_lens, st, all_greedy
         )
         out_np, acc_np = np.asarray(out), np.asarray(num_accepted)
         t3 = time.perf_counter()
@@ -340,7 +363,7 @@ class ModelRunner:
                 r.num_draft_computed += c
                 total += c
             bt = self._block_tables(rows, num_rows)
-            self.draft_kv = self._draft_fill(self.draft.state, self.draft_kv, tokens, bt, context_lens, query_lens)
+            self.draft_kv = self._draft_fill(self.draft.leaves(), self.draft_kv, tokens, bt, context_lens, query_lens)
 
     # ---- compilation ----------------------------------------------------------------------------------------------
     def warmup_widths(self, max_context: int | None = None) -> list[int]:
@@ -375,17 +398,17 @@ class ModelRunner:
                     for gamma in gammas:
                         if gamma == 0:
                             _, self.kv = self._forward_sample(
-                                self.target.state, self.kv, np.zeros((num_rows, 1), np.int32), bt, zeros, zeros,
+                                self.target.leaves(), self.kv, np.zeros((num_rows, 1), np.int32), bt, zeros, zeros,
                                 st, all_greedy,
                             )
                             keys.append(("forward_sample", num_rows, 1, width, all_greedy))
                         else:
                             tokens, probs, self.draft_kv = self._propose(
-                                self.draft.state, self.draft_kv, np.zeros((num_rows, 2), np.int32), bt, zeros, st,
+                                self.draft.leaves(), self.draft_kv, np.zeros((num_rows, 2), np.int32), bt, zeros, st,
                                 gamma, all_greedy,
                             )
                             out, _, self.kv = self._verify(
-                                self.target.state, self.kv, zeros, tokens, probs, bt, zeros, st, all_greedy
+                                self.target.leaves(), self.kv, zeros, tokens, probs, bt, zeros, st, all_greedy
                             )
                             out.block_until_ready()
                             keys += [("propose", num_rows, gamma, width, all_greedy),
