@@ -29,7 +29,7 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, Work work) {
   auto drain = [shared, items, work]() mutable {
     for (int64_t it; (it = shared->next.fetch_add(1)) < items;) work(it);
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items - 1);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, items - 1);
   for (int64_t t = 0; t < helpers; ++t) {
     pool.Schedule([shared, items, drain]() mutable {
       {

@@ -24,6 +24,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 #include "../cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -71,11 +75,41 @@ inline float ExpNonPositive(float x) {
   return x < -87.0f ? 0.0f : e * scale;
 }
 
-// A key/value row as float: float rows are used in place, bf16 rows are widened into buf.
-inline const float* Row(const float* src, float*, int64_t) { return src; }
-inline const float* Row(const uint16_t* src, float* buf, int64_t d) {
-  for (int64_t j = 0; j < d; ++j) buf[j] = ToFloat(src[j]);
+// A page's first `count` floats: float pages in place, bf16 pages widened into buf.
+inline const float* PageRows(const float* src, float*, int64_t) { return src; }
+inline const float* PageRows(const uint16_t* src, float* buf, int64_t count) {
+  for (int64_t j = 0; j < count; ++j) buf[j] = ToFloat(src[j]);
   return buf;
+}
+
+typedef float v8 __attribute__((vector_size(32)));                       // 8 floats in one AVX register
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));  // the same, at any float address
+inline v8 Load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void Store8(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
+inline v8 Splat8(float x) { return v8{x, x, x, x, x, x, x, x}; }
+
+// out[u] = dot(q, kr + u * D) for the 8 key rows u < 8 (D % 8 == 0): eight independent accumulators (a single
+// accumulator per dot product waits on the FMA latency), then one transposing reduction.
+inline void Dot8(const float* q, const float* kr, int64_t D, float* out) {
+  v8 a[8];
+  for (int u = 0; u < 8; ++u) a[u] = Splat8(0.0f);
+  for (int64_t j = 0; j < D; j += 8) {
+    const v8 qv = Load8(q + j);
+    for (int u = 0; u < 8; ++u) a[u] += qv * Load8(kr + u * D + j);
+  }
+#if defined(__AVX__)
+  const __m256 b0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), b1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+  const __m256 b2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), b3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+  const __m256 c0 = _mm256_hadd_ps(b0, b1), c1 = _mm256_hadd_ps(b2, b3);  // [u0..u3 low, u0..u3 high], u4..u7
+  const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
+  _mm256_storeu_ps(out, sum);
+#else
+  for (int u = 0; u < 8; ++u) {
+    float t = 0.0f;
+    for (int l = 0; l < 8; ++l) t += a[u][l];
+    out[u] = t;
+  }
+#endif
 }
 
 struct Dims {
@@ -91,11 +125,12 @@ void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const in
   // the last row of the block has the largest query position; keys past it are masked for every row
   const int64_t last_pos = ctx - n.Q + (r1 - 1) / G;
   const int64_t num_keys = std::max<int64_t>(0, std::min<int64_t>(ctx, last_pos + 1));
-  scratch.resize(static_cast<size_t>(R * D * 2 + R * std::max<int64_t>(num_keys, 1) + 2 * D));
+  scratch.resize(static_cast<size_t>(R * D * 2 + R * std::max<int64_t>(num_keys, 1) + n.PS * D));
   float* qf = scratch.data();          // [R, D] scaled queries
   float* acc = qf + R * D;             // [R, D]
   float* sc = acc + R * D;             // [R, num_keys] scores, then probabilities
-  float* rowbuf = sc + R * std::max<int64_t>(num_keys, 1);  // [2 * D] widened bf16 rows
+  float* pagebuf = sc + R * std::max<int64_t>(num_keys, 1);  // [PS, D] a widened bf16 page
+  const bool vec = D % 8 == 0;         // the vector paths; any other head size takes the scalar loops
   int64_t pos[kRowBlock];
   for (int64_t r = 0; r < R; ++r) {
     const int64_t row = r0 + r, i = row / G, g = row % G;
@@ -106,18 +141,52 @@ void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const in
   }
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // pass 1: scores (each key row read once for the block)
-  for (int64_t key = 0; key < num_keys; ++key) {
-    const int32_t page = bt[s * n.W + key / n.PS];
+  // keys are walked page by page (no division per key; a page's rows are contiguous)
+  for (int64_t key0 = 0, lp = 0; key0 < num_keys; key0 += n.PS, ++lp) {
+    const int32_t page = bt[s * n.W + lp];
     if (page < 0 || page >= n.NP) {
       bad_page.store(true, std::memory_order_relaxed);
       return;
     }
-    const float* kr = Row(k + ((h * n.NP + page) * n.PS + key % n.PS) * D, rowbuf, D);
-    for (int64_t r = 0; r < R; ++r) {
-      float dot = 0.0f;
-      const float* qr = qf + r * D;
-      for (int64_t j = 0; j < D; ++j) dot += qr[j] * kr[j];
-      sc[r * num_keys + key] = key <= pos[r] ? dot : neg_inf;
+    const T* base = k + (h * n.NP + page) * n.PS * D;
+    const int64_t nk = std::min<int64_t>(n.PS, num_keys - key0);
+    // Pages are scattered, so the hardware prefetcher restarts at each one: fetch the next key page, and this
+    // page's values (read again in pass 3, from L2), while this page's scores are computed.
+    const int64_t page_bytes = nk * D * static_cast<int64_t>(sizeof(T));
+    const char* vpage = reinterpret_cast<const char*>(v + (h * n.NP + page) * n.PS * D);
+    for (int64_t off = 0; off < page_bytes; off += 64) __builtin_prefetch(vpage + off, 0, 2);
+    if (key0 + n.PS < num_keys) {
+      const int32_t next = bt[s * n.W + lp + 1];
+      if (next >= 0 && next < n.NP) {
+        const char* kn = reinterpret_cast<const char*>(k + (h * n.NP + next) * n.PS * D);
+        for (int64_t off = 0; off < n.PS * D * static_cast<int64_t>(sizeof(T)); off += 64) {
+          __builtin_prefetch(kn + off, 0, 2);
+        }
+      }
+    }
+    const float* kp = PageRows(base, pagebuf, nk * D);
+    int64_t t = 0;
+    if (vec) {
+      for (; t + 8 <= nk; t += 8) {
+        for (int64_t r = 0; r < R; ++r) {
+          float d8[8];
+          Dot8(qf + r * D, kp + t * D, D, d8);
+          for (int u = 0; u < 8; ++u) {
+            const int64_t key = key0 + t + u;
+            sc[r * num_keys + key] = key <= pos[r] ? d8[u] : neg_inf;
+          }
+        }
+      }
+    }
+    for (; t < nk; ++t) {
+      const int64_t key = key0 + t;
+      const float* kr = kp + t * D;
+      for (int64_t r = 0; r < R; ++r) {
+        float dot = 0.0f;
+        const float* qr = qf + r * D;
+        for (int64_t j = 0; j < D; ++j) dot += qr[j] * kr[j];
+        sc[r * num_keys + key] = key <= pos[r] ? dot : neg_inf;
+      }
     }
   }
   // pass 2: softmax per row (a row with no visible key, i.e. left padding, keeps zeros)
@@ -136,14 +205,37 @@ void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const in
     for (int64_t key = 0; key < visible; ++key) row[key] *= inv;
   }
   // pass 3: weighted sum of value rows (each read once for the block)
-  for (int64_t key = 0; key < num_keys; ++key) {
-    const int32_t page = bt[s * n.W + key / n.PS];
-    const float* vr = Row(v + ((h * n.NP + page) * n.PS + key % n.PS) * D, rowbuf + D, D);
+  for (int64_t key0 = 0, lp = 0; key0 < num_keys; key0 += n.PS, ++lp) {
+    const T* base = v + (h * n.NP + bt[s * n.W + lp]) * n.PS * D;
+    const int64_t nk = std::min<int64_t>(n.PS, num_keys - key0);
+    const float* vp = PageRows(base, pagebuf, nk * D);
     for (int64_t r = 0; r < R; ++r) {
-      if (key > pos[r]) continue;
-      const float p = sc[r * num_keys + key];
+      const int64_t visible = std::min<int64_t>(nk, pos[r] - key0 + 1);  // this page's keys row r sees
+      const float* pr = sc + r * num_keys + key0;
       float* a = acc + r * D;
-      for (int64_t j = 0; j < D; ++j) a[j] += p * vr[j];
+      int64_t j = 0;
+      if (vec) {
+        for (; j + 32 <= D; j += 32) {  // four independent accumulators over the page's keys
+          v8 a0 = Load8(a + j), a1 = Load8(a + j + 8), a2 = Load8(a + j + 16), a3 = Load8(a + j + 24);
+          for (int64_t t = 0; t < visible; ++t) {
+            const v8 p = Splat8(pr[t]);
+            const float* vr = vp + t * D + j;
+            a0 += p * Load8(vr);
+            a1 += p * Load8(vr + 8);
+            a2 += p * Load8(vr + 16);
+            a3 += p * Load8(vr + 24);
+          }
+          Store8(a + j, a0);
+          Store8(a + j + 8, a1);
+          Store8(a + j + 16, a2);
+          Store8(a + j + 24, a3);
+        }
+      }
+      for (; j < D; ++j) {
+        float x = a[j];
+        for (int64_t t = 0; t < visible; ++t) x += pr[t] * vp[t * D + j];
+        a[j] = x;
+      }
     }
   }
   for (int64_t r = 0; r < R; ++r) {
