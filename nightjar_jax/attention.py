@@ -3,7 +3,7 @@
 - ``reference``: the pure-jnp oracle in ``kernels_pallas/paged_attention/reference.py``.
 - ``pallas``: the Pallas kernel; compiled on GPU/TPU, interpreted (``interpret=True``) on CPU for tests.
 - ``cpu``: the C++ XLA FFI kernel in ``kernels_pallas/paged_attention/cpu.py`` (CPU backend only; built on first
-  use, ~4-5x faster than the reference at batch 32).
+  use; ~7x faster than the reference at batch 32 with 64-token contexts: 30 layers 3.7 vs 27 ms).
 - ``auto``: ``pallas`` on GPU/TPU; on CPU, ``cpu`` when that kernel builds, else ``reference``.
 
 All implementations share one contract (see the reference's docstring): q ``[num_seqs, q_len, num_q_heads,
