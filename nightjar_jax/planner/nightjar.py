@@ -85,7 +85,9 @@ Choices where the paper leaves room (why each, also in docs/planner.md):
    ordinary observation. This is the one structural deviation from the paper: a probe changes the arm inside
    a bin (two switches), at most once per exploration bin. It is what keeps cold start cheap where one arm
    dominates (docs/benchmarks.md, CPU profile, cold vs AR: -6.7% -> -0.13% on low-burst-low, -2.8% ->
-   -0.09% on oscillating).
+   -0.09% on oscillating). `probe_every_bin=True` also probes in exploitation bins (within the same credit):
+   a wrongly eliminated arm is then re-checked at the budget's rate, not the decaying exploration rate, at the
+   price of probes (and switches) that recur at a constant rate (docs/planner.md, choice 14).
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ class NightjarOptions:
     probe_length: int = 1  # an exploration bin spends this many decisions on a dominated arm, then exploits
     #                        (0: dominated arms are never explored)
     probe_budget: float = 0.002  # probes may spend this fraction of a context's step seconds (expected regret)
+    probe_every_bin: bool = False  # True: probe at any bin start the credit covers, not only in exploration bins
     probe_reset_z: float = 3.0  # a probe this many predictive sds above its arm's estimate restarts the context
     seed: int = 0  # seeds the exploration coin flips and tie breaks
 
@@ -160,6 +163,8 @@ class NightjarOptions:
             raise ValueError(f"probe_length must be an int >= 0 (0: no probes), got {self.probe_length!r}")
         if not (math.isfinite(self.probe_budget) and 0 <= self.probe_budget <= 1):
             raise ValueError(f"probe_budget must be in [0, 1], got {self.probe_budget}")
+        if not isinstance(self.probe_every_bin, bool):
+            raise ValueError(f"probe_every_bin must be a bool, got {self.probe_every_bin!r}")
         if not self.probe_reset_z > 0:
             raise ValueError(
                 f"probe_reset_z must be > 0 (inf: probes never restart a context), got {self.probe_reset_z}"
@@ -418,18 +423,27 @@ class NightjarPlanner(Planner):
             plausible = [a for a in candidates if a not in dominated]
             if plausible:  # the paper's exploration bin
                 return self._least_played(state, plausible), True
-            if dominated and self.options.probe_length > 0:
-                # A short re-check of a dominated arm, paid from the context's probe credit (choice 14).
-                arm = self._least_played(state, dominated)
-                length = min(self.options.probe_length, state.bin_length)
-                crossing = previous is not None and (previous == 0) != (arm == 0)
-                # Its expected regret: the share of the greedy's reward it loses, over its step time, plus a switch.
-                loss = max(0.0, 1.0 - means[arm] / means[greedy]) if means[greedy] > 0 else 1.0
-                cost = length * self.mean_seconds(state, arm) * loss + (switch_cost if crossing else 0.0)
-                if cost <= state.probe_credit:
-                    state.probe_credit -= cost
-                    state.probe_arm, state.probe_remaining = arm, length
+            self._maybe_probe(state, dominated, greedy, means, previous, switch_cost)
+        elif self.options.probe_every_bin:
+            candidates = [a for a in arms if a != greedy and crossing_allowed(a)]
+            self._maybe_probe(state, [a for a in candidates if self._dominated(state, a, greedy)], greedy, means,
+                              previous, switch_cost)
         return greedy, False
+
+    def _maybe_probe(self, state: ContextState, dominated: list[int], greedy: int, means: dict[int, float],
+                     previous: int | None, switch_cost: float) -> None:
+        """A short re-check of a dominated arm, paid from the context's probe credit (choice 14)."""
+        if not dominated or self.options.probe_length <= 0:
+            return
+        arm = self._least_played(state, dominated)
+        length = min(self.options.probe_length, state.bin_length)
+        crossing = previous is not None and (previous == 0) != (arm == 0)
+        # Its expected regret: the share of the greedy's reward it loses, over its step time, plus a switch.
+        loss = max(0.0, 1.0 - means[arm] / means[greedy]) if means[greedy] > 0 else 1.0
+        cost = length * self.mean_seconds(state, arm) * loss + (switch_cost if crossing else 0.0)
+        if cost <= state.probe_credit:
+            state.probe_credit -= cost
+            state.probe_arm, state.probe_remaining = arm, length
 
     def _least_played(self, state: ContextState, candidates: list[int]) -> int:
         fewest = min(state.decisions[a] for a in candidates)

@@ -167,3 +167,40 @@ def test_new_options_have_working_extremes():
         gammas, _ = run(planner, SyntheticEnv(**AR_WINS, seed=6), _sweeps(1))
         assert planner.best_arms()[planner.context_of(1)] == 0
         assert Planner.from_json(planner.to_json()).options == planner.options
+
+
+def _wrongly_eliminated(probe_every_bin: bool, seed: int = 0):
+    """A context that learned speculation (every γ > 0) from a few unlucky steps as far worse than AR, as a warm
+    start can carry over, in an environment where γ = 2 is in fact best and AR 27% worse. No exploration bins
+    (explore_scale=0), so only probes can re-check γ > 0. Returns the γs chosen and the per-step expected regret."""
+    env = SyntheticEnv(**SPEC_WINS, seed=seed)
+    assert env.best_gamma(8, 4) == 2
+    planner = make_planner("nightjar", 4, seed=seed, explore_scale=0.0, probe_every_bin=probe_every_bin)
+    for gamma in range(5):  # every arm tried 12 times; each γ > 0 committed 4-5 tokens per step for 8 sequences
+        for i in range(12):
+            planner.select(8)
+            num_tokens, seconds, switch = env.step(8, gamma)
+            if gamma > 0:
+                num_tokens = 4 + i % 2
+            planner.observe(gamma, 8, num_tokens, seconds, switch)
+    state = planner.contexts[planner.context_of(8)]
+    assert all(planner._dominated(state, g, 0) for g in range(1, 5))
+    gammas, regrets = run(planner, env, [8] * 8_000)
+    return np.asarray(gammas), np.asarray(regrets)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_probe_every_bin_recovers_wrongly_eliminated_arms(seed):
+    # Default (probes only in exploration bins): nothing ever re-checks γ > 0 here; it stays on AR.
+    stuck, stuck_regret = _wrongly_eliminated(probe_every_bin=False, seed=seed)
+    assert (stuck[-4000:] == 0).mean() > 0.99
+    # probe_every_bin: a probe paid from the credit finds γ > 0 far above its estimate, change detection restarts
+    # the context, and it relearns that speculation pays (γ = 2-4 are within 5% of one another, AR 27% below).
+    recovered, recovered_regret = _wrongly_eliminated(probe_every_bin=True, seed=seed)
+    assert (recovered[-4000:] > 0).mean() > 0.95, np.bincount(recovered[-4000:], minlength=5)
+    assert recovered_regret[-4000:].mean() < 0.2 * stuck_regret[-4000:].mean()
+
+
+def test_probe_every_bin_is_validated():
+    with pytest.raises(ValueError, match="probe_every_bin"):
+        make_planner("nightjar", 4, probe_every_bin="yes")
