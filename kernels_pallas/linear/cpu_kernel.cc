@@ -276,7 +276,7 @@ template <bool kTransposed>
 ffi::Error RunSegments(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const std::vector<Segment>& segments) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   const float* xp = x.typed_data();
-  const int64_t threads = pool.num_threads() + 1;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());  // ParallelFor: helpers + the caller
   int64_t total = 0;
   for (const Segment& s : segments) total += s.N;
   struct Item {

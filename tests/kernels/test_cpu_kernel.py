@@ -60,6 +60,18 @@ def test_auto_picks_the_cpu_kernel_and_matches_reference():
                  paged_attention_reference(*case.args, scale=case.scale))
 
 
+@pytest.mark.parametrize("head_dim", [8, 12, 40, 128])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_head_sizes_cover_every_vector_path(head_dim, dtype):
+    # 8: 8-key dot products, scalar value sums; 12: scalar everywhere (not a multiple of 8); 40: one 32-wide value
+    # chunk plus a scalar tail; 128: four chunks. Contexts leave partial 8-key groups and partial pages; q_len 3
+    # with GQA 2 gives blocks whose rows see different numbers of keys.
+    for page_size in (4, 16):
+        case = make_case([1, 7, 8, 9, 30, 41], q_len=3, num_q_heads=4, num_kv_heads=2, page_size=page_size,
+                         head_dim=head_dim, dtype=dtype, seed=head_dim + page_size)
+        _check(case)
+
+
 def test_bad_page_id_is_an_error_not_a_crash():
     case = make_case([5, 9], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
     bt = case.block_tables.at[1, 0].set(case.k_pages.shape[1] + 7)
