@@ -107,3 +107,18 @@ def test_nightjar_variant_option_parses_and_validates(sim_planners):
     for bad in ("before", "nightjar={}", "x=[1]", "x={bad json}", 'x={"probe_length": -1}', 'x={"nope": 1}'):
         with pytest.raises(argparse.ArgumentTypeError):
             sim_planners.parse_variant(bad)
+
+
+def test_default_pair_profile_has_the_crossover_it_was_measured_with():
+    """measured_smollm2_draft_cpu.json (docs/benchmarks.md, issue 6): per token, γ = 1 beats AR at batch 1 and AR
+    beats every γ > 0 at batch 32, so an adaptive planner has something to learn on it."""
+    p = CostProfile.from_json(PROFILES_DIR / "measured_smollm2_draft_cpu.json")
+    assert p.kind == "measured" and "smollm2" in p.target and p.draft == "smollm2-draft"
+    assert p.gamma_max == 3 and all(0.1 < a < 0.6 for a in p.acceptance_per_position)
+
+    def seconds_per_token(batch: int, gamma: int, context: float) -> float:
+        return p.step_seconds(batch, gamma, context) / p.expected_tokens(gamma)
+
+    for context in p.context_lengths:
+        assert seconds_per_token(1, 1, context) < seconds_per_token(1, 0, context)
+        assert all(seconds_per_token(32, g, context) > seconds_per_token(32, 0, context) for g in (1, 2, 3))
