@@ -26,19 +26,27 @@ def check_impl(impl: str) -> str:
     return impl
 
 
+def _on_kernel(x: jax.Array, w: jax.Array, impl: str, *, transposed: bool = False) -> bool:
+    """Whether ``impl`` sends ``x @ w`` to the CPU kernel (decided at trace time: shapes are static)."""
+    if impl == "xla" or jax.default_backend() != "cpu" or x.dtype != jnp.float32 or x.size == 0:
+        return False
+    from kernels_pallas.linear import cpu
+
+    if impl == "auto":
+        return cpu.use_kernel(x.shape, w, transposed=transposed)
+    return w.dtype == jnp.float32 and cpu.available()
+
+
 def linear(x: jax.Array, w: jax.Array, *, impl: str = "auto", transposed: bool = False,
            out_dtype: jnp.dtype | None = None) -> jax.Array:
     """``x [..., K] @ w`` with ``w [K, N]`` (or ``[N, K]`` when ``transposed``); result in ``out_dtype``
     (default: x's dtype), accumulated in at least float32 precision for float32 inputs."""
     check_impl(impl)
-    if impl != "xla" and jax.default_backend() == "cpu":
+    if _on_kernel(x, w, impl, transposed=transposed):
         from kernels_pallas.linear import cpu
 
-        wants = cpu.use_kernel(x.shape, w, transposed=transposed) if impl == "auto" else (
-            w.dtype == jnp.float32 and cpu.available())
-        if wants and x.dtype == jnp.float32 and x.size > 0:
-            y = cpu.linear_cpu(x, w, transposed=transposed)
-            return y if out_dtype is None else y.astype(out_dtype)
+        y = cpu.linear_cpu(x, w, transposed=transposed)
+        return y if out_dtype is None else y.astype(out_dtype)
     spec = "...k,nk->...n" if transposed else "...k,kn->...n"
     return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
 
@@ -47,11 +55,8 @@ def linear_many(x: jax.Array, ws: list[jax.Array], *, impl: str = "auto") -> lis
     """``[linear(x, w) for w in ws]`` for 2 or 3 weights ``[K, N_i]`` sharing x (q/k/v, gate/up): on the kernel,
     one custom call for all of them."""
     check_impl(impl)
-    if impl != "xla" and jax.default_backend() == "cpu" and len(ws) in (2, 3) and x.dtype == jnp.float32 and x.size:
+    if len(ws) in (2, 3) and all(_on_kernel(x, w, impl) for w in ws):
         from kernels_pallas.linear import cpu
 
-        if all(cpu.use_kernel(x.shape, w) if impl == "auto" else w.dtype == jnp.float32 for w in ws) and (
-            cpu.available()
-        ):
-            return cpu.linear_many_cpu(x, ws)
+        return cpu.linear_many_cpu(x, ws)
     return [linear(x, w, impl="xla") for w in ws]

@@ -59,18 +59,23 @@ def use_kernel(x_shape: tuple[int, ...], w: jax.Array, *, transposed: bool = Fal
     )
 
 
-def linear_cpu(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
-    """``x [..., K] @ w`` (``w [K, N]``, or ``[N, K]`` when ``transposed``) -> ``[..., N]`` float32."""
+def _rows(x: jax.Array, ws, *, transposed: bool = False) -> jax.Array:
+    """Checks the operands of a call and returns x as ``[rows, K]``."""
     if not available():
         raise RuntimeError(f"the CPU linear kernel is unavailable: {unavailable_reason()}")
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
-        raise ValueError(f"the CPU linear kernel takes float32 x and w; got {x.dtype} and {w.dtype}")
-    if w.ndim != 2 or x.ndim < 1:
-        raise ValueError(f"x must be [..., K] and w 2-D; got x {x.shape}, w {w.shape}")
-    k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x {x.shape} and w {w.shape}{' (transposed: [N, K])' if transposed else ''} do not match")
-    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    if x.dtype != jnp.float32 or any(w.dtype != jnp.float32 for w in ws):
+        raise ValueError(f"the CPU linear kernel takes float32 x and w; got {x.dtype} and {[str(w.dtype) for w in ws]}")
+    k = x.shape[-1] if x.ndim else None
+    if any(w.ndim != 2 or (w.shape[1] if transposed else w.shape[0]) != k for w in ws):
+        layout = "[N, K] (transposed)" if transposed else "[K, N]"
+        raise ValueError(f"x {x.shape} and weights {[w.shape for w in ws]} do not match (x [..., K], each w {layout})")
+    return x.reshape(math.prod(x.shape[:-1]), k)
+
+
+def linear_cpu(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
+    """``x [..., K] @ w`` (``w [K, N]``, or ``[N, K]`` when ``transposed``) -> ``[..., N]`` float32."""
+    x2 = _rows(x, [w], transposed=transposed)
+    n = w.shape[0] if transposed else w.shape[1]
     call = jax.ffi.ffi_call(_TARGETS[transposed], jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
                             vmap_method="sequential")
     return call(x2, w).reshape(*x.shape[:-1], n)
@@ -81,14 +86,7 @@ def linear_many_cpu(x: jax.Array, ws: list[jax.Array] | tuple[jax.Array, ...]) -
     woken once and the products do not run as concurrent calls competing for the same cores."""
     if len(ws) not in _MANY_TARGETS:
         raise ValueError(f"linear_many_cpu takes 2 or 3 weights, got {len(ws)}")
-    if not available():
-        raise RuntimeError(f"the CPU linear kernel is unavailable: {unavailable_reason()}")
-    if x.dtype != jnp.float32 or any(w.dtype != jnp.float32 for w in ws):
-        raise ValueError(f"the CPU linear kernel takes float32 x and w; got {x.dtype} and {[w.dtype for w in ws]}")
-    k = x.shape[-1]
-    if any(w.ndim != 2 or w.shape[0] != k for w in ws):
-        raise ValueError(f"x {x.shape} and weights {[w.shape for w in ws]} do not match (each w must be [K, N])")
-    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    x2 = _rows(x, ws)
     outs = tuple(jax.ShapeDtypeStruct((x2.shape[0], w.shape[1]), jnp.float32) for w in ws)
     ys = jax.ffi.ffi_call(_MANY_TARGETS[len(ws)], outs, vmap_method="sequential")(x2, *ws)
     return [y.reshape(*x.shape[:-1], w.shape[1]) for y, w in zip(ys, ws, strict=True)]

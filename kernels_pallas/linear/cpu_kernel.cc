@@ -7,13 +7,16 @@
 // rows and keep the tile's partial sums in registers.
 //
 //   nightjar_linear_f32     x [M, K] f32, W [K, N] f32 -> y [M, N] f32   (nnx.Linear's kernel layout)
+//   nightjar_linear2_f32,   x and 2 or 3 weights [K, N_i] -> one y per weight (q/k/v, gate/up in one call)
+//   nightjar_linear3_f32
 //   nightjar_linear_nt_f32  x [M, K] f32, W [N, K] f32 -> y [M, N] f32   (a tied LM head: the embedding table)
 //
-// Work split: one item = a block of output columns (all rows of x); items run on XLA's intra-op pool.
-// NN: K is blocked (kKBlock rows) so a block's weights stay in L2 across row tiles; the inner kernel holds
-// kRowTile x 32 partial sums in 12 AVX registers and streams one weight row segment (two cache lines) per k,
-// prefetching the segment of the next column tile. NT: each weight row is a contiguous dot-product operand; four
-// rows x two x-rows of partial sums per pass.
+// Work split: one item = a block of output columns of one weight (all rows of x), taken from XLA's intra-op pool
+// by nightjar::ParallelFor (../cpu_parallel.h). NN with fewer than kPackMinRows rows: the block's weight rows are
+// streamed left to right, kKUnroll at a time, partial sums in L1 (RowsNN). More rows: a kKBlock-row block of W is
+// packed into 16-column panels reused from L2 by every 6 x 16 register tile of x (PanelNN), and the next block is
+// prefetched meanwhile. NT: 4 contiguous weight rows x up to 3 x-rows of partial sums per tile, weight rows
+// blocked by kNtRows so every x tile reuses them from L2.
 
 #include <algorithm>
 #include <cstdint>
@@ -284,13 +287,13 @@ ffi::Error RunSegments(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const st
     int64_t c0, c1;
   };
   std::vector<Item> items;
+  const int64_t width = kTransposed ? BlockWidth(total, threads, 64, 4096) : BlockWidth(total, threads, 128, 512);
   for (const Segment& s : segments) {
     if (M == 0 || s.N == 0) continue;
     if (K == 0) {
       std::fill(s.y, s.y + M * s.N, 0.0f);
       continue;
     }
-    const int64_t width = kTransposed ? BlockWidth(total, threads, 64, 4096) : BlockWidth(total, threads, 128, 512);
     for (int64_t c0 = 0; c0 < s.N; c0 += width) items.push_back(Item{s, c0, std::min(s.N, c0 + width)});
   }
   const Item* ip = items.data();

@@ -425,6 +425,7 @@ class NightjarPlanner(Planner):
                 return self._least_played(state, plausible), True
             self._maybe_probe(state, dominated, greedy, means, previous, switch_cost)
         elif self.options.probe_every_bin:
+            # every arm, whatever `explore_arms` says: a wrongly eliminated arm need not be next to the greedy one
             candidates = [a for a in arms if a != greedy and crossing_allowed(a)]
             self._maybe_probe(state, [a for a in candidates if self._dominated(state, a, greedy)], greedy, means,
                               previous, switch_cost)
