@@ -5,14 +5,21 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
+#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
 namespace nightjar {
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 // Calls work(item) once for every item in [0, items), on up to pool.num_threads() helpers plus the caller, and
 // returns when all calls have returned. `work` is copied into each helper task; state it shares must outlive the
@@ -21,9 +28,7 @@ template <typename Work>
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, Work work) {
   struct Shared {
     std::atomic<int64_t> next{0};
-    std::mutex mu;
-    std::condition_variable cv;
-    int64_t running = 0;  // helper tasks that took an item and have not finished
+    std::atomic<int64_t> running{0};  // helper tasks that may still be inside `drain`
   };
   auto shared = std::make_shared<Shared>();
   auto drain = [shared, items, work]() mutable {
@@ -32,20 +37,23 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, Work work) {
   const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, items - 1);
   for (int64_t t = 0; t < helpers; ++t) {
     pool.Schedule([shared, items, drain]() mutable {
-      {
-        std::lock_guard<std::mutex> lock(shared->mu);
-        if (shared->next.load() >= items) return;  // nothing left: the caller may already be gone
-        ++shared->running;
-      }
+      if (shared->next.load() >= items) return;  // nothing left: the caller may already be gone
+      shared->running.fetch_add(1);
       drain();
-      std::lock_guard<std::mutex> lock(shared->mu);
-      if (--shared->running == 0) shared->cv.notify_all();
+      shared->running.fetch_sub(1);
     });
   }
   drain();
-  // every item is taken; wait for helpers still finishing theirs (they are running, so this cannot deadlock)
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->running == 0; });
+  // Every item is taken. A helper that took one counted itself in `running` before its fetch_add on `next`, which
+  // precedes the caller's last fetch_add (seq_cst), so the load below sees it. Spin rather than sleep: the wait is
+  // at most one item (tens of microseconds at decode), shorter than a futex wake-up on a busy VM.
+  for (int spins = 0; shared->running.load() != 0; ++spins) {
+    if (spins < 4096) {
+      CpuRelax();
+    } else {
+      std::this_thread::yield();
+    }
+  }
 }
 
 }  // namespace nightjar

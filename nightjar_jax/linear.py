@@ -4,7 +4,7 @@
 - ``cpu``: the C++ kernels of ``kernels_pallas/linear/cpu.py`` wherever they take the product (CPU backend,
   float32); XLA's dot otherwise.
 - ``auto``: the kernels on the CPU backend for the row counts where they measured faster than XLA's dot in a
-  whole decode step (2-12 rows; ``kernels_pallas/linear/README.md``), XLA's
+  whole decode step (1-12 rows; ``kernels_pallas/linear/README.md``), XLA's
   dot elsewhere and on GPU/TPU (whose dots are already bandwidth-bound at decode).
 
 :func:`linear_many` takes the weights that share one input (q/k/v, gate/up) in one kernel call.

@@ -1,7 +1,9 @@
 """Issue 4 benchmark: offline AR decode throughput and TPOT vs batch size, against HF transformers (torch CPU).
 
 One run measures, on the same machine and under the same load:
-1. memory read bandwidth (float32 sum over a large array) → the batch-1 floor = weight bytes / bandwidth;
+1. memory read bandwidth (float32 sum over a large array; at start, end, and around every batch-1 run) → the
+   batch-1 floor = weight bytes / bandwidth, both against the best bandwidth seen and, per batch-1 run, against
+   the bandwidth of its own moment (this VM's swings ~2x with its neighbours);
 2. nightjar-jax AR decoding at each batch size: decode-only tokens/s and TPOT from the engine's step log;
 3. the host-side share of a decode step at ``--host-batch`` (engine.step wall minus the jitted forward call,
    dispatch + block, measured by wrapping ``ModelRunner._forward_sample``);
@@ -177,6 +179,7 @@ def main() -> None:
     ours: dict[int, dict] = {}
     ours_xla: dict[int, dict] = {}
     peer: dict[int, dict] = {}
+    paired: list[dict] = []  # batch-1 runs, each with the bandwidth measured just before and after it
     # The machine is shared: ours and the peer run back to back per batch size, --repeats times, and each keeps
     # its best, so both see similar background load.
     for b in batch_sizes:
@@ -185,7 +188,13 @@ def main() -> None:
         if llm_xla is not None:
             run_decode_workload(llm_xla, prompts, args.output_len)
         for _ in range(args.repeats):
+            bw_before = memory_bandwidth_gbs(args.bandwidth_mib << 20) if b == 1 else None
             run = run_decode_workload(llm, prompts, args.output_len)
+            if bw_before is not None:  # the floor at the moment of this run: this VM's bandwidth swings ~2x
+                bw_after = memory_bandwidth_gbs(args.bandwidth_mib << 20)
+                gbs = max(bw_before["best_gbs"], bw_after["best_gbs"])
+                paired.append({"tpot_ms": run.tpot_ms, "bandwidth_gbs": gbs,
+                               "tpot_over_floor": run.tpot_ms / (1e3 * weight_bytes / (gbs * 1e9))})
             if b not in ours or run.tokens_per_second > ours[b]["tokens_per_second"]:
                 ours[b] = run.as_dict()
             if llm_xla is not None:
@@ -216,10 +225,11 @@ def main() -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in all_prompts[:b0]], sp, use_tqdm=False)
         agree = [o.outputs[0].token_ids == ref for o, ref in zip(outs, peer[b0]["tokens"], strict=True)]
         print(f"greedy tokens equal to the peer's (batch {b0}): {agree}")
-    bw2 = memory_bandwidth_gbs(args.bandwidth_mib << 20)  # again at the end: keep the best of the two
-    if bw2["best_gbs"] > bw["best_gbs"]:
-        bw = bw2
-        floor_s = weight_bytes / (bw["best_gbs"] * 1e9)
+    bw2 = memory_bandwidth_gbs(args.bandwidth_mib << 20)  # again at the end: the floor uses the best seen
+    best_gbs = max([bw["best_gbs"], bw2["best_gbs"]] + [r["bandwidth_gbs"] for r in paired])
+    if best_gbs > bw["best_gbs"]:
+        bw = dict(bw2 if bw2["best_gbs"] >= best_gbs else bw, best_gbs=best_gbs)
+        floor_s = weight_bytes / (best_gbs * 1e9)
 
     print()
     print("| batch | nightjar tok/s | nightjar TPOT ms | HF tok/s | HF TPOT ms | nightjar / HF |")
@@ -242,6 +252,8 @@ def main() -> None:
     goals = {}
     if 1 in ours:
         goals["batch1_tpot_over_floor"] = ours[1]["tpot_ms"] / (1e3 * floor_s)
+        if paired:  # each run against the bandwidth of its own moment; the median over the repeats
+            goals["batch1_tpot_over_paired_floor"] = float(np.median([r["tpot_over_floor"] for r in paired]))
         if 1 in peer:
             goals["batch1_vs_peer"] = ours[1]["tokens_per_second"] / peer[1]["tokens_per_second"]
     if 32 in ours and 32 in peer:
@@ -251,9 +263,13 @@ def main() -> None:
         goals["peer_batch1_tpot_over_floor"] = peer[1]["tpot_ms"] / (1e3 * floor_s)
     print()
     print(f"floor (batch 1): {1e3 * floor_s:.1f} ms/token = weights {weight_bytes / 1e6:.0f} MB / "
-          f"{bw['best_gbs']:.1f} GB/s")
+          f"{bw['best_gbs']:.1f} GB/s (the best bandwidth measured in this run)")
+    for r in paired:
+        print(f"  batch-1 run: TPOT {r['tpot_ms']:.2f} ms, bandwidth around it {r['bandwidth_gbs']:.1f} GB/s -> "
+              f"{r['tpot_over_floor']:.2f}x its floor")
     checks = [
         ("batch-1 TPOT / floor <= 1.25", "batch1_tpot_over_floor", lambda v: v <= 1.25),
+        ("batch-1 TPOT / paired floor <= 1.25 (median)", "batch1_tpot_over_paired_floor", lambda v: v <= 1.25),
         ("batch-1 tok/s / peer >= 1.0", "batch1_vs_peer", lambda v: v >= 1.0),
         ("batch-32 tok/s / peer >= 1.5", "batch32_vs_peer", lambda v: v >= 1.5),
         ("host share at batch 32 < 10%", "host_fraction", lambda v: v < 0.10),
@@ -266,7 +282,7 @@ def main() -> None:
     write_json(args.out, {"args": vars(args), "machine": meta, "prompt_source": source, "bandwidth": bw,
                           "weight_bytes": weight_bytes, "floor_ms": 1e3 * floor_s, "nightjar": ours,
                           "nightjar_linear_xla": ours_xla, "peer": peer,
-                          "host": host, "goals": goals})
+                          "batch1_paired": paired, "host": host, "goals": goals})
     print(f"wrote {args.out}")
 
 

@@ -1,11 +1,11 @@
 """``y = x @ W`` on the CPU backend for the few-row products of decoding: C++ XLA FFI custom calls.
 
-A decode step multiplies a few rows (batch size x (γ + 1) query slots) by every weight matrix. XLA:CPU's dot
-handles one row well (it streams the weight near memory bandwidth) but 2-16 rows poorly: on the project's 2-core
-machine SmolLM2-135M's layers took about twice as long at 4 rows as at 1, though both read the same bytes. The
-kernels in ``cpu_kernel.cc`` stream each weight once per tile of rows (few rows) or pack L2-sized blocks for a
-register-tiled product (more rows); ``README.md`` has the measured ratios that set :data:`NN_ROWS` and
-:data:`NT_ROWS`, the row counts where :func:`use_kernel` picks them over XLA.
+A decode step multiplies a few rows (batch size x (γ + 1) query slots) by every weight matrix, so it is bound by
+reading the weights. XLA:CPU's dot handles 2-16 rows poorly (on the project's 2-core machine SmolLM2-135M's
+layers took about twice as long at 4 rows as at 1, though both read the same bytes). The kernels in
+``cpu_kernel.cc`` give each thread a contiguous run of weight rows to stream (up to 12 rows of x), or pack
+L2-sized blocks for a register-tiled product (more rows); ``README.md`` has the measured ratios that set
+:data:`NN_ROWS` and :data:`NT_ROWS`, the row counts where :func:`use_kernel` picks them over XLA.
 
 Two layouts: ``linear_cpu(x, w)`` with ``w [K, N]`` (``nnx.Linear``'s kernel) and ``linear_cpu(x, w,
 transposed=True)`` with ``w [N, K]`` (a tied LM head, i.e. the embedding table). float32 only; leading dimensions
@@ -31,10 +31,10 @@ _LIBRARY = CpuKernelLibrary("linear", SOURCE, {
 })
 
 # Rows of x (all leading dimensions flattened) for which the kernels measured faster than XLA's dot inside a
-# SmolLM2-135M decode step (README.md): 2 to 12 rows (1.12-1.47x the step with XLA's dots). One row: XLA's
-# matrix-vector product streams the weights faster; 16+ rows: XLA's tiled GEMM is as fast (1.02-1.03x).
-NN_ROWS = (2, 12)
-NT_ROWS = (2, 12)
+# SmolLM2-135M decode step (README.md): 1 to 12 rows (1.08-1.47x the step with XLA's dots; one row since each
+# thread streams a contiguous run of weight rows). 16+ rows: XLA's tiled GEMM is as fast (1.02-1.03x).
+NN_ROWS = (1, 12)
+NT_ROWS = (1, 12)
 
 
 def available() -> bool:

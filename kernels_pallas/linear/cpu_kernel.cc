@@ -11,12 +11,16 @@
 //   nightjar_linear3_f32
 //   nightjar_linear_nt_f32  x [M, K] f32, W [N, K] f32 -> y [M, N] f32   (a tied LM head: the embedding table)
 //
-// Work split: one item = a block of output columns of one weight (all rows of x), taken from XLA's intra-op pool
-// by nightjar::ParallelFor (../cpu_parallel.h). NN with fewer than kPackMinRows rows: the block's weight rows are
-// streamed left to right, kKUnroll at a time, partial sums in L1 (RowsNN). More rows: a kKBlock-row block of W is
-// packed into 16-column panels reused from L2 by every 6 x 16 register tile of x (PanelNN), and the next block is
-// prefetched meanwhile. NT: 4 contiguous weight rows x up to 3 x-rows of partial sums per tile, weight rows
-// blocked by kNtRows so every x tile reuses them from L2.
+// Work split, taken from XLA's intra-op pool by nightjar::ParallelFor (../cpu_parallel.h):
+// - NN, up to kSplitKMaxRows rows (RunSplitK): one item = a contiguous run of a weight's rows, all N columns;
+//   the weight streams front to back, kKUnroll rows at a time, x rows in pairs (RowsNN), partial sums per item
+//   added by the caller.
+// - NN, more rows (only with linear_impl="cpu"; `auto` sends those to XLA): one item = a block of output columns;
+//   a kKBlock-row block of W is packed into 16-column panels reused from L2 by every 6 x 16 register tile of x
+//   (PanelNN), and the next block is prefetched meanwhile.
+// - NT (tied head): one item = a block of weight rows (contiguous); one x row: each weight row against x with
+//   4 independent accumulators (RowNT1); more: 4 weight rows x up to 3 x-rows of partial sums per tile (TileNT),
+//   weight rows blocked by kNtRows so every x tile reuses them from L2.
 
 #include <algorithm>
 #include <cstdint>
@@ -74,11 +78,10 @@ inline void RowsNN(const float* x, const float* w, float* y, int64_t K, int64_t 
   }
 }
 
-// Larger M: pack a kKBlock x width block of W into 16-column panels ([width / 16][kKBlock][16], zero-padded), then
+// More than kSplitKMaxRows rows: pack a kKBlock x width block of W into 16-column panels ([width / 16][kKBlock][16], zero-padded), then
 // an R x 16 register tile (R <= 6: 12 accumulators) walks each panel contiguously; every row tile reuses the block
 // from L2, so the product is bound by FMAs, not by memory.
 constexpr int64_t kPanel = 16;
-constexpr int64_t kPackMinRows = 6;
 
 void PackBlock(const float* w, int64_t N, int64_t k0, int64_t k1, int64_t c_begin, int64_t c_end, float* panel) {
   const int64_t kc = k1 - k0;
@@ -138,7 +141,7 @@ void PanelsNN(const float* x, const float* panel, float* y, int64_t K, int64_t N
 void BlockNN(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t c_begin,
              int64_t c_end) {
   for (int64_t r = 0; r < M; ++r) std::fill(y + r * N + c_begin, y + r * N + c_end, 0.0f);
-  if (M >= kPackMinRows) {
+  {
     thread_local std::vector<float> panel;
     const int64_t padded = (c_end - c_begin + kPanel - 1) / kPanel * kPanel;
     panel.resize(padded * kKBlock);
@@ -158,25 +161,6 @@ void BlockNN(const float* x, const float* w, float* y, int64_t M, int64_t K, int
         case 2: PanelsNN<2>(x, p, y, K, N, r0, k0, kc, c_begin, c_end, next, next_rows); break;
         case 1: PanelsNN<1>(x, p, y, K, N, r0, k0, kc, c_begin, c_end, next, next_rows); break;
         default: break;
-      }
-    }
-    return;
-  }
-  // Few rows: stream W's rows left to right (sequential reads are what reaches memory bandwidth).
-  for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
-    const int64_t k1 = std::min(K, k0 + kKBlock);
-    for (int64_t r0 = 0; r0 < M; r0 += 2) {
-      const bool two = r0 + 1 < M;
-      const bool first = r0 == 0;  // later row tiles find this block's weights in L2
-      int64_t k = k0;
-      for (; k + kKUnroll <= k1; k += kKUnroll) {
-        const bool pf = first && k + kPrefetchRows + kKUnroll <= K;
-        if (two) RowsNN<2, kKUnroll>(x, w, y, K, N, r0, k, c_begin, c_end, pf);
-        else RowsNN<1, kKUnroll>(x, w, y, K, N, r0, k, c_begin, c_end, pf);
-      }
-      for (; k < k1; ++k) {
-        if (two) RowsNN<2, 1>(x, w, y, K, N, r0, k, c_begin, c_end, false);
-        else RowsNN<1, 1>(x, w, y, K, N, r0, k, c_begin, c_end, false);
       }
     }
   }
@@ -214,10 +198,33 @@ inline void TileNT(const float* x, const float* w, float* y, int64_t K, int64_t 
   }
 }
 
+// One x row: y[n] = dot(x, W[n, :]) one weight row at a time with 4 independent accumulators. With 4 weight rows
+// per pass (TileNT<1>) every accumulator is one dependent FMA chain per row, and for K = 576 the chains, not
+// memory, set the pace (~30 GB/s on one core against ~37 here, standalone, 2026-12-01).
+inline void RowNT1(const float* x, const float* w, float* y, int64_t K, int64_t n) {
+  const float* wn = w + n * K;
+  v8 a0 = Splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    a0 += Load(x + k) * Load(wn + k);
+    a1 += Load(x + k + 8) * Load(wn + k + 8);
+    a2 += Load(x + k + 16) * Load(wn + k + 16);
+    a3 += Load(x + k + 24) * Load(wn + k + 24);
+  }
+  for (; k + 8 <= K; k += 8) a0 += Load(x + k) * Load(wn + k);
+  float s = Sum((a0 + a1) + (a2 + a3));
+  for (; k < K; ++k) s += x[k] * wn[k];
+  y[n] = s;
+}
+
 constexpr int64_t kNtRows = 64;  // weight rows per L2 block (64 x K floats)
 
 void BlockNT(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n_begin,
              int64_t n_end) {
+  if (M == 1) {
+    for (int64_t n = n_begin; n < n_end; ++n) RowNT1(x, w, y, K, n);
+    return;
+  }
   for (int64_t b0 = n_begin; b0 < n_end; b0 += kNtRows) {
     const int64_t b1 = std::min(n_end, b0 + kNtRows);
     const int64_t full_end = b0 + (b1 - b0) / 4 * 4;
@@ -273,6 +280,77 @@ std::string AddSegment(int64_t M, int64_t K, ffi::Buffer<ffi::F32>& w, ffi::Resu
   return "";
 }
 
+// Up to kSplitKMaxRows rows (decode and verify): every item is a contiguous run of a weight's rows (all N
+// columns), so each thread streams one unbroken range of memory, the access pattern that reaches the machine's
+// read bandwidth; x rows go in pairs over each kKUnroll weight rows, which the later pairs find in L1. Column
+// blocks striding over every weight row (the earlier design) left one row at 0.8-0.9x XLA's dot and a thread
+// near one core's bandwidth. Each item sums into its own partial y (a segment's first chunk into y itself), and
+// the caller adds the partials (M x N floats per extra chunk: small next to the weight).
+constexpr int64_t kSplitKMaxRows = 12;
+constexpr int64_t kSplitKMinRows = 32;  // weight rows per item at least (a chunk must outweigh its wake-up)
+
+ffi::Error RunSplitK(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K,
+                     const std::vector<Segment>& segments, int64_t threads) {
+  struct Item {
+    const float* w;
+    float* out;  // [M, N]: y itself for a segment's first chunk, else a partial in `scratch`
+    int64_t N, k0, k1;
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> offsets;  // scratch offset of each partial, filled before pointers are taken
+  int64_t scratch_size = 0;
+  for (const Segment& s : segments) {
+    if (M == 0 || s.N == 0) continue;
+    if (K == 0) {
+      std::fill(s.y, s.y + M * s.N, 0.0f);
+      continue;
+    }
+    const int64_t chunks = std::max<int64_t>(1, std::min(threads, K / kSplitKMinRows));
+    const int64_t rows = (K / chunks + kKUnroll - 1) / kKUnroll * kKUnroll;
+    for (int64_t c = 0, k0 = 0; k0 < K; ++c, k0 += rows) {
+      items.push_back(Item{s.w, c == 0 ? s.y : nullptr, s.N, k0, std::min(K, k0 + rows)});
+      offsets.push_back(c == 0 ? -1 : scratch_size);
+      if (c > 0) scratch_size += M * s.N;
+    }
+  }
+  std::vector<float> scratch(scratch_size);
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (offsets[i] >= 0) items[i].out = scratch.data() + offsets[i];
+  }
+  const Item* ip = items.data();
+  nightjar::ParallelFor(pool, static_cast<int64_t>(items.size()), [=](int64_t it) {
+    const Item& item = ip[it];
+    const int64_t N = item.N;
+    std::fill(item.out, item.out + M * N, 0.0f);
+    // x rows in pairs over the same kKUnroll weight rows (the later pairs find them in L1)
+    int64_t k = item.k0;
+    for (; k + kKUnroll <= item.k1; k += kKUnroll) {
+      bool pf = k + kPrefetchRows + kKUnroll <= item.k1;
+      int64_t r0 = 0;
+      for (; r0 + 2 <= M; r0 += 2, pf = false) RowsNN<2, kKUnroll>(xp, item.w, item.out, K, N, r0, k, 0, N, pf);
+      if (r0 < M) RowsNN<1, kKUnroll>(xp, item.w, item.out, K, N, r0, k, 0, N, pf);
+    }
+    for (; k < item.k1; ++k) {
+      int64_t r0 = 0;
+      for (; r0 + 2 <= M; r0 += 2) RowsNN<2, 1>(xp, item.w, item.out, K, N, r0, k, 0, N, false);
+      if (r0 < M) RowsNN<1, 1>(xp, item.w, item.out, K, N, r0, k, 0, N, false);
+    }
+  });
+  // add each segment's partials into its y (items of one segment are adjacent; the first wrote y)
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (offsets[i] < 0) continue;
+    size_t first = i;
+    while (offsets[first] >= 0) --first;
+    float* y = items[first].out;
+    const float* part = items[i].out;
+    const int64_t n = M * items[i].N;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) Store(y + j, Load(y + j) + Load(part + j));
+    for (; j < n; ++j) y[j] += part[j];
+  }
+  return ffi::Error::Success();
+}
+
 // Column blocks over every segment, taken from one pool: a call with q/k/v (or gate/up) weights wakes the pool
 // once, and XLA does not run the products as separate, concurrent custom calls that oversubscribe the cores.
 template <bool kTransposed>
@@ -280,6 +358,7 @@ ffi::Error RunSegments(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const st
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   const float* xp = x.typed_data();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());  // ParallelFor: helpers + the caller
+  if (!kTransposed && M <= kSplitKMaxRows) return RunSplitK(pool, xp, M, K, segments, threads);
   int64_t total = 0;
   for (const Segment& s : segments) total += s.N;
   struct Item {

@@ -1,6 +1,7 @@
 """The CPU linear custom calls (``kernels_pallas/linear/cpu.py``) against a float64 numpy product.
 
-Shapes cover both NN paths (streaming for < 6 rows, packed register tiles for >= 6 with a row remainder), column
+Shapes cover the NN paths (up to 12 rows: contiguous runs of weight rows per thread, x rows in pairs, partials
+summed; more: packed register tiles with every row remainder), the one-row transposed path, column
 counts that are not multiples of the 8/16-wide vectors and panels, K not a multiple of the 4-row unroll or of the
 64-row block, the transposed (tied-head) kernel's 4-row and 3-row tiles with remainders, leading batch dimensions,
 jit, the dispatch rule (which products ``auto`` sends to the kernel), clear errors for bad dtypes and shapes, and a
@@ -44,10 +45,14 @@ def _check(x, w, *, transposed):
 
 
 NN_SHAPES = [
-    (1, 576, 960), (2, 64, 8), (3, 7, 5), (5, 130, 33), (2, 1, 17),  # streaming path; K tails; N tails
-    (6, 64, 16), (7, 130, 40), (13, 65, 23), (48, 576, 96), (50, 200, 130),  # packed path; row remainders
+    (1, 576, 960), (1, 577, 33), (2, 130, 1536), (1, 31, 8), (2, 1000, 7),  # 1-2 rows: split-K; chunk/K tails
+    (3, 7, 5), (5, 130, 33), (4, 64, 8), (7, 130, 40), (11, 200, 50), (12, 64, 8),  # odd rows: a lone last row
+    (13, 65, 23), (15, 64, 16), (16, 130, 40), (17, 33, 19), (48, 576, 96), (50, 200, 130),  # packed; remainders
 ]
-NT_SHAPES = [(1, 576, 4096), (2, 8, 4), (3, 7, 5), (4, 130, 65), (8, 1, 3), (9, 576, 130), (5, 64, 64)]
+NT_SHAPES = [
+    (1, 576, 4096), (1, 35, 9), (1, 600, 3),  # one row: 4 accumulators per weight row; K tails
+    (2, 8, 4), (3, 7, 5), (4, 130, 65), (8, 1, 3), (9, 576, 130), (5, 64, 64),
+]
 
 
 @pytest.mark.parametrize("m,k,n", NN_SHAPES)
@@ -111,7 +116,8 @@ def test_auto_dispatch_follows_the_measured_row_ranges():
         assert _uses_kernel(lambda a, b: linear(a, b, transposed=True), x, w_t) == (lo <= rows <= hi)
     x = jnp.ones((4, 64), F32)
     assert _uses_kernel(lambda a, b: linear_many(a, [b, b]), x, w)
-    assert not _uses_kernel(lambda a, b: linear_many(a, [b, b]), jnp.ones((1, 64), F32), w)
+    assert _uses_kernel(lambda a, b: linear_many(a, [b, b]), jnp.ones((1, 64), F32), w) == (cpu.NN_ROWS[0] == 1)
+    assert not _uses_kernel(lambda a, b: linear_many(a, [b, b]), jnp.ones((48, 64), F32), w)
     assert not _uses_kernel(lambda a, b: linear(a, b, impl="xla"), x, w)
     assert _uses_kernel(lambda a, b: linear(a, b, impl="cpu"), jnp.ones((1, 64), F32), w)
     assert not _uses_kernel(lambda a, b: linear(a, b), x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
