@@ -26,7 +26,7 @@ from flax import nnx
 
 from nightjar_jax.config import ModelConfig
 from nightjar_jax.engine.request import Request
-from nightjar_jax.engine.sampler import SamplingTensors, processed_probs, sample
+from nightjar_jax.engine.sampler import SamplingTensors, argmax, processed_probs, sample
 from nightjar_jax.engine.scheduler import ScheduledBatch
 from nightjar_jax.models.llama import BatchMetadata, KVCache, allocate_kv_cache, make_model_fns
 from nightjar_jax.spec.rejection import draft_sample, greedy_verify, rejection_sample
@@ -161,7 +161,7 @@ class ModelRunner:
             hidden, kv = t_hidden(state, tokens, kv, md)
             logits = t_logits(state, hidden[:, -1])  # [S, V] f32
             if all_greedy:
-                next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                next_tokens = argmax(logits)
             else:
                 next_tokens = sample(logits, st, SALT_SAMPLE)
             return next_tokens, kv
@@ -189,7 +189,7 @@ class ModelRunner:
                 hidden, kv = d_hidden(state, tok_in, kv, md)
                 logits = d_logits(state, hidden[:, -1])  # [S, V]
                 if all_greedy:
-                    return jnp.argmax(logits, axis=-1).astype(jnp.int32), None, kv
+                    return argmax(logits), None, kv
                 tok, probs = draft_sample(logits, st, SALT_DRAFT + i)
                 return tok, probs, kv
 

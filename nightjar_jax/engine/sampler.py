@@ -35,6 +35,20 @@ SALT_VERIFY = 1  # rejection sampling in the verify pass
 SALT_DRAFT = 2  # the draft proposer's samples
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` as int32, in two plain reductions: x [..., V] -> [..., V-less] int32.
+
+    The row max, then the lowest index holding it (ties: the lowest index, as ``jnp.argmax``; a row with NaN gives
+    its first NaN, as ``jnp.argmax``). XLA:CPU lowers ``argmax`` to a variadic (value, index) reduce that does not
+    vectorise: on a 2-core CPU, 49,152 logits took ~0.23 ms per row-batch of 1 and ~3.3 ms at 32 rows, against
+    ~0.04 ms and ~0.5 ms here (a max and an int32 min, each one fused pass).
+    """
+    vocab = x.shape[-1]
+    top = jnp.max(x, axis=-1, keepdims=True)  # [..., 1]; NaN if the row has one
+    hit = (x == top) | jnp.isnan(x)  # [..., V] bool
+    return jnp.min(jnp.where(hit, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+
+
 class SamplingTensors(NamedTuple):
     """Per-request sampling parameters for one batch, on device. Padding rows should be greedy."""
 
@@ -197,8 +211,8 @@ def _filtered_logits(logits: jax.Array, st: SamplingTensors) -> tuple[jax.Array,
     # min-p in log space: p(x) >= min_p * p_max  <=>  x >= x_max + log(min_p); log(0) = -inf keeps everything.
     min_p_floor = max_logit + jnp.log(_per_row(st.min_p, ndim))  # [B, ..., 1] f32
     keep = (scaled >= threshold) & (scaled >= min_p_floor)  # [B, ..., V] bool
-    argmax = jnp.argmax(logits, axis=-1)[..., None].astype(jnp.int32)  # [B, ..., 1] int32
-    return jnp.where(keep, scaled, -jnp.inf), greedy, argmax
+    top = argmax(logits)[..., None]  # [B, ..., 1] int32
+    return jnp.where(keep, scaled, -jnp.inf), greedy, top
 
 
 def processed_logprobs(logits: jax.Array, st: SamplingTensors) -> jax.Array:
@@ -209,16 +223,16 @@ def processed_logprobs(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     logit are all kept, so with ties top-k / top-p may keep slightly more than k / the minimal set. Greedy rows
     (temperature 0) give the one-hot of ``argmax(logits)`` (ties: lowest index): 0 there, -inf elsewhere.
     """
-    filtered, greedy, argmax = _filtered_logits(logits, st)
-    one_hot = jnp.where(jnp.arange(logits.shape[-1]) == argmax, 0.0, -jnp.inf)  # [B, ..., V] f32
+    filtered, greedy, top = _filtered_logits(logits, st)
+    one_hot = jnp.where(jnp.arange(logits.shape[-1]) == top, 0.0, -jnp.inf)  # [B, ..., V] f32
     return jnp.where(greedy, one_hot, jax.nn.log_softmax(filtered, axis=-1))
 
 
 def processed_probs(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     """The processed distribution (see :func:`processed_logprobs`): [B, ..., V] f32 -> [B, ..., V] f32, rows
     summing to 1; greedy rows exactly one-hot."""
-    filtered, greedy, argmax = _filtered_logits(logits, st)
-    one_hot = (jnp.arange(logits.shape[-1]) == argmax).astype(jnp.float32)  # [B, ..., V] f32
+    filtered, greedy, top = _filtered_logits(logits, st)
+    one_hot = (jnp.arange(logits.shape[-1]) == top).astype(jnp.float32)  # [B, ..., V] f32
     return jnp.where(greedy, one_hot, jax.nn.softmax(filtered, axis=-1))
 
 
@@ -265,11 +279,11 @@ def sample(logits: jax.Array, st: SamplingTensors, salt: int = SALT_SAMPLE) -> j
     Greedy rows get exactly ``argmax(logits)``; the others a draw from the processed distribution with
     ``request_keys(st, salt)``. When every row is greedy only the argmax runs.
     """
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B] int32
+    top = argmax(logits)  # [B] int32
 
     def draw(logits: jax.Array) -> jax.Array:
         filtered, _, _ = _filtered_logits(logits, st)  # [B, V] f32, unnormalised processed log-probs
         drawn = sample_from_logprobs(filtered, request_keys(st, salt))  # [B] int32
-        return jnp.where(st.temperature == 0, argmax, drawn)
+        return jnp.where(st.temperature == 0, top, drawn)
 
-    return jax.lax.cond(jnp.all(st.temperature == 0), lambda _: argmax, draw, logits)
+    return jax.lax.cond(jnp.all(st.temperature == 0), lambda _: top, draw, logits)

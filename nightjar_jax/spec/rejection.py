@@ -36,6 +36,7 @@ from nightjar_jax.engine.sampler import (
     SALT_DRAFT,
     SALT_VERIFY,
     SamplingTensors,
+    argmax,
     processed_probs,
     request_keys,
     sample_from_probs,
@@ -73,7 +74,7 @@ def greedy_verify(draft_tokens: jax.Array, target_logits: jax.Array) -> tuple[ja
     num_accepted [B] int32 in [0, γ].
     """
     draft_tokens = draft_tokens.astype(jnp.int32)
-    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, γ + 1] int32
+    target_argmax = argmax(target_logits)  # [B, γ + 1] int32
     accepted = draft_tokens == target_argmax[:, :-1]  # [B, γ] bool
     return _commit(draft_tokens, accepted, target_argmax)
 
@@ -118,7 +119,7 @@ def rejection_sample(
     q_draft = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]  # [B, γ] f32
     # u < p/q written without the division: q(d) = 0 (never drawn) accepts iff p(d) > 0.
     sampled_accept = uniforms * q_draft < p_draft  # [B, γ] bool
-    target_argmax = jnp.argmax(target_probs, axis=-1).astype(jnp.int32)  # [B, γ + 1] int32
+    target_argmax = argmax(target_probs)  # [B, γ + 1] int32
     greedy_accept = draft_tokens == target_argmax[:, :gamma]  # [B, γ] bool
     accepted = jnp.where(greedy[:, None], greedy_accept, sampled_accept)  # [B, γ] bool
     num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)  # [B] int32
@@ -147,5 +148,5 @@ def draft_sample(logits: jax.Array, st: SamplingTensors, salt: int = SALT_DRAFT)
     """
     probs = processed_probs(logits, st)  # [B, V] f32
     drawn = sample_from_probs(probs, request_keys(st, salt))  # [B] int32
-    token = jnp.where(st.temperature == 0, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)  # [B] int32
+    token = jnp.where(st.temperature == 0, argmax(logits), drawn)  # [B] int32
     return token, probs

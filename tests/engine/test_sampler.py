@@ -14,6 +14,7 @@ from nightjar_jax.engine.sampler import (
     SamplingTensors,
     _top_k_top_p_threshold,
     _top_k_top_p_threshold_by_sort,
+    argmax,
     processed_probs,
     request_keys,
     sample,
@@ -63,6 +64,18 @@ def test_greedy_is_argmax_and_ties_take_lowest_index() -> None:
     np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
     assert tokens[3] == 3
     np.testing.assert_array_equal(_probs(logits, st), np.eye(32)[np.argmax(logits, axis=-1)])
+
+
+def test_two_pass_argmax_equals_numpy_argmax() -> None:
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 5, 300)).astype(np.float32)
+    x[0, 1, [10, 250]] = 9.0  # a tie: the lowest index
+    x[1, 2, :] = -np.inf  # a fully masked row: index 0, as numpy
+    x[2, 0, [40, 90]] = np.nan  # NaN wins, the first one, as numpy
+    x[2, 3, [5, 6]] = np.inf
+    got = np.asarray(jax.jit(argmax)(x))
+    assert got.dtype == np.int32 and got.shape == (3, 5)
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
 
 
 def test_temperature_sampling_matches_softmax() -> None:
