@@ -155,7 +155,8 @@ def main() -> None:
     print(f"# {meta['date']}  cpus={meta['cpu_count']}  load={meta['loadavg_at_start']}", flush=True)
 
     bw = memory_bandwidth_gbs(args.bandwidth_mib << 20)
-    print(f"memory read bandwidth: numpy {bw['numpy_gbs']:.1f} GB/s, jax {bw['jax_gbs']:.1f} GB/s", flush=True)
+    print(f"memory read bandwidth: numpy {bw['numpy_gbs']:.1f} GB/s, jax {bw['jax_gbs']:.1f} GB/s (median "
+          f"{bw['jax_median_gbs']:.1f})", flush=True)
 
     t0 = time.perf_counter()
     llm = LLM(args.model, max_model_len=512, max_num_seqs=max_batch, max_num_batched_tokens=512,
@@ -193,8 +194,10 @@ def main() -> None:
             if bw_before is not None:  # the floor at the moment of this run: this VM's bandwidth swings ~2x
                 bw_after = memory_bandwidth_gbs(args.bandwidth_mib << 20)
                 gbs = max(bw_before["best_gbs"], bw_after["best_gbs"])
-                paired.append({"tpot_ms": run.tpot_ms, "bandwidth_gbs": gbs,
-                               "tpot_over_floor": run.tpot_ms / (1e3 * weight_bytes / (gbs * 1e9))})
+                sustained = float(np.mean([bw_before["jax_median_gbs"], bw_after["jax_median_gbs"]]))
+                paired.append({"tpot_ms": run.tpot_ms, "bandwidth_gbs": gbs, "sustained_gbs": sustained,
+                               "tpot_over_floor": run.tpot_ms / (1e3 * weight_bytes / (gbs * 1e9)),
+                               "tpot_over_sustained_floor": run.tpot_ms / (1e3 * weight_bytes / (sustained * 1e9))})
             if b not in ours or run.tokens_per_second > ours[b]["tokens_per_second"]:
                 ours[b] = run.as_dict()
             if llm_xla is not None:
@@ -254,6 +257,8 @@ def main() -> None:
         goals["batch1_tpot_over_floor"] = ours[1]["tpot_ms"] / (1e3 * floor_s)
         if paired:  # each run against the bandwidth of its own moment; the median over the repeats
             goals["batch1_tpot_over_paired_floor"] = float(np.median([r["tpot_over_floor"] for r in paired]))
+            goals["batch1_tpot_over_sustained_floor"] = float(np.median([r["tpot_over_sustained_floor"]
+                                                                         for r in paired]))
         if 1 in peer:
             goals["batch1_vs_peer"] = ours[1]["tokens_per_second"] / peer[1]["tokens_per_second"]
     if 32 in ours and 32 in peer:
@@ -265,11 +270,14 @@ def main() -> None:
     print(f"floor (batch 1): {1e3 * floor_s:.1f} ms/token = weights {weight_bytes / 1e6:.0f} MB / "
           f"{bw['best_gbs']:.1f} GB/s (the best bandwidth measured in this run)")
     for r in paired:
-        print(f"  batch-1 run: TPOT {r['tpot_ms']:.2f} ms, bandwidth around it {r['bandwidth_gbs']:.1f} GB/s -> "
-              f"{r['tpot_over_floor']:.2f}x its floor")
+        print(f"  batch-1 run: TPOT {r['tpot_ms']:.2f} ms; bandwidth around it: peak {r['bandwidth_gbs']:.1f} GB/s "
+              f"-> {r['tpot_over_floor']:.2f}x its floor, median {r['sustained_gbs']:.1f} GB/s -> "
+              f"{r['tpot_over_sustained_floor']:.2f}x")
     checks = [
         ("batch-1 TPOT / floor <= 1.25", "batch1_tpot_over_floor", lambda v: v <= 1.25),
         ("batch-1 TPOT / paired floor <= 1.25 (median)", "batch1_tpot_over_paired_floor", lambda v: v <= 1.25),
+        ("batch-1 TPOT / paired sustained floor <= 1.25 (median; informative: median reads, not the peak)",
+         "batch1_tpot_over_sustained_floor", lambda v: v <= 1.25),
         ("batch-1 tok/s / peer >= 1.0", "batch1_vs_peer", lambda v: v >= 1.0),
         ("batch-32 tok/s / peer >= 1.5", "batch32_vs_peer", lambda v: v >= 1.5),
         ("host share at batch 32 < 10%", "host_fraction", lambda v: v < 0.10),
