@@ -378,7 +378,9 @@ def prompt_text_rows(skip_ids: set[str], max_len: int) -> list[dict[str, Any]]:
     language-model rows (every label weighted ``--prompt-weight``): human text that costs no target compute."""
     from nightjar_jax.models.loader import load_checkpoint
 
-    tok = load_checkpoint(TARGET, load_format="dummy").tokenizer
+    # the tokenizer without the weights when the target's GGUF is cached; on a fresh machine the real load
+    # fetches it (the dummy load never downloads and has no tokenizer then)
+    tok = load_checkpoint(TARGET, load_format="dummy").tokenizer or load_checkpoint(TARGET).tokenizer
     rows = []
     for p in load_prompts("train"):
         if p["id"] not in skip_ids:

@@ -124,7 +124,9 @@ def main() -> None:
 
     from nightjar_jax.models.loader import load_checkpoint
 
-    tok = load_checkpoint(TARGET, load_format="dummy").tokenizer
+    # the tokenizer without the weights when the target's GGUF is cached; on a fresh machine the real load
+    # fetches it (the dummy load never downloads and has no tokenizer then)
+    tok = load_checkpoint(TARGET, load_format="dummy").tokenizer or load_checkpoint(TARGET).tokenizer
     prompts, skipped = [], []
     for p in load_prompts("heldout"):
         ids = chat_ids(tok, p["text"])
