@@ -271,6 +271,21 @@ def draft_config(hidden: int, num_layers: int, intermediate: int, head_vocab: in
     )
 
 
+def load_init_from(path: str, cfg: Any) -> dict[str, np.ndarray]:
+    """A shipped draft (``export``'s folder, e.g. the previous version) as float32 starting weights for ``train``
+    (warm start: more data for a draft that already learned the target's habits). Its architecture must be the
+    one ``train`` was asked for; ``lm_head.token_ids`` stays in the result for the subset head."""
+    from nightjar_jax.models.orbax_io import load_orbax
+
+    got, state, _ = load_orbax(path)
+    fields = ("hidden_size", "num_layers", "intermediate_size", "head_vocab_size", "num_heads", "num_kv_heads")
+    diff = {f: (getattr(got, f), getattr(cfg, f)) for f in fields if getattr(got, f) != getattr(cfg, f)}
+    if diff:
+        raise ValueError(f"--init-from {path}: its architecture differs from the requested one (its, asked): {diff}")
+    return {k: (np.asarray(v, np.int32) if k == HEAD_TOKEN_IDS else np.asarray(v, np.float32))
+            for k, v in state.items()}
+
+
 def init_params(cfg: Any, seed: int, head_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """HF-named float32 weights: embedding (= tied head) from the target's by PCA, layers random. With a subset
     head (``head_ids``), its rows start as the PCA embedding's rows of those ids (a tied start, then untied).
@@ -481,10 +496,15 @@ def cmd_train(args: argparse.Namespace) -> None:
         np.concatenate([np.asarray(r["tokens"][r["num_prompt"] :], np.int64) for r in train_rows]), minlength=VOCAB
     )
     head_ids = None
+    warm = load_init_from(args.init_from, cfg) if args.init_from else None
+    warm_ids = None if warm is None else warm.pop(HEAD_TOKEN_IDS, None)
     if args.head_vocab:
         ids_path = workdir / "head_token_ids.npy"
         if args.resume and ids_path.exists():
             head_ids = np.load(ids_path)
+        elif warm_ids is not None:  # keep the warm start's head ids: its head rows belong to them
+            head_ids = warm_ids
+            np.save(ids_path, head_ids)
         else:
             eos = [int(t) for t in cfg.eos_token_ids]  # the draft must be able to propose end-of-turn
             order = [int(t) for t in np.argsort(-counts, kind="stable") if int(t) not in eos]
@@ -495,7 +515,13 @@ def cmd_train(args: argparse.Namespace) -> None:
             100 * counts[head_ids].sum() / counts.sum(),
         )
     resuming = args.resume and (workdir / "ckpt").exists() and any((workdir / "ckpt").iterdir())
-    init = _abstract_params(cfg) if resuming else init_params(cfg, args.seed, head_ids)
+    if resuming:
+        init = _abstract_params(cfg)
+    elif warm is not None:
+        init = warm
+        logger.info("initialised from %s", args.init_from)
+    else:
+        init = init_params(cfg, args.seed, head_ids)
     params = {k: jnp.asarray(v) for k, v in init.items()}
     labels = {k: is_embedding(k) for k in params}
 
@@ -751,6 +777,7 @@ def main() -> None:
     t.add_argument("--data", required=True)
     t.add_argument("--workdir", required=True)
     t.add_argument("--resume", action="store_true")
+    t.add_argument("--init-from", default="", help="start from this exported draft's weights (same architecture)")
     t.add_argument("--hidden", type=int, default=184)
     t.add_argument("--num-layers", type=int, default=2)
     t.add_argument("--intermediate", type=int, default=640)

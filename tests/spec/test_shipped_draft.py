@@ -63,3 +63,26 @@ def test_shipped_draft_greedy_sd_equals_ar(target_available) -> None:
     got = [o.outputs[0].token_ids for o in sd.generate(prompts, GREEDY)]
     assert got == want
     assert sd.engine.stats.num_drafted_tokens > 0
+
+
+def test_distill_warm_start_loads_the_shipped_draft() -> None:
+    """``distill_draft.py train --init-from``: the shipped draft as float32 starting weights, its subset-head ids
+    kept; a different architecture is refused with both shapes named."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("distill_draft", Path(__file__).parents[2] / "scripts" /
+                                                  "distill_draft.py")
+    distill = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(distill)
+    shipped = load_checkpoint(str(DRAFT)).config
+    cfg = distill.draft_config(shipped.hidden_size, shipped.num_layers, shipped.intermediate_size,
+                               shipped.head_vocab_size or 0)
+    warm = distill.load_init_from(str(DRAFT), cfg)
+    ids = warm.pop("lm_head.token_ids")
+    assert ids.dtype.name == "int32" and len(ids) == shipped.head_vocab_size
+    assert {v.dtype.name for v in warm.values()} == {"float32"}
+    assert warm["model.embed_tokens.weight"].shape == (49152, shipped.hidden_size)
+    other = distill.draft_config(shipped.hidden_size, shipped.num_layers + 1, shipped.intermediate_size,
+                                 shipped.head_vocab_size or 0)
+    with pytest.raises(ValueError, match="num_layers"):
+        distill.load_init_from(str(DRAFT), other)
