@@ -34,6 +34,7 @@ import math
 import os
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -230,7 +231,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
             SamplingParams(
                 temperature=0.0 if kind == "greedy" else 0.7,
                 max_tokens=MAX_RESPONSE_TOKENS,
-                seed=None if kind == "greedy" else hash((p["id"], kind)) % 2**31,
+                # crc32, not hash(): str hashes are salted per process, so a resumed run would draw other samples
+                seed=None if kind == "greedy" else zlib.crc32(f"{p['id']}/{kind}".encode()) % 2**31,
             )
             for p, kind, _ in chunk
         ]
