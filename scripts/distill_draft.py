@@ -28,6 +28,7 @@ On a GPU the same commands run in minutes (raise ``--batch-size``).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import logging
 import math
@@ -64,7 +65,9 @@ logger = logging.getLogger("distill_draft")
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
+    """Rows of a JSONL file, gzip-compressed when its name ends in ``.gz`` (the data kept in ``data/distill``)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -474,7 +477,12 @@ def cmd_train(args: argparse.Namespace) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = draft_config(args.hidden, args.num_layers, args.intermediate, args.head_vocab)
     (workdir / "draft_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    rows = load_sequences(Path(args.data), max(BUCKETS))
+    rows, seen = [], set()
+    for path in args.data:  # a response in two files (id and kind) counts once
+        for r in load_sequences(Path(path), max(BUCKETS)):
+            if (r["id"], r["kind"]) not in seen:
+                seen.add((r["id"], r["kind"]))
+                rows.append(r)
     if args.prompt_text:
         rows += prompt_text_rows({r["id"] for r in rows}, max(BUCKETS))
     val_ids = sorted({r["id"] for r in rows})[:: max(1, args.val_every)]  # a fixed 1-in-N slice of train prompts
@@ -776,7 +784,8 @@ def main() -> None:
     sp.add_argument("--max-tokens", type=int, default=96)
     sp.set_defaults(fn=cmd_self_prompts)
     t = sub.add_parser("train", help="train the draft (orbax checkpoints in --workdir/ckpt, --resume)")
-    t.add_argument("--data", required=True)
+    t.add_argument("--data", required=True, nargs="+",
+                   help="one or more response files (generate's JSONL; .jsonl.gz too, e.g. data/distill/smollm2)")
     t.add_argument("--workdir", required=True)
     t.add_argument("--resume", action="store_true")
     t.add_argument("--init-from", default="", help="start from this exported draft's weights (same architecture)")
