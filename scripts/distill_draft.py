@@ -393,14 +393,18 @@ def load_sequences(path: Path, max_len: int) -> list[dict[str, Any]]:
     return rows
 
 
+def target_tokenizer() -> Any:
+    """The target's tokenizer: without its weights when the GGUF is cached; on a fresh machine the real load
+    fetches it (the dummy load never downloads, and has no tokenizer then)."""
+    from nightjar_jax.models.loader import load_checkpoint
+
+    return load_checkpoint(TARGET, load_format="dummy").tokenizer or load_checkpoint(TARGET).tokenizer
+
+
 def prompt_text_rows(skip_ids: set[str], max_len: int) -> list[dict[str, Any]]:
     """Train prompts with no target response (long Spec-Bench documents, prompts not generated yet) as plain
     language-model rows (every label weighted ``--prompt-weight``): human text that costs no target compute."""
-    from nightjar_jax.models.loader import load_checkpoint
-
-    # the tokenizer without the weights when the target's GGUF is cached; on a fresh machine the real load
-    # fetches it (the dummy load never downloads and has no tokenizer then)
-    tok = load_checkpoint(TARGET, load_format="dummy").tokenizer or load_checkpoint(TARGET).tokenizer
+    tok = target_tokenizer()
     rows = []
     for p in load_prompts("train"):
         if p["id"] not in skip_ids:

@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from distill_draft import ASSET_DIR, TARGET, chat_ids, heldout_ids, load_prompts  # noqa: E402
+from distill_draft import ASSET_DIR, TARGET, chat_ids, heldout_ids, load_prompts, target_tokenizer  # noqa: E402
 
 from nightjar_jax.bench.common import machine_note, run_decode_workload  # noqa: E402
 
@@ -122,11 +122,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/eval_draft.json")
     args = ap.parse_args()
 
-    from nightjar_jax.models.loader import load_checkpoint
-
-    # the tokenizer without the weights when the target's GGUF is cached; on a fresh machine the real load
-    # fetches it (the dummy load never downloads and has no tokenizer then)
-    tok = load_checkpoint(TARGET, load_format="dummy").tokenizer or load_checkpoint(TARGET).tokenizer
+    tok = target_tokenizer()
     prompts, skipped = [], []
     for p in load_prompts("heldout"):
         ids = chat_ids(tok, p["text"])

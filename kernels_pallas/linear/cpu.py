@@ -31,8 +31,9 @@ _LIBRARY = CpuKernelLibrary("linear", SOURCE, {
 })
 
 # Rows of x (all leading dimensions flattened) for which the kernels measured faster than XLA's dot inside a
-# SmolLM2-135M decode step (README.md): 1 to 12 rows (1.08-1.47x the step with XLA's dots; one row since each
-# thread streams a contiguous run of weight rows). 16+ rows: XLA's tiled GEMM is as fast (1.02-1.03x).
+# SmolLM2-135M decode step (README.md; 2026-12-01): 1 to 12 rows (1.00-1.20x the step with XLA's dots; one row
+# since each thread streams a contiguous run of weight rows). 16+ rows: XLA's tiled GEMM is faster (the kernel
+# 0.66-0.75x at 16-32 rows).
 NN_ROWS = (1, 12)
 NT_ROWS = (1, 12)
 

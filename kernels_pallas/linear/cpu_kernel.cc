@@ -13,8 +13,8 @@
 //
 // Work split, taken from XLA's intra-op pool by nightjar::ParallelFor (../cpu_parallel.h):
 // - NN, up to kSplitKMaxRows rows (RunSplitK): one item = a contiguous run of a weight's rows, all N columns;
-//   the weight streams front to back, kKUnroll rows at a time, x rows in pairs (RowsNN), partial sums per item
-//   added by the caller.
+//   the weight streams front to back, 8 weight rows per pass for one x row, else kKUnroll rows with x rows in
+//   pairs (RowsNN); partial sums per item added by the caller.
 // - NN, more rows (only with linear_impl="cpu"; `auto` sends those to XLA): one item = a block of output columns;
 //   a kKBlock-row block of W is packed into 16-column panels reused from L2 by every 6 x 16 register tile of x
 //   (PanelNN), and the next block is prefetched meanwhile.
@@ -78,7 +78,8 @@ inline void RowsNN(const float* x, const float* w, float* y, int64_t K, int64_t 
   }
 }
 
-// More than kSplitKMaxRows rows: pack a kKBlock x width block of W into 16-column panels ([width / 16][kKBlock][16], zero-padded), then
+// More than kSplitKMaxRows rows: pack a kKBlock x width block of W into 16-column panels
+// ([width / 16][kKBlock][16], zero-padded), then
 // an R x 16 register tile (R <= 6: 12 accumulators) walks each panel contiguously; every row tile reuses the block
 // from L2, so the product is bound by FMAs, not by memory.
 constexpr int64_t kPanel = 16;
@@ -295,27 +296,24 @@ ffi::Error RunSplitK(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t 
     const float* w;
     float* out;  // [M, N]: y itself for a segment's first chunk, else a partial in `scratch`
     int64_t N, k0, k1;
+    size_t first;  // index of the segment's first item (the one that writes y)
   };
-  std::vector<Item> items;
-  std::vector<int64_t> offsets;  // scratch offset of each partial, filled before pointers are taken
+  if (segments.empty()) return ffi::Error::Success();  // nothing to compute (M, N or K is 0: y already done)
+  const int64_t chunks = std::max<int64_t>(1, std::min(threads, K / kSplitKMinRows));
+  const int64_t rows = (K / chunks + kKUnroll - 1) / kKUnroll * kKUnroll;  // weight rows per item
+  const int64_t per_segment = (K + rows - 1) / rows;
   int64_t scratch_size = 0;
-  for (const Segment& s : segments) {
-    if (M == 0 || s.N == 0) continue;
-    if (K == 0) {
-      std::fill(s.y, s.y + M * s.N, 0.0f);
-      continue;
-    }
-    const int64_t chunks = std::max<int64_t>(1, std::min(threads, K / kSplitKMinRows));
-    const int64_t rows = (K / chunks + kKUnroll - 1) / kKUnroll * kKUnroll;
-    for (int64_t c = 0, k0 = 0; k0 < K; ++c, k0 += rows) {
-      items.push_back(Item{s.w, c == 0 ? s.y : nullptr, s.N, k0, std::min(K, k0 + rows)});
-      offsets.push_back(c == 0 ? -1 : scratch_size);
-      if (c > 0) scratch_size += M * s.N;
-    }
-  }
+  for (const Segment& s : segments) scratch_size += (per_segment - 1) * M * s.N;
   std::vector<float> scratch(scratch_size);
-  for (size_t i = 0; i < items.size(); ++i) {
-    if (offsets[i] >= 0) items[i].out = scratch.data() + offsets[i];
+  float* next = scratch.data();
+  std::vector<Item> items;
+  for (const Segment& s : segments) {
+    const size_t first = items.size();
+    for (int64_t k0 = 0; k0 < K; k0 += rows) {
+      float* out = k0 == 0 ? s.y : next;
+      if (k0 > 0) next += M * s.N;
+      items.push_back(Item{s.w, out, s.N, k0, std::min(K, k0 + rows), first});
+    }
   }
   const Item* ip = items.data();
   nightjar::ParallelFor(pool, static_cast<int64_t>(items.size()), [=](int64_t it) {
@@ -341,12 +339,10 @@ ffi::Error RunSplitK(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t 
       if (r0 < M) RowsNN<1, 1>(xp, item.w, item.out, K, N, r0, k, 0, N);
     }
   });
-  // add each segment's partials into its y (items of one segment are adjacent; the first wrote y)
+  // add each segment's partials into its y (written by the segment's first item)
   for (size_t i = 0; i < items.size(); ++i) {
-    if (offsets[i] < 0) continue;
-    size_t first = i;
-    while (offsets[first] >= 0) --first;
-    float* y = items[first].out;
+    if (i == items[i].first) continue;
+    float* y = items[items[i].first].out;
     const float* part = items[i].out;
     const int64_t n = M * items[i].N;
     int64_t j = 0;
@@ -363,21 +359,25 @@ ffi::Error RunSegments(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const st
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   const float* xp = x.typed_data();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());  // ParallelFor: helpers + the caller
-  if (!kTransposed && M <= kSplitKMaxRows) return RunSplitK(pool, xp, M, K, segments, threads);
-  int64_t total = 0;
-  for (const Segment& s : segments) total += s.N;
-  struct Item {
-    Segment seg;
-    int64_t c0, c1;
-  };
-  std::vector<Item> items;
-  const int64_t width = kTransposed ? BlockWidth(total, threads, 64, 4096) : BlockWidth(total, threads, 128, 512);
+  std::vector<Segment> work;  // the products with something to compute (K = 0: y is zeros)
   for (const Segment& s : segments) {
     if (M == 0 || s.N == 0) continue;
     if (K == 0) {
       std::fill(s.y, s.y + M * s.N, 0.0f);
       continue;
     }
+    work.push_back(s);
+  }
+  if (!kTransposed && M <= kSplitKMaxRows) return RunSplitK(pool, xp, M, K, work, threads);
+  int64_t total = 0;
+  for (const Segment& s : work) total += s.N;
+  struct Item {
+    Segment seg;
+    int64_t c0, c1;
+  };
+  std::vector<Item> items;
+  const int64_t width = kTransposed ? BlockWidth(total, threads, 64, 4096) : BlockWidth(total, threads, 128, 512);
+  for (const Segment& s : work) {
     for (int64_t c0 = 0; c0 < s.N; c0 += width) items.push_back(Item{s, c0, std::min(s.N, c0 + width)});
   }
   const Item* ip = items.data();
