@@ -60,3 +60,54 @@ def linear_many(x: jax.Array, ws: list[jax.Array], *, impl: str = "auto") -> lis
 
         return cpu.linear_many_cpu(x, ws)
     return [linear(x, w, impl="xla") for w in ws]
+
+
+# ---- fused decoder-layer forms ------------------------------------------------------------------------------------
+# On the kernel each is one custom call instead of 2-6 XLA thunks (XLA:CPU runs an RMSNorm as four small fusions,
+# and at decode each thunk costs microseconds on top of its work); elsewhere they are exactly the jnp composition
+# the model used before (the XLA path's numerics are unchanged).
+
+
+def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
+    """``x * rsqrt(mean(x^2) + eps) * gain`` in float32, returned in x's dtype (the model's RMSNorm)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * gain.astype(jnp.float32)).astype(x.dtype)
+
+
+def _fused_on_kernel(x: jax.Array, gain: jax.Array | None, ws: list[jax.Array], impl: str) -> bool:
+    return (gain is None or gain.dtype == jnp.float32) and all(_on_kernel(x, w, impl) for w in ws)
+
+
+def rms_linear_many(x: jax.Array, gain: jax.Array, ws: list[jax.Array], eps: float, *,
+                    impl: str = "auto") -> list[jax.Array]:
+    """``linear_many(rms_norm(x, gain, eps), ws)`` (2 or 3 weights): the pre-attention norm with q/k/v."""
+    check_impl(impl)
+    if len(ws) in (2, 3) and _fused_on_kernel(x, gain, ws, impl):
+        from kernels_pallas.linear import cpu
+
+        return cpu.rms_linear_many_cpu(x, gain, ws, eps)
+    return linear_many(rms_norm(x, gain, eps).astype(ws[0].dtype), ws, impl=impl)
+
+
+def rms_swiglu(x: jax.Array, gain: jax.Array, w_gate: jax.Array, w_up: jax.Array, eps: float, *,
+               impl: str = "auto") -> jax.Array:
+    """``silu(g) * u`` with ``g, u = linear_many(rms_norm(x, gain, eps), [w_gate, w_up])``: a SwiGLU MLP's first
+    half with its norm."""
+    check_impl(impl)
+    if _fused_on_kernel(x, gain, [w_gate, w_up], impl):
+        from kernels_pallas.linear import cpu
+
+        return cpu.rms_swiglu_cpu(x, gain, w_gate, w_up, eps)
+    gate, up = linear_many(rms_norm(x, gain, eps).astype(w_gate.dtype), [w_gate, w_up], impl=impl)
+    return jax.nn.silu(gate) * up
+
+
+def linear_residual(x: jax.Array, w: jax.Array, r: jax.Array, *, impl: str = "auto") -> jax.Array:
+    """``r + linear(x, w)`` (``w [K, N]``): a projection back onto the residual stream."""
+    check_impl(impl)
+    if r.dtype == jnp.float32 and _fused_on_kernel(x, None, [w], impl):
+        from kernels_pallas.linear import cpu
+
+        return cpu.linear_residual_cpu(x, w, r)
+    return r + linear(x.astype(w.dtype), w, impl=impl)

@@ -19,15 +19,19 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas.cpu_build import CpuKernelLibrary
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 _TARGETS = {False: "nightjar_linear_f32", True: "nightjar_linear_nt_f32"}
 _MANY_TARGETS = {2: "nightjar_linear2_f32", 3: "nightjar_linear3_f32"}  # several W [K, N_i] sharing x
+_RMS_TARGETS = {2: "nightjar_rms_linear2_f32", 3: "nightjar_rms_linear3_f32"}  # RMSNorm(x) @ W_i
 _LIBRARY = CpuKernelLibrary("linear", SOURCE, {
     "nightjar_linear_f32": "NjLinearF32", "nightjar_linear_nt_f32": "NjLinearNtF32",
     "nightjar_linear2_f32": "NjLinear2F32", "nightjar_linear3_f32": "NjLinear3F32",
+    "nightjar_rms_linear2_f32": "NjRmsLinear2F32", "nightjar_rms_linear3_f32": "NjRmsLinear3F32",
+    "nightjar_rms_swiglu_f32": "NjRmsSwiGluF32", "nightjar_linear_residual_f32": "NjLinearResidualF32",
 })
 
 # Rows of x (all leading dimensions flattened) for which the kernels measured faster than XLA's dot inside a
@@ -91,3 +95,48 @@ def linear_many_cpu(x: jax.Array, ws: list[jax.Array] | tuple[jax.Array, ...]) -
     outs = tuple(jax.ShapeDtypeStruct((x2.shape[0], w.shape[1]), jnp.float32) for w in ws)
     ys = jax.ffi.ffi_call(_MANY_TARGETS[len(ws)], outs, vmap_method="sequential")(x2, *ws)
     return [y.reshape(*x.shape[:-1], w.shape[1]) for y, w in zip(ys, ws, strict=True)]
+
+
+# ---- fused decoder-layer forms: fewer thunks per decode step (each costs microseconds of its own on XLA:CPU) ----
+
+
+def _gain(x: jax.Array, gain: jax.Array) -> None:
+    if gain.dtype != jnp.float32 or gain.shape != (x.shape[-1],):
+        raise ValueError(f"RMSNorm gain must be float32 [{x.shape[-1]}] for x {x.shape}; got {gain.dtype}{gain.shape}")
+
+
+def rms_linear_many_cpu(x: jax.Array, gain: jax.Array, ws: list[jax.Array] | tuple[jax.Array, ...],
+                        eps: float) -> list[jax.Array]:
+    """``[RMSNorm(x) @ w for w in ws]`` (2 or 3 weights ``[K, N_i]``) in one custom call: the pre-attention norm and
+    q/k/v. ``RMSNorm(x) = x * rsqrt(mean(x^2) + eps) * gain`` in float32."""
+    if len(ws) not in _RMS_TARGETS:
+        raise ValueError(f"rms_linear_many_cpu takes 2 or 3 weights, got {len(ws)}")
+    x2 = _rows(x, ws)
+    _gain(x, gain)
+    outs = tuple(jax.ShapeDtypeStruct((x2.shape[0], w.shape[1]), jnp.float32) for w in ws)
+    ys = jax.ffi.ffi_call(_RMS_TARGETS[len(ws)], outs, vmap_method="sequential")(x2, gain, *ws, eps=np.float32(eps))
+    return [y.reshape(*x.shape[:-1], w.shape[1]) for y, w in zip(ys, ws, strict=True)]
+
+
+def rms_swiglu_cpu(x: jax.Array, gain: jax.Array, w_gate: jax.Array, w_up: jax.Array, eps: float) -> jax.Array:
+    """``silu(RMSNorm(x) @ w_gate) * (RMSNorm(x) @ w_up)`` (both ``[K, N]``) -> ``[..., N]`` in one custom call."""
+    x2 = _rows(x, [w_gate, w_up])
+    _gain(x, gain)
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"w_gate {w_gate.shape} and w_up {w_up.shape} must have the same shape [K, N]")
+    n = w_gate.shape[1]
+    call = jax.ffi.ffi_call("nightjar_rms_swiglu_f32", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(x2, gain, w_gate, w_up, eps=np.float32(eps)).reshape(*x.shape[:-1], n)
+
+
+def linear_residual_cpu(x: jax.Array, w: jax.Array, r: jax.Array) -> jax.Array:
+    """``r + x @ w`` (``w [K, N]``, r ``[..., N]`` float32 with x's leading dimensions) in one custom call."""
+    x2 = _rows(x, [w])
+    n = w.shape[1]
+    if r.dtype != jnp.float32 or r.shape != (*x.shape[:-1], n):
+        raise ValueError(f"residual r must be float32 {(*x.shape[:-1], n)} for x {x.shape} @ w {w.shape}; "
+                         f"got {r.dtype}{r.shape}")
+    call = jax.ffi.ffi_call("nightjar_linear_residual_f32", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(x2, w, r.reshape(x2.shape[0], n)).reshape(*x.shape[:-1], n)

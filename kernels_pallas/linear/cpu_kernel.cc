@@ -11,6 +11,15 @@
 //   nightjar_linear3_f32
 //   nightjar_linear_nt_f32  x [M, K] f32, W [N, K] f32 -> y [M, N] f32   (a tied LM head: the embedding table)
 //
+// Fused forms for a decoder layer, so a decode step runs fewer, larger thunks (XLA:CPU splits an RMSNorm into
+// four small fusions, and each thunk costs microseconds of its own at decode):
+//   nightjar_rms_linear2_f32,  x [M, K], gain [K], 2 or 3 weights [K, N_i] (attr eps) -> y_i = RMSNorm(x) @ W_i
+//   nightjar_rms_linear3_f32     (the pre-attention norm + q/k/v)
+//   nightjar_rms_swiglu_f32    x [M, K], gain [K], W_gate, W_up [K, N] (attr eps)
+//                              -> h [M, N] = silu(RMSNorm(x) @ W_gate) * (RMSNorm(x) @ W_up)
+//   nightjar_linear_residual_f32  x [M, K], W [K, N], r [M, N] -> y = r + x @ W   (o_proj, down_proj)
+// RMSNorm(x) = x * rsqrt(mean(x^2) + eps) * gain, in float32 (the model's RMSNorm).
+//
 // Work split, taken from XLA's intra-op pool by nightjar::ParallelFor (../cpu_parallel.h):
 // - NN, up to kSplitKMaxRows rows (RunSplitK): one item = a contiguous run of a weight's rows, all N columns;
 //   the weight streams front to back, 8 weight rows per pass for one x row, else kKUnroll rows with x rows in
@@ -23,6 +32,7 @@
 //   weight rows blocked by kNtRows so every x tile reuses them from L2.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -355,9 +365,8 @@ ffi::Error RunSplitK(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t 
 // Column blocks over every segment, taken from one pool: a call with q/k/v (or gate/up) weights wakes the pool
 // once, and XLA does not run the products as separate, concurrent custom calls that oversubscribe the cores.
 template <bool kTransposed>
-ffi::Error RunSegments(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const std::vector<Segment>& segments) {
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
-  const float* xp = x.typed_data();
+ffi::Error RunSegments(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K,
+                       const std::vector<Segment>& segments) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());  // ParallelFor: helpers + the caller
   std::vector<Segment> work;  // the products with something to compute (K = 0: y is zeros)
   for (const Segment& s : segments) {
@@ -401,7 +410,101 @@ ffi::Error Run(ffi::ThreadPool& pool, In& x, std::initializer_list<std::pair<In*
     const std::string error = AddSegment<kTransposed>(M, K, *w, *y, segments);
     if (!error.empty()) return ffi::Error::InvalidArgument(error);
   }
-  return RunSegments<kTransposed>(pool, x, segments);
+  return RunSegments<kTransposed>(pool, x.typed_data(), M, K, segments);
+}
+
+// x [M, K] and gain [K] checked; xn = RMSNorm(x) * gain row by row, with the model's float32 order of operations.
+std::string RmsNorm(In& x, In& gain, float eps, std::vector<float>& xn) {
+  const auto xd = x.dimensions(), gd = gain.dimensions();
+  if (xd.size() != 2) return "rms_linear: x must be 2-D";
+  const int64_t M = xd[0], K = xd[1];
+  if (gd.size() != 1 || gd[0] != K) return "rms_linear: gain must be [K] for x [M, K]; got " + Dims2("gain", gd);
+  xn.resize(M * K);
+  const float* xp = x.typed_data();
+  const float* g = gain.typed_data();
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = xp + r * K;
+    v8 acc = Splat(0.0f);
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) acc += Load(xr + k) * Load(xr + k);
+    float ss = 0.0f;
+    for (int i = 0; i < 8; ++i) ss += acc[i];
+    for (; k < K; ++k) ss += xr[k] * xr[k];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K > 0 ? K : 1) + eps);
+    for (k = 0; k < K; ++k) xn[r * K + k] = xr[k] * inv * g[k];
+  }
+  return "";
+}
+
+ffi::Error RmsLinear(ffi::ThreadPool& pool, In& x, In& gain, float eps,
+                     std::initializer_list<std::pair<In*, Out*>> products) {
+  std::vector<float> xn;
+  std::string error = RmsNorm(x, gain, eps, xn);
+  if (!error.empty()) return ffi::Error::InvalidArgument(error);
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  std::vector<Segment> segments;
+  for (const auto& [w, y] : products) {
+    error = AddSegment<false>(M, K, *w, *y, segments);
+    if (!error.empty()) return ffi::Error::InvalidArgument(error);
+  }
+  return RunSegments<false>(pool, xn.data(), M, K, segments);
+}
+
+ffi::Error RmsLinear2(ffi::ThreadPool pool, In x, In gain, In w1, In w2, Out y1, Out y2, float eps) {
+  return RmsLinear(pool, x, gain, eps, {{&w1, &y1}, {&w2, &y2}});
+}
+ffi::Error RmsLinear3(ffi::ThreadPool pool, In x, In gain, In w1, In w2, In w3, Out y1, Out y2, Out y3, float eps) {
+  return RmsLinear(pool, x, gain, eps, {{&w1, &y1}, {&w2, &y2}, {&w3, &y3}});
+}
+
+// h = silu(RMSNorm(x) @ W_gate) * (RMSNorm(x) @ W_up): both products in one pass over the pool, then the gate.
+ffi::Error RmsSwiGlu(ffi::ThreadPool pool, In x, In gain, In wg, In wu, Out h, float eps) {
+  std::vector<float> xn;
+  std::string error = RmsNorm(x, gain, eps, xn);
+  if (!error.empty()) return ffi::Error::InvalidArgument(error);
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  const auto gd = wg.dimensions(), ud = wu.dimensions(), hd = h->dimensions();
+  if (gd.size() != 2 || ud.size() != 2 || hd.size() != 2 || gd[0] != K || ud[0] != K || gd[1] != ud[1] ||
+      hd[0] != M || hd[1] != gd[1]) {
+    return ffi::Error::InvalidArgument("rms_swiglu: shapes do not match: x [" + std::to_string(M) + ", " +
+                                       std::to_string(K) + "], " + Dims2("w_gate", gd) + ", " + Dims2("w_up", ud) +
+                                       ", " + Dims2("h", hd) + " (w_gate and w_up [K, N], h [M, N])");
+  }
+  const int64_t N = gd[1];
+  std::vector<float> gate(M * N), up(M * N);
+  std::vector<Segment> segments;
+  if (M > 0 && N > 0) {
+    if (K == 0) {
+      std::fill(gate.begin(), gate.end(), 0.0f);
+      std::fill(up.begin(), up.end(), 0.0f);
+    } else {
+      segments = {Segment{wg.typed_data(), gate.data(), N}, Segment{wu.typed_data(), up.data(), N}};
+    }
+  }
+  ffi::Error run = RunSegments<false>(pool, xn.data(), M, K, segments);
+  if (run.failure()) return run;
+  float* hp = h->typed_data();
+  for (int64_t i = 0; i < M * N; ++i) hp[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  return ffi::Error::Success();
+}
+
+// y = r + x @ W (the residual add of o_proj and down_proj).
+ffi::Error LinearResidual(ffi::ThreadPool pool, In x, In w, In r, Out y) {
+  if (x.dimensions().size() != 2) return ffi::Error::InvalidArgument("linear_residual: x must be 2-D");
+  const auto rd = r.dimensions(), yd = y->dimensions();
+  if (rd.size() != 2 || rd[0] != yd[0] || rd[1] != yd[1]) {
+    return ffi::Error::InvalidArgument("linear_residual: r must have y's shape; got " + Dims2("r", rd) + ", " +
+                                       Dims2("y", yd));
+  }
+  ffi::Error run = Run<false>(pool, x, {{&w, &y}});
+  if (run.failure()) return run;
+  float* yp = y->typed_data();
+  const float* rp = r.typed_data();
+  const int64_t n = yd[0] * yd[1];
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) Store(yp + j, Load(yp + j) + Load(rp + j));
+  for (; j < n; ++j) yp[j] += rp[j];
+  return ffi::Error::Success();
 }
 
 template <bool kTransposed>
@@ -425,3 +528,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinearNtF32, (Linear1<true>), ffi::Ffi::Bind().C
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinear2F32, Linear2, ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_Y NJ_Y);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinear3F32, Linear3,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_W NJ_Y NJ_Y NJ_Y);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjRmsLinear2F32, RmsLinear2,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_W NJ_Y NJ_Y
+                                  .Attr<float>("eps"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjRmsLinear3F32, RmsLinear3,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_W NJ_W NJ_Y NJ_Y NJ_Y
+                                  .Attr<float>("eps"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjRmsSwiGluF32, RmsSwiGlu,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_W NJ_Y.Attr<float>("eps"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinearResidualF32, LinearResidual,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_Y);

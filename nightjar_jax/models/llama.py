@@ -27,7 +27,7 @@ from flax import nnx
 from nightjar_jax.attention import paged_attention
 from nightjar_jax.config import ModelConfig, RopeScaling
 from nightjar_jax.linear import check_impl as check_linear_impl
-from nightjar_jax.linear import linear, linear_many
+from nightjar_jax.linear import linear, linear_residual, rms_linear_many, rms_norm, rms_swiglu
 
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer: (k_pages, v_pages)
 
@@ -80,9 +80,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
 
 
 def _linear(d_in: int, d_out: int, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
@@ -97,13 +95,11 @@ def _linear(d_in: int, d_out: int, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Line
     )
 
 
-def _project(layer: nnx.Linear, x: jax.Array, impl: str) -> jax.Array:
-    """``layer(x)`` through :func:`nightjar_jax.linear.linear` (a CPU kernel for few-row products on CPU)."""
-    return linear(x.astype(layer.kernel.dtype), layer.kernel[...], impl=impl)
-
-
 class Attention(nnx.Module):
-    """GQA self-attention over the paged cache."""
+    """GQA self-attention over the paged cache, with its pre-norm and residual add: ``x + attn(norm(x))``.
+
+    The norm rides in the q/k/v call and the residual add in o_proj's (:func:`rms_linear_many`,
+    :func:`linear_residual`): one custom call each on the CPU kernel, the plain composition elsewhere."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention_impl: str, linear_impl: str):
         dtype = _jnp_dtype(cfg.dtype)
@@ -117,16 +113,16 @@ class Attention(nnx.Module):
 
     def __call__(
         self,
-        x: jax.Array,  # [num_seqs, q_len, hidden]
+        x: jax.Array,  # [num_seqs, q_len, hidden]: the residual stream
+        norm: RMSNorm,  # the pre-attention norm
         positions: jax.Array,  # [num_seqs, q_len] int32
         inv_freq: jax.Array,  # [head_dim // 2] float32
         kv: tuple[jax.Array, jax.Array],  # each [num_kv_heads, num_pages, page_size, head_dim]
         md: BatchMetadata,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:  # x + attention, updated (k, v) pages
         num_seqs, q_len, _ = x.shape
-        x = x.astype(self.q_proj.kernel.dtype)
         weights = [p.kernel[...] for p in (self.q_proj, self.k_proj, self.v_proj)]
-        q, k, v = linear_many(x, weights, impl=self.linear_impl)
+        q, k, v = rms_linear_many(x, norm.weight[...], weights, norm.eps, impl=self.linear_impl)
         q = q.reshape(num_seqs, q_len, self.num_heads, self.head_dim)
         k = k.reshape(num_seqs, q_len, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_seqs, q_len, self.num_kv_heads, self.head_dim)
@@ -156,12 +152,12 @@ class Attention(nnx.Module):
             scale=1.0 / math.sqrt(self.head_dim),
             impl=self.attention_impl,
         )
-        out = _project(self.o_proj, out.reshape(num_seqs, q_len, self.num_heads * self.head_dim), self.linear_impl)
-        return out, (k_pages, v_pages)
+        out = out.reshape(num_seqs, q_len, self.num_heads * self.head_dim)
+        return linear_residual(out, self.o_proj.kernel[...], x, impl=self.linear_impl), (k_pages, v_pages)
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU with its pre-norm and residual add: ``x + down(silu(gate(norm(x))) * up(norm(x)))``."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, linear_impl: str):
         dtype = _jnp_dtype(cfg.dtype)
@@ -170,12 +166,10 @@ class MLP(nnx.Module):
         self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, dtype, rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, norm: RMSNorm) -> jax.Array:
         impl = self.linear_impl
-        x = x.astype(self.gate_proj.kernel.dtype)
-        gate, up = linear_many(x, [self.gate_proj.kernel[...], self.up_proj.kernel[...]], impl=impl)
-        h = jax.nn.silu(gate) * up
-        return _project(self.down_proj, h, impl)
+        h = rms_swiglu(x, norm.weight[...], self.gate_proj.kernel[...], self.up_proj.kernel[...], norm.eps, impl=impl)
+        return linear_residual(h, self.down_proj.kernel[...], x, impl=impl)
 
 
 class DecoderLayer(nnx.Module):
@@ -187,10 +181,8 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs, linear_impl)
 
     def __call__(self, x, positions, inv_freq, kv, md):
-        h, kv = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv, md)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, kv
+        x, kv = self.self_attn(x, self.input_layernorm, positions, inv_freq, kv, md)
+        return self.mlp(x, self.post_attention_layernorm), kv
 
 
 class Llama(nnx.Module):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.linear import cpu
-from nightjar_jax.linear import linear, linear_many
+from nightjar_jax.linear import linear, linear_many, linear_residual, rms_linear_many, rms_norm, rms_swiglu
 
 F32 = jnp.float32
 
@@ -142,3 +142,79 @@ def test_model_logits_match_with_and_without_the_kernel(preset):
         hidden, _ = jax.jit(hidden_fn)(state, tokens, kv, md)
         outs[impl] = np.asarray(jax.jit(logits_fn)(state, hidden))
     np.testing.assert_allclose(outs["cpu"], outs["xla"], rtol=2e-4, atol=2e-4)
+
+
+# ---- fused decoder-layer forms (norm + q/k/v, norm + SwiGLU gate, residual add) against numpy ----
+
+
+def _rms(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
+    x64 = x.astype(np.float64)
+    return x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * g
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 12, 16])  # split-K rows, and the packed path (cpu.py calls it directly)
+@pytest.mark.parametrize("widths", [(40, 8), (64, 16, 16)])
+def test_rms_linear_many_matches_numpy(m, widths):
+    rng = np.random.default_rng(7 * m)
+    k, eps = 70, 1e-5
+    x = (3 * rng.standard_normal((m, k))).astype(np.float32)
+    g = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    ws = [rng.standard_normal((k, n)).astype(np.float32) for n in widths]
+    ys = jax.jit(lambda a, b, *c: cpu.rms_linear_many_cpu(a, b, list(c), eps))(x, g, *ws)
+    xn = _rms(x, g, eps)
+    for y, w in zip(ys, ws, strict=True):
+        np.testing.assert_allclose(np.asarray(y), xn @ w, rtol=1e-4, atol=1e-4)
+    # the dispatcher's XLA composition gives the same numbers
+    ref = linear_many(rms_norm(jnp.asarray(x), jnp.asarray(g), eps), [jnp.asarray(w) for w in ws], impl="xla")
+    for y, r in zip(ys, ref, strict=True):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 3, 12])
+def test_rms_swiglu_matches_numpy(m):
+    rng = np.random.default_rng(m)
+    k, n, eps = 72, 44, 1e-6
+    x = rng.standard_normal((2, m, k)).astype(np.float32)  # leading dimensions are flattened and restored
+    g = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    wg, wu = (rng.standard_normal((k, n)).astype(np.float32) for _ in range(2))
+    h = np.asarray(jax.jit(lambda *a: cpu.rms_swiglu_cpu(*a, eps))(x, g, wg, wu))
+    xn = _rms(x, g, eps)
+    gate, up = xn @ wg, xn @ wu
+    assert h.shape == (2, m, n)
+    np.testing.assert_allclose(h, gate / (1 + np.exp(-gate)) * up, rtol=1e-4, atol=1e-4)
+    via = rms_swiglu(jnp.asarray(x), jnp.asarray(g), jnp.asarray(wg), jnp.asarray(wu), eps, impl="xla")
+    np.testing.assert_allclose(h, np.asarray(via), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 4, 13])
+def test_linear_residual_matches_numpy(m):
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, 96)).astype(np.float32)
+    w = rng.standard_normal((96, 40)).astype(np.float32)
+    r = rng.standard_normal((m, 40)).astype(np.float32)
+    y = np.asarray(jax.jit(cpu.linear_residual_cpu)(x, w, r))
+    np.testing.assert_allclose(y, r + x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+
+
+def test_fused_forms_reject_bad_inputs_clearly():
+    x, w = jnp.ones((2, 8), F32), jnp.ones((8, 4), F32)
+    with pytest.raises(ValueError, match="gain must be float32"):
+        cpu.rms_linear_many_cpu(x, jnp.ones((7,), F32), [w, w], 1e-5)
+    with pytest.raises(ValueError, match="same shape"):
+        cpu.rms_swiglu_cpu(x, jnp.ones((8,), F32), w, jnp.ones((8, 5), F32), 1e-5)
+    with pytest.raises(ValueError, match="residual r must be"):
+        cpu.linear_residual_cpu(x, w, jnp.ones((2, 5), F32))
+    with pytest.raises(ValueError, match="2 or 3"):
+        cpu.rms_linear_many_cpu(x, jnp.ones((8,), F32), [w], 1e-5)
+
+
+def test_auto_dispatch_fuses_the_decoder_layer_ops():
+    """``auto`` on the kernel's rows: one custom call each (no XLA norm fusions left); outside them, XLA ops."""
+    x, g, w, w2 = jnp.ones((3, 64), F32), jnp.ones((64,), F32), jnp.ones((64, 32), F32), jnp.ones((32, 64), F32)
+    text = jax.jit(lambda a: rms_linear_many(a, g, [w, w, w], 1e-5)).lower(x).as_text()
+    assert "nightjar_rms_linear3_f32" in text and "rsqrt" not in text
+    assert "nightjar_rms_swiglu_f32" in jax.jit(lambda a: rms_swiglu(a, g, w, w, 1e-5)).lower(x).as_text()
+    assert "nightjar_linear_residual_f32" in jax.jit(lambda a, r: linear_residual(a, w2, r)).lower(
+        jnp.ones((3, 32), F32), x).as_text()
+    big = jnp.ones((48, 64), F32)
+    assert "nightjar" not in jax.jit(lambda a: rms_swiglu(a, g, w, w, 1e-5)).lower(big).as_text()
