@@ -10,6 +10,10 @@ Vocabulary
   prompts itself; the kept ones (ended with end-of-turn, unique) are answered like the dataset prompts.
 - sequence-level KD (Kim & Rush 2016): the draft is trained with cross-entropy on the target's own responses to
   chat-templated prompts, which is what speculative decoding asks of it (predict the target's next token).
+- logit KD (Hinton et al. 2015; DistillSpec, Zhou et al. 2024): ``teacher`` stores the target's top-k
+  log-probabilities at every response position once (a cache-free forward, ~700 tokens/s on 2 cores);
+  ``train --teacher`` adds a cross-entropy against them (``--kd-weight``), so a sampled response also teaches the
+  target's ranking, and a greedy one the margins behind its argmax.
 - held-out split: a fixed set of MT-Bench and Spec-Bench question ids never used for training
   (:data:`HELDOUT_MT_BENCH_PER_CATEGORY`, :data:`HELDOUT_SPEC_BENCH_PER_CATEGORY`); ``scripts/eval_draft.py`` reads
   the same split.
@@ -18,7 +22,9 @@ Stages (each resumable; run them in order)::
 
     python scripts/distill_draft.py self-prompts --out runs/draft/self.jsonl --num 2048   # optional
     python scripts/distill_draft.py generate --data runs/draft/data.jsonl [--self-prompts runs/draft/self.jsonl]
-    python scripts/distill_draft.py train --data runs/draft/data.jsonl --workdir runs/draft [--resume]
+    python scripts/distill_draft.py teacher --data runs/draft/data.jsonl --out runs/draft/teacher   # optional
+    python scripts/distill_draft.py train --data runs/draft/data.jsonl --workdir runs/draft [--resume] \
+        [--teacher runs/draft/teacher --kd-weight 0.5]
     python scripts/distill_draft.py export --workdir runs/draft                  # bf16 -> assets/drafts
 
 On a 1-thread CPU, set ``XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"``.
@@ -393,6 +399,109 @@ def load_sequences(path: Path, max_len: int) -> list[dict[str, Any]]:
     return rows
 
 
+def load_rows(paths: list[str]) -> list[dict[str, Any]]:
+    """The training rows of several response files, in file order; a response in two files (same id and kind)
+    counts once. ``teacher`` and ``train`` both read rows this way, so their orders agree."""
+    rows, seen = [], set()
+    for path in paths:
+        for r in load_sequences(Path(path), max(BUCKETS)):
+            if (r["id"], r["kind"]) not in seen:
+                seen.add((r["id"], r["kind"]))
+                rows.append(r)
+    return rows
+
+
+def row_key(r: dict[str, Any]) -> str:
+    return f"{r['id']}\t{r['kind']}"
+
+
+def teacher_positions(r: dict[str, Any]) -> int:
+    """Positions whose label is a target-written token: ``num_prompt - 1 .. len(tokens) - 2``."""
+    return len(r["tokens"]) - r["num_prompt"]
+
+
+def cmd_teacher(args: argparse.Namespace) -> None:
+    """The target's top-k log-probabilities at every response position of the training rows (for ``train
+    --teacher``: distillation on the target's logits, not only on its sampled tokens). One ``part-NNNNN.npz`` per
+    ``--rows-per-part`` rows (a resume point): ``keys`` (id and kind), ``counts`` (positions per row), ``ids``
+    [positions, k] uint16 and ``logp`` [positions, k] float16, rows in :func:`load_rows` order."""
+    import jax
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    from nightjar_jax.models.loader import load_checkpoint
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = load_rows(args.data)
+    ckpt = load_checkpoint(TARGET)
+    cfg = ckpt.config
+    if cfg.vocab_size > np.iinfo(np.uint16).max + 1:
+        raise SystemExit(f"vocab {cfg.vocab_size} does not fit the uint16 id store")
+    params = {k: jnp.asarray(np.asarray(v, np.float32)) for k, v in ckpt.state_dict.items()}
+    k = args.top_k
+
+    @jax.jit
+    def topk(p: dict[str, Any], tok: Any) -> tuple[Any, Any]:
+        logp = jax.nn.log_softmax(causal_forward(cfg, p, tok), axis=-1)
+        vals, ids = jax.lax.top_k(logp, k)
+        return vals, ids
+
+    parts = range(0, len(rows), args.rows_per_part)
+    todo = [s for s in parts if not (out / f"part-{s // args.rows_per_part:05d}.npz").exists()]
+    total = sum(len(r["tokens"]) for s in todo for r in rows[s : s + args.rows_per_part])
+    logger.info("%d rows in %d parts; %d parts (%d tokens) to run", len(rows), len(parts), len(todo), total)
+    bar = tqdm(total=total, desc="teacher", unit="tok")
+    for s in todo:
+        chunk = rows[s : s + args.rows_per_part]
+        got: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        by_bucket: dict[int, list[int]] = {b: [] for b in BUCKETS}
+        for j, r in enumerate(chunk):
+            by_bucket[next(b for b in BUCKETS if len(r["tokens"]) <= b)].append(j)
+        for t, idx in by_bucket.items():
+            bsz = max(1, args.tokens_per_batch // t)
+            for b0 in range(0, len(idx), bsz):
+                sel = idx[b0 : b0 + bsz]
+                tok = np.zeros((bsz, t), np.int32)  # a fixed batch shape per bucket: one compile each
+                for i, j in enumerate(sel):
+                    tok[i, : len(chunk[j]["tokens"])] = chunk[j]["tokens"]
+                vals, ids = (np.asarray(a) for a in topk(params, jnp.asarray(tok)))
+                for i, j in enumerate(sel):
+                    r = chunk[j]
+                    lo, hi = r["num_prompt"] - 1, len(r["tokens"]) - 1
+                    got[j] = (ids[i, lo:hi].astype(np.uint16), vals[i, lo:hi].astype(np.float16))
+                    bar.update(len(r["tokens"]))
+        np.savez(
+            out / f"part-{s // args.rows_per_part:05d}.npz",
+            keys=np.asarray([row_key(r) for r in chunk]),
+            counts=np.asarray([teacher_positions(r) for r in chunk], np.int32),
+            ids=np.concatenate([got[j][0] for j in range(len(chunk))]),
+            logp=np.concatenate([got[j][1] for j in range(len(chunk))]),
+        )
+    bar.close()
+    logger.info("teacher top-%d in %s", k, out)
+
+
+def load_teacher(path: Path, rows: list[dict[str, Any]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``teacher``'s parts as {row key: (ids [positions, k], logp [positions, k])}; every response row of ``rows``
+    must be covered (a clear error names the first that is not)."""
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for part in sorted(path.glob("part-*.npz")):
+        z = np.load(part)
+        offsets = np.concatenate([[0], np.cumsum(z["counts"])])
+        for i, key in enumerate(z["keys"]):
+            out[str(key)] = (z["ids"][offsets[i] : offsets[i + 1]], z["logp"][offsets[i] : offsets[i + 1]])
+    for r in rows:
+        got = out.get(row_key(r))
+        if got is None or len(got[0]) != teacher_positions(r):
+            raise SystemExit(
+                f"--teacher {path}: no top-k for response {r['id']} ({r['kind']}) with {teacher_positions(r)} "
+                "positions; run `teacher` with the same --data files first"
+            )
+    logger.info("teacher: top-%d at the response positions of %d rows", next(iter(out.values()))[0].shape[1], len(rows))
+    return out
+
+
 def target_tokenizer() -> Any:
     """The target's tokenizer: without its weights when the GGUF is cached; on a fresh machine the real load
     fetches it (the dummy load never downloads, and has no tokenizer then)."""
@@ -424,9 +533,11 @@ def make_batches(
     seed: int,
     frequent: np.ndarray | None = None,
     num_candidates: int = 8192,
+    teacher: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> list[Any]:
     """Shuffled, length-bucketed batches: (tokens [B, T] int32, labels [B, T] int32, weights [B, T] float32,
-    candidates [C] int32).
+    candidates [C] int32, teacher): ``teacher`` is None or (ids [B, T, k] int32, probabilities [B, T, k] float32,
+    0 where a position has no teacher top-k) from :func:`load_teacher`.
 
     ``labels[t] = tokens[t + 1]``; weight 1 where the label is a target-written token, ``prompt_weight`` where it
     is a prompt token, 0 on padding. One fixed list per epoch seed, so a resumed run sees the same order.
@@ -449,14 +560,22 @@ def make_batches(
             tok = np.zeros((bsz, t), np.int32)
             lab = np.zeros((bsz, t), np.int32)
             wts = np.zeros((bsz, t), np.float32)
+            teach = None
+            if teacher is not None:
+                k = next(iter(teacher.values()))[0].shape[1]
+                teach = (np.zeros((bsz, t, k), np.int32), np.zeros((bsz, t, k), np.float32))
             for j, r in enumerate(chunk):
                 n = len(r["tokens"])
                 tok[j, :n] = r["tokens"]
                 lab[j, : n - 1] = r["tokens"][1:]
                 wts[j, : n - 1] = prompt_weight
                 wts[j, r["num_prompt"] - 1 : n - 1] = 1.0
+                if teach is not None and r["num_prompt"] < n:
+                    ids, logp = teacher[row_key(r)]
+                    teach[0][j, r["num_prompt"] - 1 : n - 1] = ids
+                    teach[1][j, r["num_prompt"] - 1 : n - 1] = np.exp(logp.astype(np.float32))
             if frequent is None:
-                batches.append((tok, lab, wts, None))
+                batches.append((tok, lab, wts, None, teach))
                 continue
             cand = np.unique(np.concatenate([frequent, lab[wts > 0]]))
             if len(cand) < num_candidates:
@@ -464,7 +583,7 @@ def make_batches(
                 cand = np.concatenate([cand, rng.permutation(rest)[: num_candidates - len(cand)]])
             cand = np.sort(cand[:num_candidates]).astype(np.int32)  # labels always fit: |frequent| << C
             lab = np.where(wts > 0, np.searchsorted(cand, lab), 0).astype(np.int32)
-            batches.append((tok, lab, wts, cand))
+            batches.append((tok, lab, wts, cand, teach))
     order = rng.permutation(len(batches))
     return [batches[i] for i in order]
 
@@ -481,12 +600,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = draft_config(args.hidden, args.num_layers, args.intermediate, args.head_vocab)
     (workdir / "draft_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    rows, seen = [], set()
-    for path in args.data:  # a response in two files (id and kind) counts once
-        for r in load_sequences(Path(path), max(BUCKETS)):
-            if (r["id"], r["kind"]) not in seen:
-                seen.add((r["id"], r["kind"]))
-                rows.append(r)
+    rows = load_rows(args.data)
+    teacher = load_teacher(Path(args.teacher), rows) if args.teacher else None
+    if teacher is not None and not args.head_vocab:
+        raise SystemExit("--teacher needs --head-vocab N (the KD loss is over the subset head's ids)")
     if args.prompt_text:
         rows += prompt_text_rows({r["id"] for r in rows}, max(BUCKETS))
     val_ids = sorted({r["id"] for r in rows})[:: max(1, args.val_every)]  # a fixed 1-in-N slice of train prompts
@@ -564,8 +681,12 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     head_ids_dev = None if head_ids is None else jnp.asarray(head_ids)
 
-    def subset_loss_fn(p: dict[str, Any], tok: Any, lab: Any, wts: Any) -> tuple[Any, Any]:
-        """Full softmax over the subset head; labels outside it carry no loss and count as misses."""
+    def subset_loss_fn(p: dict[str, Any], tok: Any, lab: Any, wts: Any, teach: Any = None) -> tuple[Any, Any]:
+        """Full softmax over the subset head; labels outside it carry no loss and count as misses.
+
+        With ``teach`` (the target's top-k at response positions): ``(1 - kd) * CE(label) + kd * CE(teacher)``, the
+        second a cross-entropy against the target's top-k probabilities renormalised over the ids the head has
+        (forward KL to that distribution up to a constant): the target's whole ranking, not one sampled token."""
         logits = causal_forward(cfg, p, tok)  # [B, T, N]
         sub = jnp.clip(jnp.searchsorted(head_ids_dev, lab), 0, len(head_ids) - 1)
         in_head = head_ids_dev[sub] == lab
@@ -573,13 +694,23 @@ def cmd_train(args: argparse.Namespace) -> None:
         nll = -jnp.take_along_axis(logp, sub[..., None], axis=-1)[..., 0]
         w = wts * in_head
         loss = jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+        if teach is not None:
+            tids, tprob = teach
+            tsub = jnp.clip(jnp.searchsorted(head_ids_dev, tids), 0, len(head_ids) - 1)
+            tp = tprob * (head_ids_dev[tsub] == tids)
+            mass = jnp.sum(tp, axis=-1)  # [B, T]
+            tp = tp / jnp.maximum(mass, 1e-9)[..., None]
+            kd_nll = -jnp.sum(tp * jnp.take_along_axis(logp, tsub, axis=-1), axis=-1)
+            kmask = (mass > 0) * (wts >= 1.0)
+            kd_loss = jnp.sum(kd_nll * kmask) / jnp.maximum(jnp.sum(kmask), 1.0)
+            loss = (1.0 - args.kd_weight) * loss + args.kd_weight * kd_loss
         resp = (wts >= 1.0).astype(jnp.float32)
         hits = jnp.sum((head_ids_dev[jnp.argmax(logits, axis=-1)] == lab) * resp)
         return loss, (hits, jnp.sum(resp))
 
-    def loss_fn(p: dict[str, Any], tok: Any, lab: Any, wts: Any, cand: Any) -> tuple[Any, Any]:
+    def loss_fn(p: dict[str, Any], tok: Any, lab: Any, wts: Any, cand: Any, teach: Any = None) -> tuple[Any, Any]:
         if head_ids is not None:
-            return subset_loss_fn(p, tok, lab, wts)
+            return subset_loss_fn(p, tok, lab, wts, teach)
         if cand is None:
             logits = causal_forward(cfg, p, tok)  # full head (validation)
         else:
@@ -593,8 +724,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         return loss, (hits, jnp.sum(resp))
 
     @jax.jit
-    def train_step(p, o, tok, lab, wts, cand):
-        (loss, (hits, n)), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, tok, lab, wts, cand)
+    def train_step(p, o, tok, lab, wts, cand, teach):
+        (loss, (hits, n)), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, tok, lab, wts, cand, teach)
         updates, o = tx.update(grads, o, p)
         return optax.apply_updates(p, updates), o, loss, hits / jnp.maximum(n, 1.0), optax.global_norm(grads)
 
@@ -604,7 +735,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     def validate(p: Any) -> tuple[float, float]:
         tot_loss = tot_hits = tot_n = 0.0
-        for tok, lab, wts, _ in val_batches:
+        for tok, lab, wts, _, _ in val_batches:
             loss, (hits, n) = eval_step(p, tok, lab, wts)
             tot_loss += float(loss) * float(n)
             tot_hits, tot_n = tot_hits + float(hits), tot_n + float(n)
@@ -625,7 +756,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     def batches_for(epoch: int) -> list[Any]:
         return make_batches(
             train_rows, args.tokens_per_batch, args.prompt_weight, args.seed + epoch,
-            None if head_ids is not None else frequent, args.num_candidates,
+            None if head_ids is not None else frequent, args.num_candidates, teacher,
         )
 
     log = open(workdir / "train_log.jsonl", "a", encoding="utf-8")
@@ -641,8 +772,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         epoch, index = divmod(step, n_per_epoch)
         if epoch not in epoch_batches:
             epoch_batches = {0: epoch_batches[0], epoch: batches_for(epoch)}
-        tok, lab, wts, cand = epoch_batches[epoch][index]
-        params, opt_state, loss, acc, gnorm = train_step(params, opt_state, tok, lab, wts, cand)
+        tok, lab, wts, cand, teach = epoch_batches[epoch][index]
+        params, opt_state, loss, acc, gnorm = train_step(params, opt_state, tok, lab, wts, cand, teach)
         step += 1
         loss, acc = float(loss), float(acc)
         run_loss = loss if run_loss is None else 0.95 * run_loss + 0.05 * loss
@@ -814,7 +945,17 @@ def main() -> None:
     t.add_argument("--max-minutes", type=float, default=0.0, help="stop (checkpointed) after this long; 0: no limit")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--prompt-text", action="store_true", help="also train on prompts that have no response yet")
+    t.add_argument("--teacher", default="", help="`teacher`'s output folder: also distil the target's top-k logits")
+    t.add_argument("--kd-weight", type=float, default=0.5,
+                   help="with --teacher: weight of the top-k cross-entropy (1 - it: the sampled token's)")
     t.set_defaults(fn=cmd_train)
+    tp = sub.add_parser("teacher", help="the target's top-k log-probabilities at the response positions (resumable)")
+    tp.add_argument("--data", required=True, nargs="+", help="the response files `train` will read, same order")
+    tp.add_argument("--out", required=True)
+    tp.add_argument("--top-k", type=int, default=16)
+    tp.add_argument("--tokens-per-batch", type=int, default=2048)
+    tp.add_argument("--rows-per-part", type=int, default=256)
+    tp.set_defaults(fn=cmd_teacher)
     e = sub.add_parser("export", help="write the bf16 checkpoint to the assets folder and check the paged forward")
     e.add_argument("--workdir", required=True)
     e.add_argument("--out", default=str(ASSET_DIR))
