@@ -218,3 +218,32 @@ def test_auto_dispatch_fuses_the_decoder_layer_ops():
         jnp.ones((3, 32), F32), x).as_text()
     big = jnp.ones((48, 64), F32)
     assert "nightjar" not in jax.jit(lambda a: rms_swiglu(a, g, w, w, 1e-5)).lower(big).as_text()
+
+
+def test_back_to_back_fused_calls_stay_exact():
+    """Many short fused calls in a row, as in a decode step (work items shared with the pool's helpers,
+    ``cpu_parallel.h``): every repetition gives bit-identical results, equal to numpy's within float32 rounding."""
+    rng = np.random.default_rng(5)
+    ws = [rng.standard_normal((64, n)).astype(np.float32) / 8 for n in (96, 64, 200, 64)]
+    g = np.ones(64, np.float32)
+
+    @jax.jit
+    def chain(x, *w):
+        for _ in range(6):
+            q, k = cpu.rms_linear_many_cpu(x, g, [w[0][:, :64], w[1]], 1e-5)
+            x = cpu.linear_residual_cpu(q + k, w[3], x)
+            x = x + cpu.rms_swiglu_cpu(x, g, w[2][:, :64], w[2][:, 64:128], 1e-5)
+        return x
+
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    first = np.asarray(chain(x, *ws))
+    for _ in range(30):
+        np.testing.assert_array_equal(np.asarray(chain(x, *ws)), first)
+    ref = x.astype(np.float64)
+    for _ in range(6):
+        xn = _rms(ref, g, 1e-5)
+        ref = ref + (xn @ ws[0][:, :64] + xn @ ws[1]) @ ws[3]
+        xn = _rms(ref, g, 1e-5)
+        gate, up = xn @ ws[2][:, :64], xn @ ws[2][:, 64:128]
+        ref = ref + gate / (1 + np.exp(-gate)) * up
+    np.testing.assert_allclose(first, ref, rtol=1e-3, atol=1e-3)
