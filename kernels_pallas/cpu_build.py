@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
          "-fno-signed-zeros", "-fassociative-math")
-HEADERS = (Path(__file__).with_name("cpu_parallel.h"),)  # included by the kernels; part of the cache key
+# included by the kernels; part of the cache key
+HEADERS = (Path(__file__).with_name("cpu_parallel.h"), Path(__file__).with_name("cpu_math.h"))
 
 
 def cache_dir() -> Path:

@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #endif
 
+#include "../cpu_math.h"
 #include "../cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -51,25 +52,6 @@ inline void FromFloat(float x, uint16_t* dst) {  // round to nearest even, NaN k
   }
   u += 0x7fffu + ((u >> 16) & 1u);
   *dst = static_cast<uint16_t>(u >> 16);
-}
-
-// exp(x) for x <= 0 (a score minus its row maximum), Cephes' expf polynomial (~1 ulp): branch-free so the softmax
-// loop vectorizes (std::exp is a scalar libm call, which dominated decode at batch 32). x < -87 (incl. -inf) -> 0.
-inline float ExpNonPositive(float x) {
-  const float xc = std::max(x, -87.0f);
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.0f ? 0.0f : e * scale;
 }
 
 // A page's first `count` floats: float pages in place, bf16 pages widened into buf.
@@ -195,7 +177,7 @@ void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const in
     for (int64_t key = 0; key < visible; ++key) m = std::max(m, row[key]);
     float total = 0.0f;
     for (int64_t key = 0; key < visible; ++key) {
-      row[key] = ExpNonPositive(row[key] - m);
+      row[key] = nightjar::ExpNonPositive(row[key] - m);
       total += row[key];
     }
     const float inv = 1.0f / total;
