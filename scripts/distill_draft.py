@@ -491,6 +491,8 @@ def load_teacher(path: Path, rows: list[dict[str, Any]]) -> dict[str, tuple[np.n
         offsets = np.concatenate([[0], np.cumsum(z["counts"])])
         for i, key in enumerate(z["keys"]):
             out[str(key)] = (z["ids"][offsets[i] : offsets[i + 1]], z["logp"][offsets[i] : offsets[i + 1]])
+    if not out:
+        raise SystemExit(f"--teacher {path}: no part-*.npz files there; run `teacher` with the same --data first")
     for r in rows:
         got = out.get(row_key(r))
         if got is None or len(got[0]) != teacher_positions(r):

@@ -82,6 +82,8 @@ def test_teacher_top1_is_the_greedy_token(distill, data, tmp_path) -> None:
     extra = dict(rows[0], id="unseen")
     with pytest.raises(SystemExit, match="unseen"):
         distill.load_teacher(tmp_path / "teacher", rows + [extra])
+    with pytest.raises(SystemExit, match="no part"):
+        distill.load_teacher(tmp_path, rows)
 
 
 def test_train_with_teacher_runs_and_needs_a_subset_head(distill, data, tmp_path) -> None:
