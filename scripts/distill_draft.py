@@ -415,9 +415,20 @@ def row_key(r: dict[str, Any]) -> str:
     return f"{r['id']}\t{r['kind']}"
 
 
+def response_labels(r: dict[str, Any]) -> slice:
+    """The positions whose label (next token) is a target-written token: ``num_prompt - 1 .. len(tokens) - 2``
+    (empty for a prompt-text row, whose ``num_prompt`` is past its end)."""
+    return slice(r["num_prompt"] - 1, len(r["tokens"]) - 1)
+
+
 def teacher_positions(r: dict[str, Any]) -> int:
-    """Positions whose label is a target-written token: ``num_prompt - 1 .. len(tokens) - 2``."""
-    return len(r["tokens"]) - r["num_prompt"]
+    """How many :func:`response_labels` positions ``r`` has (the teacher's top-k rows for it)."""
+    return max(0, len(r["tokens"]) - r["num_prompt"])
+
+
+def bucket_of(r: dict[str, Any]) -> int:
+    """The smallest of :data:`BUCKETS` that holds the row (batches are padded to it)."""
+    return next(b for b in BUCKETS if len(r["tokens"]) <= b)
 
 
 def cmd_teacher(args: argparse.Namespace) -> None:
@@ -457,7 +468,7 @@ def cmd_teacher(args: argparse.Namespace) -> None:
         got: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         by_bucket: dict[int, list[int]] = {b: [] for b in BUCKETS}
         for j, r in enumerate(chunk):
-            by_bucket[next(b for b in BUCKETS if len(r["tokens"]) <= b)].append(j)
+            by_bucket[bucket_of(r)].append(j)
         for t, idx in by_bucket.items():
             bsz = max(1, args.tokens_per_batch // t)
             for b0 in range(0, len(idx), bsz):
@@ -467,10 +478,9 @@ def cmd_teacher(args: argparse.Namespace) -> None:
                     tok[i, : len(chunk[j]["tokens"])] = chunk[j]["tokens"]
                 vals, ids = (np.asarray(a) for a in topk(params, jnp.asarray(tok)))
                 for i, j in enumerate(sel):
-                    r = chunk[j]
-                    lo, hi = r["num_prompt"] - 1, len(r["tokens"]) - 1
-                    got[j] = (ids[i, lo:hi].astype(np.uint16), vals[i, lo:hi].astype(np.float16))
-                    bar.update(len(r["tokens"]))
+                    span = response_labels(chunk[j])
+                    got[j] = (ids[i, span].astype(np.uint16), vals[i, span].astype(np.float16))
+                    bar.update(len(chunk[j]["tokens"]))
         np.savez(
             out / f"part-{s // args.rows_per_part:05d}.npz",
             keys=np.asarray([row_key(r) for r in chunk]),
@@ -552,7 +562,7 @@ def make_batches(
     rng = np.random.default_rng(seed)
     by_bucket: dict[int, list[dict[str, Any]]] = {b: [] for b in BUCKETS}
     for r in rows:
-        by_bucket[next(b for b in BUCKETS if len(r["tokens"]) <= b)].append(r)
+        by_bucket[bucket_of(r)].append(r)
     batches = []
     for t, group in by_bucket.items():
         rng.shuffle(group)
@@ -571,11 +581,11 @@ def make_batches(
                 tok[j, :n] = r["tokens"]
                 lab[j, : n - 1] = r["tokens"][1:]
                 wts[j, : n - 1] = prompt_weight
-                wts[j, r["num_prompt"] - 1 : n - 1] = 1.0
-                if teach is not None and r["num_prompt"] < n:
+                wts[j, response_labels(r)] = 1.0
+                if teach is not None and teacher_positions(r):
                     ids, logp = teacher[row_key(r)]
-                    teach[0][j, r["num_prompt"] - 1 : n - 1] = ids
-                    teach[1][j, r["num_prompt"] - 1 : n - 1] = np.exp(logp.astype(np.float32))
+                    teach[0][j, response_labels(r)] = ids
+                    teach[1][j, response_labels(r)] = np.exp(logp.astype(np.float32))
             if frequent is None:
                 batches.append((tok, lab, wts, None, teach))
                 continue
@@ -606,6 +616,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     teacher = load_teacher(Path(args.teacher), rows) if args.teacher else None
     if teacher is not None and not args.head_vocab:
         raise SystemExit("--teacher needs --head-vocab N (the KD loss is over the subset head's ids)")
+    if not 0.0 <= args.kd_weight <= 1.0:
+        raise SystemExit(f"--kd-weight {args.kd_weight}: allowed 0..1 (the top-k term's share of the loss)")
     if args.prompt_text:
         rows += prompt_text_rows({r["id"] for r in rows}, max(BUCKETS))
     val_ids = sorted({r["id"] for r in rows})[:: max(1, args.val_every)]  # a fixed 1-in-N slice of train prompts

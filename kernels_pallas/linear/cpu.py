@@ -97,7 +97,7 @@ def linear_many_cpu(x: jax.Array, ws: list[jax.Array] | tuple[jax.Array, ...]) -
     return [y.reshape(*x.shape[:-1], w.shape[1]) for y, w in zip(ys, ws, strict=True)]
 
 
-# ---- fused decoder-layer forms: fewer thunks per decode step (each costs microseconds of its own on XLA:CPU) ----
+# ---- fused decoder-layer forms: fewer XLA thunks per decode step (580 -> 257 for a one-row SmolLM2 step) ----
 
 
 def _gain(x: jax.Array, gain: jax.Array) -> None:
