@@ -79,6 +79,10 @@ class ModelConfig:
     # A draft's cheap LM head: an untied head over only this many token ids (the checkpoint's int32
     # ``lm_head.token_ids``, sorted and unique); every other id gets logit -inf (probability 0). None: full head.
     head_vocab_size: int | None = None
+    # A feature draft (EAGLE): its input at position p is fc([embed(x[p]), f[p - 1]]) with f the target's final
+    # hidden state (this width) where the target has run, else the draft's own output; it has no embedding table of
+    # its own (the target's is passed in). None: a plain token-input model.
+    feature_size: int | None = None
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -117,6 +121,14 @@ class ModelConfig:
                 self.head_vocab_size,
                 "None when tie_word_embeddings is true (a subset head is its own untied matrix)",
             )
+        if self.feature_size is not None:
+            _check_int("feature_size", self.feature_size, 1)
+            _check(
+                not self.tie_word_embeddings,
+                "feature_size",
+                self.feature_size,
+                "None when tie_word_embeddings is true (a feature draft has no embedding table to tie its head to)",
+            )
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -129,6 +141,8 @@ class ModelConfig:
         attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
         per_layer = attn + 3 * d * f + 2 * d
         head = 0 if self.tie_word_embeddings else (self.head_vocab_size or v) * d
+        if self.feature_size is not None:  # fc([embedding, feature]) instead of an embedding table
+            return 2 * self.feature_size * d + self.num_layers * per_layer + d + head
         return v * d + self.num_layers * per_layer + d + head
 
     def kv_bytes_per_token(self) -> int:

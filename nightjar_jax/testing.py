@@ -66,3 +66,15 @@ def fake_model(
         return jax.nn.one_hot(nxt, vocab_size, dtype=jnp.float32) * 10.0
 
     return ModelHandle(config, None, {}, fns=(hidden_fn, logits_fn))
+
+
+def load_script(filename: str, module_name: str):
+    """Import ``scripts/<filename>`` of a source checkout as a fresh module named ``module_name`` (tests of the
+    command-line tools; each call builds a new module, so a test may patch its globals)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(module_name, Path(__file__).parents[1] / "scripts" / filename)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

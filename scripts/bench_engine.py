@@ -73,7 +73,7 @@ def host_share(llm, prompts: list[list[int]], output_len: int) -> dict:
         t0 = time.perf_counter()
         out = inner(*args)
         jax.block_until_ready(out)
-        if args[2].shape[1] == 1:  # tokens [S, 1]: a decode step (prefill chunks are longer)
+        if args[3].shape[1] == 1:  # tokens [S, 1]: a decode step (prefill chunks are longer)
             call_seconds.append(time.perf_counter() - t0)
         return out
 

@@ -431,6 +431,51 @@ def bucket_of(r: dict[str, Any]) -> int:
     return next(b for b in BUCKETS if len(r["tokens"]) <= b)
 
 
+def target_parts(rows: list[dict[str, Any]], out: Path, rows_per_part: int, desc: str) -> Any:
+    """Yield ``(part path, rows, progress bar)`` for every ``rows_per_part`` slice of ``rows`` whose part file is not
+    written yet (a resume point); the bar counts tokens (:func:`bucketed_batches` advances it)."""
+    from tqdm import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    parts = range(0, len(rows), rows_per_part)
+    todo = [s for s in parts if not (out / f"part-{s // rows_per_part:05d}.npz").exists()]
+    total = sum(len(r["tokens"]) for s in todo for r in rows[s : s + rows_per_part])
+    logger.info("%d rows in %d parts; %d parts (%d tokens) to run", len(rows), len(parts), len(todo), total)
+    bar = tqdm(total=total, desc=desc, unit="tok")
+    for s in todo:
+        yield out / f"part-{s // rows_per_part:05d}.npz", rows[s : s + rows_per_part], bar
+    bar.close()
+
+
+def bucketed_batches(chunk: list[dict[str, Any]], tokens_per_batch: int, bar: Any = None) -> Any:
+    """Yield ``(row indices, tokens [B, T] int32)``: ``chunk``'s rows grouped by :func:`bucket_of`, zero-padded to a
+    fixed batch shape per bucket (one compile each)."""
+    by_bucket: dict[int, list[int]] = {b: [] for b in BUCKETS}
+    for j, r in enumerate(chunk):
+        by_bucket[bucket_of(r)].append(j)
+    for t, idx in by_bucket.items():
+        bsz = max(1, tokens_per_batch // t)
+        for b0 in range(0, len(idx), bsz):
+            sel = idx[b0 : b0 + bsz]
+            tok = np.zeros((bsz, t), np.int32)
+            for i, j in enumerate(sel):
+                tok[i, : len(chunk[j]["tokens"])] = chunk[j]["tokens"]
+            yield sel, tok
+            if bar is not None:
+                bar.update(sum(len(chunk[j]["tokens"]) for j in sel))
+
+
+def check_export(paged: np.ndarray, ref: np.ndarray, out: Path) -> None:
+    """Refuse an export whose paged forward disagrees with the training forward; log its size on disk."""
+    err = float(np.max(np.abs(paged - ref)))
+    same_argmax = bool((paged.argmax(-1) == ref.argmax(-1)).all())
+    logger.info("paged vs training forward: max |logit diff| %.2e, argmax equal %s", err, same_argmax)
+    if err > 1e-2 or not same_argmax:
+        raise SystemExit(f"paged forward disagrees with the training forward (max diff {err})")
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    logger.info("exported %s: %.2f MB on disk", out, size / 1e6)
+
+
 def cmd_teacher(args: argparse.Namespace) -> None:
     """The target's top-k log-probabilities at every response position of the training rows (for ``train
     --teacher``: distillation on the target's logits, not only on its sampled tokens). One ``part-NNNNN.npz`` per
@@ -438,12 +483,10 @@ def cmd_teacher(args: argparse.Namespace) -> None:
     [positions, k] uint16 and ``logp`` [positions, k] float16, rows in :func:`load_rows` order."""
     import jax
     import jax.numpy as jnp
-    from tqdm import tqdm
 
     from nightjar_jax.models.loader import load_checkpoint
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     rows = load_rows(args.data)
     ckpt = load_checkpoint(TARGET)
     cfg = ckpt.config
@@ -458,38 +501,56 @@ def cmd_teacher(args: argparse.Namespace) -> None:
         vals, ids = jax.lax.top_k(logp, k)
         return vals, ids
 
-    parts = range(0, len(rows), args.rows_per_part)
-    todo = [s for s in parts if not (out / f"part-{s // args.rows_per_part:05d}.npz").exists()]
-    total = sum(len(r["tokens"]) for s in todo for r in rows[s : s + args.rows_per_part])
-    logger.info("%d rows in %d parts; %d parts (%d tokens) to run", len(rows), len(parts), len(todo), total)
-    bar = tqdm(total=total, desc="teacher", unit="tok")
-    for s in todo:
-        chunk = rows[s : s + args.rows_per_part]
+    for part, chunk, bar in target_parts(rows, out, args.rows_per_part, "teacher"):
         got: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        by_bucket: dict[int, list[int]] = {b: [] for b in BUCKETS}
-        for j, r in enumerate(chunk):
-            by_bucket[bucket_of(r)].append(j)
-        for t, idx in by_bucket.items():
-            bsz = max(1, args.tokens_per_batch // t)
-            for b0 in range(0, len(idx), bsz):
-                sel = idx[b0 : b0 + bsz]
-                tok = np.zeros((bsz, t), np.int32)  # a fixed batch shape per bucket: one compile each
-                for i, j in enumerate(sel):
-                    tok[i, : len(chunk[j]["tokens"])] = chunk[j]["tokens"]
-                vals, ids = (np.asarray(a) for a in topk(params, jnp.asarray(tok)))
-                for i, j in enumerate(sel):
-                    span = response_labels(chunk[j])
-                    got[j] = (ids[i, span].astype(np.uint16), vals[i, span].astype(np.float16))
-                    bar.update(len(chunk[j]["tokens"]))
+        for sel, tok in bucketed_batches(chunk, args.tokens_per_batch, bar):
+            vals, ids = (np.asarray(a) for a in topk(params, jnp.asarray(tok)))
+            for i, j in enumerate(sel):
+                span = response_labels(chunk[j])
+                got[j] = (ids[i, span].astype(np.uint16), vals[i, span].astype(np.float16))
         np.savez(
-            out / f"part-{s // args.rows_per_part:05d}.npz",
+            part,
             keys=np.asarray([row_key(r) for r in chunk]),
             counts=np.asarray([teacher_positions(r) for r in chunk], np.int32),
             ids=np.concatenate([got[j][0] for j in range(len(chunk))]),
             logp=np.concatenate([got[j][1] for j in range(len(chunk))]),
         )
-    bar.close()
     logger.info("teacher top-%d in %s", k, out)
+
+
+def cmd_features(args: argparse.Namespace) -> None:
+    """The target's final (normed) hidden state at every position of the training rows, for a feature draft
+    (``train-eagle``: the draft reads the target's hidden state at position p - 1 with token p). One
+    ``part-NNNNN.npz`` per ``--rows-per-part`` rows (a resume point): ``keys``, ``counts`` (= row lengths) and
+    ``feats`` [positions, hidden] float16, rows in :func:`load_rows` order."""
+    import jax
+    import jax.numpy as jnp
+
+    from nightjar_jax.models.loader import load_checkpoint
+
+    out = Path(args.out)
+    rows = load_rows(args.data)
+    ckpt = load_checkpoint(TARGET)
+    cfg = ckpt.config
+    params = {k: jnp.asarray(np.asarray(v, np.float32)) for k, v in ckpt.state_dict.items()}
+
+    @jax.jit
+    def hidden(p: dict[str, Any], tok: Any) -> Any:
+        return causal_forward(cfg, p, tok, return_hidden=True).astype(jnp.float16)
+
+    for part, chunk, bar in target_parts(rows, out, args.rows_per_part, "features"):
+        got: dict[int, np.ndarray] = {}
+        for sel, tok in bucketed_batches(chunk, args.tokens_per_batch, bar):
+            h = np.asarray(hidden(params, jnp.asarray(tok)))
+            for i, j in enumerate(sel):
+                got[j] = h[i, : len(chunk[j]["tokens"])]
+        np.savez(
+            part,
+            keys=np.asarray([row_key(r) for r in chunk]),
+            counts=np.asarray([len(r["tokens"]) for r in chunk], np.int32),
+            feats=np.concatenate([got[j] for j in range(len(chunk))]),
+        )
+    logger.info("target features in %s", out)
 
 
 def load_teacher(path: Path, rows: list[dict[str, Any]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -904,13 +965,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     )
     if HEAD_TOKEN_IDS in bf16:  # the paged model scatters the subset's logits into the full vocabulary
         paged = paged[..., bf16[HEAD_TOKEN_IDS]]
-    err = float(np.max(np.abs(paged - ref)))
-    same_argmax = bool((paged.argmax(-1) == ref.argmax(-1)).all())
-    logger.info("paged vs training forward: max |logit diff| %.2e, argmax equal %s", err, same_argmax)
-    if err > 1e-2 or not same_argmax:
-        raise SystemExit(f"paged forward disagrees with the training forward (max diff {err})")
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    logger.info("exported %s: %.2f MB on disk", out, size / 1e6)
+    check_export(paged, ref, out)
 
 
 def main() -> None:
@@ -970,6 +1025,12 @@ def main() -> None:
     tp.add_argument("--tokens-per-batch", type=int, default=2048)
     tp.add_argument("--rows-per-part", type=int, default=256)
     tp.set_defaults(fn=cmd_teacher)
+    fp = sub.add_parser("features", help="the target's final hidden state at every position (resumable)")
+    fp.add_argument("--data", required=True, nargs="+", help="the response files `train-eagle` will read, same order")
+    fp.add_argument("--out", required=True)
+    fp.add_argument("--tokens-per-batch", type=int, default=2048)
+    fp.add_argument("--rows-per-part", type=int, default=256)
+    fp.set_defaults(fn=cmd_features)
     e = sub.add_parser("export", help="write the bf16 checkpoint to the assets folder and check the paged forward")
     e.add_argument("--workdir", required=True)
     e.add_argument("--out", default=str(ASSET_DIR))

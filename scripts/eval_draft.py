@@ -5,7 +5,10 @@ Prints and writes (JSON) two numbers:
    (accepted drafts + 1, the engine's ``stats.mean_accepted_length``) and α = accepted / drafted, overall and per
    source, on the held-out split of ``scripts/distill_draft.py`` (never trained on);
 2. the draft's cost per token relative to the target's: batch-1 greedy AR decode of each model alone on the same
-   prompts, decode steps only (from the engine's step log, after a warm-up run that compiles every shape).
+   prompts, decode steps only (from the engine's step log, after a warm-up run that compiles every shape). A
+   feature draft (EAGLE-style, it reads the target's hidden states) cannot decode alone: its cost is its
+   ``propose`` time per drafted token inside batch-1 speculative steps, against the target's plain decoding in the
+   same engine (:func:`feature_draft_cost`).
 
     python scripts/eval_draft.py --out results/eval_draft.json
 """
@@ -109,6 +112,36 @@ def decode_cost(model: str, prompts: list[list[int]], output_len: int) -> dict:
     return {"model": model, "decode_seconds": seconds, "decode_tokens": tokens, "seconds_per_token": seconds / tokens}
 
 
+def feature_draft_cost(draft: str, prompts: list[list[int]], output_len: int, gamma: int) -> tuple[dict, dict]:
+    """A feature draft cannot decode alone (it reads the target's hidden states), so both costs come from one
+    engine at batch 1: the target's seconds per token in plain decoding (γ = 0) and the draft's seconds per drafted
+    token inside speculative steps at ``gamma`` (``propose`` time / (γ x steps): its first step over the accepted
+    tokens included), after a warm-up run of each that compiles every shape."""
+    from nightjar_jax import LLM
+
+    llm = LLM(
+        TARGET, draft_model=draft, num_speculative_tokens=gamma, planner=f"static:{gamma}", max_num_seqs=1,
+        max_model_len=max(len(p) for p in prompts) + output_len + gamma + 8, max_num_batched_tokens=512,
+    )
+    for g in (0, gamma):
+        run_decode_workload(llm, prompts[:1], output_len, gamma=g)  # warm-up
+    t_s = t_n = d_s = d_n = 0.0
+    for p in prompts:
+        ar = run_decode_workload(llm, [p], output_len, gamma=0)
+        t_s, t_n = t_s + ar.decode_seconds, t_n + ar.committed_tokens
+        sd = run_decode_workload(llm, [p], output_len, gamma=gamma)
+        d_s, d_n = d_s + sd.draft_seconds, d_n + gamma * sd.num_decode_steps
+    target = {"model": TARGET, "decode_seconds": t_s, "decode_tokens": t_n, "seconds_per_token": t_s / t_n}
+    draft_cost = {"model": draft, "draft_seconds": d_s, "drafted_tokens": d_n, "seconds_per_token": d_s / d_n,
+                  "measured": f"inside SD at gamma={gamma}, batch 1"}
+    return target, draft_cost
+
+
+def is_feature_draft(path: str) -> bool:
+    cfg = Path(path) / "nightjar_config.json"
+    return cfg.exists() and json.loads(cfg.read_text())["config"].get("feature_size") is not None
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -148,8 +181,11 @@ def main() -> None:
     draft_s = sum(r["draft_seconds"] for r in runs.values())
     verify_s = sum(r["verify_seconds"] for r in runs.values())
     cost_ids = [p["ids"] for p in prompts[: args.cost_prompts]]
-    target_cost = decode_cost(TARGET, cost_ids, args.cost_tokens)
-    draft_cost = decode_cost(args.draft, cost_ids, args.cost_tokens)
+    if is_feature_draft(args.draft):
+        target_cost, draft_cost = feature_draft_cost(args.draft, cost_ids, args.cost_tokens, args.gamma)
+    else:
+        target_cost = decode_cost(TARGET, cost_ids, args.cost_tokens)
+        draft_cost = decode_cost(args.draft, cost_ids, args.cost_tokens)
     ratio = draft_cost["seconds_per_token"] / target_cost["seconds_per_token"]
 
     print(f"\nheld-out split: {heldout_ids()}  (used {len(prompts)}, skipped {[p['id'] for p in skipped]})")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nightjar_jax.cache.allocator import PageAllocator
-from nightjar_jax.config import EngineConfig
+from nightjar_jax.config import EngineConfig, dtype_bytes
 from nightjar_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nightjar_jax.engine.request import FinishReason, Request
 from nightjar_jax.engine.runner import DecodeResult, ModelHandle, ModelRunner
@@ -179,6 +179,8 @@ class LLMEngine:
         per_token = self.target.config.kv_bytes_per_token()
         if self.draft is not None:
             per_token += self.draft.config.kv_bytes_per_token()
+            if self.draft.config.feature_size is not None:  # the target's hidden state per token, for the draft
+                per_token += self.target.config.hidden_size * dtype_bytes(self.target.config.dtype)
         return max(2, cache.kv_cache_bytes // (per_token * cache.page_size))
 
     def _make_planner(self):

@@ -28,7 +28,14 @@ from nightjar_jax.config import ModelConfig
 from nightjar_jax.engine.request import Request
 from nightjar_jax.engine.sampler import SamplingTensors, argmax, processed_probs, sample
 from nightjar_jax.engine.scheduler import ScheduledBatch
-from nightjar_jax.models.llama import BatchMetadata, KVCache, allocate_kv_cache, make_model_fns
+from nightjar_jax.models.llama import (
+    BatchMetadata,
+    KVCache,
+    allocate_kv_cache,
+    make_model_fns,
+    read_previous_features,
+    write_feature_pages,
+)
 from nightjar_jax.spec.rejection import draft_sample, greedy_verify, rejection_sample
 
 logger = logging.getLogger(__name__)
@@ -90,6 +97,18 @@ class ModelHandle:
     def unflatten(self, leaves) -> nnx.State | dict:
         return jax.tree.unflatten(self.treedef, leaves)
 
+    def embedding(self) -> jax.Array:
+        """The token embedding table ``[vocab, hidden]`` (a feature draft embeds its tokens with the target's)."""
+        if not hasattr(self, "_embed_index"):
+            paths = [tuple(str(getattr(k, "key", k)) for k in path)
+                     for path, _ in jax.tree_util.tree_flatten_with_path(self.state)[0]]
+            found = [i for i, p in enumerate(paths) if "embed_tokens" in p and "embedding" in p]
+            if not found:
+                raise ValueError(f"{self.config.name} has no embed_tokens.embedding (a feature draft needs a target "
+                                 "with its own embedding table)")
+            self._embed_index = found[0]
+        return self.leaves()[self._embed_index]
+
 
 @dataclass
 class DecodeResult:
@@ -149,85 +168,120 @@ class ModelRunner:
         self.draft_kv: KVCache | None = (
             allocate_kv_cache(draft.config, num_pages, page_size) if draft is not None else None
         )
+        # A feature draft (EAGLE) reads the target's final hidden state at the previous position: the target's
+        # passes write them into this per-token pool, paged like the KV cache (same block tables).
+        self.feature_draft = draft is not None and draft.config.feature_size is not None
+        self.features: jax.Array | None = None
+        if self.feature_draft:
+            if draft.config.feature_size != target.config.hidden_size:
+                raise ValueError(
+                    f"feature draft {draft.config.name} reads {draft.config.feature_size}-wide features but the "
+                    f"target {target.config.name} has hidden size {target.config.hidden_size}"
+                )
+            self.features = jnp.zeros((num_pages, page_size, target.config.hidden_size),
+                                      jnp.dtype(target.config.dtype))
         self._build_jitted()
 
     # ---- jitted step functions --------------------------------------------------------------------------------
     def _build_jitted(self) -> None:
         t_hidden, t_logits = self.target.fns
 
-        def forward_sample(leaves, kv, tokens, block_tables, context_lens, query_lens, st, all_greedy):
+        def forward_sample(leaves, kv, feats, tokens, block_tables, context_lens, query_lens, st, all_greedy):
             state = self.target.unflatten(leaves)
             md = BatchMetadata(block_tables, context_lens, query_lens)
             hidden, kv = t_hidden(state, tokens, kv, md)
+            if feats is not None:
+                feats = write_feature_pages(feats, hidden, md)
             logits = t_logits(state, hidden[:, -1])  # [S, V] f32
             if all_greedy:
                 next_tokens = argmax(logits)
             else:
                 next_tokens = sample(logits, st, SALT_SAMPLE)
-            return next_tokens, kv
+            return next_tokens, kv, feats
 
-        self._forward_sample = jax.jit(forward_sample, donate_argnums=(1,), static_argnums=(7,))
+        self._forward_sample = jax.jit(forward_sample, donate_argnums=(1, 2), static_argnums=(8,))
 
         if self.draft is None:
             return
         d_hidden, d_logits = self.draft.fns
 
-        def draft_fill(leaves, kv, tokens, block_tables, context_lens, query_lens):
+        def draft_inputs(feats, embed, md, q_len):
+            """A feature draft's extra inputs for slots read from the stored target features (else none)."""
+            if feats is None:
+                return {}
+            return {"features": read_previous_features(feats, md, q_len), "embed_table": embed}
+
+        def draft_fill(leaves, kv, feats, embed, tokens, block_tables, context_lens, query_lens):
             state = self.draft.unflatten(leaves)
-            _, kv = d_hidden(state, tokens, kv, BatchMetadata(block_tables, context_lens, query_lens))
+            md = BatchMetadata(block_tables, context_lens, query_lens)
+            _, kv = d_hidden(state, tokens, kv, md, **draft_inputs(feats, embed, md, tokens.shape[1]))
             return kv
 
-        def propose(leaves, kv, tokens, block_tables, context_lens, st, gamma, all_greedy):
-            """tokens [S, 2] = the last two committed tokens; context_lens [S] = committed tokens n."""
+        def propose(leaves, kv, feats, embed, tokens, first_lens, block_tables, context_lens, st, gamma, all_greedy):
+            """tokens [S, W]: the committed tokens the draft has not run yet, right-aligned (``first_lens`` [S] of
+            them; a token draft re-runs the last two, W = 2); context_lens [S] = committed tokens n.
+
+            A feature draft's first step reads the target's stored features; each later step is fed the draft's
+            own output for the previous position (the target has not run there yet)."""
             state = self.draft.unflatten(leaves)
             num_seqs = tokens.shape[0]
             vocab = self.draft.config.vocab_size
             real = (context_lens > 0).astype(jnp.int32)  # [S]: 0 for padding rows
 
-            def draft_step(i, tok_in, kv):
-                md = BatchMetadata(block_tables, context_lens + i * real, real * tok_in.shape[1])
-                hidden, kv = d_hidden(state, tok_in, kv, md)
+            def draft_step(i, tok_in, q_lens, kv, extra):
+                md = BatchMetadata(block_tables, context_lens + i * real, q_lens)
+                hidden, kv = d_hidden(state, tok_in, kv, md, **extra)
                 logits = d_logits(state, hidden[:, -1])  # [S, V]
+                feature = hidden[:, -1:] if feats is not None else None
                 if all_greedy:
-                    return argmax(logits), None, kv
+                    return argmax(logits), None, kv, feature
                 tok, probs = draft_sample(logits, st, SALT_DRAFT + i)
-                return tok, probs, kv
+                return tok, probs, kv, feature
 
-            tok, probs, kv = draft_step(0, tokens, kv)
+            md0 = BatchMetadata(block_tables, context_lens, first_lens)
+            tok, probs, kv, feature = draft_step(0, tokens, first_lens, kv,
+                                                 draft_inputs(feats, embed, md0, tokens.shape[1]))
             draft_tokens = jnp.zeros((num_seqs, gamma), jnp.int32).at[:, 0].set(tok)
             draft_probs = None
             if not all_greedy:
                 draft_probs = jnp.zeros((num_seqs, gamma, vocab), jnp.float32).at[:, 0].set(probs)
 
             def body(i, carry):
-                draft_tokens, draft_probs, kv = carry
+                draft_tokens, draft_probs, kv, feature = carry
                 prev = jax.lax.dynamic_slice_in_dim(draft_tokens, i - 1, 1, axis=1)  # [S, 1]
-                tok, probs, kv = draft_step(i, prev, kv)
+                extra = {} if feature is None else {"features": feature, "embed_table": embed}
+                tok, probs, kv, feature = draft_step(i, prev, real, kv, extra)
                 draft_tokens = jax.lax.dynamic_update_slice_in_dim(draft_tokens, tok[:, None], i, axis=1)
                 if draft_probs is not None:
                     draft_probs = jax.lax.dynamic_update_slice_in_dim(draft_probs, probs[:, None], i, axis=1)
-                return draft_tokens, draft_probs, kv
+                return draft_tokens, draft_probs, kv, feature
 
-            draft_tokens, draft_probs, kv = jax.lax.fori_loop(1, gamma, body, (draft_tokens, draft_probs, kv))
+            draft_tokens, draft_probs, kv, _ = jax.lax.fori_loop(
+                1, gamma, body, (draft_tokens, draft_probs, kv, feature)
+            )
             return draft_tokens, draft_probs, kv
 
-        def verify(leaves, kv, last_tokens, draft_tokens, draft_probs, block_tables, context_lens, st, all_greedy):
+        def verify(leaves, kv, feats, last_tokens, draft_tokens, draft_probs, block_tables, context_lens, st,
+                   all_greedy):
             """last_tokens [S]; draft_tokens [S, γ]; context_lens [S] = n + γ."""
             state = self.target.unflatten(leaves)
             tokens = jnp.concatenate([last_tokens[:, None], draft_tokens], axis=1)  # [S, γ + 1]
             query_lens = jnp.where(context_lens > 0, tokens.shape[1], 0).astype(jnp.int32)
-            hidden, kv = t_hidden(state, tokens, kv, BatchMetadata(block_tables, context_lens, query_lens))
+            md = BatchMetadata(block_tables, context_lens, query_lens)
+            hidden, kv = t_hidden(state, tokens, kv, md)
+            if feats is not None:  # only the accepted positions' are read later; the rest are overwritten first
+                feats = write_feature_pages(feats, hidden, md)
             logits = t_logits(state, hidden)  # [S, γ + 1, V]
             if all_greedy:
                 out, num_accepted = greedy_verify(draft_tokens, logits)
             else:
                 target_probs = processed_probs(logits, st)
                 out, num_accepted = rejection_sample(draft_tokens, draft_probs, target_probs, st, salt=SALT_VERIFY)
-            return out, num_accepted, kv
+            return out, num_accepted, kv, feats
 
         self._draft_fill = jax.jit(draft_fill, donate_argnums=(1,))
-        self._propose = jax.jit(propose, donate_argnums=(1,), static_argnums=(6, 7))
-        self._verify = jax.jit(verify, donate_argnums=(1,), static_argnums=(8,))
+        self._propose = jax.jit(propose, donate_argnums=(1,), static_argnums=(9, 10))
+        self._verify = jax.jit(verify, donate_argnums=(1, 2), static_argnums=(9,))
 
     # ---- host-side batch assembly -------------------------------------------------------------------------------
     def _block_tables(self, requests: list[Request], num_rows: int, lookahead: int = 0) -> np.ndarray:
@@ -278,8 +332,8 @@ class ModelRunner:
         all_greedy = all(r.sampling.greedy for r in requests)
         st = self._sampling_tensors(requests, num_rows)
         bt = self._block_tables(requests, num_rows)
-        next_tokens, self.kv = self._forward_sample(
-            self.target.leaves(), self.kv, tokens, bt, context_lens, query_lens, st, all_greedy
+        next_tokens, self.kv, self.features = self._forward_sample(
+            self.target.leaves(), self.kv, self.features, tokens, bt, context_lens, query_lens, st, all_greedy
         )
         return np.asarray(next_tokens)[: len(requests)]
 
@@ -302,25 +356,31 @@ class ModelRunner:
             raise ValueError(f"gamma={gamma} exceeds the compiled maximum {self.gamma_max}")
 
         t0 = time.perf_counter()
-        catchup_tokens = self.catch_up_draft(requests)
+        width = self.first_step_width(gamma)
+        catchup_tokens = self.catch_up_draft(requests, keep=width)
         t1 = time.perf_counter()
 
         all_greedy = all(r.sampling.greedy for r in requests)
         st = self._sampling_tensors(requests, num_rows)
         bt = self._block_tables(requests, num_rows, lookahead=gamma)
-        last_two = np.zeros((num_rows, 2), np.int32)
+        first = np.zeros((num_rows, width), np.int32)  # right-aligned tokens the draft has not run yet
+        first_lens = np.zeros(num_rows, np.int32)
         n = np.zeros(num_rows, np.int32)
         for i, r in enumerate(requests):
-            last_two[i] = (r.token_at(r.num_tokens - 2), r.token_at(r.num_tokens - 1))
+            m = width if not self.feature_draft else r.num_tokens - r.num_draft_computed  # 1 .. width
+            first[i, width - m :] = [r.token_at(j) for j in range(r.num_tokens - m, r.num_tokens)]
+            first_lens[i] = m
             n[i] = r.num_tokens
         draft_tokens, draft_probs, self.draft_kv = self._propose(
-            self.draft.leaves(), self.draft_kv, last_two, bt, n, st, gamma, all_greedy
+            self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, first_lens, bt, n, st, gamma,
+            all_greedy,
         )
         draft_tokens.block_until_ready()
         t2 = time.perf_counter()
         verify_lens = np.where(n > 0, n + gamma, 0).astype(np.int32)
-        out, num_accepted, self.kv = self._verify(
-            self.target.leaves(), self.kv, last_two[:, 1], draft_tokens, draft_probs, bt, verify_lens, st, all_greedy
+        out, num_accepted, self.kv, self.features = self._verify(
+            self.target.leaves(), self.kv, self.features, first[:, -1], draft_tokens, draft_probs, bt, verify_lens,
+            st, all_greedy,
         )
         out_np, acc_np = np.asarray(out), np.asarray(num_accepted)
         t3 = time.perf_counter()
@@ -329,20 +389,30 @@ class ModelRunner:
             k = int(acc_np[i])
             committed.append([int(t) for t in out_np[i, : k + 1]])
             accepted.append(k)
-            # Draft KV now holds positions up to n - 1 + min(k, γ - 1) (see docs/architecture.md).
-            r.num_draft_computed = int(n[i]) + min(k, gamma - 1)
+            # A token draft's KV now holds positions up to n - 1 + min(k, γ - 1); a feature draft's only up to
+            # n - 1: its later slots were fed its own features, not the target's (see docs/architecture.md).
+            r.num_draft_computed = int(n[i]) + (0 if self.feature_draft else min(k, gamma - 1))
         return DecodeResult(
             committed, gamma, gamma * len(requests), accepted,
             draft_seconds=t2 - t1, verify_seconds=t3 - t2, catchup_seconds=t1 - t0, catchup_tokens=catchup_tokens,
         )
 
-    def catch_up_draft(self, requests: list[Request]) -> int:
-        """Run the draft over committed tokens it has not seen, up to (not including) the last two, which the
+    def first_step_width(self, gamma: int) -> int:
+        """Tokens ``propose`` runs in its first draft step: a token draft re-runs the last two committed tokens; a
+        feature draft runs every committed token it has not run with the target's features, up to γ + 1 (the
+        accepted drafts and the target's token of the previous step)."""
+        return gamma + 1 if self.feature_draft else 2
+
+    def _embed(self) -> jax.Array | None:
+        return self.target.embedding() if self.feature_draft else None
+
+    def catch_up_draft(self, requests: list[Request], keep: int = 2) -> int:
+        """Run the draft over committed tokens it has not seen, up to (not including) the last ``keep``, which the
         next ``propose`` processes itself. Returns the number of tokens processed."""
         total = 0
         budget = self.shapes.prefill_len_buckets[-1]
         while True:
-            todo = [(r, r.num_tokens - 2 - r.num_draft_computed) for r in requests]
+            todo = [(r, r.num_tokens - keep - r.num_draft_computed) for r in requests]
             todo = [(r, m) for r, m in todo if m > 0]
             if not todo:
                 return total
@@ -363,7 +433,9 @@ class ModelRunner:
                 r.num_draft_computed += c
                 total += c
             bt = self._block_tables(rows, num_rows)
-            self.draft_kv = self._draft_fill(self.draft.leaves(), self.draft_kv, tokens, bt, context_lens, query_lens)
+            self.draft_kv = self._draft_fill(
+                self.draft.leaves(), self.draft_kv, self.features, self._embed(), tokens, bt, context_lens, query_lens
+            )
 
     # ---- compilation ----------------------------------------------------------------------------------------------
     def warmup_widths(self, max_context: int | None = None) -> list[int]:
@@ -397,18 +469,20 @@ class ModelRunner:
                 for all_greedy in modes:
                     for gamma in gammas:
                         if gamma == 0:
-                            _, self.kv = self._forward_sample(
-                                self.target.leaves(), self.kv, np.zeros((num_rows, 1), np.int32), bt, zeros, zeros,
-                                st, all_greedy,
+                            _, self.kv, self.features = self._forward_sample(
+                                self.target.leaves(), self.kv, self.features, np.zeros((num_rows, 1), np.int32), bt,
+                                zeros, zeros, st, all_greedy,
                             )
                             keys.append(("forward_sample", num_rows, 1, width, all_greedy))
                         else:
+                            first = np.zeros((num_rows, self.first_step_width(gamma)), np.int32)
                             tokens, probs, self.draft_kv = self._propose(
-                                self.draft.leaves(), self.draft_kv, np.zeros((num_rows, 2), np.int32), bt, zeros, st,
-                                gamma, all_greedy,
+                                self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, zeros, bt,
+                                zeros, st, gamma, all_greedy,
                             )
-                            out, _, self.kv = self._verify(
-                                self.target.leaves(), self.kv, zeros, tokens, probs, bt, zeros, st, all_greedy
+                            out, _, self.kv, self.features = self._verify(
+                                self.target.leaves(), self.kv, self.features, zeros, tokens, probs, bt, zeros, st,
+                                all_greedy,
                             )
                             out.block_until_ready()
                             keys += [("propose", num_rows, gamma, width, all_greedy),

@@ -192,14 +192,19 @@ class Llama(nnx.Module):
         dtype = _jnp_dtype(cfg.dtype)
         self.config = cfg
         self.linear_impl = check_linear_impl(linear_impl)
-        self.embed_tokens = nnx.Embed(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            dtype=dtype,
-            param_dtype=dtype,
-            embedding_init=nnx.initializers.normal(0.02),
-            rngs=rngs,
-        )
+        if cfg.feature_size is None:
+            self.embed_tokens = nnx.Embed(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                dtype=dtype,
+                param_dtype=dtype,
+                embedding_init=nnx.initializers.normal(0.02),
+                rngs=rngs,
+            )
+            self.fc = None
+        else:  # a feature draft: fc([the target's embedding of x, feature]); no table of its own
+            self.embed_tokens = None
+            self.fc = _linear(2 * cfg.feature_size, cfg.hidden_size, dtype, rngs)
         self.layers = nnx.List([DecoderLayer(cfg, rngs, attention_impl, linear_impl) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         head_vocab = cfg.head_vocab_size or cfg.vocab_size
@@ -215,10 +220,19 @@ class Llama(nnx.Module):
         tokens: jax.Array,  # [num_seqs, q_len] int32
         kv_cache: KVCache,
         md: BatchMetadata,
+        features: jax.Array | None = None,  # feature draft: [num_seqs, q_len, feature_size], f[p - 1] at slot p
+        embed_table: jax.Array | None = None,  # feature draft: the target's [vocab, feature_size] embedding
     ) -> tuple[jax.Array, KVCache]:  # hidden [num_seqs, q_len, hidden], updated cache
         q_len = tokens.shape[1]
         positions = md.context_lens[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]
-        x = self.embed_tokens(tokens)
+        if self.fc is None:
+            x = self.embed_tokens(tokens)
+        else:
+            if features is None or embed_table is None:
+                raise ValueError(f"{self.config.name} is a feature draft: pass features= and embed_table=")
+            dtype = self.fc.kernel.dtype
+            inputs = jnp.concatenate([embed_table[tokens].astype(dtype), features.astype(dtype)], axis=-1)
+            x = linear(inputs, self.fc.kernel[...], impl=self.linear_impl)
         inv_freq = self.inv_freq[...]
         new_cache = []
         for layer, kv in zip(self.layers, kv_cache, strict=True):
@@ -255,6 +269,38 @@ def make_forward(graphdef: nnx.GraphDef) -> Callable[..., tuple[jax.Array, KVCac
     return forward_last_logits
 
 
+def slot_positions(md: BatchMetadata, q_len: int) -> tuple[jax.Array, jax.Array]:
+    """Each slot's position ``[num_seqs, q_len]`` and whether it holds a real new token (see the module docstring)."""
+    positions = md.context_lens[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]
+    valid = positions >= 0
+    if md.query_lens is not None:
+        valid &= jnp.arange(q_len, dtype=jnp.int32)[None, :] >= q_len - md.query_lens[:, None]
+    return positions, valid
+
+
+def write_feature_pages(pool: jax.Array, values: jax.Array, md: BatchMetadata) -> jax.Array:
+    """Scatter ``values [num_seqs, q_len, H]`` into a per-token pool ``[num_pages, page_size, H]`` at the slots'
+    positions (the target's hidden states, for a feature draft); padding slots land on page 0."""
+    page_size = pool.shape[1]
+    positions, valid = slot_positions(md, values.shape[1])
+    pages = jnp.take_along_axis(md.block_tables, jnp.where(valid, positions // page_size, 0), axis=1)
+    pages = jnp.where(valid, pages, 0)
+    slots = jnp.where(valid, positions % page_size, 0)
+    return pool.at[pages, slots].set(values.astype(pool.dtype))
+
+
+def read_previous_features(pool: jax.Array, md: BatchMetadata, q_len: int) -> jax.Array:
+    """The stored feature at position ``p - 1`` for every slot at position ``p`` ``[num_seqs, q_len, H]`` (zeros at
+    position 0 and on padding slots): a feature draft's input."""
+    page_size = pool.shape[1]
+    positions, valid = slot_positions(md, q_len)
+    prev = positions - 1
+    ok = valid & (prev >= 0)
+    pages = jnp.take_along_axis(md.block_tables, jnp.where(ok, prev // page_size, 0), axis=1)
+    got = pool[jnp.where(ok, pages, 0), jnp.where(ok, prev % page_size, 0)]
+    return jnp.where(ok[..., None], got, 0)
+
+
 def allocate_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: str | None = None) -> KVCache:
     """Zeroed K/V pools for every layer: ``num_layers`` pairs of ``[num_kv_heads, num_pages, page_size, head_dim]``."""
     shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
@@ -279,10 +325,11 @@ def hf_param_map(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], bool]]:
 
     HF stores linear weights ``[out, in]``; NNX kernels are ``[in, out]``.
     """
-    m: dict[str, tuple[tuple[Any, ...], bool]] = {
-        "model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
-        "model.norm.weight": (("norm", "weight"), False),
-    }
+    m: dict[str, tuple[tuple[Any, ...], bool]] = {"model.norm.weight": (("norm", "weight"), False)}
+    if cfg.feature_size is None:
+        m["model.embed_tokens.weight"] = (("embed_tokens", "embedding"), False)
+    else:
+        m["fc.weight"] = (("fc", "kernel"), True)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -371,8 +418,8 @@ def make_model_fns(graphdef: nnx.GraphDef):
     ``logits_fn(state, hidden [..., H]) -> logits [..., V] float32``.
     """
 
-    def hidden_fn(state: nnx.State, tokens: jax.Array, kv_cache: KVCache, md: BatchMetadata):
-        return nnx.merge(graphdef, state)(tokens, kv_cache, md)
+    def hidden_fn(state: nnx.State, tokens: jax.Array, kv_cache: KVCache, md: BatchMetadata, **feature_inputs):
+        return nnx.merge(graphdef, state)(tokens, kv_cache, md, **feature_inputs)
 
     def logits_fn(state: nnx.State, hidden: jax.Array) -> jax.Array:
         return nnx.merge(graphdef, state).logits(hidden)

@@ -8,7 +8,6 @@ batches carry it at the label positions, a missing row is a clear error, and a f
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,17 +15,14 @@ import numpy as np
 import pytest
 
 from nightjar_jax import LLM, SamplingParams
+from nightjar_jax.testing import load_script
 
 TINY = "stories260k"
 
 
 @pytest.fixture(scope="module")
 def distill():
-    spec = importlib.util.spec_from_file_location(
-        "distill_draft_kd", Path(__file__).parents[2] / "scripts" / "distill_draft.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("distill_draft.py", "distill_draft_kd")
     mod.TARGET = TINY  # the tiny model plays the target
     return mod
 

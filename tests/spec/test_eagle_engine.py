@@ -1,0 +1,113 @@
+"""A feature draft (EAGLE) in the engine: the runner feeds it the target's hidden states (issue 8).
+
+On the tiny stories260K model as target and a random one-layer feature draft: greedy speculative decoding equals
+plain decoding, and every draft token the engine proposes equals the one the training forward of
+``scripts/distill_eagle.py`` computes from the target's features at the same step (so the paged feature pool, the
+first step over the not-yet-run tokens and the fed-back features in later steps are wired as trained).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nightjar_jax.config import make_engine_config
+from nightjar_jax.engine.engine import LLMEngine
+from nightjar_jax.engine.runner import ModelHandle
+from nightjar_jax.engine.sampling_params import SamplingParams
+from nightjar_jax.models.llama import HEAD_TOKEN_IDS, state_from_hf
+from nightjar_jax.models.loader import load_checkpoint, load_model
+from nightjar_jax.testing import load_script
+
+TINY = "stories260k"
+GAMMA = 3
+
+
+@pytest.fixture(scope="module")
+def setup():
+    eagle = load_script("distill_eagle.py", "distill_eagle_e")
+    tckpt = load_checkpoint(TINY)
+    tcfg = tckpt.config
+    tparams = {k: jnp.asarray(np.asarray(v, np.float32)) for k, v in tckpt.state_dict.items()}
+    head_ids = np.arange(0, tcfg.vocab_size, 2, dtype=np.int32)  # a subset head: the even ids
+    dcfg = eagle.eagle_config(tcfg, 96, len(head_ids))
+    rng = np.random.default_rng(1)
+    table = np.asarray(tckpt.state_dict["model.embed_tokens.weight"], np.float32)
+    dparams = eagle.init_params(dcfg, 0, table[head_ids])
+    dparams = {k: v + 0.05 * rng.standard_normal(v.shape).astype(np.float32) for k, v in dparams.items()}
+    graphdef, state = state_from_hf(dcfg, dparams | {HEAD_TOKEN_IDS: head_ids}, source="test draft")
+    draft = ModelHandle(dcfg, graphdef, state)
+    _, tgraph, tstate = load_model(TINY)
+    target = ModelHandle(tcfg, tgraph, tstate)
+    return eagle, tcfg, tparams, dcfg, {k: jnp.asarray(v) for k, v in dparams.items()}, head_ids, target, draft
+
+
+def _engine(target, draft) -> LLMEngine:
+    cfg = make_engine_config(model=TINY, page_size=4, num_pages=96, max_num_seqs=2, max_num_batched_tokens=16,
+                             compilation_cache_dir=None, planner=f"static:{GAMMA}" if draft else "static",
+                             num_speculative_tokens=GAMMA, max_model_len=96)
+    return LLMEngine(cfg, target=target, draft=draft)
+
+
+PROMPTS = [[1, 403, 261, 374, 302, 70, 45], [1, 70, 45, 321, 2, 9, 400, 33, 12, 101, 7, 8, 300, 5, 6, 99, 98]]
+
+
+def _run(engine: LLMEngine, prompt: list[int]) -> list[int]:
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), request_id="r")
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = list(o.outputs[0].token_ids) if o.finished else out
+    assert engine.num_free_pages == engine.num_total_pages  # nothing leaked
+    return out
+
+
+def test_feature_draft_proposals_match_training_forward(setup) -> None:
+    eagle, tcfg, tparams, dcfg, dparams, head_ids, target, draft = setup
+    import distill_draft as dd  # on sys.path once distill_eagle is loaded
+
+    ar_engine, engine = _engine(target, None), _engine(target, draft)
+    assert engine.runner.feature_draft
+    inner = engine.runner._propose
+    calls: list[tuple[int, np.ndarray]] = []
+
+    def capture(*args):
+        out = inner(*args)
+        calls.append((int(np.asarray(args[7])[0]), np.asarray(out[0])[0]))  # committed n, draft tokens [γ]
+        return out
+
+    engine.runner._propose = capture
+
+    @jax.jit
+    def depth1(tokens, shifted):  # the training forward, one depth, over the target's embedding of ``tokens``
+        emb = tparams["model.embed_tokens.weight"][tokens][None]
+        return eagle.ttt_forward(dcfg, dparams, emb, shifted, 1)[0][0]
+    checked = 0
+    for prompt in PROMPTS:
+        calls.clear()
+        sd = _run(engine, prompt)
+        assert sd == _run(ar_engine, prompt)  # lossless
+        seq = np.asarray(prompt + sd, np.int32)
+        h = np.asarray(dd.causal_forward(tcfg, tparams, jnp.asarray(seq[None]), return_hidden=True))[0]
+        length = len(seq) + GAMMA + 1
+        for n, drafts in calls:
+            c = n - 1  # the chain starts at the last committed token, with the target's feature of c - 1
+            toks = list(seq[: c + 1])
+            feat_in = np.zeros((c + GAMMA + 1, h.shape[1]), np.float32)  # slot p's feature input
+            feat_in[1 : c + 1] = h[:c]
+            for j in range(GAMMA):
+                p = c + j
+                # one padded length per prompt (one compile): the forward is causal, so slot p ignores the tail
+                shifted = np.zeros((1, length, h.shape[1]), np.float32)  # ttt_forward shifts features by one
+                shifted[0, :p] = feat_in[1 : p + 1]
+                padded = np.zeros(length, np.int32)
+                padded[: len(toks)] = toks
+                out = depth1(jnp.asarray(padded), jnp.asarray(shifted))[p]
+                want = int(head_ids[int(jnp.argmax(out @ dparams["lm_head.weight"].T))])
+                assert int(drafts[j]) == want, f"n={n} depth {j + 1}: engine {drafts[j]}, training forward {want}"
+                checked += 1
+                toks.append(int(drafts[j]))
+                feat_in[p + 1] = np.asarray(out)
+    assert checked >= 20

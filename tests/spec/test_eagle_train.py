@@ -1,0 +1,119 @@
+"""The feature draft's pipeline (``scripts/distill_draft.py features``, ``scripts/distill_eagle.py``, issue 8).
+
+The unrolled chain (training-time test) must give, at depth j and slot p, exactly what drafting does when serving:
+the draft run causally over slots 0..c with the target's features, then fed its own outputs for j - 1 more slots.
+The offline replay must count decode steps the way the engine does. End to end on the tiny stories260K model as
+the target: stored features score the target's own greedy tokens, a short training run learns, and its export
+loads as a draft whose greedy speculative decoding equals the target's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nightjar_jax import LLM, SamplingParams
+from nightjar_jax.config import ModelConfig
+from nightjar_jax.testing import load_script
+
+TINY = "stories260k"
+
+
+@pytest.fixture(scope="module")
+def eagle():
+    return load_script("distill_eagle.py", "distill_eagle_t")
+
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
+                  head_dim=8, head_vocab_size=16, feature_size=32, name="tiny-eagle")
+
+
+def test_unrolled_chain_equals_sequential_drafting(eagle) -> None:
+    rng = np.random.default_rng(0)
+    params = eagle.init_params(CFG, 0, rng.standard_normal((16, 32)).astype(np.float32))
+    params = {k: jnp.asarray(v + 0.1 * rng.standard_normal(v.shape).astype(np.float32)) for k, v in params.items()}
+    t, depths = 12, 4
+    emb = jnp.asarray(rng.standard_normal((1, t, 32)).astype(np.float32))
+    h = jnp.asarray(rng.standard_normal((1, t, 32)).astype(np.float32))
+    outs = eagle.ttt_forward(CFG, params, emb, h, depths)
+    for c in range(0, t - depths + 1):
+        feat_in = np.zeros((t, 32), np.float32)  # slot p's feature input
+        feat_in[1 : c + 1] = np.asarray(h[0, :c])
+        for j in range(1, depths + 1):
+            p = c + j - 1
+            shifted = np.zeros((1, t, 32), np.float32)  # ttt_forward shifts by one: h'[p] = feat_in[p + 1]
+            shifted[0, :-1] = feat_in[1:]
+            ref = eagle.ttt_forward(CFG, params, emb[:, : p + 1], jnp.asarray(shifted[:, : p + 1]), 1)[0][0, p]
+            np.testing.assert_allclose(np.asarray(outs[j - 1][0, p]), np.asarray(ref), rtol=2e-4, atol=2e-5,
+                                       err_msg=f"chain start {c}, depth {j}")
+            if p + 1 < t:
+                feat_in[p + 1] = np.asarray(ref)
+
+
+def test_replay_counts_decode_steps(eagle) -> None:
+    tokens = np.array([5, 6, 7, 10, 11, 12, 13, 14, 15])  # prompt of 3, response of 6
+    preds = np.full((2, len(tokens)), -1)
+    preds[0, 3], preds[1, 4] = 11, 12  # from c = 3: depth 1 and 2 right -> 2 accepted, commit 3
+    preds[0, 6] = 99  # from c = 6: wrong -> 0 accepted, commit 1; then c = 7: nothing right; c = 8 = end
+    steps, accepted = eagle.replay_accepted(preds, tokens, 3, 2)
+    assert (steps, accepted) == (3, 2)
+
+
+@pytest.fixture(scope="module")
+def tiny(eagle, tmp_path_factory):
+    """The eagle script with the tiny model as its target, and two greedy responses of it as training data."""
+    saved = eagle.dd.TARGET
+    eagle.dd.TARGET = TINY
+    llm = LLM(TINY, draft_model=None, max_num_seqs=2, max_model_len=128, max_num_batched_tokens=128)
+    prompts = [[1, 403, 261, 374, 302], [1, 70, 45, 321]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    path = tmp_path_factory.mktemp("eagle") / "data.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+            f.write(json.dumps({"id": f"p{i}", "kind": "greedy", "prompt_ids": p,
+                                "response_ids": list(o.outputs[0].token_ids)}) + "\n")
+    yield eagle, path, prompts, [list(o.outputs[0].token_ids) for o in outs]
+    eagle.dd.TARGET = saved
+
+
+def test_features_train_export_serve(tiny, tmp_path) -> None:
+    eagle, data, prompts, greedy = tiny
+    dd = eagle.dd
+    dd.cmd_features(argparse.Namespace(data=[str(data)], out=str(tmp_path / "feats"), tokens_per_batch=128,
+                                       rows_per_part=1))
+    rows = dd.load_rows([str(data)])
+    feats = eagle.load_features(tmp_path / "feats", rows)
+    from nightjar_jax.models.loader import load_checkpoint
+
+    table = np.asarray(load_checkpoint(TINY).state_dict["model.embed_tokens.weight"], np.float32)
+    for r in rows:  # the stored features score the target's greedy tokens through its own (tied) head
+        h = feats[dd.row_key(r)].astype(np.float32)
+        span = dd.response_labels(r)
+        np.testing.assert_array_equal((h[span] @ table.T).argmax(-1), np.asarray(r["tokens"])[span.start + 1 :])
+
+    wd = tmp_path / "wd"
+    train_args = dict(data=[str(data)], features=str(tmp_path / "feats"), workdir=str(wd), init_from="",
+                      intermediate=64, head_vocab=128, freeze_head=True, depths=2, depth_decay=0.8, reg_weight=1.0,
+                      steps=30, tokens_per_batch=256, lr=3e-3, warmup=5, weight_decay=0.0, clip=1.0,
+                      prompt_weight=0.2, val_every=1000, eval_every=10, max_minutes=0.0, seed=0)
+    eagle.cmd_train(argparse.Namespace(**train_args))
+    log = [json.loads(x) for x in (wd / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == 30 and all(len(r["top1_per_depth"]) == 2 for r in log)
+    assert np.mean([r["loss"] for r in log[-5:]]) < np.mean([r["loss"] for r in log[:5]])  # it learns
+    assert "val_top1_per_depth" in log[-1]
+
+    out = tmp_path / "export"
+    eagle.cmd_export(argparse.Namespace(workdir=str(wd), out=str(out), params="last", dtype="float32"))  # checks
+    llm = LLM(TINY, draft_model=str(out), num_speculative_tokens=3, planner="static:3", max_num_seqs=2,
+              max_model_len=128, max_num_batched_tokens=128)
+    assert llm.engine.runner.feature_draft
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert [list(o.outputs[0].token_ids) for o in outs] == greedy
+    assert llm.engine.stats.num_drafted_tokens > 0
+    sampled = llm.generate(prompts, SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in sampled] == [30, 30]  # sampled SD (rejection sampling) runs too
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
