@@ -35,7 +35,7 @@ from nightjar_jax.bench.common import (  # noqa: E402
 )
 
 MODELS = {  # target -> best available draft: the distilled draft for SmolLM2 (issue 8), a layer-skip copy for stories
-    "smollm2-135m-instruct": "smollm2-draft",
+    "smollm2-135m-instruct": "smollm2-eagle",
     "stories260k": "stories260k@skip=2",
 }
 

@@ -1,4 +1,5 @@
-"""Issue 8 evaluation: the shipped SmolLM2 draft on held-out MT-Bench and Spec-Bench prompts.
+"""Issue 8 evaluation: a SmolLM2 draft (default: the shipped default pair's) on held-out MT-Bench and Spec-Bench
+prompts.
 
 Prints and writes (JSON) two numbers:
 1. acceptance, greedy, γ = 4 (``planner="static:4"``): mean tokens committed per sequence per target step
@@ -145,7 +146,8 @@ def is_feature_draft(path: str) -> bool:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", default=str(ASSET_DIR))
+    ap.add_argument("--draft", default=str(ASSET_DIR.parent / "smollm2-eagle"),
+                    help="a draft checkpoint folder (default: the default pair's feature draft)")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer held-out prompts are skipped")

