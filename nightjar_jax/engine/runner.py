@@ -78,6 +78,7 @@ class ModelHandle:
         if self.fns is None:
             self.fns = make_model_fns(self.graphdef)
         self._flat: tuple[object, tuple] | None = None  # (the state object the leaves came from, leaves)
+        self._embed_index: int | None = None  # position of the embedding table among the leaves
         self.treedef = jax.tree.structure(self.state)
 
     def leaves(self) -> tuple:
@@ -99,7 +100,7 @@ class ModelHandle:
 
     def embedding(self) -> jax.Array:
         """The token embedding table ``[vocab, hidden]`` (a feature draft embeds its tokens with the target's)."""
-        if not hasattr(self, "_embed_index"):
+        if self._embed_index is None:
             paths = [tuple(str(getattr(k, "key", k)) for k in path)
                      for path, _ in jax.tree_util.tree_flatten_with_path(self.state)[0]]
             found = [i for i, p in enumerate(paths) if "embed_tokens" in p and "embedding" in p]

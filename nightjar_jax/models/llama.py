@@ -132,9 +132,7 @@ class Attention(nnx.Module):
 
         k_pages, v_pages = kv
         page_size = k_pages.shape[2]
-        valid = positions >= 0  # [num_seqs, q_len]: real new tokens
-        if md.query_lens is not None:
-            valid &= jnp.arange(q_len, dtype=jnp.int32)[None, :] >= q_len - md.query_lens[:, None]
+        _, valid = slot_positions(md, q_len)  # [num_seqs, q_len]: real new tokens
         logical_page = jnp.where(valid, positions // page_size, 0)
         page_ids = jnp.take_along_axis(md.block_tables, logical_page, axis=1)  # [num_seqs, q_len]
         page_ids = jnp.where(valid, page_ids, 0)  # padding writes land on the reserved page 0
@@ -223,8 +221,7 @@ class Llama(nnx.Module):
         features: jax.Array | None = None,  # feature draft: [num_seqs, q_len, feature_size], f[p - 1] at slot p
         embed_table: jax.Array | None = None,  # feature draft: the target's [vocab, feature_size] embedding
     ) -> tuple[jax.Array, KVCache]:  # hidden [num_seqs, q_len, hidden], updated cache
-        q_len = tokens.shape[1]
-        positions = md.context_lens[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]
+        positions, _ = slot_positions(md, tokens.shape[1])
         if self.fc is None:
             x = self.embed_tokens(tokens)
         else:
