@@ -7,6 +7,10 @@ Every step function is jitted with the KV pools donated and runs at a shape from
   requests, the draft's processed distributions).
 - ``verify[S, γ]``: one target pass over ``γ + 1`` positions, then rejection sampling.
 - ``draft_fill[S, T]``: the draft over tokens it missed (catch-up after γ = 0 steps, or a fresh prompt).
+A feature draft (``ModelConfig.feature_size``, EAGLE-style) also reads the target's final hidden states: the target's
+passes write them into ``features`` (paged like the KV cache); ``draft_fill`` and the first ``propose`` step read
+the one at the previous position, and the draft embeds its tokens with the target's table
+(``ModelHandle.embedding``). See docs/architecture.md, "Feature drafts".
 ``S`` is a batch bucket (powers of two up to ``max_num_seqs``); ``T`` a chunk bucket (powers of two). Each
 function also has a greedy variant (static ``all_greedy``) that skips the vocabulary-sized distributions.
 Variants compile on first use (kept across runs by JAX's persistent compilation cache) or all at once in
