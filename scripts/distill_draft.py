@@ -431,6 +431,16 @@ def bucket_of(r: dict[str, Any]) -> int:
     return next(b for b in BUCKETS if len(r["tokens"]) <= b)
 
 
+def target_params() -> tuple[Any, dict[str, Any]]:
+    """The target's config and its HF-named weights as float32 device arrays (for :func:`causal_forward`)."""
+    import jax.numpy as jnp
+
+    from nightjar_jax.models.loader import load_checkpoint
+
+    ckpt = load_checkpoint(TARGET)
+    return ckpt.config, {k: jnp.asarray(np.asarray(v, np.float32)) for k, v in ckpt.state_dict.items()}
+
+
 def target_parts(rows: list[dict[str, Any]], out: Path, rows_per_part: int, desc: str) -> Any:
     """Yield ``(part path, rows, progress bar)`` for every ``rows_per_part`` slice of ``rows`` whose part file is not
     written yet (a resume point); the bar counts tokens (:func:`bucketed_batches` advances it)."""
@@ -484,15 +494,12 @@ def cmd_teacher(args: argparse.Namespace) -> None:
     import jax
     import jax.numpy as jnp
 
-    from nightjar_jax.models.loader import load_checkpoint
 
     out = Path(args.out)
     rows = load_rows(args.data)
-    ckpt = load_checkpoint(TARGET)
-    cfg = ckpt.config
+    cfg, params = target_params()
     if cfg.vocab_size > np.iinfo(np.uint16).max + 1:
         raise SystemExit(f"vocab {cfg.vocab_size} does not fit the uint16 id store")
-    params = {k: jnp.asarray(np.asarray(v, np.float32)) for k, v in ckpt.state_dict.items()}
     k = args.top_k
 
     @jax.jit
@@ -520,19 +527,16 @@ def cmd_teacher(args: argparse.Namespace) -> None:
 
 def cmd_features(args: argparse.Namespace) -> None:
     """The target's final (normed) hidden state at every position of the training rows, for a feature draft
-    (``train-eagle``: the draft reads the target's hidden state at position p - 1 with token p). One
+    (``distill_eagle.py train``: the draft reads the target's hidden state at position p - 1 with token p). One
     ``part-NNNNN.npz`` per ``--rows-per-part`` rows (a resume point): ``keys``, ``counts`` (= row lengths) and
     ``feats`` [positions, hidden] float16, rows in :func:`load_rows` order."""
     import jax
     import jax.numpy as jnp
 
-    from nightjar_jax.models.loader import load_checkpoint
 
     out = Path(args.out)
     rows = load_rows(args.data)
-    ckpt = load_checkpoint(TARGET)
-    cfg = ckpt.config
-    params = {k: jnp.asarray(np.asarray(v, np.float32)) for k, v in ckpt.state_dict.items()}
+    cfg, params = target_params()
 
     @jax.jit
     def hidden(p: dict[str, Any], tok: Any) -> Any:
@@ -1018,19 +1022,18 @@ def main() -> None:
     t.add_argument("--kd-weight", type=float, default=0.5,
                    help="with --teacher: weight of the top-k cross-entropy (1 - it: the sampled token's)")
     t.set_defaults(fn=cmd_train)
-    tp = sub.add_parser("teacher", help="the target's top-k log-probabilities at the response positions (resumable)")
-    tp.add_argument("--data", required=True, nargs="+", help="the response files `train` will read, same order")
-    tp.add_argument("--out", required=True)
-    tp.add_argument("--top-k", type=int, default=16)
-    tp.add_argument("--tokens-per-batch", type=int, default=2048)
-    tp.add_argument("--rows-per-part", type=int, default=256)
-    tp.set_defaults(fn=cmd_teacher)
-    fp = sub.add_parser("features", help="the target's final hidden state at every position (resumable)")
-    fp.add_argument("--data", required=True, nargs="+", help="the response files `train-eagle` will read, same order")
-    fp.add_argument("--out", required=True)
-    fp.add_argument("--tokens-per-batch", type=int, default=2048)
-    fp.add_argument("--rows-per-part", type=int, default=256)
-    fp.set_defaults(fn=cmd_features)
+    for name, fn, reader, what in (
+        ("teacher", cmd_teacher, "train", "the target's top-k log-probabilities at the response positions"),
+        ("features", cmd_features, "distill_eagle.py train", "the target's final hidden state at every position"),
+    ):  # one cache-free target pass over the training rows each, in resumable parts
+        tp = sub.add_parser(name, help=f"{what} (resumable)")
+        tp.add_argument("--data", required=True, nargs="+", help=f"the response files `{reader}` will read, same order")
+        tp.add_argument("--out", required=True)
+        tp.add_argument("--tokens-per-batch", type=int, default=2048)
+        tp.add_argument("--rows-per-part", type=int, default=256)
+        tp.set_defaults(fn=fn)
+        if name == "teacher":
+            tp.add_argument("--top-k", type=int, default=16)
     e = sub.add_parser("export", help="write the bf16 checkpoint to the assets folder and check the paged forward")
     e.add_argument("--workdir", required=True)
     e.add_argument("--out", default=str(ASSET_DIR))

@@ -358,22 +358,20 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     import jax.numpy as jnp
 
     from nightjar_jax.config import ModelConfig
-    from nightjar_jax.models.loader import load_checkpoint
 
     workdir = Path(args.workdir)
     cfg = ModelConfig(**json.loads((workdir / "draft_config.json").read_text()))
     z = np.load(workdir / f"{args.params}_params.npz")
     params = {k: jnp.asarray(z[k]) for k in z.files}
     head_ids = np.load(workdir / "head_token_ids.npy")
-    ckpt = load_checkpoint(dd.TARGET)
-    tparams = {k: jnp.asarray(np.asarray(v, np.float32)) for k, v in ckpt.state_dict.items()}
+    tcfg, tparams = dd.target_params()
     result = json.loads(Path(args.reference).read_text())
     tok = dd.target_tokenizer()
     prompts = {p["id"]: dd.chat_ids(tok, p["text"]) for p in dd.load_prompts("heldout")}
 
     @jax.jit
     def preds_for(tokens):
-        h = dd.causal_forward(ckpt.config, tparams, tokens, return_hidden=True)
+        h = dd.causal_forward(tcfg, tparams, tokens, return_hidden=True)
         outs = ttt_forward(cfg, params, tparams["model.embed_tokens.weight"][tokens], h, args.gamma)
         return jnp.stack([jnp.asarray(head_ids)[jnp.argmax(o @ params["lm_head.weight"].T, axis=-1)] for o in outs])
 
@@ -410,7 +408,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     from nightjar_jax.config import ModelConfig
     from nightjar_jax.models.llama import HEAD_TOKEN_IDS, BatchMetadata, allocate_kv_cache, make_model_fns
-    from nightjar_jax.models.loader import load_checkpoint, load_model
+    from nightjar_jax.models.loader import load_model
     from nightjar_jax.models.orbax_io import save_orbax
 
     workdir = Path(args.workdir)
@@ -421,12 +419,11 @@ def cmd_export(args: argparse.Namespace) -> None:
     out = Path(args.out)
     save_orbax(out, cfg, bf16)
 
-    tckpt = load_checkpoint(dd.TARGET)
-    tparams = {k: jnp.asarray(np.asarray(v, np.float32)) for k, v in tckpt.state_dict.items()}
+    tcfg, tparams = dd.target_params()
     tokens = np.asarray([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411]],
                         np.int32) % cfg.vocab_size  # a SmolLM2 chat opening (any ids for other targets)
     t = tokens.shape[1]
-    h = dd.causal_forward(tckpt.config, tparams, jnp.asarray(tokens), return_hidden=True)  # [1, T, H]
+    h = dd.causal_forward(tcfg, tparams, jnp.asarray(tokens), return_hidden=True)  # [1, T, H]
     emb = tparams["model.embed_tokens.weight"]
     shipped = {k: jnp.asarray(np.asarray(v, np.float32)) for k, v in bf16.items() if k != HEAD_TOKEN_IDS}
     ref = np.asarray(ttt_forward(cfg, shipped, emb[jnp.asarray(tokens)], h, 1)[0] @ shipped["lm_head.weight"].T)

@@ -138,9 +138,11 @@ def feature_draft_cost(draft: str, prompts: list[list[int]], output_len: int, ga
     return target, draft_cost
 
 
-def is_feature_draft(path: str) -> bool:
-    cfg = Path(path) / "nightjar_config.json"
-    return cfg.exists() and json.loads(cfg.read_text())["config"].get("feature_size") is not None
+def is_feature_draft(draft: str) -> bool:
+    """Whether ``draft`` (a checkpoint folder or a preset name) reads the target's hidden states."""
+    from nightjar_jax.models.loader import load_checkpoint
+
+    return load_checkpoint(draft).config.feature_size is not None
 
 
 def main() -> None:

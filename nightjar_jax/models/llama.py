@@ -132,11 +132,7 @@ class Attention(nnx.Module):
 
         k_pages, v_pages = kv
         page_size = k_pages.shape[2]
-        _, valid = slot_positions(md, q_len)  # [num_seqs, q_len]: real new tokens
-        logical_page = jnp.where(valid, positions // page_size, 0)
-        page_ids = jnp.take_along_axis(md.block_tables, logical_page, axis=1)  # [num_seqs, q_len]
-        page_ids = jnp.where(valid, page_ids, 0)  # padding writes land on the reserved page 0
-        slots = jnp.where(valid, positions % page_size, 0)
+        page_ids, slots, _ = page_slots(md, q_len, page_size)  # padding writes land on the reserved page 0
         # [num_kv_heads, num_seqs, q_len, head_dim] scattered into [num_kv_heads, num_pages, page_size, head_dim]
         k_pages = k_pages.at[:, page_ids, slots].set(k.transpose(2, 0, 1, 3).astype(k_pages.dtype))
         v_pages = v_pages.at[:, page_ids, slots].set(v.transpose(2, 0, 1, 3).astype(v_pages.dtype))
@@ -275,27 +271,29 @@ def slot_positions(md: BatchMetadata, q_len: int) -> tuple[jax.Array, jax.Array]
     return positions, valid
 
 
+def page_slots(md: BatchMetadata, q_len: int, page_size: int, offset: int = 0) -> tuple[jax.Array, ...]:
+    """Where position ``p + offset`` of every real slot at position ``p`` lives in a paged pool: page ids and
+    in-page slots ``[num_seqs, q_len]`` (page 0, slot 0 where the slot is padding or that position is negative), and
+    the mask of slots that have one."""
+    positions, valid = slot_positions(md, q_len)
+    target = positions + offset
+    ok = valid & (target >= 0)
+    pages = jnp.take_along_axis(md.block_tables, jnp.where(ok, target // page_size, 0), axis=1)
+    return jnp.where(ok, pages, 0), jnp.where(ok, target % page_size, 0), ok
+
+
 def write_feature_pages(pool: jax.Array, values: jax.Array, md: BatchMetadata) -> jax.Array:
     """Scatter ``values [num_seqs, q_len, H]`` into a per-token pool ``[num_pages, page_size, H]`` at the slots'
     positions (the target's hidden states, for a feature draft); padding slots land on page 0."""
-    page_size = pool.shape[1]
-    positions, valid = slot_positions(md, values.shape[1])
-    pages = jnp.take_along_axis(md.block_tables, jnp.where(valid, positions // page_size, 0), axis=1)
-    pages = jnp.where(valid, pages, 0)
-    slots = jnp.where(valid, positions % page_size, 0)
+    pages, slots, _ = page_slots(md, values.shape[1], pool.shape[1])
     return pool.at[pages, slots].set(values.astype(pool.dtype))
 
 
 def read_previous_features(pool: jax.Array, md: BatchMetadata, q_len: int) -> jax.Array:
     """The stored feature at position ``p - 1`` for every slot at position ``p`` ``[num_seqs, q_len, H]`` (zeros at
     position 0 and on padding slots): a feature draft's input."""
-    page_size = pool.shape[1]
-    positions, valid = slot_positions(md, q_len)
-    prev = positions - 1
-    ok = valid & (prev >= 0)
-    pages = jnp.take_along_axis(md.block_tables, jnp.where(ok, prev // page_size, 0), axis=1)
-    got = pool[jnp.where(ok, pages, 0), jnp.where(ok, prev % page_size, 0)]
-    return jnp.where(ok[..., None], got, 0)
+    pages, slots, ok = page_slots(md, q_len, pool.shape[1], offset=-1)
+    return jnp.where(ok[..., None], pool[pages, slots], 0)
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: str | None = None) -> KVCache:
