@@ -18,7 +18,8 @@ Vocabulary
   (:data:`HELDOUT_MT_BENCH_PER_CATEGORY`, :data:`HELDOUT_SPEC_BENCH_PER_CATEGORY`); ``scripts/eval_draft.py`` reads
   the same split.
 
-Stages (each resumable; run them in order)::
+Stages (each resumable; run them in order; ``teacher`` and ``features`` run only rows their output folder does not
+hold yet, so adding a --data file later costs only its rows)::
 
     python scripts/distill_draft.py self-prompts --out runs/draft/self.jsonl --num 2048   # optional
     python scripts/distill_draft.py generate --data runs/draft/data.jsonl [--self-prompts runs/draft/self.jsonl]
@@ -442,18 +443,24 @@ def target_params() -> tuple[Any, dict[str, Any]]:
 
 
 def target_parts(rows: list[dict[str, Any]], out: Path, rows_per_part: int, desc: str) -> Any:
-    """Yield ``(part path, rows, progress bar)`` for every ``rows_per_part`` slice of ``rows`` whose part file is not
-    written yet (a resume point); the bar counts tokens (:func:`bucketed_batches` advances it)."""
+    """Yield ``(part path, rows, progress bar)`` for the rows no part in ``out`` holds yet (by :func:`row_key`),
+    ``rows_per_part`` at a time, in new parts numbered after the existing ones: a rerun resumes, and a rerun with
+    more --data files runs only the new rows. The bar counts tokens (:func:`bucketed_batches` advances it)."""
     from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
-    parts = range(0, len(rows), rows_per_part)
-    todo = [s for s in parts if not (out / f"part-{s // rows_per_part:05d}.npz").exists()]
-    total = sum(len(r["tokens"]) for s in todo for r in rows[s : s + rows_per_part])
-    logger.info("%d rows in %d parts; %d parts (%d tokens) to run", len(rows), len(parts), len(todo), total)
+    done: set[str] = set()
+    last = -1
+    for part in sorted(out.glob("part-*.npz")):
+        done.update(str(k) for k in np.load(part)["keys"])
+        last = max(last, int(part.stem.split("-")[1]))
+    todo = [r for r in rows if row_key(r) not in done]
+    total = sum(len(r["tokens"]) for r in todo)
+    logger.info("%d rows, %d already in %s; %d rows (%d tokens) to run", len(rows), len(rows) - len(todo), out,
+                len(todo), total)
     bar = tqdm(total=total, desc=desc, unit="tok")
-    for s in todo:
-        yield out / f"part-{s // rows_per_part:05d}.npz", rows[s : s + rows_per_part], bar
+    for i, s in enumerate(range(0, len(todo), rows_per_part)):
+        yield out / f"part-{last + 1 + i:05d}.npz", todo[s : s + rows_per_part], bar
     bar.close()
 
 

@@ -80,6 +80,30 @@ def tiny(eagle, tmp_path_factory):
     eagle.dd.TARGET = saved
 
 
+def test_features_rerun_adds_only_new_rows(tiny, tmp_path) -> None:
+    """A rerun with one more --data file computes the new rows only (new parts after the old ones) and leaves
+    every row's features as one run over both files gives."""
+    eagle, data, _, _ = tiny
+    dd = eagle.dd
+    lines = data.read_text(encoding="utf-8").splitlines()
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text(lines[0] + "\n", encoding="utf-8")
+    second.write_text(lines[1] + "\n", encoding="utf-8")
+    args = dict(tokens_per_batch=128, rows_per_part=1)
+    dd.cmd_features(argparse.Namespace(data=[str(first)], out=str(tmp_path / "inc"), **args))
+    before = (tmp_path / "inc" / "part-00000.npz").stat().st_mtime_ns
+    dd.cmd_features(argparse.Namespace(data=[str(first), str(second)], out=str(tmp_path / "inc"), **args))
+    assert sorted(p.name for p in (tmp_path / "inc").glob("part-*.npz")) == ["part-00000.npz", "part-00001.npz"]
+    assert (tmp_path / "inc" / "part-00000.npz").stat().st_mtime_ns == before  # not recomputed
+    dd.cmd_features(argparse.Namespace(data=[str(first), str(second)], out=str(tmp_path / "inc"), **args))
+    assert len(list((tmp_path / "inc").glob("part-*.npz"))) == 2  # nothing left to run
+    dd.cmd_features(argparse.Namespace(data=[str(data)], out=str(tmp_path / "one"), **args))
+    rows = dd.load_rows([str(data)])
+    inc, one = eagle.load_features(tmp_path / "inc", rows), eagle.load_features(tmp_path / "one", rows)
+    for r in rows:
+        np.testing.assert_array_equal(inc[dd.row_key(r)], one[dd.row_key(r)])
+
+
 def test_features_train_export_serve(tiny, tmp_path) -> None:
     eagle, data, prompts, greedy = tiny
     dd = eagle.dd
