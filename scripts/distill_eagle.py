@@ -229,6 +229,14 @@ def cmd_train(args: argparse.Namespace) -> None:
     eos = [int(t) for t in tcfg.eos_token_ids]
     order = [int(t) for t in np.argsort(-counts, kind="stable") if int(t) not in eos]
     head_ids = np.sort(np.asarray(eos + order[: args.head_vocab - len(eos)], np.int32))
+    if args.init_from:  # the head's rows belong to the ids it was trained with, not to this data's most frequent
+        init_ids = Path(args.init_from).parent / "head_token_ids.npy"
+        if not init_ids.exists():
+            raise SystemExit(f"--init-from {args.init_from}: no head_token_ids.npy beside it (the head's token ids)")
+        head_ids = np.load(init_ids).astype(np.int32)
+        if len(head_ids) != args.head_vocab:
+            raise SystemExit(f"--init-from {args.init_from}: its head has {len(head_ids)} ids, --head-vocab is "
+                             f"{args.head_vocab}")
     np.save(workdir / "head_token_ids.npy", head_ids)
     logger.info(
         "%d train rows, %d validation rows; subset head: %d ids cover %.2f%% of response tokens",

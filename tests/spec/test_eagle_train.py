@@ -130,6 +130,21 @@ def test_features_train_export_serve(tiny, tmp_path) -> None:
     assert np.mean([r["loss"] for r in log[-5:]]) < np.mean([r["loss"] for r in log[:5]])  # it learns
     assert "val_top1_per_depth" in log[-1]
 
+    # a continued run on other data keeps the head's token ids (its rows are those ids' rows)
+    other = tmp_path / "other.jsonl"  # renamed so the other row trains (the first sorted id is validation)
+    first_row, second_row = (json.loads(x) for x in data.read_text(encoding="utf-8").splitlines())
+    other.write_text(json.dumps(dict(first_row, id="z")) + "\n" + json.dumps(dict(second_row, id="a")) + "\n",
+                     encoding="utf-8")
+    dd.cmd_features(argparse.Namespace(data=[str(other)], out=str(tmp_path / "feats"), tokens_per_batch=128,
+                                       rows_per_part=1))  # only the two renamed rows run
+    cont = dict(train_args, data=[str(other)], workdir=str(tmp_path / "wd_cont"),
+                init_from=str(wd / "last_params.npz"), steps=1)
+    eagle.cmd_train(argparse.Namespace(**cont))
+    np.testing.assert_array_equal(np.load(tmp_path / "wd_cont" / "head_token_ids.npy"),
+                                  np.load(wd / "head_token_ids.npy"))
+    with pytest.raises(SystemExit, match="--head-vocab"):
+        eagle.cmd_train(argparse.Namespace(**dict(cont, head_vocab=64, workdir=str(tmp_path / "wd_bad"))))
+
     out = tmp_path / "export"
     eagle.cmd_export(argparse.Namespace(workdir=str(wd), out=str(out), params="last", dtype="float32"))  # checks
     llm = LLM(TINY, draft_model=str(out), num_speculative_tokens=3, planner="static:3", max_num_seqs=2,
