@@ -452,7 +452,8 @@ def target_parts(rows: list[dict[str, Any]], out: Path, rows_per_part: int, desc
     done: set[str] = set()
     last = -1
     for part in sorted(out.glob("part-*.npz")):
-        done.update(str(k) for k in np.load(part)["keys"])
+        with np.load(part) as z:  # reads the keys only
+            done.update(str(k) for k in z["keys"])
         last = max(last, int(part.stem.split("-")[1]))
     todo = [r for r in rows if row_key(r) not in done]
     total = sum(len(r["tokens"]) for r in todo)
@@ -501,7 +502,6 @@ def cmd_teacher(args: argparse.Namespace) -> None:
     import jax
     import jax.numpy as jnp
 
-
     out = Path(args.out)
     rows = load_rows(args.data)
     cfg, params = target_params()
@@ -539,7 +539,6 @@ def cmd_features(args: argparse.Namespace) -> None:
     ``feats`` [positions, hidden] float16, rows in :func:`load_rows` order."""
     import jax
     import jax.numpy as jnp
-
 
     out = Path(args.out)
     rows = load_rows(args.data)

@@ -226,9 +226,6 @@ def cmd_train(args: argparse.Namespace) -> None:
         np.concatenate([np.asarray(r["tokens"][r["num_prompt"] :], np.int64) for r in train_rows]),
         minlength=tcfg.vocab_size,
     )
-    eos = [int(t) for t in tcfg.eos_token_ids]
-    order = [int(t) for t in np.argsort(-counts, kind="stable") if int(t) not in eos]
-    head_ids = np.sort(np.asarray(eos + order[: args.head_vocab - len(eos)], np.int32))
     if args.init_from:  # the head's rows belong to the ids it was trained with, not to this data's most frequent
         init_ids = Path(args.init_from).parent / "head_token_ids.npy"
         if not init_ids.exists():
@@ -237,6 +234,10 @@ def cmd_train(args: argparse.Namespace) -> None:
         if len(head_ids) != args.head_vocab:
             raise SystemExit(f"--init-from {args.init_from}: its head has {len(head_ids)} ids, --head-vocab is "
                              f"{args.head_vocab}")
+    else:  # the most frequent response ids, end-of-sequence ids always in
+        eos = [int(t) for t in tcfg.eos_token_ids]
+        order = [int(t) for t in np.argsort(-counts, kind="stable") if int(t) not in eos]
+        head_ids = np.sort(np.asarray(eos + order[: args.head_vocab - len(eos)], np.int32))
     np.save(workdir / "head_token_ids.npy", head_ids)
     logger.info(
         "%d train rows, %d validation rows; subset head: %d ids cover %.2f%% of response tokens",
