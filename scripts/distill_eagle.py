@@ -18,6 +18,9 @@ Vocabulary
   the greedy decode steps, which is what the engine measures.
 - loss per depth: cross-entropy against the target's distribution over the subset head's ids (computed from the
   stored features through the target's own head rows) plus a smooth-L1 regression of the output onto ``h[p]``.
+- depth of the draft: ``--num-layers`` decoder layers after ``fc`` (default one, as EAGLE). ``--init-from`` a
+  shallower run grows it: the loaded layers keep their weights and each new layer starts with zero output
+  projections, so training starts from the shallower draft's exact predictions and adds capacity from there.
 
 Stages::
 
@@ -103,11 +106,11 @@ def make_batches(rows, feats, tokens_per_batch: int, prompt_weight: float, seed:
 # ---- model -------------------------------------------------------------------------------------------------------
 
 
-def eagle_config(target_cfg: Any, intermediate: int, head_vocab: int) -> Any:
-    """One decoder layer at the target's width and head layout, a subset head; ``feature_size`` marks a feature
-    draft (its forward takes the target's hidden states and embedding table)."""
+def eagle_config(target_cfg: Any, intermediate: int, head_vocab: int, num_layers: int = 1) -> Any:
+    """``num_layers`` decoder layers at the target's width and head layout, a subset head; ``feature_size`` marks a
+    feature draft (its forward takes the target's hidden states and embedding table)."""
     return target_cfg.replace(
-        num_layers=1,
+        num_layers=num_layers,
         intermediate_size=intermediate,
         tie_word_embeddings=False,
         head_vocab_size=head_vocab,
@@ -117,9 +120,11 @@ def eagle_config(target_cfg: Any, intermediate: int, head_vocab: int) -> Any:
     )
 
 
-def init_params(cfg: Any, seed: int, head_rows: np.ndarray) -> dict[str, np.ndarray]:
+def init_params(cfg: Any, seed: int, head_rows: np.ndarray, zero_out_layers: int = 0) -> dict[str, np.ndarray]:
     """HF-named float32 weights. ``fc`` starts as [0, I] (the feature passes through), the head as the target's
-    own rows for the subset ids (the target's features already score tokens there)."""
+    own rows for the subset ids (the target's features already score tokens there). Layers from
+    ``zero_out_layers`` on (``0``: none) start with zero output projections (``o_proj``, ``down_proj``): they add
+    nothing to the residual stream, so a draft grown from a shallower one starts as that draft's exact function."""
     rng = np.random.default_rng(seed)
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
 
@@ -127,18 +132,22 @@ def init_params(cfg: Any, seed: int, head_rows: np.ndarray) -> dict[str, np.ndar
         return (rng.standard_normal((out, inp)) * scale / math.sqrt(inp)).astype(np.float32)
 
     fc = np.concatenate([lin(d, d, 0.5), np.eye(d, dtype=np.float32)], axis=1)  # [d, 2d]: (embedding, feature)
-    p = "model.layers.0."
-    return {
-        "fc.weight": fc,
-        p + "self_attn.q_proj.weight": lin(cfg.num_heads * hd, d),
-        p + "self_attn.k_proj.weight": lin(cfg.num_kv_heads * hd, d),
-        p + "self_attn.v_proj.weight": lin(cfg.num_kv_heads * hd, d),
-        p + "self_attn.o_proj.weight": lin(d, cfg.num_heads * hd, 0.5),
-        p + "mlp.gate_proj.weight": lin(f, d),
-        p + "mlp.up_proj.weight": lin(f, d),
-        p + "mlp.down_proj.weight": lin(d, f, 0.5),
-        p + "input_layernorm.weight": np.ones(d, np.float32),
-        p + "post_attention_layernorm.weight": np.ones(d, np.float32),
+    params = {"fc.weight": fc}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out_scale = 0.0 if 0 < zero_out_layers <= i else 0.5
+        params |= {
+            p + "self_attn.q_proj.weight": lin(cfg.num_heads * hd, d),
+            p + "self_attn.k_proj.weight": lin(cfg.num_kv_heads * hd, d),
+            p + "self_attn.v_proj.weight": lin(cfg.num_kv_heads * hd, d),
+            p + "self_attn.o_proj.weight": lin(d, cfg.num_heads * hd, out_scale),
+            p + "mlp.gate_proj.weight": lin(f, d),
+            p + "mlp.up_proj.weight": lin(f, d),
+            p + "mlp.down_proj.weight": lin(d, f, out_scale),
+            p + "input_layernorm.weight": np.ones(d, np.float32),
+            p + "post_attention_layernorm.weight": np.ones(d, np.float32),
+        }
+    return params | {
         "model.norm.weight": np.ones(d, np.float32),
         "lm_head.weight": head_rows.astype(np.float32).copy(),
     }
@@ -161,38 +170,41 @@ def ttt_forward(cfg: Any, params: dict[str, Any], emb: Any, h: Any, depths: int)
     b, t, _ = emb.shape
     hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     g = nh // nkv
-    p = "model.layers.0."
     inv_freq = jnp.asarray(rope_inv_freq(hd, cfg.rope_theta, cfg.rope_scaling))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
     slot = jnp.arange(t)
-    keys: list[tuple[Any, Any]] = []  # per depth: (k, v) [B, T, KV, hd]
+    keys: list[list[tuple[Any, Any]]] = [[] for _ in range(cfg.num_layers)]  # per layer, per depth: (k, v)
     outs = []
     feat_in = shift(h, 1)
     for j in range(1, depths + 1):
         x = jnp.concatenate([emb, feat_in], axis=-1) @ params["fc.weight"].T
-        a = norm(x, params[p + "input_layernorm.weight"])
-        q = apply_rope((a @ params[p + "self_attn.q_proj.weight"].T).reshape(b, t, nh, hd), positions, inv_freq)
-        k = apply_rope((a @ params[p + "self_attn.k_proj.weight"].T).reshape(b, t, nkv, hd), positions, inv_freq)
-        v = (a @ params[p + "self_attn.v_proj.weight"].T).reshape(b, t, nkv, hd)
-        keys.append((k, v))
-        q = q.reshape(b, t, nkv, g, hd) / math.sqrt(hd)
-        k1, v1 = keys[0]
-        s1 = jnp.einsum("bqkgd,bskd->bkgqs", q, k1)  # depth-1 keys at slots <= p - j + 1
-        s1 = jnp.where(slot[None, :] <= slot[:, None] - (j - 1), s1, -1e30)
-        diag_s, diag_v = [], []
-        for i in range(2, j + 1):  # the chain's own depth-i key at slot p - (j - i)
-            ki, vi = (shift(a_, j - i) for a_ in keys[i - 1])
-            diag_s.append(jnp.einsum("bqkgd,bqkd->bkgq", q, ki)[..., None])
-            diag_v.append(vi)
-        scores = jnp.concatenate([s1, *diag_s], axis=-1) if diag_s else s1
-        w = jax.nn.softmax(scores, axis=-1)
-        attn = jnp.einsum("bkgqs,bskd->bqkgd", w[..., :t], v1)
-        for i, vi in enumerate(diag_v):
-            attn = attn + w[..., t + i].transpose(0, 3, 1, 2)[..., None] * vi[:, :, :, None, :]
-        x = x + attn.reshape(b, t, nh * hd) @ params[p + "self_attn.o_proj.weight"].T
-        a = norm(x, params[p + "post_attention_layernorm.weight"])
-        gate = a @ params[p + "mlp.gate_proj.weight"].T
-        x = x + (jax.nn.silu(gate) * (a @ params[p + "mlp.up_proj.weight"].T)) @ params[p + "mlp.down_proj.weight"].T
+        for layer in range(cfg.num_layers):
+            p = f"model.layers.{layer}."
+            a = norm(x, params[p + "input_layernorm.weight"])
+            q = apply_rope((a @ params[p + "self_attn.q_proj.weight"].T).reshape(b, t, nh, hd), positions, inv_freq)
+            k = apply_rope((a @ params[p + "self_attn.k_proj.weight"].T).reshape(b, t, nkv, hd), positions, inv_freq)
+            v = (a @ params[p + "self_attn.v_proj.weight"].T).reshape(b, t, nkv, hd)
+            lk = keys[layer]
+            lk.append((k, v))
+            q = q.reshape(b, t, nkv, g, hd) / math.sqrt(hd)
+            k1, v1 = lk[0]
+            s1 = jnp.einsum("bqkgd,bskd->bkgqs", q, k1)  # depth-1 keys at slots <= p - j + 1
+            s1 = jnp.where(slot[None, :] <= slot[:, None] - (j - 1), s1, -1e30)
+            diag_s, diag_v = [], []
+            for i in range(2, j + 1):  # the chain's own depth-i key at slot p - (j - i)
+                ki, vi = (shift(a_, j - i) for a_ in lk[i - 1])
+                diag_s.append(jnp.einsum("bqkgd,bqkd->bkgq", q, ki)[..., None])
+                diag_v.append(vi)
+            scores = jnp.concatenate([s1, *diag_s], axis=-1) if diag_s else s1
+            w = jax.nn.softmax(scores, axis=-1)
+            attn = jnp.einsum("bkgqs,bskd->bqkgd", w[..., :t], v1)
+            for i, vi in enumerate(diag_v):
+                attn = attn + w[..., t + i].transpose(0, 3, 1, 2)[..., None] * vi[:, :, :, None, :]
+            x = x + attn.reshape(b, t, nh * hd) @ params[p + "self_attn.o_proj.weight"].T
+            a = norm(x, params[p + "post_attention_layernorm.weight"])
+            gate = a @ params[p + "mlp.gate_proj.weight"].T
+            up = a @ params[p + "mlp.up_proj.weight"].T
+            x = x + (jax.nn.silu(gate) * up) @ params[p + "mlp.down_proj.weight"].T
         out = norm(x, params["model.norm.weight"])
         outs.append(out)
         feat_in = shift(out, 1)
@@ -214,7 +226,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt = load_checkpoint(dd.TARGET)
     tcfg = ckpt.config
-    cfg = eagle_config(tcfg, args.intermediate, args.head_vocab)
+    cfg = eagle_config(tcfg, args.intermediate, args.head_vocab, args.num_layers)
     (workdir / "draft_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     table = np.asarray(ckpt.state_dict["model.embed_tokens.weight"], np.float32)  # [V, H], tied head
     rows = dd.load_rows(args.data)
@@ -243,11 +255,18 @@ def cmd_train(args: argparse.Namespace) -> None:
         "%d train rows, %d validation rows; subset head: %d ids cover %.2f%% of response tokens",
         len(train_rows), len(val_rows), len(head_ids), 100 * counts[head_ids].sum() / counts.sum(),
     )
-    params = {k: jnp.asarray(v) for k, v in init_params(cfg, args.seed, table[head_ids]).items()}
+    init_layers = 0
     if args.init_from:
-        z = np.load(args.init_from)
-        params = {k: jnp.asarray(z[k]) for k in params}
-        logger.info("initialised from %s", args.init_from)
+        z = dict(np.load(args.init_from))
+        init_layers = 1 + max(int(k.split(".")[2]) for k in z if k.startswith("model.layers."))
+        if init_layers > cfg.num_layers:
+            raise SystemExit(f"--init-from {args.init_from}: it has {init_layers} layers, --num-layers is "
+                             f"{cfg.num_layers} (a draft can grow from a shallower one, not shrink)")
+    params = init_params(cfg, args.seed, table[head_ids], zero_out_layers=init_layers)
+    if args.init_from:  # its layers 0..init_layers-1; deeper layers start as no-ops (zero output projections)
+        params |= {k: v for k, v in z.items() if k in params}
+        logger.info("initialised from %s (%d of %d layers)", args.init_from, init_layers, cfg.num_layers)
+    params = {k: jnp.asarray(v) for k, v in params.items()}
     table_dev = jnp.asarray(table)
     teacher_head = jnp.asarray(table[head_ids])  # the target's head rows for the subset: its logits from h
     h_scale = float(np.sqrt(np.mean(np.square(feats[dd.row_key(train_rows[0])].astype(np.float32)))))
@@ -456,6 +475,8 @@ def main() -> None:
     t.add_argument("--workdir", required=True)
     t.add_argument("--init-from", default="", help="a workdir's *_params.npz to start from")
     t.add_argument("--intermediate", type=int, default=1536)
+    t.add_argument("--num-layers", type=int, default=1,
+                   help="decoder layers; with --init-from a shallower draft, the new layers start as no-ops")
     t.add_argument("--head-vocab", type=int, default=8192)
     t.add_argument("--freeze-head", action="store_true", help="keep the target's head rows")
     t.add_argument("--depths", type=int, default=3, help="chain depths unrolled in training")

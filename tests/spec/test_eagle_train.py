@@ -32,14 +32,16 @@ CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layer
                   head_dim=8, head_vocab_size=16, feature_size=32, name="tiny-eagle")
 
 
-def test_unrolled_chain_equals_sequential_drafting(eagle) -> None:
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_unrolled_chain_equals_sequential_drafting(eagle, num_layers) -> None:
     rng = np.random.default_rng(0)
-    params = eagle.init_params(CFG, 0, rng.standard_normal((16, 32)).astype(np.float32))
+    cfg = CFG.replace(num_layers=num_layers)
+    params = eagle.init_params(cfg, 0, rng.standard_normal((16, 32)).astype(np.float32))
     params = {k: jnp.asarray(v + 0.1 * rng.standard_normal(v.shape).astype(np.float32)) for k, v in params.items()}
     t, depths = 12, 4
     emb = jnp.asarray(rng.standard_normal((1, t, 32)).astype(np.float32))
     h = jnp.asarray(rng.standard_normal((1, t, 32)).astype(np.float32))
-    outs = eagle.ttt_forward(CFG, params, emb, h, depths)
+    outs = eagle.ttt_forward(cfg, params, emb, h, depths)
     for c in range(0, t - depths + 1):
         feat_in = np.zeros((t, 32), np.float32)  # slot p's feature input
         feat_in[1 : c + 1] = np.asarray(h[0, :c])
@@ -47,11 +49,29 @@ def test_unrolled_chain_equals_sequential_drafting(eagle) -> None:
             p = c + j - 1
             shifted = np.zeros((1, t, 32), np.float32)  # ttt_forward shifts by one: h'[p] = feat_in[p + 1]
             shifted[0, :-1] = feat_in[1:]
-            ref = eagle.ttt_forward(CFG, params, emb[:, : p + 1], jnp.asarray(shifted[:, : p + 1]), 1)[0][0, p]
+            ref = eagle.ttt_forward(cfg, params, emb[:, : p + 1], jnp.asarray(shifted[:, : p + 1]), 1)[0][0, p]
             np.testing.assert_allclose(np.asarray(outs[j - 1][0, p]), np.asarray(ref), rtol=2e-4, atol=2e-5,
                                        err_msg=f"chain start {c}, depth {j}")
             if p + 1 < t:
                 feat_in[p + 1] = np.asarray(ref)
+
+
+def test_grown_draft_starts_as_the_shallower_one(eagle) -> None:
+    """Layers added on top of a trained draft (``train --num-layers 2 --init-from`` a 1-layer run) start with zero
+    output projections: the grown draft's every depth equals the shallower draft's until training moves them."""
+    rng = np.random.default_rng(1)
+    head = rng.standard_normal((16, 32)).astype(np.float32)
+    one = {k: v + 0.1 * rng.standard_normal(v.shape).astype(np.float32)
+           for k, v in eagle.init_params(CFG, 0, head).items()}
+    deep_cfg = CFG.replace(num_layers=2)
+    grown = eagle.init_params(deep_cfg, 5, head, zero_out_layers=1) | one
+    assert "model.layers.1.mlp.up_proj.weight" in grown and not grown["model.layers.1.mlp.down_proj.weight"].any()
+    emb = jnp.asarray(rng.standard_normal((1, 10, 32)).astype(np.float32))
+    h = jnp.asarray(rng.standard_normal((1, 10, 32)).astype(np.float32))
+    a = eagle.ttt_forward(CFG, {k: jnp.asarray(v) for k, v in one.items()}, emb, h, 3)
+    b = eagle.ttt_forward(deep_cfg, {k: jnp.asarray(v) for k, v in grown.items()}, emb, h, 3)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
 
 
 def test_replay_counts_decode_steps(eagle) -> None:
@@ -121,8 +141,8 @@ def test_features_train_export_serve(tiny, tmp_path) -> None:
 
     wd = tmp_path / "wd"
     train_args = dict(data=[str(data)], features=str(tmp_path / "feats"), workdir=str(wd), init_from="",
-                      intermediate=64, head_vocab=128, freeze_head=True, depths=2, depth_decay=0.8, reg_weight=1.0,
-                      steps=30, tokens_per_batch=256, lr=3e-3, warmup=5, weight_decay=0.0, clip=1.0,
+                      num_layers=1, intermediate=64, head_vocab=128, freeze_head=True, depths=2, depth_decay=0.8,
+                      reg_weight=1.0, steps=30, tokens_per_batch=256, lr=3e-3, warmup=5, weight_decay=0.0, clip=1.0,
                       prompt_weight=0.2, val_every=1000, eval_every=10, max_minutes=0.0, seed=0)
     eagle.cmd_train(argparse.Namespace(**train_args))
     log = [json.loads(x) for x in (wd / "train_log.jsonl").read_text().splitlines()]
@@ -137,16 +157,23 @@ def test_features_train_export_serve(tiny, tmp_path) -> None:
                      encoding="utf-8")
     dd.cmd_features(argparse.Namespace(data=[str(other)], out=str(tmp_path / "feats"), tokens_per_batch=128,
                                        rows_per_part=1))  # only the two renamed rows run
+    # ... and may grow a layer (``--num-layers 2``), but not lose one
     cont = dict(train_args, data=[str(other)], workdir=str(tmp_path / "wd_cont"),
-                init_from=str(wd / "last_params.npz"), steps=1)
+                init_from=str(wd / "last_params.npz"), steps=3, num_layers=2)
     eagle.cmd_train(argparse.Namespace(**cont))
     np.testing.assert_array_equal(np.load(tmp_path / "wd_cont" / "head_token_ids.npy"),
                                   np.load(wd / "head_token_ids.npy"))
+    grown = np.load(tmp_path / "wd_cont" / "last_params.npz")
+    assert grown["model.layers.1.mlp.down_proj.weight"].any()  # the new layer trained
     with pytest.raises(SystemExit, match="--head-vocab"):
         eagle.cmd_train(argparse.Namespace(**dict(cont, head_vocab=64, workdir=str(tmp_path / "wd_bad"))))
+    with pytest.raises(SystemExit, match="2 layers, --num-layers is 1"):
+        eagle.cmd_train(argparse.Namespace(**dict(cont, num_layers=1, workdir=str(tmp_path / "wd_bad2"),
+                                                  init_from=str(tmp_path / "wd_cont" / "last_params.npz"))))
 
-    out = tmp_path / "export"
-    eagle.cmd_export(argparse.Namespace(workdir=str(wd), out=str(out), params="last", dtype="float32"))  # checks
+    out = tmp_path / "export"  # the grown 2-layer draft: export checks its paged forward against training's
+    eagle.cmd_export(argparse.Namespace(workdir=str(tmp_path / "wd_cont"), out=str(out), params="last",
+                                        dtype="float32"))
     llm = LLM(TINY, draft_model=str(out), num_speculative_tokens=3, planner="static:3", max_num_seqs=2,
               max_model_len=128, max_num_batched_tokens=128)
     assert llm.engine.runner.feature_draft
