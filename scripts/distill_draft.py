@@ -348,6 +348,20 @@ def head_weight(params: dict[str, Any]) -> Any:
     return params.get("lm_head.weight", params["model.embed_tokens.weight"])
 
 
+def qkv_projections(cfg: Any, params: dict[str, Any], prefix: str, x: Any, positions: Any, inv_freq: Any
+                    ) -> tuple[Any, Any, Any]:
+    """One layer's (normed) input x [B, T, D] -> q [B, T, heads, hd] and k, v [B, T, kv_heads, hd], RoPE applied
+    to q and k (HF names under ``prefix``, e.g. ``model.layers.0.``)."""
+    from nightjar_jax.models.llama import apply_rope
+
+    b, t, _ = x.shape
+    hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    q = apply_rope((x @ params[prefix + "self_attn.q_proj.weight"].T).reshape(b, t, nh, hd), positions, inv_freq)
+    k = apply_rope((x @ params[prefix + "self_attn.k_proj.weight"].T).reshape(b, t, nkv, hd), positions, inv_freq)
+    v = (x @ params[prefix + "self_attn.v_proj.weight"].T).reshape(b, t, nkv, hd)
+    return q, k, v
+
+
 def causal_forward(cfg: Any, params: dict[str, Any], tokens: Any, *, return_hidden: bool = False) -> Any:
     """Plain (cache-free) causal forward over HF-named params: tokens [B, T] int32 -> logits [B, T, V] float32.
 
@@ -357,7 +371,7 @@ def causal_forward(cfg: Any, params: dict[str, Any], tokens: Any, *, return_hidd
     import jax
     import jax.numpy as jnp
 
-    from nightjar_jax.models.llama import apply_rope, rope_inv_freq
+    from nightjar_jax.models.llama import rope_inv_freq
 
     def norm(x: Any, w: Any) -> Any:
         return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps) * w
@@ -372,9 +386,7 @@ def causal_forward(cfg: Any, params: dict[str, Any], tokens: Any, *, return_hidd
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         h = norm(x, params[p + "input_layernorm.weight"])
-        q = apply_rope((h @ params[p + "self_attn.q_proj.weight"].T).reshape(b, t, nh, hd), positions, inv_freq)
-        k = apply_rope((h @ params[p + "self_attn.k_proj.weight"].T).reshape(b, t, nkv, hd), positions, inv_freq)
-        v = (h @ params[p + "self_attn.v_proj.weight"].T).reshape(b, t, nkv, hd)
+        q, k, v = qkv_projections(cfg, params, p, h, positions, inv_freq)
         q = q.reshape(b, t, nkv, nh // nkv, hd)  # query heads grouped by their KV head
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k) / math.sqrt(hd)  # [B, KV, G, T, T]
         scores = jnp.where(causal, scores, -1e30)

@@ -159,7 +159,7 @@ def ttt_forward(cfg: Any, params: dict[str, Any], emb: Any, h: Any, depths: int)
     import jax
     import jax.numpy as jnp
 
-    from nightjar_jax.models.llama import apply_rope, rope_inv_freq
+    from nightjar_jax.models.llama import rope_inv_freq
 
     def norm(x: Any, w: Any) -> Any:
         return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps) * w
@@ -180,10 +180,8 @@ def ttt_forward(cfg: Any, params: dict[str, Any], emb: Any, h: Any, depths: int)
         x = jnp.concatenate([emb, feat_in], axis=-1) @ params["fc.weight"].T
         for layer in range(cfg.num_layers):
             p = f"model.layers.{layer}."
-            a = norm(x, params[p + "input_layernorm.weight"])
-            q = apply_rope((a @ params[p + "self_attn.q_proj.weight"].T).reshape(b, t, nh, hd), positions, inv_freq)
-            k = apply_rope((a @ params[p + "self_attn.k_proj.weight"].T).reshape(b, t, nkv, hd), positions, inv_freq)
-            v = (a @ params[p + "self_attn.v_proj.weight"].T).reshape(b, t, nkv, hd)
+            q, k, v = dd.qkv_projections(cfg, params, p, norm(x, params[p + "input_layernorm.weight"]), positions,
+                                         inv_freq)
             lk = keys[layer]
             lk.append((k, v))
             q = q.reshape(b, t, nkv, g, hd) / math.sqrt(hd)
