@@ -4,7 +4,8 @@ Vocabulary:
 - *workload*: ``batch_size`` prompts of exactly ``prompt_len`` tokens, each generating exactly ``output_len``
   tokens greedily (``ignore_eos``), submitted at once so every decode step runs at the full batch.
 - *decode step*: one ``LLMEngine.step`` that ran the decode path (not prefill); the engine's ``step_log`` records
-  its wall seconds (schedule → device → output bookkeeping) and the tokens it committed.
+  its wall seconds (schedule → device → output bookkeeping) and the tokens it committed (delivered to requests:
+  tokens verified past ``max_tokens`` or a stop are not counted).
 - *decode tokens/s*: committed tokens over the summed wall seconds of decode steps only (prefill excluded).
 - *TPOT*: time per output token of one sequence = mean decode step seconds / mean tokens committed per sequence.
 """

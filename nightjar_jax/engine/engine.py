@@ -304,10 +304,13 @@ class LLMEngine:
             if batch.requests:
                 result = self.runner.execute_decode(batch, gamma)
                 now = time.monotonic()
+                delivered = 0  # tokens appended: a stop or max_tokens drops the committed tokens after it
                 for r, toks in zip(batch.requests, result.committed, strict=True):
                     r.num_computed = r.num_tokens + len(toks) - 1
+                    before = len(r.output_token_ids)
                     outputs.append(self._append(r, toks, now))
-                self._record_decode(batch, result, time.perf_counter() - t0)
+                    delivered += len(r.output_token_ids) - before
+                self._record_decode(batch, result, time.perf_counter() - t0, delivered)
         self.stats.num_steps += 1
         self.stats.last_step_seconds = time.perf_counter() - t0
         return [o for o in outputs if o is not None]
@@ -322,12 +325,13 @@ class LLMEngine:
         )
         return min(int(gamma), self.gamma_max)
 
-    def _record_decode(self, batch: ScheduledBatch, result: DecodeResult, seconds: float) -> None:
+    def _record_decode(self, batch: ScheduledBatch, result: DecodeResult, seconds: float, committed: int) -> None:
+        """Step stats; ``committed`` counts the tokens the step delivered to its requests (what the planner's
+        tokens/s and the step log's ``committed`` mean), not those verified past a stop or ``max_tokens``."""
         s = self.stats
         s.num_decode_steps += 1
         s.last_gamma = result.gamma
         s.last_batch_size = batch.num_seqs
-        committed = sum(len(c) for c in result.committed)
         if result.gamma > 0:
             s.num_drafted_tokens += result.num_drafted
             s.num_accepted_tokens += sum(result.num_accepted)

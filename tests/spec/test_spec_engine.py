@@ -60,6 +60,8 @@ def test_all_rejected_and_all_accepted():
     assert run_all(eng) == {"a": expected(PROMPTS[0], 20)}
     assert eng.stats.num_accepted_tokens == eng.stats.num_drafted_tokens
     assert all(s["committed"] == GAMMA_MAX + 1 for s in eng.stats.step_log[:-1])
+    # the step log counts delivered tokens: the last step verified γ + 1 but max_tokens keeps only the rest
+    assert sum(s["committed"] for s in eng.stats.step_log) == 20 - 1  # the first token came from prefill
     # A draft that always disagrees: every draft rejected, exactly one (target) token per step, output unchanged.
     eng = fake_engine(draft=True, perturb=0, num_speculative_tokens=GAMMA_MAX)
     eng.draft = eng.runner.draft = _always_wrong_draft()
