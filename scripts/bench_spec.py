@@ -12,6 +12,8 @@ engine's step log (decode steps only; prefill excluded):
 - draft / verify split: seconds in ``propose`` vs the target's verify pass, as a share of decode time.
 
     python scripts/bench_spec.py --batch-sizes 1,4,16,64 --gamma-max 4 --output-len 32
+    python scripts/bench_spec.py --models smollm2-135m-instruct --drafts smollm2-eagle,runs/eagle/export6 \
+        --batch-sizes 1 --gammas 2,4                     # two drafts of one target, interleaved
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ MODELS = {  # target -> best available draft: the distilled draft for SmolLM2 (i
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list from {list(MODELS)}")
+    p.add_argument("--drafts", default="",
+                   help="comma list of drafts (presets or folders) to compare on each target, timed interleaved "
+                        "(default: the target's best draft, MODELS)")
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--gamma-max", type=int, default=4)
     p.add_argument("--gammas", default=None, help="comma list of γ to run (default 0..γ_max; 0 = AR is always run)")
@@ -56,16 +61,23 @@ def parse_args() -> argparse.Namespace:
 
 
 def bench_model(model: str, args: argparse.Namespace, batch_sizes: list[int], texts: list[str]) -> list[dict]:
+    """Every (batch, γ) cell of ``model`` with each draft in ``--drafts`` (default: its best draft). With several
+    drafts one engine per draft is built and their timed runs alternate (repeat r of every draft, then r + 1), so
+    the drafts are compared under the same minutes of this shared machine."""
     from nightjar_jax import LLM
 
     max_batch = max(batch_sizes)
-    t0 = time.perf_counter()
-    llm = LLM(model, max_model_len=512, max_num_seqs=max_batch, max_num_batched_tokens=512,
-              num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, args.gamma_max),
-              dtype=args.dtype, draft_model=MODELS[model], num_speculative_tokens=args.gamma_max)
-    print(f"loaded {model} + draft {MODELS[model]} in {time.perf_counter() - t0:.1f}s", flush=True)
-    prompts_all, source = make_prompt_ids(llm.get_tokenizer(), texts, max_batch, args.prompt_len,
-                                          llm.engine.target.config.vocab_size)
+    drafts = args.drafts.split(",") if args.drafts else [MODELS[model]]
+    llms = {}
+    for draft in drafts:
+        t0 = time.perf_counter()
+        llms[draft] = LLM(model, max_model_len=512, max_num_seqs=max_batch, max_num_batched_tokens=512,
+                          num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, args.gamma_max),
+                          dtype=args.dtype, draft_model=draft, num_speculative_tokens=args.gamma_max)
+        print(f"loaded {model} + draft {draft} in {time.perf_counter() - t0:.1f}s", flush=True)
+    first = llms[drafts[0]]
+    prompts_all, source = make_prompt_ids(first.get_tokenizer(), texts, max_batch, args.prompt_len,
+                                          first.engine.target.config.vocab_size)
     gammas = sorted({0} | {int(g) for g in args.gammas.split(",")}) if args.gammas else range(args.gamma_max + 1)
     rows = []
     for b in batch_sizes:
@@ -73,36 +85,42 @@ def bench_model(model: str, args: argparse.Namespace, batch_sizes: list[int], te
         for gamma in gammas:
             # Warm-up with the full workload: sequences finish at different steps under speculation, so the batch
             # shrinks through smaller batch buckets whose variants must compile before the timed run.
-            run_decode_workload(llm, prompts, args.output_len, gamma)
-            runs = [run_decode_workload(llm, prompts, args.output_len, gamma) for _ in range(args.repeats)]
-            run = min(runs, key=lambda r: (r.decode_seconds - r.catchup_seconds) / r.committed_tokens)
-            spec_seconds = run.decode_seconds - run.catchup_seconds
-            row = run.as_dict()
-            row.update(model=model, draft=MODELS[model], prompt_source=source,
-                       tokens_per_second=run.committed_tokens / spec_seconds,
-                       draft_share=run.draft_seconds / spec_seconds, verify_share=run.verify_seconds / spec_seconds)
-            rows.append(row)
-            print(f"{model:22s} b={b:3d} γ={gamma}: {row['tokens_per_second']:9.1f} tok/s  "
-                  f"accepted len {run.mean_accepted_length:4.2f}  draft {100 * row['draft_share']:4.1f}%  "
-                  f"verify {100 * row['verify_share']:4.1f}%  load={os.getloadavg()[0]:.1f}", flush=True)
-    del llm
+            for llm in llms.values():
+                run_decode_workload(llm, prompts, args.output_len, gamma)
+            runs: dict[str, list] = {d: [] for d in drafts}
+            for _ in range(args.repeats):
+                for d in drafts:
+                    runs[d].append(run_decode_workload(llms[d], prompts, args.output_len, gamma))
+            for d in drafts:
+                run = min(runs[d], key=lambda r: (r.decode_seconds - r.catchup_seconds) / r.committed_tokens)
+                spec_seconds = run.decode_seconds - run.catchup_seconds
+                row = run.as_dict()
+                row.update(model=model, draft=d, prompt_source=source,
+                           tokens_per_second=run.committed_tokens / spec_seconds,
+                           draft_share=run.draft_seconds / spec_seconds,
+                           verify_share=run.verify_seconds / spec_seconds)
+                rows.append(row)
+                print(f"{model:22s} {d:20s} b={b:3d} γ={gamma}: {row['tokens_per_second']:9.1f} tok/s  "
+                      f"accepted len {run.mean_accepted_length:4.2f}  draft {100 * row['draft_share']:4.1f}%  "
+                      f"verify {100 * row['verify_share']:4.1f}%  load={os.getloadavg()[0]:.1f}", flush=True)
+    del llms
     return rows
 
 
 def print_table(rows: list[dict], gamma_max: int) -> None:
     gammas = list(range(gamma_max + 1))
-    print("| model | batch | " + " | ".join("AR tok/s" if g == 0 else f"γ={g} tok/s (x AR; acc len)" for g in gammas)
-          + " |")
-    print("|---|---:|" + "---:|" * len(gammas))
-    cells: dict[tuple, dict] = {(r["model"], r["batch_size"], r["gamma"]): r for r in rows}
-    for model, b in dict.fromkeys((r["model"], r["batch_size"]) for r in rows):
-        ar = cells[(model, b, 0)]["tokens_per_second"]
+    print("| model | draft | batch | "
+          + " | ".join("AR tok/s" if g == 0 else f"γ={g} tok/s (x AR; acc len)" for g in gammas) + " |")
+    print("|---|---|---:|" + "---:|" * len(gammas))
+    cells: dict[tuple, dict] = {(r["model"], r["draft"], r["batch_size"], r["gamma"]): r for r in rows}
+    for model, draft, b in dict.fromkeys((r["model"], r["draft"], r["batch_size"]) for r in rows):
+        ar = cells[(model, draft, b, 0)]["tokens_per_second"]
         parts = [f"{ar:.1f}"]
         for g in gammas[1:]:
-            r = cells.get((model, b, g))
+            r = cells.get((model, draft, b, g))
             parts.append(f"{r['tokens_per_second']:.1f} ({r['tokens_per_second'] / ar:.2f}x; "
                          f"{r['mean_accepted_length']:.2f})" if r else "-")
-        print(f"| {model} | {b} | " + " | ".join(parts) + " |")
+        print(f"| {model} | {draft} | {b} | " + " | ".join(parts) + " |")
 
 
 def main() -> None:
