@@ -262,7 +262,13 @@ def cmd_train(args: argparse.Namespace) -> None:
                              f"{cfg.num_layers} (a draft can grow from a shallower one, not shrink)")
     params = init_params(cfg, args.seed, table[head_ids], zero_out_layers=init_layers)
     if args.init_from:  # its layers 0..init_layers-1; deeper layers start as no-ops (zero output projections)
-        params |= {k: v for k, v in z.items() if k in params}
+        grown = {k for k in params if k.startswith("model.layers.") and int(k.split(".")[2]) >= init_layers}
+        bad = sorted(k for k in set(params) - grown if k not in z or z[k].shape != params[k].shape)
+        if bad or set(z) - set(params):
+            raise SystemExit(f"--init-from {args.init_from} does not fit this draft (--intermediate "
+                             f"{args.intermediate}, --head-vocab {args.head_vocab}): missing or other-shaped "
+                             f"{bad[:4]}, unknown {sorted(set(z) - set(params))[:4]}")
+        params |= z
         logger.info("initialised from %s (%d of %d layers)", args.init_from, init_layers, cfg.num_layers)
     params = {k: jnp.asarray(v) for k, v in params.items()}
     table_dev = jnp.asarray(table)

@@ -167,6 +167,8 @@ def test_features_train_export_serve(tiny, tmp_path) -> None:
     assert grown["model.layers.1.mlp.down_proj.weight"].any()  # the new layer trained
     with pytest.raises(SystemExit, match="--head-vocab"):
         eagle.cmd_train(argparse.Namespace(**dict(cont, head_vocab=64, workdir=str(tmp_path / "wd_bad"))))
+    with pytest.raises(SystemExit, match="does not fit this draft"):  # another MLP width: not its weights
+        eagle.cmd_train(argparse.Namespace(**dict(cont, intermediate=32, workdir=str(tmp_path / "wd_bad3"))))
     with pytest.raises(SystemExit, match="2 layers, --num-layers is 1"):
         eagle.cmd_train(argparse.Namespace(**dict(cont, num_layers=1, workdir=str(tmp_path / "wd_bad2"),
                                                   init_from=str(tmp_path / "wd_cont" / "last_params.npz"))))
