@@ -3,7 +3,8 @@
 The fake stores each token (and a presence flag) in the real paged KV cache and "attends" by summing what the
 block tables point to, so a lost, stale or misplaced page changes its output. Its next token after a prefix
 ``t_0 .. t_{n-1}`` is :func:`fake_next_token`: ``(31 * sum(prefix) + n) % vocab_size``, as a one-hot logit of
-height 10 (greedy picks it; sampling at temperature 1 picks it with probability ~1).
+height 10 (greedy picks it; sampling at temperature 1 picks it with probability ~1). It honours a token tree's
+mask (``BatchMetadata.tree_mask``): a tree node's prefix is the committed tokens and its ancestors.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ def fake_greedy_continuation(prompt: list[int], num_tokens: int, vocab_size: int
 
 
 def fake_model(
-    vocab_size: int = 97, max_len: int = 256, eos_token_id: int | None = None, perturb: int = 0
+    vocab_size: int = 97, max_len: int = 256, eos_token_id: int | None = None, perturb: int = 0,
+    runner_up: bool = False,
 ) -> ModelHandle:
     """A :class:`ModelHandle` whose logits follow :func:`fake_next_token`; works as target or draft.
 
     A draft built with ``perturb != 0`` disagrees with the target whenever the prefix length is a multiple of 3,
-    so speculative steps see both acceptances and rejections."""
+    so speculative steps see both acceptances and rejections. ``runner_up``: the unperturbed token also gets a
+    logit of 5 (the draft's second choice where it disagrees), so a token tree's rank-1 branches get accepted."""
     config = ModelConfig(
         name="fake", vocab_size=vocab_size, hidden_size=2, intermediate_size=2, num_layers=1, num_heads=1,
         num_kv_heads=1, max_position_embeddings=max_len,
@@ -55,6 +58,10 @@ def fake_model(
         keys = k_pages[0][md.block_tables].reshape(num_seqs, -1, 2)  # [S, max_pages * page_size, 2]
         key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)
         mask = (key_pos[None, None, :] <= positions[:, :, None]) & (positions >= 0)[:, :, None]  # [S, Q, K]
+        if md.tree_mask is not None:  # a tree node sees the committed tokens and its ancestors
+            window = md.tree_mask.shape[1]
+            rel = key_pos[None, None, :] - (md.context_lens[:, None, None] - window)
+            mask &= (rel < 0) | md.tree_mask[jnp.arange(q_len)[None, :, None], jnp.clip(rel, 0, window - 1)]
         total = jnp.sum(jnp.where(mask, keys[:, None, :, 0], 0.0), axis=-1)
         count = jnp.sum(jnp.where(mask, keys[:, None, :, 1], 0.0), axis=-1)
         return jnp.stack([total, count], axis=-1), ((k_pages, v_pages),)
@@ -63,7 +70,10 @@ def fake_model(
         total = hidden[..., 0].astype(jnp.int32)
         count = hidden[..., 1].astype(jnp.int32)
         nxt = (31 * total + count + jnp.where(count % 3 == 0, perturb, 0)) % vocab_size
-        return jax.nn.one_hot(nxt, vocab_size, dtype=jnp.float32) * 10.0
+        logits = jax.nn.one_hot(nxt, vocab_size, dtype=jnp.float32) * 10.0
+        if runner_up:
+            logits += jax.nn.one_hot((31 * total + count) % vocab_size, vocab_size, dtype=jnp.float32) * 5.0
+        return logits
 
     return ModelHandle(config, None, {}, fns=(hidden_fn, logits_fn))
 

@@ -49,6 +49,7 @@ def paged_attention_cpu(
     context_lens: jax.Array,  # [num_seqs] int32
     *,
     scale: float,
+    tree_mask: jax.Array | None = None,  # [q_len, M] bool (reference.py: speculative token trees)
 ) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim], dtype of q
     """The reference's contract as a CPU custom call: K and V pools of one dtype (float32 or bfloat16) and one
     shape; q is cast to the pools' dtype (as the Pallas wrapper does) and the result back to q's dtype."""
@@ -67,9 +68,13 @@ def paged_attention_cpu(
             f"q {q.shape} must be [seqs, q_len, heads, {k_pages.shape[3]}] with heads a multiple of "
             f"num_kv_heads={k_pages.shape[0]}"
         )
+    if tree_mask is None:
+        tree_mask = jnp.zeros((0, 0), jnp.uint8)
+    elif tree_mask.ndim != 2 or tree_mask.shape[0] != q.shape[1] or tree_mask.shape[1] < q.shape[1]:
+        raise ValueError(f"tree_mask {tree_mask.shape} must be [q_len={q.shape[1]}, M >= q_len]")
     call = jax.ffi.ffi_call(TARGETS[dtype], jax.ShapeDtypeStruct(q.shape, dtype), vmap_method="sequential")
     out = call(
         q.astype(dtype), k_pages, v_pages, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),
-        scale=np.float32(scale),
+        tree_mask.astype(jnp.uint8), scale=np.float32(scale),
     )
     return out.astype(q.dtype)

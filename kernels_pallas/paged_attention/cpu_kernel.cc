@@ -3,6 +3,8 @@
 // Same contract as reference.py: q [S, Q, H, D], one layer's K/V pools [KVH, NP, PS, D], block tables [S, W] int32,
 // context lengths [S] int32 that include the Q new tokens; query i of sequence s sits at position
 // ctx - Q + i and attends keys 0..that position; a query at a negative position (left padding) outputs zeros.
+// Tree mask [Q, M] uint8 (M = 0: none): over the last M key positions ctx - M .. ctx - 1, query i also needs
+// mask[i, key - (ctx - M)] != 0 (a speculative token tree: its ancestors and itself).
 //
 // Why a custom call: XLA:CPU lowers the reference's page gather to a scalar loop (~2 GB/s) and the per-sequence
 // batched dots poorly; at batch 32 the reference attention cost more than half of a SmolLM2 decode step. This
@@ -91,13 +93,18 @@ inline void Dot8(const float* q, const float* kr, int64_t D, float* out) {
 #endif
 }
 
+// Causal, and inside a tree's window only the keys its mask row allows.
+inline bool Visible(int64_t key, int64_t pos, const uint8_t* tree_row, int64_t window0) {
+  return key <= pos && (tree_row == nullptr || key < window0 || tree_row[key - window0] != 0);
+}
+
 struct Dims {
-  int64_t S, Q, H, D, KVH, NP, PS, W, G;
+  int64_t S, Q, H, D, KVH, NP, PS, W, G, M;  // M: tree-mask window (0: none)
 };
 
 template <typename T>
-void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const int32_t* cl, T* out, const Dims& n,
-                 float scale, int64_t s, int64_t h, int64_t r0, int64_t r1, std::vector<float>& scratch,
+void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const int32_t* cl, const uint8_t* tm,
+                 T* out, const Dims& n, float scale, int64_t s, int64_t h, int64_t r0, int64_t r1, std::vector<float>& scratch,
                  std::atomic<bool>& bad_page) {
   const int64_t R = r1 - r0, D = n.D, G = n.G;
   const int64_t ctx = cl[s];
@@ -111,9 +118,12 @@ void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const in
   float* pagebuf = sc + R * std::max<int64_t>(num_keys, 1);  // [PS, D] a widened bf16 page
   const bool vec = D % 8 == 0;         // the vector paths; any other head size takes the scalar loops
   int64_t pos[kRowBlock];
+  const uint8_t* tree_row[kRowBlock];  // this row's tree-mask row (keys from window0 on), or null
+  const int64_t window0 = ctx - n.M;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t row = r0 + r, i = row / G, g = row % G;
     pos[r] = ctx - n.Q + i;
+    tree_row[r] = n.M > 0 ? tm + i * n.M : nullptr;
     const T* src = q + ((s * n.Q + i) * n.H + h * G + g) * D;
     for (int64_t j = 0; j < D; ++j) qf[r * D + j] = ToFloat(src[j]) * scale;
     std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
@@ -152,7 +162,7 @@ void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const in
           Dot8(qf + r * D, kp + t * D, D, d8);
           for (int u = 0; u < 8; ++u) {
             const int64_t key = key0 + t + u;
-            sc[r * num_keys + key] = key <= pos[r] ? d8[u] : neg_inf;
+            sc[r * num_keys + key] = Visible(key, pos[r], tree_row[r], window0) ? d8[u] : neg_inf;
           }
         }
       }
@@ -164,7 +174,7 @@ void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const in
         float dot = 0.0f;
         const float* qr = qf + r * D;
         for (int64_t j = 0; j < D; ++j) dot += qr[j] * kr[j];
-        sc[r * num_keys + key] = key <= pos[r] ? dot : neg_inf;
+        sc[r * num_keys + key] = Visible(key, pos[r], tree_row[r], window0) ? dot : neg_inf;
       }
     }
   }
@@ -227,7 +237,8 @@ void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const in
 template <ffi::DataType DT>
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k_pages,
                               ffi::Buffer<DT> v_pages, ffi::Buffer<ffi::S32> block_tables,
-                              ffi::Buffer<ffi::S32> context_lens, ffi::ResultBuffer<DT> out, float scale) {
+                              ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::U8> tree_mask,
+                              ffi::ResultBuffer<DT> out, float scale) {
   using T = ffi::NativeType<DT>;
   auto qd = q.dimensions();
   auto kd = k_pages.dimensions();
@@ -236,7 +247,12 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buff
     return ffi::Error::InvalidArgument("paged attention: expected q [S,Q,H,D], pools [KVH,NP,PS,D], "
                                        "block tables [S,W], context lengths [S]");
   }
-  Dims n{qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], bd[1], 0};
+  Dims n{qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], bd[1], 0, 0};
+  auto td = tree_mask.dimensions();
+  if (td.size() != 2 || (td[1] != 0 && (td[0] != n.Q || td[1] < n.Q))) {
+    return ffi::Error::InvalidArgument("paged attention: tree mask must be [Q, M >= Q] (M = 0: none)");
+  }
+  n.M = td[1];
   auto vd = v_pages.dimensions();
   if (vd.size() != 4 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3]) {
     return ffi::Error::InvalidArgument("paged attention: v_pages must have k_pages' shape [KVH,NP,PS,D]");
@@ -260,13 +276,14 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buff
   const T* kp = k_pages.typed_data();
   const T* vp = v_pages.typed_data();
   const int32_t* btp = block_tables.typed_data();
+  const uint8_t* tmp = tree_mask.typed_data();
   T* op = out->typed_data();
 
   std::atomic<bool> bad_page{false};
   std::atomic<bool>* bad = &bad_page;
   nightjar::ParallelFor(pool, items, [=, scratch = std::vector<float>()](int64_t it) mutable {
     const int64_t b = it % blocks, sh = it / blocks, h = sh % n.KVH, s = sh / n.KVH;
-    AttendBlock<T>(qp, kp, vp, btp, cl, op, n, scale, s, h, b * kRowBlock, std::min(rows, (b + 1) * kRowBlock),
+    AttendBlock<T>(qp, kp, vp, btp, cl, tmp, op, n, scale, s, h, b * kRowBlock, std::min(rows, (b + 1) * kRowBlock),
                    scratch, *bad);
   });
   if (bad_page.load()) {
@@ -285,6 +302,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buff
       .Arg<ffi::Buffer<DT>>()                         \
       .Arg<ffi::Buffer<ffi::S32>>()                   \
       .Arg<ffi::Buffer<ffi::S32>>()                   \
+      .Arg<ffi::Buffer<ffi::U8>>()                    \
       .Ret<ffi::Buffer<DT>>()                         \
       .Attr<float>("scale")
 

@@ -9,6 +9,9 @@ Vocabulary
 - query position: query ``i`` of a sequence sits at absolute position ``context_len - q_len + i``; it attends
   keys at positions ``0 .. that position`` (causal within the new tokens). A query whose position is negative is
   left padding (used to right-align ragged prefill chunks) and its output is zero.
+- tree mask (optional, speculative token trees): ``[q_len, M]`` bool over the window of the last ``M >= q_len`` key
+  positions ``context_len - M .. context_len - 1``; query ``i`` additionally sees window key ``j`` only where
+  ``tree_mask[i, j]`` (its ancestors and itself in the tree). Keys before the window stay causal-visible.
 
 Worked example (page_size 4, q_len 2, context_len 6, block table [7, 3, 0, ...]): query 0 is position 4 and reads
 keys 0..4 = page 7 slots 0..3 and page 3 slot 0; query 1 is position 5 and also reads page 3 slot 1.
@@ -28,6 +31,7 @@ def paged_attention_reference(
     context_lens: jax.Array,  # [num_seqs] int32
     *,
     scale: float,
+    tree_mask: jax.Array | None = None,  # [q_len, M] bool over the last M key positions (module docstring)
 ) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim], dtype of q
     """Multi-query causal attention over a paged KV cache with GQA; see the module docstring for terms.
 
@@ -54,6 +58,13 @@ def paged_attention_reference(
     query_pos = context_lens[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]  # [num_seqs, q_len]
     # [num_seqs, q_len, num_keys]
     mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & key_valid[:, None, :]
+    if tree_mask is not None:
+        window = tree_mask.shape[1]
+        if tree_mask.ndim != 2 or tree_mask.shape[0] != q_len or window < q_len:
+            raise ValueError(f"tree_mask {tree_mask.shape} must be [q_len={q_len}, M >= q_len]")
+        rel = key_pos[None, None, :] - (context_lens[:, None, None] - window)  # [num_seqs, 1, num_keys]
+        in_tree = tree_mask[jnp.arange(q_len)[None, :, None], jnp.clip(rel, 0, window - 1)]
+        mask &= (rel < 0) | in_tree
 
     qg = q.astype(jnp.float32).reshape(num_seqs, q_len, num_kv_heads, group, head_dim)
     scores = jnp.einsum("sqhgd,shkd->shgqk", qg, k) * scale  # [num_seqs, kv_heads, group, q_len, num_keys]

@@ -112,6 +112,7 @@ class LLMEngine:
             target, draft, num_pages=num_pages, page_size=config.cache.page_size, max_model_len=self.max_model_len,
             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
             gamma_max=gamma_max, bucket_pages=resolve_impl(config.attention_impl) == "reference",
+            tree_nodes=config.spec.spec_tree_nodes,
         )
         self.gamma_max = gamma_max
         self.planner = self._make_planner()
@@ -297,7 +298,7 @@ class LLMEngine:
             self.stats.num_prefill_steps += 1
         else:
             gamma = self._select_gamma()
-            batch = self.scheduler.schedule_decode(gamma)
+            batch = self.scheduler.schedule_decode(self.runner.lookahead(gamma))
             if batch is None:
                 return []
             self._count_preemptions(batch)
@@ -350,6 +351,7 @@ class LLMEngine:
                 gamma=result.gamma, batch_size=batch.num_seqs, committed=committed, seconds=seconds,
                 draft_seconds=result.draft_seconds, verify_seconds=result.verify_seconds,
                 catchup_seconds=result.catchup_seconds, accepted=list(result.num_accepted),
+                tree_nodes=result.tree_nodes,
             ))
 
     def _count_preemptions(self, batch: ScheduledBatch) -> None:

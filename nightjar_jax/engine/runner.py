@@ -30,7 +30,7 @@ from flax import nnx
 
 from nightjar_jax.config import ModelConfig
 from nightjar_jax.engine.request import Request
-from nightjar_jax.engine.sampler import SamplingTensors, argmax, processed_probs, sample
+from nightjar_jax.engine.sampler import SamplingTensors, argmax, processed_probs, sample, top_k_ids
 from nightjar_jax.engine.scheduler import ScheduledBatch
 from nightjar_jax.models.llama import (
     BatchMetadata,
@@ -40,7 +40,8 @@ from nightjar_jax.models.llama import (
     read_previous_features,
     write_feature_pages,
 )
-from nightjar_jax.spec.rejection import draft_sample, greedy_verify, rejection_sample
+from nightjar_jax.spec.rejection import draft_sample, greedy_verify, rejection_sample, tree_greedy_verify
+from nightjar_jax.spec.tree import SpecTree, tree_for
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class DecodeResult:
     verify_seconds: float = 0.0  # target pass + sampling (the whole step when γ = 0)
     catchup_seconds: float = 0.0
     catchup_tokens: int = 0
+    tree_nodes: int = 0  # drafted nodes per request when the step verified a token tree (0: a chain)
 
 
 @dataclass
@@ -151,17 +153,24 @@ class ModelRunner:
         max_num_batched_tokens: int,
         gamma_max: int,
         bucket_pages: bool = True,
+        tree_nodes: int = 0,
     ):
         """``bucket_pages``: pad block tables to a power-of-two width covering the batch's longest sequence instead
         of ``max_model_len``. The reference attention gathers the whole table, so on CPU this keeps attention cost
-        proportional to the context; the Pallas kernels stop at each context length and need one width only."""
+        proportional to the context; the Pallas kernels stop at each context length and need one width only.
+
+        ``tree_nodes``: greedy decode steps at γ verify a static token tree of up to this many drafted nodes and
+        depth γ (``nightjar_jax/spec/tree.py``; 0: always a chain). Batches with a sampled request use the chain."""
         self.target = target
         self.draft = draft
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_model_len = max_model_len
         self.gamma_max = gamma_max if draft is not None else 0
-        max_pages = -(-(max_model_len + self.gamma_max + 1) // page_size)
+        self.trees: dict[int, SpecTree] = {}
+        if tree_nodes and self.gamma_max:
+            self.trees = {g: tree_for(tree_nodes, g) for g in range(1, self.gamma_max + 1)}
+        max_pages = -(-(max_model_len + self.max_lookahead() + 1) // page_size)
         self.shapes = RunnerShapes(
             decode_buckets=buckets_up_to(max_num_seqs),
             prefill_seq_buckets=buckets_up_to(max_num_seqs),
@@ -186,6 +195,14 @@ class ModelRunner:
             self.features = jnp.zeros((num_pages, page_size, target.config.hidden_size),
                                       jnp.dtype(target.config.dtype))
         self._build_jitted()
+
+    def lookahead(self, gamma: int) -> int:
+        """Speculative positions a decode step at ``gamma`` writes past the committed tokens (γ, or the tree's
+        nodes): the scheduler reserves pages for them."""
+        return max(gamma, self.trees[gamma].num_nodes) if gamma in self.trees else gamma
+
+    def max_lookahead(self) -> int:
+        return max([self.gamma_max] + [t.num_nodes for t in self.trees.values()])
 
     # ---- jitted step functions --------------------------------------------------------------------------------
     def _build_jitted(self) -> None:
@@ -284,6 +301,83 @@ class ModelRunner:
                 out, num_accepted = rejection_sample(draft_tokens, draft_probs, target_probs, st, salt=SALT_VERIFY)
             return out, num_accepted, kv, feats
 
+        def propose_tree(leaves, kv, feats, embed, tokens, first_lens, block_tables, context_lens, gamma):
+            """Greedy drafts for the static tree at ``gamma`` -> node tokens [S, N] in tree order. The first step is
+            ``propose``'s (the committed tokens the draft has not run, ending at the root, slot n - 1); then one
+            draft pass per depth over that depth's nodes, each at KV slot n - 1 + i, rotated as position
+            n - 1 + depth, seeing the committed tokens and its ancestors (tree mask), fed its parent's output
+            feature (a feature draft). A node's children are its parent's top-ranked draft tokens."""
+            tree = self.trees[gamma]
+            state = self.draft.unflatten(leaves)
+            real = (context_lens > 0).astype(jnp.int32)
+            md0 = BatchMetadata(block_tables, context_lens, first_lens)
+            hidden, kv = d_hidden(state, tokens, kv, md0, **draft_inputs(feats, embed, md0, tokens.shape[1]))
+            outs = hidden[:, -1:]  # [S, nodes of the level just run, H]: the root's output
+            node_tokens = []
+            for d in range(1, tree.depth + 1):
+                level, above = tree.level(d), tree.level(d - 1)
+                parents = np.asarray([tree.parent[i] - above.start for i in level])
+                ranks = np.asarray([tree.rank[i] for i in level])
+                top = top_k_ids(d_logits(state, outs), tree.top_k(d - 1))  # [S, |above|, k]
+                toks = top[:, parents, ranks].astype(jnp.int32)  # [S, |level|]
+                node_tokens.append(toks)
+                if d == tree.depth:
+                    break
+                md = BatchMetadata(
+                    block_tables, (context_lens + level.stop - 1) * real, real * len(level),
+                    tree_mask=jnp.asarray(tree.ancestors[level.start : level.stop, 1 : level.stop]),
+                    rope_offsets=jnp.asarray(np.arange(level.start, level.stop) - d, jnp.int32),
+                )
+                extra = {} if feats is None else {"features": outs[:, parents], "embed_table": embed}
+                outs, kv = d_hidden(state, toks, kv, md, **extra)
+            return jnp.concatenate(node_tokens, axis=1), kv
+
+        def verify_tree(leaves, kv, feats, last_tokens, node_tokens, block_tables, context_lens, gamma):
+            """One target pass over the root and the tree's nodes (tree mask; context_lens = n + N), greedy
+            acceptance of the deepest agreeing branch, then the branch's K/V (and features) moved from the nodes'
+            slots n - 1 + i to positions n .. n + k - 1."""
+            tree = self.trees[gamma]
+            num_nodes = tree.num_nodes
+            state = self.target.unflatten(leaves)
+            tokens = jnp.concatenate([last_tokens[:, None], node_tokens], axis=1)  # [S, N + 1]
+            real = context_lens > 0
+            md = BatchMetadata(
+                block_tables, context_lens, jnp.where(real, num_nodes + 1, 0).astype(jnp.int32),
+                tree_mask=jnp.asarray(tree.ancestors),
+                rope_offsets=jnp.asarray(np.arange(num_nodes + 1) - tree.depth_of, jnp.int32),
+            )
+            hidden, kv = t_hidden(state, tokens, kv, md)
+            if feats is not None:
+                feats = write_feature_pages(feats, hidden, md)
+            target_argmax = argmax(t_logits(state, hidden))  # [S, N + 1]
+            n = context_lens - num_nodes  # committed tokens
+            slots = n[:, None] - 1 + jnp.arange(num_nodes + 1)[None, :]
+            out, num_accepted, path = tree_greedy_verify(tokens, target_argmax, slots < self.max_model_len, tree)
+            depth = jnp.arange(1, tree.depth + 1)[None, :]
+            keep = depth <= num_accepted[:, None]
+            src = jnp.where(keep, n[:, None] - 1 + path[:, 1:], n[:, None] - 1 + depth)  # [S, depth]
+            dst = n[:, None] - 1 + depth
+            kv, feats = move_slots(kv, feats, src, dst, block_tables, real)
+            return out, num_accepted, kv, feats
+
+        def move_slots(kv, feats, src, dst, block_tables, real):
+            """Copy every layer's K/V (and the feature pool's rows) from positions ``src`` to ``dst`` [S, m]
+            (padding rows: page 0)."""
+            page_size = kv[0][0].shape[2]
+
+            def where_is(pos):
+                ok = real[:, None] & (pos >= 0)
+                pages = jnp.take_along_axis(block_tables, jnp.where(ok, pos // page_size, 0), axis=1)
+                return jnp.where(ok, pages, 0), jnp.where(ok, pos % page_size, 0)
+
+            (sp, so), (dp, do) = where_is(src), where_is(dst)
+            moved = tuple((k.at[:, dp, do].set(k[:, sp, so]), v.at[:, dp, do].set(v[:, sp, so])) for k, v in kv)
+            if feats is not None:
+                feats = feats.at[dp, do].set(feats[sp, so])
+            return moved, feats
+
+        self._propose_tree = jax.jit(propose_tree, donate_argnums=(1,), static_argnums=(8,))
+        self._verify_tree = jax.jit(verify_tree, donate_argnums=(1, 2), static_argnums=(7,))
         self._draft_fill = jax.jit(draft_fill, donate_argnums=(1,))
         self._propose = jax.jit(propose, donate_argnums=(1,), static_argnums=(9, 10))
         self._verify = jax.jit(verify, donate_argnums=(1, 2), static_argnums=(9,))
@@ -366,8 +460,9 @@ class ModelRunner:
         t1 = time.perf_counter()
 
         all_greedy = all(r.sampling.greedy for r in requests)
+        tree = self.trees.get(gamma) if all_greedy else None
         st = self._sampling_tensors(requests, num_rows)
-        bt = self._block_tables(requests, num_rows, lookahead=gamma)
+        bt = self._block_tables(requests, num_rows, lookahead=self.lookahead(gamma))
         first = np.zeros((num_rows, width), np.int32)  # right-aligned tokens the draft has not run yet
         first_lens = np.zeros(num_rows, np.int32)
         n = np.zeros(num_rows, np.int32)
@@ -376,17 +471,28 @@ class ModelRunner:
             first[i, width - m :] = [r.token_at(j) for j in range(r.num_tokens - m, r.num_tokens)]
             first_lens[i] = m
             n[i] = r.num_tokens
-        draft_tokens, draft_probs, self.draft_kv = self._propose(
-            self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, first_lens, bt, n, st, gamma,
-            all_greedy,
-        )
+        if tree is not None:
+            draft_tokens, self.draft_kv = self._propose_tree(
+                self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, first_lens, bt, n, gamma,
+            )
+        else:
+            draft_tokens, draft_probs, self.draft_kv = self._propose(
+                self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, first_lens, bt, n, st, gamma,
+                all_greedy,
+            )
         draft_tokens.block_until_ready()
         t2 = time.perf_counter()
-        verify_lens = np.where(n > 0, n + gamma, 0).astype(np.int32)
-        out, num_accepted, self.kv, self.features = self._verify(
-            self.target.leaves(), self.kv, self.features, first[:, -1], draft_tokens, draft_probs, bt, verify_lens,
-            st, all_greedy,
-        )
+        drafted = gamma if tree is None else tree.num_nodes
+        verify_lens = np.where(n > 0, n + drafted, 0).astype(np.int32)
+        if tree is not None:
+            out, num_accepted, self.kv, self.features = self._verify_tree(
+                self.target.leaves(), self.kv, self.features, first[:, -1], draft_tokens, bt, verify_lens, gamma,
+            )
+        else:
+            out, num_accepted, self.kv, self.features = self._verify(
+                self.target.leaves(), self.kv, self.features, first[:, -1], draft_tokens, draft_probs, bt,
+                verify_lens, st, all_greedy,
+            )
         out_np, acc_np = np.asarray(out), np.asarray(num_accepted)
         t3 = time.perf_counter()
         committed, accepted = [], []
@@ -395,11 +501,14 @@ class ModelRunner:
             committed.append([int(t) for t in out_np[i, : k + 1]])
             accepted.append(k)
             # A token draft's KV now holds positions up to n - 1 + min(k, γ - 1); a feature draft's only up to
-            # n - 1: its later slots were fed its own features, not the target's (see docs/architecture.md).
-            r.num_draft_computed = int(n[i]) + (0 if self.feature_draft else min(k, gamma - 1))
+            # n - 1: its later slots were fed its own features, not the target's (see docs/architecture.md). After
+            # a tree, either draft's KV holds n - 1: the accepted branch's draft entries sit at the nodes' slots.
+            chain_kept = 0 if (self.feature_draft or tree is not None) else min(k, gamma - 1)
+            r.num_draft_computed = int(n[i]) + chain_kept
         return DecodeResult(
-            committed, gamma, gamma * len(requests), accepted,
+            committed, gamma, drafted * len(requests), accepted,
             draft_seconds=t2 - t1, verify_seconds=t3 - t2, catchup_seconds=t1 - t0, catchup_tokens=catchup_tokens,
+            tree_nodes=0 if tree is None else tree.num_nodes,
         )
 
     def first_step_width(self, gamma: int) -> int:
@@ -445,7 +554,7 @@ class ModelRunner:
     # ---- compilation ----------------------------------------------------------------------------------------------
     def warmup_widths(self, max_context: int | None = None) -> list[int]:
         """Block-table widths a batch reaches with contexts up to ``max_context`` (default ``max_model_len``)."""
-        limit = -(-((max_context or self.max_model_len) + self.gamma_max + 1) // self.page_size)
+        limit = -(-((max_context or self.max_model_len) + self.max_lookahead() + 1) // self.page_size)
         top = bucket_for(min(limit, self.shapes.max_pages_per_seq), self.shapes.page_buckets)
         return [w for w in self.shapes.page_buckets if w <= top]
 
@@ -479,6 +588,17 @@ class ModelRunner:
                                 zeros, zeros, st, all_greedy,
                             )
                             keys.append(("forward_sample", num_rows, 1, width, all_greedy))
+                        elif all_greedy and gamma in self.trees:  # greedy batches verify the tree
+                            first = np.zeros((num_rows, self.first_step_width(gamma)), np.int32)
+                            tokens, self.draft_kv = self._propose_tree(
+                                self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, zeros, bt,
+                                zeros, gamma,
+                            )
+                            out, _, self.kv, self.features = self._verify_tree(
+                                self.target.leaves(), self.kv, self.features, zeros, tokens, bt, zeros, gamma,
+                            )
+                            out.block_until_ready()
+                            keys += [("propose_tree", num_rows, gamma, width), ("verify_tree", num_rows, gamma, width)]
                         else:
                             first = np.zeros((num_rows, self.first_step_width(gamma)), np.int32)
                             tokens, probs, self.draft_kv = self._propose(
@@ -501,4 +621,6 @@ class ModelRunner:
         fns = {"forward_sample": self._forward_sample}
         if self.draft is not None:
             fns.update(draft_fill=self._draft_fill, propose=self._propose, verify=self._verify)
+            if self.trees:
+                fns.update(propose_tree=self._propose_tree, verify_tree=self._verify_tree)
         return {name: f._cache_size() for name, f in fns.items()}

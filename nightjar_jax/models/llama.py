@@ -40,6 +40,12 @@ class BatchMetadata(NamedTuple):
     # [num_seqs] int32, real new tokens (right-aligned in the q_len slots; 0 = padding row). None: every slot at a
     # non-negative position is real.
     query_lens: jax.Array | None = None
+    # A speculative token tree (nightjar_jax/spec/tree.py): [q_len, M] bool, which of the last M key positions each
+    # slot sees (its ancestors and itself); None: causal.
+    tree_mask: jax.Array | None = None
+    # [q_len] int32 subtracted from each slot's position for RoPE (a tree node at KV slot n - 1 + i is rotated as
+    # position n - 1 + depth(i)); None: RoPE at the slot's position.
+    rope_offsets: jax.Array | None = None
 
 
 def _jnp_dtype(name: str) -> jnp.dtype:
@@ -126,7 +132,7 @@ class Attention(nnx.Module):
         q = q.reshape(num_seqs, q_len, self.num_heads, self.head_dim)
         k = k.reshape(num_seqs, q_len, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_seqs, q_len, self.num_kv_heads, self.head_dim)
-        rope_pos = jnp.maximum(positions, 0)
+        rope_pos = jnp.maximum(positions if md.rope_offsets is None else positions - md.rope_offsets[None, :], 0)
         q = apply_rope(q, rope_pos, inv_freq)
         k = apply_rope(k, rope_pos, inv_freq)
 
@@ -145,6 +151,7 @@ class Attention(nnx.Module):
             md.context_lens,
             scale=1.0 / math.sqrt(self.head_dim),
             impl=self.attention_impl,
+            tree_mask=md.tree_mask,
         )
         out = out.reshape(num_seqs, q_len, self.num_heads * self.head_dim)
         return linear_residual(out, self.o_proj.kernel[...], x, impl=self.linear_impl), (k_pages, v_pages)

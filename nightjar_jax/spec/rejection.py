@@ -25,12 +25,16 @@ step only, not on γ's padding or the batch.
 
 Worked example (γ = 3, greedy): drafts [5, 7, 2], target argmax per position [5, 7, 9, 4] -> d_0 and d_1 match,
 d_2 does not: num_accepted = 2, output = [5, 7, 9, -1] (three committed tokens).
+
+Token trees (:func:`tree_greedy_verify`, greedy rows only): the same rule along every branch of a static tree; the
+deepest node whose branch the target agrees with is committed, then the target's token after it.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nightjar_jax.engine.sampler import (
     SALT_DRAFT,
@@ -150,3 +154,33 @@ def draft_sample(logits: jax.Array, st: SamplingTensors, salt: int = SALT_DRAFT)
     drawn = sample_from_probs(probs, request_keys(st, salt))  # [B] int32
     token = jnp.where(st.temperature == 0, argmax(logits), drawn)  # [B] int32
     return token, probs
+
+
+def tree_greedy_verify(tokens: jax.Array, target_argmax: jax.Array, valid: jax.Array, tree) -> tuple[jax.Array, ...]:
+    """Greedy verification of a static token tree (``nightjar_jax/spec/tree.py``).
+
+    tokens [B, N + 1] int32: the root (the last committed token) and the drafted nodes in tree order;
+    target_argmax [B, N + 1]: the target's greedy token after each node; valid [B, N + 1] bool: nodes that may be
+    accepted (a node whose KV slot lies past the context limit may not). A node is accepted when its parent is and
+    its token is the target's greedy token after its parent; siblings carry distinct tokens, so at most one node per
+    depth is. Returns output_tokens [B, depth + 1] (the deepest accepted node's branch, then the target's token
+    after it, then -1), num_accepted [B] (that node's depth) and path [B, depth + 1] (the branch's node index at
+    each depth; beyond num_accepted, the deepest accepted node).
+    """
+    parent = jnp.asarray(tree.parent)
+    depth_of = jnp.asarray(tree.depth_of)
+    tokens = tokens.astype(jnp.int32)
+    match = (tokens == target_argmax[:, parent]) & valid  # [B, N + 1]
+    ok = jnp.zeros(tokens.shape, bool).at[:, 0].set(True)
+    for d in range(1, tree.depth + 1):
+        level = np.arange(tree.level_starts[d], tree.level_starts[d + 1])
+        ok = ok.at[:, level].set(ok[:, tree.parent[level]] & match[:, level])
+    best = jnp.argmax(jnp.where(ok, depth_of[None, :] + 1, 0), axis=1)  # [B]: the deepest accepted node
+    num_accepted = depth_of[best].astype(jnp.int32)
+    path = jnp.asarray(tree.path_nodes)[best]  # [B, depth + 1]
+    branch = jnp.take_along_axis(tokens, path[:, 1:], axis=1)  # [B, depth]: the branch's tokens at depths 1..
+    bonus = jnp.take_along_axis(target_argmax, best[:, None], axis=1)  # [B, 1]
+    i = jnp.arange(tree.depth + 1)[None, :]
+    padded = jnp.concatenate([branch, jnp.zeros_like(bonus)], axis=1)
+    out = jnp.where(i < num_accepted[:, None], padded, jnp.where(i == num_accepted[:, None], bonus, -1))
+    return out.astype(jnp.int32), num_accepted, path.astype(jnp.int32)

@@ -10,12 +10,13 @@ from nightjar_jax.testing import fake_model
 VOCAB = 97
 
 
-def fake_engine(*, draft: bool = False, perturb: int = 5, eos: int | None = None, **kwargs) -> LLMEngine:
+def fake_engine(*, draft: bool = False, perturb: int = 5, eos: int | None = None, runner_up: bool = False,
+                **kwargs) -> LLMEngine:
     opts = dict(page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=16, compilation_cache_dir=None,
                 planner="static")
     opts.update(kwargs)
     target = fake_model(VOCAB, eos_token_id=eos)
-    drafter = fake_model(VOCAB, eos_token_id=eos, perturb=perturb) if draft else None
+    drafter = fake_model(VOCAB, eos_token_id=eos, perturb=perturb, runner_up=runner_up) if draft else None
     return LLMEngine(make_engine_config(model="fake", **opts), target=target, draft=drafter)
 
 

@@ -1,0 +1,134 @@
+"""Static speculative token trees: which draft candidates a decode step verifies at once (host side, no JAX).
+
+A chain proposes one token per depth; a tree proposes several (the draft's top-ranked tokens) and the target
+verifies every branch in one pass with a tree attention mask, then commits the longest branch it agrees with
+(SpecInfer, Medusa, EAGLE). The tree is static — a fixed set of nodes, so each (batch size, γ, tree) is one
+compiled variant — and described by rank paths:
+
+- node: a rank path ``(r1, ..., rd)``: the ``r1``-th most likely draft token after the last committed token, then
+  the ``r2``-th most likely after that one, and so on; its depth is ``d``. Node 0 is the root (the last committed
+  token, depth 0). A tree's paths are prefix-closed (every node's parent is in the tree).
+- order: nodes sorted by depth, then by their parent's index, then by rank, so each depth is one contiguous run of
+  indices and a node's parent comes before it.
+- slots: in a decode step with ``n`` committed tokens, node ``i`` is written at KV position ``n - 1 + i`` and
+  rotated as position ``n - 1 + depth(i)``; after verification the accepted branch's KV entries move to positions
+  ``n .. n + k - 1`` (docs/architecture.md, "Token trees").
+
+``DEFAULT_TREE_ORDER`` ranks candidate nodes by how often the target's greedy token followed that rank path for
+the shipped SmolLM2 feature draft on its validation split (training data; never the held-out benchmark prompts), so
+the first ``N`` paths with depth ``<= γ`` are the ``N``-node tree with the most expected accepted tokens for that
+draft (each node adds the probability that the target's continuation passes through it). Other drafts can pass
+their own paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Rank paths in order of decreasing frequency (parents before children); see the module docstring. Produced by
+# the greedy construction of scripts/fit_spec_tree.py on smollm2-eagle version 5's validation split.
+DEFAULT_TREE_ORDER: tuple[tuple[int, ...], ...] = ()  # filled in below from default_tree.json
+
+MAX_TREE_NODES = 128
+
+
+@dataclass(frozen=True)
+class SpecTree:
+    """A static token tree of ``num_nodes`` drafted nodes (plus the root) and depth ``depth``."""
+
+    paths: tuple[tuple[int, ...], ...]  # node 1..N's rank paths, in node order
+    parent: np.ndarray = field(repr=False)  # [N + 1] int32; parent[0] = 0
+    depth_of: np.ndarray = field(repr=False)  # [N + 1] int32; depth_of[0] = 0
+    rank: np.ndarray = field(repr=False)  # [N + 1] int32: rank among its parent's draft candidates (root: 0)
+    ancestors: np.ndarray = field(repr=False)  # [N + 1, N + 1] bool: ancestors[i, j] = j is i or an ancestor of i
+    path_nodes: np.ndarray = field(repr=False)  # [N + 1, depth + 1] int32: i's ancestor at each depth (i beyond)
+    level_starts: tuple[int, ...]  # level_starts[d] = first node index at depth d (d = 0..depth + 1)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths)
+
+    @property
+    def depth(self) -> int:
+        return len(self.level_starts) - 2
+
+    def level(self, d: int) -> range:
+        """Node indices at depth ``d``."""
+        return range(self.level_starts[d], self.level_starts[d + 1])
+
+    def top_k(self, d: int) -> int:
+        """How many ranked candidates a depth-``d`` node's children need (0 at the deepest level)."""
+        children = [self.rank[i] for i in self.level(d + 1)] if d < self.depth else []
+        return int(max(children)) + 1 if children else 0
+
+
+def make_tree(paths) -> SpecTree:
+    """Validate rank paths and order them (module docstring). Errors say what is wrong and what is allowed."""
+    paths = [tuple(int(r) for r in p) for p in paths]
+    if not paths:
+        raise ValueError("a speculative tree needs at least one node (rank path), e.g. [(0,)]")
+    if len(paths) > MAX_TREE_NODES:
+        raise ValueError(f"a speculative tree has {len(paths)} nodes: allowed at most {MAX_TREE_NODES}")
+    seen = set()
+    for p in paths:
+        if not p or any(r < 0 for r in p):
+            raise ValueError(f"tree node {p}: a rank path is a non-empty tuple of ranks >= 0")
+        if p in seen:
+            raise ValueError(f"tree node {p} is given twice")
+        seen.add(p)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in seen:
+            raise ValueError(f"tree node {p} has no parent {p[:-1]} in the tree: rank paths must be prefix-closed")
+    depth = max(len(p) for p in paths)
+    index: dict[tuple[int, ...], int] = {(): 0}
+    ordered: list[tuple[int, ...]] = []
+    for d in range(1, depth + 1):
+        level = sorted((p for p in paths if len(p) == d), key=lambda p: (index[p[:-1]], p[-1]))
+        for p in level:
+            index[p] = len(ordered) + 1
+            ordered.append(p)
+    n = len(ordered) + 1
+    parent = np.zeros(n, np.int32)
+    depth_of = np.zeros(n, np.int32)
+    rank = np.zeros(n, np.int32)
+    ancestors = np.eye(n, dtype=bool)
+    path_nodes = np.zeros((n, depth + 1), np.int32)
+    for i, p in enumerate(ordered, start=1):
+        parent[i], depth_of[i], rank[i] = index[p[:-1]], len(p), p[-1]
+        ancestors[i] = ancestors[parent[i]]
+        ancestors[i, i] = True
+    for i in range(n):
+        chain = [i]
+        while chain[-1] != 0:
+            chain.append(int(parent[chain[-1]]))
+        chain = chain[::-1]  # root .. i
+        path_nodes[i] = chain + [i] * (depth + 1 - len(chain))
+    starts = [0] + [1 + sum(1 for p in ordered if len(p) < d) for d in range(1, depth + 1)] + [n]
+    return SpecTree(tuple(ordered), parent, depth_of, rank, ancestors, path_nodes, tuple(starts))
+
+
+def chain_paths(gamma: int) -> list[tuple[int, ...]]:
+    """The chain as a tree: the top-ranked token at every depth."""
+    return [(0,) * d for d in range(1, gamma + 1)]
+
+
+def tree_for(num_nodes: int, gamma: int, order=None) -> SpecTree:
+    """The first ``num_nodes`` paths of ``order`` (default :data:`DEFAULT_TREE_ORDER`) no deeper than ``gamma`` (all
+    of them where the order has fewer). The order lists parents before children, so any prefix is prefix-closed."""
+    if num_nodes < 1 or gamma < 1:
+        raise ValueError(f"a tree needs num_nodes >= 1 and gamma >= 1; got num_nodes={num_nodes}, gamma={gamma}")
+    order = DEFAULT_TREE_ORDER if order is None else order
+    return make_tree([p for p in order if len(p) <= gamma][:num_nodes])
+
+
+def _load_default_order() -> tuple[tuple[int, ...], ...]:
+    import json
+    from pathlib import Path
+
+    data = json.loads(Path(__file__).with_name("default_tree.json").read_text())
+    return tuple(tuple(p) for p in data["order"])
+
+
+DEFAULT_TREE_ORDER = _load_default_order()

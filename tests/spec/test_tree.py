@@ -1,0 +1,281 @@
+"""Static token trees (``nightjar_jax/spec/tree.py``): construction, greedy tree verification, the tree attention
+mask in the reference and CPU kernels, and tree steps in the engine: fake models with exact expectations, then the
+tiny real model with a layer-skip draft (the feature draft's tree steps are in test_eagle_engine.py). Greedy SD
+with a tree == AR token for token, pages all freed, more tokens accepted than the chain, no steady-state compiles."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+from helpers import VOCAB, fake_engine, greedy, run_all  # noqa: E402
+
+from kernels_pallas.paged_attention import cpu, paged_attention_reference  # noqa: E402
+from nightjar_jax.spec.rejection import tree_greedy_verify  # noqa: E402
+from nightjar_jax.spec.tree import DEFAULT_TREE_ORDER, MAX_TREE_NODES, chain_paths, make_tree, tree_for  # noqa: E402
+from nightjar_jax.testing import fake_greedy_continuation  # noqa: E402
+from tests.kernels.paged_cases import assert_close, make_case  # noqa: E402
+
+# root -> a(0) -> c(0,0) -> e(0,0,0); a -> d(0,1); root -> b(1) -> f(1,0)
+PATHS = [(1, 0), (0,), (0, 0, 0), (1,), (0, 1), (0, 0)]
+
+
+def test_make_tree_orders_and_indexes_nodes():
+    t = make_tree(PATHS)
+    assert t.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+    assert t.parent.tolist() == [0, 0, 0, 1, 1, 2, 3]
+    assert t.depth_of.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert t.rank.tolist() == [0, 0, 1, 0, 1, 0, 0]
+    assert t.level_starts == (0, 1, 3, 6, 7) and t.depth == 3 and t.num_nodes == 6
+    assert [t.top_k(d) for d in range(4)] == [2, 2, 1, 0]
+    assert np.flatnonzero(t.ancestors[6]).tolist() == [0, 1, 3, 6]  # (0,0,0): root, (0,), (0,0), itself
+    assert np.flatnonzero(t.ancestors[5]).tolist() == [0, 2, 5]
+    assert t.path_nodes[6].tolist() == [0, 1, 3, 6] and t.path_nodes[2].tolist() == [0, 2, 2, 2]
+
+
+@pytest.mark.parametrize("paths, message", [
+    ([], "at least one node"),
+    ([(0,), (0, 1, 0)], "no parent"),
+    ([(0,), (0,)], "twice"),
+    ([(0,), (-1,)], "ranks >= 0"),
+    ([(r,) for r in range(MAX_TREE_NODES + 1)], f"at most {MAX_TREE_NODES}"),
+])
+def test_make_tree_rejects_bad_paths(paths, message):
+    with pytest.raises(ValueError, match=message):
+        make_tree(paths)
+
+
+def test_default_order_is_prefix_closed_and_trees_are_its_prefixes():
+    seen = set()
+    for p in DEFAULT_TREE_ORDER:
+        assert len(p) == 1 or p[:-1] in seen
+        seen.add(p)
+    assert DEFAULT_TREE_ORDER[0] == (0,)
+    t = tree_for(24, 3)
+    assert t.num_nodes == 24 and t.depth <= 3
+    assert set(t.paths) == set([p for p in DEFAULT_TREE_ORDER if len(p) <= 3][:24])
+    assert make_tree(chain_paths(4)).paths == ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))
+    with pytest.raises(ValueError, match="num_nodes >= 1"):
+        tree_for(0, 4)
+
+
+def test_tree_greedy_verify_takes_the_deepest_agreeing_branch():
+    t = make_tree(PATHS)  # nodes: 1 (0,), 2 (1,), 3 (0,0), 4 (0,1), 5 (1,0), 6 (0,0,0)
+    tokens = jnp.asarray([[9, 10, 20, 11, 12, 21, 13],
+                          [9, 10, 20, 11, 12, 21, 13],
+                          [9, 10, 20, 11, 12, 21, 13]], jnp.int32)
+    # row 0: target says 20 after the root (node 2), then 21 (node 5), then 7: branch 2 -> 5, bonus 7
+    # row 1: 10 (node 1), 11 (node 3), 13 (node 6), then 8: the full depth, bonus 8
+    # row 2: as row 1 but node 6 lies past the context limit (invalid): stops at node 3, bonus 13
+    argmax = jnp.asarray([[20, 0, 21, 0, 0, 7, 0],
+                          [10, 11, 0, 13, 0, 0, 8],
+                          [10, 11, 0, 13, 0, 0, 8]], jnp.int32)
+    valid = jnp.ones((3, 7), bool).at[2, 6].set(False)
+    out, k, path = tree_greedy_verify(tokens, argmax, valid, t)
+    assert k.tolist() == [2, 3, 2]
+    assert out.tolist() == [[20, 21, 7, -1], [10, 11, 13, 8], [10, 11, 13, -1]]
+    assert path[:, :3].tolist() == [[0, 2, 5], [0, 1, 3], [0, 1, 3]] and int(path[1, 3]) == 6
+
+
+def _tree_case(q_len, window, seed=0):
+    rng = np.random.default_rng(seed)
+    mask = rng.random((q_len, window)) < 0.5
+    mask[np.arange(q_len), window - q_len + np.arange(q_len)] = True  # every query sees itself
+    return jnp.asarray(mask)
+
+
+def _dense_tree_attention(case, mask):
+    """Per sequence: gather keys 0..ctx-1 in order, mask = causal & tree window, softmax."""
+    q, k_pages, v_pages, bt, cl = (np.asarray(a, np.float32) if a.dtype != jnp.int32 else np.asarray(a)
+                                   for a in case.args)
+    s_, q_len, h, d = q.shape
+    kvh, _, ps, _ = k_pages.shape
+    window = mask.shape[1]
+    out = np.zeros_like(q)
+    for s in range(s_):
+        ctx = int(cl[s])
+        keys = np.stack([k_pages[:, bt[s, p // ps], p % ps] for p in range(ctx)], 1)  # [kvh, ctx, d]
+        vals = np.stack([v_pages[:, bt[s, p // ps], p % ps] for p in range(ctx)], 1)
+        for i in range(q_len):
+            pos = ctx - q_len + i
+            vis = np.asarray([p <= pos and (p < ctx - window or bool(mask[i, p - (ctx - window)]))
+                              for p in range(ctx)])
+            for head in range(h):
+                g = head // (h // kvh)
+                sc = keys[g] @ q[s, i, head] * case.scale
+                sc = np.where(vis, sc, -np.inf)
+                w = np.exp(sc - sc.max())
+                out[s, i, head] = (w / w.sum()) @ vals[g]
+    return out
+
+
+@pytest.mark.parametrize("q_len, window", [(5, 5), (3, 7)])
+def test_reference_tree_mask_matches_dense(q_len, window):
+    case = make_case([12, 19], q_len=q_len, num_q_heads=4, num_kv_heads=2, page_size=4)
+    mask = _tree_case(q_len, window)
+    got = paged_attention_reference(*case.args, scale=case.scale, tree_mask=mask)
+    np.testing.assert_allclose(np.asarray(got), _dense_tree_attention(case, np.asarray(mask)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_cpu_kernel_tree_mask_matches_reference(dtype):
+    if not cpu.available():
+        pytest.skip(f"CPU kernel unavailable here: {cpu.unavailable_reason()}")
+    # 20 queries x GQA 2 = 40 rows per head: three 16-row blocks; a 26-key window; contexts across pages
+    case = make_case([25, 37], q_len=20, num_q_heads=4, num_kv_heads=2, page_size=8, dtype=dtype)
+    mask = _tree_case(20, 26, seed=3)
+    want = paged_attention_reference(*case.args, scale=case.scale, tree_mask=mask)
+    got = jax.jit(lambda *a: cpu.paged_attention_cpu(*a, scale=case.scale, tree_mask=mask))(*case.args)
+    assert_close(got, want)
+    with pytest.raises(ValueError, match="tree_mask"):
+        cpu.paged_attention_cpu(*case.args, scale=case.scale, tree_mask=mask[:, :10])
+
+
+# ---- the engine, fake models ------------------------------------------------------------------------------------
+
+PROMPTS = [[5, 6, 7], list(range(1, 21)), [42, 1], [3, 3], list(range(30, 43))]
+
+
+def _expected(prompt, n):
+    return fake_greedy_continuation(prompt, n, VOCAB)
+
+
+def _force_gamma(engine, choose):
+    engine._select_gamma = lambda: choose() if engine.scheduler.num_decoding() else 0
+
+
+@pytest.mark.parametrize("nodes", [10, 24])
+def test_fake_tree_equals_ar_and_accepts_second_choices(nodes):
+    """The draft's top choice is wrong whenever the prefix length is a multiple of 3, its second choice right: a
+    tree with rank-1 branches accepts where the chain stops."""
+    counts = {}
+    for tree in (0, nodes):
+        eng = fake_engine(draft=True, runner_up=True, num_speculative_tokens=4, spec_tree_nodes=tree)
+        _force_gamma(eng, lambda: 4)
+        eng.record_steps = True
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(p, greedy(17), request_id=str(i))
+        assert run_all(eng) == {str(i): _expected(p, 17) for i, p in enumerate(PROMPTS)}
+        assert eng.num_free_pages == eng.num_total_pages
+        assert all(s["tree_nodes"] == tree for s in eng.stats.step_log)
+        counts[tree] = sum(len(s["accepted"]) for s in eng.stats.step_log), eng.stats.num_accepted_tokens
+    (chain_steps, chain_acc), (tree_steps, tree_acc) = counts[0], counts[nodes]
+    assert tree_acc / tree_steps > chain_acc / chain_steps  # more accepted per sequence-step
+    assert tree_steps < chain_steps
+
+
+def test_fake_tree_random_gamma_preemption_eos_and_context_limit():
+    rng = random.Random(0)
+    eng = fake_engine(draft=True, runner_up=True, num_speculative_tokens=4, spec_tree_nodes=10, num_pages=24,
+                      max_num_seqs=5)
+    _force_gamma(eng, lambda: rng.randint(0, 4))
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, greedy(30), request_id=str(i))
+    assert run_all(eng) == {str(i): _expected(p, 30) for i, p in enumerate(PROMPTS)}
+    assert eng.stats.num_preemptions > 0
+    assert eng.num_free_pages == eng.num_total_pages
+    # EOS inside an accepted branch, max_tokens mid-branch, and the context limit (nodes past it never accepted)
+    cont = _expected(PROMPTS[0], 12)
+    eng = fake_engine(draft=True, runner_up=True, eos=cont[4], num_speculative_tokens=4, spec_tree_nodes=10,
+                      max_model_len=14)
+    _force_gamma(eng, lambda: 4)
+    eng.add_request(PROMPTS[0], greedy(12), request_id="eos")
+    eng.add_request(PROMPTS[3], greedy(3, ignore_eos=True), request_id="max")
+    eng.add_request(PROMPTS[2], greedy(50, ignore_eos=True), request_id="limit")
+    done = run_all(eng)
+    assert done["eos"] == cont[:5]
+    assert done["max"] == _expected(PROMPTS[3], 3)
+    assert done["limit"] == _expected(PROMPTS[2], 12)  # 2 prompt tokens, context 14
+    assert eng.num_free_pages == eng.num_total_pages
+
+
+def test_sampled_requests_use_the_chain():
+    from nightjar_jax.engine.sampling_params import SamplingParams
+
+    eng = fake_engine(draft=True, runner_up=True, num_speculative_tokens=3, spec_tree_nodes=8)
+    _force_gamma(eng, lambda: 3)
+    eng.record_steps = True
+    eng.add_request(PROMPTS[0], greedy(6), request_id="g")
+    eng.add_request(PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=6, seed=1), request_id="s")
+    done = run_all(eng)
+    assert len(done["s"]) == 6 and done["g"] == _expected(PROMPTS[0], 6)
+    assert {s["tree_nodes"] for s in eng.stats.step_log} == {0}  # a sampled request in the batch: chain
+    assert eng.num_free_pages == eng.num_total_pages
+
+
+def test_spec_tree_nodes_is_validated():
+    from nightjar_jax.config import make_engine_config
+
+    with pytest.raises(ValueError, match="spec_tree_nodes"):
+        make_engine_config(model="fake", spec_tree_nodes=MAX_TREE_NODES + 1)
+
+
+# ---- the engine, the tiny real model -----------------------------------------------------------------------------
+
+REAL_PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day a big"]
+
+
+@pytest.fixture(scope="module")
+def real_ar():
+    from nightjar_jax import LLM, SamplingParams
+
+    llm = LLM("stories260k", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, num_pages=128,
+              draft_model=None)
+    return [o.outputs[0].token_ids for o in llm.generate(REAL_PROMPTS, SamplingParams(temperature=0, max_tokens=40))]
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+def test_real_model_tree_equals_ar_and_steady_state_compiles_nothing(real_ar, impl):
+    from nightjar_jax import LLM, SamplingParams
+
+    llm = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, planner="static",
+              max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, num_pages=128, spec_tree_nodes=10,
+              attention_impl=impl)
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    assert [o.outputs[0].token_ids for o in llm.generate(REAL_PROMPTS, sp)] == real_ar
+    eng = llm.engine
+    assert eng.num_free_pages == eng.num_total_pages
+    assert eng.runner.compiled_cache_sizes()["verify_tree"] >= 1
+    before = eng.runner.compiled_cache_sizes()
+    assert [o.outputs[0].token_ids for o in llm.generate(REAL_PROMPTS, sp)] == real_ar
+    assert eng.runner.compiled_cache_sizes() == before
+
+
+def test_fit_spec_tree_counts_orders_and_replays():
+    """scripts/fit_spec_tree.py: rank paths counted from every start slot, ordered parents-first by count, and the
+    replay steps like the engine (longest path prefix in the tree, plus one target token)."""
+    from nightjar_jax.testing import load_script
+
+    fit = load_script("fit_spec_tree.py", "fit_spec_tree_t")
+    # ranks[j, p]: the target's token p + 1 at depth j + 1 from start slot p - j; slots 0..5, start 0, end 6
+    ranks = np.asarray([[0, 1, 0, 0, 2, 0, 0],
+                        [0, 0, 0, 1, 0, 0, 0]])
+    rec = {"start": 0, "end": 6, "ranks": ranks}
+    counts = fit.path_counts([rec])
+    assert counts[(0,)] == 4 and counts[(1,)] == 1 and counts[(2,)] == 1
+    assert counts[(0, 0)] == 2 and counts[(1, 0)] == 1 and counts[(0, 1)] == 1 and counts[(2, 0)] == 1
+    order = fit.greedy_order(counts, max_nodes=5, max_rank=8)
+    assert order[:2] == [(0,), (0, 0)]
+    assert all(len(p) == 1 or p[:-1] in order[:i] for i, p in enumerate(order))
+    # chain {(0,), (0, 0)}: c=0 path (0, 0) -> 2 accepted, c=3 (0, 0) -> 2 accepted, c=6 done: 2 steps, 4 accepted
+    assert fit.replay([rec], {(0,), (0, 0)}) == (2, 4)
+    # from slot 1 with (1,) and (1, 0) in the tree: c=1 (1, 0) 2 acc., c=4 (2, 0) none, c=5 (0,) 1: 3 steps, 3 acc.
+    assert fit.replay([{"start": 1, "end": 6, "ranks": ranks}], {(0,), (0, 0), (1,), (1, 0)}) == (3, 3)
+
+
+def test_top_k_ids_matches_lax_top_k_and_breaks_ties_low():
+    from nightjar_jax.engine.sampler import argmax, top_k_ids
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 500)).astype(np.float32))
+    for k in (4, 6):  # argmax passes, then lax.top_k
+        np.testing.assert_array_equal(np.asarray(top_k_ids(x, k)), np.asarray(jax.lax.top_k(x, k)[1]))
+    np.testing.assert_array_equal(np.asarray(top_k_ids(x, 1))[..., 0], np.asarray(argmax(x)))
+    ties = jnp.asarray([[1.0, 3.0, 3.0, -jnp.inf, 3.0, 2.0]])
+    assert top_k_ids(ties, 5).tolist() == [[1, 2, 4, 5, 0]]
