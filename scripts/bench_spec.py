@@ -14,6 +14,11 @@ engine's step log (decode steps only; prefill excluded):
     python scripts/bench_spec.py --batch-sizes 1,4,16,64 --gamma-max 4 --output-len 32
     python scripts/bench_spec.py --models smollm2-135m-instruct --drafts smollm2-eagle,runs/eagle/export6 \
         --batch-sizes 1 --gammas 2,4                     # two drafts of one target, interleaved
+    python scripts/bench_spec.py --models smollm2-135m-instruct --tree-nodes 0,11,48 --batch-sizes 1 --gammas 4
+                                                         # chain vs token trees (greedy), interleaved
+
+With ``--tree-nodes`` each draft runs once per node count (0 = the chain; N: ``spec_tree_nodes=N``, a static tree
+of N nodes and depth γ verified in one target pass), labelled ``<draft>+treeN``, interleaved like ``--drafts``.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--drafts", default="",
                    help="comma list of drafts (presets or folders) to compare on each target, timed interleaved "
                         "(default: the target's best draft, MODELS)")
+    p.add_argument("--tree-nodes", default="0",
+                   help="comma list of token-tree sizes per draft (0: the chain), timed interleaved")
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--gamma-max", type=int, default=4)
     p.add_argument("--gammas", default=None, help="comma list of γ to run (default 0..γ_max; 0 = AR is always run)")
@@ -67,14 +74,19 @@ def bench_model(model: str, args: argparse.Namespace, batch_sizes: list[int], te
     from nightjar_jax import LLM
 
     max_batch = max(batch_sizes)
-    drafts = args.drafts.split(",") if args.drafts else [MODELS[model]]
+    trees = [int(n) for n in args.tree_nodes.split(",")]
+    variants = {(d if n == 0 else f"{d}+tree{n}"): (d, n)
+                for d in (args.drafts.split(",") if args.drafts else [MODELS[model]]) for n in trees}
+    drafts = list(variants)
     llms = {}
-    for draft in drafts:
+    for name, (draft, nodes) in variants.items():
         t0 = time.perf_counter()
-        llms[draft] = LLM(model, max_model_len=512, max_num_seqs=max_batch, max_num_batched_tokens=512,
-                          num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, args.gamma_max),
-                          dtype=args.dtype, draft_model=draft, num_speculative_tokens=args.gamma_max)
-        print(f"loaded {model} + draft {draft} in {time.perf_counter() - t0:.1f}s", flush=True)
+        lookahead = max(args.gamma_max, nodes)
+        llms[name] = LLM(model, max_model_len=512, max_num_seqs=max_batch, max_num_batched_tokens=512,
+                         num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, lookahead),
+                         dtype=args.dtype, draft_model=draft, num_speculative_tokens=args.gamma_max,
+                         spec_tree_nodes=nodes)
+        print(f"loaded {model} + draft {name} in {time.perf_counter() - t0:.1f}s", flush=True)
     first = llms[drafts[0]]
     prompts_all, source = make_prompt_ids(first.get_tokenizer(), texts, max_batch, args.prompt_len,
                                           first.engine.target.config.vocab_size)
@@ -95,7 +107,7 @@ def bench_model(model: str, args: argparse.Namespace, batch_sizes: list[int], te
                 run = min(runs[d], key=lambda r: (r.decode_seconds - r.catchup_seconds) / r.committed_tokens)
                 spec_seconds = run.decode_seconds - run.catchup_seconds
                 row = run.as_dict()
-                row.update(model=model, draft=d, prompt_source=source,
+                row.update(model=model, draft=d, tree_nodes=variants[d][1], prompt_source=source,
                            tokens_per_second=run.committed_tokens / spec_seconds,
                            draft_share=run.draft_seconds / spec_seconds,
                            verify_share=run.verify_seconds / spec_seconds)

@@ -11,7 +11,13 @@ Prints and writes (JSON) two numbers:
    ``propose`` time per drafted token inside batch-1 speculative steps, against the target's plain decoding in the
    same engine (:func:`feature_draft_cost`).
 
+``--tree-nodes N`` verifies a static token tree of N drafted nodes of depth γ per step (``spec_tree_nodes``,
+``nightjar_jax/spec/tree.py``) instead of a chain: the mean accepted length counts the deepest accepted branch;
+the draft's cost is per drafted node, and the run also times whole speculative steps against plain decoding
+(tokens per second, same engine, batch 1), since a tree's verify pass carries N + 1 tokens.
+
     python scripts/eval_draft.py --out results/eval_draft.json
+    python scripts/eval_draft.py --tree-nodes 48 --out results/eval_draft_tree48.json
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ def acceptance(args: argparse.Namespace, prompts: list[dict]) -> dict:
         draft_model=args.draft,
         num_speculative_tokens=args.gamma,
         planner=f"static:{args.gamma}",
+        spec_tree_nodes=args.tree_nodes,
         max_num_seqs=len(prompts),
         max_model_len=args.max_prompt_tokens + args.max_tokens + 8,
         max_num_batched_tokens=512,
@@ -113,28 +120,35 @@ def decode_cost(model: str, prompts: list[list[int]], output_len: int) -> dict:
     return {"model": model, "decode_seconds": seconds, "decode_tokens": tokens, "seconds_per_token": seconds / tokens}
 
 
-def feature_draft_cost(draft: str, prompts: list[list[int]], output_len: int, gamma: int) -> tuple[dict, dict]:
+def feature_draft_cost(draft: str, prompts: list[list[int]], output_len: int, gamma: int,
+                       tree_nodes: int = 0) -> tuple[dict, dict]:
     """A feature draft cannot decode alone (it reads the target's hidden states), so both costs come from one
     engine at batch 1: the target's seconds per token in plain decoding (γ = 0) and the draft's seconds per drafted
     token inside speculative steps at ``gamma`` (``propose`` time / (γ x steps): its first step over the accepted
-    tokens included), after a warm-up run of each that compiles every shape."""
+    tokens included), after a warm-up run of each that compiles every shape. With a tree, a drafted token is a
+    node, and the speculative steps' own tokens per second (``sd_tokens_per_second``, same runs) are kept too."""
     from nightjar_jax import LLM
 
     llm = LLM(
         TARGET, draft_model=draft, num_speculative_tokens=gamma, planner=f"static:{gamma}", max_num_seqs=1,
-        max_model_len=max(len(p) for p in prompts) + output_len + gamma + 8, max_num_batched_tokens=512,
+        max_model_len=max(len(p) for p in prompts) + output_len + max(gamma, tree_nodes) + 8,
+        max_num_batched_tokens=512, spec_tree_nodes=tree_nodes,
     )
     for g in (0, gamma):
         run_decode_workload(llm, prompts[:1], output_len, gamma=g)  # warm-up
-    t_s = t_n = d_s = d_n = 0.0
+    per_step = tree_nodes or gamma
+    t_s = t_n = d_s = d_n = sd_s = sd_n = 0.0
     for p in prompts:
         ar = run_decode_workload(llm, [p], output_len, gamma=0)
         t_s, t_n = t_s + ar.decode_seconds, t_n + ar.committed_tokens
         sd = run_decode_workload(llm, [p], output_len, gamma=gamma)
-        d_s, d_n = d_s + sd.draft_seconds, d_n + gamma * sd.num_decode_steps
+        d_s, d_n = d_s + sd.draft_seconds, d_n + per_step * sd.num_decode_steps
+        sd_s, sd_n = sd_s + sd.decode_seconds, sd_n + sd.committed_tokens
     target = {"model": TARGET, "decode_seconds": t_s, "decode_tokens": t_n, "seconds_per_token": t_s / t_n}
     draft_cost = {"model": draft, "draft_seconds": d_s, "drafted_tokens": d_n, "seconds_per_token": d_s / d_n,
-                  "measured": f"inside SD at gamma={gamma}, batch 1"}
+                  "measured": f"inside SD at gamma={gamma}" + (f", tree of {tree_nodes} nodes" if tree_nodes else "")
+                  + ", batch 1",
+                  "sd_tokens_per_second": sd_n / sd_s, "ar_tokens_per_second": t_n / t_s}
     return target, draft_cost
 
 
@@ -151,6 +165,7 @@ def main() -> None:
     ap.add_argument("--draft", default=str(ASSET_DIR.parent / "smollm2-eagle"),
                     help="a draft checkpoint folder (default: the default pair's feature draft)")
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--tree-nodes", type=int, default=0, help="verify a token tree of this many nodes (0: a chain)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer held-out prompts are skipped")
     ap.add_argument("--cost-prompts", type=int, default=4, help="held-out prompts timed for the cost ratio")
@@ -186,13 +201,19 @@ def main() -> None:
     verify_s = sum(r["verify_seconds"] for r in runs.values())
     cost_ids = [p["ids"] for p in prompts[: args.cost_prompts]]
     if is_feature_draft(args.draft):
-        target_cost, draft_cost = feature_draft_cost(args.draft, cost_ids, args.cost_tokens, args.gamma)
+        target_cost, draft_cost = feature_draft_cost(args.draft, cost_ids, args.cost_tokens, args.gamma,
+                                                     args.tree_nodes)
     else:
+        if args.tree_nodes:
+            raise SystemExit("--tree-nodes: the cost measurement supports feature drafts only (a token draft's cost "
+                             "is its own AR decoding)")
         target_cost = decode_cost(TARGET, cost_ids, args.cost_tokens)
         draft_cost = decode_cost(args.draft, cost_ids, args.cost_tokens)
     ratio = draft_cost["seconds_per_token"] / target_cost["seconds_per_token"]
 
     print(f"\nheld-out split: {heldout_ids()}  (used {len(prompts)}, skipped {[p['id'] for p in skipped]})")
+    shape = f"tree of {args.tree_nodes} nodes, depth {args.gamma}" if args.tree_nodes else f"chain, γ = {args.gamma}"
+    print(f"speculation: {shape}")
     print(f"{'':16s} {'prompts':>8s} {'mean acc. len (γ=4)':>20s} {'α (pos. 1)':>11s} {'accepted/drafted':>17s}")
     for name, r in [("all held-out", acc), *sources.items()]:
         print(
@@ -205,12 +226,16 @@ def main() -> None:
         f"\nbatch-1 AR decode: target {1e3 * target_cost['seconds_per_token']:.2f} ms/token, draft "
         f"{1e3 * draft_cost['seconds_per_token']:.2f} ms/token -> draft cost / target cost = {ratio:.3f}"
     )
+    if "sd_tokens_per_second" in draft_cost:
+        print(f"batch-1 decode, same engine: speculative {draft_cost['sd_tokens_per_second']:.1f} tok/s, plain "
+              f"{draft_cost['ar_tokens_per_second']:.1f} tok/s")
     payload = {
         "machine": machine,
         "command": " ".join(sys.argv),
         "heldout_ids": heldout_ids(),
         "skipped_prompts": [p["id"] for p in skipped],
         "gamma": args.gamma,
+        "tree_nodes": args.tree_nodes,
         "max_tokens": args.max_tokens,
         "acceptance": acc,
         "per_source": sources,

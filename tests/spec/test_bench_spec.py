@@ -1,4 +1,5 @@
-"""``scripts/bench_spec.py --drafts``: several drafts of one target timed interleaved, one row per cell and draft."""
+"""``scripts/bench_spec.py --drafts`` / ``--tree-nodes``: several drafts of one target, or one draft as a chain and
+as token trees, timed interleaved, one row per cell and variant."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from nightjar_jax.testing import load_script
 
 def test_two_drafts_of_one_target_give_a_row_per_cell_and_draft() -> None:
     bench = load_script("bench_spec.py", "bench_spec_t")
-    args = argparse.Namespace(drafts="stories260k@skip=2,stories260k@layers=3", gamma_max=2, gammas="2",
+    args = argparse.Namespace(drafts="stories260k@skip=2,stories260k@layers=3", tree_nodes="0", gamma_max=2, gammas="2",
                               prompt_len=8, output_len=6, repeats=2, dtype="float32")
     rows = bench.bench_model("stories260k", args, [1], ["Once upon a time there was a little dog."])
     cells = sorted((r["draft"], r["gamma"]) for r in rows)
@@ -20,3 +21,16 @@ def test_two_drafts_of_one_target_give_a_row_per_cell_and_draft() -> None:
         assert r["tokens_per_second"] > 0
         assert (r["mean_accepted_length"] == 1.0) if r["gamma"] == 0 else (1.0 <= r["mean_accepted_length"] <= 3.0)
     bench.print_table(rows, 2)
+
+
+def test_chain_and_tree_variants_of_one_draft() -> None:
+    bench = load_script("bench_spec.py", "bench_spec_t2")
+    args = argparse.Namespace(drafts="stories260k@skip=2", tree_nodes="0,6", gamma_max=2, gammas="2",
+                              prompt_len=8, output_len=6, repeats=1, dtype="float32")
+    rows = bench.bench_model("stories260k", args, [1], ["Once upon a time there was a little dog."])
+    cells = sorted((r["draft"], r["tree_nodes"], r["gamma"]) for r in rows)
+    assert cells == [("stories260k@skip=2", 0, 0), ("stories260k@skip=2", 0, 2),
+                     ("stories260k@skip=2+tree6", 6, 0), ("stories260k@skip=2+tree6", 6, 2)]
+    for r in rows:
+        assert r["committed_tokens"] == 5 and r["tokens_per_second"] > 0
+        assert (r["mean_accepted_length"] == 1.0) if r["gamma"] == 0 else (1.0 <= r["mean_accepted_length"] <= 3.0)

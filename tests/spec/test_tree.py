@@ -279,3 +279,21 @@ def test_top_k_ids_matches_lax_top_k_and_breaks_ties_low():
     np.testing.assert_array_equal(np.asarray(top_k_ids(x, 1))[..., 0], np.asarray(argmax(x)))
     ties = jnp.asarray([[1.0, 3.0, 3.0, -jnp.inf, 3.0, 2.0]])
     assert top_k_ids(ties, 5).tolist() == [[1, 2, 4, 5, 0]]
+
+
+def test_warmup_compiles_the_tree_variants_so_greedy_decoding_compiles_nothing():
+    eng = fake_engine(draft=True, runner_up=True, num_speculative_tokens=2, max_num_seqs=2, spec_tree_nodes=5)
+    runner = eng.runner
+    keys = runner.warmup(max_context=16)
+    assert {k[0] for k in keys} == {"forward_sample", "propose", "verify", "propose_tree", "verify_tree"}
+    assert all(k[-1] is False for k in keys if k[0] in ("propose", "verify"))  # the chain: sampled batches only
+    sizes = runner.compiled_cache_sizes()
+    assert eng.num_free_pages == eng.num_total_pages
+    rng = random.Random(0)
+    eng._select_gamma = lambda: rng.randint(0, 2)
+    for i in range(2):
+        eng.add_request([7 + i], greedy(8), request_id=str(i))
+    assert run_all(eng) == {str(i): _expected([7 + i], 8) for i in range(2)}
+    after = runner.compiled_cache_sizes()
+    for name in ("forward_sample", "propose", "verify", "propose_tree", "verify_tree"):  # draft_fill: catch-up
+        assert after[name] == sizes[name], name                                          # shapes, not warmed
