@@ -205,9 +205,9 @@ class SpecConfig:
     # pay); "static" always uses num_speculative_tokens.
     planner: str = "nightjar"
     planner_log: str | None = None  # JSONL path for decisions and rewards (opt-in)
-    # Greedy decode steps at γ verify a static token tree of up to this many drafted nodes, depth γ (the draft's
-    # top-ranked tokens per node; nightjar_jax/spec/tree.py) instead of a chain of γ; 0: always a chain. Batches
-    # with a sampled request use the chain.
+    # Decode steps at γ verify a static token tree of up to this many drafted nodes, depth γ (the draft's
+    # top-ranked tokens per node; nightjar_jax/spec/tree.py) instead of a chain of γ, greedy or sampled (recursive
+    # rejection sampling down the tree, lossless); 0: always a chain.
     spec_tree_nodes: int = 0
 
     def __post_init__(self) -> None:

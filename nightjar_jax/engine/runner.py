@@ -40,7 +40,13 @@ from nightjar_jax.models.llama import (
     read_previous_features,
     write_feature_pages,
 )
-from nightjar_jax.spec.rejection import draft_sample, greedy_verify, rejection_sample, tree_greedy_verify
+from nightjar_jax.spec.rejection import (
+    draft_sample,
+    greedy_verify,
+    rejection_sample,
+    tree_greedy_verify,
+    tree_rejection_sample,
+)
 from nightjar_jax.spec.tree import SpecTree, tree_for
 
 logger = logging.getLogger(__name__)
@@ -159,8 +165,8 @@ class ModelRunner:
         of ``max_model_len``. The reference attention gathers the whole table, so on CPU this keeps attention cost
         proportional to the context; the Pallas kernels stop at each context length and need one width only.
 
-        ``tree_nodes``: greedy decode steps at γ verify a static token tree of up to this many drafted nodes and
-        depth γ (``nightjar_jax/spec/tree.py``; 0: always a chain). Batches with a sampled request use the chain."""
+        ``tree_nodes``: decode steps at γ verify a static token tree of up to this many drafted nodes and depth γ
+        (``nightjar_jax/spec/tree.py``; 0: always a chain), greedy or sampled (lossless either way)."""
         self.target = target
         self.draft = draft
         self.num_pages = num_pages
@@ -332,10 +338,12 @@ class ModelRunner:
                 outs, kv = d_hidden(state, toks, kv, md, **extra)
             return jnp.concatenate(node_tokens, axis=1), kv
 
-        def verify_tree(leaves, kv, feats, last_tokens, node_tokens, block_tables, context_lens, gamma):
-            """One target pass over the root and the tree's nodes (tree mask; context_lens = n + N), greedy
-            acceptance of the deepest agreeing branch, then the branch's K/V (and features) moved from the nodes'
-            slots n - 1 + i to positions n .. n + k - 1."""
+        def verify_tree(leaves, kv, feats, last_tokens, node_tokens, block_tables, context_lens, st, gamma,
+                        all_greedy):
+            """One target pass over the root and the tree's nodes (tree mask; context_lens = n + N), acceptance
+            (greedy: the deepest agreeing branch; sampled: recursive rejection sampling down the tree, lossless), then
+            the accepted branch's K/V (and features) moved from the nodes' slots n - 1 + i to positions
+            n .. n + k - 1."""
             tree = self.trees[gamma]
             num_nodes = tree.num_nodes
             state = self.target.unflatten(leaves)
@@ -349,10 +357,14 @@ class ModelRunner:
             hidden, kv = t_hidden(state, tokens, kv, md)
             if feats is not None:
                 feats = write_feature_pages(feats, hidden, md)
-            target_argmax = argmax(t_logits(state, hidden))  # [S, N + 1]
+            logits = t_logits(state, hidden)  # [S, N + 1, V]
             n = context_lens - num_nodes  # committed tokens
             slots = n[:, None] - 1 + jnp.arange(num_nodes + 1)[None, :]
-            out, num_accepted, path = tree_greedy_verify(tokens, target_argmax, slots < self.max_model_len, tree)
+            valid = slots < self.max_model_len
+            if all_greedy:
+                out, num_accepted, path = tree_greedy_verify(tokens, argmax(logits), valid, tree)
+            else:
+                out, num_accepted, path = tree_rejection_sample(tokens, processed_probs(logits, st), valid, tree, st)
             depth = jnp.arange(1, tree.depth + 1)[None, :]
             keep = depth <= num_accepted[:, None]
             src = jnp.where(keep, n[:, None] - 1 + path[:, 1:], n[:, None] - 1 + depth)  # [S, depth]
@@ -377,7 +389,7 @@ class ModelRunner:
             return moved, feats
 
         self._propose_tree = jax.jit(propose_tree, donate_argnums=(1,), static_argnums=(8,))
-        self._verify_tree = jax.jit(verify_tree, donate_argnums=(1, 2), static_argnums=(7,))
+        self._verify_tree = jax.jit(verify_tree, donate_argnums=(1, 2), static_argnums=(8, 9))
         self._draft_fill = jax.jit(draft_fill, donate_argnums=(1,))
         self._propose = jax.jit(propose, donate_argnums=(1,), static_argnums=(9, 10))
         self._verify = jax.jit(verify, donate_argnums=(1, 2), static_argnums=(9,))
@@ -460,7 +472,7 @@ class ModelRunner:
         t1 = time.perf_counter()
 
         all_greedy = all(r.sampling.greedy for r in requests)
-        tree = self.trees.get(gamma) if all_greedy else None
+        tree = self.trees.get(gamma)
         st = self._sampling_tensors(requests, num_rows)
         bt = self._block_tables(requests, num_rows, lookahead=self.lookahead(gamma))
         first = np.zeros((num_rows, width), np.int32)  # right-aligned tokens the draft has not run yet
@@ -486,7 +498,8 @@ class ModelRunner:
         verify_lens = np.where(n > 0, n + drafted, 0).astype(np.int32)
         if tree is not None:
             out, num_accepted, self.kv, self.features = self._verify_tree(
-                self.target.leaves(), self.kv, self.features, first[:, -1], draft_tokens, bt, verify_lens, gamma,
+                self.target.leaves(), self.kv, self.features, first[:, -1], draft_tokens, bt, verify_lens, st, gamma,
+                all_greedy,
             )
         else:
             out, num_accepted, self.kv, self.features = self._verify(
@@ -588,17 +601,19 @@ class ModelRunner:
                                 zeros, zeros, st, all_greedy,
                             )
                             keys.append(("forward_sample", num_rows, 1, width, all_greedy))
-                        elif all_greedy and gamma in self.trees:  # greedy batches verify the tree
+                        elif gamma in self.trees:  # a configured tree replaces the chain at this γ
                             first = np.zeros((num_rows, self.first_step_width(gamma)), np.int32)
                             tokens, self.draft_kv = self._propose_tree(
                                 self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, zeros, bt,
                                 zeros, gamma,
                             )
                             out, _, self.kv, self.features = self._verify_tree(
-                                self.target.leaves(), self.kv, self.features, zeros, tokens, bt, zeros, gamma,
+                                self.target.leaves(), self.kv, self.features, zeros, tokens, bt, zeros, st, gamma,
+                                all_greedy,
                             )
                             out.block_until_ready()
-                            keys += [("propose_tree", num_rows, gamma, width), ("verify_tree", num_rows, gamma, width)]
+                            keys += [("propose_tree", num_rows, gamma, width),
+                                     ("verify_tree", num_rows, gamma, width, all_greedy)]
                         else:
                             first = np.zeros((num_rows, self.first_step_width(gamma)), np.int32)
                             tokens, probs, self.draft_kv = self._propose(

@@ -26,8 +26,10 @@ step only, not on γ's padding or the batch.
 Worked example (γ = 3, greedy): drafts [5, 7, 2], target argmax per position [5, 7, 9, 4] -> d_0 and d_1 match,
 d_2 does not: num_accepted = 2, output = [5, 7, 9, -1] (three committed tokens).
 
-Token trees (:func:`tree_greedy_verify`, greedy rows only): the same rule along every branch of a static tree; the
-deepest node whose branch the target agrees with is committed, then the target's token after it.
+Token trees: :func:`tree_greedy_verify` applies the greedy rule along every branch of a static tree (the deepest
+node whose branch the target agrees with is committed, then the target's token after it);
+:func:`tree_rejection_sample` walks the tree by recursive rejection sampling, with each node's children as
+point-mass drafts, lossless for any sampling parameters.
 """
 
 from __future__ import annotations
@@ -184,3 +186,61 @@ def tree_greedy_verify(tokens: jax.Array, target_argmax: jax.Array, valid: jax.A
     padded = jnp.concatenate([branch, jnp.zeros_like(bonus)], axis=1)
     out = jnp.where(i < num_accepted[:, None], padded, jnp.where(i == num_accepted[:, None], bonus, -1))
     return out.astype(jnp.int32), num_accepted, path.astype(jnp.int32)
+
+
+def tree_rejection_sample(
+    tokens: jax.Array, target_probs: jax.Array, valid: jax.Array, tree, st: SamplingTensors, *, salt: int = SALT_VERIFY
+) -> tuple[jax.Array, ...]:
+    """Lossless verification of a static token tree for any sampling parameters (greedy rows included).
+
+    tokens [B, N + 1] int32 (root, then the nodes in tree order); target_probs [B, N + 1, V] f32: the target's
+    processed distribution after each node; valid [B, N + 1] bool as in :func:`tree_greedy_verify`.
+
+    From the root: at the current node with target distribution ``p`` its children's tokens are tried in rank order
+    as point-mass drafts (recursive rejection sampling, SpecInfer / EAGLE): child ``t`` is accepted with probability
+    ``r(t) / sum(r)``, where ``r`` is ``p`` with the tokens of the children already rejected here removed; on
+    acceptance the walk moves to that child, else its token is removed from ``r``. When no child is accepted (or at
+    the deepest level) one token is drawn from ``r`` (``p`` at a leaf) and the step ends. Each committed token is
+    therefore distributed as ``p``: ``P(t1) = p(t1)``, ``P(t2) = (1 - p(t1)) p(t2) / (1 - p(t1))``, and so on,
+    and the residual draw covers the rest; a greedy row's ``p`` is one-hot, which makes this its argmax walk.
+    Randomness: per request key (``request_keys(st, salt)``), folded with the depth, then 0 for the draw and
+    ``1 + j`` for the ``j``-th child's uniform. Returns (output_tokens [B, depth + 1], num_accepted [B],
+    path [B, depth + 1]) as :func:`tree_greedy_verify`.
+    """
+    batch = tokens.shape[0]
+    rows = jnp.arange(batch)
+    children = jnp.asarray(tree.children)
+    keys = request_keys(st, salt)  # [B] key
+    cur = jnp.zeros(batch, jnp.int32)  # the walk's node
+    done = jnp.zeros(batch, bool)
+    num_accepted = jnp.zeros(batch, jnp.int32)
+    out, path = [], [cur]
+    for d in range(tree.depth + 1):
+        depth_keys = jax.vmap(lambda k, d=d: jax.random.fold_in(k, d))(keys)  # [B] key
+        p = target_probs[rows, cur]  # [B, V]
+        residual, nxt = p, jnp.full(batch, -1, jnp.int32)
+        if d < tree.depth:
+            total = jnp.sum(p, axis=-1)  # [B]
+            for j in range(children.shape[1]):
+                child = children[cur, j]  # [B], -1 where the node has fewer children
+                safe = jnp.maximum(child, 0)
+                tried = (child >= 0) & valid[rows, safe] & (nxt < 0) & ~done
+                tok = tokens[rows, safe]
+                mass = residual[rows, tok]
+                u = jax.vmap(lambda k, j=j: jax.random.uniform(jax.random.fold_in(k, 1 + j)))(depth_keys)
+                accept = tried & (u * total < mass)
+                nxt = jnp.where(accept, child, nxt)
+                reject = tried & ~accept
+                residual = residual.at[rows, tok].set(jnp.where(reject, 0.0, mass))
+                total = jnp.where(reject, jnp.maximum(total - mass, 0.0), total)
+        empty = jnp.sum(residual, axis=-1, keepdims=True) <= 0  # float dust only: fall back to p
+        draw_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(depth_keys)
+        draw = sample_from_probs(jnp.where(empty, p, residual), draw_keys)
+        moved = ~done & (nxt >= 0)
+        out.append(jnp.where(done, PAD_TOKEN, jnp.where(moved, tokens[rows, jnp.maximum(nxt, 0)], draw)))
+        num_accepted = num_accepted + moved.astype(jnp.int32)
+        done = done | ~moved
+        cur = jnp.where(moved, nxt, cur)
+        if d < tree.depth:
+            path.append(cur)
+    return jnp.stack(out, axis=1).astype(jnp.int32), num_accepted, jnp.stack(path, axis=1).astype(jnp.int32)

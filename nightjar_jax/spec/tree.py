@@ -45,6 +45,7 @@ class SpecTree:
     ancestors: np.ndarray = field(repr=False)  # [N + 1, N + 1] bool: ancestors[i, j] = j is i or an ancestor of i
     path_nodes: np.ndarray = field(repr=False)  # [N + 1, depth + 1] int32: i's ancestor at each depth (i beyond)
     level_starts: tuple[int, ...]  # level_starts[d] = first node index at depth d (d = 0..depth + 1)
+    children: np.ndarray = field(repr=False)  # [N + 1, max children] int32: each node's children by rank, -1 pad
 
     @property
     def num_nodes(self) -> int:
@@ -106,7 +107,11 @@ def make_tree(paths) -> SpecTree:
         chain = chain[::-1]  # root .. i
         path_nodes[i] = chain + [i] * (depth + 1 - len(chain))
     starts = [0] + [1 + sum(1 for p in ordered if len(p) < d) for d in range(1, depth + 1)] + [n]
-    return SpecTree(tuple(ordered), parent, depth_of, rank, ancestors, path_nodes, tuple(starts))
+    kids = [[i for i in range(1, n) if parent[i] == j] for j in range(n)]  # in node order = by rank
+    children = np.full((n, max(len(k) for k in kids)), -1, np.int32)
+    for j, k in enumerate(kids):
+        children[j, : len(k)] = k
+    return SpecTree(tuple(ordered), parent, depth_of, rank, ancestors, path_nodes, tuple(starts), children)
 
 
 def chain_paths(gamma: int) -> list[tuple[int, ...]]:

@@ -126,6 +126,8 @@ def test_reference_tree_mask_matches_dense(q_len, window):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_cpu_kernel_tree_mask_matches_reference(dtype):
+    if jax.default_backend() != "cpu":
+        pytest.skip(f"the CPU kernel runs on the CPU backend only, not {jax.default_backend()!r}")
     if not cpu.available():
         pytest.skip(f"CPU kernel unavailable here: {cpu.unavailable_reason()}")
     # 20 queries x GQA 2 = 40 rows per head: three 16-row blocks; a 26-key window; contexts across pages
@@ -196,17 +198,22 @@ def test_fake_tree_random_gamma_preemption_eos_and_context_limit():
     assert eng.num_free_pages == eng.num_total_pages
 
 
-def test_sampled_requests_use_the_chain():
+def test_sampled_and_greedy_requests_share_tree_steps():
+    """A sampled request in the batch: the step verifies the tree by rejection sampling (lossless: the fake target
+    puts ~0.996 of its mass on its greedy token, so a sampled run at temperature 1 follows it almost surely), and
+    the greedy request's output is exact."""
     from nightjar_jax.engine.sampling_params import SamplingParams
 
     eng = fake_engine(draft=True, runner_up=True, num_speculative_tokens=3, spec_tree_nodes=8)
     _force_gamma(eng, lambda: 3)
     eng.record_steps = True
-    eng.add_request(PROMPTS[0], greedy(6), request_id="g")
-    eng.add_request(PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=6, seed=1), request_id="s")
+    eng.add_request(PROMPTS[0], greedy(12), request_id="g")
+    eng.add_request(PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=12, seed=1), request_id="s")
     done = run_all(eng)
-    assert len(done["s"]) == 6 and done["g"] == _expected(PROMPTS[0], 6)
-    assert {s["tree_nodes"] for s in eng.stats.step_log} == {0}  # a sampled request in the batch: chain
+    assert done["g"] == _expected(PROMPTS[0], 12)
+    assert len(done["s"]) == 12
+    assert {s["tree_nodes"] for s in eng.stats.step_log} == {8}
+    assert eng.stats.num_accepted_tokens > 0
     assert eng.num_free_pages == eng.num_total_pages
 
 
@@ -246,6 +253,10 @@ def test_real_model_tree_equals_ar_and_steady_state_compiles_nothing(real_ar, im
     before = eng.runner.compiled_cache_sizes()
     assert [o.outputs[0].token_ids for o in llm.generate(REAL_PROMPTS, sp)] == real_ar
     assert eng.runner.compiled_cache_sizes() == before
+    # the sampled path (rejection sampling down the tree) with top_k = 1 is deterministic: it must equal greedy
+    sampled = SamplingParams(temperature=0.8, top_k=1, max_tokens=40, seed=7)
+    assert [o.outputs[0].token_ids for o in llm.generate(REAL_PROMPTS, sampled)] == real_ar
+    assert eng.num_free_pages == eng.num_total_pages
 
 
 def test_fit_spec_tree_counts_orders_and_replays():
@@ -285,15 +296,97 @@ def test_warmup_compiles_the_tree_variants_so_greedy_decoding_compiles_nothing()
     eng = fake_engine(draft=True, runner_up=True, num_speculative_tokens=2, max_num_seqs=2, spec_tree_nodes=5)
     runner = eng.runner
     keys = runner.warmup(max_context=16)
-    assert {k[0] for k in keys} == {"forward_sample", "propose", "verify", "propose_tree", "verify_tree"}
-    assert all(k[-1] is False for k in keys if k[0] in ("propose", "verify"))  # the chain: sampled batches only
+    assert {k[0] for k in keys} == {"forward_sample", "propose_tree", "verify_tree"}  # trees replace the chain
+    assert {k[-1] for k in keys if k[0] == "verify_tree"} == {True, False}  # greedy and sampled variants
     sizes = runner.compiled_cache_sizes()
     assert eng.num_free_pages == eng.num_total_pages
     rng = random.Random(0)
     eng._select_gamma = lambda: rng.randint(0, 2)
-    for i in range(2):
-        eng.add_request([7 + i], greedy(8), request_id=str(i))
-    assert run_all(eng) == {str(i): _expected([7 + i], 8) for i in range(2)}
+    from nightjar_jax.engine.sampling_params import SamplingParams
+
+    eng.add_request([7], greedy(8), request_id="0")
+    eng.add_request([8], SamplingParams(temperature=0.5, max_tokens=8, seed=3), request_id="1")
+    done = run_all(eng)
+    assert done["0"] == _expected([7], 8) and len(done["1"]) == 8
     after = runner.compiled_cache_sizes()
-    for name in ("forward_sample", "propose", "verify", "propose_tree", "verify_tree"):  # draft_fill: catch-up
-        assert after[name] == sizes[name], name                                          # shapes, not warmed
+    for name in ("forward_sample", "propose_tree", "verify_tree"):  # draft_fill: catch-up shapes, not warmed
+        assert after[name] == sizes[name], name
+
+
+# ---- sampled tree verification (lossless) ------------------------------------------------------------------------
+
+def _tree_sampling_case(num_rows=20_000, vocab=8, seed=0):
+    """A tree (root -> 3 children, the first two with 2 children each) with the target's distribution after each
+    node fixed per node (random, seeded), and node tokens distinct among siblings."""
+    from nightjar_jax.engine.sampler import SamplingTensors
+
+    tree = make_tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1)])
+    rng = np.random.default_rng(seed)
+    probs = rng.dirichlet(np.full(vocab, 0.8), size=tree.num_nodes + 1).astype(np.float32)  # [N + 1, V]
+    node_tok = np.zeros(tree.num_nodes + 1, np.int32)
+    for parent in range(tree.num_nodes + 1):
+        kids = [c for c in tree.children[parent] if c >= 0]
+        node_tok[kids] = rng.choice(vocab, size=len(kids), replace=False)
+    tokens = jnp.asarray(np.broadcast_to(node_tok, (num_rows, tree.num_nodes + 1)))
+    target = jnp.asarray(np.broadcast_to(probs, (num_rows,) + probs.shape))
+    st = SamplingTensors(np.ones(num_rows, np.float32), np.zeros(num_rows, np.int32), np.ones(num_rows, np.float32),
+                         np.zeros(num_rows, np.float32), np.arange(num_rows, dtype=np.uint32),
+                         np.zeros(num_rows, np.int32))
+    return tree, probs, node_tok, tokens, target, st
+
+
+def _p_value(counts, probs):
+    from scipy import stats
+
+    counts, probs = np.asarray(counts, np.float64), np.asarray(probs, np.float64)
+    expected = probs / probs.sum() * counts.sum()
+    keep = expected >= 5
+    observed, exp = np.append(counts[keep], counts[~keep].sum()), np.append(expected[keep], expected[~keep].sum())
+    if exp[-1] == 0:
+        observed, exp = observed[:-1], exp[:-1]
+    return float(stats.chisquare(observed, exp).pvalue)
+
+
+def test_tree_rejection_sample_commits_tokens_distributed_as_the_target():
+    from nightjar_jax.spec.rejection import tree_rejection_sample
+
+    tree, probs, node_tok, tokens, target, st = _tree_sampling_case()
+    valid = jnp.ones(tokens.shape, bool)
+    out, k, path = jax.jit(lambda *a: tree_rejection_sample(*a, tree, st))(tokens, target, valid)
+    out, k, path = np.asarray(out), np.asarray(k), np.asarray(path)
+    vocab = probs.shape[1]
+    # first token ~ p(root)
+    assert _p_value(np.bincount(out[:, 0], minlength=vocab), probs[0]) > 1e-3
+    # second token, given the first is a child's token: ~ p(that child); given any other token: the step ended
+    for child in (1, 2, 3):
+        rows = out[:, 0] == node_tok[child]
+        assert (k[rows] >= 1).all() and (path[rows, 1] == child).all()
+        assert _p_value(np.bincount(out[rows, 1], minlength=vocab), probs[child]) > 1e-3
+    others = ~np.isin(out[:, 0], node_tok[[1, 2, 3]])
+    assert (k[others] == 0).all() and (out[others, 1] == -1).all()
+    # the third token after an accepted second-level node ~ p(that node) (a leaf: its bonus draw)
+    rows = (path[:, 1] == 1) & (out[:, 1] == node_tok[4])
+    assert (k[rows] == 2).all() and _p_value(np.bincount(out[rows, 2], minlength=vocab), probs[4]) > 1e-3
+    # negative control: the first token is far from a different distribution
+    assert _p_value(np.bincount(out[:, 0], minlength=vocab), np.roll(probs[0], 1)) < 1e-6
+    # and acceptance happens as often as the children's mass says: P(k >= 1) = p_root(children's tokens)
+    assert abs((k >= 1).mean() - probs[0][node_tok[[1, 2, 3]]].sum()) < 0.015
+
+
+def test_tree_rejection_sample_greedy_rows_match_tree_greedy_verify():
+    from nightjar_jax.engine.sampler import SamplingTensors
+    from nightjar_jax.spec.rejection import tree_rejection_sample
+
+    tree, probs, node_tok, tokens, target, _ = _tree_sampling_case(num_rows=64, seed=2)
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(rng.standard_normal((64, tree.num_nodes + 1, 8)).astype(np.float32))
+    tokens = jnp.asarray(rng.integers(0, 8, (64, tree.num_nodes + 1)).astype(np.int32))
+    greedy = SamplingTensors(np.zeros(64, np.float32), np.zeros(64, np.int32), np.ones(64, np.float32),
+                             np.zeros(64, np.float32), np.arange(64, dtype=np.uint32), np.zeros(64, np.int32))
+    from nightjar_jax.engine.sampler import argmax, processed_probs
+
+    valid = jnp.asarray(rng.random((64, tree.num_nodes + 1)) < 0.9)
+    want = tree_greedy_verify(tokens, argmax(logits), valid, tree)
+    got = tree_rejection_sample(tokens, processed_probs(logits, greedy), valid, tree, greedy)
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Token trees on an accelerator, in one device call (< 9 minutes): the tree tests (greedy SD with a tree == AR,
+# exact fake-model schedules), then chain vs trees for SmolLM2 + smollm2-eagle at batch 1 and 16, interleaved. On a
+# GPU the tree's verify runs through the jnp attention (the Pallas bodies take no tree mask yet). The table goes to
+# stdout; JSON to $OUT/bench_spec_tree_device.json (or ./ without $OUT).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out_dir="${OUT:-.}"
+python -c "import jax; print('backend', jax.default_backend(), jax.devices())"
+timeout 200 python -m pytest -q -p no:cacheprovider tests/spec/test_tree.py 2>&1 | tail -3
+exec timeout 320 python scripts/bench_spec.py --models smollm2-135m-instruct --tree-nodes 0,16,60 \
+    --batch-sizes 1,16 --gammas 2,4 --repeats 2 --output-len 64 --out "${out_dir}/bench_spec_tree_device.json"
