@@ -11,6 +11,7 @@ Prints and writes (JSON) two numbers:
    ``propose`` time per drafted token inside batch-1 speculative steps, against the target's plain decoding in the
    same engine (:func:`feature_draft_cost`).
 
+``--temperature T`` runs the acceptance part sampled (per-prompt seeds); the goal's numbers are greedy.
 ``--tree-nodes N`` verifies a static token tree of N drafted nodes of depth γ per step (``spec_tree_nodes``,
 ``nightjar_jax/spec/tree.py``) instead of a chain: the mean accepted length counts the deepest accepted branch;
 the draft's cost is per drafted node, and the run also times whole speculative steps against plain decoding
@@ -61,7 +62,8 @@ def acceptance(args: argparse.Namespace, prompts: list[dict]) -> dict:
     t0 = time.perf_counter()
     outs = llm.generate(
         [{"prompt_token_ids": p["ids"]} for p in prompts],
-        SamplingParams(temperature=0, max_tokens=args.max_tokens),
+        [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + i)
+         for i in range(len(prompts))],
         use_tqdm=False,
     )
     seconds = time.perf_counter() - t0
@@ -166,6 +168,10 @@ def main() -> None:
                     help="a draft checkpoint folder (default: the default pair's feature draft)")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--tree-nodes", type=int, default=0, help="verify a token tree of this many nodes (0: a chain)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of the acceptance runs (0: greedy, the goal's setting); the cost runs "
+                         "stay greedy")
+    ap.add_argument("--seed", type=int, default=0, help="per-prompt seeds seed + i (sampled acceptance runs)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer held-out prompts are skipped")
     ap.add_argument("--cost-prompts", type=int, default=4, help="held-out prompts timed for the cost ratio")
@@ -213,7 +219,7 @@ def main() -> None:
 
     print(f"\nheld-out split: {heldout_ids()}  (used {len(prompts)}, skipped {[p['id'] for p in skipped]})")
     shape = f"tree of {args.tree_nodes} nodes, depth {args.gamma}" if args.tree_nodes else f"chain, γ = {args.gamma}"
-    print(f"speculation: {shape}")
+    print(f"speculation: {shape}; acceptance runs at temperature {args.temperature}")
     print(f"{'':16s} {'prompts':>8s} {'mean acc. len (γ=4)':>20s} {'α (pos. 1)':>11s} {'accepted/drafted':>17s}")
     for name, r in [("all held-out", acc), *sources.items()]:
         print(
@@ -236,6 +242,7 @@ def main() -> None:
         "skipped_prompts": [p["id"] for p in skipped],
         "gamma": args.gamma,
         "tree_nodes": args.tree_nodes,
+        "temperature": args.temperature,
         "max_tokens": args.max_tokens,
         "acceptance": acc,
         "per_source": sources,
