@@ -209,10 +209,15 @@ class SpecConfig:
     # top-ranked tokens per node; nightjar_jax/spec/tree.py) instead of a chain of γ, greedy or sampled (recursive
     # rejection sampling down the tree, lossless); 0: always a chain.
     spec_tree_nodes: int = 0
+    # The tree's rank-path order: a JSON file with "order" (scripts/fit_spec_tree.py fit writes one for a draft);
+    # None: nightjar_jax/spec/default_tree.json (fitted to smollm2-eagle).
+    spec_tree_file: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 0, 16)
         _check_int("spec_tree_nodes", self.spec_tree_nodes, 0, 128)
+        _check(self.spec_tree_file is None or (isinstance(self.spec_tree_file, str) and bool(self.spec_tree_file)),
+               "spec_tree_file", self.spec_tree_file, "None or a path to a JSON file with an 'order' of rank paths")
 
 
 @dataclass(frozen=True)

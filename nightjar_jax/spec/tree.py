@@ -17,8 +17,8 @@ compiled variant — and described by rank paths:
 ``DEFAULT_TREE_ORDER`` ranks candidate nodes by how often the target's greedy token followed that rank path for
 the shipped SmolLM2 feature draft on its validation split (training data; never the held-out benchmark prompts), so
 the first ``N`` paths with depth ``<= γ`` are the ``N``-node tree with the most expected accepted tokens for that
-draft (each node adds the probability that the target's continuation passes through it). Other drafts can pass
-their own paths.
+draft (each node adds the probability that the target's continuation passes through it); it is produced by
+``scripts/fit_spec_tree.py fit``, which writes the same file for any feature draft (``spec_tree_file``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-
-# Rank paths in order of decreasing frequency (parents before children); see the module docstring. Produced by
-# the greedy construction of scripts/fit_spec_tree.py on smollm2-eagle version 5's validation split.
-DEFAULT_TREE_ORDER: tuple[tuple[int, ...], ...] = ()  # filled in below from default_tree.json
 
 MAX_TREE_NODES = 128
 
@@ -128,12 +124,31 @@ def tree_for(num_nodes: int, gamma: int, order=None) -> SpecTree:
     return make_tree([p for p in order if len(p) <= gamma][:num_nodes])
 
 
-def _load_default_order() -> tuple[tuple[int, ...], ...]:
+def load_tree_order(path: str | None = None) -> tuple[tuple[int, ...], ...]:
+    """Rank paths from a JSON file with ``"order"`` (``scripts/fit_spec_tree.py fit`` writes one; None: the
+    shipped ``default_tree.json``), checked to list parents before children. Errors name the file and the fault."""
     import json
     from pathlib import Path
 
-    data = json.loads(Path(__file__).with_name("default_tree.json").read_text())
-    return tuple(tuple(p) for p in data["order"])
+    source = Path(path) if path is not None else Path(__file__).with_name("default_tree.json")
+    try:
+        data = json.loads(source.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"spec tree file {source}: cannot read it as JSON ({error})") from error
+    order = data.get("order") if isinstance(data, dict) else None
+    if not isinstance(order, list) or not order:
+        raise ValueError(f"spec tree file {source}: needs a non-empty list 'order' of rank paths, e.g. [[0], [0, 0]]")
+    try:
+        paths = tuple(tuple(int(r) for r in p) for p in order)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"spec tree file {source}: each entry of 'order' must be a list of ranks ({error})") from error
+    seen: set[tuple[int, ...]] = set()
+    for p in paths:
+        if not p or min(p) < 0 or p in seen or (len(p) > 1 and p[:-1] not in seen):
+            raise ValueError(f"spec tree file {source}: entry {list(p)} is empty, negative, repeated or comes before "
+                             "its parent; 'order' must list parents before children")
+        seen.add(p)
+    return paths
 
 
-DEFAULT_TREE_ORDER = _load_default_order()
+DEFAULT_TREE_ORDER = load_tree_order()

@@ -390,3 +390,33 @@ def test_tree_rejection_sample_greedy_rows_match_tree_greedy_verify():
     got = tree_rejection_sample(tokens, processed_probs(logits, greedy), valid, tree, greedy)
     for w, g in zip(want, got, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_spec_tree_file_orders_and_errors(tmp_path):
+    """A tree order from a file (what ``fit_spec_tree.py fit`` writes): a chain-shaped order makes tree steps
+    accept exactly what the chain does; bad files fail with the file and the fault named."""
+    import json
+
+    from nightjar_jax.spec.tree import load_tree_order
+
+    chain_file = tmp_path / "chain.json"
+    chain_file.write_text(json.dumps({"order": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}))
+    assert load_tree_order(str(chain_file)) == ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))
+    logs = {}
+    for name, kwargs in {"chain": {}, "file": {"spec_tree_nodes": 4, "spec_tree_file": str(chain_file)}}.items():
+        eng = fake_engine(draft=True, runner_up=True, num_speculative_tokens=4, **kwargs)
+        _force_gamma(eng, lambda: 4)
+        eng.record_steps = True
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(p, greedy(17), request_id=str(i))
+        assert run_all(eng) == {str(i): _expected(p, 17) for i, p in enumerate(PROMPTS)}
+        logs[name] = [(s["accepted"], s["committed"]) for s in eng.stats.step_log]
+    assert logs["file"] == logs["chain"]
+    for text, fault in [("not json", "cannot read"), ('{"order": []}', "non-empty list"),
+                        ('{"order": [[0, 1], [0]]}', "before its parent"), ('{"order": [["a"]]}', "list of ranks")]:
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=fault):
+            load_tree_order(str(bad))
+    with pytest.raises(ValueError, match="cannot read"):
+        load_tree_order(str(tmp_path / "missing.json"))
