@@ -366,7 +366,7 @@ class ModelRunner:
             if all_greedy:
                 out, num_accepted, path = tree_greedy_verify(tokens, argmax(logits), valid, tree)
             else:
-                out, num_accepted, path = tree_rejection_sample(tokens, processed_probs(logits, st), valid, tree, st)
+                out, num_accepted, path = tree_rejection_sample(tokens, logits, valid, tree, st)
             depth = jnp.arange(1, tree.depth + 1)[None, :]
             keep = depth <= num_accepted[:, None]
             src = jnp.where(keep, n[:, None] - 1 + path[:, 1:], n[:, None] - 1 + depth)  # [S, depth]

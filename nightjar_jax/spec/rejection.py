@@ -189,12 +189,14 @@ def tree_greedy_verify(tokens: jax.Array, target_argmax: jax.Array, valid: jax.A
 
 
 def tree_rejection_sample(
-    tokens: jax.Array, target_probs: jax.Array, valid: jax.Array, tree, st: SamplingTensors, *, salt: int = SALT_VERIFY
+    tokens: jax.Array, target_logits: jax.Array, valid: jax.Array, tree, st: SamplingTensors, *,
+    salt: int = SALT_VERIFY,
 ) -> tuple[jax.Array, ...]:
     """Lossless verification of a static token tree for any sampling parameters (greedy rows included).
 
-    tokens [B, N + 1] int32 (root, then the nodes in tree order); target_probs [B, N + 1, V] f32: the target's
-    processed distribution after each node; valid [B, N + 1] bool as in :func:`tree_greedy_verify`.
+    tokens [B, N + 1] int32 (root, then the nodes in tree order); target_logits [B, N + 1, V] f32: the target's
+    logits after each node (the processed distribution ``p`` is computed only for the depth + 1 nodes the walk
+    visits, not for all N + 1); valid [B, N + 1] bool as in :func:`tree_greedy_verify`.
 
     From the root: at the current node with target distribution ``p`` its children's tokens are tried in rank order
     as point-mass drafts (recursive rejection sampling, SpecInfer / EAGLE): child ``t`` is accepted with probability
@@ -217,7 +219,7 @@ def tree_rejection_sample(
     out, path = [], [cur]
     for d in range(tree.depth + 1):
         depth_keys = jax.vmap(lambda k, d=d: jax.random.fold_in(k, d))(keys)  # [B] key
-        p = target_probs[rows, cur]  # [B, V]
+        p = processed_probs(target_logits[rows, cur], st)  # [B, V]
         residual, nxt = p, jnp.full(batch, -1, jnp.int32)
         if d < tree.depth:
             total = jnp.sum(p, axis=-1)  # [B]

@@ -328,7 +328,7 @@ def _tree_sampling_case(num_rows=20_000, vocab=8, seed=0):
         kids = [c for c in tree.children[parent] if c >= 0]
         node_tok[kids] = rng.choice(vocab, size=len(kids), replace=False)
     tokens = jnp.asarray(np.broadcast_to(node_tok, (num_rows, tree.num_nodes + 1)))
-    target = jnp.asarray(np.broadcast_to(probs, (num_rows,) + probs.shape))
+    target = jnp.asarray(np.broadcast_to(np.log(probs), (num_rows,) + probs.shape))  # logits; T = 1 keeps p
     st = SamplingTensors(np.ones(num_rows, np.float32), np.zeros(num_rows, np.int32), np.ones(num_rows, np.float32),
                          np.zeros(num_rows, np.float32), np.arange(num_rows, dtype=np.uint32),
                          np.zeros(num_rows, np.int32))
@@ -383,11 +383,11 @@ def test_tree_rejection_sample_greedy_rows_match_tree_greedy_verify():
     tokens = jnp.asarray(rng.integers(0, 8, (64, tree.num_nodes + 1)).astype(np.int32))
     greedy = SamplingTensors(np.zeros(64, np.float32), np.zeros(64, np.int32), np.ones(64, np.float32),
                              np.zeros(64, np.float32), np.arange(64, dtype=np.uint32), np.zeros(64, np.int32))
-    from nightjar_jax.engine.sampler import argmax, processed_probs
+    from nightjar_jax.engine.sampler import argmax
 
     valid = jnp.asarray(rng.random((64, tree.num_nodes + 1)) < 0.9)
     want = tree_greedy_verify(tokens, argmax(logits), valid, tree)
-    got = tree_rejection_sample(tokens, processed_probs(logits, greedy), valid, tree, greedy)
+    got = tree_rejection_sample(tokens, logits, valid, tree, greedy)
     for w, g in zip(want, got, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
