@@ -45,3 +45,26 @@ def test_speculative_server_metrics(spec_server):
     assert m["nightjar_draft_reloads_total"] == 0 and "nightjar_planner_switches_total" in m
     assert m["nightjar_kv_pages_free"] == m["nightjar_kv_pages_total"]
     assert spec_server.stop() == 0
+
+
+def test_server_with_token_trees():
+    """``--spec-tree-nodes``: greedy text unchanged, a sampled request served, each step drafts the tree's nodes
+    and (the draft being the target) accepts its whole top-ranked branch."""
+    srv = ServerProcess(["--draft-model", "stories260k", "--num-speculative-tokens", "3", "--planner", "static",
+                         "--spec-tree-nodes", "6", "--max-model-len", "128", "--max-num-seqs", "4",
+                         "--num-pages", "40"])
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        before = srv.metrics()
+        out = client.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=16, temperature=0)
+        assert out.choices[0].text.startswith(", there was a little girl named Lily")
+        m = srv.metrics()
+        drafted = m["nightjar_spec_draft_tokens_total"] - before["nightjar_spec_draft_tokens_total"]
+        accepted = m["nightjar_spec_accepted_tokens_total"] - before["nightjar_spec_accepted_tokens_total"]
+        assert drafted > accepted > 0 and drafted % 6 == 0  # 6 nodes per sequence-step, a depth-3 branch accepted
+        sampled = client.completions.create(model="stories260k", prompt="The dog", max_tokens=12, temperature=0.8,
+                                             seed=3, extra_body={"ignore_eos": True})
+        assert sampled.usage.completion_tokens == 12
+        assert srv.metrics()["nightjar_kv_pages_free"] == m["nightjar_kv_pages_total"]
+    finally:
+        assert srv.stop() == 0
