@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.paged_attention.reference import tree_visible
 from nightjar_jax.config import ModelConfig
 from nightjar_jax.engine.runner import ModelHandle
 from nightjar_jax.models.llama import BatchMetadata
@@ -59,9 +60,7 @@ def fake_model(
         key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)
         mask = (key_pos[None, None, :] <= positions[:, :, None]) & (positions >= 0)[:, :, None]  # [S, Q, K]
         if md.tree_mask is not None:  # a tree node sees the committed tokens and its ancestors
-            window = md.tree_mask.shape[1]
-            rel = key_pos[None, None, :] - (md.context_lens[:, None, None] - window)
-            mask &= (rel < 0) | md.tree_mask[jnp.arange(q_len)[None, :, None], jnp.clip(rel, 0, window - 1)]
+            mask &= tree_visible(md.tree_mask, key_pos, md.context_lens)
         total = jnp.sum(jnp.where(mask, keys[:, None, :, 0], 0.0), axis=-1)
         count = jnp.sum(jnp.where(mask, keys[:, None, :, 1], 0.0), axis=-1)
         return jnp.stack([total, count], axis=-1), ((k_pages, v_pages),)

@@ -36,6 +36,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import distill_draft as dd  # noqa: E402
 import distill_eagle as de  # noqa: E402
 
+from nightjar_jax.spec.tree import chain_paths  # noqa: E402
+
 logger = logging.getLogger("fit_spec_tree")
 NOT_IN_HEAD = 10**6  # the rank of a token the draft's subset head cannot propose
 
@@ -151,7 +153,7 @@ def cmd_fit(args: argparse.Namespace) -> None:
         records.append({"start": r["num_prompt"], "end": len(seq) - 1,
                         "ranks": ranker.ranks(seq, r["num_prompt"], feats[dd.row_key(r)])})
     order = greedy_order(path_counts(records), args.max_nodes, args.max_rank)
-    steps, acc = replay(records, {(0,) * d for d in range(1, 5)})
+    steps, acc = replay(records, set(chain_paths(4)))
     print(f"{len(records)} validation rows; chain (γ = 4) replays {1 + acc / steps:.3f}")
     for n in (8, 16, 32, 48, 64):
         steps, acc = replay(records, set([p for p in order if len(p) <= 4][:n]))
@@ -166,7 +168,7 @@ def cmd_fit(args: argparse.Namespace) -> None:
 
 
 def cmd_replay(args: argparse.Namespace) -> None:
-    from nightjar_jax.spec.tree import DEFAULT_TREE_ORDER, tree_for
+    from nightjar_jax.spec.tree import tree_for
 
     ranker = DraftRanker(Path(args.workdir), args.params, args.gamma)
     result = json.loads(Path(args.reference).read_text())
@@ -179,8 +181,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
                         "ranks": ranker.ranks(seq, len(prompts[pid]))})
     rows = []
     for n in [0, *args.nodes]:
-        paths = [(0,) * d for d in range(1, args.gamma + 1)] if n == 0 else list(
-            tree_for(n, args.gamma, DEFAULT_TREE_ORDER).paths)
+        paths = chain_paths(args.gamma) if n == 0 else list(tree_for(n, args.gamma).paths)
         steps, acc = replay(records, set(paths))
         rows.append({"nodes": len(paths), "tree": "chain" if n == 0 else "default",
                      "mean_accepted_length": 1 + acc / steps, "target_steps": steps})

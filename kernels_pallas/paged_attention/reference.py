@@ -59,12 +59,9 @@ def paged_attention_reference(
     # [num_seqs, q_len, num_keys]
     mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & key_valid[:, None, :]
     if tree_mask is not None:
-        window = tree_mask.shape[1]
-        if tree_mask.ndim != 2 or tree_mask.shape[0] != q_len or window < q_len:
+        if tree_mask.ndim != 2 or tree_mask.shape[0] != q_len or tree_mask.shape[1] < q_len:
             raise ValueError(f"tree_mask {tree_mask.shape} must be [q_len={q_len}, M >= q_len]")
-        rel = key_pos[None, None, :] - (context_lens[:, None, None] - window)  # [num_seqs, 1, num_keys]
-        in_tree = tree_mask[jnp.arange(q_len)[None, :, None], jnp.clip(rel, 0, window - 1)]
-        mask &= (rel < 0) | in_tree
+        mask &= tree_visible(tree_mask, key_pos, context_lens)
 
     qg = q.astype(jnp.float32).reshape(num_seqs, q_len, num_kv_heads, group, head_dim)
     scores = jnp.einsum("sqhgd,shkd->shgqk", qg, k) * scale  # [num_seqs, kv_heads, group, q_len, num_keys]
@@ -75,3 +72,12 @@ def paged_attention_reference(
     out = jnp.einsum("shgqk,shkd->sqhgd", probs, v)
     out = jnp.where((query_pos >= 0)[:, :, None, None, None], out, 0.0)
     return out.reshape(num_seqs, q_len, num_q_heads, head_dim).astype(q.dtype)
+
+
+def tree_visible(tree_mask: jax.Array, key_pos: jax.Array, context_lens: jax.Array) -> jax.Array:
+    """Which keys each query may see under a tree mask ``[q_len, M]`` (module docstring): ``[num_seqs, q_len,
+    num_keys]`` bool, True before the window of the last ``M`` positions and where the mask allows inside it
+    (causality is the caller's)."""
+    q_len, window = tree_mask.shape
+    rel = key_pos[None, None, :] - (context_lens[:, None, None] - window)  # [num_seqs, 1, num_keys]
+    return (rel < 0) | tree_mask[jnp.arange(q_len)[None, :, None], jnp.clip(rel, 0, window - 1)]

@@ -37,6 +37,7 @@ from nightjar_jax.models.llama import (
     KVCache,
     allocate_kv_cache,
     make_model_fns,
+    position_pages,
     read_previous_features,
     write_feature_pages,
 )
@@ -378,13 +379,8 @@ class ModelRunner:
             """Copy every layer's K/V (and the feature pool's rows) from positions ``src`` to ``dst`` [S, m]
             (padding rows: page 0)."""
             page_size = kv[0][0].shape[2]
-
-            def where_is(pos):
-                ok = real[:, None] & (pos >= 0)
-                pages = jnp.take_along_axis(block_tables, jnp.where(ok, pos // page_size, 0), axis=1)
-                return jnp.where(ok, pages, 0), jnp.where(ok, pos % page_size, 0)
-
-            (sp, so), (dp, do) = where_is(src), where_is(dst)
+            sp, so = position_pages(block_tables, src, real[:, None] & (src >= 0), page_size)
+            dp, do = position_pages(block_tables, dst, real[:, None] & (dst >= 0), page_size)
             moved = tuple((k.at[:, dp, do].set(k[:, sp, so]), v.at[:, dp, do].set(v[:, sp, so])) for k, v in kv)
             if feats is not None:
                 feats = feats.at[dp, do].set(feats[sp, so])

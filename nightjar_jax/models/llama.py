@@ -285,8 +285,15 @@ def page_slots(md: BatchMetadata, q_len: int, page_size: int, offset: int = 0) -
     positions, valid = slot_positions(md, q_len)
     target = positions + offset
     ok = valid & (target >= 0)
-    pages = jnp.take_along_axis(md.block_tables, jnp.where(ok, target // page_size, 0), axis=1)
-    return jnp.where(ok, pages, 0), jnp.where(ok, target % page_size, 0), ok
+    return (*position_pages(md.block_tables, target, ok, page_size), ok)
+
+
+def position_pages(block_tables: jax.Array, positions: jax.Array, ok: jax.Array, page_size: int
+                   ) -> tuple[jax.Array, jax.Array]:
+    """Page ids and in-page slots of ``positions [num_seqs, m]`` through the block tables; page 0, slot 0 where
+    ``ok`` is False."""
+    pages = jnp.take_along_axis(block_tables, jnp.where(ok, positions // page_size, 0), axis=1)
+    return jnp.where(ok, pages, 0), jnp.where(ok, positions % page_size, 0)
 
 
 def write_feature_pages(pool: jax.Array, values: jax.Array, md: BatchMetadata) -> jax.Array:

@@ -22,6 +22,7 @@ from nightjar_jax.spec.rejection import tree_greedy_verify  # noqa: E402
 from nightjar_jax.spec.tree import DEFAULT_TREE_ORDER, MAX_TREE_NODES, chain_paths, make_tree, tree_for  # noqa: E402
 from nightjar_jax.testing import fake_greedy_continuation  # noqa: E402
 from tests.kernels.paged_cases import assert_close, make_case  # noqa: E402
+from tests.spec.test_rejection import _chi_square_p_value  # noqa: E402
 
 # root -> a(0) -> c(0,0) -> e(0,0,0); a -> d(0,1); root -> b(1) -> f(1,0)
 PATHS = [(1, 0), (0,), (0, 0, 0), (1,), (0, 1), (0, 0)]
@@ -335,18 +336,6 @@ def _tree_sampling_case(num_rows=20_000, vocab=8, seed=0):
     return tree, probs, node_tok, tokens, target, st
 
 
-def _p_value(counts, probs):
-    from scipy import stats
-
-    counts, probs = np.asarray(counts, np.float64), np.asarray(probs, np.float64)
-    expected = probs / probs.sum() * counts.sum()
-    keep = expected >= 5
-    observed, exp = np.append(counts[keep], counts[~keep].sum()), np.append(expected[keep], expected[~keep].sum())
-    if exp[-1] == 0:
-        observed, exp = observed[:-1], exp[:-1]
-    return float(stats.chisquare(observed, exp).pvalue)
-
-
 def test_tree_rejection_sample_commits_tokens_distributed_as_the_target():
     from nightjar_jax.spec.rejection import tree_rejection_sample
 
@@ -356,19 +345,19 @@ def test_tree_rejection_sample_commits_tokens_distributed_as_the_target():
     out, k, path = np.asarray(out), np.asarray(k), np.asarray(path)
     vocab = probs.shape[1]
     # first token ~ p(root)
-    assert _p_value(np.bincount(out[:, 0], minlength=vocab), probs[0]) > 1e-3
+    assert _chi_square_p_value(np.bincount(out[:, 0], minlength=vocab), probs[0]) > 1e-3
     # second token, given the first is a child's token: ~ p(that child); given any other token: the step ended
     for child in (1, 2, 3):
         rows = out[:, 0] == node_tok[child]
         assert (k[rows] >= 1).all() and (path[rows, 1] == child).all()
-        assert _p_value(np.bincount(out[rows, 1], minlength=vocab), probs[child]) > 1e-3
+        assert _chi_square_p_value(np.bincount(out[rows, 1], minlength=vocab), probs[child]) > 1e-3
     others = ~np.isin(out[:, 0], node_tok[[1, 2, 3]])
     assert (k[others] == 0).all() and (out[others, 1] == -1).all()
     # the third token after an accepted second-level node ~ p(that node) (a leaf: its bonus draw)
     rows = (path[:, 1] == 1) & (out[:, 1] == node_tok[4])
-    assert (k[rows] == 2).all() and _p_value(np.bincount(out[rows, 2], minlength=vocab), probs[4]) > 1e-3
+    assert (k[rows] == 2).all() and _chi_square_p_value(np.bincount(out[rows, 2], minlength=vocab), probs[4]) > 1e-3
     # negative control: the first token is far from a different distribution
-    assert _p_value(np.bincount(out[:, 0], minlength=vocab), np.roll(probs[0], 1)) < 1e-6
+    assert _chi_square_p_value(np.bincount(out[:, 0], minlength=vocab), np.roll(probs[0], 1)) < 1e-6
     # and acceptance happens as often as the children's mass says: P(k >= 1) = p_root(children's tokens)
     assert abs((k >= 1).mean() - probs[0][node_tok[[1, 2, 3]]].sum()) < 0.015
 
