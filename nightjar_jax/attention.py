@@ -9,8 +9,7 @@
 All implementations share one contract (see the reference's docstring): q ``[num_seqs, q_len, num_q_heads,
 head_dim]``, one layer's K/V pools ``[num_kv_heads, num_pages, page_size, head_dim]``, block tables, context lengths
 that include the ``q_len`` new tokens, and query ``i`` at position ``context_len - q_len + i``; an optional tree mask
-(speculative token trees) narrows what each query sees among the last keys (CPU kernel and reference; the Pallas
-path hands tree steps to the reference).
+(speculative token trees) narrows what each query sees among the last keys (every implementation takes it).
 """
 
 from __future__ import annotations
@@ -54,10 +53,6 @@ def paged_attention(
     tree_mask: jax.Array | None = None,  # [q_len, M] bool: a speculative token tree (reference.py)
 ) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim]
     impl = resolve_impl(impl)
-    if impl == "pallas" and tree_mask is not None:
-        # The Pallas bodies take no tree mask yet: a tree step (verify or draft, a few dozen queries per sequence)
-        # runs the jnp attention, on any backend.
-        impl = "reference"
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, block_tables, context_lens, scale=scale,
                                          tree_mask=tree_mask)
@@ -76,4 +71,5 @@ def paged_attention(
         context_lens,
         scale=scale,
         interpret=jax.default_backend() not in ("gpu", "tpu"),
+        tree_mask=tree_mask,
     )

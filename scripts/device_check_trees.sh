@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Token trees on an accelerator, in one device call (< 9 minutes): the tree tests (greedy SD with a tree == AR,
-# exact fake-model schedules), then chain vs trees for SmolLM2 + smollm2-eagle at batch 1 and 16, interleaved. On a
-# GPU the tree's verify runs through the jnp attention (the Pallas bodies take no tree mask yet). The table goes to
-# stdout; JSON to $OUT/bench_spec_tree_device.json (or ./ without $OUT).
+# exact fake-model schedules; on a GPU the Triton body compiled with a tree mask against the reference, and the
+# tiny model's tree steps through it), then chain vs trees for SmolLM2 + smollm2-eagle at batch 1 and 16,
+# interleaved, every tree step's attention on the Pallas body. The table goes to stdout; JSON to
+# $OUT/bench_spec_tree_device.json (or ./ without $OUT).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out_dir="${OUT:-.}"

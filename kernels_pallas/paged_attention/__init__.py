@@ -123,9 +123,11 @@ def paged_attention(
     scale: float,
     backend: str = "auto",
     interpret: bool | None = None,
+    tree_mask: jax.Array | None = None,  # [q_len, M] bool: a speculative token tree (reference.py)
     **tuning: int,
 ) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim], dtype of q
-    """Paged multi-query causal attention with GQA; same contract as ``paged_attention_reference``.
+    """Paged multi-query causal attention with GQA; same contract as ``paged_attention_reference``, tree mask
+    included (each q block's rows carry their tree mask as bit words: ``layout.py``).
 
     If q's dtype differs from the pages' dtype, q is cast to the pages' dtype for the matmuls and the output is
     returned in q's dtype.
@@ -137,6 +139,12 @@ def paged_attention(
       num_warps, num_stages).
     """
     _validate(q, k_pages, v_pages, block_tables, context_lens, scale)
+    if tree_mask is not None:
+        q_len = q.shape[1]
+        if tree_mask.ndim != 2 or tree_mask.shape[0] != q_len or tree_mask.shape[1] < q_len:
+            raise ValueError(f"tree_mask {tree_mask.shape} must be [q_len={q_len}, M >= q_len]")
+        if tree_mask.dtype != jnp.bool_:
+            raise ValueError(f"tree_mask dtype must be bool, got {tree_mask.dtype}")
     backend = _resolve_backend(backend)
     out_dtype = q.dtype
     # The matmuls take one input dtype; casting q (small) beats casting the page pool (large).
@@ -147,7 +155,8 @@ def paged_attention(
     if backend == "gpu":
         params = _validate_tuning(tuning, GPU_TUNING_DEFAULTS, backend, page_size, head_dim, not interpret)
         out = paged_attention_gpu(
-            q, k_pages, v_pages, block_tables, context_lens, scale=float(scale), interpret=bool(interpret), **params
+            q, k_pages, v_pages, block_tables, context_lens, tree_mask, scale=float(scale),
+            interpret=bool(interpret), **params
         )
         return out.astype(out_dtype)
     params = _validate_tuning(tuning, TPU_TUNING_DEFAULTS, backend, page_size, head_dim, not interpret)
@@ -157,6 +166,7 @@ def paged_attention(
 
         tpu_interpret = pltpu.InterpretParams()
     out = paged_attention_tpu(
-        q, k_pages, v_pages, block_tables, context_lens, scale=float(scale), interpret=tpu_interpret, **params
+        q, k_pages, v_pages, block_tables, context_lens, tree_mask, scale=float(scale), interpret=tpu_interpret,
+        **params
     )
     return out.astype(out_dtype)

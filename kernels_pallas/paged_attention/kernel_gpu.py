@@ -23,6 +23,8 @@ from kernels_pallas.paged_attention.layout import (
     num_keys_needed,
     online_softmax_step,
     pad_block_tables,
+    tree_visible,
+    tree_words,
     unfold_outputs,
 )
 
@@ -46,12 +48,13 @@ def _paged_attention_gpu_kernel(
     q_ref,  # [block_rows, head_dim]
     k_pages_ref,  # [num_pages, page_size, head_dim] (this KV head's pool)
     v_pages_ref,  # [num_pages, page_size, head_dim]
-    out_ref,  # [block_rows, head_dim]
-    *,
+    *refs,  # tree word refs ([block_rows, 1] int32 each; none without a tree), out_ref [block_rows, head_dim]
     blocking: QueryBlocking,
     pages_per_block: int,
     scale: float,
+    tree_window: int,  # M of the tree mask (0: no tree)
 ):
+    *word_refs, out_ref = refs
     q_block = pl.program_id(2)
     block_rows, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
@@ -61,6 +64,7 @@ def _paged_attention_gpu_kernel(
     context_len = context_lens_ref[0]
     query_pos = context_len - blocking.q_len + row_query_index_ref[...]  # [block_rows, 1]
     q = q_ref[...]
+    words = tuple(ref[...] for ref in word_refs)
     num_keys = num_keys_needed(context_len, q_block, blocking)
     # Clamp so a context_len beyond the block table's capacity cannot read past it.
     num_iterations = jnp.minimum(lax.div(num_keys + block_k - 1, block_k), max_iterations)
@@ -73,8 +77,10 @@ def _paged_attention_gpu_kernel(
         start = iteration * block_k
         key_pos_row = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         key_pos_col = start + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+        visible = tree_visible(words, key_pos_row, context_len - tree_window) if words else None
         return online_softmax_step(
-            q, k, v, key_pos_row, key_pos_col, query_pos, context_len, acc, row_max, row_sum, scale=scale
+            q, k, v, key_pos_row, key_pos_col, query_pos, context_len, acc, row_max, row_sum, scale=scale,
+            visible=visible,
         )
 
     acc = jnp.zeros((block_rows, head_dim), jnp.float32)
@@ -94,6 +100,7 @@ def paged_attention_gpu(
     v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
     block_tables: jax.Array,  # [num_seqs, max_pages_per_seq] int32
     context_lens: jax.Array,  # [num_seqs] int32
+    tree_mask: jax.Array | None = None,  # [q_len, M] bool (reference.py: speculative token trees)
     *,
     scale: float,
     interpret: bool,
@@ -111,9 +118,11 @@ def paged_attention_gpu(
     padded_pages_per_seq = block_tables.shape[1]
     row_query_index = jnp.asarray(blocking.row_query_index())  # [num_q_blocks * rows, 1]
     rows = blocking.block_rows
+    words = () if tree_mask is None else tree_words(tree_mask, blocking)
 
     kernel = functools.partial(
-        _paged_attention_gpu_kernel, blocking=blocking, pages_per_block=pages_per_block, scale=scale
+        _paged_attention_gpu_kernel, blocking=blocking, pages_per_block=pages_per_block, scale=scale,
+        tree_window=0 if tree_mask is None else tree_mask.shape[1],
     )
     compiler_params = None
     if plgpu is not None:
@@ -128,11 +137,12 @@ def paged_attention_gpu(
             pl.BlockSpec((None, None, rows, head_dim), lambda s, h, b: (s, h, b, 0)),
             pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, b: (h, 0, 0, 0)),
             pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, b: (h, 0, 0, 0)),
+            *[pl.BlockSpec((rows, 1), lambda s, h, b: (b, 0)) for _ in words],
         ],
         out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda s, h, b: (s, h, b, 0)),
         out_shape=jax.ShapeDtypeStruct(q_folded.shape, q.dtype),
         compiler_params=compiler_params,
         interpret=interpret,
-        name=f"paged_attention_gpu_rows{rows}_ppb{pages_per_block}",
-    )(block_tables, context_lens.reshape(num_seqs, 1), row_query_index, q_folded, k_pages, v_pages)
+        name=f"paged_attention_gpu_rows{rows}_ppb{pages_per_block}" + ("_tree" if words else ""),
+    )(block_tables, context_lens.reshape(num_seqs, 1), row_query_index, q_folded, k_pages, v_pages, *words)
     return unfold_outputs(out, blocking)

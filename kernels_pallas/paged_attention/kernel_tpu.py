@@ -25,6 +25,8 @@ from kernels_pallas.paged_attention.layout import (
     num_keys_needed,
     online_softmax_step,
     pad_block_tables,
+    tree_visible,
+    tree_words,
     unfold_outputs,
 )
 
@@ -44,12 +46,16 @@ def _paged_attention_tpu_kernel(
     context_lens_ref,  # SMEM [num_seqs] int32 (scalar prefetch)
     row_query_index_ref,  # VMEM [block_rows, 1] int32
     q_ref,  # VMEM [block_rows, head_dim]
-    *refs,  # k page refs x pages_per_block, v page refs x pages_per_block, out_ref, acc, row_max, row_sum scratch
+    *refs,  # tree word refs (VMEM [block_rows, 1] int32 each; none without a tree), k page refs x pages_per_block,
+    # v page refs x pages_per_block, out_ref, acc, row_max, row_sum scratch
     blocking: QueryBlocking,
     pages_per_block: int,
     scale: float,
+    num_tree_words: int,
+    tree_window: int,  # M of the tree mask (0: no tree)
 ):
     del block_tables_ref  # used by the index_maps only
+    word_refs, refs = refs[:num_tree_words], refs[num_tree_words:]
     k_refs = refs[:pages_per_block]  # each VMEM [page_size, head_dim]
     v_refs = refs[pages_per_block : 2 * pages_per_block]
     out_ref, acc_ref, row_max_ref, row_sum_ref = refs[2 * pages_per_block :]
@@ -74,6 +80,10 @@ def _paged_attention_tpu_kernel(
             start = logical_page * page_size
             key_pos_row = start + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
             key_pos_col = start + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
+            visible = None
+            if word_refs:
+                words = tuple(ref[...] for ref in word_refs)
+                visible = tree_visible(words, key_pos_row, context_len - tree_window)
             acc, row_max, row_sum = online_softmax_step(
                 q_ref[...],
                 k_refs[j][...],
@@ -86,6 +96,7 @@ def _paged_attention_tpu_kernel(
                 row_max_ref[...],
                 row_sum_ref[...],
                 scale=scale,
+                visible=visible,
             )
             acc_ref[...] = acc
             row_max_ref[...] = row_max
@@ -116,6 +127,7 @@ def paged_attention_tpu(
     v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
     block_tables: jax.Array,  # [num_seqs, max_pages_per_seq] int32
     context_lens: jax.Array,  # [num_seqs] int32
+    tree_mask: jax.Array | None = None,  # [q_len, M] bool (reference.py: speculative token trees)
     *,
     scale: float,
     interpret: bool | object,
@@ -137,6 +149,7 @@ def paged_attention_tpu(
     padded_pages_per_seq = block_tables.shape[1]
     row_query_index = jnp.asarray(blocking.row_query_index())  # [num_q_blocks * rows, 1]
     rows = blocking.block_rows
+    words = () if tree_mask is None else tree_words(tree_mask, blocking)
 
     page_specs = [
         pl.BlockSpec(
@@ -157,6 +170,7 @@ def paged_attention_tpu(
         in_specs=[
             pl.BlockSpec((rows, 1), lambda s, h, b, p, *_: (b, 0)),
             pl.BlockSpec((None, None, rows, head_dim), lambda s, h, b, p, *_: (s, h, b, 0)),
+            *[pl.BlockSpec((rows, 1), lambda s, h, b, p, *_: (b, 0)) for _ in words],
             *page_specs,
             *page_specs,
         ],
@@ -168,7 +182,8 @@ def paged_attention_tpu(
         ],
     )
     kernel = functools.partial(
-        _paged_attention_tpu_kernel, blocking=blocking, pages_per_block=pages_per_block, scale=scale
+        _paged_attention_tpu_kernel, blocking=blocking, pages_per_block=pages_per_block, scale=scale,
+        num_tree_words=len(words), tree_window=0 if tree_mask is None else tree_mask.shape[1],
     )
     out = pl.pallas_call(
         kernel,
@@ -176,12 +191,13 @@ def paged_attention_tpu(
         out_shape=jax.ShapeDtypeStruct(q_folded.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
-        name=f"paged_attention_tpu_rows{rows}_ppb{pages_per_block}",
+        name=f"paged_attention_tpu_rows{rows}_ppb{pages_per_block}" + ("_tree" if words else ""),
     )(
         block_tables.reshape(-1),
         context_lens,
         row_query_index,
         q_folded,
+        *words,
         *([k_pages] * pages_per_block),
         *([v_pages] * pages_per_block),
     )

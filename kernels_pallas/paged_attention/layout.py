@@ -10,6 +10,10 @@ Vocabulary (beyond ``reference.py``)
   M >= 16, and Mosaic TPU needs a multiple of 8 sublanes).
 - row query index: per row, the index ``i`` of its query in ``0 .. q_len - 1``; padding rows get ``-PAD_ROW``,
   which puts them at a negative position so they are treated exactly like left padding (no keys, output 0).
+- tree words (speculative token trees, ``reference.py``): the ``[q_len, M]`` tree mask packed per row into
+  ``ceil(M / 32)`` int32 columns; bit ``b`` of word ``w`` says whether the row's query sees window key ``32 w + b``
+  (window key ``j`` is position ``context_len - M + j``). Bit tests are elementwise shifts and selects, which both
+  the Triton and the Mosaic lowerings take, where a gather from a ``[q_len, M]`` block would not lower.
 
 Worked example (q_len 3, group 2, block_q 2 -> 2 q blocks, block_rows 16):
   q block 0 rows 0..3 = (query 0, head 0), (0, 1), (1, 0), (1, 1); rows 4..15 are padding.
@@ -98,6 +102,39 @@ def num_keys_needed(context_len: jax.Array, q_block: jax.Array, blocking: QueryB
     return jnp.clip(context_len - b.q_len + last_query + 1, 0, context_len)
 
 
+TREE_WORD_BITS = 32
+
+
+def tree_words(tree_mask: jax.Array, blocking: QueryBlocking) -> tuple[jax.Array, ...]:
+    """``[q_len, M]`` bool -> ``ceil(M / 32)`` int32 columns ``[num_q_blocks * block_rows, 1]`` (module doc:
+    tree words); padding rows get 0 (they see no key anyway)."""
+    q_len, window = tree_mask.shape
+    num_words = -(-window // TREE_WORD_BITS)
+    bits = jnp.pad(tree_mask.astype(jnp.uint32), ((0, 0), (0, num_words * TREE_WORD_BITS - window)))
+    bits = bits.reshape(q_len, num_words, TREE_WORD_BITS) << jnp.arange(TREE_WORD_BITS, dtype=jnp.uint32)
+    words = lax.bitcast_convert_type(jnp.sum(bits, axis=-1, dtype=jnp.uint32), jnp.int32)  # [q_len, num_words]
+    index = blocking.row_query_index()[:, 0]
+    real = index >= 0
+    rows = jnp.where(jnp.asarray(real)[:, None], words[np.where(real, index, 0)], 0)
+    return tuple(rows[:, w : w + 1] for w in range(num_words))
+
+
+def tree_visible(
+    words: tuple[jax.Array, ...],  # each [block_rows, 1] int32 (``tree_words``, this q block's rows)
+    key_pos_row: jax.Array,  # [1, block_k] int32 absolute key positions
+    window_start: jax.Array,  # [] int32: context_len - M
+) -> jax.Array:  # [block_rows, block_k] bool
+    """Which keys each row may see under its tree words: every key before the window, and inside it the keys whose
+    bit is set (causality and the context length are the caller's)."""
+    rel = key_pos_row - window_start  # [1, block_k]; negative before the window
+    word_of_key = rel >> 5  # rel // 32; negative before the window, where no word matches
+    word = jnp.where(word_of_key == 0, words[0], 0)
+    for w in range(1, len(words)):
+        word = jnp.where(word_of_key == w, words[w], word)
+    bit = (word >> (rel & (TREE_WORD_BITS - 1))) & 1  # arithmetic shift: bit 31 comes out right too
+    return (rel < 0) | (bit != 0)
+
+
 def online_softmax_step(
     q: jax.Array,  # [block_rows, head_dim], input dtype
     k: jax.Array,  # [block_k, head_dim], input dtype (may hold NaN past the context)
@@ -111,6 +148,7 @@ def online_softmax_step(
     row_sum: jax.Array,  # [block_rows, 1] f32 running sum of exp(score - row_max)
     *,
     scale: float,
+    visible: jax.Array | None = None,  # [block_rows, block_k] bool: a token tree's mask (``tree_visible``)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One flash-attention update over ``block_k`` keys. Masking is by select, never by multiply: keys past the
     context may be NaN and ``0 * nan = nan``, so masked scores, probabilities and values are all replaced."""
@@ -121,6 +159,8 @@ def online_softmax_step(
     )  # [block_rows, block_k]
     scores = scores * scale
     mask = (key_pos_row < context_len) & (key_pos_row <= query_pos)  # [block_rows, block_k]
+    if visible is not None:
+        mask &= visible
     scores = jnp.where(mask, scores, MASK_VALUE)
     row_max_next = jnp.maximum(row_max, jnp.max(scores, axis=1, keepdims=True))
     correction = jnp.exp(row_max - row_max_next)

@@ -179,8 +179,9 @@ def test_wrapper_rejects_bad_inputs(change, message):
         paged_attention(**kwargs, scale=case.scale)
 
 
-def _lower_for(platform: str, body, **kwargs) -> str:
-    """Lower (not run) a compiled body for ``platform`` from this CPU host; returns the StableHLO text."""
+def _lower_for(platform: str, body, tree_window: int = 0, **kwargs) -> str:
+    """Lower (not run) a compiled body for ``platform`` from this CPU host; returns the StableHLO text.
+    ``tree_window``: also pass a ``[q_len, tree_window]`` tree mask (speculative token trees)."""
     from jax import export
 
     dtype = BF16
@@ -191,6 +192,8 @@ def _lower_for(platform: str, body, **kwargs) -> str:
         jax.ShapeDtypeStruct((4, 16), jnp.int32),  # block_tables
         jax.ShapeDtypeStruct((4,), jnp.int32),  # context_lens
     ]
+    if tree_window:
+        shapes.append(jax.ShapeDtypeStruct((4, tree_window), jnp.bool_))
     fn = jax.jit(functools.partial(body, scale=128**-0.5, interpret=False, **kwargs))
     # The Triton custom call has no serialisation-compatibility guarantee; we only want the lowering.
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
@@ -209,3 +212,14 @@ def test_tpu_body_lowers_to_mosaic():
 
     text = _lower_for("tpu", kernel_tpu.paged_attention_tpu)
     assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_bodies_lower_with_a_tree_mask(platform):
+    """A 4-query tree step over a 40-key window (two bit words): the shifts and selects lower too."""
+    from kernels_pallas.paged_attention import kernel_tpu
+
+    body = kernel_gpu.paged_attention_gpu if platform == "cuda" else kernel_tpu.paged_attention_tpu
+    text = _lower_for(platform, body, tree_window=40)
+    assert ("__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call") in text
+    assert "_tree" in text  # the kernel's name marks the tree variant

@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
 from helpers import VOCAB, fake_engine, greedy, run_all  # noqa: E402
 
-from kernels_pallas.paged_attention import cpu, paged_attention_reference  # noqa: E402
+from kernels_pallas.paged_attention import cpu, paged_attention, paged_attention_reference  # noqa: E402
 from nightjar_jax.spec.rejection import tree_greedy_verify  # noqa: E402
 from nightjar_jax.spec.tree import DEFAULT_TREE_ORDER, MAX_TREE_NODES, chain_paths, make_tree, tree_for  # noqa: E402
 from nightjar_jax.testing import fake_greedy_continuation  # noqa: E402
@@ -141,6 +141,34 @@ def test_cpu_kernel_tree_mask_matches_reference(dtype):
         cpu.paged_attention_cpu(*case.args, scale=case.scale, tree_mask=mask[:, :10])
 
 
+@pytest.mark.parametrize("backend, dtype, q_len, window, tuning", [
+    ("gpu", jnp.float32, 20, 40, {"block_rows": 16}),  # 40 rows per head: 3 q blocks; 2 bit words
+    ("gpu", jnp.bfloat16, 5, 70, {}),  # 3 words, the last partial
+    ("tpu", jnp.float32, 20, 40, {"block_rows": 16}),
+    ("tpu", jnp.bfloat16, 3, 33, {}),  # window key 32 is the second word's bit 0
+], ids=["gpu-f32-3blocks", "gpu-bf16-3words", "tpu-f32-3blocks", "tpu-bf16-33"])
+def test_pallas_bodies_tree_mask_match_reference(backend, dtype, q_len, window, tuning):
+    """The Pallas bodies under a tree mask == the reference (compiled on their own accelerator, else interpreted);
+    the mask changes the output."""
+    case = make_case([window + 5, window + 21], q_len=q_len, num_q_heads=4, num_kv_heads=2, page_size=8,
+                     dtype=dtype)
+    mask = _tree_case(q_len, window, seed=window)
+    want = paged_attention_reference(*case.args, scale=case.scale, tree_mask=mask)
+    got = paged_attention(*case.args, scale=case.scale, backend=backend, tree_mask=mask,
+                          interpret=jax.default_backend() != backend, **tuning)
+    assert_close(got, want)
+    causal = paged_attention_reference(*case.args, scale=case.scale)
+    assert float(jnp.abs(got.astype(jnp.float32) - causal.astype(jnp.float32)).max()) > 0.05
+
+
+def test_pallas_wrapper_rejects_a_bad_tree_mask():
+    case = make_case([9], q_len=3, num_q_heads=2, num_kv_heads=1, page_size=4)
+    with pytest.raises(ValueError, match=r"tree_mask \(3, 2\) must be \[q_len=3, M >= q_len\]"):
+        paged_attention(*case.args, scale=case.scale, tree_mask=jnp.ones((3, 2), bool))
+    with pytest.raises(ValueError, match="tree_mask dtype must be bool"):
+        paged_attention(*case.args, scale=case.scale, tree_mask=jnp.ones((3, 4), jnp.int32))
+
+
 # ---- the engine, fake models ------------------------------------------------------------------------------------
 
 PROMPTS = [[5, 6, 7], list(range(1, 21)), [42, 1], [3, 3], list(range(30, 43))]
@@ -239,7 +267,7 @@ def real_ar():
     return [o.outputs[0].token_ids for o in llm.generate(REAL_PROMPTS, SamplingParams(temperature=0, max_tokens=40))]
 
 
-@pytest.mark.parametrize("impl", ["auto", "reference"])
+@pytest.mark.parametrize("impl", ["auto", "reference", "pallas"])
 def test_real_model_tree_equals_ar_and_steady_state_compiles_nothing(real_ar, impl):
     from nightjar_jax import LLM, SamplingParams
 
