@@ -327,8 +327,11 @@ class ModelRunner:
                 level, above = tree.level(d), tree.level(d - 1)
                 parents = np.asarray([tree.parent[i] - above.start for i in level])
                 ranks = np.asarray([tree.rank[i] for i in level])
-                top = top_k_ids(d_logits(state, outs), tree.top_k(d - 1))  # [S, |above|, k]
-                toks = top[:, parents, ranks].astype(jnp.int32)  # [S, |level|]
+                # the draft's head runs only over the nodes of the level above that have children (60 nodes: 25
+                # head rows per step instead of 47)
+                expanded, parent_row = np.unique(parents, return_inverse=True)
+                top = top_k_ids(d_logits(state, outs[:, expanded]), tree.top_k(d - 1))  # [S, |expanded|, k]
+                toks = top[:, parent_row, ranks].astype(jnp.int32)  # [S, |level|]
                 node_tokens.append(toks)
                 if d == tree.depth:
                     break
