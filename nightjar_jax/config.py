@@ -209,6 +209,10 @@ class SpecConfig:
     # top-ranked tokens per node; nightjar_jax/spec/tree.py) instead of a chain of γ, greedy or sampled (recursive
     # rejection sampling down the tree, lossless); 0: always a chain.
     spec_tree_nodes: int = 0
+    # The smallest γ whose decode steps use the tree; smaller γ stay chains. With the default 1 every γ > 0 uses
+    # it; with num_speculative_tokens, only γ_max does, so the planner chooses between AR, chains and the tree by
+    # load (a wide verify pays at low load, where a target pass is memory-bound, and not at high load).
+    spec_tree_min_gamma: int = 1
     # The tree's rank-path order: a JSON file with "order" (scripts/fit_spec_tree.py fit writes one for a draft);
     # None: nightjar_jax/spec/default_tree.json (fitted to smollm2-eagle).
     spec_tree_file: str | None = None
@@ -216,6 +220,11 @@ class SpecConfig:
     def __post_init__(self) -> None:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 0, 16)
         _check_int("spec_tree_nodes", self.spec_tree_nodes, 0, 128)
+        _check_int("spec_tree_min_gamma", self.spec_tree_min_gamma, 1, 16)
+        _check(not self.spec_tree_nodes or self.spec_tree_min_gamma <= max(self.num_speculative_tokens, 1),
+               "spec_tree_min_gamma", self.spec_tree_min_gamma,
+               f"at most num_speculative_tokens={self.num_speculative_tokens} when spec_tree_nodes > 0 (no γ would "
+               "use the tree)")
         _check(self.spec_tree_file is None or (isinstance(self.spec_tree_file, str) and bool(self.spec_tree_file)),
                "spec_tree_file", self.spec_tree_file, "None or a path to a JSON file with an 'order' of rank paths")
 

@@ -113,7 +113,7 @@ class LLMEngine:
             target, draft, num_pages=num_pages, page_size=config.cache.page_size, max_model_len=self.max_model_len,
             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
             gamma_max=gamma_max, bucket_pages=resolve_impl(config.attention_impl) == "reference",
-            tree_nodes=config.spec.spec_tree_nodes, tree_order=(
+            tree_nodes=config.spec.spec_tree_nodes, tree_min_gamma=config.spec.spec_tree_min_gamma, tree_order=(
                 None if config.spec.spec_tree_file is None else load_tree_order(config.spec.spec_tree_file)
             ),
         )

@@ -162,14 +162,16 @@ class ModelRunner:
         bucket_pages: bool = True,
         tree_nodes: int = 0,
         tree_order=None,
+        tree_min_gamma: int = 1,
     ):
         """``bucket_pages``: pad block tables to a power-of-two width covering the batch's longest sequence instead
         of ``max_model_len``. The reference attention gathers the whole table, so on CPU this keeps attention cost
         proportional to the context; the Pallas kernels stop at each context length and need one width only.
 
         ``tree_nodes``: decode steps at γ verify a static token tree of up to this many drafted nodes and depth γ
-        (``nightjar_jax/spec/tree.py``; 0: always a chain), greedy or sampled (lossless either way); ``tree_order``
-        the rank paths the trees are cut from (default: the shipped order)."""
+        (``nightjar_jax/spec/tree.py``; 0: always a chain), greedy or sampled (lossless either way), at every
+        γ >= ``tree_min_gamma`` (smaller γ stay chains); ``tree_order`` the rank paths the trees are cut from
+        (default: the shipped order)."""
         self.target = target
         self.draft = draft
         self.num_pages = num_pages
@@ -178,7 +180,8 @@ class ModelRunner:
         self.gamma_max = gamma_max if draft is not None else 0
         self.trees: dict[int, SpecTree] = {}
         if tree_nodes and self.gamma_max:
-            self.trees = {g: tree_for(tree_nodes, g, tree_order) for g in range(1, self.gamma_max + 1)}
+            self.trees = {g: tree_for(tree_nodes, g, tree_order)
+                          for g in range(max(tree_min_gamma, 1), self.gamma_max + 1)}
         max_pages = -(-(max_model_len + self.max_lookahead() + 1) // page_size)
         self.shapes = RunnerShapes(
             decode_buckets=buckets_up_to(max_num_seqs),

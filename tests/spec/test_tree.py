@@ -251,6 +251,30 @@ def test_spec_tree_nodes_is_validated():
 
     with pytest.raises(ValueError, match="spec_tree_nodes"):
         make_engine_config(model="fake", spec_tree_nodes=MAX_TREE_NODES + 1)
+    with pytest.raises(ValueError, match=r"spec_tree_min_gamma.*at most num_speculative_tokens=4"):
+        make_engine_config(model="fake", spec_tree_nodes=8, spec_tree_min_gamma=5)
+    with pytest.raises(ValueError, match="spec_tree_min_gamma"):
+        make_engine_config(model="fake", spec_tree_min_gamma=0)
+    assert make_engine_config(model="fake", spec_tree_min_gamma=5).spec.spec_tree_min_gamma == 5  # no tree: unused
+
+
+def test_tree_only_from_spec_tree_min_gamma_and_chains_below():
+    """spec_tree_min_gamma = γ_max: steps at γ_max verify the tree, smaller γ a chain, γ = 0 plain decoding; every
+    mix of them commits the AR tokens, the scheduler reserves each step's own lookahead, and all pages come back."""
+    rng = random.Random(1)
+    eng = fake_engine(draft=True, runner_up=True, num_speculative_tokens=3, spec_tree_nodes=9,
+                      spec_tree_min_gamma=3, num_pages=40, max_num_seqs=5)
+    assert sorted(eng.runner.trees) == [3]
+    assert [eng.runner.lookahead(g) for g in range(4)] == [0, 1, 2, 9]
+    _force_gamma(eng, lambda: rng.randint(0, 3))
+    eng.record_steps = True
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, greedy(25), request_id=str(i))
+    assert run_all(eng) == {str(i): _expected(p, 25) for i, p in enumerate(PROMPTS)}
+    assert eng.num_free_pages == eng.num_total_pages
+    log = eng.stats.step_log
+    assert {s["gamma"] for s in log} == {0, 1, 2, 3}
+    assert all(s["tree_nodes"] == (9 if s["gamma"] == 3 else 0) for s in log)
 
 
 # ---- the engine, the tiny real model -----------------------------------------------------------------------------
