@@ -51,8 +51,9 @@ def test_engine_log_replays_through_the_planner(tmp_path):
 
 
 def test_nightjar_planner_chooses_among_ar_chains_and_a_tree():
-    """spec_tree_min_gamma = γ_max: the bandit's arms are AR, chains and the tree; it explores them all in one run
-    (steps at γ_max verify the tree, the others a chain), and the output stays the AR tokens."""
+    """spec_tree_min_gamma = γ_max: the bandit's arms are AR, chains and the tree. Its first bins play γ_max (the
+    tree) and then the nearest untried arms (chains); which arms follow depends on measured step times, so only
+    that much is pinned. Steps at γ_max verify the tree, the others a chain, and the output stays the AR tokens."""
     eng = fake_engine(draft=True, runner_up=True, num_speculative_tokens=3, planner="nightjar", spec_tree_nodes=8,
                       spec_tree_min_gamma=3, num_pages=48, max_num_seqs=5)
     eng.record_steps = True
@@ -60,7 +61,8 @@ def test_nightjar_planner_chooses_among_ar_chains_and_a_tree():
         eng.add_request(p, greedy(40), request_id=str(i))
     assert run_all(eng) == {str(i): fake_greedy_continuation(p, 40, VOCAB) for i, p in enumerate(PROMPTS)}
     log = eng.stats.step_log
-    assert {s["gamma"] for s in log} == {0, 1, 2, 3}
+    gammas = {s["gamma"] for s in log}
+    assert 3 in gammas and gammas & {1, 2}
     assert {s["tree_nodes"] for s in log if s["gamma"] == 3} == {8}
     assert {s["tree_nodes"] for s in log if s["gamma"] < 3} == {0}
     assert eng.num_free_pages == eng.num_total_pages
