@@ -18,7 +18,18 @@ engine's step log (decode steps only; prefill excluded):
                                                          # chain vs token trees (greedy), interleaved
 
 With ``--tree-nodes`` each draft runs once per node count (0 = the chain; N: ``spec_tree_nodes=N``, a static tree
-of N nodes and depth γ verified in one target pass), labelled ``<draft>+treeN``, interleaved like ``--drafts``.
+of N nodes and depth γ verified in one target pass), labelled ``<draft>+treeN``, interleaved like ``--drafts``;
+``--tree-min-gamma G`` keeps γ < G chains in the tree variants (``spec_tree_min_gamma``).
+
+``--planner NAME`` times the planner instead of forced γ: per batch size, plain decoding (γ = 0, forced) and then
+the engine with that planner choosing γ every step, with the share of decode steps each γ got. Before that every γ
+runs the workload once forced (compiling its shapes), the planner is rebuilt (forced steps also reach its
+``observe``, compile time included), and one untimed planner run starts its learning, which carries on through the
+timed runs (and into the next batch size: its contexts are batch-size buckets). With ``--tree-nodes 0,N --tree-min-gamma γ_max`` this shows what offering
+the planner a tree arm costs or gains against the chains alone::
+
+    python scripts/bench_spec.py --models smollm2-135m-instruct --planner nightjar --tree-nodes 0,16 \
+        --tree-min-gamma 4 --batch-sizes 1,8 --repeats 3
 """
 
 from __future__ import annotations
@@ -55,6 +66,10 @@ def parse_args() -> argparse.Namespace:
                         "(default: the target's best draft, MODELS)")
     p.add_argument("--tree-nodes", default="0",
                    help="comma list of token-tree sizes per draft (0: the chain), timed interleaved")
+    p.add_argument("--tree-min-gamma", type=int, default=1,
+                   help="tree variants use the tree at γ >= this, chains below (spec_tree_min_gamma)")
+    p.add_argument("--planner", default="",
+                   help="time this planner choosing γ (against forced AR) instead of every forced γ")
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--gamma-max", type=int, default=4)
     p.add_argument("--gammas", default=None, help="comma list of γ to run (default 0..γ_max; 0 = AR is always run)")
@@ -74,6 +89,8 @@ def bench_model(model: str, args: argparse.Namespace, batch_sizes: list[int], te
     from nightjar_jax import LLM
 
     max_batch = max(batch_sizes)
+    planner = getattr(args, "planner", "") or ""
+    tree_min_gamma = getattr(args, "tree_min_gamma", 1)
     trees = [int(n) for n in args.tree_nodes.split(",")]
     variants = {(d if n == 0 else f"{d}+tree{n}"): (d, n)
                 for d in (args.drafts.split(",") if args.drafts else [MODELS[model]]) for n in trees}
@@ -85,12 +102,15 @@ def bench_model(model: str, args: argparse.Namespace, batch_sizes: list[int], te
         llms[name] = LLM(model, max_model_len=512, max_num_seqs=max_batch, max_num_batched_tokens=512,
                          num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, lookahead),
                          dtype=args.dtype, draft_model=draft, num_speculative_tokens=args.gamma_max,
-                         spec_tree_nodes=nodes)
+                         spec_tree_nodes=nodes, spec_tree_min_gamma=tree_min_gamma if nodes else 1,
+                         **({"planner": planner} if planner else {}))
         print(f"loaded {model} + draft {name} in {time.perf_counter() - t0:.1f}s", flush=True)
     first = llms[drafts[0]]
     prompts_all, source = make_prompt_ids(first.get_tokenizer(), texts, max_batch, args.prompt_len,
                                           first.engine.target.config.vocab_size)
     gammas = sorted({0} | {int(g) for g in args.gammas.split(",")}) if args.gammas else range(args.gamma_max + 1)
+    if planner:
+        gammas = [0, None]  # None: the planner chooses
     rows = []
     for b in batch_sizes:
         prompts = prompts_all[:b]
@@ -98,6 +118,11 @@ def bench_model(model: str, args: argparse.Namespace, batch_sizes: list[int], te
             # Warm-up with the full workload: sequences finish at different steps under speculation, so the batch
             # shrinks through smaller batch buckets whose variants must compile before the timed run.
             for llm in llms.values():
+                if gamma is None:  # every arm's shapes compile first, so the planner's timed runs compile nothing;
+                    for g in range(args.gamma_max + 1):
+                        run_decode_workload(llm, prompts, args.output_len, g)
+                    # then a fresh planner: the forced steps (compiles included) reached the old one's observe()
+                    llm.engine.planner = llm.engine._make_planner()
                 run_decode_workload(llm, prompts, args.output_len, gamma)
             runs: dict[str, list] = {d: [] for d in drafts}
             for _ in range(args.repeats):
@@ -112,9 +137,12 @@ def bench_model(model: str, args: argparse.Namespace, batch_sizes: list[int], te
                            draft_share=run.draft_seconds / spec_seconds,
                            verify_share=run.verify_seconds / spec_seconds)
                 rows.append(row)
-                print(f"{model:22s} {d:20s} b={b:3d} γ={gamma}: {row['tokens_per_second']:9.1f} tok/s  "
+                if gamma is None:
+                    row.update(gamma=f"planner:{planner}")
+                print(f"{model:22s} {d:20s} b={b:3d} γ={row['gamma']}: {row['tokens_per_second']:9.1f} tok/s  "
                       f"accepted len {run.mean_accepted_length:4.2f}  draft {100 * row['draft_share']:4.1f}%  "
-                      f"verify {100 * row['verify_share']:4.1f}%  load={os.getloadavg()[0]:.1f}", flush=True)
+                      f"verify {100 * row['verify_share']:4.1f}%  steps per γ {run.gamma_steps}  "
+                      f"load={os.getloadavg()[0]:.1f}", flush=True)
     del llms
     return rows
 
@@ -135,6 +163,20 @@ def print_table(rows: list[dict], gamma_max: int) -> None:
         print(f"| {model} | {draft} | {b} | " + " | ".join(parts) + " |")
 
 
+def print_planner_table(rows: list[dict]) -> None:
+    """``--planner`` runs: per variant and batch, forced AR against the planner, and the planner's γ shares."""
+    print("| model | draft | batch | AR tok/s | planner tok/s (x AR; acc len) | decode steps per γ |")
+    print("|---|---|---:|---:|---:|---|")
+    cells = {(r["model"], r["draft"], r["batch_size"], r["gamma"] == 0): r for r in rows}
+    for model, draft, b in dict.fromkeys((r["model"], r["draft"], r["batch_size"]) for r in rows):
+        ar, pl = cells[(model, draft, b, True)], cells[(model, draft, b, False)]
+        steps = sum(pl["gamma_steps"].values())
+        shares = ", ".join(f"γ={g}: {100 * n / steps:.0f}%" for g, n in pl["gamma_steps"].items())
+        print(f"| {model} | {draft} | {b} | {ar['tokens_per_second']:.1f} | {pl['tokens_per_second']:.1f} "
+              f"({pl['tokens_per_second'] / ar['tokens_per_second']:.2f}x; {pl['mean_accepted_length']:.2f}) | "
+              f"{shares} |")
+
+
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -146,7 +188,7 @@ def main() -> None:
     for model in args.models.split(","):
         rows += bench_model(model, args, batch_sizes, texts)
     print()
-    print_table(rows, args.gamma_max)
+    (print_planner_table(rows) if args.planner else print_table(rows, args.gamma_max))
     write_json(args.out, {"args": vars(args), "machine": meta, "rows": rows})
     print(f"wrote {args.out}")
 

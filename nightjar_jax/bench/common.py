@@ -12,6 +12,7 @@ Vocabulary:
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import platform
@@ -115,6 +116,7 @@ class DecodeRun:
     catchup_seconds: float
     total_seconds: float  # whole generate() wall, prefill included
     mean_accepted_length: float  # committed tokens per sequence per decode step
+    gamma_steps: dict | None = None  # γ -> decode steps that ran it (the planner's choices when γ was not forced)
 
     @property
     def tokens_per_second(self) -> float:
@@ -130,14 +132,17 @@ class DecodeRun:
         return d
 
 
-def run_decode_workload(llm, prompts: list[list[int]], output_len: int, gamma: int = 0) -> DecodeRun:
-    """Generate ``output_len`` greedy tokens for every prompt at a forced γ; time decode steps only."""
+def run_decode_workload(llm, prompts: list[list[int]], output_len: int, gamma: int | None = 0) -> DecodeRun:
+    """Generate ``output_len`` greedy tokens for every prompt at a forced γ (None: the engine's planner picks γ
+    each step, and keeps what it learned across calls); time decode steps only."""
     from nightjar_jax import SamplingParams
 
     engine = llm.engine
     engine.record_steps = True
     engine.stats.step_log.clear()
-    if engine.draft is not None:
+    if gamma is None:
+        engine.__dict__.pop("_select_gamma", None)  # undo an earlier forced γ: the class method asks the planner
+    elif engine.draft is not None:
         engine._select_gamma = lambda: gamma if engine.scheduler.num_decoding() else 0
     sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     t0 = time.perf_counter()
@@ -154,6 +159,7 @@ def run_decode_workload(llm, prompts: list[list[int]], output_len: int, gamma: i
         draft_seconds=sum(s["draft_seconds"] for s in log), verify_seconds=sum(s["verify_seconds"] for s in log),
         catchup_seconds=sum(s["catchup_seconds"] for s in log), total_seconds=total,
         mean_accepted_length=committed / seq_steps if seq_steps else 0.0,
+        gamma_steps=dict(sorted(collections.Counter(s["gamma"] for s in log).items())),
     )
 
 
