@@ -25,8 +25,8 @@ of N nodes and depth γ verified in one target pass), labelled ``<draft>+treeN``
 the engine with that planner choosing γ every step, with the share of decode steps each γ got. Before that every γ
 runs the workload once forced (compiling its shapes), the planner is rebuilt (forced steps also reach its
 ``observe``, compile time included), and one untimed planner run starts its learning, which carries on through the
-timed runs (and into the next batch size: its contexts are batch-size buckets). With ``--tree-nodes 0,N --tree-min-gamma γ_max`` this shows what offering
-the planner a tree arm costs or gains against the chains alone::
+timed runs. With ``--tree-nodes 0,N --tree-min-gamma γ_max`` this shows what offering the planner a tree arm costs
+or gains against the chains alone::
 
     python scripts/bench_spec.py --models smollm2-135m-instruct --planner nightjar --tree-nodes 0,16 \
         --tree-min-gamma 4 --batch-sizes 1,8 --repeats 3
