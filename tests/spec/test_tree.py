@@ -161,6 +161,28 @@ def test_pallas_bodies_tree_mask_match_reference(backend, dtype, q_len, window, 
     assert float(jnp.abs(got.astype(jnp.float32) - causal.astype(jnp.float32)).max()) > 0.05
 
 
+def test_tree_words_pack_each_folded_row_and_tree_visible_unpacks_them():
+    """The Pallas bodies' mask format: per folded row (query x group head, padded), ceil(M / 32) int32 words whose
+    bits are that query's mask row; ``tree_visible`` reads a key's bit back, and keys before the window stay visible."""
+    from kernels_pallas.paged_attention.layout import QueryBlocking, tree_visible, tree_words
+
+    q_len, window, group = 5, 70, 2
+    mask = _tree_case(q_len, window, seed=5)
+    blocking = QueryBlocking.choose(q_len, group, 16)
+    words = tree_words(mask, blocking)
+    assert len(words) == 3 and all(w.shape == (blocking.num_q_blocks * blocking.block_rows, 1) for w in words)
+    index = blocking.row_query_index()[:, 0]
+    context_len = 100
+    key_pos = jnp.arange(context_len, dtype=jnp.int32)[None, :]
+    seen = np.asarray(tree_visible(words, key_pos, jnp.int32(context_len - window)))
+    for r, query in enumerate(index):
+        if query < 0:  # padding row: no bits, so only keys before the window
+            assert seen[r].tolist() == [k < context_len - window for k in range(context_len)]
+        else:
+            assert seen[r, : context_len - window].all()
+            assert seen[r, context_len - window :].tolist() == np.asarray(mask[query]).tolist()
+
+
 def test_pallas_wrapper_rejects_a_bad_tree_mask():
     case = make_case([9], q_len=3, num_q_heads=2, num_kv_heads=1, page_size=4)
     with pytest.raises(ValueError, match=r"tree_mask \(3, 2\) must be \[q_len=3, M >= q_len\]"):
