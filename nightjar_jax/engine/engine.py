@@ -46,6 +46,8 @@ class EngineStats:
     num_catchup_tokens: int = 0
     catchup_seconds: float = 0.0
     last_gamma: int = 0
+    last_tree_nodes: int = 0  # drafted nodes per sequence of the latest decode step if it verified a tree, else 0
+    decode_steps_per_gamma: dict[int, int] = field(default_factory=dict)  # γ -> decode steps run at it
     last_step_seconds: float = 0.0
     last_batch_size: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
@@ -335,6 +337,8 @@ class LLMEngine:
         s = self.stats
         s.num_decode_steps += 1
         s.last_gamma = result.gamma
+        s.last_tree_nodes = result.tree_nodes
+        s.decode_steps_per_gamma[result.gamma] = s.decode_steps_per_gamma.get(result.gamma, 0) + 1
         s.last_batch_size = batch.num_seqs
         if result.gamma > 0:
             s.num_drafted_tokens += result.num_drafted

@@ -1,8 +1,9 @@
 """Prometheus metrics for one server (its own ``CollectorRegistry``, so several apps can live in one process).
 
 Latency histograms and the per-finish-reason counter are fed by the engine thread as outputs finish
-(``ServerMetrics.on_output``); the gauges and engine counters (pages, queue lengths, γ, drafted / accepted tokens,
-planner switches) are read from the engine at scrape time by :class:`_EngineCollector`.
+(``ServerMetrics.on_output``); the gauges and engine counters (pages, queue lengths, γ, decode steps per γ, a tree's
+nodes, drafted / accepted tokens overall and per draft position, planner switches) are read from the engine at
+scrape time by :class:`_EngineCollector`.
 """
 
 from __future__ import annotations
@@ -37,8 +38,26 @@ class _EngineCollector:
         yield gauge("nightjar_kv_pages_total", "Usable KV cache pages", e.num_total_pages)
         yield gauge("nightjar_kv_pages_free", "Free KV cache pages", e.num_free_pages)
         yield gauge("nightjar_spec_gamma", "Speculation length γ of the latest decode step", stats.last_gamma)
+        yield gauge("nightjar_spec_tree_nodes", "Drafted nodes per sequence of the latest decode step if it verified "
+                    "a token tree, else 0", stats.last_tree_nodes)
+        steps = CounterMetricFamily("nightjar_decode_steps", "Decode steps by the speculation length γ they ran "
+                                    "(γ = 0: plain decoding; the planner's choices)", labels=["gamma"])
+        for g in range(e.gamma_max + 1):
+            steps.add_metric([str(g)], stats.decode_steps_per_gamma.get(g, 0))
+        yield steps
         yield counter("nightjar_spec_draft_tokens", "Draft tokens proposed", stats.num_drafted_tokens)
         yield counter("nightjar_spec_accepted_tokens", "Draft tokens accepted by the target", stats.num_accepted_tokens)
+        drafted = CounterMetricFamily(
+            "nightjar_spec_drafted_per_position", "Sequence-steps that drafted this position (1-based: γ >= it)",
+            labels=["position"])
+        accepted = CounterMetricFamily(
+            "nightjar_spec_accepted_per_position", "Sequence-steps whose draft was accepted at least up to this "
+            "position (1-based); a tree counts its accepted branch's depth", labels=["position"])
+        for i, (d, a) in enumerate(zip(stats.drafted_per_position, stats.accepted_per_position, strict=True)):
+            drafted.add_metric([str(i + 1)], d)
+            accepted.add_metric([str(i + 1)], a)
+        yield drafted
+        yield accepted
         # No draft offloading exists yet: the draft always stays on the device.
         yield gauge("nightjar_draft_offloaded", "1 while the draft model is offloaded from the device", 0)
         yield counter("nightjar_draft_offloads", "Draft model offloads", getattr(stats, "num_draft_offloads", 0))

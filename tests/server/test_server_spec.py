@@ -41,6 +41,14 @@ def test_speculative_server_metrics(spec_server):
     drafted = m["nightjar_spec_draft_tokens_total"] - before["nightjar_spec_draft_tokens_total"]
     accepted = m["nightjar_spec_accepted_tokens_total"] - before["nightjar_spec_accepted_tokens_total"]
     assert drafted > 0 and accepted == drafted  # the draft is the target: every draft token is accepted
+    steps = m['nightjar_decode_steps_total{gamma="3"}'] - before['nightjar_decode_steps_total{gamma="3"}']
+    assert steps > 0 and m['nightjar_decode_steps_total{gamma="0"}'] == before['nightjar_decode_steps_total{gamma="0"}']
+    assert m["nightjar_spec_tree_nodes"] == 0  # a chain
+    for pos in (1, 2, 3):  # every position drafted in every sequence-step, and accepted
+        key = f'nightjar_spec_accepted_per_position_total{{position="{pos}"}}'
+        assert m[key] - before[key] == steps
+        key = f'nightjar_spec_drafted_per_position_total{{position="{pos}"}}'
+        assert m[key] - before[key] == steps
     assert m["nightjar_draft_offloaded"] == 0 and m["nightjar_draft_offloads_total"] == 0
     assert m["nightjar_draft_reloads_total"] == 0 and "nightjar_planner_switches_total" in m
     assert m["nightjar_kv_pages_free"] == m["nightjar_kv_pages_total"]
@@ -62,6 +70,9 @@ def test_server_with_token_trees():
         drafted = m["nightjar_spec_draft_tokens_total"] - before["nightjar_spec_draft_tokens_total"]
         accepted = m["nightjar_spec_accepted_tokens_total"] - before["nightjar_spec_accepted_tokens_total"]
         assert drafted > accepted > 0 and drafted % 6 == 0  # 6 nodes per sequence-step, a depth-3 branch accepted
+        assert m["nightjar_spec_tree_nodes"] == 6
+        deep = 'nightjar_spec_accepted_per_position_total{position="3"}'
+        assert m[deep] - before[deep] > 0
         sampled = client.completions.create(model="stories260k", prompt="The dog", max_tokens=12, temperature=0.8,
                                              seed=3, extra_body={"ignore_eos": True})
         assert sampled.usage.completion_tokens == 12
