@@ -13,6 +13,12 @@ import sys
 
 from nightjar_jax.cli import add_engine_args, engine_config_from_args
 
+logger = logging.getLogger("nightjar_jax")
+
+# What bad flags raise while the engine starts: an invalid config value, an unknown preset or an unreadable
+# checkpoint, a bad sampling value. Reported as one line (the traceback at debug level), exit code 2.
+STARTUP_ERRORS = (ValueError, FileNotFoundError)
+
 
 def _generate(args: argparse.Namespace) -> int:
     import time
@@ -20,7 +26,13 @@ def _generate(args: argparse.Namespace) -> int:
     from nightjar_jax.engine.engine import LLMEngine
     from nightjar_jax.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(engine_config_from_args(args))
+    try:  # the sampling values first: they fail before minutes of loading
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed)
+        engine = LLMEngine(engine_config_from_args(args))
+    except STARTUP_ERRORS as exc:
+        logger.debug("start-up failed", exc_info=True)
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
     prompt = args.prompt
     chat = args.chat
     if chat is None:  # auto: instruct models with a chat template get their template
@@ -28,7 +40,6 @@ def _generate(args: argparse.Namespace) -> int:
     if chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     start = time.perf_counter()
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed)
     engine.add_request(prompt, params, request_id="cli")
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         engine = load_engine(args)
-    except ConfigError as exc:
+    except (ConfigError, ValueError, FileNotFoundError) as exc:  # bad flags: an invalid value, an unknown preset,
+        logger.debug("start-up failed", exc_info=True)  # an unreadable checkpoint: one line, exit code 2
         logger.error("%s", exc)
         return 2
     settings = ServerSettings(

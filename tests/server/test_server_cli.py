@@ -99,3 +99,24 @@ def test_main_help(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--api-key" in out and "--max-num-seqs" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "no-such-model"], "unknown model preset 'no-such-model'"),
+    (["--model", "/no/such/dir"], "model path '/no/such/dir' does not exist"),
+    (["--max-tokens", "0"], "SamplingParams.max_tokens=0 is invalid"),
+    (["--spec-tree-nodes", "8", "--spec-tree-min-gamma", "9"], "spec_tree_min_gamma=9 is invalid"),
+])
+def test_generate_reports_bad_flags_in_one_line(argv, message, capsys):
+    from nightjar_jax.__main__ import main
+
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_serve_reports_a_bad_model_and_exits_2(caplog):
+    from nightjar_jax.serve import main as serve_main
+
+    assert serve_main(["--model", "no-such-model", "--warmup", "none"]) == 2
+    assert "unknown model preset 'no-such-model'" in caplog.text
