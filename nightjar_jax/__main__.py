@@ -40,7 +40,11 @@ def _generate(args: argparse.Namespace) -> int:
     if chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     start = time.perf_counter()
-    engine.add_request(prompt, params, request_id="cli")
+    try:
+        engine.add_request(prompt, params, request_id="cli")
+    except ValueError as exc:  # e.g. a prompt longer than the context or than the whole KV pool
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
     while engine.has_unfinished_requests():
         for out in engine.step():
             sys.stdout.write(out.outputs[0].delta_text)

@@ -106,6 +106,8 @@ def test_main_help(capsys):
     (["--model", "/no/such/dir"], "model path '/no/such/dir' does not exist"),
     (["--max-tokens", "0"], "SamplingParams.max_tokens=0 is invalid"),
     (["--spec-tree-nodes", "8", "--spec-tree-min-gamma", "9"], "spec_tree_min_gamma=9 is invalid"),
+    (["--model", "stories260k", "--draft-model", "none", "--num-pages", "2", "--page-size", "4",
+      "--prompt", "Once upon a time there was a dog"], "whole KV pool holds 4"),
 ])
 def test_generate_reports_bad_flags_in_one_line(argv, message, capsys):
     from nightjar_jax.__main__ import main
