@@ -43,6 +43,7 @@ class EngineStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [γ_max]: drafts accepted at position i
     drafted_per_position: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    num_compiling_decode_steps: int = 0  # decode steps that compiled (or loaded) a variant: not shown to the planner
     num_catchup_tokens: int = 0
     catchup_seconds: float = 0.0
     last_gamma: int = 0
@@ -308,7 +309,9 @@ class LLMEngine:
                 return []
             self._count_preemptions(batch)
             if batch.requests:
+                compiled_before = self.runner.num_compiled()
                 result = self.runner.execute_decode(batch, gamma)
+                compiled = self.runner.num_compiled() != compiled_before
                 now = time.monotonic()
                 delivered = 0  # tokens appended: a stop or max_tokens drops the committed tokens after it
                 for r, toks in zip(batch.requests, result.committed, strict=True):
@@ -316,7 +319,7 @@ class LLMEngine:
                     before = len(r.output_token_ids)
                     outputs.append(self._append(r, toks, now))
                     delivered += len(r.output_token_ids) - before
-                self._record_decode(batch, result, time.perf_counter() - t0, delivered)
+                self._record_decode(batch, result, time.perf_counter() - t0, delivered, compiled)
         self.stats.num_steps += 1
         self.stats.last_step_seconds = time.perf_counter() - t0
         return [o for o in outputs if o is not None]
@@ -331,7 +334,8 @@ class LLMEngine:
         )
         return min(int(gamma), self.gamma_max)
 
-    def _record_decode(self, batch: ScheduledBatch, result: DecodeResult, seconds: float, committed: int) -> None:
+    def _record_decode(self, batch: ScheduledBatch, result: DecodeResult, seconds: float, committed: int,
+                       compiled: bool = False) -> None:
         """Step stats; ``committed`` counts the tokens the step delivered to its requests (what the planner's
         tokens/s and the step log's ``committed`` mean), not those verified past a stop or ``max_tokens``."""
         s = self.stats
@@ -350,7 +354,11 @@ class LLMEngine:
             s.num_catchup_tokens += result.catchup_tokens
             s.catchup_seconds += result.catchup_seconds
         switch = result.catchup_seconds if (self._prev_gamma == 0 and result.gamma > 0) else 0.0
-        if self.draft is not None:
+        if compiled:
+            s.num_compiling_decode_steps += 1
+        if self.draft is not None and not compiled:
+            # A step that compiled a variant (the first of its shape without a full warm-up) timed the compiler,
+            # seconds where its arm takes milliseconds: the planner would shun that γ for it, so it does not see it.
             self.planner.observe(result.gamma, batch.num_seqs, committed, seconds, switch_seconds=min(switch, seconds))
         self._prev_gamma = result.gamma
         if self.record_steps:
@@ -358,7 +366,7 @@ class LLMEngine:
                 gamma=result.gamma, batch_size=batch.num_seqs, committed=committed, seconds=seconds,
                 draft_seconds=result.draft_seconds, verify_seconds=result.verify_seconds,
                 catchup_seconds=result.catchup_seconds, accepted=list(result.num_accepted),
-                tree_nodes=result.tree_nodes,
+                tree_nodes=result.tree_nodes, compiled=compiled,
             ))
 
     def _count_preemptions(self, batch: ScheduledBatch) -> None:

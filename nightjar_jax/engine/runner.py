@@ -635,11 +635,20 @@ class ModelRunner:
                             progress()
         return keys
 
+    def num_compiled(self) -> int:
+        """Executables compiled (or loaded from the persistent cache) so far, over every step function: a step that
+        moved it spent part of its time compiling. (A step function replaced by a plain wrapper, as some tests do,
+        is not counted.)"""
+        return sum(f._cache_size() for f in self._step_fns().values() if hasattr(f, "_cache_size"))
+
     def compiled_cache_sizes(self) -> dict[str, int]:
         """Number of compiled executables per step function (grows only when a new variant compiles)."""
+        return {name: f._cache_size() for name, f in self._step_fns().items()}
+
+    def _step_fns(self) -> dict:
         fns = {"forward_sample": self._forward_sample}
         if self.draft is not None:
             fns.update(draft_fill=self._draft_fill, propose=self._propose, verify=self._verify)
             if self.trees:
                 fns.update(propose_tree=self._propose_tree, verify_tree=self._verify_tree)
-        return {name: f._cache_size() for name, f in fns.items()}
+        return fns

@@ -6,7 +6,8 @@ One line per decision (a `select` and the `observe` that followed it), e.g.
      "draft_on_device": true, "gamma": 2, "observed_gamma": 2, "num_tokens": 21, "seconds": 0.0113,
      "switch_seconds": 0.0, "reward": 206.5}
 
-Observation fields are null when a decision was not followed by an observation (e.g. the run stopped).
+Observation fields are null when a decision was not followed by an observation (the run stopped, or the engine's
+step compiled a variant: its seconds timed the compiler, so the planner is not shown them).
 Replaying a log through a fresh planner of the same kind, options and seed reproduces its decisions exactly,
 because planners see nothing but these fields (and their own seeded RNG).
 """

@@ -31,8 +31,10 @@ def test_planner_drives_gamma_losslessly(planner, tmp_path):
     assert gammas <= set(range(4))
     if planner == "ar":
         assert gammas == {0}
-    if planner == "nightjar":
-        assert all(r.get("seconds") is not None for r in records)
+    # a step that compiled a variant is not shown to the planner (it timed the compiler): no observation fields
+    unobserved = [r for r in records if r.get("seconds") is None]
+    assert len(unobserved) == eng.stats.num_compiling_decode_steps > 0
+    assert eng.planner.num_observations == eng.stats.num_decode_steps - eng.stats.num_compiling_decode_steps
 
 
 def test_engine_log_replays_through_the_planner(tmp_path):
@@ -47,7 +49,7 @@ def test_engine_log_replays_through_the_planner(tmp_path):
     records = read_log(log)
     assert records
     result = replay(log, make_planner("nightjar", 3))
-    assert result is not None
+    assert result.all_match  # the compiling steps' missing observations replay as they ran
 
 
 def test_nightjar_planner_chooses_among_ar_chains_and_a_tree():
