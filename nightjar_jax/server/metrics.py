@@ -45,6 +45,9 @@ class _EngineCollector:
         for g in range(e.gamma_max + 1):
             steps.add_metric([str(g)], stats.decode_steps_per_gamma.get(g, 0))
         yield steps
+        yield counter("nightjar_decode_steps_compiling", "Decode steps that compiled (or loaded) a step variant: "
+                      "first uses no warm-up covered (--warmup full compiles the decode variants before traffic)",
+                      stats.num_compiling_decode_steps)
         yield counter("nightjar_spec_draft_tokens", "Draft tokens proposed", stats.num_drafted_tokens)
         yield counter("nightjar_spec_accepted_tokens", "Draft tokens accepted by the target", stats.num_accepted_tokens)
         drafted = CounterMetricFamily(

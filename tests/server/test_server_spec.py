@@ -44,6 +44,7 @@ def test_speculative_server_metrics(spec_server):
     steps = m['nightjar_decode_steps_total{gamma="3"}'] - before['nightjar_decode_steps_total{gamma="3"}']
     assert steps > 0 and m['nightjar_decode_steps_total{gamma="0"}'] == before['nightjar_decode_steps_total{gamma="0"}']
     assert m["nightjar_spec_tree_nodes"] == 0  # a chain
+    assert 0 <= m["nightjar_decode_steps_compiling_total"] <= m['nightjar_decode_steps_total{gamma="3"}']
     for pos in (1, 2, 3):  # every position drafted in every sequence-step, and accepted
         key = f'nightjar_spec_accepted_per_position_total{{position="{pos}"}}'
         assert m[key] - before[key] == steps
