@@ -18,10 +18,28 @@ from nightjar_jax.cli import add_engine_args, engine_config_from_args
 logger = logging.getLogger("nightjar_jax.serve")
 
 
+def _bounded(kind, name: str, low, high=None):
+    """An argparse type: ``kind`` within ``[low, high]``, else a usage error that says what is allowed."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            what = {"int": "an integer", "float": "a number"}.get(kind.__name__, kind.__name__)
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{name} must be {allowed}, got {text}")
+        return value
+
+    return parse
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    group.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 picks a free one)")
+    group.add_argument("--port", type=_bounded(int, "port", 0, 65535), default=8000,
+                       help="port to bind (default: 8000; 0 picks a free one)")
     group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
     group.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
     group.add_argument(
@@ -29,10 +47,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="a jinja chat template, or a path to a file holding one (overrides the tokenizer's)",
     )
-    group.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default: 1 MiB)")
+    group.add_argument("--max-body-bytes", type=_bounded(int, "max-body-bytes", 1), default=1 << 20,
+                       help="request body limit (default: 1 MiB)")
     group.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=_bounded(float, "shutdown-timeout", 0.0),
         default=30.0,
         help="seconds in-flight requests get to finish on SIGINT/SIGTERM before being aborted",
     )

@@ -122,3 +122,15 @@ def test_serve_reports_a_bad_model_and_exits_2(caplog):
 
     assert serve_main(["--model", "no-such-model", "--warmup", "none"]) == 2
     assert "unknown model preset 'no-such-model'" in caplog.text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "99999"], "port must be in [0, 65535], got 99999"),
+    (["--port", "http"], "port must be an integer, got 'http'"),
+    (["--max-body-bytes", "-5"], "max-body-bytes must be >= 1, got -5"),
+    (["--shutdown-timeout", "-1"], "shutdown-timeout must be >= 0.0, got -1"),
+])
+def test_server_flags_out_of_range_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
