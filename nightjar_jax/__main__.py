@@ -11,13 +11,9 @@ import argparse
 import logging
 import sys
 
-from nightjar_jax.cli import add_engine_args, engine_config_from_args
+from nightjar_jax.cli import STARTUP_ERRORS, add_engine_args, engine_config_from_args
 
 logger = logging.getLogger("nightjar_jax")
-
-# What bad flags raise while the engine starts: an invalid config value, an unknown preset or an unreadable
-# checkpoint, a bad sampling value. Reported as one line (the traceback at debug level), exit code 2.
-STARTUP_ERRORS = (ValueError, FileNotFoundError)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -23,6 +23,11 @@ from nightjar_jax.config import (
     make_engine_config,
 )
 
+# What bad flags raise while an engine starts: an invalid config value (ConfigError is a ValueError), an unknown
+# preset or an unreadable checkpoint, a bad sampling value. `generate` and `serve` report them in one line (the
+# traceback at debug level) and exit with code 2.
+STARTUP_ERRORS = (ValueError, FileNotFoundError)
+
 _CHOICES = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "attention_impl": ATTENTION_IMPLS,
             "linear_impl": LINEAR_IMPLS}
 _HELP = {

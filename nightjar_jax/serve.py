@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from nightjar_jax.cli import add_engine_args, engine_config_from_args
+from nightjar_jax.cli import STARTUP_ERRORS, add_engine_args, engine_config_from_args
 
 logger = logging.getLogger("nightjar_jax.serve")
 
@@ -162,14 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     import uvicorn
 
-    from nightjar_jax.config import ConfigError
     from nightjar_jax.server.app import ServerSettings, build_app
     from nightjar_jax.server.async_engine import AsyncEngine
 
     try:
         engine = load_engine(args)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:  # bad flags: an invalid value, an unknown preset,
-        logger.debug("start-up failed", exc_info=True)  # an unreadable checkpoint: one line, exit code 2
+    except STARTUP_ERRORS as exc:  # bad flags: one line, exit code 2
+        logger.debug("start-up failed", exc_info=True)
         logger.error("%s", exc)
         return 2
     settings = ServerSettings(

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.paged_attention.kernel_gpu import GPU_TUNING_DEFAULTS, paged_attention_gpu
 from kernels_pallas.paged_attention.kernel_tpu import TPU_TUNING_DEFAULTS, paged_attention_tpu
-from kernels_pallas.paged_attention.reference import paged_attention_reference
+from kernels_pallas.paged_attention.reference import check_tree_mask, paged_attention_reference
 
 __all__ = ["import_pallas_backends", "paged_attention", "paged_attention_reference"]
 
@@ -140,9 +140,7 @@ def paged_attention(
     """
     _validate(q, k_pages, v_pages, block_tables, context_lens, scale)
     if tree_mask is not None:
-        q_len = q.shape[1]
-        if tree_mask.ndim != 2 or tree_mask.shape[0] != q_len or tree_mask.shape[1] < q_len:
-            raise ValueError(f"tree_mask {tree_mask.shape} must be [q_len={q_len}, M >= q_len]")
+        check_tree_mask(tree_mask, q.shape[1])
         if tree_mask.dtype != jnp.bool_:
             raise ValueError(f"tree_mask dtype must be bool, got {tree_mask.dtype}")
     backend = _resolve_backend(backend)

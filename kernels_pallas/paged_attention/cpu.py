@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.cpu_build import CpuKernelLibrary
+from kernels_pallas.paged_attention.reference import check_tree_mask
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGETS = {  # pool dtype -> FFI target name
@@ -70,8 +71,8 @@ def paged_attention_cpu(
         )
     if tree_mask is None:
         tree_mask = jnp.zeros((0, 0), jnp.uint8)
-    elif tree_mask.ndim != 2 or tree_mask.shape[0] != q.shape[1] or tree_mask.shape[1] < q.shape[1]:
-        raise ValueError(f"tree_mask {tree_mask.shape} must be [q_len={q.shape[1]}, M >= q_len]")
+    else:
+        check_tree_mask(tree_mask, q.shape[1])
     call = jax.ffi.ffi_call(TARGETS[dtype], jax.ShapeDtypeStruct(q.shape, dtype), vmap_method="sequential")
     out = call(
         q.astype(dtype), k_pages, v_pages, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),

@@ -59,8 +59,7 @@ def paged_attention_reference(
     # [num_seqs, q_len, num_keys]
     mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & key_valid[:, None, :]
     if tree_mask is not None:
-        if tree_mask.ndim != 2 or tree_mask.shape[0] != q_len or tree_mask.shape[1] < q_len:
-            raise ValueError(f"tree_mask {tree_mask.shape} must be [q_len={q_len}, M >= q_len]")
+        check_tree_mask(tree_mask, q_len)
         mask &= tree_visible(tree_mask, key_pos, context_lens)
 
     qg = q.astype(jnp.float32).reshape(num_seqs, q_len, num_kv_heads, group, head_dim)
@@ -72,6 +71,12 @@ def paged_attention_reference(
     out = jnp.einsum("shgqk,shkd->sqhgd", probs, v)
     out = jnp.where((query_pos >= 0)[:, :, None, None, None], out, 0.0)
     return out.reshape(num_seqs, q_len, num_q_heads, head_dim).astype(q.dtype)
+
+
+def check_tree_mask(tree_mask: jax.Array, q_len: int) -> None:
+    """The tree mask's shape contract (module docstring), shared by every implementation."""
+    if tree_mask.ndim != 2 or tree_mask.shape[0] != q_len or tree_mask.shape[1] < q_len:
+        raise ValueError(f"tree_mask {tree_mask.shape} must be [q_len={q_len}, M >= q_len]")
 
 
 def tree_visible(tree_mask: jax.Array, key_pos: jax.Array, context_lens: jax.Array) -> jax.Array:
