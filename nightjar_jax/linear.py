@@ -14,10 +14,13 @@ Shapes are static under ``jit``, so the choice is made once per compiled step va
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 IMPLS = ("auto", "cpu", "xla")
+SPLIT_K_MAX_ROWS = 12  # cpu_kernel.cc kSplitKMaxRows: the split-K path (decode and verify shapes)
 
 
 def check_impl(impl: str) -> str:
@@ -111,3 +114,35 @@ def linear_residual(x: jax.Array, w: jax.Array, r: jax.Array, *, impl: str = "au
 
         return cpu.linear_residual_cpu(x, w, r)
     return r + linear(x.astype(w.dtype), w, impl=impl)
+
+
+def attn_out_mlp(a: jax.Array, r: jax.Array, w_o: jax.Array, gain: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                 w_down: jax.Array, eps: float, *, impl: str = "auto", next_gain: jax.Array | None = None,
+                 next_ws: list[jax.Array] | None = None, next_eps: float | None = None):
+    """A decoder layer after attention: ``r1 = linear_residual(a, w_o, r)``, then
+    ``y = linear_residual(rms_swiglu(r1, gain, w_gate, w_up, eps), w_down, r1)``; with ``next_gain`` and
+    ``next_ws`` (the next layer's pre-attention norm and its q/k/v weights) also
+    ``rms_linear_many(y, next_gain, next_ws, next_eps)``, returned as ``(y, [q, k, v])``. On the kernel (the row
+    counts where every one of its products is) one custom call whose threads pass the dependent products to each
+    other without returning to XLA's pool; elsewhere exactly that composition."""
+    check_impl(impl)
+    with_next = next_gain is not None
+    if with_next and (next_ws is None or len(next_ws) != 3 or next_eps is None):
+        raise ValueError("attn_out_mlp: the next layer's q/k/v need next_gain, 3 next_ws and next_eps")
+    # split-K phases only (up to 12 rows, what decode and verify send); more rows (a prefill chunk with
+    # impl="cpu") take the composition, whose products use the kernel's packed path
+    if (r.dtype == jnp.float32 and math.prod(a.shape[:-1]) <= SPLIT_K_MAX_ROWS
+            and _fused_on_kernel(a, gain, [w_o], impl) and _fused_on_kernel(r, None, [w_gate, w_up], impl)
+            and _on_kernel(a, w_down, impl)
+            and (not with_next or _fused_on_kernel(r, next_gain, list(next_ws), impl))):
+        from kernels_pallas.linear import cpu
+
+        if with_next:
+            return cpu.attn_out_mlp_cpu(a, r, w_o, gain, w_gate, w_up, w_down, eps, next_gain=next_gain,
+                                        next_ws=next_ws, next_eps=next_eps)
+        return cpu.attn_out_mlp_cpu(a, r, w_o, gain, w_gate, w_up, w_down, eps)
+    r1 = linear_residual(a, w_o, r, impl=impl)
+    y = linear_residual(rms_swiglu(r1, gain, w_gate, w_up, eps, impl=impl), w_down, r1, impl=impl)
+    if with_next:
+        return y, rms_linear_many(y, next_gain, list(next_ws), next_eps, impl=impl)
+    return y

@@ -32,6 +32,7 @@ _LIBRARY = CpuKernelLibrary("linear", SOURCE, {
     "nightjar_linear2_f32": "NjLinear2F32", "nightjar_linear3_f32": "NjLinear3F32",
     "nightjar_rms_linear2_f32": "NjRmsLinear2F32", "nightjar_rms_linear3_f32": "NjRmsLinear3F32",
     "nightjar_rms_swiglu_f32": "NjRmsSwiGluF32", "nightjar_linear_residual_f32": "NjLinearResidualF32",
+    "nightjar_attn_out_mlp_f32": "NjAttnOutMlpF32", "nightjar_attn_out_mlp_qkv_f32": "NjAttnOutMlpQkvF32",
 })
 
 # Rows of x (all leading dimensions flattened) for which the kernels measured faster than XLA's dot inside a
@@ -140,3 +141,39 @@ def linear_residual_cpu(x: jax.Array, w: jax.Array, r: jax.Array) -> jax.Array:
     call = jax.ffi.ffi_call("nightjar_linear_residual_f32", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
                             vmap_method="sequential")
     return call(x2, w, r.reshape(x2.shape[0], n)).reshape(*x.shape[:-1], n)
+
+
+def attn_out_mlp_cpu(a: jax.Array, r: jax.Array, w_o: jax.Array, gain: jax.Array, w_gate: jax.Array,
+                     w_up: jax.Array, w_down: jax.Array, eps: float, *, next_gain: jax.Array | None = None,
+                     next_ws: list[jax.Array] | tuple[jax.Array, ...] | None = None,
+                     next_eps: float | None = None) -> jax.Array | tuple[jax.Array, list[jax.Array]]:
+    """A decoder layer after attention in one custom call: ``r1 = r + a @ w_o``, then
+    ``y = r1 + silu(RMSNorm(r1) @ w_gate) * (RMSNorm(r1) @ w_up) @ w_down``. ``a [..., A]`` (the attention output),
+    ``r [..., H]`` float32 (the residual stream), ``w_o [A, H]``, ``w_gate, w_up [H, I]``, ``w_down [I, H]``.
+    With ``next_gain`` and the 3 ``next_ws`` (the next layer's pre-attention norm and q/k/v ``[H, N_i]``) the same
+    call also computes ``[RMSNorm'(y) @ w for w in next_ws]`` and returns ``(y, [q, k, v])``."""
+    a2 = _rows(a, [w_o])
+    h = w_o.shape[1]
+    if r.dtype != jnp.float32 or r.shape != (*a.shape[:-1], h):
+        raise ValueError(f"residual r must be float32 {(*a.shape[:-1], h)} for a {a.shape} @ w_o {w_o.shape}; "
+                         f"got {r.dtype}{r.shape}")
+    r2 = r.reshape(a2.shape[0], h)
+    _rows(r2, [w_gate, w_up])
+    _gain(r, gain)
+    if w_gate.shape != w_up.shape or w_down.shape != (w_gate.shape[1], h) or w_down.dtype != jnp.float32:
+        raise ValueError(f"w_gate {w_gate.shape} and w_up {w_up.shape} must be [H, I] and w_down {w_down.shape} "
+                         f"float32 [I, H] with H = {h}")
+    y_shape = jax.ShapeDtypeStruct((a2.shape[0], h), jnp.float32)
+    if next_gain is None:
+        call = jax.ffi.ffi_call("nightjar_attn_out_mlp_f32", y_shape, vmap_method="sequential")
+        return call(a2, r2, w_o, gain, w_gate, w_up, w_down, eps=np.float32(eps)).reshape(r.shape)
+    if next_ws is None or len(next_ws) != 3 or next_eps is None:
+        raise ValueError("the next layer's q/k/v need next_gain, 3 next_ws and next_eps")
+    _rows(r2, next_ws)
+    _gain(r, next_gain)
+    outs = (y_shape, *(jax.ShapeDtypeStruct((a2.shape[0], w.shape[1]), jnp.float32) for w in next_ws))
+    call = jax.ffi.ffi_call("nightjar_attn_out_mlp_qkv_f32", outs, vmap_method="sequential")
+    y, *qkv = call(a2, r2, w_o, gain, w_gate, w_up, w_down, next_gain, *next_ws, eps=np.float32(eps),
+                   eps_next=np.float32(next_eps))
+    lead = a.shape[:-1]
+    return y.reshape(r.shape), [t.reshape(*lead, w.shape[1]) for t, w in zip(qkv, next_ws, strict=True)]

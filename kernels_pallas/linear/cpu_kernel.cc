@@ -89,6 +89,41 @@ inline void RowsNN(const float* x, const float* w, float* y, int64_t K, int64_t 
   }
 }
 
+#ifdef __AVX512F__
+// 16-float (AVX-512) forms of the one-row paths, where the CPU has it: half the load and FMA instructions per
+// weight byte of the 8-float forms (standalone on a 2-vCPU Xeon with AVX-512, SmolLM2-135M's one-row products:
+// 18.6 ms against 19.2, a plain read 17.9).
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+inline v16 Load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void Store16(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+inline v16 Splat16(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#endif
+
+// y[0, :] += sum_{u < U} x[0, k + u] * W[k + u, :] (one x row): RowsNN<1, U>, 16 floats at a time where the CPU
+// has AVX-512.
+template <int U>
+inline void RowNN1(const float* x, const float* w, float* y, int64_t N, int64_t k) {
+#ifdef __AVX512F__
+  v16 xb[U];
+  for (int u = 0; u < U; ++u) xb[u] = Splat16(x[k + u]);
+  const float* wk = w + k * N;
+  int64_t c = 0;
+  for (; c + 16 <= N; c += 16) {
+    v16 a = Load16(y + c);
+    for (int u = 0; u < U; ++u) a += xb[u] * Load16(wk + u * N + c);
+    Store16(y + c, a);
+  }
+  for (; c < N; ++c) {
+    float a = y[c];
+    for (int u = 0; u < U; ++u) a += x[k + u] * wk[u * N + c];
+    y[c] = a;
+  }
+#else
+  RowsNN<1, U>(x, w, y, /*K=*/0, N, 0, k, 0, N);
+#endif
+}
+
 // More than kSplitKMaxRows rows: pack a kKBlock x width block of W into 16-column panels
 // ([width / 16][kKBlock][16], zero-padded), then
 // an R x 16 register tile (R <= 6: 12 accumulators) walks each panel contiguously; every row tile reuses the block
@@ -215,8 +250,21 @@ inline void TileNT(const float* x, const float* w, float* y, int64_t K, int64_t 
 // memory, set the pace (~30 GB/s on one core against ~37 here, standalone, 2026-12-01).
 inline void RowNT1(const float* x, const float* w, float* y, int64_t K, int64_t n) {
   const float* wn = w + n * K;
-  v8 a0 = Splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
   int64_t k = 0;
+  float s = 0.0f;
+#ifdef __AVX512F__
+  v16 b0 = Splat16(0.0f), b1 = b0, b2 = b0, b3 = b0;
+  for (; k + 64 <= K; k += 64) {
+    b0 += Load16(x + k) * Load16(wn + k);
+    b1 += Load16(x + k + 16) * Load16(wn + k + 16);
+    b2 += Load16(x + k + 32) * Load16(wn + k + 32);
+    b3 += Load16(x + k + 48) * Load16(wn + k + 48);
+  }
+  for (; k + 16 <= K; k += 16) b0 += Load16(x + k) * Load16(wn + k);
+  const v16 b = (b0 + b1) + (b2 + b3);
+  for (int i = 0; i < 16; ++i) s += b[i];
+#endif
+  v8 a0 = Splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
   for (; k + 32 <= K; k += 32) {
     a0 += Load(x + k) * Load(wn + k);
     a1 += Load(x + k + 8) * Load(wn + k + 8);
@@ -224,7 +272,7 @@ inline void RowNT1(const float* x, const float* w, float* y, int64_t K, int64_t 
     a3 += Load(x + k + 24) * Load(wn + k + 24);
   }
   for (; k + 8 <= K; k += 8) a0 += Load(x + k) * Load(wn + k);
-  float s = Sum((a0 + a1) + (a2 + a3));
+  s += Sum((a0 + a1) + (a2 + a3));
   for (; k < K; ++k) s += x[k] * wn[k];
   y[n] = s;
 }
@@ -234,7 +282,15 @@ constexpr int64_t kNtRows = 64;  // weight rows per L2 block (64 x K floats)
 void BlockNT(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n_begin,
              int64_t n_end) {
   if (M == 1) {
-    for (int64_t n = n_begin; n < n_end; ++n) RowNT1(x, w, y, K, n);
+    // two streams per thread: the block's halves, a row of each in turn. One front-to-back stream per thread read
+    // 24.6 GB/s from memory where two read 29.1 (SmolLM2's head cold from memory, 2 threads, standalone; a 2-vCPU
+    // Xeon whose plain read is ~30 GB/s, 2026-12-02)
+    const int64_t half = (n_end - n_begin) / 2;
+    for (int64_t i = 0; i < half; ++i) {
+      RowNT1(x, w, y, K, n_begin + i);
+      RowNT1(x, w, y, K, n_begin + half + i);
+    }
+    for (int64_t n = n_begin + 2 * half; n < n_end; ++n) RowNT1(x, w, y, K, n);
     return;
   }
   for (int64_t b0 = n_begin; b0 < n_end; b0 += kNtRows) {
@@ -308,59 +364,86 @@ inline void AddInto(float* y, const float* a, int64_t n) {
 constexpr int64_t kSplitKMaxRows = 12;
 constexpr int64_t kSplitKMinRows = 32;  // weight rows per item at least (a chunk must outweigh its wake-up)
 
-ffi::Error RunSplitK(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K,
-                     const std::vector<Segment>& segments, int64_t threads) {
-  struct Item {
-    const float* w;
-    float* out;  // [M, N]: y itself for a segment's first chunk, else a partial in `scratch`
-    int64_t N, k0, k1;
-    size_t first;  // index of the segment's first item (the one that writes y)
-  };
-  if (segments.empty()) return ffi::Error::Success();  // nothing to compute (M, N or K is 0: y already done)
+// One split-K item: out [M, N] = x[:, k0:k1] @ W[k0:k1, :].
+struct SplitKItem {
+  const float* w;
+  float* out;  // y itself for a segment's first chunk, else a partial in the plan's scratch
+  int64_t N, k0, k1;
+  size_t first;  // index of the segment's first item (the one that writes y)
+};
+
+// The items of one call over `segments` (all sharing x [M, K]) and the scratch their partials go to.
+struct SplitKPlan {
+  std::vector<SplitKItem> items;
+  std::vector<float> scratch;
+};
+
+SplitKPlan PlanSplitK(int64_t M, int64_t K, const std::vector<Segment>& segments, int64_t threads) {
+  SplitKPlan plan;
+  if (segments.empty()) return plan;  // nothing to compute (M, N or K is 0: y already done)
   const int64_t chunks = std::max<int64_t>(1, std::min(threads, K / kSplitKMinRows));
   const int64_t rows = (K / chunks + kKUnroll - 1) / kKUnroll * kKUnroll;  // weight rows per item
   const int64_t per_segment = (K + rows - 1) / rows;
   int64_t scratch_size = 0;
   for (const Segment& s : segments) scratch_size += (per_segment - 1) * M * s.N;
-  std::vector<float> scratch(scratch_size);
-  float* next = scratch.data();
-  std::vector<Item> items;
+  plan.scratch.resize(scratch_size);
+  float* next = plan.scratch.data();
   for (const Segment& s : segments) {
-    const size_t first = items.size();
+    const size_t first = plan.items.size();
     for (int64_t k0 = 0; k0 < K; k0 += rows) {
       float* out = k0 == 0 ? s.y : next;
       if (k0 > 0) next += M * s.N;
-      items.push_back(Item{s.w, out, s.N, k0, std::min(K, k0 + rows), first});
+      plan.items.push_back(SplitKItem{s.w, out, s.N, k0, std::min(K, k0 + rows), first});
     }
   }
-  const Item* ip = items.data();
-  nightjar::ParallelFor(pool, static_cast<int64_t>(items.size()), [=](int64_t it) {
-    const Item& item = ip[it];
-    const int64_t N = item.N;
-    std::fill(item.out, item.out + M * N, 0.0f);
-    int64_t k = item.k0;
-    if (M == 1) {  // 8 weight rows per pass: half the y loads and stores per weight byte of 4 (~1.1x, one core)
-      for (; k + 8 <= item.k1; k += 8) RowsNN<1, 8>(xp, item.w, item.out, K, N, 0, k, 0, N);
+  return plan;
+}
+
+void ComputeSplitK(const float* xp, int64_t M, int64_t K, const SplitKItem& item) {
+  const int64_t N = item.N;
+  std::fill(item.out, item.out + M * N, 0.0f);
+  int64_t k = item.k0;
+  if (M == 1) {  // 8 weight rows per pass: half the y loads and stores per weight byte of 4 (~1.1x, one core)
+    // two streams: the item's halves, a pass of each in turn (as BlockNT's one-row head)
+    const int64_t half = (item.k1 - item.k0) / 16 * 8;
+    for (; k + 8 <= item.k0 + half; k += 8) {
+      RowNN1<8>(xp, item.w, item.out, N, k);
+      RowNN1<8>(xp, item.w, item.out, N, k + half);
     }
-    // x rows in pairs over the same kKUnroll weight rows (the later pairs find them in L1); the first pair
-    // prefetches 8 weight rows ahead: without it 4-5 rows measured 0.9x XLA's step, with it 1.1x (one row did
-    // better without: the hardware streams a single pass on its own)
-    for (; k + kKUnroll <= item.k1; k += kKUnroll) {
-      bool pf = k + kPrefetchRows + kKUnroll <= item.k1;
-      int64_t r0 = 0;
-      for (; r0 + 2 <= M; r0 += 2, pf = false) RowsNN<2, kKUnroll>(xp, item.w, item.out, K, N, r0, k, 0, N, pf);
-      if (r0 < M) RowsNN<1, kKUnroll>(xp, item.w, item.out, K, N, r0, k, 0, N, pf);
-    }
-    for (; k < item.k1; ++k) {
-      int64_t r0 = 0;
-      for (; r0 + 2 <= M; r0 += 2) RowsNN<2, 1>(xp, item.w, item.out, K, N, r0, k, 0, N);
-      if (r0 < M) RowsNN<1, 1>(xp, item.w, item.out, K, N, r0, k, 0, N);
-    }
-  });
-  // add each segment's partials into its y (written by the segment's first item)
+    k += half;
+    for (; k + 8 <= item.k1; k += 8) RowNN1<8>(xp, item.w, item.out, N, k);
+  }
+  // x rows in pairs over the same kKUnroll weight rows (the later pairs find them in L1); the first pair
+  // prefetches 8 weight rows ahead: without it 4-5 rows measured 0.9x XLA's step, with it 1.1x (one row did
+  // better without: the hardware streams a single pass on its own)
+  for (; k + kKUnroll <= item.k1; k += kKUnroll) {
+    bool pf = k + kPrefetchRows + kKUnroll <= item.k1;
+    int64_t r0 = 0;
+    for (; r0 + 2 <= M; r0 += 2, pf = false) RowsNN<2, kKUnroll>(xp, item.w, item.out, K, N, r0, k, 0, N, pf);
+    if (r0 < M) RowsNN<1, kKUnroll>(xp, item.w, item.out, K, N, r0, k, 0, N, pf);
+  }
+  for (; k < item.k1; ++k) {
+    int64_t r0 = 0;
+    for (; r0 + 2 <= M; r0 += 2) RowsNN<2, 1>(xp, item.w, item.out, K, N, r0, k, 0, N);
+    if (r0 < M) RowsNN<1, 1>(xp, item.w, item.out, K, N, r0, k, 0, N);
+  }
+}
+
+// Adds each segment's partials into its y (written by the segment's first item).
+void ReduceSplitK(int64_t M, const SplitKPlan& plan) {
+  const auto& items = plan.items;
   for (size_t i = 0; i < items.size(); ++i) {
     if (i != items[i].first) AddInto(items[items[i].first].out, items[i].out, M * items[i].N);
   }
+}
+
+ffi::Error RunSplitK(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K,
+                     const std::vector<Segment>& segments, int64_t threads) {
+  const SplitKPlan plan = PlanSplitK(M, K, segments, threads);
+  const SplitKItem* ip = plan.items.data();
+  nightjar::ParallelFor(pool, static_cast<int64_t>(plan.items.size()),
+                        [=](int64_t it) { ComputeSplitK(xp, M, K, ip[it]); });
+  ReduceSplitK(M, plan);
   return ffi::Error::Success();
 }
 
@@ -421,15 +504,8 @@ ffi::Error Run(ffi::ThreadPool& pool, In& x, std::initializer_list<std::pair<In*
   return RunProducts<kTransposed>(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], products);
 }
 
-// x [M, K] and gain [K] checked; xn = RMSNorm(x) * gain row by row, with the model's float32 order of operations.
-std::string RmsNorm(In& x, In& gain, float eps, std::vector<float>& xn) {
-  const auto xd = x.dimensions(), gd = gain.dimensions();
-  if (xd.size() != 2) return "rms_linear: x must be 2-D";
-  const int64_t M = xd[0], K = xd[1];
-  if (gd.size() != 1 || gd[0] != K) return "rms_linear: gain must be [K] for x [M, K]; got " + Dims2("gain", gd);
-  xn.resize(M * K);
-  const float* xp = x.typed_data();
-  const float* g = gain.typed_data();
+// xn [M, K] = RMSNorm(x) * gain row by row, with the model's float32 order of operations.
+void RmsNormRows(const float* xp, const float* g, int64_t M, int64_t K, float eps, float* xn) {
   for (int64_t r = 0; r < M; ++r) {
     const float* xr = xp + r * K;
     v8 acc = Splat(0.0f);
@@ -440,6 +516,16 @@ std::string RmsNorm(In& x, In& gain, float eps, std::vector<float>& xn) {
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K > 0 ? K : 1) + eps);
     for (k = 0; k < K; ++k) xn[r * K + k] = xr[k] * inv * g[k];
   }
+}
+
+// x [M, K] and gain [K] checked; xn = RMSNorm(x) * gain.
+std::string RmsNorm(In& x, In& gain, float eps, std::vector<float>& xn) {
+  const auto xd = x.dimensions(), gd = gain.dimensions();
+  if (xd.size() != 2) return "rms_linear: x must be 2-D";
+  const int64_t M = xd[0], K = xd[1];
+  if (gd.size() != 1 || gd[0] != K) return "rms_linear: gain must be [K] for x [M, K]; got " + Dims2("gain", gd);
+  xn.resize(M * K);
+  RmsNormRows(x.typed_data(), gain.typed_data(), M, K, eps, xn.data());
   return "";
 }
 
@@ -496,6 +582,111 @@ ffi::Error LinearResidual(ffi::ThreadPool pool, In x, In w, In r, Out y) {
   return ffi::Error::Success();
 }
 
+// The next layer's pre-attention norm and q/k/v, when a call also runs them (AttnOutMlpQkv).
+struct NextQkv {
+  In* gain;
+  In* w[3];
+  Out* y[3];
+  float eps;
+};
+
+// The rest of a decoder layer after attention, in one call:
+//   r1 = r + a @ W_o;  y = r1 + W_down(silu(RMSNorm(r1) @ W_gate) * (RMSNorm(r1) @ W_up))
+// and, with `next`, the next layer's q/k/v = RMSNorm'(y) @ W_q, W_k, W_v; as phases of one ParallelPhases
+// (o_proj split-K items; the residual add and the norm; gate/up items; the gate; down_proj items and the residual
+// add; [the next norm; q/k/v items; their partials]): the pool is woken once per layer instead of four times, and
+// between the dependent products the threads spin instead of going back to the pool.
+ffi::Error AttnOutMlpImpl(ffi::ThreadPool& pool, In& a, In& r, In& wo, In& gain, In& wg, In& wu, In& wd, Out& y,
+                          float eps, const NextQkv* next) {
+  const auto ad = a.dimensions(), rd = r.dimensions(), od = wo.dimensions(), gd = gain.dimensions(),
+             gwd = wg.dimensions(), ud = wu.dimensions(), dd = wd.dimensions(), yd = y->dimensions();
+  const bool ranks = ad.size() == 2 && rd.size() == 2 && od.size() == 2 && gd.size() == 1 && gwd.size() == 2 &&
+                     ud.size() == 2 && dd.size() == 2 && yd.size() == 2;
+  if (!ranks || od[0] != ad[1] || rd[0] != ad[0] || rd[1] != od[1] || gd[0] != rd[1] || gwd[0] != rd[1] ||
+      ud[0] != gwd[0] || ud[1] != gwd[1] || dd[0] != gwd[1] || dd[1] != rd[1] || yd[0] != rd[0] || yd[1] != rd[1]) {
+    return ffi::Error::InvalidArgument(
+        "attn_out_mlp: shapes do not match: " + Dims2("a", ad) + ", " + Dims2("r", rd) + ", " + Dims2("w_o", od) +
+        ", " + Dims2("gain", gd) + ", " + Dims2("w_gate", gwd) + ", " + Dims2("w_up", ud) + ", " +
+        Dims2("w_down", dd) + ", " + Dims2("y", yd) +
+        " (a [M, A], r and y [M, H], w_o [A, H], gain [H], w_gate and w_up [H, I], w_down [I, H])");
+  }
+  const int64_t M = ad[0], A = ad[1], H = rd[1], I = gwd[1];
+  std::vector<Segment> qkv;  // the next layer's products (x = RMSNorm'(y) [M, H])
+  if (next != nullptr) {
+    const auto nd = next->gain->dimensions();
+    if (nd.size() != 1 || nd[0] != H) {
+      return ffi::Error::InvalidArgument("attn_out_mlp_qkv: the next norm's gain must be [H] = [" +
+                                         std::to_string(H) + "]; got " + Dims2("gain", nd));
+    }
+    for (int i = 0; i < 3; ++i) {
+      std::vector<Segment> one;
+      const std::string error = AddSegment<false>(M, H, *next->w[i], *next->y[i], one);
+      if (!error.empty()) return ffi::Error::InvalidArgument("attn_out_mlp_qkv: next q/k/v: " + error);
+      if (one[0].N > 0) qkv.push_back(one[0]);
+    }
+  }
+  float* yp = y->typed_data();
+  if (M == 0 || H == 0) {
+    for (const Segment& s : qkv) std::fill(s.y, s.y + M * s.N, 0.0f);
+    return ffi::Error::Success();
+  }
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  std::vector<float> xn(M * H), gate(M * I), up(M * I), h(M * I), down(M * H), xn2(next ? M * H : 0);
+  // A or I = 0: that plan has no items and its outputs stay zero
+  std::fill(yp, yp + M * H, 0.0f);
+  for (const Segment& s : qkv) std::fill(s.y, s.y + M * s.N, 0.0f);
+  auto plan_for = [&](int64_t K, std::vector<Segment> segments) {
+    if (K == 0) segments.clear();
+    return PlanSplitK(M, K, segments, threads);
+  };
+  const SplitKPlan po = plan_for(A, {Segment{wo.typed_data(), yp, H}});
+  const SplitKPlan pgu = plan_for(H, I == 0 ? std::vector<Segment>{}
+                                             : std::vector<Segment>{Segment{wg.typed_data(), gate.data(), I},
+                                                                    Segment{wu.typed_data(), up.data(), I}});
+  const SplitKPlan pd = plan_for(I, {Segment{wd.typed_data(), down.data(), H}});
+  const SplitKPlan pq = plan_for(H, qkv);
+  const float* ap = a.typed_data();
+  const float* rp = r.typed_data();
+  const float* gp = gain.typed_data();
+  std::vector<nightjar::Phase> phases = {
+      {static_cast<int64_t>(po.items.size()), [&](int64_t it) { ComputeSplitK(ap, M, A, po.items[it]); }},
+      {1, [&](int64_t) {
+         ReduceSplitK(M, po);
+         AddInto(yp, rp, M * H);  // y = r1
+         RmsNormRows(yp, gp, M, H, eps, xn.data());
+       }},
+      {static_cast<int64_t>(pgu.items.size()), [&](int64_t it) { ComputeSplitK(xn.data(), M, H, pgu.items[it]); }},
+      {1, [&](int64_t) {
+         ReduceSplitK(M, pgu);
+         for (int64_t i = 0; i < M * I; ++i) h[i] = nightjar::Silu(gate[i]) * up[i];
+       }},
+      {static_cast<int64_t>(pd.items.size()), [&](int64_t it) { ComputeSplitK(h.data(), M, I, pd.items[it]); }},
+      {1, [&](int64_t) {
+         ReduceSplitK(M, pd);
+         AddInto(yp, down.data(), M * H);
+         if (next != nullptr) RmsNormRows(yp, next->gain->typed_data(), M, H, next->eps, xn2.data());
+       }},
+  };
+  if (next != nullptr) {
+    phases.push_back({static_cast<int64_t>(pq.items.size()),
+                      [&](int64_t it) { ComputeSplitK(xn2.data(), M, H, pq.items[it]); }});
+    phases.push_back({1, [&](int64_t) { ReduceSplitK(M, pq); }});
+  }
+  nightjar::ParallelPhases(pool, phases);
+  return ffi::Error::Success();
+}
+
+ffi::Error AttnOutMlp(ffi::ThreadPool pool, In a, In r, In wo, In gain, In wg, In wu, In wd, Out y, float eps) {
+  return AttnOutMlpImpl(pool, a, r, wo, gain, wg, wu, wd, y, eps, nullptr);
+}
+
+// AttnOutMlp, then the next layer's q/k/v from RMSNorm(y) with its gain (attr eps_next).
+ffi::Error AttnOutMlpQkv(ffi::ThreadPool pool, In a, In r, In wo, In gain, In wg, In wu, In wd, In gain_next, In wq,
+                         In wk, In wv, Out y, Out q, Out k, Out v, float eps, float eps_next) {
+  const NextQkv next{&gain_next, {&wq, &wk, &wv}, {&q, &k, &v}, eps_next};
+  return AttnOutMlpImpl(pool, a, r, wo, gain, wg, wu, wd, y, eps, &next);
+}
+
 template <bool kTransposed>
 ffi::Error Linear1(ffi::ThreadPool pool, In x, In w, Out y) {
   return Run<kTransposed>(pool, x, {{&w, &y}});
@@ -525,5 +716,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NjRmsLinear3F32, RmsLinear3,
                                   .Attr<float>("eps"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjRmsSwiGluF32, RmsSwiGlu,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_W NJ_Y.Attr<float>("eps"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjAttnOutMlpF32, AttnOutMlp,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W NJ_Y
+                                  .Attr<float>("eps"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjAttnOutMlpQkvF32, AttnOutMlpQkv,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W
+                                  NJ_W NJ_Y NJ_Y NJ_Y NJ_Y.Attr<float>("eps").Attr<float>("eps_next"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinearResidualF32, LinearResidual,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_Y);

@@ -26,8 +26,8 @@ from flax import nnx
 
 from nightjar_jax.attention import paged_attention
 from nightjar_jax.config import ModelConfig, RopeScaling
+from nightjar_jax.linear import attn_out_mlp, linear, linear_residual, rms_linear_many, rms_norm, rms_swiglu
 from nightjar_jax.linear import check_impl as check_linear_impl
-from nightjar_jax.linear import linear, linear_residual, rms_linear_many, rms_norm, rms_swiglu
 
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer: (k_pages, v_pages)
 
@@ -126,9 +126,20 @@ class Attention(nnx.Module):
         kv: tuple[jax.Array, jax.Array],  # each [num_kv_heads, num_pages, page_size, head_dim]
         md: BatchMetadata,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:  # x + attention, updated (k, v) pages
+        out, kv = self.attend(x, norm, positions, inv_freq, kv, md)
+        return linear_residual(out, self.o_proj.kernel[...], x, impl=self.linear_impl), kv
+
+    def qkv_weights(self) -> list[jax.Array]:
+        return [p.kernel[...] for p in (self.q_proj, self.k_proj, self.v_proj)]
+
+    def attend(self, x, norm, positions, inv_freq, kv, md, qkv=None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """``__call__`` before o_proj: the attention output ``[num_seqs, q_len, heads * head_dim]`` (what o_proj
+        projects) and the updated (k, v) pages. ``qkv``: ``rms_linear_many(x, norm, q/k/v)`` when the caller
+        already has it (the previous layer's fused call computed it)."""
         num_seqs, q_len, _ = x.shape
-        weights = [p.kernel[...] for p in (self.q_proj, self.k_proj, self.v_proj)]
-        q, k, v = rms_linear_many(x, norm.weight[...], weights, norm.eps, impl=self.linear_impl)
+        if qkv is None:
+            qkv = rms_linear_many(x, norm.weight[...], self.qkv_weights(), norm.eps, impl=self.linear_impl)
+        q, k, v = qkv
         q = q.reshape(num_seqs, q_len, self.num_heads, self.head_dim)
         k = k.reshape(num_seqs, q_len, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_seqs, q_len, self.num_kv_heads, self.head_dim)
@@ -153,8 +164,7 @@ class Attention(nnx.Module):
             impl=self.attention_impl,
             tree_mask=md.tree_mask,
         )
-        out = out.reshape(num_seqs, q_len, self.num_heads * self.head_dim)
-        return linear_residual(out, self.o_proj.kernel[...], x, impl=self.linear_impl), (k_pages, v_pages)
+        return out.reshape(num_seqs, q_len, self.num_heads * self.head_dim), (k_pages, v_pages)
 
 
 class MLP(nnx.Module):
@@ -182,8 +192,30 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs, linear_impl)
 
     def __call__(self, x, positions, inv_freq, kv, md):
-        x, kv = self.self_attn(x, self.input_layernorm, positions, inv_freq, kv, md)
-        return self.mlp(x, self.post_attention_layernorm), kv
+        """``x + attn(norm(x))``, then ``+ mlp(norm(·))``."""
+        x, kv, _ = self.forward(x, positions, inv_freq, kv, md)
+        return x, kv
+
+    def forward(self, x, positions, inv_freq, kv, md, qkv=None, next_layer: DecoderLayer | None = None):
+        """``__call__``, given this layer's q/k/v when the previous layer computed them (``qkv``), and also computing
+        ``next_layer``'s (returned third; None without a next layer). After attention, o_proj with its residual add,
+        the whole MLP and the next layer's norm and q/k/v are one :func:`attn_out_mlp` (one custom call per layer
+        on the CPU kernel, the plain composition elsewhere)."""
+        attn, mlp = self.self_attn, self.mlp
+        out, kv = attn.attend(x, self.input_layernorm, positions, inv_freq, kv, md, qkv=qkv)
+        norm = self.post_attention_layernorm
+        extra = {}
+        if next_layer is not None:
+            next_norm = next_layer.input_layernorm
+            extra = dict(next_gain=next_norm.weight[...], next_ws=next_layer.self_attn.qkv_weights(),
+                         next_eps=next_norm.eps)
+        result = attn_out_mlp(out, x, attn.o_proj.kernel[...], norm.weight[...], mlp.gate_proj.kernel[...],
+                              mlp.up_proj.kernel[...], mlp.down_proj.kernel[...], norm.eps, impl=mlp.linear_impl,
+                              **extra)
+        if next_layer is None:
+            return result, kv, None
+        x, next_qkv = result
+        return x, kv, next_qkv
 
 
 class Llama(nnx.Module):
@@ -235,8 +267,11 @@ class Llama(nnx.Module):
             x = linear(inputs, self.fc.kernel[...], impl=self.linear_impl)
         inv_freq = self.inv_freq[...]
         new_cache = []
-        for layer, kv in zip(self.layers, kv_cache, strict=True):
-            x, kv = layer(x, positions, inv_freq, kv, md)
+        qkv = None  # each layer's q/k/v come out of the previous layer's fused call
+        layers = list(self.layers)
+        for i, (layer, kv) in enumerate(zip(layers, kv_cache, strict=True)):
+            next_layer = layers[i + 1] if i + 1 < len(layers) else None
+            x, kv, qkv = layer.forward(x, positions, inv_freq, kv, md, qkv=qkv, next_layer=next_layer)
             new_cache.append(kv)
         return self.norm(x), tuple(new_cache)
 

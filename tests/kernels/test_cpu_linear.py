@@ -17,7 +17,15 @@ import numpy as np
 import pytest
 
 from kernels_pallas.linear import cpu
-from nightjar_jax.linear import linear, linear_many, linear_residual, rms_linear_many, rms_norm, rms_swiglu
+from nightjar_jax.linear import (
+    attn_out_mlp,
+    linear,
+    linear_many,
+    linear_residual,
+    rms_linear_many,
+    rms_norm,
+    rms_swiglu,
+)
 
 F32 = jnp.float32
 
@@ -249,3 +257,101 @@ def test_back_to_back_fused_calls_stay_exact():
         gate, up = xn @ ws[2][:, :64], xn @ ws[2][:, 64:128]
         ref = ref + gate / (1 + np.exp(-gate)) * up
     np.testing.assert_allclose(first, ref, rtol=1e-3, atol=1e-3)
+
+
+# ---- a decoder layer after attention in one call (o_proj, residual, norm, SwiGLU MLP, residual[, next q/k/v]) ----
+
+
+def _layer_ref(a, r, wo, g, wg, wu, wd, eps):
+    r1 = r.astype(np.float64) + a.astype(np.float64) @ wo
+    xn = _rms(r1, g, eps)
+    gate, up = xn @ wg, xn @ wu
+    return r1 + (gate / (1 + np.exp(-gate)) * up) @ wd
+
+
+def _layer_weights(rng, a_dim=48, h=40, i=72, widths=(40, 8, 8)):
+    wo = rng.standard_normal((a_dim, h)).astype(np.float32) / 6
+    g, gn = (rng.uniform(0.5, 1.5, h).astype(np.float32) for _ in range(2))
+    wg, wu = (rng.standard_normal((h, i)).astype(np.float32) / 6 for _ in range(2))
+    wd = rng.standard_normal((i, h)).astype(np.float32) / 8
+    nws = [rng.standard_normal((h, n)).astype(np.float32) for n in widths]
+    return wo, g, wg, wu, wd, gn, nws
+
+
+# 1 row: the two-stream passes; 2-12: x rows in pairs; 13: more rows than auto sends (split-K still exact)
+@pytest.mark.parametrize("m", [1, 2, 5, 12, 13])
+def test_attn_out_mlp_matches_numpy(m):
+    rng = np.random.default_rng(11 * m)
+    eps = 1e-5
+    wo, g, wg, wu, wd, gn, nws = _layer_weights(rng)
+    a = rng.standard_normal((2, m, 48)).astype(np.float32)  # leading dimensions flattened and restored
+    r = (2 * rng.standard_normal((2, m, 40))).astype(np.float32)
+    y = np.asarray(jax.jit(lambda *t: cpu.attn_out_mlp_cpu(*t, eps))(a, r, wo, g, wg, wu, wd))
+    ref = _layer_ref(a, r, wo, g, wg, wu, wd, eps)
+    assert y.shape == (2, m, 40)
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+    # with the next layer's norm and q/k/v in the same call: the same y, and q/k/v of RMSNorm'(y)
+    y2, qkv = jax.jit(lambda *t: cpu.attn_out_mlp_cpu(*t[:7], eps, next_gain=t[7], next_ws=list(t[8:]),
+                                                       next_eps=1e-6))(a, r, wo, g, wg, wu, wd, gn, *nws)
+    np.testing.assert_array_equal(np.asarray(y2), y)
+    xn = _rms(ref, gn, 1e-6)
+    for t, w in zip(qkv, nws, strict=True):
+        assert t.shape == (2, m, w.shape[1])
+        np.testing.assert_allclose(np.asarray(t), xn @ w, rtol=1e-4, atol=1e-3)
+    # the dispatcher: the kernel where every product is on it, else exactly the composition (XLA path)
+    args = [jnp.asarray(t) for t in (a, r, wo, g, wg, wu, wd)]
+    for impl in ("auto", "xla"):
+        y3, qkv3 = attn_out_mlp(*args, eps, impl=impl, next_gain=jnp.asarray(gn),
+                                next_ws=[jnp.asarray(w) for w in nws], next_eps=1e-6)
+        np.testing.assert_allclose(np.asarray(y3), y, rtol=1e-4, atol=1e-4)
+        for t, u in zip(qkv3, qkv, strict=True):
+            np.testing.assert_allclose(np.asarray(t), np.asarray(u), rtol=1e-4, atol=1e-3)
+
+
+def test_attn_out_mlp_dispatch_and_bad_inputs():
+    rng = np.random.default_rng(3)
+    wo, g, wg, wu, wd, gn, nws = (jnp.asarray(t) if not isinstance(t, list) else [jnp.asarray(w) for w in t]
+                                  for t in _layer_weights(rng))
+    for rows, on_kernel in ((1, True), (12, True), (48, False)):
+        a, r = jnp.ones((rows, 48), F32), jnp.ones((rows, 40), F32)
+        text = jax.jit(lambda a, r: attn_out_mlp(a, r, wo, g, wg, wu, wd, 1e-5)).lower(a, r).as_text()
+        assert ("nightjar_attn_out_mlp_f32" in text) == on_kernel
+        text = jax.jit(lambda a, r: attn_out_mlp(a, r, wo, g, wg, wu, wd, 1e-5, next_gain=gn, next_ws=nws,
+                                                 next_eps=1e-5)).lower(a, r).as_text()
+        assert ("nightjar_attn_out_mlp_qkv_f32" in text) == on_kernel
+    # impl="cpu" past the split-K rows (a prefill chunk): the composition, its products on the packed kernel path
+    a, r = jnp.ones((13, 48), F32), jnp.ones((13, 40), F32)
+    text = jax.jit(lambda a, r: attn_out_mlp(a, r, wo, g, wg, wu, wd, 1e-5, impl="cpu")).lower(a, r).as_text()
+    assert "nightjar_attn_out_mlp" not in text and "nightjar_linear_residual_f32" in text
+    a, r = jnp.ones((2, 48), F32), jnp.ones((2, 40), F32)
+    with pytest.raises(ValueError, match="residual r must be"):
+        cpu.attn_out_mlp_cpu(a, jnp.ones((2, 41), F32), wo, g, wg, wu, wd, 1e-5)
+    with pytest.raises(ValueError, match="must be \\[H, I\\]"):
+        cpu.attn_out_mlp_cpu(a, r, wo, g, wg, wu, jnp.ones((71, 40), F32), 1e-5)
+    with pytest.raises(ValueError, match="gain must be float32"):
+        cpu.attn_out_mlp_cpu(a, r, wo, g, wg, wu, wd, 1e-5, next_gain=jnp.ones((7,), F32), next_ws=nws,
+                             next_eps=1e-5)
+    with pytest.raises(ValueError, match="next_gain, 3 next_ws"):
+        attn_out_mlp(a, r, wo, g, wg, wu, wd, 1e-5, next_gain=gn, next_ws=nws[:2], next_eps=1e-5)
+
+
+def test_back_to_back_layer_calls_stay_exact():
+    """Layer calls chained as in a decode step (phases and spin barriers shared with the pool's helpers,
+    ``cpu_parallel.h``'s ParallelPhases): bit-identical on every repetition."""
+    rng = np.random.default_rng(9)
+    wo, g, wg, wu, wd, gn, nws = _layer_weights(rng, a_dim=40, widths=(40, 16, 16))
+
+    @jax.jit
+    def chain(x):
+        q, k, v = cpu.rms_linear_many_cpu(x, gn, nws, 1e-5)
+        for _ in range(8):
+            x, (q, k, v) = cpu.attn_out_mlp_cpu(q + jnp.tile(k + v, 3)[:, :40] / 4, x, wo, g, wg, wu, wd, 1e-5,
+                                                next_gain=gn, next_ws=nws, next_eps=1e-5)
+        return x, q
+
+    x = rng.standard_normal((1, 40)).astype(np.float32)
+    first = [np.asarray(t) for t in chain(x)]
+    assert np.isfinite(first[0]).all()
+    for _ in range(25):
+        for t, f in zip(chain(x), first, strict=True):
+            np.testing.assert_array_equal(np.asarray(t), f)
