@@ -59,16 +59,46 @@ constexpr int64_t kKUnroll = 4;   // weight rows consumed per pass over a column
 constexpr int64_t kKBlock = 64;   // weight rows per L2 block (reused by every row tile of x)
 constexpr int64_t kPrefetchRows = 8;
 
+#ifdef __AVX512F__
+// 16-float (AVX-512) vectors where the CPU has them: half the load and FMA instructions per weight byte of the
+// 8-float ones (SmolLM2-135M's products standalone on a 2-vCPU Xeon: 18.6 ms against 19.2 at one row, a plain read
+// 17.9; at 5 rows, where the products are near the cores' FMA rate, see README.md).
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+inline v16 Load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void Store16(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+inline v16 Splat16(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#endif
+
 // y[r, c_begin:c_end] += sum_{u < U} x[r, k + u] * W[k + u, c_begin:c_end] for the R rows starting at r0:
-// U weight rows streamed left to right (U sequential streams), partial sums of y in L1.
+// U weight rows streamed left to right (U sequential streams), partial sums of y in L1; 16 columns at a time where
+// the CPU has AVX-512, then 8, then one.
 template <int R, int U>
 inline void RowsNN(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t r0, int64_t k,
                    int64_t c_begin, int64_t c_end, bool prefetch = false) {
+  const float* wk = w + k * N;
+  int64_t c = c_begin;
+#ifdef __AVX512F__
+  {
+    v16 xb[R][U];
+    for (int r = 0; r < R; ++r) for (int u = 0; u < U; ++u) xb[r][u] = Splat16(x[(r0 + r) * K + k + u]);
+    for (; c + 16 <= c_end; c += 16) {
+      if (prefetch) {
+        for (int u = 0; u < U; ++u) __builtin_prefetch(wk + (kPrefetchRows + u) * N + c, 0, 2);
+      }
+      v16 wv[U];
+      for (int u = 0; u < U; ++u) wv[u] = Load16(wk + u * N + c);
+      for (int r = 0; r < R; ++r) {
+        v16 a = Load16(y + (r0 + r) * N + c);
+        for (int u = 0; u < U; ++u) a += xb[r][u] * wv[u];
+        Store16(y + (r0 + r) * N + c, a);
+      }
+    }
+  }
+#endif
   v8 xb[R][U];
   for (int r = 0; r < R; ++r) for (int u = 0; u < U; ++u) xb[r][u] = Splat(x[(r0 + r) * K + k + u]);
-  const float* wk = w + k * N;
-  const int64_t vec_end = c_begin + (c_end - c_begin) / 8 * 8;
-  for (int64_t c = c_begin; c < vec_end; c += 8) {
+  for (; c + 8 <= c_end; c += 8) {
     if (prefetch && (c - c_begin) % 16 == 0) {
       for (int u = 0; u < U; ++u) __builtin_prefetch(wk + (kPrefetchRows + u) * N + c, 0, 2);
     }
@@ -80,48 +110,13 @@ inline void RowsNN(const float* x, const float* w, float* y, int64_t K, int64_t 
       Store(y + (r0 + r) * N + c, a);
     }
   }
-  for (int64_t c = vec_end; c < c_end; ++c) {
+  for (; c < c_end; ++c) {
     for (int r = 0; r < R; ++r) {
       float a = y[(r0 + r) * N + c];
       for (int u = 0; u < U; ++u) a += x[(r0 + r) * K + k + u] * wk[u * N + c];
       y[(r0 + r) * N + c] = a;
     }
   }
-}
-
-#ifdef __AVX512F__
-// 16-float (AVX-512) forms of the one-row paths, where the CPU has it: half the load and FMA instructions per
-// weight byte of the 8-float forms (standalone on a 2-vCPU Xeon with AVX-512, SmolLM2-135M's one-row products:
-// 18.6 ms against 19.2, a plain read 17.9).
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
-inline v16 Load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-inline void Store16(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
-inline v16 Splat16(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-#endif
-
-// y[0, :] += sum_{u < U} x[0, k + u] * W[k + u, :] (one x row): RowsNN<1, U>, 16 floats at a time where the CPU
-// has AVX-512.
-template <int U>
-inline void RowNN1(const float* x, const float* w, float* y, int64_t N, int64_t k) {
-#ifdef __AVX512F__
-  v16 xb[U];
-  for (int u = 0; u < U; ++u) xb[u] = Splat16(x[k + u]);
-  const float* wk = w + k * N;
-  int64_t c = 0;
-  for (; c + 16 <= N; c += 16) {
-    v16 a = Load16(y + c);
-    for (int u = 0; u < U; ++u) a += xb[u] * Load16(wk + u * N + c);
-    Store16(y + c, a);
-  }
-  for (; c < N; ++c) {
-    float a = y[c];
-    for (int u = 0; u < U; ++u) a += x[k + u] * wk[u * N + c];
-    y[c] = a;
-  }
-#else
-  RowsNN<1, U>(x, w, y, /*K=*/0, N, 0, k, 0, N);
-#endif
 }
 
 // More than kSplitKMaxRows rows: pack a kKBlock x width block of W into 16-column panels
@@ -407,11 +402,11 @@ void ComputeSplitK(const float* xp, int64_t M, int64_t K, const SplitKItem& item
     // two streams: the item's halves, a pass of each in turn (as BlockNT's one-row head)
     const int64_t half = (item.k1 - item.k0) / 16 * 8;
     for (; k + 8 <= item.k0 + half; k += 8) {
-      RowNN1<8>(xp, item.w, item.out, N, k);
-      RowNN1<8>(xp, item.w, item.out, N, k + half);
+      RowsNN<1, 8>(xp, item.w, item.out, K, N, 0, k, 0, N);
+      RowsNN<1, 8>(xp, item.w, item.out, K, N, 0, k + half, 0, N);
     }
     k += half;
-    for (; k + 8 <= item.k1; k += 8) RowNN1<8>(xp, item.w, item.out, N, k);
+    for (; k + 8 <= item.k1; k += 8) RowsNN<1, 8>(xp, item.w, item.out, K, N, 0, k, 0, N);
   }
   // x rows in pairs over the same kKUnroll weight rows (the later pairs find them in L1); the first pair
   // prefetches 8 weight rows ahead: without it 4-5 rows measured 0.9x XLA's step, with it 1.1x (one row did
