@@ -414,8 +414,23 @@ void ComputeSplitK(const float* xp, int64_t M, int64_t K, const SplitKItem& item
   for (; k + kKUnroll <= item.k1; k += kKUnroll) {
     bool pf = k + kPrefetchRows + kKUnroll <= item.k1;
     int64_t r0 = 0;
+#ifdef __AVX512F__
+    // up to 6 x rows per pass (32 vector registers hold their broadcasts): the weight rows and each y row are
+    // touched once per pass instead of once per pair
+    for (; r0 < M; r0 += 6, pf = false) {
+      switch (std::min<int64_t>(6, M - r0)) {
+        case 6: RowsNN<6, kKUnroll>(xp, item.w, item.out, K, N, r0, k, 0, N, pf); break;
+        case 5: RowsNN<5, kKUnroll>(xp, item.w, item.out, K, N, r0, k, 0, N, pf); break;
+        case 4: RowsNN<4, kKUnroll>(xp, item.w, item.out, K, N, r0, k, 0, N, pf); break;
+        case 3: RowsNN<3, kKUnroll>(xp, item.w, item.out, K, N, r0, k, 0, N, pf); break;
+        case 2: RowsNN<2, kKUnroll>(xp, item.w, item.out, K, N, r0, k, 0, N, pf); break;
+        default: RowsNN<1, kKUnroll>(xp, item.w, item.out, K, N, r0, k, 0, N, pf); break;
+      }
+    }
+#else
     for (; r0 + 2 <= M; r0 += 2, pf = false) RowsNN<2, kKUnroll>(xp, item.w, item.out, K, N, r0, k, 0, N, pf);
     if (r0 < M) RowsNN<1, kKUnroll>(xp, item.w, item.out, K, N, r0, k, 0, N, pf);
+#endif
   }
   for (; k < item.k1; ++k) {
     int64_t r0 = 0;
