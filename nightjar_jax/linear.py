@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 
 IMPLS = ("auto", "cpu", "xla")
-SPLIT_K_MAX_ROWS = 12  # cpu_kernel.cc kSplitKMaxRows: the split-K path (decode and verify shapes)
 
 
 def check_impl(impl: str) -> str:
@@ -78,6 +77,12 @@ def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
     return (xf * gain.astype(jnp.float32)).astype(x.dtype)
 
 
+def _split_k_rows(x: jax.Array) -> bool:
+    from kernels_pallas.linear import cpu
+
+    return math.prod(x.shape[:-1]) <= cpu.SPLIT_K_MAX_ROWS
+
+
 def _fused_on_kernel(x: jax.Array, gain: jax.Array | None, ws: list[jax.Array], impl: str) -> bool:
     return (gain is None or gain.dtype == jnp.float32) and all(_on_kernel(x, w, impl) for w in ws)
 
@@ -129,11 +134,10 @@ def attn_out_mlp(a: jax.Array, r: jax.Array, w_o: jax.Array, gain: jax.Array, w_
     with_next = next_gain is not None
     if with_next and (next_ws is None or len(next_ws) != 3 or next_eps is None):
         raise ValueError("attn_out_mlp: the next layer's q/k/v need next_gain, 3 next_ws and next_eps")
-    # split-K phases only (up to 12 rows, what decode and verify send); more rows (a prefill chunk with
+    # split-K phases only (up to 12 or 24 rows, what decode and verify send); more rows (a prefill chunk with
     # impl="cpu") take the composition, whose products use the kernel's packed path
-    if (r.dtype == jnp.float32 and math.prod(a.shape[:-1]) <= SPLIT_K_MAX_ROWS
-            and _fused_on_kernel(a, gain, [w_o], impl) and _fused_on_kernel(r, None, [w_gate, w_up], impl)
-            and _on_kernel(a, w_down, impl)
+    if (r.dtype == jnp.float32 and _fused_on_kernel(a, gain, [w_o], impl) and _split_k_rows(a)
+            and _fused_on_kernel(r, None, [w_gate, w_up], impl) and _on_kernel(a, w_down, impl)
             and (not with_next or _fused_on_kernel(r, next_gain, list(next_ws), impl))):
         from kernels_pallas.linear import cpu
 

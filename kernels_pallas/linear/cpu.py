@@ -3,9 +3,9 @@
 A decode step multiplies a few rows (batch size x (γ + 1) query slots) by every weight matrix, so it is bound by
 reading the weights. XLA:CPU's dot handles 2-16 rows poorly (on the project's 2-core machine SmolLM2-135M's
 layers took about twice as long at 4 rows as at 1, though both read the same bytes). The kernels in
-``cpu_kernel.cc`` give each thread a contiguous run of weight rows to stream (up to 12 rows of x), or pack
-L2-sized blocks for a register-tiled product (more rows); ``README.md`` has the measured ratios that set
-:data:`NN_ROWS` and :data:`NT_ROWS`, the row counts where :func:`use_kernel` picks them over XLA.
+``cpu_kernel.cc`` give each thread a contiguous run of weight rows to stream (up to 12 rows of x, 24 with
+AVX-512), or pack L2-sized blocks for a register-tiled product (more rows); ``README.md`` has the measured ratios
+that set :data:`NN_ROWS` and :data:`NT_ROWS`, the row counts where :func:`use_kernel` picks them over XLA.
 
 Two layouts: ``linear_cpu(x, w)`` with ``w [K, N]`` (``nnx.Linear``'s kernel) and ``linear_cpu(x, w,
 transposed=True)`` with ``w [N, K]`` (a tied LM head, i.e. the embedding table). float32 only; leading dimensions
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.cpu_build import CpuKernelLibrary
+from kernels_pallas.cpu_build import CpuKernelLibrary, _cpu_flags
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 _TARGETS = {False: "nightjar_linear_f32", True: "nightjar_linear_nt_f32"}
@@ -35,12 +35,22 @@ _LIBRARY = CpuKernelLibrary("linear", SOURCE, {
     "nightjar_attn_out_mlp_f32": "NjAttnOutMlpF32", "nightjar_attn_out_mlp_qkv_f32": "NjAttnOutMlpQkvF32",
 })
 
+
+
+def _has_avx512() -> bool:
+    """Whether this CPU has AVX-512F: the kernel is built with -march=native, so its split-K passes then take up to
+    6 x rows at once (cpu_kernel.cc kSplitKMaxRows)."""
+    return "avx512f" in _cpu_flags().split()
+
+
 # Rows of x (all leading dimensions flattened) for which the kernels measured faster than XLA's dot inside a
-# SmolLM2-135M decode step (README.md; 2026-12-01): 1 to 12 rows (1.00-1.20x the step with XLA's dots; one row
-# since each thread streams a contiguous run of weight rows). 16+ rows: XLA's tiled GEMM is faster (the kernel
-# 0.66-0.75x at 16-32 rows).
-NN_ROWS = (1, 12)
-NT_ROWS = (1, 12)
+# SmolLM2-135M decode step (README.md): without AVX-512 (AMD EPYC VM, 2026-12-01) 1 to 12 rows (1.00-1.20x the step
+# with XLA's dots); 16+ rows: XLA's tiled GEMM is faster (the kernel 0.66-0.75x at 16-32 rows). With AVX-512 (Xeon
+# VM, 2026-12-02; 6-row passes) up to 24 rows: products alone 0.80x XLA's time at 16 rows, 0.88x at 20, 0.93x at 24,
+# even at 32. Must match cpu_kernel.cc's kSplitKMaxRows (the split-K path's limit).
+SPLIT_K_MAX_ROWS = 24 if _has_avx512() else 12
+NN_ROWS = (1, SPLIT_K_MAX_ROWS)
+NT_ROWS = (1, SPLIT_K_MAX_ROWS)
 
 
 def available() -> bool:

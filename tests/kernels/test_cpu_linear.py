@@ -1,12 +1,12 @@
 """The CPU linear custom calls (``kernels_pallas/linear/cpu.py``) against a float64 numpy product.
 
-Shapes cover the NN paths (up to 12 rows: contiguous runs of weight rows per thread, x rows in pairs, partials
-summed; more: packed register tiles with every row remainder), the one-row transposed path, column
-counts that are not multiples of the 8/16-wide vectors and panels, K not a multiple of the 4-row unroll or of the
-64-row block, the transposed (tied-head) kernel's 4-row and 3-row tiles with remainders, leading batch dimensions,
-jit, the dispatch rule (which products ``auto`` sends to the kernel), clear errors for bad dtypes and shapes, and a
-whole model giving the same logits with ``linear_impl="cpu"`` and ``"xla"``. Skips only when no C++ compiler
-exists (the reason is printed).
+Shapes cover the NN paths (up to 12 rows, 24 with AVX-512: contiguous runs of weight rows per thread, x rows in
+pairs or up to 6 per pass, partials summed; more: packed register tiles with every row remainder), the one-row
+transposed path, column counts that are not multiples of the 8/16-wide vectors and panels, K not a multiple of the
+4-row unroll or of the 64-row block, the transposed (tied-head) kernel's 4-row and 3-row tiles with remainders,
+leading batch dimensions, jit, the dispatch rule (which products ``auto`` sends to the kernel), clear errors for bad
+dtypes and shapes, and a whole model giving the same logits with ``linear_impl="cpu"`` and ``"xla"``. Skips only
+when no C++ compiler exists (the reason is printed).
 """
 
 from __future__ import annotations
@@ -278,8 +278,8 @@ def _layer_weights(rng, a_dim=48, h=40, i=72, widths=(40, 8, 8)):
     return wo, g, wg, wu, wd, gn, nws
 
 
-# 1 row: the two-stream passes; 2-12: x rows in pairs; 13: more rows than auto sends (split-K still exact)
-@pytest.mark.parametrize("m", [1, 2, 5, 12, 13])
+# 1 row: the two-stream passes; more: x rows in pairs or (AVX-512) up to 6 per pass, with remainders
+@pytest.mark.parametrize("m", [1, 2, 5, 7, 12, 13, 23])
 def test_attn_out_mlp_matches_numpy(m):
     rng = np.random.default_rng(11 * m)
     eps = 1e-5
@@ -320,7 +320,8 @@ def test_attn_out_mlp_dispatch_and_bad_inputs():
                                                  next_eps=1e-5)).lower(a, r).as_text()
         assert ("nightjar_attn_out_mlp_qkv_f32" in text) == on_kernel
     # impl="cpu" past the split-K rows (a prefill chunk): the composition, its products on the packed kernel path
-    a, r = jnp.ones((13, 48), F32), jnp.ones((13, 40), F32)
+    rows = cpu.SPLIT_K_MAX_ROWS + 1
+    a, r = jnp.ones((rows, 48), F32), jnp.ones((rows, 40), F32)
     text = jax.jit(lambda a, r: attn_out_mlp(a, r, wo, g, wg, wu, wd, 1e-5, impl="cpu")).lower(a, r).as_text()
     assert "nightjar_attn_out_mlp" not in text and "nightjar_linear_residual_f32" in text
     a, r = jnp.ones((2, 48), F32), jnp.ones((2, 40), F32)
