@@ -7,6 +7,12 @@ the kernel), interleaved, ``--repeats`` times each; the median is kept. Prints a
     python scripts/bench_linear.py --rows 1,2,3,4,5,6,8,12,16,32
 
 The ratio (xla / cpu > 1: the kernel is faster) is what sets ``NN_ROWS`` in ``kernels_pallas/linear/cpu.py``.
+
+``--products-only`` times the step's linear layers alone (every layer's q/k/v, o_proj, MLP and the head as the model
+dispatches them, attention replaced by its query), against a JAX read of the same number of bytes, interleaved: how
+close the products come to the memory bandwidth (one row) or the FMA rate (more rows).
+
+    python scripts/bench_linear.py --products-only --rows 1,5,12
 Weights are random (``load_format=dummy`` shapes of the preset); timings do not depend on their values.
 """
 
@@ -24,8 +30,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from nightjar_jax.bench.common import machine_note, write_json  # noqa: E402
+from nightjar_jax.linear import attn_out_mlp, rms_linear_many  # noqa: E402
 from nightjar_jax.models.llama import BatchMetadata, allocate_kv_cache, init_model, make_model_fns  # noqa: E402
 from nightjar_jax.models.presets import get_preset  # noqa: E402
 
@@ -37,11 +45,16 @@ def main() -> None:
     p.add_argument("--verify", default="2,3,5", help="query slots of one sequence (γ + 1), verify-shaped")
     p.add_argument("--context", type=int, default=64, help="tokens already in each sequence's cache")
     p.add_argument("--repeats", type=int, default=12)
+    p.add_argument("--products-only", action="store_true",
+                   help="time the linear layers alone (no attention) against a read of their bytes")
     p.add_argument("--out", default="results/bench_linear.json")
     args = p.parse_args()
     cfg = get_preset(args.model).config
     if cfg.dtype != "float32":
         cfg = dataclasses.replace(cfg, dtype="float32")  # the kernel is float32-only
+    if args.products_only:
+        products_only(cfg, args)
+        return
     steps = {}
     for impl in ("xla", "cpu"):
         graphdef, state = init_model(cfg, seed=0, linear_impl=impl)
@@ -77,6 +90,64 @@ def main() -> None:
         rows.append({"seqs": seqs, "slots": slots, "rows": seqs * slots, "xla_ms": xla_ms, "kernel_ms": cpu_ms})
         print(f"| {seqs} x {slots} | {seqs * slots} | {xla_ms:.1f} | {cpu_ms:.1f} | {xla_ms / cpu_ms:.2f}x |",
               flush=True)
+    write_json(args.out, {"args": vars(args), "machine": machine_note(), "rows": rows})
+    print(f"wrote {args.out}")
+
+
+def products_fn(graphdef):
+    """The model's linear layers in a decode step's order and dispatch (``DecoderLayer.forward``), attention replaced
+    by its query: ``x [rows, hidden]`` -> logits."""
+
+    def run(state, x):
+        model = nnx.merge(graphdef, state)
+        layers, impl = list(model.layers), model.linear_impl
+        first = layers[0]
+        qkv = rms_linear_many(x, first.input_layernorm.weight[...], first.self_attn.qkv_weights(),
+                              first.input_layernorm.eps, impl=impl)
+        for i, layer in enumerate(layers):
+            attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+            extra = {}
+            if i + 1 < len(layers):
+                nxt = layers[i + 1]
+                extra = dict(next_gain=nxt.input_layernorm.weight[...], next_ws=nxt.self_attn.qkv_weights(),
+                             next_eps=nxt.input_layernorm.eps)
+            out = attn_out_mlp(qkv[0], x, attn.o_proj.kernel[...], norm.weight[...], mlp.gate_proj.kernel[...],
+                               mlp.up_proj.kernel[...], mlp.down_proj.kernel[...], norm.eps, impl=impl, **extra)
+            x, qkv = out if extra else (out, None)
+        return model.logits(model.norm(x))
+
+    return jax.jit(run)
+
+
+def products_only(cfg, args) -> None:
+    fns = {}
+    for impl in ("xla", "cpu"):
+        graphdef, state = init_model(cfg, seed=0, linear_impl=impl)
+        fns[impl] = (products_fn(graphdef), state)
+    state = fns["cpu"][1]
+    nbytes = sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(state) if a.ndim == 2)
+    flat = jnp.ones(nbytes // 4, jnp.float32)
+    read = jax.jit(jnp.sum)
+    rows = []
+    print(f"# {machine_note()['date']}  model {args.model}  products only  weights {nbytes / 1e6:.0f} MB  "
+          f"repeats {args.repeats}")
+    print("| rows | XLA dot ms | kernel ms | read ms | XLA / kernel | kernel / read |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for m in map(int, args.rows.split(",")):
+        x = jnp.full((m, cfg.hidden_size), 0.1, jnp.float32)
+        times = {"xla": [], "cpu": [], "read": []}
+        for r in range(args.repeats + 2):  # the first two: compile and warm up
+            for name in times:
+                t0 = time.perf_counter()
+                out = read(flat) if name == "read" else fns[name][0](fns[name][1], x)
+                out.block_until_ready()
+                if r >= 2:
+                    times[name].append(time.perf_counter() - t0)
+        ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+        rows.append({"rows": m, "xla_ms": ms["xla"], "kernel_ms": ms["cpu"], "read_ms": ms["read"],
+                     "weight_bytes": nbytes})
+        print(f"| {m} | {ms['xla']:.2f} | {ms['cpu']:.2f} | {ms['read']:.2f} | {ms['xla'] / ms['cpu']:.2f}x | "
+              f"{ms['cpu'] / ms['read']:.2f}x |", flush=True)
     write_json(args.out, {"args": vars(args), "machine": machine_note(), "rows": rows})
     print(f"wrote {args.out}")
 
