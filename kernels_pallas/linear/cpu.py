@@ -44,9 +44,10 @@ def _has_avx512() -> bool:
 
 
 # Rows of x (all leading dimensions flattened) for which the kernels measured faster than XLA's dot inside a
-# SmolLM2-135M decode step (README.md): without AVX-512 (AMD EPYC VM, 2026-12-01) 1 to 12 rows (1.00-1.20x the step
-# with XLA's dots); 16+ rows: XLA's tiled GEMM is faster (the kernel 0.66-0.75x at 16-32 rows). With AVX-512 (Xeon
-# VM, 2026-12-02; 6-row passes) up to 24 rows: products alone 0.80x XLA's time at 16 rows, 0.88x at 20, 0.93x at 24,
+# SmolLM2-135M decode step (README.md): with the earlier 8-float kernel, x rows in pairs (AMD EPYC VM, 2026-12-01),
+# 1 to 12 rows (1.00-1.20x the step with XLA's dots); 16+ rows: XLA's tiled GEMM was faster (the kernel 0.66-0.75x at
+# 16-32 rows); CPUs without AVX-512 still run that kernel. With AVX-512 (Xeon VM, 2026-12-02; 16-float vectors,
+# 6-row passes) up to 24 rows: products alone 0.80x XLA's time at 16 rows, 0.88x at 20, 0.93x at 24,
 # even at 32. The AMD EPYC (Zen 4) VMs also have AVX-512 (double-pumped 256-bit units) and were not measured with
 # the 6-row passes: re-run ``scripts/bench_linear.py --rows 8,12,16,20,24`` there before trusting 13-24 rows. Must
 # match cpu_kernel.cc's kSplitKMaxRows (the split-K path's limit).
