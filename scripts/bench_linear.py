@@ -13,6 +13,7 @@ dispatches them, attention replaced by its query), against a JAX read of the sam
 close the products come to the memory bandwidth (one row) or the FMA rate (more rows).
 
     python scripts/bench_linear.py --products-only --rows 1,5,12
+
 Weights are random (``load_format=dummy`` shapes of the preset); timings do not depend on their values.
 """
 
@@ -33,7 +34,6 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from nightjar_jax.bench.common import machine_note, write_json  # noqa: E402
-from nightjar_jax.linear import attn_out_mlp, rms_linear_many  # noqa: E402
 from nightjar_jax.models.llama import BatchMetadata, allocate_kv_cache, init_model, make_model_fns  # noqa: E402
 from nightjar_jax.models.presets import get_preset  # noqa: E402
 
@@ -95,25 +95,15 @@ def main() -> None:
 
 
 def products_fn(graphdef):
-    """The model's linear layers in a decode step's order and dispatch (``DecoderLayer.forward``), attention replaced
-    by its query: ``x [rows, hidden]`` -> logits."""
+    """The model's linear layers in a decode step's order and dispatch (``DecoderLayer.first_qkv`` and
+    ``after_attention``, as ``forward`` calls them), attention replaced by its query: ``x [rows, hidden]`` -> logits."""
 
     def run(state, x):
         model = nnx.merge(graphdef, state)
-        layers, impl = list(model.layers), model.linear_impl
-        first = layers[0]
-        qkv = rms_linear_many(x, first.input_layernorm.weight[...], first.self_attn.qkv_weights(),
-                              first.input_layernorm.eps, impl=impl)
+        layers = list(model.layers)
+        qkv = layers[0].first_qkv(x)
         for i, layer in enumerate(layers):
-            attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
-            extra = {}
-            if i + 1 < len(layers):
-                nxt = layers[i + 1]
-                extra = dict(next_gain=nxt.input_layernorm.weight[...], next_ws=nxt.self_attn.qkv_weights(),
-                             next_eps=nxt.input_layernorm.eps)
-            out = attn_out_mlp(qkv[0], x, attn.o_proj.kernel[...], norm.weight[...], mlp.gate_proj.kernel[...],
-                               mlp.up_proj.kernel[...], mlp.down_proj.kernel[...], norm.eps, impl=impl, **extra)
-            x, qkv = out if extra else (out, None)
+            x, qkv = layer.after_attention(qkv[0], x, layers[i + 1] if i + 1 < len(layers) else None)
         return model.logits(model.norm(x))
 
     return jax.jit(run)

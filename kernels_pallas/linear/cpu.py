@@ -36,7 +36,6 @@ _LIBRARY = CpuKernelLibrary("linear", SOURCE, {
 })
 
 
-
 def _has_avx512() -> bool:
     """Whether this CPU has AVX-512F: the kernel is built with -march=native, so its split-K passes then take up to
     6 x rows at once (cpu_kernel.cc kSplitKMaxRows)."""

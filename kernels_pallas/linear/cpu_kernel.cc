@@ -412,9 +412,9 @@ void ComputeSplitK(const float* xp, int64_t M, int64_t K, const SplitKItem& item
     k += half;
     for (; k + 8 <= item.k1; k += 8) RowsNN<1, 8>(xp, item.w, item.out, K, N, 0, k, 0, N);
   }
-  // x rows in pairs over the same kKUnroll weight rows (the later pairs find them in L1); the first pair
-  // prefetches 8 weight rows ahead: without it 4-5 rows measured 0.9x XLA's step, with it 1.1x (one row did
-  // better without: the hardware streams a single pass on its own)
+  // x rows in groups over the same kKUnroll weight rows (pairs, or up to 6 with AVX-512; the later groups find the
+  // weight rows in L1); the first group prefetches 8 weight rows ahead: without it 4-5 rows measured 0.9x XLA's
+  // step, with it 1.1x (one row did better without: the hardware streams a single pass on its own)
   for (; k + kKUnroll <= item.k1; k += kKUnroll) {
     bool pf = k + kPrefetchRows + kKUnroll <= item.k1;
     int64_t r0 = 0;
@@ -646,9 +646,9 @@ ffi::Error AttnOutMlpImpl(ffi::ThreadPool& pool, In& a, In& r, In& wo, In& gain,
   }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   std::vector<float> xn(M * H), gate(M * I), up(M * I), h(M * I), down(M * H), xn2(next ? M * H : 0);
-  // A or I = 0: that plan has no items and its outputs stay zero
+  // A or I = 0: that plan has no items and its outputs stay zero (y then gets r alone); with H > 0 every q/k/v
+  // output is written by its first item
   std::fill(yp, yp + M * H, 0.0f);
-  for (const Segment& s : qkv) std::fill(s.y, s.y + M * s.N, 0.0f);
   auto plan_for = [&](int64_t K, std::vector<Segment> segments) {
     if (K == 0) segments.clear();
     return PlanSplitK(M, K, segments, threads);

@@ -132,14 +132,16 @@ class Attention(nnx.Module):
     def qkv_weights(self) -> list[jax.Array]:
         return [p.kernel[...] for p in (self.q_proj, self.k_proj, self.v_proj)]
 
+    def qkv(self, x: jax.Array, norm: RMSNorm) -> list[jax.Array]:
+        """``[q, k, v]`` of ``norm(x)`` (one custom call on the CPU kernel)."""
+        return rms_linear_many(x, norm.weight[...], self.qkv_weights(), norm.eps, impl=self.linear_impl)
+
     def attend(self, x, norm, positions, inv_freq, kv, md, qkv=None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """``__call__`` before o_proj: the attention output ``[num_seqs, q_len, heads * head_dim]`` (what o_proj
         projects) and the updated (k, v) pages. ``qkv``: ``rms_linear_many(x, norm, q/k/v)`` when the caller
         already has it (the previous layer's fused call computed it)."""
         num_seqs, q_len, _ = x.shape
-        if qkv is None:
-            qkv = rms_linear_many(x, norm.weight[...], self.qkv_weights(), norm.eps, impl=self.linear_impl)
-        q, k, v = qkv
+        q, k, v = self.qkv(x, norm) if qkv is None else qkv
         q = q.reshape(num_seqs, q_len, self.num_heads, self.head_dim)
         k = k.reshape(num_seqs, q_len, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_seqs, q_len, self.num_kv_heads, self.head_dim)
@@ -201,9 +203,18 @@ class DecoderLayer(nnx.Module):
         ``next_layer``'s (returned third; None without a next layer). After attention, o_proj with its residual add,
         the whole MLP and the next layer's norm and q/k/v are one :func:`attn_out_mlp` (one custom call per layer
         on the CPU kernel, the plain composition elsewhere)."""
-        attn, mlp = self.self_attn, self.mlp
-        out, kv = attn.attend(x, self.input_layernorm, positions, inv_freq, kv, md, qkv=qkv)
-        norm = self.post_attention_layernorm
+        out, kv = self.self_attn.attend(x, self.input_layernorm, positions, inv_freq, kv, md, qkv=qkv)
+        x, next_qkv = self.after_attention(out, x, next_layer)
+        return x, kv, next_qkv
+
+    def first_qkv(self, x: jax.Array) -> list[jax.Array]:
+        """This layer's q/k/v of the residual stream ``x`` (what ``forward`` computes when not handed them)."""
+        return self.self_attn.qkv(x, self.input_layernorm)
+
+    def after_attention(self, out: jax.Array, x: jax.Array, next_layer: DecoderLayer | None = None):
+        """``(x + o_proj(out), then + mlp(norm(·)); next_layer's q/k/v of that or None)`` as one
+        :func:`attn_out_mlp`."""
+        attn, mlp, norm = self.self_attn, self.mlp, self.post_attention_layernorm
         extra = {}
         if next_layer is not None:
             next_norm = next_layer.input_layernorm
@@ -212,10 +223,7 @@ class DecoderLayer(nnx.Module):
         result = attn_out_mlp(out, x, attn.o_proj.kernel[...], norm.weight[...], mlp.gate_proj.kernel[...],
                               mlp.up_proj.kernel[...], mlp.down_proj.kernel[...], norm.eps, impl=mlp.linear_impl,
                               **extra)
-        if next_layer is None:
-            return result, kv, None
-        x, next_qkv = result
-        return x, kv, next_qkv
+        return result if next_layer is not None else (result, None)
 
 
 class Llama(nnx.Module):
