@@ -47,6 +47,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=12)
     p.add_argument("--products-only", action="store_true",
                    help="time the linear layers alone (no attention) against a read of their bytes")
+    p.add_argument("--kernel-impl", default="cpu", choices=("cpu", "auto"),
+                   help="the kernel side: every product on the kernel (cpu) or what auto dispatch picks")
     p.add_argument("--out", default="results/bench_linear.json")
     args = p.parse_args()
     cfg = get_preset(args.model).config
@@ -57,7 +59,7 @@ def main() -> None:
         return
     steps = {}
     for impl in ("xla", "cpu"):
-        graphdef, state = init_model(cfg, seed=0, linear_impl=impl)
+        graphdef, state = init_model(cfg, seed=0, linear_impl=args.kernel_impl if impl == "cpu" else impl)
         hidden_fn, logits_fn = make_model_fns(graphdef)
 
         def step(state, tokens, kv, md, hidden_fn=hidden_fn, logits_fn=logits_fn):
@@ -112,7 +114,7 @@ def products_fn(graphdef):
 def products_only(cfg, args) -> None:
     fns = {}
     for impl in ("xla", "cpu"):
-        graphdef, state = init_model(cfg, seed=0, linear_impl=impl)
+        graphdef, state = init_model(cfg, seed=0, linear_impl=args.kernel_impl if impl == "cpu" else impl)
         fns[impl] = (products_fn(graphdef), state)
     state = fns["cpu"][1]
     nbytes = sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(state) if a.ndim == 2)

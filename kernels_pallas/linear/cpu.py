@@ -4,8 +4,9 @@ A decode step multiplies a few rows (batch size x (γ + 1) query slots) by every
 reading the weights. XLA:CPU's dot handles 2-16 rows poorly (on the project's 2-core machine SmolLM2-135M's
 layers took about twice as long at 4 rows as at 1, though both read the same bytes). The kernels in
 ``cpu_kernel.cc`` give each thread a contiguous run of weight rows to stream (up to 12 rows of x, 24 with
-AVX-512), or pack L2-sized blocks for a register-tiled product (more rows); ``README.md`` has the measured ratios
-that set :data:`NN_ROWS` and :data:`NT_ROWS`, the row counts where :func:`use_kernel` picks them over XLA.
+AVX-512), or run register-tiled products over blocks of W (more rows: 8 x 48 tiles with AVX-512, packed 6 x 16 tiles
+without); ``README.md`` has the measured ratios that set :data:`NN_ROWS` and :data:`NT_ROWS`, the row counts where
+:func:`use_kernel` picks them over XLA.
 
 Two layouts: ``linear_cpu(x, w)`` with ``w [K, N]`` (``nnx.Linear``'s kernel) and ``linear_cpu(x, w,
 transposed=True)`` with ``w [N, K]`` (a tied LM head, i.e. the embedding table). float32 only; leading dimensions
@@ -46,12 +47,15 @@ def _has_avx512() -> bool:
 # SmolLM2-135M decode step (README.md): with the earlier 8-float kernel, x rows in pairs (AMD EPYC VM, 2026-12-01),
 # 1 to 12 rows (1.00-1.20x the step with XLA's dots); 16+ rows: XLA's tiled GEMM was faster (the kernel 0.66-0.75x at
 # 16-32 rows); CPUs without AVX-512 still run that kernel. With AVX-512 (Xeon VM, 2026-12-02; 16-float vectors,
-# 6-row passes) up to 24 rows: products alone 0.80x XLA's time at 16 rows, 0.88x at 20, 0.93x at 24,
-# even at 32. The AMD EPYC (Zen 4) VMs also have AVX-512 (double-pumped 256-bit units) and were not measured with
-# the 6-row passes: re-run ``scripts/bench_linear.py --rows 8,12,16,20,24`` there before trusting 13-24 rows. Must
-# match cpu_kernel.cc's kSplitKMaxRows (the split-K path's limit).
+# 6-row passes) up to 24 rows on the split-K path: products alone 0.80x XLA's time at 16 rows, 0.88x at 20, 0.93x at
+# 24. Past 24 rows the NN products take an 8 x 48 register tile (cpu_kernel.cc Tile48): whole step 1.12x at 25 rows,
+# 1.15x at 32, 1.09x at 40, 1.08x at 48, 0.95x at 64, so up to NN_MAX_ROWS; the tied head (NT) stays on XLA past
+# 24. The AMD EPYC (Zen 4) VMs also have AVX-512 (double-pumped 256-bit units) and were not measured with either:
+# re-run ``scripts/bench_linear.py --kernel-impl auto --rows 8,12,16,20,24,32,40,48,64`` there before trusting
+# 13-48 rows. SPLIT_K_MAX_ROWS must match cpu_kernel.cc's kSplitKMaxRows (the split-K path's limit).
 SPLIT_K_MAX_ROWS = 24 if _has_avx512() else 12
-NN_ROWS = (1, SPLIT_K_MAX_ROWS)
+NN_MAX_ROWS = 48 if _has_avx512() else SPLIT_K_MAX_ROWS
+NN_ROWS = (1, NN_MAX_ROWS)
 NT_ROWS = (1, SPLIT_K_MAX_ROWS)
 
 

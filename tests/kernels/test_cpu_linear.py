@@ -1,7 +1,8 @@
 """The CPU linear custom calls (``kernels_pallas/linear/cpu.py``) against a float64 numpy product.
 
 Shapes cover the NN paths (up to 12 rows, 24 with AVX-512: contiguous runs of weight rows per thread, x rows in
-pairs or up to 6 per pass, partials summed; more: packed register tiles with every row remainder), the one-row
+pairs or up to 6 per pass, partials summed; more: 8 x 48 register tiles with AVX-512, packed 6 x 16 tiles without,
+with every row remainder), the one-row
 transposed path, column counts that are not multiples of the 8/16-wide vectors and panels, K not a multiple of the
 4-row unroll or of the 64-row block, the transposed (tied-head) kernel's 4-row and 3-row tiles with remainders,
 leading batch dimensions, jit, the dispatch rule (which products ``auto`` sends to the kernel), clear errors for bad
@@ -56,6 +57,9 @@ NN_SHAPES = [
     (1, 576, 960), (1, 577, 33), (2, 130, 1536), (1, 31, 8), (2, 1000, 7),  # 1-2 rows: split-K; chunk/K tails
     (3, 7, 5), (5, 130, 33), (4, 64, 8), (7, 130, 40), (11, 200, 50), (12, 64, 8),  # odd rows: a lone last row
     (13, 65, 23), (15, 64, 16), (16, 130, 40), (17, 33, 19), (48, 576, 96), (50, 200, 130),  # packed; remainders
+    # past 24 rows with AVX-512, 8 x 48 tiles: a lone row / 7-row remainder, K past one 128-row block, columns past
+    # the last whole 48 (those on the packed path), exactly two blocks
+    (25, 576, 96), (31, 130, 50), (32, 300, 1000), (47, 129, 144), (64, 256, 48), (40, 5, 49),
 ]
 NT_SHAPES = [
     (1, 576, 4096), (1, 35, 9), (1, 600, 3),  # one row: 4 accumulators per weight row; K tails
@@ -116,7 +120,7 @@ def _uses_kernel(fn, *args) -> bool:
 
 def test_auto_dispatch_follows_the_measured_row_ranges():
     w, w_t = jnp.ones((64, 32), F32), jnp.ones((32, 64), F32)
-    for rows in (1, 2, 5, 6, 8, 9, 48):
+    for rows in (1, 2, 5, 6, 8, 9, 24, 25, 48, 49):
         x = jnp.ones((rows, 64), F32)
         lo, hi = cpu.NN_ROWS
         assert _uses_kernel(lambda a, b: linear(a, b), x, w) == (lo <= rows <= hi)
@@ -125,7 +129,9 @@ def test_auto_dispatch_follows_the_measured_row_ranges():
     x = jnp.ones((4, 64), F32)
     assert _uses_kernel(lambda a, b: linear_many(a, [b, b]), x, w)
     assert _uses_kernel(lambda a, b: linear_many(a, [b, b]), jnp.ones((1, 64), F32), w) == (cpu.NN_ROWS[0] == 1)
-    assert not _uses_kernel(lambda a, b: linear_many(a, [b, b]), jnp.ones((48, 64), F32), w)
+    past = cpu.NN_MAX_ROWS + 1
+    assert not _uses_kernel(lambda a, b: linear_many(a, [b, b]), jnp.ones((past, 64), F32), w)
+    assert _uses_kernel(lambda a, b: linear_many(a, [b, b]), jnp.ones((cpu.NN_MAX_ROWS, 64), F32), w)
     assert not _uses_kernel(lambda a, b: linear(a, b, impl="xla"), x, w)
     assert _uses_kernel(lambda a, b: linear(a, b, impl="cpu"), jnp.ones((1, 64), F32), w)
     assert not _uses_kernel(lambda a, b: linear(a, b), x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
@@ -226,7 +232,7 @@ def test_auto_dispatch_fuses_the_decoder_layer_ops():
     assert "nightjar_rms_swiglu_f32" in jax.jit(lambda a: rms_swiglu(a, g, w, w, 1e-5)).lower(x).as_text()
     assert "nightjar_linear_residual_f32" in jax.jit(lambda a, r: linear_residual(a, w2, r)).lower(
         jnp.ones((3, 32), F32), x).as_text()
-    big = jnp.ones((48, 64), F32)
+    big = jnp.ones((cpu.NN_MAX_ROWS + 1, 64), F32)
     assert "nightjar" not in jax.jit(lambda a: rms_swiglu(a, g, w, w, 1e-5)).lower(big).as_text()
 
 
