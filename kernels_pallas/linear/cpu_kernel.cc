@@ -277,6 +277,74 @@ void Block48(const float* x, const float* w, float* y, int64_t ldy, int64_t y_co
 }
 #endif
 
+#ifdef __AVX512F__
+// The tied head (W [N, K]) past kSplitKMaxRows rows with AVX-512, as y^T = W @ x^T: rows n0 .. n0 + R of W times
+// x^T's columns m0 .. m0 + 16V (xt [K][ldxt], x transposed and zero-padded to 16-column groups), an R x 16V tile
+// (R = 12, V = 2: 24 accumulators) fed by one broadcast of W[n, k] per weight row and V loads of x^T's row k, so
+// W streams along its rows (R contiguous streams) and needs no transposing; the tile is stored transposed into
+// y [M, N] (its first `valid` columns of x^T: the real rows of x).
+constexpr int64_t kNtTileRows = 12;
+
+template <int R, int V>
+inline void TileNTx(const float* xt, int64_t ldxt, const float* w, int64_t K, int64_t n0, float* y, int64_t N,
+                    int64_t m0, int64_t valid) {
+  v16 acc[R][V];
+  for (int r = 0; r < R; ++r) for (int v = 0; v < V; ++v) acc[r][v] = Splat16(0.0f);
+  const float* wr = w + n0 * K;
+  const float* xk = xt + m0;
+  for (int64_t k = 0; k < K; ++k, xk += ldxt) {
+    if (k % 16 == 0) {
+      for (int r = 0; r < R; ++r) __builtin_prefetch(wr + r * K + k + 128, 0, 3);
+    }
+    v16 xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = Load16(xk + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const v16 b = Splat16(wr[r * K + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] += b * xv[v];
+    }
+  }
+  for (int64_t j = 0; j < valid; ++j) {
+    float* yj = y + (m0 + j) * N + n0;
+    for (int r = 0; r < R; ++r) yj[r] = acc[r][j / 16][j % 16];
+  }
+}
+
+template <int V>
+void RowsNTx(const float* xt, int64_t ldxt, const float* w, int64_t K, int64_t n0, int64_t rows, float* y, int64_t N,
+             int64_t m0, int64_t valid) {
+  switch (rows) {
+    case 12: TileNTx<12, V>(xt, ldxt, w, K, n0, y, N, m0, valid); break;
+    case 11: TileNTx<11, V>(xt, ldxt, w, K, n0, y, N, m0, valid); break;
+    case 10: TileNTx<10, V>(xt, ldxt, w, K, n0, y, N, m0, valid); break;
+    case 9: TileNTx<9, V>(xt, ldxt, w, K, n0, y, N, m0, valid); break;
+    case 8: TileNTx<8, V>(xt, ldxt, w, K, n0, y, N, m0, valid); break;
+    case 7: TileNTx<7, V>(xt, ldxt, w, K, n0, y, N, m0, valid); break;
+    case 6: TileNTx<6, V>(xt, ldxt, w, K, n0, y, N, m0, valid); break;
+    case 5: TileNTx<5, V>(xt, ldxt, w, K, n0, y, N, m0, valid); break;
+    case 4: TileNTx<4, V>(xt, ldxt, w, K, n0, y, N, m0, valid); break;
+    case 3: TileNTx<3, V>(xt, ldxt, w, K, n0, y, N, m0, valid); break;
+    case 2: TileNTx<2, V>(xt, ldxt, w, K, n0, y, N, m0, valid); break;
+    case 1: TileNTx<1, V>(xt, ldxt, w, K, n0, y, N, m0, valid); break;
+    default: break;
+  }
+}
+
+// Rows n_begin .. n_end of W [N, K] against every row of x (xt: x^T padded to ldxt = a multiple of 16 columns),
+// x's rows in groups of 32 (then one of 16): each weight row block is read from memory for the first group and
+// from L2 for the others.
+void BlockNTx(const float* xt, int64_t ldxt, const float* w, float* y, int64_t M, int64_t K, int64_t N,
+              int64_t n_begin, int64_t n_end) {
+  for (int64_t m0 = 0; m0 < M; m0 += 32) {
+    const int64_t valid = std::min<int64_t>(32, M - m0);
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += kNtTileRows) {
+      const int64_t rows = std::min(kNtTileRows, n_end - n0);
+      if (valid > 16) RowsNTx<2>(xt, ldxt, w, K, n0, rows, y, N, m0, valid);
+      else RowsNTx<1>(xt, ldxt, w, K, n0, rows, y, N, m0, valid);
+    }
+  }
+}
+#endif
+
 inline float Sum(v8 v) {
   float s = 0.0f;
   for (int i = 0; i < 8; ++i) s += v[i];
@@ -563,8 +631,23 @@ ffi::Error RunSegments(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_
     for (int64_t c0 = 0; c0 < s.N; c0 += width) items.push_back(Item{s, c0, std::min(s.N, c0 + width)});
   }
   const Item* ip = items.data();
+#ifdef __AVX512F__
+  // the transposed kernel past the split-K rows: x^T once, zero-padded to 16-column groups (BlockNTx)
+  const int64_t ldxt = kTransposed && M > kSplitKMaxRows ? (M + 15) / 16 * 16 : 0;
+  std::vector<float> xt_store(ldxt * K, 0.0f);
+  for (int64_t k = 0; k < (ldxt ? K : 0); ++k) {
+    for (int64_t m = 0; m < M; ++m) xt_store[k * ldxt + m] = xp[m * K + k];
+  }
+  const float* xt = xt_store.data();
+#endif
   nightjar::ParallelFor(pool, static_cast<int64_t>(items.size()), [=](int64_t it) {
     const Item& item = ip[it];
+#ifdef __AVX512F__
+    if (kTransposed && ldxt > 0) {
+      BlockNTx(xt, ldxt, item.seg.w, item.seg.y, M, K, item.seg.N, item.c0, item.c1);
+      return;
+    }
+#endif
     if (kTransposed) BlockNT(xp, item.seg.w, item.seg.y, M, K, item.seg.N, item.c0, item.c1);
     else {
 #ifdef __AVX512F__

@@ -64,6 +64,9 @@ NN_SHAPES = [
 NT_SHAPES = [
     (1, 576, 4096), (1, 35, 9), (1, 600, 3),  # one row: 4 accumulators per weight row; K tails
     (2, 8, 4), (3, 7, 5), (4, 130, 65), (8, 1, 3), (9, 576, 130), (5, 64, 64),
+    # past 24 rows with AVX-512, 12 x 32 tiles of W @ x^T: weight-row remainders, x rows past one 16-column group,
+    # two groups of 32 (the second of 16), K tails
+    (25, 576, 130), (32, 70, 45), (28, 5, 13), (48, 33, 100), (40, 17, 12),
 ]
 
 
