@@ -37,9 +37,10 @@ def test_products_chain_is_the_same_on_the_kernel_and_on_xla(bench):
     np.testing.assert_allclose(outs["cpu"], outs["xla"], rtol=2e-4, atol=2e-4)
 
 
-def test_products_only_writes_a_row_per_row_count(bench, tmp_path, capsys):
+@pytest.mark.parametrize("kernel_impl", ["cpu", "auto"])  # every product on the kernel, or auto's choice
+def test_products_only_writes_a_row_per_row_count(bench, tmp_path, capsys, kernel_impl):
     out = tmp_path / "products.json"
-    args = argparse.Namespace(model="tiny-gqa", rows="1,3", repeats=1, out=str(out))
+    args = argparse.Namespace(model="tiny-gqa", rows="1,3", repeats=1, out=str(out), kernel_impl=kernel_impl)
     bench.products_only(get_preset("tiny-gqa").config, args)
     rows = json.loads(out.read_text())["rows"]
     assert [r["rows"] for r in rows] == [1, 3]
