@@ -24,12 +24,14 @@
 // - NN, up to kSplitKMaxRows rows (RunSplitK): one item = a contiguous run of a weight's rows, all N columns;
 //   the weight streams front to back, 8 weight rows per pass for one x row, else kKUnroll rows with x rows in
 //   pairs (RowsNN); partial sums per item added by the caller.
-// - NN, more rows (only with linear_impl="cpu"; `auto` sends those to XLA): one item = a block of output columns;
-//   a kKBlock-row block of W is packed into 16-column panels reused from L2 by every 6 x 16 register tile of x
-//   (PanelNN), and the next block is prefetched meanwhile.
+// - NN, more rows: one item = a block of output columns. With AVX-512 (`auto` up to 48 rows): 8 x 48 register
+//   tiles straight from W's rows in blocks of kTileKBlock rows (Tile48, Block48), the columns past the last whole
+//   48 as below. Without (only with linear_impl="cpu"): a kKBlock-row block of W is packed into 16-column panels
+//   reused from L2 by every 6 x 16 register tile of x (PanelNN), and the next block is prefetched meanwhile.
 // - NT (tied head): one item = a block of weight rows (contiguous); one x row: each weight row against x with
-//   4 independent accumulators (RowNT1); more: 4 weight rows x up to 3 x-rows of partial sums per tile (TileNT),
-//   weight rows blocked by kNtRows so every x tile reuses them from L2.
+//   4 independent accumulators (RowNT1); past kSplitKMaxRows with AVX-512 (`auto` up to 32 rows): y^T = W @ x^T in
+//   12 x 32 tiles (BlockNTx); otherwise 4 weight rows x up to 3 x-rows of partial sums per tile (TileNT), weight
+//   rows blocked by kNtRows so every x tile reuses them from L2.
 
 #include <algorithm>
 #include <cmath>

@@ -46,7 +46,7 @@ def argmax(x: jax.Array) -> jax.Array:
     if x.dtype == jnp.float32 and x.ndim >= 1 and x.shape[-1] > 0 and jax.default_backend() == "cpu":
         from kernels_pallas.sampling import cpu
 
-        if cpu.available():  # ~0.1 ms instead of ~1.8 ms for 32 rows of 49,152 logits (kernels_pallas/sampling)
+        if cpu.available():  # 0.29 ms instead of 1.40 for 32 rows of 49,152 logits (kernels_pallas/sampling)
             return cpu.argmax_cpu(x)
     vocab = x.shape[-1]
     top = jnp.max(x, axis=-1, keepdims=True)  # [..., 1]; NaN if the row has one
