@@ -217,7 +217,7 @@ void BlockNN(const float* x, const float* w, float* y, int64_t M, int64_t K, int
 // not the loads, set the pace. `first`: y starts at zero (else the tile adds to y: the k-blocks after the first).
 // `prefetch` (the first row tile of a block, which brings W in from memory): W's rows are a full row apart, which
 // the hardware does not stream, so the tile fetches kTilePrefetchRows rows ahead into L2.
-constexpr int64_t kTilePrefetchRows = 32;
+constexpr int64_t kTilePrefetchRows = 16;
 
 template <int R>
 inline void Tile48(const float* x, const float* w, float* y, int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t c0,
@@ -247,7 +247,7 @@ inline void Tile48(const float* x, const float* w, float* y, int64_t ldy, int64_
   }
 }
 
-constexpr int64_t kTileKBlock = 128;  // W rows per block: a 48-column panel's block (24 KB) stays in L1 for every
+constexpr int64_t kTileKBlock = 96;  // W rows per block: a 48-column panel's block (18 KB) stays in L1 for every
                                       // row tile of x after the first
 
 // Columns c_begin .. c_end (whole 48-column panels) of y = x @ W for any M, by blocks of kTileKBlock rows of W: each
