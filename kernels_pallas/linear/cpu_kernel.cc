@@ -295,8 +295,8 @@ inline void TileNTx(const float* xt, int64_t ldxt, const float* w, int64_t K, in
   const float* wr = w + n0 * K;
   const float* xk = xt + m0;
   for (int64_t k = 0; k < K; ++k, xk += ldxt) {
-    if (k % 16 == 0) {
-      for (int r = 0; r < R; ++r) __builtin_prefetch(wr + r * K + k + 128, 0, 3);
+    if (k % 16 == 0) {  // the next tile's rows (R more rows of W, contiguous), a line of each per 16 k
+      for (int r = 0; r < R; ++r) __builtin_prefetch(wr + (R + r) * K + k, 0, 2);
     }
     v16 xv[V];
     for (int v = 0; v < V; ++v) xv[v] = Load16(xk + 16 * v);
