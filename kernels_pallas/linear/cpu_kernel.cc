@@ -221,18 +221,25 @@ constexpr int64_t kTilePrefetchRows = 16;
 
 template <int R>
 inline void Tile48(const float* x, const float* w, float* y, int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t c0,
-                   int64_t k0, int64_t k1, bool first, bool prefetch) {
+                   int64_t k0, int64_t k1, bool first, bool prefetch, const float* next = nullptr, int64_t next_from = 0,
+                   int64_t next_lines = 0) {
   v16 acc[R][3];
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 3; ++j) acc[r][j] = first ? Splat16(0.0f) : Load16(y + (r0 + r) * ldy + 16 * j);
   }
   const float* xr = x + r0 * K;
   const float* wk = w + k0 * N + c0;
+  int64_t line = next_from;
+  const int64_t line_end = next_from + next_lines;
   for (int64_t k = k0; k < k1; ++k, wk += N) {
     if (prefetch) {
       __builtin_prefetch(wk + kTilePrefetchRows * N, 0, 2);
       __builtin_prefetch(wk + kTilePrefetchRows * N + 16, 0, 2);
       __builtin_prefetch(wk + kTilePrefetchRows * N + 32, 0, 2);
+    }
+    if (line < line_end) {  // a line of the next panel's block per weight row
+      __builtin_prefetch(next + (line / 3) * N + (line % 3) * 16, 0, 2);
+      ++line;
     }
     const v16 w0 = Load16(wk), w1 = Load16(wk + 16), w2 = Load16(wk + 32);
     for (int r = 0; r < R; ++r) {
@@ -258,19 +265,31 @@ void Block48(const float* x, const float* w, float* y, int64_t ldy, int64_t y_co
   for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kTileKBlock) {
     const int64_t k1 = std::min(K, k0 + kTileKBlock);
     const bool first = k0 == 0;
+    const int64_t tiles = (M + 7) / 8;
     for (int64_t c0 = c_begin; c0 < c_end; c0 += 48) {
       float* yc = y + c0 - y_col0;
-      int64_t r0 = 0;
-      bool pf = true;
-      for (; r0 + 8 <= M; r0 += 8, pf = false) Tile48<8>(x, w, yc, ldy, K, N, r0, c0, k0, k1, first, pf);
+      // the row tiles after the first bring the next panel's block (same rows; past the item's last panel, the
+      // next block's first panel) into L2, a line per weight row, so its first tile does not wait on memory
+      const bool last = c0 + 48 >= c_end;
+      const int64_t nk0 = last ? k1 : k0, nk1 = last ? std::min(K, k1 + kTileKBlock) : k1;
+      const float* next = w + nk0 * N + (last ? c_begin : c0 + 48);
+      const int64_t next_lines = 3 * (nk1 - nk0), share = tiles > 1 ? (next_lines + tiles - 2) / (tiles - 1) : 0;
+      const bool pf = first && c0 == c_begin;  // the rest were prefetched by the tiles before them
+      int64_t r0 = 0, t = 0;
+      auto from = [&](int64_t tile) { return std::min(next_lines, (tile - 1) * share); };
+      auto count = [&](int64_t tile) { return tile == 0 ? 0 : std::min(next_lines, tile * share) - from(tile); };
+      for (; r0 + 8 <= M; r0 += 8, ++t) {
+        Tile48<8>(x, w, yc, ldy, K, N, r0, c0, k0, k1, first, pf && t == 0, next, from(t), count(t));
+      }
+      const bool p0 = pf && t == 0;
       switch (M - r0) {
-        case 7: Tile48<7>(x, w, yc, ldy, K, N, r0, c0, k0, k1, first, pf); break;
-        case 6: Tile48<6>(x, w, yc, ldy, K, N, r0, c0, k0, k1, first, pf); break;
-        case 5: Tile48<5>(x, w, yc, ldy, K, N, r0, c0, k0, k1, first, pf); break;
-        case 4: Tile48<4>(x, w, yc, ldy, K, N, r0, c0, k0, k1, first, pf); break;
-        case 3: Tile48<3>(x, w, yc, ldy, K, N, r0, c0, k0, k1, first, pf); break;
-        case 2: Tile48<2>(x, w, yc, ldy, K, N, r0, c0, k0, k1, first, pf); break;
-        case 1: Tile48<1>(x, w, yc, ldy, K, N, r0, c0, k0, k1, first, pf); break;
+        case 7: Tile48<7>(x, w, yc, ldy, K, N, r0, c0, k0, k1, first, p0, next, from(t), count(t)); break;
+        case 6: Tile48<6>(x, w, yc, ldy, K, N, r0, c0, k0, k1, first, p0, next, from(t), count(t)); break;
+        case 5: Tile48<5>(x, w, yc, ldy, K, N, r0, c0, k0, k1, first, p0, next, from(t), count(t)); break;
+        case 4: Tile48<4>(x, w, yc, ldy, K, N, r0, c0, k0, k1, first, p0, next, from(t), count(t)); break;
+        case 3: Tile48<3>(x, w, yc, ldy, K, N, r0, c0, k0, k1, first, p0, next, from(t), count(t)); break;
+        case 2: Tile48<2>(x, w, yc, ldy, K, N, r0, c0, k0, k1, first, p0, next, from(t), count(t)); break;
+        case 1: Tile48<1>(x, w, yc, ldy, K, N, r0, c0, k0, k1, first, p0, next, from(t), count(t)); break;
         default: break;
       }
     }
