@@ -26,7 +26,7 @@ typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t i16 __attribute__((vector_size(64)));
 
 inline v16 Load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-inline v16 Splat(float m, v16) { return v16{m, m, m, m, m, m, m, m, m, m, m, m, m, m, m, m}; }
+inline v16 Splat16(float m) { return v16{m, m, m, m, m, m, m, m, m, m, m, m, m, m, m, m}; }
 
 // The row's maximum, or NaN if the row holds one; -inf for an empty row.
 float RowMax(const float* x, int64_t V) {
@@ -61,7 +61,7 @@ int32_t RowArgmax(const float* x, int64_t V) {
   int64_t j = 0;
   for (; j + 16 <= V; j += 16) {
     const v16 v = Load16(x + j);
-    const i16 hit = nan ? (v != v) : (v == Splat(m, v));
+    const i16 hit = nan ? (v != v) : (v == Splat16(m));
     bool any = false;
     for (int i = 0; i < 16; ++i) any = any || hit[i] != 0;
     if (any) break;
