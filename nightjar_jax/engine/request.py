@@ -33,7 +33,7 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # the request could not be served (message in Request.error)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a request is an entity (list membership and remove compare by `is`)
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -125,7 +125,7 @@ class Scheduler:
         scheduled: list[Request] = []
         candidates = [r for r in self.running if not r.is_prefilling]
         for r in candidates:
-            if r not in self.running:  # preempted below as a victim
+            if r.status is not RequestStatus.RUNNING:  # preempted below as a victim
                 continue
             # Positions written this step: num_computed .. num_tokens - 1 + lookahead, capped at the context limit
             # (speculative positions past it map to the padding page and are never committed).
@@ -137,7 +137,7 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is r:
                     break
-            if r not in self.running:
+            if r.status is not RequestStatus.RUNNING:
                 continue
             if needed > 0:
                 r.block_table.extend(self.allocator.allocate(needed))
