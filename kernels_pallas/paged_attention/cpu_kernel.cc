@@ -69,15 +69,16 @@ inline v8 Load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline void Store8(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
 inline v8 Splat8(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
-// out[u] = dot(q, kr + u * D) for the 8 key rows u < 8 (D % 8 == 0): eight independent accumulators (a single
-// accumulator per dot product waits on the FMA latency), then one transposing reduction.
-inline void Dot8(const float* q, const float* kr, int64_t D, float* out) {
-  v8 a[8];
-  for (int u = 0; u < 8; ++u) a[u] = Splat8(0.0f);
-  for (int64_t j = 0; j < D; j += 8) {
-    const v8 qv = Load8(q + j);
-    for (int u = 0; u < 8; ++u) a[u] += qv * Load8(kr + u * D + j);
-  }
+// Query rows per group in passes 1 and 3: with AVX-512's 32 vector registers three rows share every key and value
+// load (Dot8Rows<3>: 24 accumulators), else one row at a time (16 registers).
+#if defined(__AVX512F__)
+constexpr int kRowGroup = 3;
+#else
+constexpr int kRowGroup = 1;
+#endif
+
+// Horizontal sums of eight 8-wide accumulators: out[u] = sum of a[u]'s lanes.
+inline void Reduce8(const v8* a, float* out) {
 #if defined(__AVX__)
   const __m256 b0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), b1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
   const __m256 b2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), b3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
@@ -91,6 +92,49 @@ inline void Dot8(const float* q, const float* kr, int64_t D, float* out) {
     out[u] = t;
   }
 #endif
+}
+
+// out[g][u] = dot(q + g * D, kr + u * D) for RG query rows and 8 key rows (D % 8 == 0): eight independent
+// accumulators per row (one per dot product would wait on the FMA latency), then one transposing reduction each;
+// each key vector is loaded once for the RG rows (one row at a time loaded it RG times: the loads set the pace).
+template <int RG>
+inline void Dot8Rows(const float* q, const float* kr, int64_t D, float (*out)[8]) {
+  v8 a[RG][8];
+  for (int g = 0; g < RG; ++g) {
+    for (int u = 0; u < 8; ++u) a[g][u] = Splat8(0.0f);
+  }
+  for (int64_t j = 0; j < D; j += 8) {
+    v8 qv[RG];
+    for (int g = 0; g < RG; ++g) qv[g] = Load8(q + g * D + j);
+    for (int u = 0; u < 8; ++u) {
+      const v8 kv = Load8(kr + u * D + j);
+      for (int g = 0; g < RG; ++g) a[g][u] += qv[g] * kv;
+    }
+  }
+  for (int g = 0; g < RG; ++g) Reduce8(a[g], out[g]);
+}
+
+// acc[g][0 .. 32) += sum over t < keys of p[g * ldp + t] * vr[t * D + 0 .. 32) for RG rows: each value vector is
+// loaded once for the RG rows. A key a row does not see has p = 0 (pass 2 zeroes them).
+template <int RG>
+inline void AccumulateRows(const float* p, int64_t ldp, const float* vr, int64_t D, int64_t keys, float* acc) {
+  v8 a[RG][4];
+  for (int g = 0; g < RG; ++g) {
+    for (int c = 0; c < 4; ++c) a[g][c] = Load8(acc + g * D + 8 * c);
+  }
+  for (int64_t t = 0; t < keys; ++t, vr += D) {
+    const v8 v0 = Load8(vr), v1 = Load8(vr + 8), v2 = Load8(vr + 16), v3 = Load8(vr + 24);
+    for (int g = 0; g < RG; ++g) {
+      const v8 pg = Splat8(p[g * ldp + t]);
+      a[g][0] += pg * v0;
+      a[g][1] += pg * v1;
+      a[g][2] += pg * v2;
+      a[g][3] += pg * v3;
+    }
+  }
+  for (int g = 0; g < RG; ++g) {
+    for (int c = 0; c < 4; ++c) Store8(acc + g * D + 8 * c, a[g][c]);
+  }
 }
 
 // Causal, and inside a tree's window only the keys its mask row allows.
@@ -157,12 +201,18 @@ void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const in
     int64_t t = 0;
     if (vec) {
       for (; t + 8 <= nk; t += 8) {
-        for (int64_t r = 0; r < R; ++r) {
-          float d8[8];
-          Dot8(qf + r * D, kp + t * D, D, d8);
-          for (int u = 0; u < 8; ++u) {
-            const int64_t key = key0 + t + u;
-            sc[r * num_keys + key] = Visible(key, pos[r], tree_row[r], window0) ? d8[u] : neg_inf;
+        for (int64_t g0 = 0; g0 < R; g0 += kRowGroup) {
+          const int rg = static_cast<int>(std::min<int64_t>(kRowGroup, R - g0));
+          float d8[kRowGroup][8];
+          if (rg == 3) Dot8Rows<3>(qf + g0 * D, kp + t * D, D, d8);
+          else if (rg == 2) Dot8Rows<2>(qf + g0 * D, kp + t * D, D, d8);
+          else Dot8Rows<1>(qf + g0 * D, kp + t * D, D, d8);
+          for (int g = 0; g < rg; ++g) {
+            const int64_t r = g0 + g;
+            for (int u = 0; u < 8; ++u) {
+              const int64_t key = key0 + t + u;
+              sc[r * num_keys + key] = Visible(key, pos[r], tree_row[r], window0) ? d8[g][u] : neg_inf;
+            }
           }
         }
       }
@@ -180,8 +230,11 @@ void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const in
   }
   // pass 2: softmax per row (a row with no visible key, i.e. left padding, keeps zeros)
   for (int64_t r = 0; r < R; ++r) {
-    if (pos[r] < 0) continue;
     float* row = sc + r * num_keys;
+    if (pos[r] < 0) {
+      std::fill(row, row + num_keys, 0.0f);
+      continue;
+    }
     const int64_t visible = std::min<int64_t>(num_keys, pos[r] + 1);
     float m = neg_inf;
     for (int64_t key = 0; key < visible; ++key) m = std::max(m, row[key]);
@@ -192,38 +245,36 @@ void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const in
     }
     const float inv = 1.0f / total;
     for (int64_t key = 0; key < visible; ++key) row[key] *= inv;
+    std::fill(row + std::max<int64_t>(visible, 0), row + num_keys, 0.0f);  // pass 3 runs a row group's widest
   }
   // pass 3: weighted sum of value rows (each read once for the block)
   for (int64_t key0 = 0, lp = 0; key0 < num_keys; key0 += n.PS, ++lp) {
     const T* base = v + (h * n.NP + bt[s * n.W + lp]) * n.PS * D;
     const int64_t nk = std::min<int64_t>(n.PS, num_keys - key0);
     const float* vp = PageRows(base, pagebuf, nk * D);
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t visible = std::min<int64_t>(nk, pos[r] - key0 + 1);  // this page's keys row r sees
-      const float* pr = sc + r * num_keys + key0;
-      float* a = acc + r * D;
+    for (int64_t g0 = 0; g0 < R; g0 += kRowGroup) {
+      const int rg = static_cast<int>(std::min<int64_t>(kRowGroup, R - g0));
+      int64_t last = pos[g0];  // the group's widest row: keys past a row's own position have p = 0
+      for (int g = 1; g < rg; ++g) last = std::max(last, pos[g0 + g]);
+      const int64_t visible = std::min<int64_t>(nk, last - key0 + 1);  // this page's keys the group sees
+      if (visible <= 0) continue;
+      const float* pr = sc + g0 * num_keys + key0;
       int64_t j = 0;
       if (vec) {
-        for (; j + 32 <= D; j += 32) {  // four independent accumulators over the page's keys
-          v8 a0 = Load8(a + j), a1 = Load8(a + j + 8), a2 = Load8(a + j + 16), a3 = Load8(a + j + 24);
-          for (int64_t t = 0; t < visible; ++t) {
-            const v8 p = Splat8(pr[t]);
-            const float* vr = vp + t * D + j;
-            a0 += p * Load8(vr);
-            a1 += p * Load8(vr + 8);
-            a2 += p * Load8(vr + 16);
-            a3 += p * Load8(vr + 24);
-          }
-          Store8(a + j, a0);
-          Store8(a + j + 8, a1);
-          Store8(a + j + 16, a2);
-          Store8(a + j + 24, a3);
+        for (; j + 32 <= D; j += 32) {  // four independent accumulators per row over the page's keys
+          if (rg == 3) AccumulateRows<3>(pr, num_keys, vp + j, D, visible, acc + g0 * D + j);
+          else if (rg == 2) AccumulateRows<2>(pr, num_keys, vp + j, D, visible, acc + g0 * D + j);
+          else AccumulateRows<1>(pr, num_keys, vp + j, D, visible, acc + g0 * D + j);
         }
       }
-      for (; j < D; ++j) {
-        float x = a[j];
-        for (int64_t t = 0; t < visible; ++t) x += pr[t] * vp[t * D + j];
-        a[j] = x;
+      for (int g = 0; g < rg; ++g) {
+        float* a = acc + (g0 + g) * D;
+        const float* pg = pr + g * num_keys;
+        for (int64_t jj = j; jj < D; ++jj) {
+          float x = a[jj];
+          for (int64_t t = 0; t < visible; ++t) x += pg[t] * vp[t * D + jj];
+          a[jj] = x;
+        }
       }
     }
   }
