@@ -50,14 +50,16 @@ def _has_avx512() -> bool:
 # 6-row passes) up to 24 rows on the split-K path: products alone 0.80x XLA's time at 16 rows, 0.88x at 20, 0.93x at
 # 24. Past 24 rows the NN products take an 8 x 48 register tile (cpu_kernel.cc Tile48): whole step 1.12x at 25 rows,
 # 1.15x at 32, 1.09x at 40, 1.08x at 48, 0.95x at 64 (1.25-1.32x at 25-48 once the SwiGLU gate ran inside the work
-# items, 1.30-1.42x with 96-row blocks and the next panel prefetched), so up to NN_MAX_ROWS. The tied head (NT) past
+# items, 1.30-1.42x with 96-row blocks and the next panel prefetched); with one tile item per thread, against XLA's
+# (2026-12-02 17:35, whole step): 1.15x at 64 rows, 1.08x at 96, 1.09x at 128, 1.09x at 160, 1.01x at 256, 0.94x at
+# 512, so up to NN_MAX_ROWS = 160 (a head past 32 rows on its kernel measured no better). The tied head (NT) past
 # 24 rows: y^T = W @ x^T in 12 x 32 tiles (BlockNTx), the head alone 8.8 ms against XLA's 11.5 at 32 rows (its first
 # version 17.7 against 13.9 at 48), so up to NT_MAX_ROWS. The AMD EPYC (Zen 4) VMs also have AVX-512 (double-pumped
 # 256-bit units) and were not measured with either: re-run
 # ``scripts/bench_linear.py --kernel-impl auto --rows 8,12,16,20,24,32,40,48,64`` there before trusting 13-48 rows.
 # SPLIT_K_MAX_ROWS must match cpu_kernel.cc's kSplitKMaxRows (the split-K path's limit).
 SPLIT_K_MAX_ROWS = 24 if _has_avx512() else 12
-NN_MAX_ROWS = 48 if _has_avx512() else SPLIT_K_MAX_ROWS
+NN_MAX_ROWS = 160 if _has_avx512() else SPLIT_K_MAX_ROWS
 NT_MAX_ROWS = 32 if _has_avx512() else SPLIT_K_MAX_ROWS
 NN_ROWS = (1, NN_MAX_ROWS)
 NT_ROWS = (1, NT_MAX_ROWS)

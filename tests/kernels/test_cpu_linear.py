@@ -60,6 +60,7 @@ NN_SHAPES = [
     # past 24 rows with AVX-512, 8 x 48 tiles: a lone row / 7-row remainder, K past one 128-row block, columns past
     # the last whole 48 (those on the packed path), exactly two blocks
     (25, 576, 96), (31, 130, 50), (32, 300, 1000), (47, 129, 144), (64, 256, 48), (40, 5, 49),
+    (157, 200, 144),  # auto's widest range (NN_MAX_ROWS = 160): 19 full row tiles and a 5-row one
 ]
 NT_SHAPES = [
     (1, 576, 4096), (1, 35, 9), (1, 600, 3),  # one row: 4 accumulators per weight row; K tails
