@@ -134,7 +134,7 @@ def attn_out_mlp(a: jax.Array, r: jax.Array, w_o: jax.Array, gain: jax.Array, w_
     with_next = next_gain is not None
     if with_next and (next_ws is None or len(next_ws) != 3 or next_eps is None):
         raise ValueError("attn_out_mlp: the next layer's q/k/v need next_gain, 3 next_ws and next_eps")
-    # split-K phases only (up to 12 or 24 rows, what decode and verify send); more rows (a prefill chunk with
+    # split-K phases only (up to 12 rows, what small decode batches and verify send); more rows (a prefill chunk with
     # impl="cpu") take the composition, whose products use the kernel's packed path
     if (r.dtype == jnp.float32 and _fused_on_kernel(a, gain, [w_o], impl) and _split_k_rows(a)
             and _fused_on_kernel(r, None, [w_gate, w_up], impl) and _on_kernel(a, w_down, impl)

@@ -57,8 +57,11 @@ def _has_avx512() -> bool:
 # version 17.7 against 13.9 at 48), so up to NT_MAX_ROWS. The AMD EPYC (Zen 4) VMs also have AVX-512 (double-pumped
 # 256-bit units) and were not measured with either: re-run
 # ``scripts/bench_linear.py --kernel-impl auto --rows 8,12,16,20,24,32,40,48,64`` there before trusting 13-48 rows.
+# Since 2026-12-02 17:45 the tiles start at 13 rows (split-K up to SPLIT_K_MAX_ROWS = 12 on every CPU): once a lone
+# tile after the first prefetched all of the next block, whole step 16 rows 51.1-52.5 -> 46.5-47.6 ms, 20 rows
+# 59.9-62.3 -> 51.3-52.4, 24 rows 68.5-69.0 -> 56.6-56.9, 13 rows the same (alternating runs).
 # SPLIT_K_MAX_ROWS must match cpu_kernel.cc's kSplitKMaxRows (the split-K path's limit).
-SPLIT_K_MAX_ROWS = 24 if _has_avx512() else 12
+SPLIT_K_MAX_ROWS = 12
 NN_MAX_ROWS = 160 if _has_avx512() else SPLIT_K_MAX_ROWS
 NT_MAX_ROWS = 32 if _has_avx512() else SPLIT_K_MAX_ROWS
 NN_ROWS = (1, NN_MAX_ROWS)

@@ -231,15 +231,18 @@ inline void Tile48(const float* x, const float* w, float* y, int64_t ldy, int64_
   const float* wk = w + k0 * N + c0;
   int64_t line = next_from;
   const int64_t line_end = next_from + next_lines;
+  // lines to prefetch per weight row: one when three or more row tiles share a block's lines, more with fewer (at 9-16
+  // rows the one tile after the first fetches all 3 lines per row of the next block; with one per row it fetched a
+  // third of them, and the tiles lost to split-K there)
+  const int64_t per_row = k1 > k0 ? (next_lines + (k1 - k0) - 1) / (k1 - k0) : 0;
   for (int64_t k = k0; k < k1; ++k, wk += N) {
     if (prefetch) {
       __builtin_prefetch(wk + kTilePrefetchRows * N, 0, 2);
       __builtin_prefetch(wk + kTilePrefetchRows * N + 16, 0, 2);
       __builtin_prefetch(wk + kTilePrefetchRows * N + 32, 0, 2);
     }
-    if (line < line_end) {  // a line of the next panel's block per weight row
+    for (int64_t p = 0; p < per_row && line < line_end; ++p, ++line) {  // the next panel's block, spread over W's rows
       __builtin_prefetch(next + (line / 3) * N + (line % 3) * 16, 0, 2);
-      ++line;
     }
     const v16 w0 = Load16(wk), w1 = Load16(wk + 16), w2 = Load16(wk + 32);
     for (int r = 0; r < R; ++r) {
@@ -524,11 +527,9 @@ inline void AddInto(float* y, const float* a, int64_t n) {
 // blocks striding over every weight row (the earlier design) left one row at 0.8-0.9x XLA's dot and a thread
 // near one core's bandwidth. Each item sums into its own partial y (a segment's first chunk into y itself), and
 // the caller adds the partials (M x N floats per extra chunk: small next to the weight).
-#ifdef __AVX512F__
-constexpr int64_t kSplitKMaxRows = 24;  // 6-row passes: faster than XLA's dot up to 24 rows (README.md)
-#else
+// 12 rows with or without AVX-512: with it the 8 x 48 tiles past 12 rows measured faster than split-K's 6-row
+// passes (whole step 16 rows 51.1-52.5 -> 46.5-47.6 ms, 24 rows 68.5-69.0 -> 56.6-56.9; 13 rows the same; README.md)
 constexpr int64_t kSplitKMaxRows = 12;
-#endif
 constexpr int64_t kSplitKMinRows = 32;  // weight rows per item at least (a chunk must outweigh its wake-up)
 
 // One split-K item: out [M, N] = x[:, k0:k1] @ W[k0:k1, :].

@@ -57,17 +57,18 @@ NN_SHAPES = [
     (1, 576, 960), (1, 577, 33), (2, 130, 1536), (1, 31, 8), (2, 1000, 7),  # 1-2 rows: split-K; chunk/K tails
     (3, 7, 5), (5, 130, 33), (4, 64, 8), (7, 130, 40), (11, 200, 50), (12, 64, 8),  # odd rows: a lone last row
     (13, 65, 23), (15, 64, 16), (16, 130, 40), (17, 33, 19), (48, 576, 96), (50, 200, 130),  # packed; remainders
-    # past 24 rows with AVX-512, 8 x 48 tiles: a lone row / 7-row remainder, K past one 128-row block, columns past
-    # the last whole 48 (those on the packed path), exactly two blocks
+    # past 12 rows with AVX-512 (13-17 rows above too), 8 x 48 tiles: a lone row / 7-row remainder, K past one
+    # 128-row block, columns past the last whole 48 (those on the packed path), exactly two blocks
     (25, 576, 96), (31, 130, 50), (32, 300, 1000), (47, 129, 144), (64, 256, 48), (40, 5, 49),
+    (20, 576, 192),  # two row tiles: the one after the first prefetches all three lines per row of the next block
     (157, 200, 144),  # auto's widest range (NN_MAX_ROWS = 160): 19 full row tiles and a 5-row one
 ]
 NT_SHAPES = [
     (1, 576, 4096), (1, 35, 9), (1, 600, 3),  # one row: 4 accumulators per weight row; K tails
     (2, 8, 4), (3, 7, 5), (4, 130, 65), (8, 1, 3), (9, 576, 130), (5, 64, 64),
-    # past 24 rows with AVX-512, 12 x 32 tiles of W @ x^T: weight-row remainders, x rows past one 16-column group,
+    # past 12 rows with AVX-512, 12 x 32 tiles of W @ x^T: weight-row remainders, x rows past one 16-column group,
     # two groups of 32 (the second of 16), K tails
-    (25, 576, 130), (32, 70, 45), (28, 5, 13), (48, 33, 100), (40, 17, 12),
+    (25, 576, 130), (32, 70, 45), (28, 5, 13), (48, 33, 100), (40, 17, 12), (13, 576, 130), (20, 64, 96),
 ]
 
 
