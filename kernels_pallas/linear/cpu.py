@@ -3,8 +3,8 @@
 A decode step multiplies a few rows (batch size x (γ + 1) query slots) by every weight matrix, so it is bound by
 reading the weights. XLA:CPU's dot handles 2-16 rows poorly (on the project's 2-core machine SmolLM2-135M's
 layers took about twice as long at 4 rows as at 1, though both read the same bytes). The kernels in
-``cpu_kernel.cc`` give each thread a contiguous run of weight rows to stream (up to 12 rows of x, 24 with
-AVX-512), or run register-tiled products over blocks of W (more rows: 8 x 48 tiles with AVX-512, packed 6 x 16 tiles
+``cpu_kernel.cc`` give each thread a contiguous run of weight rows to stream (up to 12 rows of x), or run
+register-tiled products over blocks of W (more rows: 8 x 48 tiles with AVX-512, packed 6 x 16 tiles
 without); ``README.md`` has the measured ratios that set :data:`NN_ROWS` and :data:`NT_ROWS`, the row counts where
 :func:`use_kernel` picks them over XLA.
 
@@ -39,7 +39,7 @@ _LIBRARY = CpuKernelLibrary("linear", SOURCE, {
 
 def _has_avx512() -> bool:
     """Whether this CPU has AVX-512F: the kernel is built with -march=native, so its split-K passes then take up to
-    6 x rows at once (cpu_kernel.cc kSplitKMaxRows)."""
+    6 x rows at once and more rows take the 8 x 48 register tiles (the row ranges below)."""
     return "avx512f" in _cpu_flags().split()
 
 
@@ -56,7 +56,8 @@ def _has_avx512() -> bool:
 # 24 rows: y^T = W @ x^T in 12 x 32 tiles (BlockNTx), the head alone 8.8 ms against XLA's 11.5 at 32 rows (its first
 # version 17.7 against 13.9 at 48), so up to NT_MAX_ROWS. The AMD EPYC (Zen 4) VMs also have AVX-512 (double-pumped
 # 256-bit units) and were not measured with either: re-run
-# ``scripts/bench_linear.py --kernel-impl auto --rows 8,12,16,20,24,32,40,48,64`` there before trusting 13-48 rows.
+# ``scripts/bench_linear.py --kernel-impl auto --rows 8,12,13,16,20,24,32,48,64,128,160,256`` there before trusting
+# 13-160 rows.
 # Since 2026-12-02 17:45 the tiles start at 13 rows (split-K up to SPLIT_K_MAX_ROWS = 12 on every CPU): once a lone
 # tile after the first prefetched all of the next block, whole step 16 rows 51.1-52.5 -> 46.5-47.6 ms, 20 rows
 # 59.9-62.3 -> 51.3-52.4, 24 rows 68.5-69.0 -> 56.6-56.9, 13 rows the same (alternating runs).

@@ -24,7 +24,7 @@
 // - NN, up to kSplitKMaxRows rows (RunSplitK): one item = a contiguous run of a weight's rows, all N columns;
 //   the weight streams front to back, 8 weight rows per pass for one x row, else kKUnroll rows with x rows in
 //   pairs (RowsNN); partial sums per item added by the caller.
-// - NN, more rows: one item = a block of output columns. With AVX-512 (`auto` up to 48 rows): 8 x 48 register
+// - NN, more rows: one item = a block of output columns. With AVX-512 (`auto` up to 160 rows): 8 x 48 register
 //   tiles straight from W's rows in blocks of kTileKBlock rows (Tile48, Block48), the columns past the last whole
 //   48 as below. Without (only with linear_impl="cpu"): a kKBlock-row block of W is packed into 16-column panels
 //   reused from L2 by every 6 x 16 register tile of x (PanelNN), and the next block is prefetched meanwhile.

@@ -1,13 +1,12 @@
 """The CPU linear custom calls (``kernels_pallas/linear/cpu.py``) against a float64 numpy product.
 
-Shapes cover the NN paths (up to 12 rows, 24 with AVX-512: contiguous runs of weight rows per thread, x rows in
-pairs or up to 6 per pass, partials summed; more: 8 x 48 register tiles with AVX-512, packed 6 x 16 tiles without,
-with every row remainder), the one-row
-transposed path, column counts that are not multiples of the 8/16-wide vectors and panels, K not a multiple of the
-4-row unroll or of the 64-row block, the transposed (tied-head) kernel's 4-row and 3-row tiles with remainders,
-leading batch dimensions, jit, the dispatch rule (which products ``auto`` sends to the kernel), clear errors for bad
-dtypes and shapes, and a whole model giving the same logits with ``linear_impl="cpu"`` and ``"xla"``. Skips only
-when no C++ compiler exists (the reason is printed).
+Shapes cover the NN paths (up to 12 rows: contiguous runs of weight rows per thread, x rows in pairs or up to 6 per
+pass, partials summed; more: 8 x 48 register tiles with AVX-512, packed 6 x 16 tiles without, with every row
+remainder), the one-row transposed path, column counts that are not multiples of the 8/16-wide vectors and panels, K
+not a multiple of the 4-row unroll or of the 64-row block, the transposed (tied-head) kernel's 4-row and 3-row tiles
+with remainders, leading batch dimensions, jit, the dispatch rule (which products ``auto`` sends to the kernel),
+clear errors for bad dtypes and shapes, and a whole model giving the same logits with ``linear_impl="cpu"`` and
+``"xla"``. Skips only when no C++ compiler exists (the reason is printed).
 """
 
 from __future__ import annotations
