@@ -47,6 +47,17 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def cpu_vendor() -> str:
+    """``vendor_id`` from /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``, ...; "" where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
@@ -54,8 +65,11 @@ def _compiler() -> str | None:
 class CpuKernelLibrary:
     """One ``cpu_kernel.cc`` and the FFI targets it defines (``{target name: handler symbol}``)."""
 
-    def __init__(self, name: str, source: Path, symbols: dict[str, str]):
+    def __init__(self, name: str, source: Path, symbols: dict[str, str], defines: dict[str, int] | None = None):
+        """``defines``: ``-DNAME=value`` for the build (part of the cache key), e.g. a limit that Python's dispatch
+        and the kernel must agree on."""
         self.name, self.source, self.symbols = name, source, dict(symbols)
+        self.defines = dict(defines or {})
         self._lock = threading.Lock()
         self._state: dict[str, object] = {}
 
@@ -67,8 +81,9 @@ class CpuKernelLibrary:
 
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
         key = hashlib.sha256()
+        define_flags = [f"-D{k}={v}" for k, v in sorted(self.defines.items())]
         parts = (self.source.read_bytes(), *(h.read_bytes() for h in HEADERS), jax.__version__, jaxlib.__version__,
-                 cxx, version, " ".join(FLAGS), _cpu_flags())
+                 cxx, version, " ".join(FLAGS + tuple(define_flags)), _cpu_flags())
         for part in parts:
             key.update(part if isinstance(part, bytes) else part.encode())
         out = cache_dir() / f"{self.name}_{key.hexdigest()[:16]}.so"
@@ -77,7 +92,7 @@ class CpuKernelLibrary:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_so = Path(tmp) / out.name
-            cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(self.source), "-o", str(tmp_so)]
+            cmd = [cxx, *FLAGS, *define_flags, f"-I{jax.ffi.include_dir()}", str(self.source), "-o", str(tmp_so)]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 raise RuntimeError(f"building {self.source.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")

@@ -4,7 +4,7 @@
 - ``cpu``: the C++ kernels of ``kernels_pallas/linear/cpu.py`` wherever they take the product (CPU backend,
   float32); XLA's dot otherwise.
 - ``auto``: the kernels on the CPU backend for the row counts where they measured faster than XLA's dot in a
-  whole decode step (1-12 rows; ``kernels_pallas/linear/README.md``), XLA's
+  whole decode step (1-160 rows with AVX-512, 1-12 without; ``kernels_pallas/linear/README.md``), XLA's
   dot elsewhere and on GPU/TPU (whose dots are already bandwidth-bound at decode).
 
 :func:`linear_many` takes the weights that share one input (q/k/v, gate/up) in one kernel call.
@@ -134,8 +134,8 @@ def attn_out_mlp(a: jax.Array, r: jax.Array, w_o: jax.Array, gain: jax.Array, w_
     with_next = next_gain is not None
     if with_next and (next_ws is None or len(next_ws) != 3 or next_eps is None):
         raise ValueError("attn_out_mlp: the next layer's q/k/v need next_gain, 3 next_ws and next_eps")
-    # split-K phases only (up to 12 rows, what small decode batches and verify send); more rows (a prefill chunk with
-    # impl="cpu") take the composition, whose products use the kernel's packed path
+    # split-K phases only (up to cpu.SPLIT_K_MAX_ROWS = 12 rows, 8 on AMD EPYC: small decode batches and verify);
+    # more rows take the composition, whose products use the kernel's tiles (or its packed path)
     if (r.dtype == jnp.float32 and _fused_on_kernel(a, gain, [w_o], impl) and _split_k_rows(a)
             and _fused_on_kernel(r, None, [w_gate, w_up], impl) and _on_kernel(a, w_down, impl)
             and (not with_next or _fused_on_kernel(r, next_gain, list(next_ws), impl))):

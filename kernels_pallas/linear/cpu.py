@@ -22,19 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.cpu_build import CpuKernelLibrary, _cpu_flags
+from kernels_pallas.cpu_build import CpuKernelLibrary, _cpu_flags, cpu_vendor
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 _TARGETS = {False: "nightjar_linear_f32", True: "nightjar_linear_nt_f32"}
 _MANY_TARGETS = {2: "nightjar_linear2_f32", 3: "nightjar_linear3_f32"}  # several W [K, N_i] sharing x
 _RMS_TARGETS = {2: "nightjar_rms_linear2_f32", 3: "nightjar_rms_linear3_f32"}  # RMSNorm(x) @ W_i
-_LIBRARY = CpuKernelLibrary("linear", SOURCE, {
-    "nightjar_linear_f32": "NjLinearF32", "nightjar_linear_nt_f32": "NjLinearNtF32",
-    "nightjar_linear2_f32": "NjLinear2F32", "nightjar_linear3_f32": "NjLinear3F32",
-    "nightjar_rms_linear2_f32": "NjRmsLinear2F32", "nightjar_rms_linear3_f32": "NjRmsLinear3F32",
-    "nightjar_rms_swiglu_f32": "NjRmsSwiGluF32", "nightjar_linear_residual_f32": "NjLinearResidualF32",
-    "nightjar_attn_out_mlp_f32": "NjAttnOutMlpF32", "nightjar_attn_out_mlp_qkv_f32": "NjAttnOutMlpQkvF32",
-})
 
 
 def _has_avx512() -> bool:
@@ -55,18 +48,35 @@ def _has_avx512() -> bool:
 # 512, so up to NN_MAX_ROWS = 160 (a head past 32 rows on its kernel measured no better). The tied head (NT) past
 # 24 rows: y^T = W @ x^T in 12 x 32 tiles (BlockNTx), the head alone 8.8 ms against XLA's 11.5 at 32 rows (its first
 # version 17.7 against 13.9 at 48), so up to NT_MAX_ROWS. The AMD EPYC (Zen 4) VMs also have AVX-512 (double-pumped
-# 256-bit units) and were not measured with either: re-run
-# ``scripts/bench_linear.py --kernel-impl auto --rows 8,12,13,16,20,24,32,48,64,128,160,256`` there before trusting
-# 13-160 rows.
+# 256-bit units); there (2026-12-03, ``scripts/bench_linear.py --kernel-impl auto --rows
+# 8,12,13,16,24,32,48,64,128,160,256``, whole step against XLA's dots) 1.46x at 8 rows, 1.62x at 13, 1.73x at 16,
+# 1.46x at 32, 1.19x at 64, 0.96-1.07x at 128, 0.87-1.00x at 160 (two runs), 1.02x at 256: the same ranges hold.
 # Since 2026-12-02 17:45 the tiles start at 13 rows (split-K up to SPLIT_K_MAX_ROWS = 12 on every CPU): once a lone
 # tile after the first prefetched all of the next block, whole step 16 rows 51.1-52.5 -> 46.5-47.6 ms, 20 rows
 # 59.9-62.3 -> 51.3-52.4, 24 rows 68.5-69.0 -> 56.6-56.9, 13 rows the same (alternating runs).
-# SPLIT_K_MAX_ROWS must match cpu_kernel.cc's kSplitKMaxRows (the split-K path's limit).
-SPLIT_K_MAX_ROWS = 12
+# On AMD EPYC (Zen 4) the tiles measured faster from 9 rows (2026-12-03; SmolLM2's whole decode step, split-K up to 12
+# against up to 8, the two compiled in one process and run in turn, 60 steps each: 9 rows 0.995, 10 rows 0.905,
+# 12 rows 0.849 of the time; products alone 8 rows 1.13 (split-K better), 9 rows 0.958, 11 rows 0.862), so there
+# split-K stops at 8. The limit is built into cpu_kernel.cc (kSplitKMaxRows, -DNIGHTJAR_SPLIT_K_MAX_ROWS).
+
+
+def _split_k_max_rows() -> int:
+    return 8 if _has_avx512() and cpu_vendor() == "AuthenticAMD" else 12
+
+
+SPLIT_K_MAX_ROWS = _split_k_max_rows()
 NN_MAX_ROWS = 160 if _has_avx512() else SPLIT_K_MAX_ROWS
 NT_MAX_ROWS = 32 if _has_avx512() else SPLIT_K_MAX_ROWS
 NN_ROWS = (1, NN_MAX_ROWS)
 NT_ROWS = (1, NT_MAX_ROWS)
+# the split-K limit is compiled in, so Python's dispatch and the kernel agree on it
+_LIBRARY = CpuKernelLibrary("linear", SOURCE, {
+    "nightjar_linear_f32": "NjLinearF32", "nightjar_linear_nt_f32": "NjLinearNtF32",
+    "nightjar_linear2_f32": "NjLinear2F32", "nightjar_linear3_f32": "NjLinear3F32",
+    "nightjar_rms_linear2_f32": "NjRmsLinear2F32", "nightjar_rms_linear3_f32": "NjRmsLinear3F32",
+    "nightjar_rms_swiglu_f32": "NjRmsSwiGluF32", "nightjar_linear_residual_f32": "NjLinearResidualF32",
+    "nightjar_attn_out_mlp_f32": "NjAttnOutMlpF32", "nightjar_attn_out_mlp_qkv_f32": "NjAttnOutMlpQkvF32",
+}, defines={"NIGHTJAR_SPLIT_K_MAX_ROWS": SPLIT_K_MAX_ROWS})
 
 
 def available() -> bool:

@@ -568,9 +568,14 @@ inline void AddInto(float* y, const float* a, int64_t n) {
 // blocks striding over every weight row (the earlier design) left one row at 0.8-0.9x XLA's dot and a thread
 // near one core's bandwidth. Each item sums into its own partial y (a segment's first chunk into y itself), and
 // the caller adds the partials (M x N floats per extra chunk: small next to the weight).
-// 12 rows with or without AVX-512: with it the 8 x 48 tiles past 12 rows measured faster than split-K's 6-row
-// passes (whole step 16 rows 51.1-52.5 -> 46.5-47.6 ms, 24 rows 68.5-69.0 -> 56.6-56.9; 13 rows the same; README.md)
-constexpr int64_t kSplitKMaxRows = 12;
+// The limit is cpu.py's SPLIT_K_MAX_ROWS (built in as -DNIGHTJAR_SPLIT_K_MAX_ROWS): 12, where the 8 x 48 tiles
+// past 12 rows measured faster than split-K's 6-row passes on a Xeon (whole step 16 rows 51.1-52.5 -> 46.5-47.6 ms,
+// 24 rows 68.5-69.0 -> 56.6-56.9; 13 rows the same; README.md); 8 on AMD EPYC (Zen 4) CPUs with AVX-512, where the
+// tiles measured faster from 9 rows (whole step, the two in one process: 10 rows 0.905, 12 rows 0.849 of the time).
+#ifndef NIGHTJAR_SPLIT_K_MAX_ROWS
+#define NIGHTJAR_SPLIT_K_MAX_ROWS 12
+#endif
+constexpr int64_t kSplitKMaxRows = NIGHTJAR_SPLIT_K_MAX_ROWS;
 constexpr int64_t kSplitKMinRows = 32;  // weight rows per item at least (a chunk must outweigh its wake-up)
 
 // One split-K item: out [M, N] = x[:, k0:k1] @ W[k0:k1, :].

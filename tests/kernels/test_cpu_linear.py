@@ -1,12 +1,13 @@
 """The CPU linear custom calls (``kernels_pallas/linear/cpu.py``) against a float64 numpy product.
 
-Shapes cover the NN paths (up to 12 rows: contiguous runs of weight rows per thread, x rows in pairs or up to 6 per
-pass, partials summed; more: 8 x 48 register tiles with AVX-512, packed 6 x 16 tiles without, with every row
-remainder), the one-row transposed path, column counts that are not multiples of the 8/16-wide vectors and panels, K
-not a multiple of the 4-row unroll or of the 64-row block, the transposed (tied-head) kernel's 4-row and 3-row tiles
-with remainders, leading batch dimensions, jit, the dispatch rule (which products ``auto`` sends to the kernel),
-clear errors for bad dtypes and shapes, and a whole model giving the same logits with ``linear_impl="cpu"`` and
-``"xla"``. Skips only when no C++ compiler exists (the reason is printed).
+Shapes cover the NN paths (up to ``cpu.SPLIT_K_MAX_ROWS`` rows, 12 or 8 on AMD EPYC with AVX-512: contiguous runs
+of weight rows per thread, x rows in pairs or up to 6 per pass, partials summed; more: 8 x 48 register tiles with
+AVX-512, packed 6 x 16 tiles without, with every row remainder), the one-row transposed path, column counts that
+are not multiples of the 8/16-wide vectors and panels, K not a multiple of the 4-row unroll or of the 64-row block,
+the transposed (tied-head) kernel's 4-row and 3-row tiles with remainders, leading batch dimensions, jit, the
+dispatch rule (which products ``auto`` sends to the kernel), clear errors for bad dtypes and shapes, and a whole model
+giving the same logits with ``linear_impl="cpu"`` and ``"xla"``. Skips only when no C++ compiler exists (the reason
+is printed).
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ NN_SHAPES = [
     (1, 576, 960), (1, 577, 33), (2, 130, 1536), (1, 31, 8), (2, 1000, 7),  # 1-2 rows: split-K; chunk/K tails
     (3, 7, 5), (5, 130, 33), (4, 64, 8), (7, 130, 40), (11, 200, 50), (12, 64, 8),  # odd rows: a lone last row
     (13, 65, 23), (15, 64, 16), (16, 130, 40), (17, 33, 19), (48, 576, 96), (50, 200, 130),  # packed; remainders
-    # past 12 rows with AVX-512 (13-17 rows above too), 8 x 48 tiles: a lone row / 7-row remainder, K past one
-    # 128-row block, columns past the last whole 48 (those on the packed path), exactly two blocks
+    # past 12 rows (8 on AMD EPYC) with AVX-512 (9-17 rows above too), 8 x 48 tiles: a lone row / 7-row
+    # remainder, K past one 128-row block, columns past the last whole 48 (those on the packed path), exactly two blocks
     (25, 576, 96), (31, 130, 50), (32, 300, 1000), (47, 129, 144), (64, 256, 48), (40, 5, 49),
     (20, 576, 192),  # two row tiles: the one after the first prefetches all three lines per row of the next block
     (157, 200, 144),  # auto's widest range (NN_MAX_ROWS = 160): 19 full row tiles and a 5-row one
@@ -65,8 +66,8 @@ NN_SHAPES = [
 NT_SHAPES = [
     (1, 576, 4096), (1, 35, 9), (1, 600, 3),  # one row: 4 accumulators per weight row; K tails
     (2, 8, 4), (3, 7, 5), (4, 130, 65), (8, 1, 3), (9, 576, 130), (5, 64, 64),
-    # past 12 rows with AVX-512, 12 x 32 tiles of W @ x^T: weight-row remainders, x rows past one 16-column group,
-    # two groups of 32 (the second of 16), K tails
+    # past 12 rows (8 on AMD EPYC) with AVX-512, 12 x 32 tiles of W @ x^T: weight-row remainders, x rows past
+    # one 16-column group, two groups of 32 (the second of 16), K tails
     (25, 576, 130), (32, 70, 45), (28, 5, 13), (48, 33, 100), (40, 17, 12), (13, 576, 130), (20, 64, 96),
 ]
 
@@ -322,7 +323,8 @@ def test_attn_out_mlp_dispatch_and_bad_inputs():
     rng = np.random.default_rng(3)
     wo, g, wg, wu, wd, gn, nws = (jnp.asarray(t) if not isinstance(t, list) else [jnp.asarray(w) for w in t]
                                   for t in _layer_weights(rng))
-    for rows, on_kernel in ((1, True), (12, True), (48, False)):
+    split_k = cpu.SPLIT_K_MAX_ROWS  # 12, or 8 on AMD EPYC with AVX-512 (cpu.py)
+    for rows, on_kernel in ((1, True), (split_k, True), (split_k + 1, False), (48, False)):
         a, r = jnp.ones((rows, 48), F32), jnp.ones((rows, 40), F32)
         text = jax.jit(lambda a, r: attn_out_mlp(a, r, wo, g, wg, wu, wd, 1e-5)).lower(a, r).as_text()
         assert ("nightjar_attn_out_mlp_f32" in text) == on_kernel
