@@ -60,23 +60,26 @@ def _has_avx512() -> bool:
 # split-K stops at 8. The limit is built into cpu_kernel.cc (kSplitKMaxRows, -DNIGHTJAR_SPLIT_K_MAX_ROWS).
 
 
-def _split_k_max_rows() -> int:
-    return 8 if _has_avx512() and cpu_vendor() == "AuthenticAMD" else 12
-
-
-SPLIT_K_MAX_ROWS = _split_k_max_rows()
+# The tied head (NT) takes the 12 x 32 tiles (BlockNTx) from NT_TILE_MIN_ROWS rows: past the split-K rows, or on AMD
+# EPYC (Zen 4) with AVX-512 from 2 rows, where they measured faster than the 4 x 3 TileNT at every row count from 2
+# (2026-12-03; products alone, the two in turn in one process: 2 rows 0.974, 3 rows 0.958, 4 rows 0.939, 5 rows 0.905,
+# 8 rows 0.857 of the time, 1 row 1.108; whole decode step at batch 2 / 4 / 8: 0.978 / 0.941 / 0.868). Not measured
+# on a Xeon, which keeps TileNT up to the split-K rows.
+_ZEN_AVX512 = _has_avx512() and cpu_vendor() == "AuthenticAMD"
+SPLIT_K_MAX_ROWS = 8 if _ZEN_AVX512 else 12
+NT_TILE_MIN_ROWS = 2 if _ZEN_AVX512 else SPLIT_K_MAX_ROWS + 1
 NN_MAX_ROWS = 160 if _has_avx512() else SPLIT_K_MAX_ROWS
 NT_MAX_ROWS = 32 if _has_avx512() else SPLIT_K_MAX_ROWS
 NN_ROWS = (1, NN_MAX_ROWS)
 NT_ROWS = (1, NT_MAX_ROWS)
-# the split-K limit is compiled in, so Python's dispatch and the kernel agree on it
+# the limits are compiled in, so Python's dispatch and the kernel agree on them
 _LIBRARY = CpuKernelLibrary("linear", SOURCE, {
     "nightjar_linear_f32": "NjLinearF32", "nightjar_linear_nt_f32": "NjLinearNtF32",
     "nightjar_linear2_f32": "NjLinear2F32", "nightjar_linear3_f32": "NjLinear3F32",
     "nightjar_rms_linear2_f32": "NjRmsLinear2F32", "nightjar_rms_linear3_f32": "NjRmsLinear3F32",
     "nightjar_rms_swiglu_f32": "NjRmsSwiGluF32", "nightjar_linear_residual_f32": "NjLinearResidualF32",
     "nightjar_attn_out_mlp_f32": "NjAttnOutMlpF32", "nightjar_attn_out_mlp_qkv_f32": "NjAttnOutMlpQkvF32",
-}, defines={"NIGHTJAR_SPLIT_K_MAX_ROWS": SPLIT_K_MAX_ROWS})
+}, defines={"NIGHTJAR_SPLIT_K_MAX_ROWS": SPLIT_K_MAX_ROWS, "NIGHTJAR_NT_TILE_MIN_ROWS": NT_TILE_MIN_ROWS})
 
 
 def available() -> bool:

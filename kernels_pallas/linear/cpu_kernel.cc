@@ -29,9 +29,10 @@
 //   48 as below. Without (only with linear_impl="cpu"): a kKBlock-row block of W is packed into 16-column panels
 //   reused from L2 by every 6 x 16 register tile of x (PanelNN), and the next block is prefetched meanwhile.
 // - NT (tied head): one item = a block of weight rows (contiguous); one x row: each weight row against x with
-//   4 independent accumulators, a row of each of the item's halves at once (RowNT2); past kSplitKMaxRows with
-//   AVX-512 (`auto` up to 32 rows): y^T = W @ x^T in 12 x 32 tiles (BlockNTx); otherwise 4 weight rows x up to
-//   3 x-rows of partial sums per tile (TileNT), weight rows blocked by kNtRows so every x tile reuses them from L2.
+//   4 independent accumulators, a row of each of the item's halves at once (RowNT2); from kNtTileMinRows rows
+//   with AVX-512 (`auto` up to 32 rows): y^T = W @ x^T in 12 x 32 tiles (BlockNTx); otherwise 4 weight rows x up
+//   to 3 x-rows of partial sums per tile (TileNT), weight rows blocked by kNtRows so every x tile reuses them from
+//   L2.
 
 #include <algorithm>
 #include <cmath>
@@ -576,6 +577,14 @@ inline void AddInto(float* y, const float* a, int64_t n) {
 #define NIGHTJAR_SPLIT_K_MAX_ROWS 12
 #endif
 constexpr int64_t kSplitKMaxRows = NIGHTJAR_SPLIT_K_MAX_ROWS;
+// With AVX-512 the tied head takes BlockNTx's tiles from this many rows (cpu.py's NT_TILE_MIN_ROWS): past the
+// split-K rows, or from 2 rows on AMD EPYC (Zen 4), where they measured faster than TileNT at every row count from 2
+// (products alone, the two in turn in one process: 2 rows 0.974, 3 rows 0.958, 5 rows 0.905, 8 rows 0.857 of the
+// time; whole decode step at batch 2 / 4 / 8: 0.978 / 0.941 / 0.868; at one row 1.108, so one row keeps RowNT2).
+#ifndef NIGHTJAR_NT_TILE_MIN_ROWS
+#define NIGHTJAR_NT_TILE_MIN_ROWS (NIGHTJAR_SPLIT_K_MAX_ROWS + 1)
+#endif
+constexpr int64_t kNtTileMinRows = NIGHTJAR_NT_TILE_MIN_ROWS;
 constexpr int64_t kSplitKMinRows = 32;  // weight rows per item at least (a chunk must outweigh its wake-up)
 
 // One split-K item: out [M, N] = x[:, k0:k1] @ W[k0:k1, :].
@@ -719,8 +728,8 @@ ffi::Error RunSegments(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_
   }
   const Item* ip = items.data();
 #ifdef __AVX512F__
-  // the transposed kernel past the split-K rows: x^T once, zero-padded to 16-column groups (BlockNTx)
-  const int64_t ldxt = kTransposed && M > kSplitKMaxRows ? (M + 15) / 16 * 16 : 0;
+  // the transposed kernel from kNtTileMinRows rows: x^T once, zero-padded to 16-column groups (BlockNTx)
+  const int64_t ldxt = kTransposed && M >= std::max<int64_t>(2, kNtTileMinRows) ? (M + 15) / 16 * 16 : 0;
   std::vector<float> xt_store(ldxt * K, 0.0f);
   for (int64_t k = 0; k < (ldxt ? K : 0); ++k) {
     for (int64_t m = 0; m < M; ++m) xt_store[k * ldxt + m] = xp[m * K + k];
