@@ -68,6 +68,9 @@ def _has_avx512() -> bool:
 _ZEN_AVX512 = _has_avx512() and cpu_vendor() == "AuthenticAMD"
 SPLIT_K_MAX_ROWS = 8 if _ZEN_AVX512 else 12
 NT_TILE_MIN_ROWS = 2 if _ZEN_AVX512 else SPLIT_K_MAX_ROWS + 1
+# W rows per block of the 8 x 48 tiles past 16 rows (cpu_kernel.cc kTileKBlockWide): 288 on AMD EPYC (products alone
+# 0.94-0.96 of the time at 24-64 rows against 96-row blocks, in one process, 2026-12-03), else 96
+TILE_K_BLOCK_WIDE = 288 if _ZEN_AVX512 else 96
 NN_MAX_ROWS = 160 if _has_avx512() else SPLIT_K_MAX_ROWS
 # the head past 32 rows on its tiles measured no better than XLA's dot on the Xeon; on AMD EPYC (2026-12-03, whole
 # step with the head on XLA past 32 rows against on the tiles up to 160, the two in turn in one process) 0.935 of the
@@ -82,7 +85,8 @@ _LIBRARY = CpuKernelLibrary("linear", SOURCE, {
     "nightjar_rms_linear2_f32": "NjRmsLinear2F32", "nightjar_rms_linear3_f32": "NjRmsLinear3F32",
     "nightjar_rms_swiglu_f32": "NjRmsSwiGluF32", "nightjar_linear_residual_f32": "NjLinearResidualF32",
     "nightjar_attn_out_mlp_f32": "NjAttnOutMlpF32", "nightjar_attn_out_mlp_qkv_f32": "NjAttnOutMlpQkvF32",
-}, defines={"NIGHTJAR_SPLIT_K_MAX_ROWS": SPLIT_K_MAX_ROWS, "NIGHTJAR_NT_TILE_MIN_ROWS": NT_TILE_MIN_ROWS})
+}, defines={"NIGHTJAR_SPLIT_K_MAX_ROWS": SPLIT_K_MAX_ROWS, "NIGHTJAR_NT_TILE_MIN_ROWS": NT_TILE_MIN_ROWS,
+                                     "NIGHTJAR_TILE_K_BLOCK_WIDE": TILE_K_BLOCK_WIDE})
 
 
 def available() -> bool:

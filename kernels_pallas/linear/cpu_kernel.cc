@@ -260,14 +260,24 @@ inline void Tile48(const float* x, const float* w, float* y, int64_t ldy, int64_
 
 constexpr int64_t kTileKBlock = 96;  // W rows per block: a 48-column panel's block (18 KB) stays in L1 for every
                                       // row tile of x after the first
+// Past two row tiles (M > 16) the block is NIGHTJAR_TILE_K_BLOCK_WIDE rows (cpu.py's TILE_K_BLOCK_WIDE): 96 too, or
+// 288 on AMD EPYC (Zen 4), where products alone measured 0.956 / 0.943 / 0.955 / 0.964 of the time at 24 / 32 / 48 /
+// 64 rows with 288-row blocks (a block then comes from L2 for the row tiles after the first, and W's stream restarts
+// a third as often), but 1.01-1.03 at 12-16 rows (the two in turn in one process, 2026-12-03); whole decode steps at
+// batch 24 / 32 / 64 0.95 / 0.97 / 0.95 of the time.
+#ifndef NIGHTJAR_TILE_K_BLOCK_WIDE
+#define NIGHTJAR_TILE_K_BLOCK_WIDE 96
+#endif
+constexpr int64_t kTileKBlockWide = NIGHTJAR_TILE_K_BLOCK_WIDE;
 
 // Columns c_begin .. c_end (whole 48-column panels) of y = x @ W for any M, by blocks of kTileKBlock rows of W: each
 // panel's block is read from memory once (by the first row tile) and from L1 by the others. y's element (r, c) is
 // at y[r * ldy + c - y_col0] (y itself: ldy = N, y_col0 = 0; a buffer of the item's columns: ldy = its width).
 void Block48(const float* x, const float* w, float* y, int64_t ldy, int64_t y_col0, int64_t M, int64_t K, int64_t N,
              int64_t c_begin, int64_t c_end) {
-  for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kTileKBlock) {
-    const int64_t k1 = std::min(K, k0 + kTileKBlock);
+  const int64_t kb = M > 16 ? kTileKBlockWide : kTileKBlock;
+  for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kb) {
+    const int64_t k1 = std::min(K, k0 + kb);
     const bool first = k0 == 0;
     const int64_t tiles = (M + 7) / 8;
     for (int64_t c0 = c_begin; c0 < c_end; c0 += 48) {
@@ -275,7 +285,7 @@ void Block48(const float* x, const float* w, float* y, int64_t ldy, int64_t y_co
       // the row tiles after the first bring the next panel's block (same rows; past the item's last panel, the
       // next block's first panel) into L2, a line per weight row, so its first tile does not wait on memory
       const bool last = c0 + 48 >= c_end;
-      const int64_t nk0 = last ? k1 : k0, nk1 = last ? std::min(K, k1 + kTileKBlock) : k1;
+      const int64_t nk0 = last ? k1 : k0, nk1 = last ? std::min(K, k1 + kb) : k1;
       const float* next = w + nk0 * N + (last ? c_begin : c0 + 48);
       const int64_t next_lines = 3 * (nk1 - nk0), share = tiles > 1 ? (next_lines + tiles - 2) / (tiles - 1) : 0;
       const bool pf = first && c0 == c_begin;  // the rest were prefetched by the tiles before them
