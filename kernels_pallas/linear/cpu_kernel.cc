@@ -30,9 +30,9 @@
 //   reused from L2 by every 6 x 16 register tile of x (PanelNN), and the next block is prefetched meanwhile.
 // - NT (tied head): one item = a block of weight rows (contiguous); one x row: each weight row against x with
 //   4 independent accumulators, a row of each of the item's halves at once (RowNT2); from kNtTileMinRows rows
-//   with AVX-512 (`auto` up to 32 rows): y^T = W @ x^T in 12 x 32 tiles (BlockNTx); otherwise 4 weight rows x up
-//   to 3 x-rows of partial sums per tile (TileNT), weight rows blocked by kNtRows so every x tile reuses them from
-//   L2.
+//   with AVX-512 (`auto` up to 32 rows, 160 on AMD EPYC): y^T = W @ x^T in 12 x 32 tiles (BlockNTx); otherwise
+//   4 weight rows x up to 3 x-rows of partial sums per tile (TileNT), weight rows blocked by kNtRows so every x
+//   tile reuses them from L2.
 
 #include <algorithm>
 #include <cmath>
