@@ -7,7 +7,9 @@
   whole decode step (1-160 rows with AVX-512, 1-12 without; ``kernels_pallas/linear/README.md``), XLA's
   dot elsewhere and on GPU/TPU (whose dots are already bandwidth-bound at decode).
 
-:func:`linear_many` takes the weights that share one input (q/k/v, gate/up) in one kernel call.
+:func:`linear_many` takes the weights that share one input (q/k/v, gate/up) in one kernel call. :func:`pack_state`
+stores a model's linear weights as the kernel's 16-column panels ``[N / 16, K, 16]`` (the engine does it at load on
+CPUs with AVX-512); every function here takes either layout, packed weights on the kernel at every row count.
 
 Shapes are static under ``jit``, so the choice is made once per compiled step variant.
 """
@@ -35,6 +37,8 @@ def _on_kernel(x: jax.Array, w: jax.Array, impl: str, *, transposed: bool = Fals
     from kernels_pallas.linear import cpu
 
     if impl == "auto":
+        if cpu.is_packed(w) and not transposed:  # XLA would need an unpacked copy of the weight
+            return w.dtype == jnp.float32 and cpu.available()
         return cpu.use_kernel(x.shape, w, transposed=transposed)
     return w.dtype == jnp.float32 and cpu.available()
 
@@ -49,8 +53,38 @@ def linear(x: jax.Array, w: jax.Array, *, impl: str = "auto", transposed: bool =
 
         y = cpu.linear_cpu(x, w, transposed=transposed)
         return y if out_dtype is None else y.astype(out_dtype)
+    if w.ndim == 3:  # packed for the CPU kernel (pack_state); XLA's dot takes [K, N]: a copy of the weight
+        from kernels_pallas.linear import cpu
+
+        w = cpu.unpack(w)
     spec = "...k,nk->...n" if transposed else "...k,kn->...n"
     return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
+
+
+def pack_state(state, impl: str = "auto"):
+    """The model state with its linear weights packed for the CPU kernel (``kernels_pallas/linear/cpu.py`` ``pack``:
+    ``[K, N]`` -> 16-column panels ``[N / 16, K, 16]``, each read front to back: SmolLM2-135M's layer products at one
+    row 0.88x the time of the ``[K, N]`` split-K passes, 2026-12-03), where they will run on it: ``impl`` not
+    ``xla``, the CPU backend, a kernel built with AVX-512, and every ``kernel`` float32 with N a multiple of 16
+    (all or none, so a fused layer call never mixes layouts). Otherwise ``state`` itself. Every product then takes
+    the kernel up to its row limit (:data:`cpu.NN_MAX_ROWS`) and XLA's dot beyond it (prefill) on an unpacked copy."""
+    check_impl(impl)
+    if impl == "xla" or jax.default_backend() != "cpu":
+        return state
+    from kernels_pallas.linear import cpu
+
+    if not cpu.packing_supported():
+        return state
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    kernels = [leaf for path, leaf in flat if _is_linear_kernel(path)]
+    if not kernels or not all(cpu.can_pack(w) for w in kernels):
+        return state
+    return jax.tree_util.tree_map_with_path(lambda path, w: cpu.pack(w) if _is_linear_kernel(path) else w, state)
+
+
+def _is_linear_kernel(path) -> bool:
+    keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    return "kernel" in keys
 
 
 def linear_many(x: jax.Array, ws: list[jax.Array], *, impl: str = "auto") -> list[jax.Array]:

@@ -34,6 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from nightjar_jax.bench.common import machine_note, write_json  # noqa: E402
+from nightjar_jax.linear import pack_state  # noqa: E402
 from nightjar_jax.models.llama import BatchMetadata, allocate_kv_cache, init_model, make_model_fns  # noqa: E402
 from nightjar_jax.models.presets import get_preset  # noqa: E402
 
@@ -60,6 +61,8 @@ def main() -> None:
     steps = {}
     for impl in ("xla", "cpu"):
         graphdef, state = init_model(cfg, seed=0, linear_impl=args.kernel_impl if impl == "cpu" else impl)
+        if impl == "cpu":  # the weights as the engine holds them (packed panels where the kernel takes them)
+            state = pack_state(state, args.kernel_impl)
         hidden_fn, logits_fn = make_model_fns(graphdef)
 
         def step(state, tokens, kv, md, hidden_fn=hidden_fn, logits_fn=logits_fn):
@@ -115,9 +118,11 @@ def products_only(cfg, args) -> None:
     fns = {}
     for impl in ("xla", "cpu"):
         graphdef, state = init_model(cfg, seed=0, linear_impl=args.kernel_impl if impl == "cpu" else impl)
+        if impl == "cpu":
+            state = pack_state(state, args.kernel_impl)
         fns[impl] = (products_fn(graphdef), state)
     state = fns["cpu"][1]
-    nbytes = sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(state) if a.ndim == 2)
+    nbytes = sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(state) if a.ndim >= 2)
     flat = jnp.ones(nbytes // 4, jnp.float32)
     read = jax.jit(jnp.sum)
     rows = []

@@ -8,8 +8,10 @@ register-tiled products over blocks of W (more rows: 8 x 48 tiles with AVX-512, 
 without); ``README.md`` has the measured ratios that set :data:`NN_ROWS` and :data:`NT_ROWS`, the row counts where
 :func:`use_kernel` picks them over XLA.
 
-Two layouts: ``linear_cpu(x, w)`` with ``w [K, N]`` (``nnx.Linear``'s kernel) and ``linear_cpu(x, w,
-transposed=True)`` with ``w [N, K]`` (a tied LM head, i.e. the embedding table). float32 only; leading dimensions
+Three layouts: ``linear_cpu(x, w)`` with ``w [K, N]`` (``nnx.Linear``'s kernel) or packed ``[N / 16, K, 16]``
+(:func:`pack`: 16-column panels, each read front to back; with AVX-512, the layout the engine holds its linear
+weights in, ``nightjar_jax.linear.pack_state``), and ``linear_cpu(x, w, transposed=True)`` with ``w [N, K]`` (a tied
+LM head, i.e. the embedding table). float32 only; leading dimensions
 of x are flattened. Build and caching: ``kernels_pallas/cpu_build.py``; ``NIGHTJAR_CPU_KERNEL=0`` disables it.
 """
 
@@ -89,6 +91,51 @@ _LIBRARY = CpuKernelLibrary("linear", SOURCE, {
                                      "NIGHTJAR_TILE_K_BLOCK_WIDE": TILE_K_BLOCK_WIDE})
 
 
+PANEL = 16  # columns per panel of a packed weight
+
+
+def is_packed(w: jax.Array) -> bool:
+    """Whether ``w`` is a packed ``[N / 16, K, 16]`` weight (:func:`pack`)."""
+    return w.ndim == 3 and w.shape[-1] == PANEL
+
+
+def in_features(w: jax.Array, *, transposed: bool = False) -> int:
+    """K of a weight: ``[K, N]``, ``[N, K]`` (transposed) or packed ``[N / 16, K, 16]``."""
+    return w.shape[1] if transposed or is_packed(w) else w.shape[0]
+
+
+def out_features(w: jax.Array, *, transposed: bool = False) -> int:
+    """N of a weight: ``[K, N]``, ``[N, K]`` (transposed) or packed ``[N / 16, K, 16]``."""
+    if is_packed(w):
+        return w.shape[0] * PANEL
+    return w.shape[0] if transposed else w.shape[1]
+
+
+def can_pack(w: jax.Array) -> bool:
+    """Whether :func:`pack` takes ``w``: float32 ``[K, N]`` with N a multiple of 16."""
+    return w.ndim == 2 and w.dtype == jnp.float32 and w.shape[1] % PANEL == 0 and w.shape[1] > 0
+
+
+def pack(w: jax.Array) -> jax.Array:
+    """``[K, N]`` -> ``[N / 16, K, 16]``: 16-column panels, each one contiguous run of memory, which the kernels read
+    front to back with their sums in registers (cpu_kernel.cc ``PackedProduct``). ``unpack`` inverts it."""
+    if not can_pack(w):
+        raise ValueError(f"pack takes a float32 [K, N] weight with N a multiple of {PANEL}; got {w.dtype}{w.shape}")
+    k, n = w.shape
+    return jnp.transpose(jnp.reshape(w, (k, n // PANEL, PANEL)), (1, 0, 2))
+
+
+def unpack(w: jax.Array) -> jax.Array:
+    """``[N / 16, K, 16]`` -> ``[K, N]`` (for XLA's dot: a copy of the weight)."""
+    p, k, _ = w.shape
+    return jnp.reshape(jnp.transpose(w, (1, 0, 2)), (k, p * PANEL))
+
+
+def packing_supported() -> bool:
+    """Whether the kernels take packed weights here: built with AVX-512 (the panels are 16-float vectors)."""
+    return _has_avx512() and available()
+
+
 def available() -> bool:
     """Whether the kernels are built and registered (builds them on the first call)."""
     return _LIBRARY.available()
@@ -105,7 +152,7 @@ def use_kernel(x_shape: tuple[int, ...], w: jax.Array, *, transposed: bool = Fal
     return (
         jax.default_backend() == "cpu"
         and w.dtype == jnp.float32
-        and w.ndim == 2
+        and (w.ndim == 2 or (is_packed(w) and not transposed))
         and lo <= rows <= hi
         and available()
     )
@@ -118,8 +165,9 @@ def _rows(x: jax.Array, ws, *, transposed: bool = False) -> jax.Array:
     if x.dtype != jnp.float32 or any(w.dtype != jnp.float32 for w in ws):
         raise ValueError(f"the CPU linear kernel takes float32 x and w; got {x.dtype} and {[str(w.dtype) for w in ws]}")
     k = x.shape[-1] if x.ndim else None
-    if any(w.ndim != 2 or (w.shape[1] if transposed else w.shape[0]) != k for w in ws):
-        layout = "[N, K] (transposed)" if transposed else "[K, N]"
+    if any((w.ndim != 2 and (transposed or not is_packed(w))) or in_features(w, transposed=transposed) != k
+           for w in ws):
+        layout = "[N, K] (transposed)" if transposed else "[K, N] or packed [N / 16, K, 16]"
         raise ValueError(f"x {x.shape} and weights {[w.shape for w in ws]} do not match (x [..., K], each w {layout})")
     return x.reshape(math.prod(x.shape[:-1]), k)
 
@@ -127,7 +175,7 @@ def _rows(x: jax.Array, ws, *, transposed: bool = False) -> jax.Array:
 def linear_cpu(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
     """``x [..., K] @ w`` (``w [K, N]``, or ``[N, K]`` when ``transposed``) -> ``[..., N]`` float32."""
     x2 = _rows(x, [w], transposed=transposed)
-    n = w.shape[0] if transposed else w.shape[1]
+    n = out_features(w, transposed=transposed)
     call = jax.ffi.ffi_call(_TARGETS[transposed], jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
                             vmap_method="sequential")
     return call(x2, w).reshape(*x.shape[:-1], n)
@@ -139,9 +187,9 @@ def linear_many_cpu(x: jax.Array, ws: list[jax.Array] | tuple[jax.Array, ...]) -
     if len(ws) not in _MANY_TARGETS:
         raise ValueError(f"linear_many_cpu takes 2 or 3 weights, got {len(ws)}")
     x2 = _rows(x, ws)
-    outs = tuple(jax.ShapeDtypeStruct((x2.shape[0], w.shape[1]), jnp.float32) for w in ws)
+    outs = tuple(jax.ShapeDtypeStruct((x2.shape[0], out_features(w)), jnp.float32) for w in ws)
     ys = jax.ffi.ffi_call(_MANY_TARGETS[len(ws)], outs, vmap_method="sequential")(x2, *ws)
-    return [y.reshape(*x.shape[:-1], w.shape[1]) for y, w in zip(ys, ws, strict=True)]
+    return [y.reshape(*x.shape[:-1], out_features(w)) for y, w in zip(ys, ws, strict=True)]
 
 
 # ---- fused decoder-layer forms: fewer XLA thunks per decode step (580 -> 257 for a one-row SmolLM2 step) ----
@@ -160,9 +208,9 @@ def rms_linear_many_cpu(x: jax.Array, gain: jax.Array, ws: list[jax.Array] | tup
         raise ValueError(f"rms_linear_many_cpu takes 2 or 3 weights, got {len(ws)}")
     x2 = _rows(x, ws)
     _gain(x, gain)
-    outs = tuple(jax.ShapeDtypeStruct((x2.shape[0], w.shape[1]), jnp.float32) for w in ws)
+    outs = tuple(jax.ShapeDtypeStruct((x2.shape[0], out_features(w)), jnp.float32) for w in ws)
     ys = jax.ffi.ffi_call(_RMS_TARGETS[len(ws)], outs, vmap_method="sequential")(x2, gain, *ws, eps=np.float32(eps))
-    return [y.reshape(*x.shape[:-1], w.shape[1]) for y, w in zip(ys, ws, strict=True)]
+    return [y.reshape(*x.shape[:-1], out_features(w)) for y, w in zip(ys, ws, strict=True)]
 
 
 def rms_swiglu_cpu(x: jax.Array, gain: jax.Array, w_gate: jax.Array, w_up: jax.Array, eps: float) -> jax.Array:
@@ -171,7 +219,7 @@ def rms_swiglu_cpu(x: jax.Array, gain: jax.Array, w_gate: jax.Array, w_up: jax.A
     _gain(x, gain)
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_gate {w_gate.shape} and w_up {w_up.shape} must have the same shape [K, N]")
-    n = w_gate.shape[1]
+    n = out_features(w_gate)
     call = jax.ffi.ffi_call("nightjar_rms_swiglu_f32", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
                             vmap_method="sequential")
     return call(x2, gain, w_gate, w_up, eps=np.float32(eps)).reshape(*x.shape[:-1], n)
@@ -180,7 +228,7 @@ def rms_swiglu_cpu(x: jax.Array, gain: jax.Array, w_gate: jax.Array, w_up: jax.A
 def linear_residual_cpu(x: jax.Array, w: jax.Array, r: jax.Array) -> jax.Array:
     """``r + x @ w`` (``w [K, N]``, r ``[..., N]`` float32 with x's leading dimensions) in one custom call."""
     x2 = _rows(x, [w])
-    n = w.shape[1]
+    n = out_features(w)
     if r.dtype != jnp.float32 or r.shape != (*x.shape[:-1], n):
         raise ValueError(f"residual r must be float32 {(*x.shape[:-1], n)} for x {x.shape} @ w {w.shape}; "
                          f"got {r.dtype}{r.shape}")
@@ -199,16 +247,17 @@ def attn_out_mlp_cpu(a: jax.Array, r: jax.Array, w_o: jax.Array, gain: jax.Array
     With ``next_gain`` and the 3 ``next_ws`` (the next layer's pre-attention norm and q/k/v ``[H, N_i]``) the same
     call also computes ``[RMSNorm'(y) @ w for w in next_ws]`` and returns ``(y, [q, k, v])``."""
     a2 = _rows(a, [w_o])
-    h = w_o.shape[1]
+    h = out_features(w_o)
     if r.dtype != jnp.float32 or r.shape != (*a.shape[:-1], h):
         raise ValueError(f"residual r must be float32 {(*a.shape[:-1], h)} for a {a.shape} @ w_o {w_o.shape}; "
                          f"got {r.dtype}{r.shape}")
     r2 = r.reshape(a2.shape[0], h)
     _rows(r2, [w_gate, w_up])
     _gain(r, gain)
-    if w_gate.shape != w_up.shape or w_down.shape != (w_gate.shape[1], h) or w_down.dtype != jnp.float32:
+    if (w_gate.shape != w_up.shape or (in_features(w_down), out_features(w_down)) != (out_features(w_gate), h)
+            or w_down.dtype != jnp.float32 or len({is_packed(w) for w in (w_o, w_gate, w_up, w_down)}) != 1):
         raise ValueError(f"w_gate {w_gate.shape} and w_up {w_up.shape} must be [H, I] and w_down {w_down.shape} "
-                         f"float32 [I, H] with H = {h}")
+                         f"float32 [I, H] with H = {h}, all [K, N] or all packed [N / 16, K, 16]")
     y_shape = jax.ShapeDtypeStruct((a2.shape[0], h), jnp.float32)
     if next_gain is None:
         call = jax.ffi.ffi_call("nightjar_attn_out_mlp_f32", y_shape, vmap_method="sequential")
@@ -217,9 +266,11 @@ def attn_out_mlp_cpu(a: jax.Array, r: jax.Array, w_o: jax.Array, gain: jax.Array
         raise ValueError("the next layer's q/k/v need next_gain, 3 next_ws and next_eps")
     _rows(r2, next_ws)
     _gain(r, next_gain)
-    outs = (y_shape, *(jax.ShapeDtypeStruct((a2.shape[0], w.shape[1]), jnp.float32) for w in next_ws))
+    if any(is_packed(w) != is_packed(w_o) for w in next_ws):
+        raise ValueError("the next q/k/v must be packed [N / 16, K, 16] exactly when the layer's weights are")
+    outs = (y_shape, *(jax.ShapeDtypeStruct((a2.shape[0], out_features(w)), jnp.float32) for w in next_ws))
     call = jax.ffi.ffi_call("nightjar_attn_out_mlp_qkv_f32", outs, vmap_method="sequential")
     y, *qkv = call(a2, r2, w_o, gain, w_gate, w_up, w_down, next_gain, *next_ws, eps=np.float32(eps),
                    eps_next=np.float32(next_eps))
     lead = a.shape[:-1]
-    return y.reshape(r.shape), [t.reshape(*lead, w.shape[1]) for t, w in zip(qkv, next_ws, strict=True)]
+    return y.reshape(r.shape), [t.reshape(*lead, out_features(w)) for t, w in zip(qkv, next_ws, strict=True)]

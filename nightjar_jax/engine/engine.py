@@ -165,6 +165,7 @@ class LLMEngine:
     # ---- construction helpers -----------------------------------------------------------------------------------
     def _load(self, spec: str, tokenizer_spec: str | None):
         """Load a model spec (see ``nightjar_jax.models.loader``; ``<model>@skip=...`` derives a layer-skip draft)."""
+        from nightjar_jax.linear import pack_state
         from nightjar_jax.models.llama import state_from_hf
         from nightjar_jax.models.loader import load_checkpoint, load_model
         from nightjar_jax.spec.drafts import derive_state_dict, parse_draft_spec
@@ -176,7 +177,7 @@ class LLMEngine:
                 spec, load_format=cfg.load_format, dtype=cfg.dtype, tokenizer=tokenizer_spec, seed=cfg.seed,
                 attention_impl=cfg.attention_impl, linear_impl=cfg.linear_impl,
             )
-            return ModelHandle(ckpt.config, graphdef, state), ckpt.tokenizer
+            return ModelHandle(ckpt.config, graphdef, pack_state(state, cfg.linear_impl)), ckpt.tokenizer
         ckpt = load_checkpoint(base, load_format=cfg.load_format, dtype=cfg.dtype, tokenizer=tokenizer_spec)
         if ckpt.state_dict is None:
             raise ValueError(f"draft spec {spec!r} derives layers from real weights; load_format=dummy has none")
@@ -184,7 +185,7 @@ class LLMEngine:
         graphdef, state = state_from_hf(
             model_cfg, sd, attention_impl=cfg.attention_impl, linear_impl=cfg.linear_impl, source=spec
         )
-        return ModelHandle(model_cfg, graphdef, state), ckpt.tokenizer
+        return ModelHandle(model_cfg, graphdef, pack_state(state, cfg.linear_impl)), ckpt.tokenizer
 
     def _num_pages(self) -> int:
         cache = self.config.cache
