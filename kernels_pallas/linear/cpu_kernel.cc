@@ -23,10 +23,10 @@
 // Every NN form also takes W packed as 16-column panels [N / 16, K, 16] (cpu.py pack; the engine packs a model's
 // linear weights at load where this kernel runs them, with AVX-512): a work item is a group of whole panels, each
 // one contiguous run of memory read front to back with the item's outputs in registers for all K (PackedProduct:
-// one row, two panels at once; up to 8 rows, an R x 48 tile; more, 8-row groups over blocks of weight rows with the
+// one row, four panels at once; up to 8 rows, an R x 48 tile; more, 8-row groups over blocks of weight rows with the
 // next block prefetched). No partial sums: the same result whichever thread takes an item, and items small enough
 // that the threads finish together. SmolLM2-135M's whole decode step against the [K, N] paths below, the two in one
-// process (AMD EPYC, 2026-12-03): 0.91-0.93 of the time at batch 1, 0.90 at 2, 0.94-0.96 at 4 and 8, 0.96-0.97 at 16
+// process (AMD EPYC, 2026-12-03): 0.87 of the time at batch 1, 0.92 at 2, 0.93-0.96 at 4 and 8, 0.96-0.97 at 16
 // and 32, 0.98-1.01 at 64; README.md.
 //
 // Work split for [K, N] weights, taken from XLA's intra-op pool by nightjar::ParallelFor (../cpu_parallel.h):
@@ -561,48 +561,31 @@ struct Segment {
 // partial sums, no reduction: the same sums whichever thread takes the item, and items can be small, so the
 // threads finish together). The [K, N] layout read the same way strides over every row (a 16-column slab per
 // row: 1.3-1.5x the time of split-K, 2026-12-03); its split-K passes were 1.13x (one row) the time of panels.
-constexpr int64_t kPanelRowGroup = 8;  // x rows per register tile (8 x 48: 24 sums, 3 panel loads, 1 broadcast)
+constexpr int64_t kPanelRowGroup = 8;   // x rows per register tile (8 x 48: 24 sums, 3 panel loads, 1 broadcast)
+constexpr int64_t kPanelRowPanels = 4;  // panels per one-row pass and per one-row work item
 
 #ifdef __AVX512F__
 constexpr bool kPackedSupported = true;
 
-// One x row: panels pa and pb at once (two streams), four sums each over k mod 4.
-inline void PanelRow2(const float* x, const float* wp, float* y, int64_t K, int64_t pa, int64_t pb) {
-  const float* a = wp + pa * K * 16;
-  const float* b = wp + pb * K * 16;
-  v16 a0 = Splat16(0.0f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+// One x row: P panels at once (P streams), two sums each (even and odd k). Four panels at once measured 0.95-0.96
+// of the whole decode step's time with two (six 0.95, eight 0.96-0.97; 2026-12-03, in one process, run in turn).
+template <int P>
+inline void PanelRow(const float* x, const float* wp, float* y, int64_t K, int64_t p) {
+  const float* w[P];
+  for (int j = 0; j < P; ++j) w[j] = wp + (p + j) * K * 16;
+  v16 a[P][2];
+  for (int j = 0; j < P; ++j) a[j][0] = a[j][1] = Splat16(0.0f);
   int64_t k = 0;
-  for (; k + 4 <= K; k += 4) {
-    const v16 x0 = Splat16(x[k]), x1 = Splat16(x[k + 1]), x2 = Splat16(x[k + 2]), x3 = Splat16(x[k + 3]);
-    a0 += x0 * Load16(a + k * 16);
-    b0 += x0 * Load16(b + k * 16);
-    a1 += x1 * Load16(a + k * 16 + 16);
-    b1 += x1 * Load16(b + k * 16 + 16);
-    a2 += x2 * Load16(a + k * 16 + 32);
-    b2 += x2 * Load16(b + k * 16 + 32);
-    a3 += x3 * Load16(a + k * 16 + 48);
-    b3 += x3 * Load16(b + k * 16 + 48);
+  for (; k + 2 <= K; k += 2) {
+    const v16 x0 = Splat16(x[k]), x1 = Splat16(x[k + 1]);
+    for (int j = 0; j < P; ++j) a[j][0] += x0 * Load16(w[j] + k * 16);
+    for (int j = 0; j < P; ++j) a[j][1] += x1 * Load16(w[j] + k * 16 + 16);
   }
   for (; k < K; ++k) {
-    a0 += Splat16(x[k]) * Load16(a + k * 16);
-    b0 += Splat16(x[k]) * Load16(b + k * 16);
+    const v16 xk = Splat16(x[k]);
+    for (int j = 0; j < P; ++j) a[j][0] += xk * Load16(w[j] + k * 16);
   }
-  Store16(y + pa * 16, (a0 + a1) + (a2 + a3));
-  Store16(y + pb * 16, (b0 + b1) + (b2 + b3));
-}
-
-inline void PanelRow1(const float* x, const float* wp, float* y, int64_t K, int64_t pa) {
-  const float* a = wp + pa * K * 16;
-  v16 a0 = Splat16(0.0f), a1 = a0, a2 = a0, a3 = a0;
-  int64_t k = 0;
-  for (; k + 4 <= K; k += 4) {
-    a0 += Splat16(x[k]) * Load16(a + k * 16);
-    a1 += Splat16(x[k + 1]) * Load16(a + k * 16 + 16);
-    a2 += Splat16(x[k + 2]) * Load16(a + k * 16 + 32);
-    a3 += Splat16(x[k + 3]) * Load16(a + k * 16 + 48);
-  }
-  for (; k < K; ++k) a0 += Splat16(x[k]) * Load16(a + k * 16);
-  Store16(y + pa * 16, (a0 + a1) + (a2 + a3));
+  for (int j = 0; j < P; ++j) Store16(y + (p + j) * 16, a[j][0] + a[j][1]);
 }
 
 // y[r0 .. r0 + R, panels p .. p + P] (=, or += with `add`) x[r0 .. r0 + R, k0 .. k1] @ those panels' rows k0 .. k1:
@@ -662,8 +645,13 @@ inline void PanelTileRows(const float* x, const float* wp, float* y, int64_t K, 
 void PackedProduct(const float* x, int64_t M, int64_t K, const Segment& s, int64_t p0, int64_t p1) {
   if (M == 1) {
     int64_t p = p0;
-    for (; p + 2 <= p1; p += 2) PanelRow2(x, s.w, s.y, K, p, p + 1);
-    if (p < p1) PanelRow1(x, s.w, s.y, K, p);
+    for (; p + kPanelRowPanels <= p1; p += kPanelRowPanels) PanelRow<kPanelRowPanels>(x, s.w, s.y, K, p);
+    switch (p1 - p) {
+      case 3: PanelRow<3>(x, s.w, s.y, K, p); break;
+      case 2: PanelRow<2>(x, s.w, s.y, K, p); break;
+      case 1: PanelRow<1>(x, s.w, s.y, K, p); break;
+      default: break;
+    }
     return;
   }
   if (M > kPanelRowGroup && K > 0) {
@@ -711,8 +699,8 @@ constexpr bool kPackedSupported = false;
 void PackedProduct(const float*, int64_t, int64_t, const Segment&, int64_t, int64_t) {}
 #endif
 
-// The work items over packed segments: groups of panels (2 for one row, 3 for more; several groups per item when
-// the rows are many enough that a group is short work), taken dynamically.
+// The work items over packed segments: groups of panels (4 for one row, 3 for 2-8 rows, taken dynamically; past 8
+// rows one wide item per thread).
 struct PackedItem {
   const Segment* seg;
   int64_t p0, p1;
@@ -720,7 +708,7 @@ struct PackedItem {
 
 std::vector<PackedItem> PlanPacked(int64_t M, const std::vector<Segment>& segments, int64_t threads) {
   std::vector<PackedItem> items;
-  int64_t group = M == 1 ? 2 : 3;
+  int64_t group = M == 1 ? kPanelRowPanels : 3;
   if (M > kPanelRowGroup) {
     // wide items (one per thread, whole 3-panel groups): a new item's first block waits on memory
     int64_t panels = 0;

@@ -58,7 +58,8 @@ def test_pack_round_trip_and_bad_inputs():
 
 @needs_packing
 @pytest.mark.parametrize("m,k,n", [
-    (1, 64, 48), (1, 37, 16), (1, 300, 80),      # one row: panel pairs, an odd panel, K not a multiple of 4
+    (1, 64, 48), (1, 37, 16), (1, 300, 80),      # one row: 4 panels at once and the 1-3 left, K odd
+    (1, 64, 32), (1, 40, 128),                   # 2 panels; two 4-panel items
     (2, 64, 48), (5, 37, 32), (8, 300, 80),      # one register tile of up to 8 rows
     (9, 64, 48), (16, 130, 80), (17, 300, 48),   # row groups, 96- and 288-row blocks, the next block prefetched
     (33, 600, 112),                              # 5 row groups, 3 blocks, 7 panels (a group of 1 at the end)
