@@ -36,9 +36,8 @@ def _on_kernel(x: jax.Array, w: jax.Array, impl: str, *, transposed: bool = Fals
         return False
     from kernels_pallas.linear import cpu
 
-    if impl == "auto":
-        if cpu.is_packed(w) and not transposed:  # XLA would need an unpacked copy of the weight
-            return w.dtype == jnp.float32 and cpu.available()
+    # packed weights take the kernel at every row count (XLA's dot would need an unpacked copy of the weight)
+    if impl == "auto" and not (cpu.is_packed(w) and not transposed):
         return cpu.use_kernel(x.shape, w, transposed=transposed)
     return w.dtype == jnp.float32 and cpu.available()
 
@@ -66,8 +65,8 @@ def pack_state(state, impl: str = "auto"):
     ``[K, N]`` -> 16-column panels ``[N / 16, K, 16]``, each read front to back: SmolLM2-135M's layer products at one
     row 0.88x the time of the ``[K, N]`` split-K passes, 2026-12-03), where they will run on it: ``impl`` not
     ``xla``, the CPU backend, a kernel built with AVX-512, and every ``kernel`` float32 with N a multiple of 16
-    (all or none, so a fused layer call never mixes layouts). Otherwise ``state`` itself. Every product then takes
-    the kernel up to its row limit (:data:`cpu.NN_MAX_ROWS`) and XLA's dot beyond it (prefill) on an unpacked copy."""
+    (all or none, so a fused layer call never mixes layouts). Otherwise ``state`` itself. Packed weights then stay on
+    the kernel at every row count (:func:`_on_kernel`); ``impl="xla"`` calls take an unpacked copy."""
     check_impl(impl)
     if impl == "xla" or jax.default_backend() != "cpu":
         return state

@@ -699,6 +699,18 @@ constexpr bool kPackedSupported = false;
 void PackedProduct(const float*, int64_t, int64_t, const Segment&, int64_t, int64_t) {}
 #endif
 
+// One item of a packed SwiGLU: panels p0 .. p1 of gate and up (same shapes; outputs g.y, u.y [M, N]), then
+// h [M, N] = silu(gate) * up on those columns, so the gate runs on every thread (rms_swiglu, attn_out_mlp).
+void PackedSwiGluItem(const float* x, int64_t M, int64_t K, const Segment& g, const Segment& u, float* h, int64_t p0,
+                      int64_t p1) {
+  PackedProduct(x, M, K, g, p0, p1);
+  PackedProduct(x, M, K, u, p0, p1);
+  const int64_t N = g.N;
+  for (int64_t row = 0; row < M; ++row) {
+    for (int64_t c = p0 * 16; c < p1 * 16; ++c) h[row * N + c] = nightjar::Silu(g.y[row * N + c]) * u.y[row * N + c];
+  }
+}
+
 // The work items over packed segments: groups of panels (4 for one row, 3 for 2-8 rows, taken dynamically; past 8
 // rows one wide item per thread).
 struct PackedItem {
@@ -1047,23 +1059,14 @@ ffi::Error RmsSwiGlu(ffi::ThreadPool pool, In x, In gain, In wg, In wu, Out h, f
     const int64_t N = gd[0] * 16;
     float* hp = h->typed_data();
     if (M == 0 || N == 0) return ffi::Error::Success();
-    std::vector<float> gate(M * N, 0.0f), up(M * N, 0.0f);
-    // items of the same panels of both weights, each applying the gate to its columns (on every thread)
+    std::vector<float> gate(M * N), up(M * N);
+    // items of the same panels of both weights, each applying the gate to its columns
     const Segment sg{wg.typed_data(), gate.data(), N, true}, su{wu.typed_data(), up.data(), N, true};
     const std::vector<PackedItem> items = PlanPacked(M, {sg}, std::max<int64_t>(1, pool.num_threads()));
     const PackedItem* ip = items.data();
     const float* xp = xn.data();
-    float* gp = gate.data();
-    float* upp = up.data();
     nightjar::ParallelFor(pool, static_cast<int64_t>(items.size()), [=, &sg, &su](int64_t it) {
-      const int64_t p0 = ip[it].p0, p1 = ip[it].p1;
-      if (K > 0) {
-        PackedProduct(xp, M, K, sg, p0, p1);
-        PackedProduct(xp, M, K, su, p0, p1);
-      }
-      for (int64_t row = 0; row < M; ++row) {
-        for (int64_t c = p0 * 16; c < p1 * 16; ++c) hp[row * N + c] = nightjar::Silu(gp[row * N + c]) * upp[row * N + c];
-      }
+      PackedSwiGluItem(xp, M, K, sg, su, hp, ip[it].p0, ip[it].p1);  // K = 0: zero products, h = 0
     });
     return ffi::Error::Success();
   }
@@ -1134,12 +1137,6 @@ struct NextQkv {
   float eps;
 };
 
-// The rest of a decoder layer after attention, in one call:
-//   r1 = r + a @ W_o;  y = r1 + W_down(silu(RMSNorm(r1) @ W_gate) * (RMSNorm(r1) @ W_up))
-// and, with `next`, the next layer's q/k/v = RMSNorm'(y) @ W_q, W_k, W_v; as phases of one ParallelPhases
-// (o_proj split-K items; the residual add and the norm; gate/up items; the gate; down_proj items and the residual
-// add; [the next norm; q/k/v items; their partials]): the pool is woken once per layer instead of four times, and
-// between the dependent products the threads spin instead of going back to the pool.
 // A weight's logical [K, N]: [K, N] itself, or packed panels [N / 16, K, 16].
 struct WeightDims {
   int64_t k = -1, n = -1;
@@ -1153,6 +1150,12 @@ WeightDims DimsOf(In& w) {
   return WeightDims{};  // k = -1: matches nothing
 }
 
+// The rest of a decoder layer after attention, in one call:
+//   r1 = r + a @ W_o;  y = r1 + W_down(silu(RMSNorm(r1) @ W_gate) * (RMSNorm(r1) @ W_up))
+// and, with `next`, the next layer's q/k/v = RMSNorm'(y) @ W_q, W_k, W_v; as phases of one ParallelPhases
+// (o_proj split-K items; the residual add and the norm; gate/up items; the gate; down_proj items and the residual
+// add; [the next norm; q/k/v items; their partials]): the pool is woken once per layer instead of four times, and
+// between the dependent products the threads spin instead of going back to the pool.
 ffi::Error AttnOutMlpImpl(ffi::ThreadPool& pool, In& a, In& r, In& wo, In& gain, In& wg, In& wu, In& wd, Out& y,
                           float eps, const NextQkv* next) {
   const auto ad = a.dimensions(), rd = r.dimensions(), od = wo.dimensions(), gd = gain.dimensions(),
@@ -1222,16 +1225,8 @@ ffi::Error AttnOutMlpImpl(ffi::ThreadPool& pool, In& a, In& r, In& wo, In& gain,
            AddInto(yp, rp, M * H);  // y = r1
            RmsNormRows(yp, gp, M, H, eps, xn.data());
          }},
-        {I > 0 ? static_cast<int64_t>(igu.size()) : 0, [&](int64_t it) {
-           const int64_t p0 = igu[it].p0, p1 = igu[it].p1;
-           PackedProduct(xn.data(), M, H, sg[0], p0, p1);
-           PackedProduct(xn.data(), M, H, su[0], p0, p1);
-           for (int64_t row = 0; row < M; ++row) {
-             for (int64_t c = p0 * 16; c < p1 * 16; ++c) {
-               hp[row * I + c] = nightjar::Silu(gate[row * I + c]) * up[row * I + c];
-             }
-           }
-         }},
+        {I > 0 ? static_cast<int64_t>(igu.size()) : 0,
+         [&](int64_t it) { PackedSwiGluItem(xn.data(), M, H, sg[0], su[0], hp, igu[it].p0, igu[it].p1); }},
         {I > 0 ? static_cast<int64_t>(id.size()) : 0,
          [&](int64_t it) { PackedProduct(hp, M, I, *id[it].seg, id[it].p0, id[it].p1); }},
         {1, [&](int64_t) {
