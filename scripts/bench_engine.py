@@ -3,7 +3,9 @@
 One run measures, on the same machine and under the same load:
 1. memory read bandwidth (float32 sum over a large array; at start, end, and around every batch-1 run) → the
    batch-1 floor = weight bytes / bandwidth, both against the best bandwidth seen and, per batch-1 run, against
-   the bandwidth of its own moment (this VM's swings ~2x with its neighbours);
+   the bandwidth of its own moment (this VM's swings ~2x with its neighbours); and, finely interleaved, batch-1
+   decode steps each followed by one read of the weights' bytes (``--interleaved-steps``): each step against the
+   floor of its own moment;
 2. nightjar-jax AR decoding at each batch size: decode-only tokens/s and TPOT from the engine's step log;
 3. the host-side share of a decode step at ``--host-batch`` (engine.step wall minus the jitted forward call,
    dispatch + block, measured by wrapping ``ModelRunner._forward_sample``);
@@ -28,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nightjar_jax.bench.common import (  # noqa: E402
     DEFAULT_DATASET,
+    ReadProbe,
     load_prompt_texts,
     machine_note,
     make_prompt_ids,
@@ -50,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dataset", default=DEFAULT_DATASET, help="JSONL with 'turns'; synthetic ids if absent")
     p.add_argument("--host-batch", type=int, default=32, help="batch size for the host-side share")
     p.add_argument("--bandwidth-mib", type=int, default=1024)
+    p.add_argument("--interleaved-steps", type=int, default=160,
+                   help="batch-1 decode steps each followed by one read of the weights' bytes (0: skip)")
     p.add_argument("--threads", type=int, default=2, help="torch threads for the peer")
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--compare-linear-xla", action="store_true",
@@ -61,6 +66,42 @@ def parse_args() -> argparse.Namespace:
 
 
 # ---- nightjar-jax ---------------------------------------------------------------------------------------------
+def interleaved_batch1(llm, prompt: list[int], steps: int, probe: ReadProbe) -> dict:
+    """Batch-1 decode steps, each followed by one read of the weights' bytes (``probe``): the floor of each step's
+    own moment. On this shared VM the bandwidth flips between two levels within seconds, so a floor from a best
+    read taken apart from the steps compares a fast moment's read with a mix of fast and slow steps; alternating
+    step and read puts both in the same mix. Returns per-step and per-read milliseconds, their ratios and the
+    greedy tokens."""
+    from nightjar_jax import SamplingParams
+
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=steps + 1,
+                                                                    ignore_eos=True))
+    prefills = engine.stats.num_prefill_steps
+    while engine.stats.num_prefill_steps == prefills:  # the prompt (one chunk) samples the first token
+        engine.step()
+    step_s: list[float] = []
+    read_s: list[float] = []
+    token_ids: list[int] = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        step_s.append(time.perf_counter() - t0)
+        read_s.append(probe.seconds())
+        token_ids = next((o.outputs[0].token_ids for o in outs), token_ids)
+    st, rd = np.array(step_s), np.array(read_s)
+    ratios = st / rd
+    return {"steps": len(st), "read_bytes": probe.num_bytes,
+            "step_ms_median": 1e3 * float(np.median(st)), "step_ms_p10": 1e3 * float(np.percentile(st, 10)),
+            "read_ms_median": 1e3 * float(np.median(rd)), "read_ms_p10": 1e3 * float(np.percentile(rd, 10)),
+            "read_gbs_median": probe.num_bytes / float(np.median(rd)) / 1e9,
+            "read_gbs_peak": probe.num_bytes / float(rd.min()) / 1e9,
+            "step_over_read_median": float(np.median(ratios)),
+            "step_over_read_quartiles": [float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75))],
+            "median_step_over_median_read": float(np.median(st) / np.median(rd)),
+            "step_ms": [1e3 * v for v in step_s], "read_ms": [1e3 * v for v in read_s], "token_ids": list(token_ids)}
+
+
 def host_share(llm, prompts: list[list[int]], output_len: int) -> dict:
     """Share of decode-step wall time spent outside the jitted forward call (dispatch + device + block)."""
     import jax
@@ -220,6 +261,15 @@ def main() -> None:
             ptxt += f"  | xla-linear {ours_xla[b]['tokens_per_second']:8.1f} tok/s"
         print(f"b={b:3d}: nightjar {o['tokens_per_second']:8.1f} tok/s  TPOT {o['tpot_ms']:7.2f} ms{ptxt}  "
               f"load={os.getloadavg()[0]:.1f}", flush=True)
+    inter = None
+    if 1 in batch_sizes and args.interleaved_steps > 0:
+        inter = interleaved_batch1(llm, all_prompts[0], args.interleaved_steps, ReadProbe(weight_bytes))
+        print(f"interleaved batch 1 ({inter['steps']} steps, each followed by a read of the weights' "
+              f"{weight_bytes / 1e6:.0f} MB): step median {inter['step_ms_median']:.2f} ms, read median "
+              f"{inter['read_ms_median']:.2f} ms ({inter['read_gbs_median']:.1f} GB/s, peak "
+              f"{inter['read_gbs_peak']:.1f}); step / its read: median {inter['step_over_read_median']:.2f}x "
+              f"(quartiles {inter['step_over_read_quartiles'][0]:.2f}-{inter['step_over_read_quartiles'][1]:.2f})",
+              flush=True)
     host = host_share(llm, all_prompts[: args.host_batch], args.output_len)
     print(f"host share at b={args.host_batch}: step {host['step_ms']:.2f} ms, forward call "
           f"{host['forward_call_ms']:.2f} ms, host {host['host_ms']:.2f} ms ({100 * host['host_fraction']:.1f}%)",
@@ -266,6 +316,8 @@ def main() -> None:
             goals["batch1_tpot_over_paired_floor"] = float(np.median([r["tpot_over_floor"] for r in paired]))
             goals["batch1_tpot_over_sustained_floor"] = float(np.median([r["tpot_over_sustained_floor"]
                                                                          for r in paired]))
+        if inter is not None:
+            goals["batch1_step_over_interleaved_floor"] = inter["step_over_read_median"]
         if 1 in peer:
             goals["batch1_vs_peer"] = ours[1]["tokens_per_second"] / peer[1]["tokens_per_second"]
     if 32 in ours and 32 in peer:
@@ -286,6 +338,8 @@ def main() -> None:
         ("batch-1 TPOT / paired floor <= 1.25 (median)", "batch1_tpot_over_paired_floor", lambda v: v <= 1.25),
         ("batch-1 TPOT / paired sustained floor <= 1.25 (median; informative: median reads, not the peak)",
          "batch1_tpot_over_sustained_floor", lambda v: v <= 1.25),
+        ("batch-1 step / interleaved floor <= 1.25 (median over steps, each against the read right after it)",
+         "batch1_step_over_interleaved_floor", lambda v: v <= 1.25),
         ("batch-1 tok/s / peer >= 1.0", "batch1_vs_peer", lambda v: v >= 1.0),
         ("batch-32 tok/s / peer >= 1.5", "batch32_vs_peer", lambda v: v >= 1.5),
         ("host share at batch 32 < 10%", "host_fraction", lambda v: v < 0.10),
@@ -297,7 +351,7 @@ def main() -> None:
         p.pop("tokens", None)
     write_json(args.out, {"args": vars(args), "machine": meta, "prompt_source": source, "bandwidth": bw,
                           "weight_bytes": weight_bytes, "floor_ms": 1e3 * floor_s, "nightjar": ours,
-                          "nightjar_linear_xla": ours_xla, "peer": peer,
+                          "nightjar_linear_xla": ours_xla, "peer": peer, "interleaved_batch1": inter,
                           "batch1_paired": paired, "host": host, "goals": goals,
                           "greedy_equal_to_peer": greedy_equal})
     print(f"wrote {args.out}")

@@ -82,6 +82,25 @@ def memory_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> dict:
     return res
 
 
+class ReadProbe:
+    """One timed read of ``num_bytes`` (a jitted float32 sum over a device array of that size): the memory
+    bandwidth of one moment. Reads interleaved with decode steps sample the same moments of a shared VM's memory
+    system as the steps do (here its bandwidth flips between ~22-30 and ~37-46 GB/s within seconds, 2026-12-03:
+    a best read taken minutes apart from a run does not describe the run)."""
+
+    def __init__(self, num_bytes: int):
+        import jax
+        import jax.numpy as jnp
+
+        self.num_bytes = num_bytes - num_bytes % 4
+        self._x = jnp.ones(self.num_bytes // 4, jnp.float32)
+        self._sum = jax.jit(jnp.sum)
+        self._sum(self._x).block_until_ready()
+
+    def seconds(self) -> float:
+        return _timed(lambda: self._sum(self._x).block_until_ready())
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()

@@ -1,0 +1,35 @@
+"""``scripts/bench_engine.py``'s interleaved batch-1 measurement: every decode step is followed by one read of the
+weights' bytes, so each step has the floor of its own moment."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nightjar_jax import LLM, SamplingParams
+from nightjar_jax.bench.common import ReadProbe, state_bytes
+from nightjar_jax.testing import load_script
+
+
+def test_interleaved_batch1_pairs_every_decode_step_with_a_read_and_frees_its_pages() -> None:
+    bench = load_script("bench_engine.py", "bench_engine_t")
+    llm = LLM("stories260k", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, num_pages=16,
+              draft_model=None)
+    weight_bytes = state_bytes(llm.engine.runner.target.state)
+    probe = ReadProbe(weight_bytes + 3)  # rounded down to whole float32s
+    assert probe.num_bytes == (weight_bytes + 3) // 4 * 4
+    prompt = [1, 400, 18, 29]
+    res = bench.interleaved_batch1(llm, prompt, 7, probe)
+
+    assert res["steps"] == 7 and len(res["step_ms"]) == len(res["read_ms"]) == 7  # decode steps only
+    assert all(v > 0 for v in res["step_ms"] + res["read_ms"])
+    ratios = np.array(res["step_ms"]) / np.array(res["read_ms"])
+    assert res["step_over_read_median"] == np.median(ratios)
+    q1, q3 = res["step_over_read_quartiles"]
+    assert q1 <= res["step_over_read_median"] <= q3
+    assert res["read_gbs_peak"] >= res["read_gbs_median"] > 0
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages  # the request finished, its pages are back
+
+    # the decode steps were the engine's ordinary greedy steps: the same tokens as a plain generate
+    ref = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert res["token_ids"] == ref
