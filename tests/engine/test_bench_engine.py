@@ -27,6 +27,10 @@ def test_interleaved_batch1_pairs_every_decode_step_with_a_read_and_frees_its_pa
     q1, q3 = res["step_over_read_quartiles"]
     assert q1 <= res["step_over_read_median"] <= q3
     assert res["read_gbs_peak"] >= res["read_gbs_median"] > 0
+    fast = np.array(res["read_ms"]) <= 1.25 * min(res["read_ms"])  # the fastest read's level
+    assert res["fast_pairs"] == fast.sum() >= 1
+    assert res["step_over_read_fast_median"] == np.median(ratios[fast])
+    assert res["step_over_read_slow_median"] == (np.median(ratios[~fast]) if (~fast).any() else None)
     assert llm.engine.num_free_pages == llm.engine.num_total_pages  # the request finished, its pages are back
 
     # the decode steps were the engine's ordinary greedy steps: the same tokens as a plain generate
