@@ -216,9 +216,18 @@ class SpecConfig:
     # The tree's rank-path order: a JSON file with "order" (scripts/fit_spec_tree.py fit writes one for a draft);
     # None: nightjar_jax/spec/default_tree.json (fitted to smollm2-eagle).
     spec_tree_file: str | None = None
+    # N-gram lookup drafts (nightjar_jax/spec/lookup.py): in chain decode steps, a greedy request whose last n
+    # tokens (n from prompt_lookup_max down to prompt_lookup_min) occurred before verifies the tokens that followed
+    # them instead of the draft's; outputs stay the target's greedy ones. 0: off.
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 0, 16)
+        _check_int("prompt_lookup_max", self.prompt_lookup_max, 0, 64)
+        _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, 64)
+        _check(not self.prompt_lookup_max or self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
+               self.prompt_lookup_min, f"at most prompt_lookup_max={self.prompt_lookup_max} when lookup is on")
         _check_int("spec_tree_nodes", self.spec_tree_nodes, 0, 128)
         _check_int("spec_tree_min_gamma", self.spec_tree_min_gamma, 1, 16)
         _check(not self.spec_tree_nodes or self.spec_tree_min_gamma <= max(self.num_speculative_tokens, 1),

@@ -19,7 +19,9 @@ engine's step log (decode steps only; prefill excluded):
 
 With ``--tree-nodes`` each draft runs once per node count (0 = the chain; N: ``spec_tree_nodes=N``, a static tree
 of N nodes and depth γ verified in one target pass), labelled ``<draft>+treeN``, interleaved like ``--drafts``;
-``--tree-min-gamma G`` keeps γ < G chains in the tree variants (``spec_tree_min_gamma``).
+``--tree-min-gamma G`` keeps γ < G chains in the tree variants (``spec_tree_min_gamma``). ``--prompt-lookup 0,3``
+likewise runs each draft without and with n-gram lookup drafts for greedy rows (``prompt_lookup_max``; labelled
+``<draft>+lookup3``).
 
 ``--planner NAME`` times the planner instead of forced γ: per batch size, plain decoding (γ = 0, forced) and then
 the engine with that planner choosing γ every step, with the share of decode steps each γ got. Before that every γ
@@ -66,6 +68,10 @@ def parse_args() -> argparse.Namespace:
                         "(default: the target's best draft, MODELS)")
     p.add_argument("--tree-nodes", default="0",
                    help="comma list of token-tree sizes per draft (0: the chain), timed interleaved")
+    p.add_argument("--prompt-lookup", default="0",
+                   help="comma list of n-gram lookup sizes per draft (prompt_lookup_max; 0: off, the engine's "
+                        "default is 3), labelled +lookupN, timed interleaved")
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--tree-min-gamma", type=int, default=1,
                    help="tree variants use the tree at γ >= this, chains below (spec_tree_min_gamma)")
     p.add_argument("--planner", default="",
@@ -92,17 +98,19 @@ def bench_model(model: str, args: argparse.Namespace, batch_sizes: list[int], te
     planner = getattr(args, "planner", "") or ""
     tree_min_gamma = getattr(args, "tree_min_gamma", 1)
     trees = [int(n) for n in args.tree_nodes.split(",")]
-    variants = {(d if n == 0 else f"{d}+tree{n}"): (d, n)
-                for d in (args.drafts.split(",") if args.drafts else [MODELS[model]]) for n in trees}
+    lookups = [int(n) for n in (getattr(args, "prompt_lookup", "0") or "0").split(",")]
+    variants = {d + ("" if n == 0 else f"+tree{n}") + ("" if m == 0 else f"+lookup{m}"): (d, n, m)
+                for d in (args.drafts.split(",") if args.drafts else [MODELS[model]]) for n in trees for m in lookups}
     drafts = list(variants)
     llms = {}
-    for name, (draft, nodes) in variants.items():
+    for name, (draft, nodes, lookup) in variants.items():
         t0 = time.perf_counter()
         lookahead = max(args.gamma_max, nodes)
         llms[name] = LLM(model, max_model_len=512, max_num_seqs=max_batch, max_num_batched_tokens=512,
                          num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, lookahead),
                          dtype=args.dtype, draft_model=draft, num_speculative_tokens=args.gamma_max,
                          spec_tree_nodes=nodes, spec_tree_min_gamma=tree_min_gamma if nodes else 1,
+                         prompt_lookup_max=lookup, prompt_lookup_min=getattr(args, "prompt_lookup_min", 2),
                          **({"planner": planner} if planner else {}))
         print(f"loaded {model} + draft {name} in {time.perf_counter() - t0:.1f}s", flush=True)
     first = llms[drafts[0]]
@@ -132,7 +140,8 @@ def bench_model(model: str, args: argparse.Namespace, batch_sizes: list[int], te
                 run = min(runs[d], key=lambda r: (r.decode_seconds - r.catchup_seconds) / r.committed_tokens)
                 spec_seconds = run.decode_seconds - run.catchup_seconds
                 row = run.as_dict()
-                row.update(model=model, draft=d, tree_nodes=variants[d][1], prompt_source=source,
+                row.update(model=model, draft=d, tree_nodes=variants[d][1], prompt_lookup_max=variants[d][2],
+                           prompt_source=source,
                            tokens_per_second=run.committed_tokens / spec_seconds,
                            draft_share=run.draft_seconds / spec_seconds,
                            verify_share=run.verify_seconds / spec_seconds)

@@ -53,6 +53,8 @@ def acceptance(args: argparse.Namespace, prompts: list[dict]) -> dict:
         num_speculative_tokens=args.gamma,
         planner=f"static:{args.gamma}",
         spec_tree_nodes=args.tree_nodes,
+        prompt_lookup_max=args.prompt_lookup_max,
+        prompt_lookup_min=args.prompt_lookup_min,
         max_num_seqs=len(prompts),
         max_model_len=args.max_prompt_tokens + args.max_tokens + 8,
         max_num_batched_tokens=512,
@@ -79,6 +81,8 @@ def acceptance(args: argparse.Namespace, prompts: list[dict]) -> dict:
         "draft_seconds": sum(x["draft_seconds"] for x in log),
         "verify_seconds": sum(x["verify_seconds"] for x in log),
         "num_spec_steps": len(log),
+        "num_lookup_steps": s.num_lookup_steps,  # sequence-steps whose drafts were n-gram lookups
+        "num_lookup_accepted": s.num_lookup_accepted,
         "wall_seconds": seconds,
         "outputs": {p["id"]: o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)},
     }
@@ -99,6 +103,8 @@ def summarize(runs: list[dict]) -> dict:
         "accepted_per_drafted": acc / max(drafted, 1),  # counts drafts after a rejection (never acceptable)
         "alpha": float(per_pos_acc[0] / max(per_pos_drafted[0], 1)),  # per-token acceptance: first position
         "acceptance_per_position": (per_pos_acc / np.maximum(per_pos_drafted, 1)).round(4).tolist(),
+        "lookup_step_share": sum(r.get("num_lookup_steps", 0) for r in runs) / max(steps, 1),
+        "lookup_accepted": sum(r.get("num_lookup_accepted", 0) for r in runs),
     }
 
 
@@ -123,18 +129,20 @@ def decode_cost(model: str, prompts: list[list[int]], output_len: int) -> dict:
 
 
 def feature_draft_cost(draft: str, prompts: list[list[int]], output_len: int, gamma: int,
-                       tree_nodes: int = 0) -> tuple[dict, dict]:
+                       tree_nodes: int = 0, lookup: tuple[int, int] = (2, 0)) -> tuple[dict, dict]:
     """A feature draft cannot decode alone (it reads the target's hidden states), so both costs come from one
     engine at batch 1: the target's seconds per token in plain decoding (γ = 0) and the draft's seconds per drafted
     token inside speculative steps at ``gamma`` (``propose`` time / (γ x steps): its first step over the accepted
     tokens included), after a warm-up run of each that compiles every shape. With a tree, a drafted token is a
-    node, and the speculative steps' own tokens per second (``sd_tokens_per_second``, same runs) are kept too."""
+    node, and the speculative steps' own tokens per second (``sd_tokens_per_second``, same runs) are kept too
+    (as with n-gram ``lookup`` (min n, max n; max 0: off), whose rows' drafts still cost the draft's time)."""
     from nightjar_jax import LLM
 
     llm = LLM(
         TARGET, draft_model=draft, num_speculative_tokens=gamma, planner=f"static:{gamma}", max_num_seqs=1,
         max_model_len=max(len(p) for p in prompts) + output_len + max(gamma, tree_nodes) + 8,
-        max_num_batched_tokens=512, spec_tree_nodes=tree_nodes,
+        max_num_batched_tokens=512, spec_tree_nodes=tree_nodes, prompt_lookup_min=lookup[0],
+        prompt_lookup_max=lookup[1],
     )
     for g in (0, gamma):
         run_decode_workload(llm, prompts[:1], output_len, gamma=g)  # warm-up
@@ -168,6 +176,9 @@ def main() -> None:
                     help="a draft checkpoint folder (default: the default pair's feature draft)")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--tree-nodes", type=int, default=0, help="verify a token tree of this many nodes (0: a chain)")
+    ap.add_argument("--prompt-lookup-max", type=int, default=0,
+                    help="n-gram lookup drafts for greedy rows (SpecConfig.prompt_lookup_max; 0: the draft's only)")
+    ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of the acceptance runs (0: greedy, the goal's setting); the cost runs "
                          "stay greedy")
@@ -208,7 +219,7 @@ def main() -> None:
     cost_ids = [p["ids"] for p in prompts[: args.cost_prompts]]
     if is_feature_draft(args.draft):
         target_cost, draft_cost = feature_draft_cost(args.draft, cost_ids, args.cost_tokens, args.gamma,
-                                                     args.tree_nodes)
+                                                     args.tree_nodes, (args.prompt_lookup_min, args.prompt_lookup_max))
     else:
         if args.tree_nodes:
             raise SystemExit("--tree-nodes: the cost measurement supports feature drafts only (a token draft's cost "
@@ -227,6 +238,11 @@ def main() -> None:
             f"{r['accepted_per_drafted']:17.3f}"
         )
     print(f"acceptance per draft position: {acc['acceptance_per_position']}")
+    if args.prompt_lookup_max:
+        lk = round(acc["lookup_step_share"] * acc["target_sequence_steps"])
+        print(f"n-gram lookup (n {args.prompt_lookup_min}-{args.prompt_lookup_max}): drafts of {lk} of "
+              f"{acc['target_sequence_steps']} sequence-steps ({100 * acc['lookup_step_share']:.0f}%), mean accepted "
+              f"length there {1 + acc['lookup_accepted'] / max(lk, 1):.3f}")
     print(f"inside SD (batched): draft {draft_s:.1f} s, verify {verify_s:.1f} s over the same steps")
     print(
         f"\nbatch-1 AR decode: target {1e3 * target_cost['seconds_per_token']:.2f} ms/token, draft "
@@ -242,6 +258,7 @@ def main() -> None:
         "skipped_prompts": [p["id"] for p in skipped],
         "gamma": args.gamma,
         "tree_nodes": args.tree_nodes,
+        "prompt_lookup": [args.prompt_lookup_min, args.prompt_lookup_max],
         "temperature": args.temperature,
         "max_tokens": args.max_tokens,
         "acceptance": acc,

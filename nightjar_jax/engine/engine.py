@@ -43,6 +43,9 @@ class EngineStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [γ_max]: drafts accepted at position i
     drafted_per_position: list[int] = field(default_factory=list)
+    # sequence-steps whose drafts came from n-gram lookup (SpecConfig.prompt_lookup_max), and drafts accepted there
+    num_lookup_steps: int = 0
+    num_lookup_accepted: int = 0
     num_preemptions: int = 0
     num_compiling_decode_steps: int = 0  # decode steps that compiled (or loaded) a variant: not shown to the planner
     num_catchup_tokens: int = 0
@@ -126,6 +129,8 @@ class LLMEngine:
             tree_nodes=config.spec.spec_tree_nodes, tree_min_gamma=config.spec.spec_tree_min_gamma, tree_order=(
                 None if config.spec.spec_tree_file is None else load_tree_order(config.spec.spec_tree_file)
             ),
+            lookup=((config.spec.prompt_lookup_min, config.spec.prompt_lookup_max)
+                    if config.spec.prompt_lookup_max else None),
         )
         self.gamma_max = gamma_max
         self.planner = self._make_planner()
@@ -355,6 +360,10 @@ class LLMEngine:
         if result.gamma > 0:
             s.num_drafted_tokens += result.num_drafted
             s.num_accepted_tokens += sum(result.num_accepted)
+            if result.lookup is not None:
+                s.num_lookup_steps += sum(result.lookup)
+                s.num_lookup_accepted += sum(k for k, copied in zip(result.num_accepted, result.lookup, strict=True)
+                                             if copied)
             for k in result.num_accepted:
                 for i in range(result.gamma):
                     s.drafted_per_position[i] += 1
@@ -373,7 +382,7 @@ class LLMEngine:
             s.step_log.append(dict(
                 gamma=result.gamma, batch_size=batch.num_seqs, committed=committed, seconds=seconds,
                 draft_seconds=result.draft_seconds, verify_seconds=result.verify_seconds,
-                catchup_seconds=result.catchup_seconds, accepted=list(result.num_accepted),
+                catchup_seconds=result.catchup_seconds, accepted=list(result.num_accepted), lookup=result.lookup,
                 tree_nodes=result.tree_nodes, compiled=compiled,
             ))
 

@@ -58,6 +58,7 @@ class Request:
     new_text: str = ""  # text produced since the last output, for streaming
     held_text: str = ""  # decoded text held back: it may be the start of a stop string
     detokenizer: object | None = field(default=None, repr=False)
+    lookup_index: object | None = field(default=None, repr=False)  # n-gram lookup drafts (spec/lookup.py)
 
     @property
     def num_tokens(self) -> int:

@@ -41,6 +41,7 @@ from nightjar_jax.models.llama import (
     read_previous_features,
     write_feature_pages,
 )
+from nightjar_jax.spec.lookup import NgramIndex
 from nightjar_jax.spec.rejection import (
     draft_sample,
     greedy_verify,
@@ -136,6 +137,7 @@ class DecodeResult:
     catchup_seconds: float = 0.0
     catchup_tokens: int = 0
     tree_nodes: int = 0  # drafted nodes per request when the step verified a token tree (0: a chain)
+    lookup: list[bool] | None = None  # per request: its drafts came from n-gram lookup (None: no lookup this step)
 
 
 @dataclass
@@ -163,6 +165,7 @@ class ModelRunner:
         tree_nodes: int = 0,
         tree_order=None,
         tree_min_gamma: int = 1,
+        lookup: tuple[int, int] | None = None,
     ):
         """``bucket_pages``: pad block tables to a power-of-two width covering the batch's longest sequence instead
         of ``max_model_len``. The reference attention gathers the whole table, so on CPU this keeps attention cost
@@ -171,8 +174,12 @@ class ModelRunner:
         ``tree_nodes``: decode steps at γ verify a static token tree of up to this many drafted nodes and depth γ
         (``nightjar_jax/spec/tree.py``; 0: always a chain), greedy or sampled (lossless either way), at every
         γ >= ``tree_min_gamma`` (smaller γ stay chains); ``tree_order`` the rank paths the trees are cut from
-        (default: the shipped order)."""
+        (default: the shipped order).
+
+        ``lookup``: (min n, max n) of n-gram lookup drafts for greedy requests in chain steps
+        (``nightjar_jax/spec/lookup.py``); None: the draft's tokens only."""
         self.target = target
+        self.lookup = lookup
         self.draft = draft
         self.num_pages = num_pages
         self.page_size = page_size
@@ -470,13 +477,17 @@ class ModelRunner:
         if gamma > self.gamma_max:
             raise ValueError(f"gamma={gamma} exceeds the compiled maximum {self.gamma_max}")
 
-        t0 = time.perf_counter()
+        tree = self.trees.get(gamma)
+        looked_up = self._lookup_drafts(requests, gamma) if tree is None and self.lookup is not None else None
+        # Every row copied all γ drafts: the draft model does not run this step (its catch-up and first step next
+        # time cover the tokens it skips; all such rows are greedy, so no draft probabilities are needed).
+        skip_draft = looked_up is not None and all(len(p) == gamma for p in looked_up)
+        t0 = time.perf_counter()  # (after the lookup: catch-up seconds are the draft's alone, as the planner reads)
         width = self.first_step_width(gamma)
-        catchup_tokens = self.catch_up_draft(requests, keep=width)
+        catchup_tokens = 0 if skip_draft else self.catch_up_draft(requests, keep=width)
         t1 = time.perf_counter()
 
         all_greedy = all(r.sampling.greedy for r in requests)
-        tree = self.trees.get(gamma)
         st = self._sampling_tensors(requests, num_rows)
         bt = self._block_tables(requests, num_rows, lookahead=self.lookahead(gamma))
         first = np.zeros((num_rows, width), np.int32)  # right-aligned tokens the draft has not run yet
@@ -484,10 +495,14 @@ class ModelRunner:
         n = np.zeros(num_rows, np.int32)
         for i, r in enumerate(requests):
             m = width if not self.feature_draft else r.num_tokens - r.num_draft_computed  # 1 .. width
+            m = min(m, width)  # (more only when the draft skipped the last step: then only the last token is read)
             first[i, width - m :] = [r.token_at(j) for j in range(r.num_tokens - m, r.num_tokens)]
             first_lens[i] = m
             n[i] = r.num_tokens
-        if tree is not None:
+        draft_probs = None
+        if skip_draft:
+            draft_tokens = np.zeros((num_rows, gamma), np.int32)
+        elif tree is not None:
             draft_tokens, self.draft_kv = self._propose_tree(
                 self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, first_lens, bt, n, gamma,
             )
@@ -496,7 +511,13 @@ class ModelRunner:
                 self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, first_lens, bt, n, st, gamma,
                 all_greedy,
             )
-        draft_tokens.block_until_ready()
+        if not skip_draft:
+            draft_tokens.block_until_ready()
+        if looked_up is not None and any(looked_up):
+            drafts = np.array(draft_tokens)
+            for i, prop in enumerate(looked_up):
+                drafts[i, : len(prop)] = prop  # a shorter match keeps the draft's tokens after it (rarely accepted)
+            draft_tokens = drafts
         t2 = time.perf_counter()
         drafted = gamma if tree is None else tree.num_nodes
         verify_lens = np.where(n > 0, n + drafted, 0).astype(np.int32)
@@ -520,13 +541,33 @@ class ModelRunner:
             # A token draft's KV now holds positions up to n - 1 + min(k, γ - 1); a feature draft's only up to
             # n - 1: its later slots were fed its own features, not the target's (see docs/architecture.md). After
             # a tree, either draft's KV holds n - 1: the accepted branch's draft entries sit at the nodes' slots.
-            chain_kept = 0 if (self.feature_draft or tree is not None) else min(k, gamma - 1)
+            # A token draft's KV past n - 1 holds its own drafts, not the copied ones of a lookup row: run again.
+            # After a step without the draft, it has run nothing new.
+            if skip_draft:
+                continue
+            copied = looked_up is not None and bool(looked_up[i])
+            chain_kept = 0 if (self.feature_draft or tree is not None or copied) else min(k, gamma - 1)
             r.num_draft_computed = int(n[i]) + chain_kept
         return DecodeResult(
             committed, gamma, drafted * len(requests), accepted,
             draft_seconds=t2 - t1, verify_seconds=t3 - t2, catchup_seconds=t1 - t0, catchup_tokens=catchup_tokens,
             tree_nodes=0 if tree is None else tree.num_nodes,
+            lookup=None if looked_up is None else [bool(p) for p in looked_up],
         )
+
+    def _lookup_drafts(self, requests: list[Request], gamma: int) -> list[list[int]]:
+        """Per request, the n-gram lookup drafts (up to γ tokens; ``nightjar_jax/spec/lookup.py``), [] where the
+        request samples (its drafts must come from the distribution its acceptance test divides by) or has no
+        match. Greedy verification compares drafts with the target's argmax, so any tokens are lossless there."""
+        out: list[list[int]] = []
+        for r in requests:
+            if not r.sampling.greedy:
+                out.append([])
+                continue
+            if r.lookup_index is None:
+                r.lookup_index = NgramIndex(*self.lookup)
+            out.append(r.lookup_index.propose(r.all_token_ids, gamma))
+        return out
 
     def first_step_width(self, gamma: int) -> int:
         """Tokens ``propose`` runs in its first draft step: a token draft re-runs the last two committed tokens; a

@@ -2,8 +2,8 @@
 
 Latency histograms and the per-finish-reason counter are fed by the engine thread as outputs finish
 (``ServerMetrics.on_output``); the gauges and engine counters (pages, queue lengths, γ, decode steps per γ, a tree's
-nodes, drafted / accepted tokens overall and per draft position, planner switches) are read from the engine at
-scrape time by :class:`_EngineCollector`.
+nodes, drafted / accepted tokens overall, per draft position and from n-gram lookup, planner switches) are read from
+the engine at scrape time by :class:`_EngineCollector`.
 """
 
 from __future__ import annotations
@@ -61,6 +61,10 @@ class _EngineCollector:
             accepted.add_metric([str(i + 1)], a)
         yield drafted
         yield accepted
+        yield counter("nightjar_spec_lookup_steps", "Sequence-steps whose drafts were copied by n-gram lookup "
+                      "(--prompt-lookup-max) instead of the draft's", stats.num_lookup_steps)
+        yield counter("nightjar_spec_lookup_accepted_tokens", "Draft tokens accepted in those sequence-steps",
+                      stats.num_lookup_accepted)
         # No draft offloading exists yet: the draft always stays on the device.
         yield gauge("nightjar_draft_offloaded", "1 while the draft model is offloaded from the device", 0)
         yield counter("nightjar_draft_offloads", "Draft model offloads", getattr(stats, "num_draft_offloads", 0))

@@ -50,6 +50,10 @@ def test_speculative_server_metrics(spec_server):
         assert m[key] - before[key] == steps
         key = f'nightjar_spec_drafted_per_position_total{{position="{pos}"}}'
         assert m[key] - before[key] == steps
+    # n-gram lookup is on by default (--prompt-lookup-max 3): its sequence-steps are some of the steps above
+    lookup = m["nightjar_spec_lookup_steps_total"] - before["nightjar_spec_lookup_steps_total"]
+    lookup_acc = m["nightjar_spec_lookup_accepted_tokens_total"] - before["nightjar_spec_lookup_accepted_tokens_total"]
+    assert 0 <= lookup <= steps and 0 <= lookup_acc <= 3 * lookup
     assert m["nightjar_draft_offloaded"] == 0 and m["nightjar_draft_offloads_total"] == 0
     assert m["nightjar_draft_reloads_total"] == 0 and "nightjar_planner_switches_total" in m
     assert m["nightjar_kv_pages_free"] == m["nightjar_kv_pages_total"]

@@ -44,10 +44,11 @@ def setup():
     return eagle, tcfg, tparams, dcfg, {k: jnp.asarray(v) for k, v in dparams.items()}, head_ids, target, draft
 
 
-def _engine(target, draft, tree_nodes: int = 0) -> LLMEngine:
+def _engine(target, draft, tree_nodes: int = 0, prompt_lookup_max: int = 0) -> LLMEngine:
     cfg = make_engine_config(model=TINY, page_size=4, num_pages=96, max_num_seqs=2, max_num_batched_tokens=16,
                              compilation_cache_dir=None, planner=f"static:{GAMMA}" if draft else "static",
-                             num_speculative_tokens=GAMMA, max_model_len=96, spec_tree_nodes=tree_nodes)
+                             num_speculative_tokens=GAMMA, max_model_len=96, spec_tree_nodes=tree_nodes,
+                             prompt_lookup_max=prompt_lookup_max)
     return LLMEngine(cfg, target=target, draft=draft)
 
 
@@ -64,11 +65,12 @@ def _run(engine: LLMEngine, prompt: list[int]) -> list[int]:
     return out
 
 
-def test_feature_draft_proposals_match_training_forward(setup) -> None:
+def _check_proposals(setup, engine: LLMEngine, ar_engine: LLMEngine) -> int:
+    """Run PROMPTS through ``engine`` (greedy SD) and ``ar_engine``; outputs must be equal, and every draft token
+    the engine's ``propose`` made must equal the training forward's at the same step. Returns tokens checked."""
     eagle, tcfg, tparams, dcfg, dparams, head_ids, target, draft = setup
     import distill_draft as dd  # on sys.path once distill_eagle is loaded
 
-    ar_engine, engine = _engine(target, None), _engine(target, draft)
     assert engine.runner.feature_draft
     inner = engine.runner._propose
     calls: list[tuple[int, np.ndarray]] = []
@@ -110,7 +112,39 @@ def test_feature_draft_proposals_match_training_forward(setup) -> None:
                 checked += 1
                 toks.append(int(drafts[j]))
                 feat_in[p + 1] = np.asarray(out)
-    assert checked >= 20
+    engine.runner._propose = inner
+    return checked
+
+
+def test_feature_draft_proposals_match_training_forward(setup) -> None:
+    *_, target, draft = setup
+    assert _check_proposals(setup, _engine(target, draft), _engine(target, None)) >= 20
+
+
+def test_feature_draft_after_steps_without_it_matches_training_forward(setup) -> None:
+    """n-gram lookup (spec/lookup.py): a step where every row copies all γ drafts does not run the draft; the
+    next step it runs catches up the tokens it skipped with the target's features. Lookups forced on every other
+    decode step (copied tokens that the target mostly rejects): outputs stay AR's and every draft token the draft
+    proposes afterwards is still the training forward's."""
+    *_, target, draft = setup
+    engine = _engine(target, draft, prompt_lookup_max=3)
+    proposes = []
+    runner, real_propose = engine.runner, engine.runner._propose
+    step = {"n": 0}
+
+    def forced(requests, gamma):
+        step["n"] += 1
+        return [[7] * gamma for _ in requests] if step["n"] % 2 else [[] for _ in requests]
+
+    def counting(*args):
+        proposes.append(1)
+        return real_propose(*args)
+
+    runner._lookup_drafts = forced
+    runner._propose = counting
+    assert _check_proposals(setup, engine, _engine(target, None)) >= 10
+    assert 0 < len(proposes) < step["n"]  # the draft skipped the forced steps
+    assert engine.stats.num_lookup_steps == sum(1 for x in range(1, step["n"] + 1) if x % 2)
 
 
 def test_feature_draft_tree_equals_ar(setup) -> None:

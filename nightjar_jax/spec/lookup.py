@@ -1,0 +1,63 @@
+"""N-gram lookup proposals: draft tokens copied from earlier in the sequence itself (prompt lookup decoding, Saxena
+2023; vLLM's ``ngram`` speculative method), used beside the draft model.
+
+When the last ``n`` tokens of a sequence (``n`` from ``max_n`` down to ``min_n``) occurred before, the tokens that
+followed that earlier occurrence are proposed as the next drafts: text that quotes its prompt, repeats a name, a
+list's scaffolding or a loop of its own is predicted far better this way than by a small draft. Small models loop
+often: on the held-out prompts of issue 8 the target's greedy answers had such a match at 47% of smollm2-eagle's
+decode steps, and there the copied tokens were accepted 1.9 more per step than the draft's (offline replay,
+2026-12-03; docs/benchmarks.md).
+
+The engine uses them for greedy requests in chain decode steps (``SpecConfig.prompt_lookup_max``): a row with a
+match verifies the copied tokens instead of the draft's, in the same target pass; verification compares them with
+the target's argmax, so outputs stay exactly the target's greedy ones. :class:`NgramIndex` keeps, per request, where
+every n-gram last started, updated with each committed token, so a proposal costs O(1) per step after the prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class NgramIndex:
+    """Where each n-gram (``min_n`` to ``max_n`` tokens) of one growing token sequence last started.
+
+    :meth:`propose` indexes the tokens added since its last call (the sequence only grows: committed tokens are
+    never taken back) and answers from the previous occurrence of the sequence's current suffix.
+    """
+
+    def __init__(self, min_n: int, max_n: int):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self._last: dict[tuple[int, ...], int] = {}  # n-gram -> the latest position it started at
+        self._prev: dict[int, int] = {}  # n -> where the current length-n suffix occurred before (absent: never)
+        self._len = 0  # tokens indexed
+
+    def _extend(self, tokens: Sequence[int]) -> None:
+        total = len(tokens)
+        if total < self._len:
+            raise ValueError(f"the sequence shrank from {self._len} to {total} tokens; an index only grows")
+        if total == self._len:
+            return
+        self._prev.clear()
+        for end in range(self._len + 1, total + 1):  # the n-grams ending at token end - 1
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                key = tuple(tokens[end - n : end])
+                if end == total:  # the current suffix: remember where it occurred before
+                    before = self._last.get(key)
+                    if before is not None:
+                        self._prev[n] = before
+                self._last[key] = end - n
+        self._len = total
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of ``tokens`` (at
+        most ``max_n``, at least ``min_n`` tokens) that occurred before; [] when none did. ``tokens`` is the whole
+        sequence so far (prompt and output), a prefix-extension of the one given last time."""
+        self._extend(tokens)
+        for n in range(self.max_n, self.min_n - 1, -1):
+            start = self._prev.get(n)
+            if start is not None:
+                return list(tokens[start + n : min(start + n + k, len(tokens))])
+        return []

@@ -1,0 +1,111 @@
+"""N-gram lookup drafts (``nightjar_jax/spec/lookup.py``, ``SpecConfig.prompt_lookup_max``): the index's proposals,
+and the engine verifying them for greedy rows, losslessly, beside a token draft."""
+
+from __future__ import annotations
+
+import pytest
+
+from nightjar_jax import LLM, SamplingParams
+from nightjar_jax.config import ConfigError, SpecConfig
+from nightjar_jax.spec.lookup import NgramIndex
+
+
+def _naive(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The definition: the latest earlier occurrence of the longest suffix (max_n .. min_n) that occurred before."""
+    t = len(tokens)
+    for n in range(max_n, min_n - 1, -1):
+        if t < n + 1:
+            continue
+        for s in range(t - n - 1, -1, -1):
+            if tokens[s : s + n] == tokens[t - n :]:
+                return tokens[s + n : min(s + n + k, t)]
+    return []
+
+
+def test_proposals_follow_the_latest_earlier_occurrence_of_the_longest_suffix() -> None:
+    idx = NgramIndex(2, 3)
+    # "5 6" occurred at 0 and 4; "9 5 6" only at 3 -> the 3-gram wins, continuing from position 6
+    seq = [5, 6, 1, 9, 5, 6, 2, 3, 4, 8, 9, 5, 6]
+    assert idx.propose(seq, 4) == [2, 3, 4, 8]
+    assert idx.propose(seq + [7], 4) == []  # "6 7" and "5 6 7" never occurred before
+    # the continuation stops at the sequence's end (a loop copies itself)
+    assert NgramIndex(2, 2).propose([1, 2, 1, 2, 1, 2], 4) == [1, 2]
+    assert NgramIndex(2, 2).propose([3, 4], 4) == []  # too short to have occurred before
+
+
+def test_incremental_index_equals_the_definition_at_every_length() -> None:
+    import random
+
+    rng = random.Random(0)
+    for min_n, max_n in [(1, 1), (2, 3), (1, 4), (3, 5)]:
+        seq = [rng.randrange(4) for _ in range(200)]
+        idx = NgramIndex(min_n, max_n)
+        t = 0
+        while t < len(seq):
+            t += rng.choice([1, 1, 2, 5])  # one step commits 1 .. γ + 1 tokens
+            assert idx.propose(seq[:t], 4) == _naive(seq[:t], 4, min_n, max_n), (min_n, max_n, t)
+
+
+def test_bad_sizes_and_a_shrinking_sequence_are_errors() -> None:
+    with pytest.raises(ValueError, match="1 <= min_n <= max_n"):
+        NgramIndex(3, 2)
+    with pytest.raises(ValueError, match="1 <= min_n <= max_n"):
+        NgramIndex(0, 2)
+    idx = NgramIndex(2, 3)
+    idx.propose([1, 2, 3, 4], 2)
+    with pytest.raises(ValueError, match="shrank from 4 to 3"):
+        idx.propose([1, 2, 3], 2)
+    with pytest.raises(ConfigError, match="prompt_lookup_min.*at most prompt_lookup_max=2"):
+        SpecConfig(prompt_lookup_max=2, prompt_lookup_min=3)
+    with pytest.raises(ConfigError, match="prompt_lookup_max"):
+        SpecConfig(prompt_lookup_max=-1)
+    SpecConfig(prompt_lookup_max=0, prompt_lookup_min=5)  # off: the minimum is not checked against it
+
+
+LOOP = [1, 403, 261, 374, 302, 70, 45, 403, 261, 374, 302, 70, 45, 403, 261, 374]  # repeats itself
+PLAIN = [1, 70, 45, 321, 2, 9, 400, 33, 12, 101, 7, 8, 300, 5, 6, 99, 98]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    common = dict(max_model_len=96, max_num_seqs=2, max_num_batched_tokens=32, num_pages=64)
+    ar = LLM("stories260k", draft_model=None, **common)
+    sd = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, planner="static:3",
+             prompt_lookup_max=3, prompt_lookup_min=1, **common)  # unigrams too: this model's text rarely loops
+    return ar, sd
+
+
+def test_greedy_lookup_with_a_token_draft_equals_ar(engines) -> None:
+    ar, sd = engines
+    runner, propose = sd.engine.runner, sd.engine.runner._propose
+    calls = []
+    runner._propose = lambda *a: calls.append(1) or propose(*a)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in ar.generate([{"prompt_token_ids": p} for p in (LOOP, PLAIN)], greedy,
+                                                       use_tqdm=False)]
+    for prompts in ([LOOP], [PLAIN], [LOOP, PLAIN]):  # alone (a copying step skips the draft) and batched
+        outs = sd.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [want[0 if p is LOOP else 1] for p in prompts]
+    runner._propose = propose
+    s = sd.engine.stats
+    assert s.num_lookup_steps > 0 and 0 <= s.num_lookup_accepted <= 3 * s.num_lookup_steps
+    assert 0 < len(calls) < s.num_decode_steps  # some steps copied every row's drafts and skipped the draft model
+    assert sd.engine.num_free_pages == sd.engine.num_total_pages
+
+
+def test_sampled_rows_never_copy(engines) -> None:
+    """A sampled request's drafts must come from the draft's distribution (the acceptance test divides by it):
+    in a batch of a greedy and a sampled request on the same looping prompt only the greedy row copies."""
+    _, sd = engines
+    eng = sd.engine
+    eng.record_steps = True
+    eng.stats.step_log.clear()
+    outs = sd.generate([{"prompt_token_ids": LOOP}, {"prompt_token_ids": LOOP}],
+                       [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)], use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    rows = [s["lookup"] for s in eng.stats.step_log if s["gamma"] > 0 and s["batch_size"] == 2]
+    assert rows, "no two-row speculative steps"
+    assert any(r[0] for r in rows)  # the greedy row copied at some step
+    assert not any(r[1] for r in rows)  # the sampled row never did
+    assert eng.num_free_pages == eng.num_total_pages
