@@ -39,7 +39,7 @@ _HELP = {
     "spec_tree_min_gamma": "the smallest γ whose steps use the token tree (smaller γ: chains); "
                            "num_speculative_tokens: only γ_max, so the planner picks AR, chain or tree by load",
     "spec_tree_file": "JSON with the tree's rank-path 'order' (scripts/fit_spec_tree.py fit); default: the shipped one",
-    "prompt_lookup_max": "greedy requests draft by n-gram lookup where their last n tokens (this many down to "
+    "prompt_lookup_max": "requests draft by n-gram lookup where their last n tokens (this many down to "
                          "--prompt-lookup-min) occurred before: the tokens that followed are verified (0: off)",
     "prompt_lookup_min": "the shortest suffix n-gram lookup matches (with --prompt-lookup-max > 0)",
     "planner": "who picks γ each step: a planner name (static, nightjar, banditspec, dsd, ...)",

@@ -216,9 +216,9 @@ class SpecConfig:
     # The tree's rank-path order: a JSON file with "order" (scripts/fit_spec_tree.py fit writes one for a draft);
     # None: nightjar_jax/spec/default_tree.json (fitted to smollm2-eagle).
     spec_tree_file: str | None = None
-    # N-gram lookup drafts (nightjar_jax/spec/lookup.py): in chain decode steps, a greedy request whose last n
-    # tokens (n from prompt_lookup_max down to prompt_lookup_min) occurred before verifies the tokens that followed
-    # them instead of the draft's; outputs stay the target's greedy ones. 0: off.
+    # N-gram lookup drafts (nightjar_jax/spec/lookup.py): in chain decode steps, a request whose last n tokens (n
+    # from prompt_lookup_max down to prompt_lookup_min) occurred before verifies the tokens that followed them
+    # instead of the draft's (lossless: sampled rows take a copy as a draw from a point mass). 0: off.
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 2
 

@@ -302,9 +302,10 @@ class ModelRunner:
             )
             return draft_tokens, draft_probs, kv
 
-        def verify(leaves, kv, feats, last_tokens, draft_tokens, draft_probs, block_tables, context_lens, st,
+        def verify(leaves, kv, feats, last_tokens, draft_tokens, draft_probs, copied, block_tables, context_lens, st,
                    all_greedy):
-            """last_tokens [S]; draft_tokens [S, γ]; context_lens [S] = n + γ."""
+            """last_tokens [S]; draft_tokens [S, γ]; context_lens [S] = n + γ; copied [S, γ] bool: drafts that
+            n-gram lookup copied (their draft distribution is a point mass on the copied token)."""
             state = self.target.unflatten(leaves)
             tokens = jnp.concatenate([last_tokens[:, None], draft_tokens], axis=1)  # [S, γ + 1]
             query_lens = jnp.where(context_lens > 0, tokens.shape[1], 0).astype(jnp.int32)
@@ -317,6 +318,8 @@ class ModelRunner:
                 out, num_accepted = greedy_verify(draft_tokens, logits)
             else:
                 target_probs = processed_probs(logits, st)
+                point_mass = jax.nn.one_hot(draft_tokens, draft_probs.shape[-1], dtype=draft_probs.dtype)
+                draft_probs = jnp.where(copied[..., None], point_mass, draft_probs)
                 out, num_accepted = rejection_sample(draft_tokens, draft_probs, target_probs, st, salt=SALT_VERIFY)
             return out, num_accepted, kv, feats
 
@@ -403,7 +406,7 @@ class ModelRunner:
         self._verify_tree = jax.jit(verify_tree, donate_argnums=(1, 2), static_argnums=(8, 9))
         self._draft_fill = jax.jit(draft_fill, donate_argnums=(1,))
         self._propose = jax.jit(propose, donate_argnums=(1,), static_argnums=(9, 10))
-        self._verify = jax.jit(verify, donate_argnums=(1, 2), static_argnums=(9,))
+        self._verify = jax.jit(verify, donate_argnums=(1, 2), static_argnums=(10,))
 
     # ---- host-side batch assembly -------------------------------------------------------------------------------
     def _block_tables(self, requests: list[Request], num_rows: int, lookahead: int = 0) -> np.ndarray:
@@ -479,9 +482,10 @@ class ModelRunner:
 
         tree = self.trees.get(gamma)
         looked_up = self._lookup_drafts(requests, gamma) if tree is None and self.lookup is not None else None
-        # Every row copied all γ drafts: the draft model does not run this step (its catch-up and first step next
-        # time cover the tokens it skips; all such rows are greedy, so no draft probabilities are needed).
-        skip_draft = looked_up is not None and all(len(p) == gamma for p in looked_up)
+        # Every row greedy and copying all γ drafts: the draft model does not run this step (its catch-up and first
+        # step next time cover the tokens it skips; greedy verification needs no draft probabilities).
+        skip_draft = looked_up is not None and all(len(p) == gamma and r.sampling.greedy
+                                                   for p, r in zip(looked_up, requests, strict=True))
         t0 = time.perf_counter()  # (after the lookup: catch-up seconds are the draft's alone, as the planner reads)
         width = self.first_step_width(gamma)
         catchup_tokens = 0 if skip_draft else self.catch_up_draft(requests, keep=width)
@@ -513,10 +517,12 @@ class ModelRunner:
             )
         if not skip_draft:
             draft_tokens.block_until_ready()
+        copied = np.zeros((num_rows, gamma), bool)
         if looked_up is not None and any(looked_up):
             drafts = np.array(draft_tokens)
             for i, prop in enumerate(looked_up):
                 drafts[i, : len(prop)] = prop  # a shorter match keeps the draft's tokens after it (rarely accepted)
+                copied[i, : len(prop)] = True
             draft_tokens = drafts
         t2 = time.perf_counter()
         drafted = gamma if tree is None else tree.num_nodes
@@ -528,7 +534,7 @@ class ModelRunner:
             )
         else:
             out, num_accepted, self.kv, self.features = self._verify(
-                self.target.leaves(), self.kv, self.features, first[:, -1], draft_tokens, draft_probs, bt,
+                self.target.leaves(), self.kv, self.features, first[:, -1], draft_tokens, draft_probs, copied, bt,
                 verify_lens, st, all_greedy,
             )
         out_np, acc_np = np.asarray(out), np.asarray(num_accepted)
@@ -556,14 +562,13 @@ class ModelRunner:
         )
 
     def _lookup_drafts(self, requests: list[Request], gamma: int) -> list[list[int]]:
-        """Per request, the n-gram lookup drafts (up to γ tokens; ``nightjar_jax/spec/lookup.py``), [] where the
-        request samples (its drafts must come from the distribution its acceptance test divides by) or has no
-        match. Greedy verification compares drafts with the target's argmax, so any tokens are lossless there."""
+        """Per request, the n-gram lookup drafts (up to γ tokens; ``nightjar_jax/spec/lookup.py``), [] where it has
+        no match. Lossless for every request: greedy verification compares drafts with the target's argmax, and
+        rejection sampling takes a copied token as a draw from a point mass on it (accepted with probability p(t),
+        else a draw from p without t); a shorter copy's later positions keep the draft's own draws and
+        distributions, valid proposals whatever precedes them."""
         out: list[list[int]] = []
         for r in requests:
-            if not r.sampling.greedy:
-                out.append([])
-                continue
             if r.lookup_index is None:
                 r.lookup_index = NgramIndex(*self.lookup)
             out.append(r.lookup_index.propose(r.all_token_ids, gamma))
@@ -666,8 +671,8 @@ class ModelRunner:
                                 zeros, st, gamma, all_greedy,
                             )
                             out, _, self.kv, self.features = self._verify(
-                                self.target.leaves(), self.kv, self.features, zeros, tokens, probs, bt, zeros, st,
-                                all_greedy,
+                                self.target.leaves(), self.kv, self.features, zeros, tokens, probs,
+                                np.zeros((num_rows, gamma), bool), bt, zeros, st, all_greedy,
                             )
                             out.block_until_ready()
                             keys += [("propose", num_rows, gamma, width, all_greedy),

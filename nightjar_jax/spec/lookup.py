@@ -8,10 +8,12 @@ often: on the held-out prompts of issue 8 the target's greedy answers had such a
 decode steps, and there the copied tokens were accepted 1.9 more per step than the draft's (offline replay,
 2026-12-03; docs/benchmarks.md).
 
-The engine uses them for greedy requests in chain decode steps (``SpecConfig.prompt_lookup_max``): a row with a
-match verifies the copied tokens instead of the draft's, in the same target pass; verification compares them with
-the target's argmax, so outputs stay exactly the target's greedy ones. :class:`NgramIndex` keeps, per request, where
-every n-gram last started, updated with each committed token, so a proposal costs O(1) per step after the prompt.
+The engine uses them in chain decode steps (``SpecConfig.prompt_lookup_max``): a row with a match verifies the
+copied tokens instead of the draft's, in the same target pass. Greedy verification compares them with the target's
+argmax, so outputs stay exactly the target's greedy ones; rejection sampling takes a copied token as a draw from a
+point mass on it (accepted with probability p(t)), so sampled outputs keep the target's distribution.
+:class:`NgramIndex` keeps, per request, where every n-gram last started, updated with each committed token, so a
+proposal costs O(1) per step after the prompt.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """N-gram lookup drafts (``nightjar_jax/spec/lookup.py``, ``SpecConfig.prompt_lookup_max``): the index's proposals,
-and the engine verifying them for greedy rows, losslessly, beside a token draft."""
+and the engine verifying them, losslessly, beside a token draft (greedy rows and sampled ones)."""
 
 from __future__ import annotations
 
@@ -93,19 +93,21 @@ def test_greedy_lookup_with_a_token_draft_equals_ar(engines) -> None:
     assert sd.engine.num_free_pages == sd.engine.num_total_pages
 
 
-def test_sampled_rows_never_copy(engines) -> None:
-    """A sampled request's drafts must come from the draft's distribution (the acceptance test divides by it):
-    in a batch of a greedy and a sampled request on the same looping prompt only the greedy row copies."""
-    _, sd = engines
+def test_sampled_rows_copy_as_point_masses(engines) -> None:
+    """Sampled rows verify copied tokens too, as draws from a point mass (rejection sampling stays lossless; the
+    distribution test is tests/spec/test_rejection.py): a top-k 1 sampled request (a one-hot target distribution,
+    through the rejection path) gives exactly the greedy tokens while copying, beside a T = 0.8 request."""
+    ar, sd = engines
     eng = sd.engine
     eng.record_steps = True
     eng.stats.step_log.clear()
-    outs = sd.generate([{"prompt_token_ids": LOOP}, {"prompt_token_ids": LOOP}],
-                       [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+    want = ar.generate([{"prompt_token_ids": LOOP}], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    outs = sd.generate([{"prompt_token_ids": LOOP}, {"prompt_token_ids": PLAIN}],
+                       [SamplingParams(temperature=0.8, top_k=1, seed=5, max_tokens=24, ignore_eos=True),
                         SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)], use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    assert outs[0].outputs[0].token_ids == want
+    assert len(outs[1].outputs[0].token_ids) == 24
     rows = [s["lookup"] for s in eng.stats.step_log if s["gamma"] > 0 and s["batch_size"] == 2]
-    assert rows, "no two-row speculative steps"
-    assert any(r[0] for r in rows)  # the greedy row copied at some step
-    assert not any(r[1] for r in rows)  # the sampled row never did
+    assert rows and any(r[0] for r in rows)  # the top-k 1 row copied (verified by rejection sampling)
     assert eng.num_free_pages == eng.num_total_pages

@@ -185,6 +185,24 @@ def test_negative_control_resampling_from_p_fails(experiment: Experiment, monkey
     assert experiment.first_token_p_value(output) < BROKEN_MAX_P_VALUE
 
 
+def test_copied_draft_token_as_a_point_mass_is_lossless(experiment: Experiment) -> None:
+    """n-gram lookup's copied token (spec/lookup.py) is verified as a draw from a point mass on it (the runner's
+    ``verify``): accepted with probability p(c), else a draw from p without c, so the first committed token is
+    distributed as p. A wrong q for the copy (the draft's own) is caught."""
+    c = int(np.argsort(experiment.p_0)[-2])  # a likely token that is not the mode
+    assert 0.05 < experiment.p_0[c] < 0.95
+    tokens = experiment.draft_tokens.at[:, 0].set(c)
+    point_mass = experiment.draft_probs.at[:, 0].set(jax.nn.one_hot(c, VOCAB))
+    output, num_accepted = map(np.asarray, _rejection_sample(tokens, point_mass, experiment.target_probs,
+                                                             experiment.st))
+    rate = (num_accepted >= 1).mean()
+    assert abs(rate - experiment.p_0[c]) < 5 * np.sqrt(experiment.p_0[c] * (1 - experiment.p_0[c]) / NUM_ROWS)
+    assert experiment.first_token_p_value(output) > MIN_P_VALUE
+    output, _ = map(np.asarray, _rejection_sample(tokens, experiment.draft_probs, experiment.target_probs,
+                                                  experiment.st))  # the copy verified with the draft's q: biased
+    assert experiment.first_token_p_value(output) < BROKEN_MAX_P_VALUE
+
+
 def test_acceptance_rate_and_mean_accepted_length(experiment: Experiment) -> None:
     _, num_accepted = experiment.run()
     alpha_0 = np.minimum(experiment.p_0, experiment.q_0).sum()  # P(d_0 accepted)
