@@ -21,7 +21,8 @@ With ``--tree-nodes`` each draft runs once per node count (0 = the chain; N: ``s
 of N nodes and depth γ verified in one target pass), labelled ``<draft>+treeN``, interleaved like ``--drafts``;
 ``--tree-min-gamma G`` keeps γ < G chains in the tree variants (``spec_tree_min_gamma``). ``--prompt-lookup 0,3``
 likewise runs each draft without and with n-gram lookup drafts for greedy rows (``prompt_lookup_max``; labelled
-``<draft>+lookup3``).
+``<draft>+lookup3``). ``--chat`` feeds whole questions in the model's chat template (``--prompt-len`` then caps
+their length) instead of dataset text cut to ``--prompt-len`` tokens.
 
 ``--planner NAME`` times the planner instead of forced γ: per batch size, plain decoding (γ = 0, forced) and then
 the engine with that planner choosing γ every step, with the share of decode steps each γ got. Before that every γ
@@ -79,7 +80,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--gamma-max", type=int, default=4)
     p.add_argument("--gammas", default=None, help="comma list of γ to run (default 0..γ_max; 0 = AR is always run)")
-    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32,
+                   help="prompt tokens (with --chat: the longest prompt; shorter questions stay whole)")
+    p.add_argument("--chat", action="store_true",
+                   help="whole questions in the model's chat template (answers, not continued prose)")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--dataset", default=DEFAULT_DATASET, help="JSONL with 'turns'; synthetic ids if absent")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per cell (fastest kept; the machine is shared)")
@@ -115,7 +119,7 @@ def bench_model(model: str, args: argparse.Namespace, batch_sizes: list[int], te
         print(f"loaded {model} + draft {name} in {time.perf_counter() - t0:.1f}s", flush=True)
     first = llms[drafts[0]]
     prompts_all, source = make_prompt_ids(first.get_tokenizer(), texts, max_batch, args.prompt_len,
-                                          first.engine.target.config.vocab_size)
+                                          first.engine.target.config.vocab_size, chat=getattr(args, "chat", False))
     gammas = sorted({0} | {int(g) for g in args.gammas.split(",")}) if args.gammas else range(args.gamma_max + 1)
     if planner:
         gammas = [0, None]  # None: the planner chooses

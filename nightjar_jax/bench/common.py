@@ -42,10 +42,21 @@ def load_prompt_texts(path: str | None, limit: int = 256) -> list[str]:
     return texts
 
 
-def make_prompt_ids(tokenizer, texts: list[str], num: int, prompt_len: int, vocab_size: int, seed: int = 0
-                    ) -> tuple[list[list[int]], str]:
+def make_prompt_ids(tokenizer, texts: list[str], num: int, prompt_len: int, vocab_size: int, seed: int = 0,
+                    chat: bool = False) -> tuple[list[list[int]], str]:
     """``num`` prompts of exactly ``prompt_len`` token ids: real text (cut / repeated to length) when a tokenizer
-    and texts exist, else synthetic ids. Returns (prompts, source description)."""
+    and texts exist, else synthetic ids. With ``chat``: each question whole in the tokenizer's chat template (what
+    a chat server sees; the model answers rather than continues prose), the questions whose prompt fits in
+    ``prompt_len`` tokens, in turn. Returns (prompts, source description)."""
+    if chat:
+        if tokenizer is None or not texts or not hasattr(tokenizer, "apply_chat_template"):
+            raise ValueError("chat prompts need a dataset of questions and a tokenizer with a chat template")
+        fitting = [ids for ids in (tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}]),
+                                                    add_special_tokens=False) for t in texts) if len(ids) <= prompt_len]
+        if not fitting:
+            raise ValueError(f"no question of the dataset fits in {prompt_len} tokens with the chat template: raise "
+                             "the prompt length")
+        return [fitting[i % len(fitting)] for i in range(num)], "dataset-chat"
     if tokenizer is not None and texts:
         out = []
         for i in range(num):

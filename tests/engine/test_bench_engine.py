@@ -4,9 +4,10 @@ weights' bytes, so each step has the floor of its own moment."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from nightjar_jax import LLM, SamplingParams
-from nightjar_jax.bench.common import ReadProbe, state_bytes
+from nightjar_jax.bench.common import ReadProbe, make_prompt_ids, state_bytes
 from nightjar_jax.testing import load_script
 
 
@@ -37,3 +38,26 @@ def test_interleaved_batch1_pairs_every_decode_step_with_a_read_and_frees_its_pa
     ref = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0].token_ids
     assert res["token_ids"] == ref
+
+
+class _ChatTokenizer:
+    """Characters as ids; the chat template wraps the question in fixed markers."""
+
+    def apply_chat_template(self, messages):
+        return "<u>" + messages[0]["content"] + "</u><a>"
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) for c in text]
+
+
+def test_chat_prompts_keep_whole_questions_that_fit() -> None:
+    tok = _ChatTokenizer()
+    texts = ["short?", "a much longer question than the limit allows?", "mid question"]
+    prompts, source = make_prompt_ids(tok, texts, 5, 22, vocab_size=256, chat=True)
+    assert source == "dataset-chat"
+    fits = [tok.encode("<u>short?</u><a>"), tok.encode("<u>mid question</u><a>")]
+    assert prompts == [fits[0], fits[1], fits[0], fits[1], fits[0]]  # the long one skipped, the others in turn
+    with pytest.raises(ValueError, match="no question of the dataset fits in 5 tokens"):
+        make_prompt_ids(tok, texts, 2, 5, vocab_size=256, chat=True)
+    with pytest.raises(ValueError, match="chat template"):
+        make_prompt_ids(None, texts, 2, 20, vocab_size=256, chat=True)
