@@ -571,7 +571,9 @@ class ModelRunner:
         for r in requests:
             if r.lookup_index is None:
                 r.lookup_index = NgramIndex(*self.lookup)
-            out.append(r.lookup_index.propose(r.all_token_ids, gamma))
+            index = r.lookup_index
+            index.extend([r.token_at(j) for j in range(len(index), r.num_tokens)])  # only what is new
+            out.append(index.propose(gamma))
         return out
 
     def first_step_width(self, gamma: int) -> int:

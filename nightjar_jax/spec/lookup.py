@@ -24,42 +24,55 @@ from collections.abc import Sequence
 class NgramIndex:
     """Where each n-gram (``min_n`` to ``max_n`` tokens) of one growing token sequence last started.
 
-    :meth:`propose` indexes the tokens added since its last call (the sequence only grows: committed tokens are
-    never taken back) and answers from the previous occurrence of the sequence's current suffix.
+    :meth:`extend` appends the tokens committed since the last call (a sequence only grows: committed tokens are
+    never taken back), costing O(new tokens x sizes), never O(sequence); :meth:`propose` answers from the previous
+    occurrence of the sequence's current suffix. An n-gram is keyed by its ids packed into one integer (32 bits
+    each), one table per size.
     """
+
+    _ID_BITS = 32  # every int32 token id
 
     def __init__(self, min_n: int, max_n: int):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n, self.max_n = min_n, max_n
-        self._last: dict[tuple[int, ...], int] = {}  # n-gram -> the latest position it started at
+        self._tokens: list[int] = []
+        self._last: dict[int, dict[int, int]] = {n: {} for n in range(min_n, max_n + 1)}  # n -> key -> start
         self._prev: dict[int, int] = {}  # n -> where the current length-n suffix occurred before (absent: never)
-        self._len = 0  # tokens indexed
 
-    def _extend(self, tokens: Sequence[int]) -> None:
-        total = len(tokens)
-        if total < self._len:
-            raise ValueError(f"the sequence shrank from {self._len} to {total} tokens; an index only grows")
-        if total == self._len:
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def _key(self, end: int, n: int) -> int:
+        key = 0
+        for t in self._tokens[end - n : end]:
+            if not 0 <= t < 1 << self._ID_BITS:
+                raise ValueError(f"token id {t} is outside 0 .. {(1 << self._ID_BITS) - 1}")
+            key = (key << self._ID_BITS) | t
+        return key
+
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        """Append and index ``new_tokens`` (the sequence's tokens after the first ``len(self)``)."""
+        if not new_tokens:
             return
+        begin = len(self._tokens)
+        self._tokens.extend(int(t) for t in new_tokens)
+        total = len(self._tokens)
         self._prev.clear()
-        for end in range(self._len + 1, total + 1):  # the n-grams ending at token end - 1
+        for end in range(begin + 1, total + 1):  # the n-grams ending at token end - 1
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                key = tuple(tokens[end - n : end])
+                table, key = self._last[n], self._key(end, n)
                 if end == total:  # the current suffix: remember where it occurred before
-                    before = self._last.get(key)
+                    before = table.get(key)
                     if before is not None:
                         self._prev[n] = before
-                self._last[key] = end - n
-        self._len = total
+                table[key] = end - n
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of ``tokens`` (at
-        most ``max_n``, at least ``min_n`` tokens) that occurred before; [] when none did. ``tokens`` is the whole
-        sequence so far (prompt and output), a prefix-extension of the one given last time."""
-        self._extend(tokens)
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of the sequence (at
+        most ``max_n``, at least ``min_n`` tokens) that occurred before; [] when none did."""
         for n in range(self.max_n, self.min_n - 1, -1):
             start = self._prev.get(n)
             if start is not None:
-                return list(tokens[start + n : min(start + n + k, len(tokens))])
+                return self._tokens[start + n : min(start + n + k, len(self._tokens))]
         return []

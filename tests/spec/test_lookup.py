@@ -22,15 +22,23 @@ def _naive(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     return []
 
 
+def _index(tokens: list[int], min_n: int, max_n: int) -> NgramIndex:
+    idx = NgramIndex(min_n, max_n)
+    idx.extend(tokens)
+    return idx
+
+
 def test_proposals_follow_the_latest_earlier_occurrence_of_the_longest_suffix() -> None:
-    idx = NgramIndex(2, 3)
     # "5 6" occurred at 0 and 4; "9 5 6" only at 3 -> the 3-gram wins, continuing from position 6
     seq = [5, 6, 1, 9, 5, 6, 2, 3, 4, 8, 9, 5, 6]
-    assert idx.propose(seq, 4) == [2, 3, 4, 8]
-    assert idx.propose(seq + [7], 4) == []  # "6 7" and "5 6 7" never occurred before
+    idx = _index(seq, 2, 3)
+    assert idx.propose(4) == [2, 3, 4, 8] and len(idx) == len(seq)
+    idx.extend([7])
+    assert idx.propose(4) == []  # "6 7" and "5 6 7" never occurred before
     # the continuation stops at the sequence's end (a loop copies itself)
-    assert NgramIndex(2, 2).propose([1, 2, 1, 2, 1, 2], 4) == [1, 2]
-    assert NgramIndex(2, 2).propose([3, 4], 4) == []  # too short to have occurred before
+    assert _index([1, 2, 1, 2, 1, 2], 2, 2).propose(4) == [1, 2]
+    assert _index([3, 4], 2, 2).propose(4) == []  # too short to have occurred before
+    assert NgramIndex(1, 3).propose(4) == []  # nothing indexed yet
 
 
 def test_incremental_index_equals_the_definition_at_every_length() -> None:
@@ -42,19 +50,22 @@ def test_incremental_index_equals_the_definition_at_every_length() -> None:
         idx = NgramIndex(min_n, max_n)
         t = 0
         while t < len(seq):
-            t += rng.choice([1, 1, 2, 5])  # one step commits 1 .. γ + 1 tokens
-            assert idx.propose(seq[:t], 4) == _naive(seq[:t], 4, min_n, max_n), (min_n, max_n, t)
+            step = rng.choice([1, 1, 2, 5])  # one step commits 1 .. γ + 1 tokens
+            idx.extend(seq[t : t + step])
+            t = min(len(seq), t + step)
+            assert idx.propose(4) == _naive(seq[:t], 4, min_n, max_n), (min_n, max_n, t)
 
 
-def test_bad_sizes_and_a_shrinking_sequence_are_errors() -> None:
+def test_large_ids_do_not_collide_and_bad_input_is_an_error() -> None:
+    big = (1 << 32) - 1  # the largest id a key packs (any int32 id fits)
+    idx = _index([big, 0, 7, 0, big, 0], 2, 2)  # (big, 0) occurred at 0 and 4; (0, big) at 3
+    assert idx.propose(3) == [7, 0, big]
+    with pytest.raises(ValueError, match="token id -1 is outside 0 .. 4294967295"):
+        _index([1, -1], 2, 2)
     with pytest.raises(ValueError, match="1 <= min_n <= max_n"):
         NgramIndex(3, 2)
     with pytest.raises(ValueError, match="1 <= min_n <= max_n"):
         NgramIndex(0, 2)
-    idx = NgramIndex(2, 3)
-    idx.propose([1, 2, 3, 4], 2)
-    with pytest.raises(ValueError, match="shrank from 4 to 3"):
-        idx.propose([1, 2, 3], 2)
     with pytest.raises(ConfigError, match="prompt_lookup_min.*at most prompt_lookup_max=2"):
         SpecConfig(prompt_lookup_max=2, prompt_lookup_min=3)
     with pytest.raises(ConfigError, match="prompt_lookup_max"):
