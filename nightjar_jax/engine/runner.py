@@ -561,6 +561,14 @@ class ModelRunner:
             lookup=None if looked_up is None else [bool(p) for p in looked_up],
         )
 
+    def lookup_covers(self, requests: list[Request], gamma: int) -> bool:
+        """Whether a chain step at ``gamma`` would copy all γ drafts of every request, each greedy: a step the draft
+        model skips (``execute_decode``)."""
+        if self.lookup is None or gamma in self.trees or not requests:
+            return False
+        drafts = self._lookup_drafts(requests, gamma)
+        return all(r.sampling.greedy and len(p) == gamma for p, r in zip(drafts, requests, strict=True))
+
     def _lookup_drafts(self, requests: list[Request], gamma: int) -> list[list[int]]:
         """Per request, the n-gram lookup drafts (up to γ tokens; ``nightjar_jax/spec/lookup.py``), [] where it has
         no match. Lossless for every request: greedy verification compares drafts with the target's argmax, and

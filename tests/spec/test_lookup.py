@@ -122,3 +122,27 @@ def test_sampled_rows_copy_as_point_masses(engines) -> None:
     rows = [s["lookup"] for s in eng.stats.step_log if s["gamma"] > 0 and s["batch_size"] == 2]
     assert rows and any(r[0] for r in rows)  # the top-k 1 row copied (verified by rejection sampling)
     assert eng.num_free_pages == eng.num_total_pages
+
+
+def test_steps_that_copy_every_row_in_full_run_at_gamma_max_unobserved(engines) -> None:
+    """The planner asks for γ = 1 of γ_max = 3; a step where every (greedy) row copies all 3 drafts runs at 3
+    instead (the draft model skips it), and the planner sees only the steps it chose. Outputs stay AR's."""
+    ar, _ = engines
+    sd = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, planner="static:1",
+             prompt_lookup_max=3, prompt_lookup_min=1, max_model_len=96, max_num_seqs=2, max_num_batched_tokens=32,
+             num_pages=64)
+    eng = sd.engine
+    eng.record_steps = True
+    observed = []
+    observe = eng.planner.observe
+    eng.planner.observe = lambda gamma, *a, **k: observed.append(gamma) or observe(gamma, *a, **k)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in (LOOP, PLAIN)]
+    assert [o.outputs[0].token_ids for o in sd.generate(prompts, greedy, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in ar.generate(prompts, greedy, use_tqdm=False)]
+    gammas = [s["gamma"] for s in eng.stats.step_log]
+    assert gammas.count(3) > 0 and gammas.count(1) > 0  # boosted copying steps and the planner's own
+    assert all(all(s["lookup"]) for s in eng.stats.step_log if s["gamma"] == 3)
+    own = [s for s in eng.stats.step_log if s["gamma"] == 1 and not s["compiled"]]  # (compiling steps: unobserved)
+    assert set(observed) == {1} and len(observed) == len(own)
+    assert eng.num_free_pages == eng.num_total_pages

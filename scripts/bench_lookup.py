@@ -1,0 +1,90 @@
+"""N-gram lookup drafts at batch 1 on held-out chat prompts, with the planner choosing γ (issue 8; see
+docs/benchmarks.md, "N-gram lookup drafts beside smollm2-eagle").
+
+Four engines of the same target in one process, each prompt decoded by each in turn (so they share the minutes of
+this shared machine): plain decoding (no draft), the draft alone (``prompt_lookup_max=0``), lookup with copying
+steps at the planner's γ (``LLMEngine._lookup_boost`` disabled), and the default (lookup, copying steps at γ_max).
+The held-out prompts are ``eval_draft.py``'s (MT-Bench / Spec-Bench ids never trained on), in the chat template.
+Decode tokens/s from the engine's step log (prefill excluded), and the steps each γ got.
+
+    python scripts/bench_lookup.py --prompts 14 --max-tokens 96 --out results/bench_lookup.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from distill_draft import TARGET, chat_ids, load_prompts, target_tokenizer  # noqa: E402
+
+from nightjar_jax.bench.common import machine_note, write_json  # noqa: E402
+
+VARIANTS = ("plain", "draft alone", "lookup at the planner's γ", "lookup, copying steps at γ_max")
+
+
+def build(variant: str, max_model_len: int, model: str = TARGET, draft: str = "auto"):
+    from nightjar_jax import LLM
+
+    kw = dict(max_model_len=max_model_len, max_num_seqs=1, max_num_batched_tokens=512)
+    if variant == "plain":
+        return LLM(model, draft_model=None, **kw)
+    llm = LLM(model, draft_model=draft, prompt_lookup_max=0 if variant == "draft alone" else 3, **kw)
+    if variant == "lookup at the planner's γ":
+        llm.engine._lookup_boost = lambda gamma: False
+    return llm
+
+
+def run(llms: dict, prompts: list[list[int]], max_tokens: int, warmup: int) -> dict:
+    """Each prompt through every engine in turn; the first ``warmup`` prompts untimed (compiles, planner start)."""
+    from nightjar_jax import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    rows = {k: {"seconds": 0.0, "tokens": 0, "steps_per_gamma": {}} for k in llms}
+    for i, p in enumerate(prompts):
+        for name, llm in llms.items():
+            eng = llm.engine
+            eng.record_steps = True
+            eng.stats.step_log.clear()
+            llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
+            if i < warmup:
+                continue
+            row = rows[name]
+            for s in eng.stats.step_log:
+                row["seconds"] += s["seconds"]
+                row["tokens"] += s["committed"]
+                row["steps_per_gamma"][s["gamma"]] = row["steps_per_gamma"].get(s["gamma"], 0) + 1
+    for row in rows.values():
+        row["tokens_per_second"] = row["tokens"] / row["seconds"] if row["seconds"] else 0.0
+        row["steps_per_gamma"] = dict(sorted(row["steps_per_gamma"].items()))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=14, help="held-out prompts (the first 2 warm up, untimed)")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-prompt-tokens", type=int, default=384)
+    ap.add_argument("--out", default="results/bench_lookup.json")
+    args = ap.parse_args()
+    tok = target_tokenizer()
+    prompts = [ids for ids in (chat_ids(tok, p["text"]) for p in load_prompts("heldout"))
+               if len(ids) <= args.max_prompt_tokens][: args.prompts]
+    llms = {v: build(v, args.max_prompt_tokens + args.max_tokens + 8) for v in VARIANTS}
+    rows = run(llms, prompts, args.max_tokens, warmup=2)
+    plain = rows["plain"]["tokens_per_second"]
+    print(f"\n{len(prompts) - 2} held-out chat prompts x {args.max_tokens} greedy tokens, batch 1, planner-chosen γ")
+    print("| variant | decode tok/s | x plain | steps per γ |")
+    print("|---|---:|---:|---|")
+    for name, row in rows.items():
+        print(f"| {name} | {row['tokens_per_second']:.1f} | {row['tokens_per_second'] / plain:.2f}x | "
+              f"{row['steps_per_gamma']} |")
+    write_json(args.out, {"machine": machine_note(), "args": vars(args), "rows": rows})
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
