@@ -467,6 +467,7 @@ class LLMEngine:
             r.output_text += r.held_text
             r.held_text = ""
         self.scheduler.finish(r, reason)
+        r.lookup_index = None  # its n-gram tables (spec/lookup.py) go with it
         r.finish_time = time.monotonic()
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
 

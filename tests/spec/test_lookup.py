@@ -91,6 +91,8 @@ def test_greedy_lookup_with_a_token_draft_equals_ar(engines) -> None:
     runner, propose = sd.engine.runner, sd.engine.runner._propose
     calls = []
     runner._propose = lambda *a: calls.append(1) or propose(*a)
+    finish, kept = sd.engine._finish, []
+    sd.engine._finish = lambda r, reason: finish(r, reason) or kept.append(r.lookup_index)
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in ar.generate([{"prompt_token_ids": p} for p in (LOOP, PLAIN)], greedy,
                                                        use_tqdm=False)]
@@ -98,6 +100,8 @@ def test_greedy_lookup_with_a_token_draft_equals_ar(engines) -> None:
         outs = sd.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [want[0 if p is LOOP else 1] for p in prompts]
     runner._propose = propose
+    sd.engine._finish = finish
+    assert len(kept) == 4 and not any(kept)  # a finished request drops its n-gram tables at once
     s = sd.engine.stats
     assert s.num_lookup_steps > 0 and 0 <= s.num_lookup_accepted <= 3 * s.num_lookup_steps
     assert 0 < len(calls) < s.num_decode_steps  # some steps copied every row's drafts and skipped the draft model
