@@ -41,7 +41,8 @@ class _EngineCollector:
         yield gauge("nightjar_spec_tree_nodes", "Drafted nodes per sequence of the latest decode step if it verified "
                     "a token tree, else 0", stats.last_tree_nodes)
         steps = CounterMetricFamily("nightjar_decode_steps", "Decode steps by the speculation length γ they ran "
-                                    "(γ = 0: plain decoding; the planner's choices)", labels=["gamma"])
+                                    "(γ = 0: plain decoding; the planner's choices, and γ_max where every request "
+                                    "copied n-gram lookup drafts in full)", labels=["gamma"])
         for g in range(e.gamma_max + 1):
             steps.add_metric([str(g)], stats.decode_steps_per_gamma.get(g, 0))
         yield steps
