@@ -1,5 +1,5 @@
-"""N-gram lookup drafts at batch 1 on held-out chat prompts, with the planner choosing γ (issue 8; see
-docs/benchmarks.md, "N-gram lookup drafts beside smollm2-eagle").
+"""N-gram lookup drafts at batch 1 (or ``--batch-size``) on held-out chat prompts, with the planner choosing γ
+(issue 8; see docs/benchmarks.md, "N-gram lookup drafts beside smollm2-eagle").
 
 Four engines of the same target in one process, each prompt decoded by each in turn (so they share the minutes of
 this shared machine): plain decoding (no draft), the draft alone (``prompt_lookup_max=0``), lookup with copying
@@ -8,6 +8,7 @@ The held-out prompts are ``eval_draft.py``'s (MT-Bench / Spec-Bench ids never tr
 Decode tokens/s from the engine's step log (prefill excluded), and the steps each γ got.
 
     python scripts/bench_lookup.py --prompts 14 --max-tokens 96 --out results/bench_lookup.json
+    python scripts/bench_lookup.py --prompts 24 --batch-size 4 --out results/bench_lookup_b4.json
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from nightjar_jax.bench.common import machine_note, write_json  # noqa: E402
 VARIANTS = ("plain", "draft alone", "lookup at the planner's γ", "lookup, copying steps at γ_max")
 
 
-def build(variant: str, max_model_len: int, model: str = TARGET, draft: str = "auto"):
+def build(variant: str, max_model_len: int, model: str = TARGET, draft: str = "auto", batch_size: int = 1):
     from nightjar_jax import LLM
 
-    kw = dict(max_model_len=max_model_len, max_num_seqs=1, max_num_batched_tokens=512)
+    kw = dict(max_model_len=max_model_len, max_num_seqs=batch_size, max_num_batched_tokens=512)
     if variant == "plain":
         return LLM(model, draft_model=None, **kw)
     llm = LLM(model, draft_model=draft, prompt_lookup_max=0 if variant == "draft alone" else 3, **kw)
@@ -38,18 +39,20 @@ def build(variant: str, max_model_len: int, model: str = TARGET, draft: str = "a
     return llm
 
 
-def run(llms: dict, prompts: list[list[int]], max_tokens: int, warmup: int) -> dict:
-    """Each prompt through every engine in turn; the first ``warmup`` prompts untimed (compiles, planner start)."""
+def run(llms: dict, prompts: list[list[int]], max_tokens: int, warmup: int, batch_size: int = 1) -> dict:
+    """Each group of ``batch_size`` prompts through every engine in turn; the first ``warmup`` groups untimed
+    (compiles, planner start)."""
     from nightjar_jax import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     rows = {k: {"seconds": 0.0, "tokens": 0, "steps_per_gamma": {}} for k in llms}
-    for i, p in enumerate(prompts):
+    groups = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
+    for i, group in enumerate(groups):
         for name, llm in llms.items():
             eng = llm.engine
             eng.record_steps = True
             eng.stats.step_log.clear()
-            llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
+            llm.generate([{"prompt_token_ids": p} for p in group], sp, use_tqdm=False)
             if i < warmup:
                 continue
             row = rows[name]
@@ -65,7 +68,8 @@ def run(llms: dict, prompts: list[list[int]], max_tokens: int, warmup: int) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=14, help="held-out prompts (the first 2 warm up, untimed)")
+    ap.add_argument("--prompts", type=int, default=14, help="held-out prompts (the first 2 groups warm up, untimed)")
+    ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
     ap.add_argument("--out", default="results/bench_lookup.json")
@@ -73,10 +77,12 @@ def main() -> None:
     tok = target_tokenizer()
     prompts = [ids for ids in (chat_ids(tok, p["text"]) for p in load_prompts("heldout"))
                if len(ids) <= args.max_prompt_tokens][: args.prompts]
-    llms = {v: build(v, args.max_prompt_tokens + args.max_tokens + 8) for v in VARIANTS}
-    rows = run(llms, prompts, args.max_tokens, warmup=2)
+    llms = {v: build(v, args.max_prompt_tokens + args.max_tokens + 8, batch_size=args.batch_size) for v in VARIANTS}
+    rows = run(llms, prompts, args.max_tokens, warmup=2, batch_size=args.batch_size)
     plain = rows["plain"]["tokens_per_second"]
-    print(f"\n{len(prompts) - 2} held-out chat prompts x {args.max_tokens} greedy tokens, batch 1, planner-chosen γ")
+    timed = (len(prompts) // args.batch_size - 2) * args.batch_size
+    print(f"\n{timed} held-out chat prompts x {args.max_tokens} greedy tokens, batch {args.batch_size}, "
+          "planner-chosen γ")
     print("| variant | decode tok/s | x plain | steps per γ |")
     print("|---|---:|---:|---|")
     for name, row in rows.items():

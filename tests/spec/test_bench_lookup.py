@@ -19,3 +19,5 @@ def test_four_variants_are_configured_as_named_and_count_decode_tokens_only() ->
         assert row["tokens"] == 2 * 11, name  # 2 timed prompts, 11 decode tokens each (prefill made the first)
         assert row["tokens_per_second"] > 0 and sum(row["steps_per_gamma"].values()) >= 1
     assert rows["plain"]["steps_per_gamma"] == {0: 22}
+    rows = bench.run(llms, PROMPTS + PROMPTS[:1], max_tokens=12, warmup=1, batch_size=2)  # groups of 2, one timed
+    assert all(row["tokens"] == 2 * 11 for row in rows.values())
