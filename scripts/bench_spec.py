@@ -20,7 +20,7 @@ engine's step log (decode steps only; prefill excluded):
 With ``--tree-nodes`` each draft runs once per node count (0 = the chain; N: ``spec_tree_nodes=N``, a static tree
 of N nodes and depth γ verified in one target pass), labelled ``<draft>+treeN``, interleaved like ``--drafts``;
 ``--tree-min-gamma G`` keeps γ < G chains in the tree variants (``spec_tree_min_gamma``). ``--prompt-lookup 0,3``
-likewise runs each draft without and with n-gram lookup drafts for greedy rows (``prompt_lookup_max``; labelled
+likewise runs each draft without and with n-gram lookup drafts (``prompt_lookup_max``; labelled
 ``<draft>+lookup3``). ``--chat`` feeds whole questions in the model's chat template (``--prompt-len`` then caps
 their length) instead of dataset text cut to ``--prompt-len`` tokens.
 

@@ -77,16 +77,10 @@ def memory_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> dict:
     (the best of all: the peak), and ``jax_median_gbs`` (the median JAX read: what a sustained stream sees). On a
     shared VM single reads swing widely (seen here: 41-75 GB/s within a minute; a C++ 2-thread stream read 44-48
     at the same moments), so the peak overstates what a 10 ms decode step can count on; reports give both."""
-    import jax
-    import jax.numpy as jnp
-
-    n = num_bytes // 4
-    a = np.ones(n, np.float32)
+    a = np.ones(num_bytes // 4, np.float32)
     best_np = min(_timed(lambda: a.sum()) for _ in range(repeats))
-    x = jnp.asarray(a)
-    f = jax.jit(jnp.sum)
-    f(x).block_until_ready()
-    jax_times = [_timed(lambda: f(x).block_until_ready()) for _ in range(repeats)]
+    probe = ReadProbe(num_bytes)
+    jax_times = [probe.seconds() for _ in range(repeats)]
     res = {"numpy_gbs": num_bytes / best_np / 1e9, "jax_gbs": num_bytes / min(jax_times) / 1e9, "bytes": num_bytes,
            "jax_median_gbs": num_bytes / float(np.median(jax_times)) / 1e9}
     res["best_gbs"] = max(res["numpy_gbs"], res["jax_gbs"])

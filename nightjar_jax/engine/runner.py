@@ -149,6 +149,11 @@ class RunnerShapes:
     page_buckets: list[int]  # block-table widths: powers of two (reference attention) or just the maximum
 
 
+def _copies_everything(looked_up: list[list[int]], requests: list[Request], gamma: int) -> bool:
+    """Every request greedy and its n-gram lookup copying all γ drafts: a step the draft model skips."""
+    return all(r.sampling.greedy and len(p) == gamma for p, r in zip(looked_up, requests, strict=True))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -176,8 +181,8 @@ class ModelRunner:
         γ >= ``tree_min_gamma`` (smaller γ stay chains); ``tree_order`` the rank paths the trees are cut from
         (default: the shipped order).
 
-        ``lookup``: (min n, max n) of n-gram lookup drafts for greedy requests in chain steps
-        (``nightjar_jax/spec/lookup.py``); None: the draft's tokens only."""
+        ``lookup``: (min n, max n) of n-gram lookup drafts in chain steps (``nightjar_jax/spec/lookup.py``);
+        None: the draft's tokens only."""
         self.target = target
         self.lookup = lookup
         self.draft = draft
@@ -484,8 +489,7 @@ class ModelRunner:
         looked_up = self._lookup_drafts(requests, gamma) if tree is None and self.lookup is not None else None
         # Every row greedy and copying all γ drafts: the draft model does not run this step (its catch-up and first
         # step next time cover the tokens it skips; greedy verification needs no draft probabilities).
-        skip_draft = looked_up is not None and all(len(p) == gamma and r.sampling.greedy
-                                                   for p, r in zip(looked_up, requests, strict=True))
+        skip_draft = looked_up is not None and _copies_everything(looked_up, requests, gamma)
         t0 = time.perf_counter()  # (after the lookup: catch-up seconds are the draft's alone, as the planner reads)
         width = self.first_step_width(gamma)
         catchup_tokens = 0 if skip_draft else self.catch_up_draft(requests, keep=width)
@@ -499,7 +503,7 @@ class ModelRunner:
         n = np.zeros(num_rows, np.int32)
         for i, r in enumerate(requests):
             m = width if not self.feature_draft else r.num_tokens - r.num_draft_computed  # 1 .. width
-            m = min(m, width)  # (more only when the draft skipped the last step: then only the last token is read)
+            m = min(m, width)  # (more only when this step and the last skip the draft: only first[:, -1] is read)
             first[i, width - m :] = [r.token_at(j) for j in range(r.num_tokens - m, r.num_tokens)]
             first_lens[i] = m
             n[i] = r.num_tokens
@@ -551,8 +555,7 @@ class ModelRunner:
             # After a step without the draft, it has run nothing new.
             if skip_draft:
                 continue
-            copied = looked_up is not None and bool(looked_up[i])
-            chain_kept = 0 if (self.feature_draft or tree is not None or copied) else min(k, gamma - 1)
+            chain_kept = 0 if (self.feature_draft or tree is not None or copied[i, 0]) else min(k, gamma - 1)
             r.num_draft_computed = int(n[i]) + chain_kept
         return DecodeResult(
             committed, gamma, drafted * len(requests), accepted,
@@ -566,8 +569,7 @@ class ModelRunner:
         model skips (``execute_decode``)."""
         if self.lookup is None or gamma in self.trees or not requests:
             return False
-        drafts = self._lookup_drafts(requests, gamma)
-        return all(r.sampling.greedy and len(p) == gamma for p, r in zip(drafts, requests, strict=True))
+        return _copies_everything(self._lookup_drafts(requests, gamma), requests, gamma)
 
     def _lookup_drafts(self, requests: list[Request], gamma: int) -> list[list[int]]:
         """Per request, the n-gram lookup drafts (up to γ tokens; ``nightjar_jax/spec/lookup.py``), [] where it has
