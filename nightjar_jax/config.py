@@ -218,7 +218,8 @@ class SpecConfig:
     spec_tree_file: str | None = None
     # N-gram lookup drafts (nightjar_jax/spec/lookup.py): in chain decode steps, a request whose last n tokens (n
     # from prompt_lookup_max down to prompt_lookup_min) occurred before verifies the tokens that followed them
-    # instead of the draft's (lossless: sampled rows take a copy as a draw from a point mass). 0: off.
+    # instead of the draft's (lossless: sampled rows take a copy as a draw from a point mass); token trees carry
+    # them as a copy branch of γ extra nodes. 0: off.
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 2
 

@@ -3,12 +3,15 @@
 
 Four engines of the same target in one process, each prompt decoded by each in turn (so they share the minutes of
 this shared machine): plain decoding (no draft), the draft alone (``prompt_lookup_max=0``), lookup with copying
-steps at the planner's γ (``LLMEngine._lookup_boost`` disabled), and the default (lookup, copying steps at γ_max).
+steps at the planner's γ (``LLMEngine._lookup_boost`` disabled), and the default (lookup, copying steps at γ_max);
+``--trees 11,16`` adds, per size N, token trees of N draft nodes alone and with lookup (a copy branch of γ nodes
+in each tree; steps where every row copies in full verify the copied chain).
 The held-out prompts are ``eval_draft.py``'s (MT-Bench / Spec-Bench ids never trained on), in the chat template.
 Decode tokens/s from the engine's step log (prefill excluded), and the steps each γ got.
 
     python scripts/bench_lookup.py --prompts 14 --max-tokens 96 --out results/bench_lookup.json
     python scripts/bench_lookup.py --prompts 24 --batch-size 4 --out results/bench_lookup_b4.json
+    python scripts/bench_lookup.py --prompts 14 --trees 11 --out results/bench_lookup_trees.json
 """
 
 from __future__ import annotations
@@ -27,12 +30,22 @@ from nightjar_jax.bench.common import machine_note, write_json  # noqa: E402
 VARIANTS = ("plain", "draft alone", "lookup at the planner's γ", "lookup, copying steps at γ_max")
 
 
+def tree_variants(sizes: list[int]) -> list[str]:
+    return [f"tree of {n}{suffix}" for n in sizes for suffix in (", draft alone", " + copy branch")]
+
+
 def build(variant: str, max_model_len: int, model: str = TARGET, draft: str = "auto", batch_size: int = 1):
     from nightjar_jax import LLM
 
     kw = dict(max_model_len=max_model_len, max_num_seqs=batch_size, max_num_batched_tokens=512)
     if variant == "plain":
         return LLM(model, draft_model=None, **kw)
+    if variant.startswith("tree of "):
+        nodes = int(variant.split()[2].rstrip(","))
+        return LLM(model, draft_model=draft, spec_tree_nodes=nodes,
+                   prompt_lookup_max=0 if variant.endswith("draft alone") else 3, **kw)
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}: allowed {VARIANTS} or {tree_variants([11])[0]!r}-like")
     llm = LLM(model, draft_model=draft, prompt_lookup_max=0 if variant == "draft alone" else 3, **kw)
     if variant == "lookup at the planner's γ":
         llm.engine._lookup_boost = lambda gamma: False
@@ -72,12 +85,17 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
+    ap.add_argument("--trees", default="", help="comma-separated tree sizes (draft nodes) to add, e.g. 11,16")
     ap.add_argument("--out", default="results/bench_lookup.json")
     args = ap.parse_args()
     tok = target_tokenizer()
     prompts = [ids for ids in (chat_ids(tok, p["text"]) for p in load_prompts("heldout"))
                if len(ids) <= args.max_prompt_tokens][: args.prompts]
-    llms = {v: build(v, args.max_prompt_tokens + args.max_tokens + 8, batch_size=args.batch_size) for v in VARIANTS}
+    sizes = [int(n) for n in args.trees.split(",") if n.strip()]
+    variants = [*VARIANTS, *tree_variants(sizes)]
+    # room for the largest tree step's lookahead past the prompt and the output
+    room = args.max_prompt_tokens + args.max_tokens + 8 + max([0, *sizes]) + 4
+    llms = {v: build(v, room, batch_size=args.batch_size) for v in variants}
     rows = run(llms, prompts, args.max_tokens, warmup=2, batch_size=args.batch_size)
     plain = rows["plain"]["tokens_per_second"]
     timed = (len(prompts) // args.batch_size - 2) * args.batch_size

@@ -318,8 +318,9 @@ class LLMEngine:
         else:
             gamma = self._select_gamma()
             boosted = self._lookup_boost(gamma)
-            gamma = self.gamma_max if boosted else gamma
-            batch = self.scheduler.schedule_decode(self.runner.lookahead(gamma))
+            # a boosted step verifies a copied chain: γ_max positions ahead, not the tree's nodes
+            gamma, lookahead = (self.gamma_max, self.gamma_max) if boosted else (gamma, self.runner.lookahead(gamma))
+            batch = self.scheduler.schedule_decode(lookahead)
             if batch is None:
                 return []
             self._count_preemptions(batch)
@@ -354,8 +355,9 @@ class LLMEngine:
         """Whether this decode step runs at γ_max instead of the planner's γ (1 .. γ_max - 1): every decoding
         request is greedy and n-gram lookup copies all γ_max drafts for it, so the draft model does not run and the
         longer copy costs only a wider verify (on the held-out prompts a copying step accepted 3.16 drafts of 4).
-        Not when γ_max verifies a token tree (lookup serves chains), nor when the pool lacks one page per request
-        for the longer reservation. The planner does not observe such steps: it did not choose them."""
+        Where γ_max has a token tree the step verifies the copied chain instead (and reserves γ_max positions, not
+        the tree's nodes). Not when the pool lacks one page per request for the longer reservation. The planner
+        does not observe such steps: it did not choose them."""
         if not 0 < gamma < self.gamma_max or self.runner.lookup is None:
             return False
         decoding = [r for r in self.scheduler.running if not r.is_prefilling]

@@ -49,7 +49,7 @@ from nightjar_jax.spec.rejection import (
     tree_greedy_verify,
     tree_rejection_sample,
 )
-from nightjar_jax.spec.tree import SpecTree, tree_for
+from nightjar_jax.spec.tree import SpecTree, tree_for, with_copy_branch
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,8 @@ class ModelRunner:
         γ >= ``tree_min_gamma`` (smaller γ stay chains); ``tree_order`` the rank paths the trees are cut from
         (default: the shipped order).
 
-        ``lookup``: (min n, max n) of n-gram lookup drafts in chain steps (``nightjar_jax/spec/lookup.py``);
+        ``lookup``: (min n, max n) of n-gram lookup drafts in chain steps, and in steps at a tree's γ where every
+        row copies all γ drafts, greedy (verified as a chain; ``nightjar_jax/spec/lookup.py``);
         None: the draft's tokens only."""
         self.target = target
         self.lookup = lookup
@@ -192,7 +193,9 @@ class ModelRunner:
         self.gamma_max = gamma_max if draft is not None else 0
         self.trees: dict[int, SpecTree] = {}
         if tree_nodes and self.gamma_max:
-            self.trees = {g: tree_for(tree_nodes, g, tree_order)
+            # with lookup on, each tree carries a copy branch of γ nodes beside the draft's tree_nodes
+            self.trees = {g: with_copy_branch(tree_for(tree_nodes, g, tree_order), g) if lookup
+                          else tree_for(tree_nodes, g, tree_order)
                           for g in range(max(tree_min_gamma, 1), self.gamma_max + 1)}
         max_pages = -(-(max_model_len + self.max_lookahead() + 1) // page_size)
         self.shapes = RunnerShapes(
@@ -328,12 +331,15 @@ class ModelRunner:
                 out, num_accepted = rejection_sample(draft_tokens, draft_probs, target_probs, st, salt=SALT_VERIFY)
             return out, num_accepted, kv, feats
 
-        def propose_tree(leaves, kv, feats, embed, tokens, first_lens, block_tables, context_lens, gamma):
+        def propose_tree(leaves, kv, feats, embed, tokens, first_lens, block_tables, context_lens, copy_tokens,
+                         gamma):
             """Greedy drafts for the static tree at ``gamma`` -> node tokens [S, N] in tree order. The first step is
             ``propose``'s (the committed tokens the draft has not run, ending at the root, slot n - 1); then one
             draft pass per depth over that depth's nodes, each at KV slot n - 1 + i, rotated as position
             n - 1 + depth, seeing the committed tokens and its ancestors (tree mask), fed its parent's output
-            feature (a feature draft). A node's children are its parent's top-ranked draft tokens."""
+            feature (a feature draft). A node's children are its parent's top-ranked draft tokens; the copy
+            branch's nodes (``tree.copy_depth`` of them, first in their levels) take ``copy_tokens`` [S, copy
+            depth] (n-gram lookup's, from the host) instead."""
             tree = self.trees[gamma]
             state = self.draft.unflatten(leaves)
             real = (context_lens > 0).astype(jnp.int32)
@@ -344,12 +350,17 @@ class ModelRunner:
             for d in range(1, tree.depth + 1):
                 level, above = tree.level(d), tree.level(d - 1)
                 parents = np.asarray([tree.parent[i] - above.start for i in level])
-                ranks = np.asarray([tree.rank[i] for i in level])
-                # the draft's head runs only over the nodes of the level above that have children (60 nodes: 25
-                # head rows per step instead of 47)
-                expanded, parent_row = np.unique(parents, return_inverse=True)
-                top = top_k_ids(d_logits(state, outs[:, expanded]), tree.top_k(d - 1))  # [S, |expanded|, k]
-                toks = top[:, parent_row, ranks].astype(jnp.int32)  # [S, |level|]
+                ranked = np.asarray([i - level.start for i in tree.ranked(d)], np.int64)
+                toks = []
+                if d <= tree.copy_depth:
+                    toks.append(copy_tokens[:, d - 1 : d].astype(jnp.int32))
+                if len(ranked):
+                    # the draft's head runs only over the nodes of the level above that have ranked children
+                    # (60 nodes: 25 head rows per step instead of 47)
+                    expanded, parent_row = np.unique(parents[ranked], return_inverse=True)
+                    top = top_k_ids(d_logits(state, outs[:, expanded]), tree.top_k(d - 1))  # [S, |expanded|, k]
+                    toks.append(top[:, parent_row, tree.rank[level.start + ranked]].astype(jnp.int32))
+                toks = jnp.concatenate(toks, axis=1)  # [S, |level|]
                 node_tokens.append(toks)
                 if d == tree.depth:
                     break
@@ -362,12 +373,13 @@ class ModelRunner:
                 outs, kv = d_hidden(state, toks, kv, md, **extra)
             return jnp.concatenate(node_tokens, axis=1), kv
 
-        def verify_tree(leaves, kv, feats, last_tokens, node_tokens, block_tables, context_lens, st, gamma,
-                        all_greedy):
+        def verify_tree(leaves, kv, feats, last_tokens, node_tokens, copy_valid, block_tables, context_lens, st,
+                        gamma, all_greedy):
             """One target pass over the root and the tree's nodes (tree mask; context_lens = n + N), acceptance
             (greedy: the deepest agreeing branch; sampled: recursive rejection sampling down the tree, lossless), then
             the accepted branch's K/V (and features) moved from the nodes' slots n - 1 + i to positions
-            n .. n + k - 1."""
+            n .. n + k - 1. ``copy_valid`` [S, copy depth]: the copy branch's nodes a row may accept (it copied a
+            token there)."""
             tree = self.trees[gamma]
             num_nodes = tree.num_nodes
             state = self.target.unflatten(leaves)
@@ -385,6 +397,9 @@ class ModelRunner:
             n = context_lens - num_nodes  # committed tokens
             slots = n[:, None] - 1 + jnp.arange(num_nodes + 1)[None, :]
             valid = slots < self.max_model_len
+            if tree.copy_depth:
+                copy_nodes = np.asarray([tree.level_starts[d] for d in range(1, tree.copy_depth + 1)])
+                valid = valid.at[:, copy_nodes].set(valid[:, copy_nodes] & copy_valid)
             if all_greedy:
                 out, num_accepted, path = tree_greedy_verify(tokens, argmax(logits), valid, tree)
             else:
@@ -407,8 +422,8 @@ class ModelRunner:
                 feats = feats.at[dp, do].set(feats[sp, so])
             return moved, feats
 
-        self._propose_tree = jax.jit(propose_tree, donate_argnums=(1,), static_argnums=(8,))
-        self._verify_tree = jax.jit(verify_tree, donate_argnums=(1, 2), static_argnums=(8, 9))
+        self._propose_tree = jax.jit(propose_tree, donate_argnums=(1,), static_argnums=(9,))
+        self._verify_tree = jax.jit(verify_tree, donate_argnums=(1, 2), static_argnums=(9, 10))
         self._draft_fill = jax.jit(draft_fill, donate_argnums=(1,))
         self._propose = jax.jit(propose, donate_argnums=(1,), static_argnums=(9, 10))
         self._verify = jax.jit(verify, donate_argnums=(1, 2), static_argnums=(10,))
@@ -485,11 +500,15 @@ class ModelRunner:
         if gamma > self.gamma_max:
             raise ValueError(f"gamma={gamma} exceeds the compiled maximum {self.gamma_max}")
 
-        tree = self.trees.get(gamma)
-        looked_up = self._lookup_drafts(requests, gamma) if tree is None and self.lookup is not None else None
+        looked_up = self._lookup_drafts(requests, gamma) if self.lookup is not None else None
         # Every row greedy and copying all γ drafts: the draft model does not run this step (its catch-up and first
-        # step next time cover the tokens it skips; greedy verification needs no draft probabilities).
+        # step next time cover the tokens it skips; greedy verification needs no draft probabilities), and the step
+        # verifies the copied chain even where γ has a token tree.
         skip_draft = looked_up is not None and _copies_everything(looked_up, requests, gamma)
+        tree = None if skip_draft else self.trees.get(gamma)
+        if tree is not None and batch.lookahead < tree.num_nodes:
+            raise RuntimeError(f"a tree step at gamma={gamma} writes {tree.num_nodes} positions ahead but the "
+                               f"scheduler reserved {batch.lookahead}")
         t0 = time.perf_counter()  # (after the lookup: catch-up seconds are the draft's alone, as the planner reads)
         width = self.first_step_width(gamma)
         catchup_tokens = 0 if skip_draft else self.catch_up_draft(requests, keep=width)
@@ -497,7 +516,7 @@ class ModelRunner:
 
         all_greedy = all(r.sampling.greedy for r in requests)
         st = self._sampling_tensors(requests, num_rows)
-        bt = self._block_tables(requests, num_rows, lookahead=self.lookahead(gamma))
+        bt = self._block_tables(requests, num_rows, lookahead=gamma if tree is None else tree.num_nodes)
         first = np.zeros((num_rows, width), np.int32)  # right-aligned tokens the draft has not run yet
         first_lens = np.zeros(num_rows, np.int32)
         n = np.zeros(num_rows, np.int32)
@@ -511,8 +530,15 @@ class ModelRunner:
         if skip_draft:
             draft_tokens = np.zeros((num_rows, gamma), np.int32)
         elif tree is not None:
+            # the copy branch (with lookup on): each row's copied tokens, valid up to its match's length
+            copy_tokens = np.zeros((num_rows, tree.copy_depth), np.int32)
+            copy_valid = np.zeros((num_rows, tree.copy_depth), bool)
+            for i, prop in enumerate(looked_up or []):
+                copy_tokens[i, : len(prop)] = prop[: tree.copy_depth]
+                copy_valid[i, : len(prop)] = True
             draft_tokens, self.draft_kv = self._propose_tree(
-                self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, first_lens, bt, n, gamma,
+                self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, first_lens, bt, n,
+                copy_tokens, gamma,
             )
         else:
             draft_tokens, draft_probs, self.draft_kv = self._propose(
@@ -522,7 +548,7 @@ class ModelRunner:
         if not skip_draft:
             draft_tokens.block_until_ready()
         copied = np.zeros((num_rows, gamma), bool)
-        if looked_up is not None and any(looked_up):
+        if tree is None and looked_up is not None and any(looked_up):
             drafts = np.array(draft_tokens)
             for i, prop in enumerate(looked_up):
                 drafts[i, : len(prop)] = prop  # a shorter match keeps the draft's tokens after it (rarely accepted)
@@ -533,8 +559,8 @@ class ModelRunner:
         verify_lens = np.where(n > 0, n + drafted, 0).astype(np.int32)
         if tree is not None:
             out, num_accepted, self.kv, self.features = self._verify_tree(
-                self.target.leaves(), self.kv, self.features, first[:, -1], draft_tokens, bt, verify_lens, st, gamma,
-                all_greedy,
+                self.target.leaves(), self.kv, self.features, first[:, -1], draft_tokens, copy_valid, bt, verify_lens,
+                st, gamma, all_greedy,
             )
         else:
             out, num_accepted, self.kv, self.features = self._verify(
@@ -567,7 +593,7 @@ class ModelRunner:
     def lookup_covers(self, requests: list[Request], gamma: int) -> bool:
         """Whether a chain step at ``gamma`` would copy all γ drafts of every request, each greedy: a step the draft
         model skips (``execute_decode``)."""
-        if self.lookup is None or gamma in self.trees or not requests:
+        if self.lookup is None or not requests:
             return False
         return _copies_everything(self._lookup_drafts(requests, gamma), requests, gamma)
 
@@ -665,17 +691,26 @@ class ModelRunner:
                             keys.append(("forward_sample", num_rows, 1, width, all_greedy))
                         elif gamma in self.trees:  # a configured tree replaces the chain at this γ
                             first = np.zeros((num_rows, self.first_step_width(gamma)), np.int32)
+                            no_copy = np.zeros((num_rows, self.trees[gamma].copy_depth), np.int32)
                             tokens, self.draft_kv = self._propose_tree(
                                 self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, zeros, bt,
-                                zeros, gamma,
+                                zeros, no_copy, gamma,
                             )
                             out, _, self.kv, self.features = self._verify_tree(
-                                self.target.leaves(), self.kv, self.features, zeros, tokens, bt, zeros, st, gamma,
-                                all_greedy,
+                                self.target.leaves(), self.kv, self.features, zeros, tokens, no_copy.astype(bool), bt,
+                                zeros, st, gamma, all_greedy,
                             )
                             out.block_until_ready()
                             keys += [("propose_tree", num_rows, gamma, width),
                                      ("verify_tree", num_rows, gamma, width, all_greedy)]
+                            if self.lookup is not None and all_greedy:  # steps that copy every row's γ drafts
+                                out, _, self.kv, self.features = self._verify(
+                                    self.target.leaves(), self.kv, self.features, zeros,
+                                    np.zeros((num_rows, gamma), np.int32), None, np.ones((num_rows, gamma), bool),
+                                    bt, zeros, st, True,
+                                )
+                                out.block_until_ready()
+                                keys.append(("verify", num_rows, gamma, width, True))
                         else:
                             first = np.zeros((num_rows, self.first_step_width(gamma)), np.int32)
                             tokens, probs, self.draft_kv = self._propose(

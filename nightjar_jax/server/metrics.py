@@ -39,7 +39,7 @@ class _EngineCollector:
         yield gauge("nightjar_kv_pages_free", "Free KV cache pages", e.num_free_pages)
         yield gauge("nightjar_spec_gamma", "Speculation length γ of the latest decode step", stats.last_gamma)
         yield gauge("nightjar_spec_tree_nodes", "Drafted nodes per sequence of the latest decode step if it verified "
-                    "a token tree, else 0", stats.last_tree_nodes)
+                    "a token tree (the draft's and, with lookup on, the copy branch's), else 0", stats.last_tree_nodes)
         steps = CounterMetricFamily("nightjar_decode_steps", "Decode steps by the speculation length γ they ran "
                                     "(γ = 0: plain decoding; the planner's choices, and γ_max where every request "
                                     "copied n-gram lookup drafts in full)", labels=["gamma"])

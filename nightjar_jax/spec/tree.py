@@ -28,6 +28,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MAX_TREE_NODES = 128
+# The rank of a node whose token n-gram lookup copies (``nightjar_jax/spec/lookup.py``), not a draft candidate: a
+# tree may carry one such chain from the root, ``(COPY,), (COPY, COPY), ...`` (:func:`with_copy_branch`). Sorted
+# first among siblings, so the copy node is the first node of each level it reaches.
+COPY = -1
 
 
 @dataclass(frozen=True)
@@ -51,14 +55,25 @@ class SpecTree:
     def depth(self) -> int:
         return len(self.level_starts) - 2
 
+    @property
+    def copy_depth(self) -> int:
+        """Nodes of the copy branch (:data:`COPY`): the first node of levels 1 .. copy_depth; 0 without one."""
+        return sum(1 for p in self.paths if p[-1] == COPY)
+
     def level(self, d: int) -> range:
         """Node indices at depth ``d``."""
         return range(self.level_starts[d], self.level_starts[d + 1])
 
     def top_k(self, d: int) -> int:
-        """How many ranked candidates a depth-``d`` node's children need (0 at the deepest level)."""
-        children = [self.rank[i] for i in self.level(d + 1)] if d < self.depth else []
+        """How many ranked candidates a depth-``d`` node's children need (0 at the deepest level; copied nodes
+        need none)."""
+        children = [self.rank[i] for i in self.level(d + 1) if self.rank[i] != COPY] if d < self.depth else []
         return int(max(children)) + 1 if children else 0
+
+    def ranked(self, d: int) -> range:
+        """Node indices at depth ``d`` that are draft candidates (the level without its copied node)."""
+        level = self.level(d)
+        return range(level.start + (d <= self.copy_depth), level.stop)
 
 
 def make_tree(paths) -> SpecTree:
@@ -70,8 +85,10 @@ def make_tree(paths) -> SpecTree:
         raise ValueError(f"a speculative tree has {len(paths)} nodes: allowed at most {MAX_TREE_NODES}")
     seen = set()
     for p in paths:
-        if not p or any(r < 0 for r in p):
-            raise ValueError(f"tree node {p}: a rank path is a non-empty tuple of ranks >= 0")
+        copied = bool(p) and all(r == COPY for r in p)
+        if not p or (any(r < 0 for r in p) and not copied):
+            raise ValueError(f"tree node {p}: a rank path is a non-empty tuple of ranks >= 0 (or, for the copy "
+                             f"branch, of COPY = {COPY} only)")
         if p in seen:
             raise ValueError(f"tree node {p} is given twice")
         seen.add(p)
@@ -122,6 +139,16 @@ def tree_for(num_nodes: int, gamma: int, order=None) -> SpecTree:
         raise ValueError(f"a tree needs num_nodes >= 1 and gamma >= 1; got num_nodes={num_nodes}, gamma={gamma}")
     order = DEFAULT_TREE_ORDER if order is None else order
     return make_tree([p for p in order if len(p) <= gamma][:num_nodes])
+
+
+def with_copy_branch(tree: SpecTree, gamma: int) -> SpecTree:
+    """``tree`` plus a chain of ``gamma`` nodes from the root whose tokens n-gram lookup copies (:data:`COPY`):
+    a row with a match verifies the copied continuation beside the draft's candidates in the same target pass
+    (greedy or by recursive rejection sampling: any node tokens are valid point-mass proposals); a row without one
+    marks those nodes invalid."""
+    if gamma < 1:
+        raise ValueError(f"a copy branch needs gamma >= 1; got {gamma}")
+    return make_tree([*tree.paths, *((COPY,) * d for d in range(1, gamma + 1))])
 
 
 def load_tree_order(path: str | None = None) -> tuple[tuple[int, ...], ...]:

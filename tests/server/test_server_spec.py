@@ -65,7 +65,7 @@ def test_server_with_token_trees():
     and (the draft being the target) accepts its whole top-ranked branch."""
     srv = ServerProcess(["--draft-model", "stories260k", "--num-speculative-tokens", "3", "--planner", "static",
                          "--spec-tree-nodes", "6", "--max-model-len", "128", "--max-num-seqs", "4",
-                         "--num-pages", "40"])
+                         "--num-pages", "40", "--prompt-lookup-max", "0"])  # (no copy branch: 6 nodes exactly)
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
         before = srv.metrics()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from nightjar_jax.testing import load_script
 
 PROMPTS = [[1, 403, 261, 374, 302, 70, 45, 403, 261, 374], [1, 70, 45, 321, 2, 9, 400, 33], [1, 5, 6, 5, 6, 5]]
@@ -21,3 +23,17 @@ def test_four_variants_are_configured_as_named_and_count_decode_tokens_only() ->
     assert rows["plain"]["steps_per_gamma"] == {0: 22}
     rows = bench.run(llms, PROMPTS + PROMPTS[:1], max_tokens=12, warmup=1, batch_size=2)  # groups of 2, one timed
     assert all(row["tokens"] == 2 * 11 for row in rows.values())
+
+
+def test_tree_variants_carry_a_copy_branch_only_with_lookup() -> None:
+    bench = load_script("bench_lookup.py", "bench_lookup_t2")
+    names = bench.tree_variants([3])
+    assert names == ["tree of 3, draft alone", "tree of 3 + copy branch"]
+    alone, copy = (bench.build(v, 64, model="stories260k", draft="stories260k@skip=2") for v in names)
+    assert alone.engine.runner.lookup is None and alone.engine.runner.trees[3].copy_depth == 0
+    assert copy.engine.runner.lookup == (2, 3) and copy.engine.runner.trees[3].copy_depth == 3
+    assert copy.engine.runner.trees[3].num_nodes == 3 + 3
+    rows = bench.run({"alone": alone, "copy": copy}, PROMPTS, max_tokens=12, warmup=1)
+    assert all(row["tokens"] == 2 * 11 for row in rows.values())
+    with pytest.raises(ValueError, match="unknown variant"):
+        bench.build("trees", 64, model="stories260k", draft="stories260k@skip=2")

@@ -3,6 +3,8 @@ and the engine verifying them, losslessly, beside a token draft (greedy rows and
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from nightjar_jax import LLM, SamplingParams
@@ -149,4 +151,55 @@ def test_steps_that_copy_every_row_in_full_run_at_gamma_max_unobserved(engines) 
     assert all(all(s["lookup"]) for s in eng.stats.step_log if s["gamma"] == 3)
     own = [s for s in eng.stats.step_log if s["gamma"] == 1 and not s["compiled"]]  # (compiling steps: unobserved)
     assert set(observed) == {1} and len(observed) == len(own)
+    assert eng.num_free_pages == eng.num_total_pages
+
+
+
+def test_trees_carry_a_copy_branch_and_steps_that_copy_every_row_verify_a_chain(engines, tmp_path) -> None:
+    """With lookup on, each token tree carries a chain of γ copied nodes beside the draft's (here 2 nodes of depth
+    1, so accepting 2 or more drafts in a tree step means the copy branch was accepted), verified greedy or by
+    rejection sampling (a top-k 1 sampled row with a copy branch gives exactly the greedy tokens;
+    its distribution: tests/spec/test_tree.py). A step where every greedy row
+    copies all γ_max drafts verifies the copied chain instead, boosted from the planner's 2 (γ_max positions
+    reserved, not the tree's nodes). Outputs stay AR's, warm-up covers every variant, no page leaks."""
+    ar, _ = engines
+    order = tmp_path / "tree.json"
+    order.write_text(json.dumps({"order": [[0], [1]]}))  # the draft's tree: its top 2 tokens, depth 1
+    sd = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, planner="static:2",
+             spec_tree_nodes=2, spec_tree_file=str(order), prompt_lookup_max=3, prompt_lookup_min=1,
+             max_model_len=96, max_num_seqs=2, max_num_batched_tokens=32, num_pages=64)
+    eng = sd.engine
+    runner = eng.runner
+    assert runner.trees[2].paths == ((-1,), (0,), (1,), (-1, -1))
+    assert [runner.lookahead(g) for g in (1, 2, 3)] == [3, 4, 5]
+    runner.warmup(max_context=96)
+    sizes = runner.compiled_cache_sizes()
+    eng.record_steps = True
+    reserved = []
+    schedule = eng.scheduler.schedule_decode
+    eng.scheduler.schedule_decode = lambda lookahead: reserved.append(lookahead) or schedule(lookahead)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in (LOOP, PLAIN)]
+    for batch in ([prompts[0]], prompts):
+        assert [o.outputs[0].token_ids for o in sd.generate(batch, greedy, use_tqdm=False)] == [
+            o.outputs[0].token_ids for o in ar.generate(batch, greedy, use_tqdm=False)]
+    log = [s for s in eng.stats.step_log if s["gamma"] > 0]
+    copying = [s for s in log if s["tree_nodes"] == 0]
+    assert copying and all(s["gamma"] == 3 and all(s["lookup"]) for s in copying)  # boosted to γ_max, a chain
+    trees = [s for s in log if s["tree_nodes"] > 0]
+    assert trees and all(s["gamma"] == 2 and s["tree_nodes"] == 4 for s in trees)
+    assert any(k >= 2 and copied for s in trees for k, copied in zip(s["accepted"], s["lookup"], strict=True))
+    assert set(reserved) == {3, 4}  # a copied chain of 3; a tree of 2 + 2 copied nodes
+
+    eng.stats.step_log.clear()  # a top-k 1 sampled row (LOOP, row 0 throughout: the other runs longer)
+    want = ar.generate([prompts[0]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    outs = sd.generate(prompts, [SamplingParams(temperature=0.8, top_k=1, seed=5, max_tokens=32, ignore_eos=True),
+                                 SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True)],
+                       use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == want and len(outs[1].outputs[0].token_ids) == 40
+    rows = [(s["accepted"][0], s["lookup"][0]) for s in eng.stats.step_log if s["tree_nodes"] and s["batch_size"] == 2]
+    assert any(copied for _, copied in rows)  # its tree steps carried a copy branch (distribution: test_tree.py)
+    after = runner.compiled_cache_sizes()  # (prefill and catch-up shapes are not warmed)
+    assert {k: after[k] for k in ("verify", "propose_tree", "verify_tree")} == {
+        k: sizes[k] for k in ("verify", "propose_tree", "verify_tree")}
     assert eng.num_free_pages == eng.num_total_pages

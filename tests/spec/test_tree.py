@@ -45,7 +45,8 @@ def test_make_tree_orders_and_indexes_nodes():
     ([], "at least one node"),
     ([(0,), (0, 1, 0)], "no parent"),
     ([(0,), (0,)], "twice"),
-    ([(0,), (-1,)], "ranks >= 0"),
+    ([(0,), (-2,)], "ranks >= 0"),
+    ([(0,), (0, -1)], "COPY = -1 only"),  # a copied node hangs only from the root or another copied node
     ([(r,) for r in range(MAX_TREE_NODES + 1)], f"at most {MAX_TREE_NODES}"),
 ])
 def test_make_tree_rejects_bad_paths(paths, message):
@@ -210,7 +211,8 @@ def test_fake_tree_equals_ar_and_accepts_second_choices(nodes):
     tree with rank-1 branches accepts where the chain stops."""
     counts = {}
     for tree in (0, nodes):
-        eng = fake_engine(draft=True, runner_up=True, num_speculative_tokens=4, spec_tree_nodes=tree)
+        eng = fake_engine(draft=True, runner_up=True, num_speculative_tokens=4, spec_tree_nodes=tree,
+                          prompt_lookup_max=0)  # (the draft's trees alone; lookup's copy branch: test_lookup.py)
         _force_gamma(eng, lambda: 4)
         eng.record_steps = True
         for i, p in enumerate(PROMPTS):
@@ -255,7 +257,7 @@ def test_sampled_and_greedy_requests_share_tree_steps():
     the greedy request's output is exact."""
     from nightjar_jax.engine.sampling_params import SamplingParams
 
-    eng = fake_engine(draft=True, runner_up=True, num_speculative_tokens=3, spec_tree_nodes=8)
+    eng = fake_engine(draft=True, runner_up=True, num_speculative_tokens=3, spec_tree_nodes=8, prompt_lookup_max=0)
     _force_gamma(eng, lambda: 3)
     eng.record_steps = True
     eng.add_request(PROMPTS[0], greedy(12), request_id="g")
@@ -285,7 +287,7 @@ def test_tree_only_from_spec_tree_min_gamma_and_chains_below():
     mix of them commits the AR tokens, the scheduler reserves each step's own lookahead, and all pages come back."""
     rng = random.Random(1)
     eng = fake_engine(draft=True, runner_up=True, num_speculative_tokens=3, spec_tree_nodes=9,
-                      spec_tree_min_gamma=3, num_pages=40, max_num_seqs=5)
+                      spec_tree_min_gamma=3, num_pages=40, max_num_seqs=5, prompt_lookup_max=0)
     assert sorted(eng.runner.trees) == [3]
     assert [eng.runner.lookahead(g) for g in range(4)] == [0, 1, 2, 9]
     _force_gamma(eng, lambda: rng.randint(0, 3))
@@ -371,7 +373,9 @@ def test_warmup_compiles_the_tree_variants_so_greedy_decoding_compiles_nothing()
     eng = fake_engine(draft=True, runner_up=True, num_speculative_tokens=2, max_num_seqs=2, spec_tree_nodes=5)
     runner = eng.runner
     keys = runner.warmup(max_context=16)
-    assert {k[0] for k in keys} == {"forward_sample", "propose_tree", "verify_tree"}  # trees replace the chain
+    # trees replace the chain; a greedy chain verify stays for steps where every row copies its drafts (lookup)
+    assert {k[0] for k in keys} == {"forward_sample", "propose_tree", "verify_tree", "verify"}
+    assert {k[-1] for k in keys if k[0] == "verify"} == {True}
     assert {k[-1] for k in keys if k[0] == "verify_tree"} == {True, False}  # greedy and sampled variants
     sizes = runner.compiled_cache_sizes()
     assert eng.num_free_pages == eng.num_total_pages
@@ -384,7 +388,7 @@ def test_warmup_compiles_the_tree_variants_so_greedy_decoding_compiles_nothing()
     done = run_all(eng)
     assert done["0"] == _expected([7], 8) and len(done["1"]) == 8
     after = runner.compiled_cache_sizes()
-    for name in ("forward_sample", "propose_tree", "verify_tree"):  # draft_fill: catch-up shapes, not warmed
+    for name in ("forward_sample", "propose_tree", "verify_tree", "verify"):  # draft_fill: catch-up, not warmed
         assert after[name] == sizes[name], name
 
 
@@ -434,6 +438,38 @@ def test_tree_rejection_sample_commits_tokens_distributed_as_the_target():
     assert _chi_square_p_value(np.bincount(out[:, 0], minlength=vocab), np.roll(probs[0], 1)) < 1e-6
     # and acceptance happens as often as the children's mass says: P(k >= 1) = p_root(children's tokens)
     assert abs((k >= 1).mean() - probs[0][node_tok[[1, 2, 3]]].sum()) < 0.015
+
+
+def test_a_copy_branch_duplicating_a_draft_node_stays_lossless():
+    """The copy branch (n-gram lookup's tokens, tried first among the root's children) may repeat a draft
+    candidate's token: recursive rejection sampling still commits tokens distributed as the target (the duplicate
+    has no mass left once tried), accepts the repeated token through the copy node, and never through copy nodes
+    a row marks invalid."""
+    from nightjar_jax.spec.rejection import tree_rejection_sample
+    from nightjar_jax.spec.tree import COPY, with_copy_branch
+
+    tree = with_copy_branch(make_tree([(0,), (1,), (0, 0)]), 2)
+    assert tree.paths == ((COPY,), (0,), (1,), (COPY, COPY), (0, 0)) and tree.copy_depth == 2
+    assert [list(tree.ranked(d)) for d in (1, 2)] == [[2, 3], [5]] and [tree.top_k(d) for d in (0, 1)] == [2, 1]
+    _, probs, _, _, _, st = _tree_sampling_case(num_rows=20_000, seed=3)
+    probs = probs[: tree.num_nodes + 1].copy()
+    probs[1] = probs[2]  # the copied node 1 and the draft's node 2 carry the same token: the same context
+    node_tok = np.asarray([0, 5, 5, 2, 6, 1], np.int32)  # root; copy 5, draft 5 and 2; copy 6; draft 1
+    rows = 20_000
+    tokens = jnp.asarray(np.broadcast_to(node_tok, (rows, tree.num_nodes + 1)))
+    target = jnp.asarray(np.broadcast_to(np.log(probs), (rows,) + probs.shape))
+    vocab = probs.shape[1]
+    run = jax.jit(lambda *a: tree_rejection_sample(*a, tree, st))
+    for copy_ok in (True, False):
+        valid = np.ones((rows, tree.num_nodes + 1), bool)
+        valid[:, [1, 4]] = copy_ok
+        out, k, path = (np.asarray(x) for x in run(tokens, target, jnp.asarray(valid)))
+        assert _chi_square_p_value(np.bincount(out[:, 0], minlength=vocab), probs[0]) > 1e-3
+        five = out[:, 0] == 5
+        assert (path[five, 1] == (1 if copy_ok else 2)).all()  # the copy node is tried first; the twin never
+        assert _chi_square_p_value(np.bincount(out[five, 1], minlength=vocab), probs[1]) > 1e-3
+        assert copy_ok or not np.isin(path, [1, 4]).any()
+    assert _chi_square_p_value(np.bincount(out[:, 0], minlength=vocab), np.roll(probs[0], 1)) < 1e-6  # control
 
 
 def test_tree_rejection_sample_greedy_rows_match_tree_greedy_verify():
