@@ -43,7 +43,8 @@ class EngineStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [γ_max]: drafts accepted at position i
     drafted_per_position: list[int] = field(default_factory=list)
-    # sequence-steps whose drafts came from n-gram lookup (SpecConfig.prompt_lookup_max), and drafts accepted there
+    # sequence-steps whose drafts came from n-gram lookup (SpecConfig.prompt_lookup_max; in a tree step: whose copy
+    # branch held a match), and drafts accepted there
     num_lookup_steps: int = 0
     num_lookup_accepted: int = 0
     num_preemptions: int = 0

@@ -63,7 +63,8 @@ class _EngineCollector:
         yield drafted
         yield accepted
         yield counter("nightjar_spec_lookup_steps", "Sequence-steps whose drafts were copied by n-gram lookup "
-                      "(--prompt-lookup-max) instead of the draft's", stats.num_lookup_steps)
+                      "(--prompt-lookup-max) instead of the draft's (tree steps: whose copy branch held a match)",
+                      stats.num_lookup_steps)
         yield counter("nightjar_spec_lookup_accepted_tokens", "Draft tokens accepted in those sequence-steps",
                       stats.num_lookup_accepted)
         # No draft offloading exists yet: the draft always stays on the device.
