@@ -53,9 +53,13 @@ def build(variant: str, max_model_len: int, model: str = TARGET, draft: str = "a
 
 
 def run(llms: dict, prompts: list[list[int]], max_tokens: int, warmup: int, batch_size: int = 1) -> dict:
-    """Each group of ``batch_size`` prompts through every engine in turn; the first ``warmup`` groups untimed
-    (compiles, planner start)."""
+    """Each group of ``batch_size`` prompts through every engine in turn, after every engine compiled its greedy
+    decode variants (``ModelRunner.warmup``: each γ, and with trees the chain that steps copying every row verify);
+    the first ``warmup`` groups untimed (prefill and catch-up shapes, planner start)."""
     from nightjar_jax import SamplingParams
+
+    for llm in llms.values():
+        llm.engine.runner.warmup(sampled=False)
 
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     rows = {k: {"seconds": 0.0, "tokens": 0, "steps_per_gamma": {}} for k in llms}

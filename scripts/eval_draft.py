@@ -134,7 +134,8 @@ def feature_draft_cost(draft: str, prompts: list[list[int]], output_len: int, ga
     """A feature draft cannot decode alone (it reads the target's hidden states), so both costs come from one
     engine at batch 1: the target's seconds per token in plain decoding (γ = 0) and the draft's seconds per drafted
     token inside speculative steps at ``gamma`` (``propose`` time / (γ x steps): its first step over the accepted
-    tokens included), after a warm-up run of each that compiles every shape. With a tree, a drafted token is a
+    tokens included), after ``ModelRunner.warmup`` (every greedy decode variant) and a warm-up run of each (prefill
+    and catch-up shapes). With a tree, a drafted token is a
     node, and the speculative steps' own tokens per second (``sd_tokens_per_second``, same runs) are kept too
     (as with n-gram ``lookup`` (min n, max n; max 0: off): a step whose rows all copy skips the draft, so the
     draft's time per drafted token then falls below its own cost)."""
@@ -146,8 +147,9 @@ def feature_draft_cost(draft: str, prompts: list[list[int]], output_len: int, ga
         max_num_batched_tokens=512, spec_tree_nodes=tree_nodes, prompt_lookup_min=lookup[0],
         prompt_lookup_max=lookup[1],
     )
+    llm.engine.runner.warmup(sampled=False)  # every greedy decode variant (the copying steps' chain with trees)
     for g in (0, gamma):
-        run_decode_workload(llm, prompts[:1], output_len, gamma=g)  # warm-up
+        run_decode_workload(llm, prompts[:1], output_len, gamma=g)  # warm-up: prefill and catch-up shapes
     per_step = tree_nodes or gamma
     t_s = t_n = d_s = d_n = sd_s = sd_n = 0.0
     for p in prompts:

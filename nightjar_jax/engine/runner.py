@@ -181,9 +181,10 @@ class ModelRunner:
         γ >= ``tree_min_gamma`` (smaller γ stay chains); ``tree_order`` the rank paths the trees are cut from
         (default: the shipped order).
 
-        ``lookup``: (min n, max n) of n-gram lookup drafts in chain steps, and in steps at a tree's γ where every
-        row copies all γ drafts, greedy (verified as a chain; ``nightjar_jax/spec/lookup.py``);
-        None: the draft's tokens only."""
+        ``lookup``: (min n, max n) of n-gram lookup drafts (``nightjar_jax/spec/lookup.py``): in chain steps in
+        place of the draft's tokens, in trees as a copy branch of γ nodes (``with_copy_branch``), and a step
+        where every row is greedy and copies all γ drafts verifies the copied chain without the draft, tree or
+        not; None: the draft's tokens only."""
         self.target = target
         self.lookup = lookup
         self.draft = draft
