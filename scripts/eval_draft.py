@@ -53,6 +53,7 @@ def acceptance(args: argparse.Namespace, prompts: list[dict]) -> dict:
         num_speculative_tokens=args.gamma,
         planner=f"static:{args.gamma}",
         spec_tree_nodes=args.tree_nodes,
+        spec_tree_file=args.tree_file,
         prompt_lookup_max=args.prompt_lookup_max,
         prompt_lookup_min=args.prompt_lookup_min,
         max_num_seqs=len(prompts),
@@ -130,7 +131,8 @@ def decode_cost(model: str, prompts: list[list[int]], output_len: int) -> dict:
 
 
 def feature_draft_cost(draft: str, prompts: list[list[int]], output_len: int, gamma: int,
-                       tree_nodes: int = 0, lookup: tuple[int, int] = (2, 0)) -> tuple[dict, dict]:
+                       tree_nodes: int = 0, lookup: tuple[int, int] = (2, 0),
+                       tree_file: str | None = None) -> tuple[dict, dict]:
     """A feature draft cannot decode alone (it reads the target's hidden states), so both costs come from one
     engine at batch 1: the target's seconds per token in plain decoding (γ = 0) and the draft's seconds per drafted
     token inside speculative steps at ``gamma`` (``propose`` time / (γ x steps): its first step over the accepted
@@ -144,7 +146,7 @@ def feature_draft_cost(draft: str, prompts: list[list[int]], output_len: int, ga
     llm = LLM(
         TARGET, draft_model=draft, num_speculative_tokens=gamma, planner=f"static:{gamma}", max_num_seqs=1,
         max_model_len=max(len(p) for p in prompts) + output_len + max(gamma, tree_nodes) + 8,
-        max_num_batched_tokens=512, spec_tree_nodes=tree_nodes, prompt_lookup_min=lookup[0],
+        max_num_batched_tokens=512, spec_tree_nodes=tree_nodes, spec_tree_file=tree_file, prompt_lookup_min=lookup[0],
         prompt_lookup_max=lookup[1],
     )
     llm.engine.runner.warmup(sampled=False)  # every greedy decode variant (the copying steps' chain with trees)
@@ -180,6 +182,8 @@ def main() -> None:
                     help="a draft checkpoint folder (default: the default pair's feature draft)")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--tree-nodes", type=int, default=0, help="verify a token tree of this many nodes (0: a chain)")
+    ap.add_argument("--tree-file", default=None,
+                    help="the tree's rank-path order (spec_tree_file; default: nightjar_jax/spec/default_tree.json)")
     ap.add_argument("--prompt-lookup-max", type=int, default=0,
                     help="n-gram lookup drafts (SpecConfig.prompt_lookup_max; 0: the draft's only)")
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
@@ -223,7 +227,8 @@ def main() -> None:
     cost_ids = [p["ids"] for p in prompts[: args.cost_prompts]]
     if is_feature_draft(args.draft):
         target_cost, draft_cost = feature_draft_cost(args.draft, cost_ids, args.cost_tokens, args.gamma,
-                                                     args.tree_nodes, (args.prompt_lookup_min, args.prompt_lookup_max))
+                                                     args.tree_nodes, (args.prompt_lookup_min, args.prompt_lookup_max),
+                                                     args.tree_file)
     else:
         if args.tree_nodes:
             raise SystemExit("--tree-nodes: the cost measurement supports feature drafts only (a token draft's cost "
@@ -262,6 +267,7 @@ def main() -> None:
         "skipped_prompts": [p["id"] for p in skipped],
         "gamma": args.gamma,
         "tree_nodes": args.tree_nodes,
+        "tree_file": args.tree_file,
         "prompt_lookup": [args.prompt_lookup_min, args.prompt_lookup_max],
         "temperature": args.temperature,
         "max_tokens": args.max_tokens,
