@@ -683,6 +683,15 @@ def make_batches(
     return [batches[i] for i in order]
 
 
+
+def _grad_norm(tree):
+    """The gradients' global L2 norm (``optax.tree.norm`` where this optax has it; ``optax.global_norm`` before)."""
+    import optax
+
+    tree_ns = getattr(optax, "tree", None)
+    return tree_ns.norm(tree) if tree_ns is not None and hasattr(tree_ns, "norm") else optax.global_norm(tree)
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     """AdamW (warmup-cosine, global-norm clipping) on the target's responses; orbax checkpoints; ``--resume``."""
     import jax
@@ -824,7 +833,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     def train_step(p, o, tok, lab, wts, cand, teach):
         (loss, (hits, n)), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, tok, lab, wts, cand, teach)
         updates, o = tx.update(grads, o, p)
-        return optax.apply_updates(p, updates), o, loss, hits / jnp.maximum(n, 1.0), optax.global_norm(grads)
+        return optax.apply_updates(p, updates), o, loss, hits / jnp.maximum(n, 1.0), _grad_norm(grads)
 
     @jax.jit
     def eval_step(p, tok, lab, wts):
