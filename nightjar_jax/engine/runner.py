@@ -535,7 +535,7 @@ class ModelRunner:
             copy_tokens = np.zeros((num_rows, tree.copy_depth), np.int32)
             copy_valid = np.zeros((num_rows, tree.copy_depth), bool)
             for i, prop in enumerate(looked_up or []):
-                copy_tokens[i, : len(prop)] = prop[: tree.copy_depth]
+                copy_tokens[i, : len(prop)] = prop  # (at most γ = copy depth tokens)
                 copy_valid[i, : len(prop)] = True
             draft_tokens, self.draft_kv = self._propose_tree(
                 self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, first_lens, bt, n,

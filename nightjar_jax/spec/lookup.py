@@ -8,10 +8,12 @@ often: on the held-out prompts of issue 8 the target's greedy answers had such a
 decode steps, and there the copied tokens were accepted 1.9 more per step than the draft's (offline replay,
 2026-12-03; docs/benchmarks.md).
 
-The engine uses them in chain decode steps (``SpecConfig.prompt_lookup_max``): a row with a match verifies the
-copied tokens instead of the draft's, in the same target pass. Greedy verification compares them with the target's
-argmax, so outputs stay exactly the target's greedy ones; rejection sampling takes a copied token as a draw from a
-point mass on it (accepted with probability p(t)), so sampled outputs keep the target's distribution.
+The engine uses them in decode steps (``SpecConfig.prompt_lookup_max``): in a chain step a row with a match
+verifies the copied tokens instead of the draft's, and a token tree carries them as a copy branch beside the
+draft's candidates (``spec/tree.py``, ``with_copy_branch``), in the same target pass. Greedy verification compares
+them with the target's argmax, so outputs stay exactly the target's greedy ones; rejection sampling takes a copied
+token as a draw from a point mass on it (accepted with probability p(t)), so sampled outputs keep the target's
+distribution.
 :class:`NgramIndex` keeps, per request, where every n-gram last started, updated with each committed token, so a
 proposal costs O(1) per step after the prompt.
 """

@@ -164,10 +164,12 @@ def tree_greedy_verify(tokens: jax.Array, target_argmax: jax.Array, valid: jax.A
     tokens [B, N + 1] int32: the root (the last committed token) and the drafted nodes in tree order;
     target_argmax [B, N + 1]: the target's greedy token after each node; valid [B, N + 1] bool: nodes that may be
     accepted (a node whose KV slot lies past the context limit may not). A node is accepted when its parent is and
-    its token is the target's greedy token after its parent; siblings carry distinct tokens, so at most one node per
-    depth is. Returns output_tokens [B, depth + 1] (the deepest accepted node's branch, then the target's token
-    after it, then -1), num_accepted [B] (that node's depth) and path [B, depth + 1] (the branch's node index at
-    each depth; beyond num_accepted, the deepest accepted node).
+    its token is the target's greedy token after its parent. Draft siblings carry distinct tokens; a copy-branch node
+    (``spec/tree.py``) may repeat one, and then both are accepted with the same tokens: the deepest accepted node
+    (the first in node order at that depth) is taken, every accepted branch being the target's greedy tokens. Returns
+    output_tokens [B, depth + 1] (the deepest accepted node's branch, then the target's token after it, then -1),
+    num_accepted [B] (that node's depth) and path [B, depth + 1] (the branch's node index at each depth; beyond
+    num_accepted, the deepest accepted node).
     """
     parent = jnp.asarray(tree.parent)
     depth_of = jnp.asarray(tree.depth_of)
