@@ -18,6 +18,7 @@ from nightjar_jax.config import (
     DTYPES,
     LINEAR_IMPLS,
     LOAD_FORMATS,
+    WEIGHT_FORMATS,
     EngineConfig,
     engine_config_fields,
     make_engine_config,
@@ -29,7 +30,7 @@ from nightjar_jax.config import (
 STARTUP_ERRORS = (ValueError, FileNotFoundError)
 
 _CHOICES = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "attention_impl": ATTENTION_IMPLS,
-            "linear_impl": LINEAR_IMPLS}
+            "linear_impl": LINEAR_IMPLS, "weight_format": WEIGHT_FORMATS}
 _HELP = {
     "model": "a preset name (e.g. stories260k), a local folder / GGUF file, or a Hugging Face repo id",
     "tokenizer": "tokenizer folder or file (default: the model's own)",
@@ -47,6 +48,8 @@ _HELP = {
     "kv_cache_bytes": "KV cache memory budget in bytes (suffixes K, M, G, KiB, MiB, GiB allowed)",
     "num_pages": "KV pages (overrides --kv-cache-bytes)",
     "compilation_cache_dir": "JAX persistent compilation cache folder ('' disables)",
+    "weight_format": "CPU kernel weights: auto (4-bit panels for weights that are exactly GGUF Q4_1 values, the "
+                     "same results from a fifth of the bytes; else float32), f32 (always float32)",
 }
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 

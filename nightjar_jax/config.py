@@ -19,6 +19,7 @@ class ConfigError(ValueError):
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "pallas", "cpu", "reference")
 LINEAR_IMPLS = ("auto", "cpu", "xla")  # nightjar_jax/linear.py
+WEIGHT_FORMATS = ("auto", "f32")  # how the CPU kernel holds linear weights (nightjar_jax/linear.py pack_state)
 LOAD_FORMATS = ("auto", "hf", "safetensors", "gguf", "llama2c", "orbax", "dummy")
 
 
@@ -249,6 +250,9 @@ class EngineConfig:
     dtype: str | None = None  # None: the checkpoint's / preset's dtype
     attention_impl: str = "auto"
     linear_impl: str = "auto"  # linear layers: CPU kernels for few-row products (auto), or always XLA's dot (xla)
+    # the CPU kernel's weights: "auto" holds a model whose linear weights are exactly GGUF Q4_1 values as 4-bit
+    # panels (the same products to the bit from 0.75 bytes per weight), others as float32 panels; "f32": float32
+    weight_format: str = "auto"
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -263,6 +267,7 @@ class EngineConfig:
             self.attention_impl in ATTENTION_IMPLS, "attention_impl", self.attention_impl, f"one of {ATTENTION_IMPLS}"
         )
         _check(self.linear_impl in LINEAR_IMPLS, "linear_impl", self.linear_impl, f"one of {LINEAR_IMPLS}")
+        _check(self.weight_format in WEIGHT_FORMATS, "weight_format", self.weight_format, f"one of {WEIGHT_FORMATS}")
         _check_int("seed", self.seed, 0)
 
 

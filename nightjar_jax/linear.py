@@ -39,7 +39,23 @@ def _on_kernel(x: jax.Array, w: jax.Array, impl: str, *, transposed: bool = Fals
     # packed weights take the kernel at every row count (XLA's dot would need an unpacked copy of the weight)
     if impl == "auto" and not (cpu.is_packed(w) and not transposed):
         return cpu.use_kernel(x.shape, w, transposed=transposed)
-    return w.dtype == jnp.float32 and cpu.available()
+    return (w.dtype == jnp.float32 or cpu.is_q4(w) or (cpu.is_q8(w) and transposed)) and cpu.available()
+
+
+def _dtype(w: jax.Array) -> jnp.dtype:
+    """The compute dtype of a weight: float32 for 4-bit panels and 8-bit rows (their float32 values), else its own."""
+    from kernels_pallas.linear import cpu
+
+    return jnp.dtype(jnp.float32) if cpu.is_q4(w) or cpu.is_q8(w) else w.dtype
+
+
+def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Rows ``tokens`` of an embedding table ``[vocab, hidden]``, or of its 8-bit rows (:func:`pack_state`)."""
+    from kernels_pallas.linear import cpu
+
+    if cpu.is_q8(table):
+        return cpu.q8_dequantize(jnp.take(table, tokens, axis=0))
+    return jnp.take(table, tokens, axis=0)
 
 
 def linear(x: jax.Array, w: jax.Array, *, impl: str = "auto", transposed: bool = False,
@@ -52,21 +68,27 @@ def linear(x: jax.Array, w: jax.Array, *, impl: str = "auto", transposed: bool =
 
         y = cpu.linear_cpu(x, w, transposed=transposed)
         return y if out_dtype is None else y.astype(out_dtype)
-    if w.ndim == 3:  # packed for the CPU kernel (pack_state); XLA's dot takes [K, N]: a copy of the weight
+    if w.ndim == 3:  # packed for the CPU kernel (pack_state); XLA's dot takes [K, N] / [N, K]: a float32 copy
         from kernels_pallas.linear import cpu
 
-        w = cpu.unpack(w)
+        w = cpu.q8_dequantize(w) if cpu.is_q8(w) else cpu.unpack(w)
     spec = "...k,nk->...n" if transposed else "...k,kn->...n"
     return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
 
 
-def pack_state(state, impl: str = "auto"):
+def pack_state(state, impl: str = "auto", *, compact: bool = True):
     """The model state with its linear weights packed for the CPU kernel (``kernels_pallas/linear/cpu.py`` ``pack``:
     ``[K, N]`` -> 16-column panels ``[N / 16, K, 16]``, each read front to back: SmolLM2-135M's layer products at one
     row 0.88x the time of the ``[K, N]`` split-K passes, 2026-12-03), where they will run on it: ``impl`` not
     ``xla``, the CPU backend, a kernel built with AVX-512, and every ``kernel`` float32 with N a multiple of 16
     (all or none, so a fused layer call never mixes layouts). Otherwise ``state`` itself. Packed weights then stay on
-    the kernel at every row count (:func:`_on_kernel`); ``impl="xla"`` calls take an unpacked copy."""
+    the kernel at every row count (:func:`_on_kernel`); ``impl="xla"`` calls take an unpacked copy.
+
+    With ``compact`` (default), when every kernel is exactly a GGUF Q4_1 weight dequantized (``cpu.pack_q4``: each
+    element reproduced bit for bit, K a multiple of 32), the panels are stored as 4-bit blocks (0.75 bytes per
+    weight instead of 4), and an embedding table that is exactly GGUF Q8_0 values (``cpu.pack_q8``) as 8-bit rows
+    (1.125 bytes per weight; the tied head reads them, :func:`embed` gathers them): the same results to the bit
+    from a fifth and a quarter of the bytes."""
     check_impl(impl)
     if impl == "xla" or jax.default_backend() != "cpu":
         return state
@@ -78,12 +100,34 @@ def pack_state(state, impl: str = "auto"):
     kernels = [leaf for path, leaf in flat if _is_linear_kernel(path)]
     if not kernels or not all(cpu.can_pack(w) for w in kernels):
         return state
-    return jax.tree_util.tree_map_with_path(lambda path, w: cpu.pack(w) if _is_linear_kernel(path) else w, state)
+    new = {jax.tree_util.keystr(path): cpu.pack(w) for path, w in flat if _is_linear_kernel(path)}
+    if compact and all(cpu.can_pack_q4(w) for w in kernels):
+        q4 = {}
+        for path, w in flat:
+            if _is_linear_kernel(path):
+                q4[jax.tree_util.keystr(path)] = cpu.pack_q4(w)
+                if q4[jax.tree_util.keystr(path)] is None:
+                    break
+        else:
+            new = q4
+    if compact:
+        for path, w in flat:
+            if _is_embedding(path) and (q8 := cpu.pack_q8(w)) is not None:
+                new[jax.tree_util.keystr(path)] = q8
+    return jax.tree_util.tree_map_with_path(lambda path, w: new.get(jax.tree_util.keystr(path), w), state)
+
+
+def _keys(path) -> list[str]:
+    return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
 
 
 def _is_linear_kernel(path) -> bool:
-    keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-    return "kernel" in keys
+    return "kernel" in _keys(path)
+
+
+def _is_embedding(path) -> bool:
+    keys = _keys(path)
+    return "embed_tokens" in keys and "embedding" in keys
 
 
 def linear_many(x: jax.Array, ws: list[jax.Array], *, impl: str = "auto") -> list[jax.Array]:
@@ -128,7 +172,7 @@ def rms_linear_many(x: jax.Array, gain: jax.Array, ws: list[jax.Array], eps: flo
         from kernels_pallas.linear import cpu
 
         return cpu.rms_linear_many_cpu(x, gain, ws, eps)
-    return linear_many(rms_norm(x, gain, eps).astype(ws[0].dtype), ws, impl=impl)
+    return linear_many(rms_norm(x, gain, eps).astype(_dtype(ws[0])), ws, impl=impl)
 
 
 def rms_swiglu(x: jax.Array, gain: jax.Array, w_gate: jax.Array, w_up: jax.Array, eps: float, *,
@@ -140,7 +184,7 @@ def rms_swiglu(x: jax.Array, gain: jax.Array, w_gate: jax.Array, w_up: jax.Array
         from kernels_pallas.linear import cpu
 
         return cpu.rms_swiglu_cpu(x, gain, w_gate, w_up, eps)
-    gate, up = linear_many(rms_norm(x, gain, eps).astype(w_gate.dtype), [w_gate, w_up], impl=impl)
+    gate, up = linear_many(rms_norm(x, gain, eps).astype(_dtype(w_gate)), [w_gate, w_up], impl=impl)
     return jax.nn.silu(gate) * up
 
 
@@ -151,7 +195,7 @@ def linear_residual(x: jax.Array, w: jax.Array, r: jax.Array, *, impl: str = "au
         from kernels_pallas.linear import cpu
 
         return cpu.linear_residual_cpu(x, w, r)
-    return r + linear(x.astype(w.dtype), w, impl=impl)
+    return r + linear(x.astype(_dtype(w)), w, impl=impl)
 
 
 def attn_out_mlp(a: jax.Array, r: jax.Array, w_o: jax.Array, gain: jax.Array, w_gate: jax.Array, w_up: jax.Array,

@@ -92,15 +92,33 @@ _LIBRARY = CpuKernelLibrary("linear", SOURCE, {
 
 
 PANEL = 16  # columns per panel of a packed weight
+Q4_ROWS = 32  # weight rows per block of a 4-bit panel weight (pack_q4)
+Q4_BLOCK_BYTES = 384  # per panel and block: 16 float32 scales d, 16 float32 offsets m, 16 x 16 bytes of row pairs
+
+
+Q8_BLOCK_BYTES = 36  # per row and 32-element block of an 8-bit weight: a float32 scale d, then 32 int8 q
+
+
+def is_q8(w: jax.Array) -> bool:
+    """Whether ``w`` is an 8-bit ``[N, K]`` weight ``uint8 [N, K / 32, 36]`` (:func:`pack_q8`: a tied head)."""
+    return w.ndim == 3 and w.dtype == jnp.uint8 and w.shape[-1] == Q8_BLOCK_BYTES
+
+
+def is_q4(w: jax.Array) -> bool:
+    """Whether ``w`` is a 4-bit panel weight ``uint8 [N / 16, K / 32, 384]`` (:func:`pack_q4`)."""
+    return w.ndim == 3 and w.dtype == jnp.uint8 and w.shape[-1] == Q4_BLOCK_BYTES
 
 
 def is_packed(w: jax.Array) -> bool:
-    """Whether ``w`` is a packed ``[N / 16, K, 16]`` weight (:func:`pack`)."""
-    return w.ndim == 3 and w.shape[-1] == PANEL
+    """Whether ``w`` is in a panel layout for the kernel: float32 ``[N / 16, K, 16]`` (:func:`pack`) or 4-bit
+    ``uint8 [N / 16, K / 32, 384]`` (:func:`pack_q4`)."""
+    return (w.ndim == 3 and w.dtype == jnp.float32 and w.shape[-1] == PANEL) or is_q4(w)
 
 
 def in_features(w: jax.Array, *, transposed: bool = False) -> int:
-    """K of a weight: ``[K, N]``, ``[N, K]`` (transposed) or packed ``[N / 16, K, 16]``."""
+    """K of a weight: ``[K, N]``, ``[N, K]`` (transposed), packed ``[N / 16, K, 16]`` or 4-bit."""
+    if is_q4(w) or is_q8(w):
+        return w.shape[1] * Q4_ROWS
     return w.shape[1] if transposed or is_packed(w) else w.shape[0]
 
 
@@ -108,7 +126,7 @@ def out_features(w: jax.Array, *, transposed: bool = False) -> int:
     """N of a weight: ``[K, N]``, ``[N, K]`` (transposed) or packed ``[N / 16, K, 16]``."""
     if is_packed(w):
         return w.shape[0] * PANEL
-    return w.shape[0] if transposed else w.shape[1]
+    return w.shape[0] if transposed or is_q8(w) else w.shape[1]
 
 
 def can_pack(w: jax.Array) -> bool:
@@ -126,9 +144,145 @@ def pack(w: jax.Array) -> jax.Array:
 
 
 def unpack(w: jax.Array) -> jax.Array:
-    """``[N / 16, K, 16]`` -> ``[K, N]`` (for XLA's dot: a copy of the weight)."""
+    """``[N / 16, K, 16]`` (or a 4-bit panel weight) -> float32 ``[K, N]`` (for XLA's dot: a copy of the weight)."""
+    if is_q4(w):
+        w = q4_dequantize(w)
     p, k, _ = w.shape
     return jnp.reshape(jnp.transpose(w, (1, 0, 2)), (k, p * PANEL))
+
+
+# ---- 4-bit block panels: a lossless second layout for weights quantized as GGUF Q4_1 ----------------------------
+# A checkpoint stored as Q4_1 (SmolLM2-135M's 210 matrices) dequantizes to float32 weights whose every 32-element
+# block (along K, for one output column) is W[k, c] = d * q[k, c] + m with q in 0 .. 15 and d, m 16-bit floats. The
+# kernel reads such a weight as 0.75 bytes per element instead of 4 and rebuilds each element as the float32
+# fma(d, q, m), which equals the float32 d * q + m (d * q is exact): the products are the float32 panels' to the bit
+# (cpu_kernel.cc, "4-bit block panels"). pack_q4 finds d and m from the float32 weight alone and returns None unless
+# every element comes back bit for bit, so no weight is ever approximated.
+
+
+def _fit_blocks(blocks: np.ndarray, axis: int, base: np.ndarray, span: np.ndarray, qmin: int,
+                qmax: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``blocks`` float32 with its 32-element blocks along ``axis`` -> ``(d, q)`` (d: ``blocks`` without that axis;
+    q: ``blocks``' shape, whole numbers in qmin .. qmax) with the float32 ``d * q + base`` equal to every element bit
+    for bit, or None. d is the 16-bit float nearest ``span / (qmax - max(qmin, 0))`` or one of its neighbours
+    (llama.cpp's quantizers round d to 16 bits after choosing it); the blocks it leaves try the next candidate."""
+    d0 = (span / (qmax - max(qmin, 0))).astype(np.float16).view(np.uint16).astype(np.int32)
+
+    def fit(d16, vals, b, along):  # candidate d (as 16-bit patterns) for blocks vals -> (d, q, ok)
+        cand = np.expand_dims(np.clip(d16, 0, 0x7BFF).astype(np.uint16).view(np.float16).astype(np.float32), along)
+        b = np.expand_dims(b, along)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            qc = np.where(cand > 0, np.rint((vals - b) / cand), 0.0).clip(qmin, qmax).astype(np.float32)
+        ok = np.all((cand * qc + b).view(np.uint32) == vals.view(np.uint32), axis=along)  # bits: -0.0 is not 0.0
+        return np.squeeze(cand, along), qc, ok
+
+    d, q, ok = fit(d0, blocks, base, axis)  # every block at once, in place
+    if ok.all():
+        return d, q
+    left = np.nonzero(~ok)
+    vals = np.moveaxis(blocks, axis, -1)[left]  # [blocks left, 32]
+    q_last = np.moveaxis(q, axis, -1)  # a view: writes land in q
+    for step in (1, -1, 2, -2):
+        cand, qc, ok = fit(d0[left] + step, vals, base[left], -1)
+        hit = tuple(i[ok] for i in left)
+        d[hit] = cand[ok]
+        q_last[hit] = qc[ok]
+        left, vals = tuple(i[~ok] for i in left), vals[~ok]
+        if not len(vals):
+            return d, q
+    return None
+
+
+def _q4_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``w [K, N]`` float32 -> ``(d [K/32, N], m [K/32, N], q [K, N] uint8)`` with ``d * q + m == w`` bit for bit in
+    float32, or None. m is each block's minimum (q = 0 there), d as :func:`_fit_blocks` finds it."""
+    k, n = w.shape
+    blocks = w.reshape(k // Q4_ROWS, Q4_ROWS, n)
+    lo = blocks.min(axis=1)
+    found = _fit_blocks(blocks, 1, lo, blocks.max(axis=1).astype(np.float64) - lo, 0, 15)
+    if found is None:
+        return None
+    d, q = found
+    return d, lo, q.astype(np.uint8).reshape(k, n)
+
+
+def can_pack_q4(w: jax.Array) -> bool:
+    """Shapes :func:`pack_q4` may take: float32 ``[K, N]``, K a multiple of 32, N of 16 (whether the values fit is
+    :func:`pack_q4`'s to find)."""
+    return can_pack(w) and w.shape[0] % Q4_ROWS == 0 and w.shape[0] > 0
+
+
+def pack_q4(w: jax.Array) -> jax.Array | None:
+    """``[K, N]`` float32 -> ``uint8 [N / 16, K / 32, 384]``, the 4-bit panel layout, when every element of ``w`` is
+    exactly ``d * q + m`` for its 32-row block and column (q in 0 .. 15, d and m 16-bit floats: a GGUF Q4_1 weight
+    dequantized); None otherwise. :func:`q4_dequantize` (and the kernel) give back ``w``'s panels bit for bit."""
+    if not can_pack_q4(w):
+        return None
+    arr = np.asarray(jax.device_get(w))
+    found = _q4_blocks(arr)
+    if found is None:
+        return None
+    d, m, q = found
+    k, n = arr.shape
+    nb, panels = k // Q4_ROWS, n // PANEL
+    out = np.empty((panels, nb, Q4_BLOCK_BYTES), np.uint8)
+    for lo, values in ((0, d), (64, m)):  # [block, column] -> per panel and block, 16 little-endian float32
+        per_panel = values.reshape(nb, panels, PANEL).transpose(1, 0, 2).astype("<f4")
+        out[:, :, lo:lo + 64] = per_panel.view(np.uint8).reshape(panels, nb, 64)
+    qp = q.reshape(nb, Q4_ROWS // 2, 2, panels, PANEL)  # [block, pair, row in pair, panel, column]
+    nibbles = qp[:, :, 0] | (qp[:, :, 1] << 4)  # [block, pair, panel, column]
+    out[:, :, 128:] = nibbles.transpose(2, 0, 1, 3).reshape(panels, nb, 256)
+    return jnp.asarray(out)
+
+
+def _q8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``w [N, K]`` float32 -> ``(d [N, K/32], q [N, K] int8)`` with ``d * q == w`` bit for bit in float32, or None
+    (d as :func:`_fit_blocks` finds it from the block's largest magnitude)."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // Q4_ROWS, Q4_ROWS)
+    found = _fit_blocks(blocks, 2, np.zeros(blocks.shape[:2], np.float32),
+                        np.abs(blocks).max(axis=2).astype(np.float64), -127, 127)
+    if found is None:
+        return None
+    d, q = found
+    return d, q.astype(np.int8).reshape(n, k)
+
+
+def pack_q8(w: jax.Array) -> jax.Array | None:
+    """``[N, K]`` float32 (an embedding table, the tied head's weight) -> ``uint8 [N, K / 32, 36]``, the 8-bit block
+    layout, when every element is exactly ``d * q`` for its 32-element block of the row (q in -127 .. 127, d a 16-bit
+    float: a GGUF Q8_0 table dequantized); None otherwise. :func:`q8_dequantize` gives back ``w`` bit for bit."""
+    if w.ndim != 2 or w.dtype != jnp.float32 or w.shape[1] % Q4_ROWS or not w.shape[1] or not w.shape[0]:
+        return None
+    arr = np.asarray(jax.device_get(w))
+    found = _q8_blocks(arr)
+    if found is None:
+        return None
+    d, q = found
+    n, k = arr.shape
+    out = np.empty((n, k // Q4_ROWS, Q8_BLOCK_BYTES), np.uint8)
+    out[:, :, :4] = d.astype("<f4").view(np.uint8).reshape(n, k // Q4_ROWS, 4)
+    out[:, :, 4:] = q.view(np.uint8).reshape(n, k // Q4_ROWS, Q4_ROWS)
+    return jnp.asarray(out)
+
+
+def q8_dequantize(wq: jax.Array) -> jax.Array:
+    """8-bit rows -> the float32 ``[..., K]`` they hold (exact). Works on any leading shape, e.g. gathered rows."""
+    lead, nb = wq.shape[:-2], wq.shape[-2]
+    d = jax.lax.bitcast_convert_type(wq[..., :4], jnp.float32)  # [..., nb]
+    q = jax.lax.bitcast_convert_type(wq[..., 4:], jnp.int8).astype(jnp.float32)  # [..., nb, 32]
+    return (d[..., None] * q).reshape(*lead, nb * Q4_ROWS)
+
+
+def q4_dequantize(wq: jax.Array) -> jax.Array:
+    """4-bit panels -> the float32 panels ``[N / 16, K, 16]`` they hold (exact; what the kernel computes with)."""
+    panels, nb, _ = wq.shape
+    d = jax.lax.bitcast_convert_type(wq[:, :, :64].reshape(panels, nb, PANEL, 4), jnp.float32)
+    m = jax.lax.bitcast_convert_type(wq[:, :, 64:128].reshape(panels, nb, PANEL, 4), jnp.float32)
+    pairs = wq[:, :, 128:].reshape(panels, nb, Q4_ROWS // 2, 1, PANEL)
+    q = jnp.concatenate([pairs & 15, pairs >> 4], axis=3).reshape(panels, nb, Q4_ROWS, PANEL).astype(jnp.float32)
+    w = d[:, :, None, :] * q + m[:, :, None, :]
+    return w.reshape(panels, nb * Q4_ROWS, PANEL)
 
 
 def packing_supported() -> bool:
@@ -151,8 +305,8 @@ def use_kernel(x_shape: tuple[int, ...], w: jax.Array, *, transposed: bool = Fal
     lo, hi = NT_ROWS if transposed else NN_ROWS
     return (
         jax.default_backend() == "cpu"
-        and w.dtype == jnp.float32
-        and (w.ndim == 2 or (is_packed(w) and not transposed))
+        and (w.dtype == jnp.float32 or is_q4(w) or (is_q8(w) and transposed))
+        and (w.ndim == 2 or (is_packed(w) and not transposed) or (is_q8(w) and transposed))
         and lo <= rows <= hi
         and available()
     )
@@ -162,11 +316,13 @@ def _rows(x: jax.Array, ws, *, transposed: bool = False) -> jax.Array:
     """Checks the operands of a call and returns x as ``[rows, K]``."""
     if not available():
         raise RuntimeError(f"the CPU linear kernel is unavailable: {unavailable_reason()}")
-    if x.dtype != jnp.float32 or any(w.dtype != jnp.float32 for w in ws):
-        raise ValueError(f"the CPU linear kernel takes float32 x and w; got {x.dtype} and {[str(w.dtype) for w in ws]}")
+    if x.dtype != jnp.float32 or any(w.dtype != jnp.float32 and not (is_q8(w) if transposed else is_q4(w))
+                                     for w in ws):
+        raise ValueError(f"the CPU linear kernel takes float32 x and float32 (or 4-bit panel / 8-bit head) w; got "
+                         f"{x.dtype} and {[str(w.dtype) for w in ws]}")
     k = x.shape[-1] if x.ndim else None
-    if any((w.ndim != 2 and (transposed or not is_packed(w))) or in_features(w, transposed=transposed) != k
-           for w in ws):
+    if any((w.ndim != 2 and not (is_q8(w) if transposed else is_packed(w)))
+           or in_features(w, transposed=transposed) != k for w in ws):
         layout = "[N, K] (transposed)" if transposed else "[K, N] or packed [N / 16, K, 16]"
         raise ValueError(f"x {x.shape} and weights {[w.shape for w in ws]} do not match (x [..., K], each w {layout})")
     return x.reshape(math.prod(x.shape[:-1]), k)
@@ -255,7 +411,8 @@ def attn_out_mlp_cpu(a: jax.Array, r: jax.Array, w_o: jax.Array, gain: jax.Array
     _rows(r2, [w_gate, w_up])
     _gain(r, gain)
     if (w_gate.shape != w_up.shape or (in_features(w_down), out_features(w_down)) != (out_features(w_gate), h)
-            or w_down.dtype != jnp.float32 or len({is_packed(w) for w in (w_o, w_gate, w_up, w_down)}) != 1):
+            or (w_down.dtype != jnp.float32 and not is_q4(w_down))
+            or len({is_packed(w) for w in (w_o, w_gate, w_up, w_down)}) != 1):
         raise ValueError(f"w_gate {w_gate.shape} and w_up {w_up.shape} must be [H, I] and w_down {w_down.shape} "
                          f"float32 [I, H] with H = {h}, all [K, N] or all packed [N / 16, K, 16]")
     y_shape = jax.ShapeDtypeStruct((a2.shape[0], h), jnp.float32)

@@ -38,10 +38,17 @@
 //   48 as below. Without (only with linear_impl="cpu"): a kKBlock-row block of W is packed into 16-column panels
 //   reused from L2 by every 6 x 16 register tile of x (PanelNN), and the next block is prefetched meanwhile.
 // - NT (tied head): one item = a block of weight rows (contiguous); one x row: each weight row against x with
-//   4 independent accumulators, a row of each of the item's halves at once (RowNT2); from kNtTileMinRows rows
-//   with AVX-512 (`auto` up to 32 rows, 160 on AMD EPYC): y^T = W @ x^T in 12 x 32 tiles (BlockNTx); otherwise
-//   4 weight rows x up to 3 x-rows of partial sums per tile (TileNT), weight rows blocked by kNtRows so every x
-//   tile reuses them from L2.
+//   4 independent accumulators, a row of each of the item's halves at once (RowNT2); with AVX-512, 2 to
+//   kNtFewRows (8) rows: a weight vector against every x row, two weight rows at once (BlockNTFew); past that, from
+//   kNtTileMinRows rows with AVX-512 (`auto` up to 32 rows, 160 on AMD EPYC): y^T = W @ x^T in 12 x 32 tiles
+//   (BlockNTx); otherwise 4 weight rows x up to 3 x-rows of partial sums per tile (TileNT), weight rows blocked by
+//   kNtRows so every x tile reuses them from L2.
+//
+// Two compact layouts hold weights that a GGUF checkpoint stored quantized, losslessly (cpu.py pack_q4 / pack_q8
+// keep them only if every float32 element comes back bit for bit; the kernels rebuild each element exactly and sum
+// in the float32 layouts' order, so the results are the same to the bit):
+//   uint8 [N / 16, K / 32, 384]  4-bit block panels of W [K, N] (Q4_1: d * q + m), every NN form (PackedProductQ4)
+//   uint8 [N, K / 32, 36]        8-bit block rows of a tied head's W [N, K] (Q8_0: d * q), nightjar_linear_nt_f32
 
 #include <algorithm>
 #include <cmath>
@@ -55,6 +62,10 @@
 #include "../cpu_math.h"
 #include "../cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -457,27 +468,28 @@ inline void RowNT1(const float* x, const float* w, float* y, int64_t K, int64_t 
 // loaded once for both rows, and both rows' loads are in flight together. SmolLM2's one-row products alone (AMD
 // EPYC, 2026-12-03, the two in turn in one process): 1.5-2.5% less time than a row of each stream in turn, so the
 // head alone ~8-10% faster.
-inline void RowNT2(const float* x, const float* w, float* y, int64_t K, int64_t na, int64_t nb) {
 #ifdef __AVX512F__
-  const float* wa = w + na * K;
-  const float* wb = w + nb * K;
+// RowNT2's sums with the weights from `load(n, k)` (16 elements of row n from k; `tail(n, k)`: one element, for
+// the K % 16 past the last vector), so other weight layouts share its order of operations (RowNT2Q8).
+template <typename Load, typename Tail>
+inline void RowNT2Impl(const float* x, int64_t K, int64_t na, int64_t nb, float* y, Load load, Tail tail) {
   v16 a0 = Splat16(0.0f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
     const v16 x0 = Load16(x + k), x1 = Load16(x + k + 16), x2 = Load16(x + k + 32), x3 = Load16(x + k + 48);
-    a0 += x0 * Load16(wa + k);
-    b0 += x0 * Load16(wb + k);
-    a1 += x1 * Load16(wa + k + 16);
-    b1 += x1 * Load16(wb + k + 16);
-    a2 += x2 * Load16(wa + k + 32);
-    b2 += x2 * Load16(wb + k + 32);
-    a3 += x3 * Load16(wa + k + 48);
-    b3 += x3 * Load16(wb + k + 48);
+    a0 += x0 * load(na, k);
+    b0 += x0 * load(nb, k);
+    a1 += x1 * load(na, k + 16);
+    b1 += x1 * load(nb, k + 16);
+    a2 += x2 * load(na, k + 32);
+    b2 += x2 * load(nb, k + 32);
+    a3 += x3 * load(na, k + 48);
+    b3 += x3 * load(nb, k + 48);
   }
   for (; k + 16 <= K; k += 16) {
     const v16 x0 = Load16(x + k);
-    a0 += x0 * Load16(wa + k);
-    b0 += x0 * Load16(wb + k);
+    a0 += x0 * load(na, k);
+    b0 += x0 * load(nb, k);
   }
   const v16 a = (a0 + a1) + (a2 + a3), b = (b0 + b1) + (b2 + b3);
   float sa = 0.0f, sb = 0.0f;
@@ -486,11 +498,18 @@ inline void RowNT2(const float* x, const float* w, float* y, int64_t K, int64_t 
     sb += b[i];
   }
   for (; k < K; ++k) {
-    sa += x[k] * wa[k];
-    sb += x[k] * wb[k];
+    sa += x[k] * tail(na, k);
+    sb += x[k] * tail(nb, k);
   }
   y[na] = sa;
   y[nb] = sb;
+}
+#endif
+
+inline void RowNT2(const float* x, const float* w, float* y, int64_t K, int64_t na, int64_t nb) {
+#ifdef __AVX512F__
+  RowNT2Impl(x, K, na, nb, y, [=](int64_t n, int64_t k) { return Load16(w + n * K + k); },
+             [=](int64_t n, int64_t k) { return w[n * K + k]; });
 #else
   RowNT1(x, w, y, K, na);
   RowNT1(x, w, y, K, nb);
@@ -531,6 +550,141 @@ void BlockNT(const float* x, const float* w, float* y, int64_t M, int64_t K, int
   }
 }
 
+// ---- 8-bit block rows (the tied head) ----------------------------------------------------------------------------
+// W [N, K] (an embedding table used as the LM head) whose every 32-element block of a row is W[n, k] = d * q[n, k]
+// exactly (q in -127 .. 127, d a 16-bit float: a GGUF Q8_0 table dequantized; cpu.py pack_q8 keeps the layout only
+// if every element comes back bit for bit). Stored as [N, K / 32, 36] bytes: per block d (float32), then the 32 q
+// (int8). Each element is rebuilt as the float32 d * q (exact: 11 bits times 8) in registers for one x row
+// (RowNT2Q8), or a chunk of rows at a time into a per-thread buffer that the float32 tiles then read (BlockNTx /
+// TileNT): the same sums as the float32 table's to the bit, from 1.125 bytes per weight instead of 4.
+constexpr int64_t kQ8Rows = 32;
+constexpr int64_t kQ8BlockBytes = 36;
+
+inline float Q8Scale(const uint8_t* block) {
+  float d;
+  std::memcpy(&d, block, sizeof(float));
+  return d;
+}
+
+#ifdef __AVX512F__
+// Elements k .. k + 16 of an 8-bit row (k a multiple of 16: within one block) as float32 weights.
+inline v16 LoadQ8(const uint8_t* row, int64_t k) {
+  const uint8_t* block = row + k / kQ8Rows * kQ8BlockBytes;
+  const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4 + k % kQ8Rows)));
+  v16 w = Splat16(Q8Scale(block)) * reinterpret_cast<v16>(_mm512_cvtepi32_ps(q));
+  // the weight as a value of its own: -fassociative-math must not fold d into the product with x (the rounding of
+  // x * (d * q) is the float32 table's; (x * d) * q is not)
+  asm("" : "+v"(w));
+  return w;
+}
+
+// RowNT2 on 8-bit rows, dequantized in registers: the same accumulators in the same order, so the same sums.
+inline void RowNT2Q8(const float* x, const uint8_t* wq, float* y, int64_t K, int64_t na, int64_t nb) {
+  const int64_t row_bytes = K / kQ8Rows * kQ8BlockBytes;  // K is whole 32-element blocks: no scalar tail
+  RowNT2Impl(x, K, na, nb, y, [=](int64_t n, int64_t k) { return LoadQ8(wq + n * row_bytes, k); },
+             [](int64_t, int64_t) { return 0.0f; });
+}
+
+// 2 .. kNtFewRows x rows against two weight rows (na, nb) at once: 2R accumulators, each weight vector loaded (or
+// dequantized) once for all R rows, x's rows from L1. `load(n, k)`: elements k .. k + 16 of weight row n; K % 16
+// elements past the last vector are summed in scalars (`tail(n, k)`: one element).
+template <int R, typename Load, typename Tail>
+inline void RowsNT2(const float* x, int64_t K, int64_t na, int64_t nb, float* y, int64_t N, Load load, Tail tail) {
+  v16 a[R], b[R];
+  for (int r = 0; r < R; ++r) a[r] = b[r] = Splat16(0.0f);
+  const int64_t kv = K / 16 * 16;
+  for (int64_t k = 0; k < kv; k += 16) {
+    const v16 wa = load(na, k), wb = load(nb, k);
+    for (int r = 0; r < R; ++r) {
+      const v16 xv = Load16(x + r * K + k);
+      a[r] += xv * wa;
+      b[r] += xv * wb;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float sa = 0.0f, sb = 0.0f;
+    for (int i = 0; i < 16; ++i) {
+      sa += a[r][i];
+      sb += b[r][i];
+    }
+    for (int64_t k = kv; k < K; ++k) {
+      sa += x[r * K + k] * tail(na, k);
+      sb += x[r * K + k] * tail(nb, k);
+    }
+    y[r * N + na] = sa;
+    y[r * N + nb] = sb;
+  }
+}
+
+template <typename Load, typename Tail>
+void BlockNTFew(const float* x, int64_t M, int64_t K, int64_t N, int64_t n_begin, int64_t n_end, float* y, Load load,
+                Tail tail) {
+  const int64_t half = (n_end - n_begin) / 2;  // two streams: the item's halves, a row of each together
+  auto rows = [&](int64_t na, int64_t nb) {
+    switch (M) {
+      case 12: RowsNT2<12>(x, K, na, nb, y, N, load, tail); break;
+      case 11: RowsNT2<11>(x, K, na, nb, y, N, load, tail); break;
+      case 10: RowsNT2<10>(x, K, na, nb, y, N, load, tail); break;
+      case 9: RowsNT2<9>(x, K, na, nb, y, N, load, tail); break;
+      case 8: RowsNT2<8>(x, K, na, nb, y, N, load, tail); break;
+      case 7: RowsNT2<7>(x, K, na, nb, y, N, load, tail); break;
+      case 6: RowsNT2<6>(x, K, na, nb, y, N, load, tail); break;
+      case 5: RowsNT2<5>(x, K, na, nb, y, N, load, tail); break;
+      case 4: RowsNT2<4>(x, K, na, nb, y, N, load, tail); break;
+      case 3: RowsNT2<3>(x, K, na, nb, y, N, load, tail); break;
+      default: RowsNT2<2>(x, K, na, nb, y, N, load, tail); break;
+    }
+  };
+  for (int64_t i = 0; i < half; ++i) rows(n_begin + i, n_begin + half + i);
+  if (n_begin + 2 * half < n_end) rows(n_end - 1, n_end - 1);  // an odd row: computed twice, stored twice
+}
+#endif
+
+void DequantRowsQ8(const uint8_t* wq, int64_t K, int64_t n0, int64_t n1, float* buf) {
+  const int64_t nb = K / kQ8Rows;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = wq + n * nb * kQ8BlockBytes;
+    float* out = buf + (n - n0) * K;
+#ifdef __AVX512F__
+    for (int64_t k = 0; k < K; k += 16) Store16(out + k, LoadQ8(row, k));
+#else
+    for (int64_t b = 0; b < nb; ++b) {
+      const float d = Q8Scale(row + b * kQ8BlockBytes);
+      const int8_t* q = reinterpret_cast<const int8_t*>(row + b * kQ8BlockBytes + sizeof(float));
+      for (int64_t i = 0; i < kQ8Rows; ++i) out[b * kQ8Rows + i] = d * static_cast<float>(q[i]);
+    }
+#endif
+  }
+}
+
+// Rows n_begin .. n_end of an 8-bit W against every row of x (xt: x^T for the BlockNTx tiles, ldxt = 0: none):
+// one x row with AVX-512 dequantized in registers (RowNT2Q8); otherwise chunks of rows dequantized in turn into a
+// buffer the float32 kernels read (16 rows for one x row: the buffer stays in L1; 48 for the 12-row tiles).
+void BlockNTQ8(const float* xp, const float* xt, int64_t ldxt, const uint8_t* wq, float* y, int64_t M, int64_t K,
+               int64_t N, int64_t n_begin, int64_t n_end) {
+#ifdef __AVX512F__
+  if (M == 1) {  // two streams, as BlockNT's one row: the item's halves, a row of each together
+    const int64_t half = (n_end - n_begin) / 2;
+    for (int64_t i = 0; i < half; ++i) RowNT2Q8(xp, wq, y, K, n_begin + i, n_begin + half + i);
+    n_begin += 2 * half;  // at most one row left: through the buffer below
+  }
+#endif
+  const int64_t chunk = M == 1 ? 16 : 48;
+  thread_local std::vector<float> buf;
+  buf.resize(chunk * K);
+  for (int64_t c0 = n_begin; c0 < n_end; c0 += chunk) {
+    const int64_t rows = std::min(chunk, n_end - c0);
+    DequantRowsQ8(wq, K, c0, c0 + rows, buf.data());
+#ifdef __AVX512F__
+    if (ldxt > 0) {
+      BlockNTx(xt, ldxt, buf.data(), y + c0, M, K, N, 0, rows);  // y + c0: the chunk's columns of y [M, N]
+      continue;
+    }
+#endif
+    BlockNT(xp, buf.data(), y + c0, M, K, N, 0, rows);
+  }
+}
+
 // Column blocks: a multiple of `align`, about `per_thread` per thread (several, so dynamic item taking balances
 // uneven blocks; one for the register tiles, whose items are faster the wider they are: README.md).
 int64_t BlockWidth(int64_t N, int64_t threads, int64_t align, int64_t cap, int64_t per_thread = 4) {
@@ -553,6 +707,8 @@ struct Segment {
   float* y;
   int64_t N;
   bool packed = false;  // w is [N / 16, K, 16] (PackedProduct)
+  const uint8_t* q = nullptr;  // packed as 4-bit blocks [N / 16, K / 32, 384] instead (w unused; PackedProductQ4)
+  const uint8_t* q8 = nullptr;  // a transposed W [N, K] as 8-bit blocks [N, K / 32, 36] instead (BlockNTQ8)
 };
 
 // ---- packed weights ----------------------------------------------------------------------------------------------
@@ -563,6 +719,7 @@ struct Segment {
 // row: 1.3-1.5x the time of split-K, 2026-12-03); its split-K passes were 1.13x (one row) the time of panels.
 constexpr int64_t kPanelRowGroup = 8;   // x rows per register tile (8 x 48: 24 sums, 3 panel loads, 1 broadcast)
 constexpr int64_t kPanelRowPanels = 4;  // panels per one-row pass and per one-row work item
+constexpr int64_t kQ4BlockBytesAll = 384;  // bytes per panel and 32-row block of a 4-bit weight (below)
 
 #ifdef __AVX512F__
 constexpr bool kPackedSupported = true;
@@ -598,22 +755,22 @@ struct PrefetchPlan {
 };
 
 template <int R, int P>
-inline void PanelTile(const float* x, const float* wp, float* y, int64_t K, int64_t N, int64_t r0, int64_t p,
-                      int64_t k0, int64_t k1, bool add, const PrefetchPlan* pf = nullptr, int64_t pf_from = 0,
-                      int64_t pf_to = 0) {
+inline void PanelTile(const float* x, const float* w0, int64_t ld, float* y, int64_t K, int64_t N, int64_t r0,
+                      int64_t p, int64_t k0, int64_t k1, bool add, const PrefetchPlan* pf = nullptr,
+                      int64_t pf_from = 0, int64_t pf_to = 0) {
   v16 acc[R][P];
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < P; ++j) acc[r][j] = add ? Load16(y + (r0 + r) * N + (p + j) * 16) : Splat16(0.0f);
   }
   const float* w[P];
-  for (int j = 0; j < P; ++j) w[j] = wp + (p + j) * K * 16;
+  for (int j = 0; j < P; ++j) w[j] = w0 + j * ld;
   const float* xr = x + r0 * K;
   const int64_t per_k = pf != nullptr && k1 > k0 ? (pf_to - pf_from + (k1 - k0) - 1) / (k1 - k0) : 0;
   int64_t pi = pf_from;
   for (int64_t k = k0; k < k1; ++k) {
     for (int64_t q = 0; q < per_k && pi < pf_to; ++q, ++pi) __builtin_prefetch(pf->line(pi), 0, 2);
     v16 wv[P];
-    for (int j = 0; j < P; ++j) wv[j] = Load16(w[j] + k * 16);
+    for (int j = 0; j < P; ++j) wv[j] = Load16(w[j] + (k - k0) * 16);
     for (int r = 0; r < R; ++r) {
       const v16 xb = Splat16(xr[r * K + k]);
       for (int j = 0; j < P; ++j) acc[r][j] += xb * wv[j];
@@ -624,34 +781,148 @@ inline void PanelTile(const float* x, const float* wp, float* y, int64_t K, int6
   }
 }
 
+// w0: panel p's row k0 (float32 panels, `ld` floats from one panel to the next: 16 K for a packed weight)
 template <int P>
-inline void PanelTileRows(const float* x, const float* wp, float* y, int64_t K, int64_t N, int64_t r0, int64_t rows,
-                          int64_t p, int64_t k0, int64_t k1, bool add, const PrefetchPlan* pf = nullptr,
+inline void PanelTileRows(const float* x, const float* w0, int64_t ld, float* y, int64_t K, int64_t N, int64_t r0,
+                          int64_t rows, int64_t p, int64_t k0, int64_t k1, bool add, const PrefetchPlan* pf = nullptr,
                           int64_t pf_from = 0, int64_t pf_to = 0) {
   switch (rows) {
-    case 8: PanelTile<8, P>(x, wp, y, K, N, r0, p, k0, k1, add, pf, pf_from, pf_to); break;
-    case 7: PanelTile<7, P>(x, wp, y, K, N, r0, p, k0, k1, add, pf, pf_from, pf_to); break;
-    case 6: PanelTile<6, P>(x, wp, y, K, N, r0, p, k0, k1, add, pf, pf_from, pf_to); break;
-    case 5: PanelTile<5, P>(x, wp, y, K, N, r0, p, k0, k1, add, pf, pf_from, pf_to); break;
-    case 4: PanelTile<4, P>(x, wp, y, K, N, r0, p, k0, k1, add, pf, pf_from, pf_to); break;
-    case 3: PanelTile<3, P>(x, wp, y, K, N, r0, p, k0, k1, add, pf, pf_from, pf_to); break;
-    case 2: PanelTile<2, P>(x, wp, y, K, N, r0, p, k0, k1, add, pf, pf_from, pf_to); break;
-    default: PanelTile<1, P>(x, wp, y, K, N, r0, p, k0, k1, add, pf, pf_from, pf_to); break;
+    case 8: PanelTile<8, P>(x, w0, ld, y, K, N, r0, p, k0, k1, add, pf, pf_from, pf_to); break;
+    case 7: PanelTile<7, P>(x, w0, ld, y, K, N, r0, p, k0, k1, add, pf, pf_from, pf_to); break;
+    case 6: PanelTile<6, P>(x, w0, ld, y, K, N, r0, p, k0, k1, add, pf, pf_from, pf_to); break;
+    case 5: PanelTile<5, P>(x, w0, ld, y, K, N, r0, p, k0, k1, add, pf, pf_from, pf_to); break;
+    case 4: PanelTile<4, P>(x, w0, ld, y, K, N, r0, p, k0, k1, add, pf, pf_from, pf_to); break;
+    case 3: PanelTile<3, P>(x, w0, ld, y, K, N, r0, p, k0, k1, add, pf, pf_from, pf_to); break;
+    case 2: PanelTile<2, P>(x, w0, ld, y, K, N, r0, p, k0, k1, add, pf, pf_from, pf_to); break;
+    default: PanelTile<1, P>(x, w0, ld, y, K, N, r0, p, k0, k1, add, pf, pf_from, pf_to); break;
   }
 }
 
+// PanelTileRows for 1-3 panels
+inline void PanelGroupRows(int64_t panels, const float* x, const float* w0, int64_t ld, float* y, int64_t K,
+                           int64_t N, int64_t r0, int64_t rows, int64_t p, int64_t k0, int64_t k1, bool add,
+                           const PrefetchPlan* pf = nullptr, int64_t pf_from = 0, int64_t pf_to = 0) {
+  if (panels == 3) PanelTileRows<3>(x, w0, ld, y, K, N, r0, rows, p, k0, k1, add, pf, pf_from, pf_to);
+  else if (panels == 2) PanelTileRows<2>(x, w0, ld, y, K, N, r0, rows, p, k0, k1, add, pf, pf_from, pf_to);
+  else PanelTileRows<1>(x, w0, ld, y, K, N, r0, rows, p, k0, k1, add, pf, pf_from, pf_to);
+}
+
+// ---- 4-bit block panels ------------------------------------------------------------------------------------------
+// W [K, N] whose every 32-row block of a column holds W[k, c] = d * q[k, c] + m exactly (q in 0 .. 15; d and m one
+// pair per block and column: a checkpoint quantized as GGUF Q4_1, whose dequantized float32 weights the model
+// holds). cpu.py pack_q4 finds d and m from the float32 weights and keeps the layout only if every element is
+// reproduced bit for bit. Stored as [N / 16, K / 32, 384] bytes: for each panel (16 columns) and block, the 16
+// columns' d (float32), their m (float32), then 16 row pairs of 16 bytes (row 2i in the low nibbles, 2i + 1 in
+// the high). Each weight is rebuilt as the float32 fma(d, q, m) (= the float32 d * q + m: d * q is exact, a 16-bit
+// float times 4 bits), so every product equals the float32 panels' to the bit, from 0.75 bytes per weight instead
+// of 4. One row: dequantized in registers (PanelRowQ4); more rows: a block of up to 3 panels dequantized into a
+// per-thread buffer, then the float32 register tiles over it.
+constexpr int64_t kQ4Rows = 32;        // weight rows per block
+constexpr int64_t kQ4BlockBytes = kQ4BlockBytesAll;  // 64 bytes of d, 64 of m, 256 of nibbles
+
+inline v16 LoadQ4Scale(const uint8_t* p) { return Load16(reinterpret_cast<const float*>(p)); }
+
+// Rows 2i and 2i + 1 of a block (the 16 bytes at `pair`) as float32 weights.
+inline void DequantPair(const uint8_t* pair, v16 d, v16 m, v16& w0, v16& w1) {
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
+  const v16 lo = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))));
+  const v16 hi = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)));
+  w0 = d * lo + m;
+  w1 = d * hi + m;
+  asm("" : "+v"(w0), "+v"(w1));  // values of their own (-fassociative-math must not fold d or m into x's product)
+}
+
+// One x row on 4-bit panels: the same two sums per panel in the same order (even k, odd k), so the same result.
+template <int P>
+inline void PanelRow(const float* x, const uint8_t* wq, float* y, int64_t K, int64_t p) {
+  const int64_t nb = K / kQ4Rows;
+  const uint8_t* w[P];
+  for (int j = 0; j < P; ++j) w[j] = wq + (p + j) * nb * kQ4BlockBytes;
+  v16 a[P][2];
+  for (int j = 0; j < P; ++j) a[j][0] = a[j][1] = Splat16(0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    v16 d[P], m[P];
+    for (int j = 0; j < P; ++j) {
+      const uint8_t* blk = w[j] + b * kQ4BlockBytes;
+      d[j] = LoadQ4Scale(blk);
+      m[j] = LoadQ4Scale(blk + 64);
+    }
+    const float* xb = x + b * kQ4Rows;
+    for (int64_t i = 0; i < kQ4Rows / 2; ++i) {
+      const v16 x0 = Splat16(xb[2 * i]), x1 = Splat16(xb[2 * i + 1]);
+      for (int j = 0; j < P; ++j) {
+        v16 w0, w1;
+        DequantPair(w[j] + b * kQ4BlockBytes + 128 + i * 16, d[j], m[j], w0, w1);
+        a[j][0] += x0 * w0;
+        a[j][1] += x1 * w1;
+      }
+    }
+  }
+  for (int j = 0; j < P; ++j) Store16(y + (p + j) * 16, a[j][0] + a[j][1]);
+}
+
+// One x row over panels p0 .. p1 (float32 or 4-bit): kPanelRowPanels at a time, then the 1-3 left.
+template <typename T>
+void PanelRows(const float* x, const T* w, float* y, int64_t K, int64_t p0, int64_t p1) {
+  int64_t p = p0;
+  for (; p + kPanelRowPanels <= p1; p += kPanelRowPanels) PanelRow<kPanelRowPanels>(x, w, y, K, p);
+  switch (p1 - p) {
+    case 3: PanelRow<3>(x, w, y, K, p); break;
+    case 2: PanelRow<2>(x, w, y, K, p); break;
+    case 1: PanelRow<1>(x, w, y, K, p); break;
+    default: break;
+  }
+}
+
+// Panels p .. p + panels of a 4-bit weight, rows k0 .. k1 (whole blocks) -> buf [panels][k1 - k0][16] float32.
+void DequantPanels(const uint8_t* wq, int64_t K, int64_t p, int64_t panels, int64_t k0, int64_t k1, float* buf) {
+  const int64_t nb = K / kQ4Rows, rows = k1 - k0;
+  for (int64_t j = 0; j < panels; ++j) {
+    for (int64_t b = k0 / kQ4Rows; b < k1 / kQ4Rows; ++b) {
+      const uint8_t* blk = wq + ((p + j) * nb + b) * kQ4BlockBytes;
+      const v16 d = LoadQ4Scale(blk), m = LoadQ4Scale(blk + 64);
+      float* out = buf + (j * rows + b * kQ4Rows - k0) * 16;
+      for (int64_t i = 0; i < kQ4Rows / 2; ++i) {
+        v16 w0, w1;
+        DequantPair(blk + 128 + i * 16, d, m, w0, w1);
+        Store16(out + 2 * i * 16, w0);
+        Store16(out + (2 * i + 1) * 16, w1);
+      }
+    }
+  }
+}
+
+void PackedProductQ4(const float* x, int64_t M, int64_t K, const Segment& s, int64_t p0, int64_t p1) {
+  if (M == 1) {
+    PanelRows(x, s.q, s.y, K, p0, p1);
+    return;
+  }
+  // blocks of kb weight rows (whole 4-bit blocks): each 3-panel group's block dequantized once, then every row
+  // group's register tile over it (the float32 panels' order of sums: the same result)
+  const int64_t kb = (M > 16 ? kTileKBlockWide : kTileKBlock) / kQ4Rows * kQ4Rows;
+  thread_local std::vector<float> buf;
+  buf.resize(3 * kb * 16);
+  for (int64_t k0 = 0; k0 < K; k0 += kb) {
+    const int64_t k1 = std::min(K, k0 + kb);
+    for (int64_t p = p0; p < p1; p += 3) {
+      const int64_t panels = std::min<int64_t>(3, p1 - p);
+      DequantPanels(s.q, K, p, panels, k0, k1, buf.data());
+      for (int64_t r0 = 0; r0 < M; r0 += kPanelRowGroup) {
+        const int64_t rows = std::min(kPanelRowGroup, M - r0);
+        PanelGroupRows(panels, x, buf.data(), (k1 - k0) * 16, s.y, K, s.N, r0, rows, p, k0, k1, k0 > 0);
+      }
+    }
+  }
+}
 
 // Panels p0 .. p1 of a packed segment: y[:, 16 p0 .. 16 p1] = x [M, K] @ W[:, those columns].
 void PackedProduct(const float* x, int64_t M, int64_t K, const Segment& s, int64_t p0, int64_t p1) {
+  if (s.q != nullptr) {
+    PackedProductQ4(x, M, K, s, p0, p1);
+    return;
+  }
   if (M == 1) {
-    int64_t p = p0;
-    for (; p + kPanelRowPanels <= p1; p += kPanelRowPanels) PanelRow<kPanelRowPanels>(x, s.w, s.y, K, p);
-    switch (p1 - p) {
-      case 3: PanelRow<3>(x, s.w, s.y, K, p); break;
-      case 2: PanelRow<2>(x, s.w, s.y, K, p); break;
-      case 1: PanelRow<1>(x, s.w, s.y, K, p); break;
-      default: break;
-    }
+    PanelRows(x, s.w, s.y, K, p0, p1);
     return;
   }
   if (M > kPanelRowGroup && K > 0) {
@@ -675,9 +946,8 @@ void PackedProduct(const float* x, int64_t M, int64_t K, const Segment& s, int64
         for (int64_t t = 0; t < groups; ++t) {
           const int64_t r0 = t * kPanelRowGroup, rows = std::min(kPanelRowGroup, M - r0);
           const int64_t from = t == 0 ? 0 : std::min(total, (t - 1) * share), to = t == 0 ? 0 : std::min(total, t * share);
-          if (panels == 3) PanelTileRows<3>(x, s.w, s.y, K, s.N, r0, rows, p, k0, k1, k0 > 0, &next, from, to);
-          else if (panels == 2) PanelTileRows<2>(x, s.w, s.y, K, s.N, r0, rows, p, k0, k1, k0 > 0, &next, from, to);
-          else PanelTileRows<1>(x, s.w, s.y, K, s.N, r0, rows, p, k0, k1, k0 > 0, &next, from, to);
+          PanelGroupRows(panels, x, s.w + (p * K + k0) * 16, K * 16, s.y, K, s.N, r0, rows, p, k0, k1, k0 > 0, &next,
+                         from, to);
         }
       }
     }
@@ -688,9 +958,7 @@ void PackedProduct(const float* x, int64_t M, int64_t K, const Segment& s, int64
     const int64_t panels = std::min<int64_t>(3, p1 - p);
     for (int64_t r0 = 0; r0 < M; r0 += kPanelRowGroup) {
       const int64_t rows = std::min(kPanelRowGroup, M - r0);
-      if (panels == 3) PanelTileRows<3>(x, s.w, s.y, K, s.N, r0, rows, p, 0, K, false);
-      else if (panels == 2) PanelTileRows<2>(x, s.w, s.y, K, s.N, r0, rows, p, 0, K, false);
-      else PanelTileRows<1>(x, s.w, s.y, K, s.N, r0, rows, p, 0, K, false);
+      PanelGroupRows(panels, x, s.w + p * K * 16, K * 16, s.y, K, s.N, r0, rows, p, 0, K, false);
     }
   }
 }
@@ -740,27 +1008,71 @@ std::string Dims2(const char* name, const ffi::Span<const int64_t>& d) {
   return s + "]";
 }
 
+using W = ffi::AnyBuffer;  // a weight: float32 [K, N] / [N, K] / packed panels, or uint8 4-bit panels
+
+// A weight's logical [K, N]: [K, N] itself, packed panels [N / 16, K, 16] or 4-bit panels [N / 16, K / 32, 384].
+struct WeightDims {
+  int64_t k = -1, n = -1;
+  bool packed = false;  // either panel layout
+  bool q4 = false;
+};
+
+WeightDims DimsOf(const W& w) {
+  const auto d = w.dimensions();
+  if (w.element_type() == ffi::DataType::F32) {
+    if (d.size() == 2) return WeightDims{d[0], d[1], false};
+    if (d.size() == 3 && d[2] == 16 && kPackedSupported) return WeightDims{d[1], d[0] * 16, true};
+  } else if (w.element_type() == ffi::DataType::U8 && d.size() == 3 && d[2] == kQ4BlockBytesAll &&
+             kPackedSupported) {
+    return WeightDims{d[1] * 32, d[0] * 16, true, true};
+  }
+  return WeightDims{};  // k = -1: matches nothing
+}
+
+// The segment of a panel-layout weight (either format).
+Segment PanelSegment(const W& w, float* y, int64_t N) {
+  if (w.element_type() == ffi::DataType::U8) {
+    return Segment{nullptr, y, N, true, static_cast<const uint8_t*>(w.untyped_data())};
+  }
+  return Segment{static_cast<const float*>(w.untyped_data()), y, N, true};
+}
+
+const float* F32Data(const W& w) { return static_cast<const float*>(w.untyped_data()); }  // DimsOf: F32 [K, N]
+
 // Checks shapes and collects the segment; returns an error message or "".
 template <bool kTransposed>
-std::string AddSegment(int64_t M, int64_t K, ffi::Buffer<ffi::F32>& w, ffi::Result<ffi::Buffer<ffi::F32>>& y,
+std::string AddSegment(int64_t M, int64_t K, const W& w, ffi::Result<ffi::Buffer<ffi::F32>>& y,
                        std::vector<Segment>& out) {
   const auto wd = w.dimensions(), yd = y->dimensions();
+  const WeightDims dims = DimsOf(w);
   if (!kTransposed && wd.size() == 3) {  // packed panels
-    if (!kPackedSupported) return "linear: packed weights [P, K, 16] need a CPU with AVX-512";
-    if (wd[2] != 16 || wd[1] != K || yd.size() != 2 || yd[0] != M || yd[1] != wd[0] * 16) {
+    if (!kPackedSupported) return "linear: packed weights need a CPU with AVX-512";
+    if (dims.k < 0 || dims.k != K || yd.size() != 2 || yd[0] != M || yd[1] != dims.n) {
       return "linear: shapes do not match: x [" + std::to_string(M) + ", " + std::to_string(K) + "], packed " +
-             Dims2("w", wd) + ", " + Dims2("y", yd) + " (w [N / 16, K, 16], y [M, N])";
+             Dims2("w", wd) + ", " + Dims2("y", yd) +
+             " (w float32 [N / 16, K, 16] or uint8 [N / 16, K / 32, 384], y [M, N])";
     }
-    out.push_back(Segment{w.typed_data(), y->typed_data(), wd[0] * 16, true});
+    out.push_back(PanelSegment(w, y->typed_data(), dims.n));
     return "";
   }
-  if (wd.size() != 2 || yd.size() != 2) return "linear: w must be 2-D (or packed [N / 16, K, 16]) and y 2-D";
+  if (kTransposed && w.element_type() == ffi::DataType::U8 && wd.size() == 3 && wd[2] == kQ8BlockBytes) {
+    if (wd[1] * kQ8Rows != K || yd.size() != 2 || yd[0] != M || yd[1] != wd[0]) {  // 8-bit rows [N, K / 32, 36]
+      return "linear: shapes do not match: x [" + std::to_string(M) + ", " + std::to_string(K) + "], 8-bit " +
+             Dims2("w", wd) + ", " + Dims2("y", yd) + " (w uint8 [N, K / 32, 36], y [M, N])";
+    }
+    out.push_back(Segment{nullptr, y->typed_data(), wd[0], false, nullptr,
+                          static_cast<const uint8_t*>(w.untyped_data())});
+    return "";
+  }
+  if (wd.size() != 2 || yd.size() != 2 || w.element_type() != ffi::DataType::F32) {
+    return "linear: w must be float32 2-D (or packed) and y 2-D";
+  }
   const int64_t N = kTransposed ? wd[0] : wd[1];
   if ((kTransposed ? wd[1] : wd[0]) != K || yd[0] != M || yd[1] != N) {
     return "linear: shapes do not match: x [" + std::to_string(M) + ", " + std::to_string(K) + "], " +
            Dims2("w", wd) + ", " + Dims2("y", yd) + (kTransposed ? " (w is [N, K])" : "");
   }
-  out.push_back(Segment{w.typed_data(), y->typed_data(), N});
+  out.push_back(Segment{F32Data(w), y->typed_data(), N});
   return "";
 }
 
@@ -793,6 +1105,12 @@ constexpr int64_t kSplitKMaxRows = NIGHTJAR_SPLIT_K_MAX_ROWS;
 #define NIGHTJAR_NT_TILE_MIN_ROWS (NIGHTJAR_SPLIT_K_MAX_ROWS + 1)
 #endif
 constexpr int64_t kNtTileMinRows = NIGHTJAR_NT_TILE_MIN_ROWS;
+// With AVX-512, 2 .. kNtFewRows rows of x take BlockNTFew (a weight vector per 16 elements, every x row against
+// it) instead of the tiles: SmolLM2's head alone (AMD EPYC Zen 4, 2026-12-03, medians of 6 rounds in one process)
+// float32 3.8 / 4.8 / 6.1 / 6.1 / 6.9 ms at 2 / 3 / 4 / 6 / 8 rows against 5.9 / 6.8 / 6.4 / 6.0 / 6.1 for BlockNTx,
+// and from 8-bit rows 1.4 / 1.9 / 2.6 / 3.2 / 4.3 ms against 8.0-9.0 through a buffer for the tiles. One kernel for
+// both formats keeps their sums identical.
+constexpr int64_t kNtFewRows = 8;
 constexpr int64_t kSplitKMinRows = 32;  // weight rows per item at least (a chunk must outweigh its wake-up)
 
 // One split-K item: out [M, N] = x[:, k0:k1] @ W[k0:k1, :].
@@ -948,8 +1266,8 @@ ffi::Error RunSegments(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_
   }
   const Item* ip = items.data();
 #ifdef __AVX512F__
-  // the transposed kernel from kNtTileMinRows rows: x^T once, zero-padded to 16-column groups (BlockNTx)
-  const int64_t ldxt = kTransposed && M >= std::max<int64_t>(2, kNtTileMinRows) ? (M + 15) / 16 * 16 : 0;
+  // the transposed tiles past kNtFewRows rows: x^T once, zero-padded to 16-column groups (BlockNTx)
+  const int64_t ldxt = kTransposed && M > kNtFewRows && M >= kNtTileMinRows ? (M + 15) / 16 * 16 : 0;
   std::vector<float> xt_store(ldxt * K, 0.0f);
   for (int64_t k = 0; k < (ldxt ? K : 0); ++k) {
     for (int64_t m = 0; m < M; ++m) xt_store[k * ldxt + m] = xp[m * K + k];
@@ -958,6 +1276,32 @@ ffi::Error RunSegments(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_
 #endif
   nightjar::ParallelFor(pool, static_cast<int64_t>(items.size()), [=](int64_t it) {
     const Item& item = ip[it];
+#ifdef __AVX512F__
+    if (kTransposed && M >= 2 && M <= kNtFewRows) {
+      const int64_t K_ = K;
+      if (item.seg.q8 != nullptr) {
+        const uint8_t* wq = item.seg.q8;
+        const int64_t row_bytes = K / kQ8Rows * kQ8BlockBytes;
+        BlockNTFew(xp, M, K, item.seg.N, item.c0, item.c1, item.seg.y,
+                   [=](int64_t n, int64_t k) { return LoadQ8(wq + n * row_bytes, k); },
+                   [](int64_t, int64_t) { return 0.0f; });
+      } else {
+        const float* w = item.seg.w;
+        BlockNTFew(xp, M, K, item.seg.N, item.c0, item.c1, item.seg.y,
+                   [=](int64_t n, int64_t k) { return Load16(w + n * K_ + k); },
+                   [=](int64_t n, int64_t k) { return w[n * K_ + k]; });
+      }
+      return;
+    }
+#endif
+    if (kTransposed && item.seg.q8 != nullptr) {
+#ifdef __AVX512F__
+      BlockNTQ8(xp, xt, ldxt, item.seg.q8, item.seg.y, M, K, item.seg.N, item.c0, item.c1);
+#else
+      BlockNTQ8(xp, nullptr, 0, item.seg.q8, item.seg.y, M, K, item.seg.N, item.c0, item.c1);
+#endif
+      return;
+    }
 #ifdef __AVX512F__
     if (kTransposed && ldxt > 0) {
       BlockNTx(xt, ldxt, item.seg.w, item.seg.y, M, K, item.seg.N, item.c0, item.c1);
@@ -985,7 +1329,7 @@ using Out = ffi::Result<ffi::Buffer<ffi::F32>>;
 // xp [M, K] (checked by the caller) times each product's weight into its output, shapes checked.
 template <bool kTransposed>
 ffi::Error RunProducts(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K,
-                       std::initializer_list<std::pair<In*, Out*>> products) {
+                       std::initializer_list<std::pair<W*, Out*>> products) {
   std::vector<Segment> segments;
   for (const auto& [w, y] : products) {
     const std::string error = AddSegment<kTransposed>(M, K, *w, *y, segments);
@@ -995,7 +1339,7 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_
 }
 
 template <bool kTransposed>
-ffi::Error Run(ffi::ThreadPool& pool, In& x, std::initializer_list<std::pair<In*, Out*>> products) {
+ffi::Error Run(ffi::ThreadPool& pool, In& x, std::initializer_list<std::pair<W*, Out*>> products) {
   if (x.dimensions().size() != 2) return ffi::Error::InvalidArgument("linear: x must be 2-D");
   return RunProducts<kTransposed>(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], products);
 }
@@ -1026,42 +1370,44 @@ std::string RmsNorm(In& x, In& gain, float eps, std::vector<float>& xn) {
 }
 
 ffi::Error RmsLinear(ffi::ThreadPool& pool, In& x, In& gain, float eps,
-                     std::initializer_list<std::pair<In*, Out*>> products) {
+                     std::initializer_list<std::pair<W*, Out*>> products) {
   std::vector<float> xn;
   std::string error = RmsNorm(x, gain, eps, xn);
   if (!error.empty()) return ffi::Error::InvalidArgument(error);
   return RunProducts<false>(pool, xn.data(), x.dimensions()[0], x.dimensions()[1], products);
 }
 
-ffi::Error RmsLinear2(ffi::ThreadPool pool, In x, In gain, In w1, In w2, Out y1, Out y2, float eps) {
+ffi::Error RmsLinear2(ffi::ThreadPool pool, In x, In gain, W w1, W w2, Out y1, Out y2, float eps) {
   return RmsLinear(pool, x, gain, eps, {{&w1, &y1}, {&w2, &y2}});
 }
-ffi::Error RmsLinear3(ffi::ThreadPool pool, In x, In gain, In w1, In w2, In w3, Out y1, Out y2, Out y3, float eps) {
+ffi::Error RmsLinear3(ffi::ThreadPool pool, In x, In gain, W w1, W w2, W w3, Out y1, Out y2, Out y3, float eps) {
   return RmsLinear(pool, x, gain, eps, {{&w1, &y1}, {&w2, &y2}, {&w3, &y3}});
 }
 
 // h = silu(RMSNorm(x) @ W_gate) * (RMSNorm(x) @ W_up): both products in one pass over the pool, then the gate.
-ffi::Error RmsSwiGlu(ffi::ThreadPool pool, In x, In gain, In wg, In wu, Out h, float eps) {
+ffi::Error RmsSwiGlu(ffi::ThreadPool pool, In x, In gain, W wg, W wu, Out h, float eps) {
   std::vector<float> xn;
   std::string error = RmsNorm(x, gain, eps, xn);
   if (!error.empty()) return ffi::Error::InvalidArgument(error);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   const auto gd = wg.dimensions(), ud = wu.dimensions(), hd = h->dimensions();
-  if (gd.size() == 3 || ud.size() == 3) {  // packed panels [N / 16, K, 16]
+  const WeightDims gdims = DimsOf(wg), udims = DimsOf(wu);
+  if (gd.size() == 3 || ud.size() == 3) {  // packed panels (either format)
     if (!kPackedSupported) return ffi::Error::InvalidArgument("rms_swiglu: packed weights need AVX-512");
-    if (gd.size() != 3 || ud.size() != 3 || hd.size() != 2 || gd[0] != ud[0] || gd[1] != K || ud[1] != K ||
-        gd[2] != 16 || ud[2] != 16 || hd[0] != M || hd[1] != gd[0] * 16) {
+    if (!gdims.packed || !udims.packed || hd.size() != 2 || gdims.n != udims.n || gdims.k != K || udims.k != K ||
+        hd[0] != M || hd[1] != gdims.n) {
       return ffi::Error::InvalidArgument("rms_swiglu: shapes do not match: x [" + std::to_string(M) + ", " +
                                          std::to_string(K) + "], packed " + Dims2("w_gate", gd) + ", " +
                                          Dims2("w_up", ud) + ", " + Dims2("h", hd) +
-                                         " (w_gate and w_up [N / 16, K, 16], h [M, N])");
+                                         " (w_gate and w_up float32 [N / 16, K, 16] or uint8 [N / 16, K / 32, 384], "
+                                         "h [M, N])");
     }
-    const int64_t N = gd[0] * 16;
+    const int64_t N = gdims.n;
     float* hp = h->typed_data();
     if (M == 0 || N == 0) return ffi::Error::Success();
     std::vector<float> gate(M * N), up(M * N);
     // items of the same panels of both weights, each applying the gate to its columns
-    const Segment sg{wg.typed_data(), gate.data(), N, true}, su{wu.typed_data(), up.data(), N, true};
+    const Segment sg = PanelSegment(wg, gate.data(), N), su = PanelSegment(wu, up.data(), N);
     const std::vector<PackedItem> items = PlanPacked(M, {sg}, std::max<int64_t>(1, pool.num_threads()));
     const PackedItem* ip = items.data();
     const float* xp = xn.data();
@@ -1070,7 +1416,7 @@ ffi::Error RmsSwiGlu(ffi::ThreadPool pool, In x, In gain, In wg, In wu, Out h, f
     });
     return ffi::Error::Success();
   }
-  if (gd.size() != 2 || ud.size() != 2 || hd.size() != 2 || gd[0] != K || ud[0] != K || gd[1] != ud[1] ||
+  if (gdims.k < 0 || udims.k < 0 || hd.size() != 2 || gd[0] != K || ud[0] != K || gd[1] != ud[1] ||
       hd[0] != M || hd[1] != gd[1]) {
     return ffi::Error::InvalidArgument("rms_swiglu: shapes do not match: x [" + std::to_string(M) + ", " +
                                        std::to_string(K) + "], " + Dims2("w_gate", gd) + ", " + Dims2("w_up", ud) +
@@ -1085,8 +1431,8 @@ ffi::Error RmsSwiGlu(ffi::ThreadPool pool, In x, In gain, In wg, In wu, Out h, f
     const int64_t threads = std::max<int64_t>(1, pool.num_threads());
     const int64_t width = TileBlockWidth(N, threads);
     const float* xp = xn.data();
-    const float* gw = wg.typed_data();
-    const float* uw = wu.typed_data();
+    const float* gw = F32Data(wg);
+    const float* uw = F32Data(wu);
     float* hp = h->typed_data();
     nightjar::ParallelFor(pool, (N + width - 1) / width, [=](int64_t it) {
       const int64_t c0 = it * width, c1 = std::min(N, c0 + width), cols = c1 - c0;
@@ -1106,8 +1452,7 @@ ffi::Error RmsSwiGlu(ffi::ThreadPool pool, In x, In gain, In wg, In wu, Out h, f
   }
 #endif
   std::vector<float> gate(M * N), up(M * N);  // RunSegments skips empty products and zero-fills K = 0
-  const std::vector<Segment> products = {Segment{wg.typed_data(), gate.data(), N},
-                                         Segment{wu.typed_data(), up.data(), N}};
+  const std::vector<Segment> products = {Segment{F32Data(wg), gate.data(), N}, Segment{F32Data(wu), up.data(), N}};
   ffi::Error run = RunSegments<false>(pool, xn.data(), M, K, products);
   if (run.failure()) return run;
   float* hp = h->typed_data();
@@ -1116,7 +1461,7 @@ ffi::Error RmsSwiGlu(ffi::ThreadPool pool, In x, In gain, In wg, In wu, Out h, f
 }
 
 // y = r + x @ W (the residual add of o_proj and down_proj).
-ffi::Error LinearResidual(ffi::ThreadPool pool, In x, In w, In r, Out y) {
+ffi::Error LinearResidual(ffi::ThreadPool pool, In x, W w, In r, Out y) {
   if (x.dimensions().size() != 2) return ffi::Error::InvalidArgument("linear_residual: x must be 2-D");
   const auto rd = r.dimensions(), yd = y->dimensions();
   if (rd.size() != 2 || rd[0] != yd[0] || rd[1] != yd[1]) {
@@ -1132,23 +1477,10 @@ ffi::Error LinearResidual(ffi::ThreadPool pool, In x, In w, In r, Out y) {
 // The next layer's pre-attention norm and q/k/v, when a call also runs them (AttnOutMlpQkv).
 struct NextQkv {
   In* gain;
-  In* w[3];
+  W* w[3];
   Out* y[3];
   float eps;
 };
-
-// A weight's logical [K, N]: [K, N] itself, or packed panels [N / 16, K, 16].
-struct WeightDims {
-  int64_t k = -1, n = -1;
-  bool packed = false;
-};
-
-WeightDims DimsOf(In& w) {
-  const auto d = w.dimensions();
-  if (d.size() == 2) return WeightDims{d[0], d[1], false};
-  if (d.size() == 3 && d[2] == 16 && kPackedSupported) return WeightDims{d[1], d[0] * 16, true};
-  return WeightDims{};  // k = -1: matches nothing
-}
 
 // The rest of a decoder layer after attention, in one call:
 //   r1 = r + a @ W_o;  y = r1 + W_down(silu(RMSNorm(r1) @ W_gate) * (RMSNorm(r1) @ W_up))
@@ -1156,7 +1488,7 @@ WeightDims DimsOf(In& w) {
 // (o_proj split-K items; the residual add and the norm; gate/up items; the gate; down_proj items and the residual
 // add; [the next norm; q/k/v items; their partials]): the pool is woken once per layer instead of four times, and
 // between the dependent products the threads spin instead of going back to the pool.
-ffi::Error AttnOutMlpImpl(ffi::ThreadPool& pool, In& a, In& r, In& wo, In& gain, In& wg, In& wu, In& wd, Out& y,
+ffi::Error AttnOutMlpImpl(ffi::ThreadPool& pool, In& a, In& r, W& wo, In& gain, W& wg, W& wu, W& wd, Out& y,
                           float eps, const NextQkv* next) {
   const auto ad = a.dimensions(), rd = r.dimensions(), od = wo.dimensions(), gd = gain.dimensions(),
              gwd = wg.dimensions(), ud = wu.dimensions(), dd = wd.dimensions(), yd = y->dimensions();
@@ -1208,10 +1540,10 @@ ffi::Error AttnOutMlpImpl(ffi::ThreadPool& pool, In& a, In& r, In& wo, In& gain,
   if (packed) {
     // panel items (no partial sums): o_proj; the residual add and the norm; gate and up over the same panels, each
     // item applying the gate to its columns; down_proj; the residual add [and the next norm; q/k/v]
-    const std::vector<Segment> so = {Segment{wo.typed_data(), yp, H, true}};
-    const std::vector<Segment> sg = {Segment{wg.typed_data(), gate.data(), I, true}};
-    const std::vector<Segment> su = {Segment{wu.typed_data(), up.data(), I, true}};
-    const std::vector<Segment> sd = {Segment{wd.typed_data(), down.data(), H, true}};
+    const std::vector<Segment> so = {PanelSegment(wo, yp, H)};
+    const std::vector<Segment> sg = {PanelSegment(wg, gate.data(), I)};
+    const std::vector<Segment> su = {PanelSegment(wu, up.data(), I)};
+    const std::vector<Segment> sd = {PanelSegment(wd, down.data(), H)};
     const std::vector<PackedItem> io = PlanPacked(M, so, threads), igu = PlanPacked(M, sg, threads),
                                   id = PlanPacked(M, sd, threads), iq = PlanPacked(M, qkv, threads);
     const float* ap = a.typed_data();
@@ -1245,11 +1577,11 @@ ffi::Error AttnOutMlpImpl(ffi::ThreadPool& pool, In& a, In& r, In& wo, In& gain,
     if (K == 0) segments.clear();
     return PlanSplitK(M, K, segments, threads);
   };
-  const SplitKPlan po = plan_for(A, {Segment{wo.typed_data(), yp, H}});
+  const SplitKPlan po = plan_for(A, {Segment{F32Data(wo), yp, H}});
   const SplitKPlan pgu = plan_for(H, I == 0 ? std::vector<Segment>{}
-                                             : std::vector<Segment>{Segment{wg.typed_data(), gate.data(), I},
-                                                                    Segment{wu.typed_data(), up.data(), I}});
-  const SplitKPlan pd = plan_for(I, {Segment{wd.typed_data(), down.data(), H}});
+                                             : std::vector<Segment>{Segment{F32Data(wg), gate.data(), I},
+                                                                    Segment{F32Data(wu), up.data(), I}});
+  const SplitKPlan pd = plan_for(I, {Segment{F32Data(wd), down.data(), H}});
   const SplitKPlan pq = plan_for(H, qkv);
   const float* ap = a.typed_data();
   const float* rp = r.typed_data();
@@ -1282,51 +1614,52 @@ ffi::Error AttnOutMlpImpl(ffi::ThreadPool& pool, In& a, In& r, In& wo, In& gain,
   return ffi::Error::Success();
 }
 
-ffi::Error AttnOutMlp(ffi::ThreadPool pool, In a, In r, In wo, In gain, In wg, In wu, In wd, Out y, float eps) {
+ffi::Error AttnOutMlp(ffi::ThreadPool pool, In a, In r, W wo, In gain, W wg, W wu, W wd, Out y, float eps) {
   return AttnOutMlpImpl(pool, a, r, wo, gain, wg, wu, wd, y, eps, nullptr);
 }
 
 // AttnOutMlp, then the next layer's q/k/v from RMSNorm(y) with its gain (attr eps_next).
-ffi::Error AttnOutMlpQkv(ffi::ThreadPool pool, In a, In r, In wo, In gain, In wg, In wu, In wd, In gain_next, In wq,
-                         In wk, In wv, Out y, Out q, Out k, Out v, float eps, float eps_next) {
+ffi::Error AttnOutMlpQkv(ffi::ThreadPool pool, In a, In r, W wo, In gain, W wg, W wu, W wd, In gain_next, W wq,
+                         W wk, W wv, Out y, Out q, Out k, Out v, float eps, float eps_next) {
   const NextQkv next{&gain_next, {&wq, &wk, &wv}, {&q, &k, &v}, eps_next};
   return AttnOutMlpImpl(pool, a, r, wo, gain, wg, wu, wd, y, eps, &next);
 }
 
 template <bool kTransposed>
-ffi::Error Linear1(ffi::ThreadPool pool, In x, In w, Out y) {
+ffi::Error Linear1(ffi::ThreadPool pool, In x, W w, Out y) {
   return Run<kTransposed>(pool, x, {{&w, &y}});
 }
-ffi::Error Linear2(ffi::ThreadPool pool, In x, In w1, In w2, Out y1, Out y2) {
+ffi::Error Linear2(ffi::ThreadPool pool, In x, W w1, W w2, Out y1, Out y2) {
   return Run<false>(pool, x, {{&w1, &y1}, {&w2, &y2}});
 }
-ffi::Error Linear3(ffi::ThreadPool pool, In x, In w1, In w2, In w3, Out y1, Out y2, Out y3) {
+ffi::Error Linear3(ffi::ThreadPool pool, In x, W w1, W w2, W w3, Out y1, Out y2, Out y3) {
   return Run<false>(pool, x, {{&w1, &y1}, {&w2, &y2}, {&w3, &y3}});
 }
 
 }  // namespace
 
-#define NJ_W .Arg<ffi::Buffer<ffi::F32>>()
+#define NJ_X .Arg<ffi::Buffer<ffi::F32>>()
+#define NJ_W .Arg<ffi::AnyBuffer>()
 #define NJ_Y .Ret<ffi::Buffer<ffi::F32>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinearF32, (Linear1<false>), ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_Y);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinearNtF32, (Linear1<true>), ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_Y);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinear2F32, Linear2, ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_Y NJ_Y);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinearF32, (Linear1<false>), ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_W NJ_Y);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinearNtF32, (Linear1<true>), ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_W NJ_Y);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinear2F32, Linear2, ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_W NJ_W NJ_Y NJ_Y);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinear3F32, Linear3,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_W NJ_Y NJ_Y NJ_Y);
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_W NJ_W NJ_W NJ_Y NJ_Y NJ_Y);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjRmsLinear2F32, RmsLinear2,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_W NJ_Y NJ_Y
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_X NJ_W NJ_W NJ_Y NJ_Y
                                   .Attr<float>("eps"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjRmsLinear3F32, RmsLinear3,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_W NJ_W NJ_Y NJ_Y NJ_Y
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_X NJ_W NJ_W NJ_W NJ_Y NJ_Y NJ_Y
                                   .Attr<float>("eps"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjRmsSwiGluF32, RmsSwiGlu,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_W NJ_Y.Attr<float>("eps"));
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_X NJ_W NJ_W NJ_Y.Attr<float>("eps"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjAttnOutMlpF32, AttnOutMlp,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W NJ_Y
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_X NJ_W NJ_X NJ_W NJ_W NJ_W NJ_Y
                                   .Attr<float>("eps"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjAttnOutMlpQkvF32, AttnOutMlpQkv,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_X NJ_W NJ_X NJ_W NJ_W NJ_W NJ_X NJ_W NJ_W
                                   NJ_W NJ_Y NJ_Y NJ_Y NJ_Y.Attr<float>("eps").Attr<float>("eps_next"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinearResidualF32, LinearResidual,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_W NJ_W NJ_W NJ_Y);
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_W NJ_X NJ_Y);

@@ -155,7 +155,7 @@ def test_packed_attn_out_mlp_matches_numpy(m):
 
 @pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-mha"])  # tied head, untied head (its kernel packed too)
 def test_pack_state_gives_the_same_logits(preset):
-    from nightjar_jax.models.llama import BatchMetadata, allocate_kv_cache, init_model, make_model_fns
+    from nightjar_jax.models.llama import init_model
     from nightjar_jax.models.presets import get_preset
 
     cfg = get_preset(preset).config
@@ -167,14 +167,19 @@ def test_pack_state_gives_the_same_logits(preset):
         assert packed is state
         return
     assert any(len(s) == 3 and s[-1] == 16 for s in shapes)
-    hidden_fn, logits_fn = make_model_fns(graphdef)
     for q_len in (1, 5, 24):  # one row, a register tile, row groups
-        outs = []
-        for st in (state, packed):
-            kv = allocate_kv_cache(cfg, num_pages=32, page_size=4)
-            tokens = jnp.asarray(np.arange(2 * q_len, dtype=np.int32).reshape(2, q_len) * 37 % cfg.vocab_size)
-            md = BatchMetadata(block_tables=jnp.asarray([[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]], jnp.int32),
-                               context_lens=jnp.asarray([q_len, q_len], jnp.int32))
-            hidden, _ = jax.jit(hidden_fn)(st, tokens, kv, md)
-            outs.append(np.asarray(jax.jit(logits_fn)(st, hidden)))
-        np.testing.assert_allclose(outs[1], outs[0], rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(model_logits(cfg, graphdef, packed, q_len),
+                                   model_logits(cfg, graphdef, state, q_len), rtol=2e-4, atol=2e-4)
+
+
+def model_logits(cfg, graphdef, state, q_len: int) -> np.ndarray:
+    """Logits of a prefill of two sequences of ``q_len`` tokens each (q_len rows per sequence on the kernel)."""
+    from nightjar_jax.models.llama import BatchMetadata, allocate_kv_cache, make_model_fns
+
+    hidden_fn, logits_fn = make_model_fns(graphdef)
+    kv = allocate_kv_cache(cfg, num_pages=32, page_size=4)
+    tokens = jnp.asarray(np.arange(2 * q_len, dtype=np.int32).reshape(2, q_len) * 37 % cfg.vocab_size)
+    md = BatchMetadata(block_tables=jnp.asarray([[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]], jnp.int32),
+                       context_lens=jnp.asarray([q_len, q_len], jnp.int32))
+    hidden, _ = jax.jit(hidden_fn)(state, tokens, kv, md)
+    return np.asarray(jax.jit(logits_fn)(state, hidden))

@@ -1,0 +1,238 @@
+"""4-bit block panels and 8-bit head rows for the CPU linear kernels (``kernels_pallas/linear/cpu.py``).
+
+``pack_q4``: a weight whose every 32-row block of a column is exactly ``d * q + m`` (q in 0 .. 15, d and m 16-bit
+floats: a GGUF Q4_1 weight dequantized, as SmolLM2-135M's 210 matrices are) is held as
+``uint8 [N / 16, K / 32, 384]``, and every product from it equals the float32 panels' product to the bit.
+
+Checked: finding d and m from the float32 weight alone (and refusing anything not reproduced bit for bit: random
+weights, one element off by an ulp, K not a multiple of 32), the exact round trip, bit equality with the float32
+panels for one row (dequantized in registers), register tiles and row groups over dequantized blocks, every fused
+form, XLA's fallback (an exact float32 copy), and ``pack_state``: a model quantized as Q4_1 gets 4-bit panels and the
+same logits to the bit as float32 panels, ``compact=False`` keeps float32, a model that is not Q4_1 keeps float32.
+
+The tied head's table quantized as GGUF Q8_0 (``pack_q8``: ``d * q`` per 32-element block of a row, q in -127 ..
+127) likewise: found or refused, the head's products (one row, the 12-row tiles) equal the float32 table's to the bit,
+and :func:`nightjar_jax.linear.embed` gathers its rows exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.linear import cpu
+from nightjar_jax.linear import attn_out_mlp, embed, linear, pack_state
+from tests.kernels.test_cpu_linear_packed import model_logits
+
+F32 = jnp.float32
+
+needs_packing = pytest.mark.skipif(
+    not cpu.packing_supported(),
+    reason=f"packed weights need the CPU linear kernel built with AVX-512 (available: {cpu.available()})",
+)
+
+
+def q4_1(w: np.ndarray) -> np.ndarray:
+    """``w [K, N]`` quantized as llama.cpp's Q4_1 does it (per 32-row block of a column: m = min, d = (max - min) /
+    15, both stored as 16-bit floats, q = round((w - m) / d) in 0 .. 15), returned dequantized in float32."""
+    k, n = w.shape
+    b = w.reshape(k // 32, 32, n).astype(np.float32)
+    lo, hi = b.min(axis=1), b.max(axis=1)
+    d = ((hi - lo) / 15).astype(np.float16).astype(np.float32)
+    m = lo.astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[:, None] > 0, np.rint((b - m[:, None]) / d[:, None]), 0)
+    q = np.clip(q, 0, 15).astype(np.uint8).astype(np.float32)  # whole numbers (no -0.0), as stored
+    return (d[:, None] * q + m[:, None]).astype(np.float32).reshape(k, n)
+
+
+def q8_0(w: np.ndarray) -> np.ndarray:
+    """``w [N, K]`` quantized as llama.cpp's Q8_0 (per 32-element block of a row: d = max |w| / 127 as a 16-bit
+    float, q = round(w / d) in -127 .. 127), returned dequantized in float32."""
+    n, k = w.shape
+    b = w.reshape(n, k // 32, 32).astype(np.float32)
+    d = (np.abs(b).max(axis=2) / 127).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[..., None] > 0, np.rint(b / d[..., None]), 0)
+    q = np.clip(q, -127, 127).astype(np.int8).astype(np.float32)  # whole numbers (no -0.0), as stored
+    return (d[..., None] * q).astype(np.float32).reshape(n, k)
+
+
+def _q4_weight(rng, k, n, scale=0.1):
+    return q4_1((scale * rng.standard_normal((k, n))).astype(np.float32))
+
+
+def test_pack_q4_finds_the_blocks_exactly_or_refuses():
+    rng = np.random.default_rng(0)
+    w = _q4_weight(rng, 64, 48)
+    wq = cpu.pack_q4(jnp.asarray(w))
+    assert wq is not None and wq.dtype == jnp.uint8 and wq.shape == (3, 2, cpu.Q4_BLOCK_BYTES)
+    assert cpu.is_q4(wq) and cpu.is_packed(wq) and not cpu.is_q4(cpu.pack(jnp.asarray(w)))
+    assert (cpu.in_features(wq), cpu.out_features(wq)) == (64, 48)
+    # exact: the dequantized panels are the float32 panels bit for bit, and unpack gives w back
+    np.testing.assert_array_equal(np.asarray(cpu.q4_dequantize(wq)), np.asarray(cpu.pack(jnp.asarray(w))))
+    np.testing.assert_array_equal(np.asarray(cpu.unpack(wq)), w)
+    # a block of equal values (d = 0) round-trips too
+    w2 = w.copy()
+    w2[:32, 5] = w2[0, 5]
+    np.testing.assert_array_equal(np.asarray(cpu.unpack(cpu.pack_q4(jnp.asarray(w2)))), w2)
+    # refused: a weight that is not Q4_1, one element off by an ulp, shapes the layout cannot hold
+    assert cpu.pack_q4(jnp.asarray(rng.standard_normal((64, 48)).astype(np.float32))) is None
+    w3 = w.copy()
+    w3[40, 7] = np.nextafter(w3[40, 7], np.float32(10))
+    assert cpu.pack_q4(jnp.asarray(w3)) is None
+    assert cpu.pack_q4(jnp.asarray(_q4_weight(rng, 64, 48)[:48])) is None  # K = 48: not whole blocks
+    assert cpu.pack_q4(jnp.asarray(w[:, :40])) is None  # N = 40: not whole panels
+    assert cpu.pack_q4(jnp.asarray(w, jnp.bfloat16)) is None
+
+
+@needs_packing
+@pytest.mark.parametrize("m,k,n", [
+    (1, 64, 48), (1, 32, 16), (1, 320, 80), (1, 64, 128),  # one row: 4 panels at once and the 1-3 left
+    (2, 64, 48), (5, 96, 32), (8, 320, 80),               # one register tile over 96-row dequantized blocks
+    (9, 64, 48), (17, 320, 48), (33, 608, 112),           # row groups; 288-row blocks past 16 rows; a short block
+])
+def test_q4_products_equal_float32_panels(m, k, n):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    w = _q4_weight(rng, k, n)
+    y32 = np.asarray(jax.jit(cpu.linear_cpu)(x, cpu.pack(jnp.asarray(w))))
+    y4 = np.asarray(jax.jit(cpu.linear_cpu)(x, cpu.pack_q4(jnp.asarray(w))))
+    np.testing.assert_array_equal(y4, y32)
+    np.testing.assert_allclose(y4, np.asarray(x, np.float64) @ w, rtol=1e-4, atol=1e-4)
+
+
+@needs_packing
+@pytest.mark.parametrize("m", [1, 3, 13])
+def test_q4_fused_forms_equal_float32_panels(m):
+    rng = np.random.default_rng(7 + m)
+    eps = 1e-5
+    x = jnp.asarray(rng.standard_normal((m, 64)).astype(np.float32))
+    g = jnp.asarray((1 + 0.1 * rng.standard_normal(64)).astype(np.float32))
+    ws = [_q4_weight(rng, 64, n) for n in (64, 32, 32)]
+    p32 = [cpu.pack(jnp.asarray(w)) for w in ws]
+    p4 = [cpu.pack_q4(jnp.asarray(w)) for w in ws]
+    for a, b in zip(cpu.linear_many_cpu(x, p4), cpu.linear_many_cpu(x, p32), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(cpu.rms_linear_many_cpu(x, g, p4, eps), cpu.rms_linear_many_cpu(x, g, p32, eps), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    wg, wu = _q4_weight(rng, 64, 96), _q4_weight(rng, 64, 96)
+    h4 = cpu.rms_swiglu_cpu(x, g, cpu.pack_q4(jnp.asarray(wg)), cpu.pack_q4(jnp.asarray(wu)), eps)
+    h32 = cpu.rms_swiglu_cpu(x, g, cpu.pack(jnp.asarray(wg)), cpu.pack(jnp.asarray(wu)), eps)
+    np.testing.assert_array_equal(np.asarray(h4), np.asarray(h32))
+    r = jnp.asarray(rng.standard_normal((m, 32)).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(cpu.linear_residual_cpu(x, p4[1], r)),
+                                  np.asarray(cpu.linear_residual_cpu(x, p32[1], r)))
+    # XLA's dot (impl="xla") takes an exact float32 copy
+    np.testing.assert_allclose(np.asarray(linear(x, p4[0], impl="xla")), np.asarray(x, np.float64) @ ws[0],
+                               rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu.linear_cpu(jnp.ones((2, 63), F32), p4[0])
+
+
+@needs_packing
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_q4_attn_out_mlp_equals_float32_panels(m):
+    rng = np.random.default_rng(20 + m)
+    eps = 1e-5
+    wo, wg, wu, wd = (_q4_weight(rng, k, n) for k, n in ((64, 32), (32, 96), (32, 96), (96, 32)))
+    g = jnp.asarray((1 + 0.1 * rng.standard_normal(32)).astype(np.float32))
+    gn = jnp.asarray((1 + 0.1 * rng.standard_normal(32)).astype(np.float32))
+    nws = [_q4_weight(rng, 32, n) for n in (48, 16, 16)]
+    a = jnp.asarray(rng.standard_normal((m, 64)).astype(np.float32))
+    r = jnp.asarray((2 * rng.standard_normal((m, 32))).astype(np.float32))
+    outs = []
+    for pack in (cpu.pack, cpu.pack_q4):
+        pk = [pack(jnp.asarray(w)) for w in (wo, wg, wu, wd)]
+        pn = [pack(jnp.asarray(w)) for w in nws]
+        y = cpu.attn_out_mlp_cpu(a, r, pk[0], g, *pk[1:], eps)
+        y2, qkv = jax.jit(lambda a, r, pk=pk, pn=pn: attn_out_mlp(a, r, pk[0], g, *pk[1:], eps, next_gain=gn,
+                                                                  next_ws=pn, next_eps=1e-6))(a, r)
+        np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
+        outs.append([np.asarray(y), *(np.asarray(t) for t in qkv)])
+    for a4, a32 in zip(outs[1], outs[0], strict=True):
+        np.testing.assert_array_equal(a4, a32)
+
+
+def test_fit_blocks_tries_the_neighbouring_scales():
+    # blocks whose d is one or two 16-bit steps from span / 15 (the first guess): found on the later candidates
+    rng = np.random.default_rng(3)
+    d = rng.uniform(0.01, 0.02, (4, 8)).astype(np.float16)
+    m = (-rng.uniform(0, 1, (4, 8))).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (4, 32, 8)).astype(np.float32)
+    blocks = (d.astype(np.float32)[:, None] * q + m[:, None]).astype(np.float32)
+    off = np.array([0, 1, -1, 2, -2, 0, 1, 0])  # per column: how far the guess is from d, in 16-bit steps
+    guess = (d.view(np.uint16) + off).astype(np.uint16).view(np.float16).astype(np.float64)
+    found = cpu._fit_blocks(blocks, 1, m, 15 * guess, 0, 15)
+    assert found is not None
+    np.testing.assert_array_equal(found[0], d.astype(np.float32))
+    np.testing.assert_array_equal(found[0][:, None] * found[1] + m[:, None], blocks)
+    off[3] = 3  # three steps away: not among the candidates
+    guess = (d.view(np.uint16) + off).astype(np.uint16).view(np.float16).astype(np.float64)
+    assert cpu._fit_blocks(blocks, 1, m, 15 * guess, 0, 15) is None
+
+
+def test_pack_q8_finds_the_blocks_exactly_or_refuses():
+    rng = np.random.default_rng(1)
+    w = q8_0(rng.standard_normal((50, 64)).astype(np.float32))
+    w[3, :32] = 0  # a block of zeros (d = 0)
+    wq = cpu.pack_q8(jnp.asarray(w))
+    assert wq is not None and wq.shape == (50, 2, cpu.Q8_BLOCK_BYTES) and cpu.is_q8(wq) and not cpu.is_packed(wq)
+    assert (cpu.in_features(wq, transposed=True), cpu.out_features(wq, transposed=True)) == (64, 50)
+    np.testing.assert_array_equal(np.asarray(cpu.q8_dequantize(wq)), w)
+    tokens = jnp.asarray([[0, 3, 49], [7, 7, 1]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(embed(wq, tokens)), w[np.asarray(tokens)])
+    np.testing.assert_array_equal(np.asarray(embed(jnp.asarray(w), tokens)), w[np.asarray(tokens)])
+    assert cpu.pack_q8(jnp.asarray(rng.standard_normal((50, 64)).astype(np.float32))) is None
+    w2 = w.copy()
+    w2[10, 40] = np.nextafter(w2[10, 40], np.float32(10))
+    assert cpu.pack_q8(jnp.asarray(w2)) is None
+    assert cpu.pack_q8(jnp.asarray(w[:, :48])) is None  # K = 48: not whole blocks
+
+
+@needs_packing
+@pytest.mark.parametrize("m,n", [(1, 100), (1, 33), (2, 100), (3, 61), (8, 31), (9, 100), (12, 200), (33, 130),
+                                 (40, 48)])
+def test_q8_head_equals_float32_head(m, n):
+    rng = np.random.default_rng(m * 100 + n)
+    x = jnp.asarray(rng.standard_normal((m, 96)).astype(np.float32))
+    w = q8_0(rng.standard_normal((n, 96)).astype(np.float32))
+    wq = cpu.pack_q8(jnp.asarray(w))
+    y8 = np.asarray(jax.jit(lambda x: cpu.linear_cpu(x, wq, transposed=True))(x))
+    y32 = np.asarray(jax.jit(lambda x: cpu.linear_cpu(x, jnp.asarray(w), transposed=True))(x))
+    np.testing.assert_array_equal(y8, y32)
+    np.testing.assert_allclose(y8, np.asarray(x, np.float64) @ w.T, rtol=1e-4, atol=1e-4)
+    # dispatch: the kernel for the rows it takes, XLA's dot on an exact float32 copy past them and with impl="xla"
+    np.testing.assert_allclose(np.asarray(linear(x, wq, transposed=True, impl="xla")), y32, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(linear(x, wq, transposed=True)), y32)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu.linear_cpu(jnp.ones((2, 64), F32), wq, transposed=True)
+
+
+@pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-mha"])  # tied head, untied head (its kernel packed too)
+def test_pack_state_holds_a_q4_model_as_4_bit_panels_with_the_same_logits(preset):
+    from nightjar_jax.models.llama import init_model
+    from nightjar_jax.models.presets import get_preset
+
+    cfg = get_preset(preset).config
+    graphdef, state = init_model(cfg, seed=3, linear_impl="auto")
+    if not cpu.packing_supported():  # nothing to pack for here
+        assert pack_state(state, "auto") is state
+        return
+    # quantize every linear weight as Q4_1 and the embedding as Q8_0 (a GGUF checkpoint dequantized)
+    def quantize(path, w):
+        key = jax.tree_util.keystr(path)
+        if "kernel" in key:
+            return jnp.asarray(q4_1(np.asarray(w)))
+        return jnp.asarray(q8_0(np.asarray(w))) if "embedding" in key else w
+
+    quantized = jax.tree_util.tree_map_with_path(quantize, state)
+    p4, p32 = pack_state(quantized, "auto"), pack_state(quantized, "auto", compact=False)
+    assert any(cpu.is_q4(leaf) for leaf in jax.tree.leaves(p4))
+    assert any(cpu.is_q8(leaf) for leaf in jax.tree.leaves(p4))  # the table (the tied head of tiny-gqa)
+    assert all(leaf.dtype != jnp.uint8 for leaf in jax.tree.leaves(p32))
+    assert all(leaf.dtype != jnp.uint8 for leaf in jax.tree.leaves(pack_state(state, "auto")))  # not Q4_1
+    for q_len in (1, 5, 24):  # one row, a register tile, row groups
+        np.testing.assert_array_equal(model_logits(cfg, graphdef, p4, q_len), model_logits(cfg, graphdef, p32, q_len))
