@@ -6,7 +6,9 @@ One run measures, on the same machine and under the same load:
    the bandwidth of its own moment (this VM's swings ~2x with its neighbours); and, finely interleaved, batch-1
    decode steps each followed by one read of the weights' bytes (``--interleaved-steps``): each step against the
    floor of its own moment;
-2. nightjar-jax AR decoding at each batch size: decode-only tokens/s and TPOT from the engine's step log;
+2. nightjar-jax AR decoding at each batch size: decode-only tokens/s and TPOT from the engine's step log (and, with
+   ``--compare-linear-xla`` / ``--compare-f32-weights``, a second engine without the CPU linear kernel / with
+   float32 weights instead of a GGUF's compact blocks, run in turn with it);
 3. the host-side share of a decode step at ``--host-batch`` (engine.step wall minus the jitted forward call,
    dispatch + block, measured by wrapping ``ModelRunner._forward_sample``);
 4. the peer: the same weights in ``transformers.LlamaForCausalLM.generate`` (greedy), decode time =
@@ -59,6 +61,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--compare-linear-xla", action="store_true",
                    help="also time a second engine with linear_impl='xla' (no CPU linear kernel) in the same run")
+    p.add_argument("--weight-format", default="auto", choices=("auto", "f32"),
+                   help="the engine's CPU kernel weights (auto: 4-bit panels / 8-bit head rows for a GGUF Q4_1 / "
+                        "Q8_0 model, losslessly; f32: float32)")
+    p.add_argument("--compare-f32-weights", action="store_true",
+                   help="also time a second engine with weight_format='f32' in the same run")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per batch size (best kept)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default="results/bench_engine.json")
@@ -206,27 +213,32 @@ def main() -> None:
     print(f"memory read bandwidth: numpy {bw['numpy_gbs']:.1f} GB/s, jax {bw['jax_gbs']:.1f} GB/s (median "
           f"{bw['jax_median_gbs']:.1f})", flush=True)
 
+    def engine(**kw):  # AR only (no default draft pair)
+        return LLM(args.model, max_model_len=512, max_num_seqs=max_batch, max_num_batched_tokens=512,
+                   num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, 0), dtype=args.dtype,
+                   draft_model=None, **kw)
+
     t0 = time.perf_counter()
-    llm = LLM(args.model, max_model_len=512, max_num_seqs=max_batch, max_num_batched_tokens=512,
-              num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, 0), dtype=args.dtype,
-              draft_model=None)  # AR only (no default draft pair)
+    llm = engine(weight_format=args.weight_format)
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s", flush=True)
-    llm_xla = None
+    alts = {}  # second engines timed in turn with the first: name -> LLM
     if args.compare_linear_xla:
-        llm_xla = LLM(args.model, max_model_len=512, max_num_seqs=max_batch, max_num_batched_tokens=512,
-                      num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, 0), dtype=args.dtype,
-                      draft_model=None, linear_impl="xla")
+        alts["xla-linear"] = engine(linear_impl="xla", weight_format=args.weight_format)
+    if args.compare_f32_weights:
+        alts["f32-weights"] = engine(weight_format="f32")
     weight_bytes = state_bytes(llm.engine.runner.target.state)
+    # the float32 model's bytes (every weight as a float32: what the peer reads, and the engine with f32 weights)
+    f32_bytes = state_bytes(llm.engine.runner.target.state, as_float32=True)
     floor_s = weight_bytes / (bw["best_gbs"] * 1e9)
-    print(f"weights {weight_bytes / 2**20:.0f} MiB -> batch-1 floor {1e3 * floor_s:.1f} ms/token "
-          f"({1 / floor_s:.1f} tok/s)", flush=True)
+    print(f"weights {weight_bytes / 2**20:.0f} MiB as held ({f32_bytes / 2**20:.0f} MiB as float32) -> batch-1 "
+          f"floor {1e3 * floor_s:.1f} ms/token ({1 / floor_s:.1f} tok/s)", flush=True)
     texts = load_prompt_texts(args.dataset)
     all_prompts, source = make_prompt_ids(llm.get_tokenizer(), texts, max_batch, args.prompt_len,
                                           llm.engine.target.config.vocab_size)
 
     hf = None if args.no_peer else build_hf_peer(args.model, args.threads)
     ours: dict[int, dict] = {}
-    ours_xla: dict[int, dict] = {}
+    ours_alt: dict[str, dict[int, dict]] = {name: {} for name in alts}
     peer: dict[int, dict] = {}
     paired: list[dict] = []  # batch-1 runs, each with the bandwidth measured just before and after it
     # The machine is shared: ours and the peer run back to back per batch size, --repeats times, and each keeps
@@ -234,8 +246,8 @@ def main() -> None:
     for b in batch_sizes:
         prompts = all_prompts[:b]
         run_decode_workload(llm, prompts, args.output_len)  # warm-up: compiles this batch's shapes
-        if llm_xla is not None:
-            run_decode_workload(llm_xla, prompts, args.output_len)
+        for alt in alts.values():
+            run_decode_workload(alt, prompts, args.output_len)
         for _ in range(args.repeats):
             bw_before = memory_bandwidth_gbs(args.bandwidth_mib << 20) if b == 1 else None
             run = run_decode_workload(llm, prompts, args.output_len)
@@ -248,10 +260,10 @@ def main() -> None:
                                "tpot_over_sustained_floor": run.tpot_ms / (1e3 * weight_bytes / (sustained * 1e9))})
             if b not in ours or run.tokens_per_second > ours[b]["tokens_per_second"]:
                 ours[b] = run.as_dict()
-            if llm_xla is not None:
-                run = run_decode_workload(llm_xla, prompts, args.output_len)
-                if b not in ours_xla or run.tokens_per_second > ours_xla[b]["tokens_per_second"]:
-                    ours_xla[b] = run.as_dict()
+            for name, alt in alts.items():
+                run = run_decode_workload(alt, prompts, args.output_len)
+                if b not in ours_alt[name] or run.tokens_per_second > ours_alt[name][b]["tokens_per_second"]:
+                    ours_alt[name][b] = run.as_dict()
             if hf is not None:
                 p = hf_decode(hf, prompts, args.output_len)
                 if b not in peer or p["tokens_per_second"] > peer[b]["tokens_per_second"]:
@@ -260,8 +272,8 @@ def main() -> None:
         ptxt = ""
         if b in peer:
             ptxt = f"  | HF {peer[b]['tokens_per_second']:8.1f} tok/s  TPOT {peer[b]['tpot_ms']:7.2f} ms"
-        if b in ours_xla:
-            ptxt += f"  | xla-linear {ours_xla[b]['tokens_per_second']:8.1f} tok/s"
+        for name, runs in ours_alt.items():
+            ptxt += f"  | {name} {runs[b]['tokens_per_second']:8.1f} tok/s"
         print(f"b={b:3d}: nightjar {o['tokens_per_second']:8.1f} tok/s  TPOT {o['tpot_ms']:7.2f} ms{ptxt}  "
               f"load={os.getloadavg()[0]:.1f}", flush=True)
     inter = None
@@ -308,12 +320,12 @@ def main() -> None:
             ratio = o["tokens_per_second"] / p["tokens_per_second"]
             ptxt = f"{p['tokens_per_second']:.1f} | {p['tpot_ms']:.1f} | {ratio:.2f}x"
         print(f"| {b} | {o['tokens_per_second']:.1f} | {o['tpot_ms']:.1f} | {ptxt} |")
-    if ours_xla:
+    for name, runs in ours_alt.items():
         print()
-        print("| batch | linear kernel tok/s | XLA dot tok/s | kernel / XLA |")
+        print(f"| batch | nightjar tok/s | {name} tok/s | nightjar / {name} |")
         print("|---:|---:|---:|---:|")
         for b in batch_sizes:
-            o, x = ours[b]["tokens_per_second"], ours_xla[b]["tokens_per_second"]
+            o, x = ours[b]["tokens_per_second"], runs[b]["tokens_per_second"]
             print(f"| {b} | {o:.1f} | {x:.1f} | {o / x:.2f}x |")
     goals = {}
     if 1 in ours:
@@ -326,6 +338,8 @@ def main() -> None:
             goals["batch1_step_over_interleaved_floor"] = inter["step_over_read_median"]
         if 1 in peer:
             goals["batch1_vs_peer"] = ours[1]["tokens_per_second"] / peer[1]["tokens_per_second"]
+        if f32_bytes != weight_bytes:  # compact weights: the floor of the float32 model's bytes, for reference
+            goals["batch1_tpot_over_f32_floor"] = ours[1]["tpot_ms"] / (1e3 * f32_bytes / (bw["best_gbs"] * 1e9))
     if 32 in ours and 32 in peer:
         goals["batch32_vs_peer"] = ours[32]["tokens_per_second"] / peer[32]["tokens_per_second"]
     if args.host_batch == 32:  # the issue's goal is stated at batch 32; other --host-batch values are informative
@@ -346,6 +360,8 @@ def main() -> None:
          "batch1_tpot_over_sustained_floor", lambda v: v <= 1.25),
         ("batch-1 step / interleaved floor <= 1.25 (median over steps, each against the read right after it)",
          "batch1_step_over_interleaved_floor", lambda v: v <= 1.25),
+        ("batch-1 TPOT / floor of the float32 weights' bytes <= 1.25 (informative: the model held compact)",
+         "batch1_tpot_over_f32_floor", lambda v: v <= 1.25),
         ("batch-1 tok/s / peer >= 1.0", "batch1_vs_peer", lambda v: v >= 1.0),
         ("batch-32 tok/s / peer >= 1.5", "batch32_vs_peer", lambda v: v >= 1.5),
         ("host share at batch 32 < 10%", "host_fraction", lambda v: v < 0.10),
@@ -356,8 +372,10 @@ def main() -> None:
     for p in peer.values():
         p.pop("tokens", None)
     write_json(args.out, {"args": vars(args), "machine": meta, "prompt_source": source, "bandwidth": bw,
-                          "weight_bytes": weight_bytes, "floor_ms": 1e3 * floor_s, "nightjar": ours,
-                          "nightjar_linear_xla": ours_xla, "peer": peer, "interleaved_batch1": inter,
+                          "weight_bytes": weight_bytes, "f32_weight_bytes": f32_bytes, "floor_ms": 1e3 * floor_s,
+                          "nightjar": ours, "nightjar_linear_xla": ours_alt.get("xla-linear", {}),
+                          "nightjar_f32_weights": ours_alt.get("f32-weights", {}), "peer": peer,
+                          "interleaved_batch1": inter,
                           "batch1_paired": paired, "host": host, "goals": goals,
                           "greedy_equal_to_peer": greedy_equal})
     print(f"wrote {args.out}")

@@ -66,7 +66,10 @@ def _has_avx512() -> bool:
 # EPYC (Zen 4) with AVX-512 from 2 rows, where they measured faster than the 4 x 3 TileNT at every row count from 2
 # (2026-12-03; products alone, the two in turn in one process: 2 rows 0.974, 3 rows 0.958, 4 rows 0.939, 5 rows 0.905,
 # 8 rows 0.857 of the time, 1 row 1.108; whole decode step at batch 2 / 4 / 8: 0.978 / 0.941 / 0.868). Not measured
-# on a Xeon, which keeps TileNT up to the split-K rows.
+# on a Xeon, which keeps TileNT up to the split-K rows. Since 2026-12-03 (afternoon) every AVX-512 CPU runs 2-8 rows
+# of the head on a kernel for few rows (cpu_kernel.cc BlockNTFew, kNtFewRows: the head alone 3.8 / 4.8 / 6.1 / 6.9 ms
+# at 2 / 3 / 4-6 / 8 rows against 5.9 / 6.8 / 6.0-6.4 / 6.1 on the tiles, and the only fast form for 8-bit rows), so
+# these limits now apply from 9 rows.
 _ZEN_AVX512 = _has_avx512() and cpu_vendor() == "AuthenticAMD"
 SPLIT_K_MAX_ROWS = 8 if _ZEN_AVX512 else 12
 NT_TILE_MIN_ROWS = 2 if _ZEN_AVX512 else SPLIT_K_MAX_ROWS + 1

@@ -112,12 +112,21 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def state_bytes(state) -> int:
-    """Total bytes of a model's weights (a pytree of arrays)."""
+def state_bytes(state, *, as_float32: bool = False) -> int:
+    """Total bytes of a model's weights (a pytree of arrays) as held, or with every weight a float32
+    (``as_float32``: compact 4-bit panels / 8-bit rows counted by the float32 elements they hold)."""
     import jax
 
-    return int(sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state)
-                   if hasattr(x, "shape")))
+    from kernels_pallas.linear import cpu
+
+    def nbytes(x) -> int:
+        if not as_float32:
+            return int(np.prod(x.shape)) * x.dtype.itemsize
+        if cpu.is_q4(x) or cpu.is_q8(x):
+            return 4 * cpu.in_features(x, transposed=cpu.is_q8(x)) * cpu.out_features(x, transposed=cpu.is_q8(x))
+        return 4 * int(np.prod(x.shape))
+
+    return int(sum(nbytes(x) for x in jax.tree_util.tree_leaves(state) if hasattr(x, "shape")))
 
 
 def pages_needed(batch_size: int, prompt_len: int, output_len: int, gamma_max: int, page_size: int = 16) -> int:

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.linear import cpu
+from nightjar_jax.bench.common import state_bytes
 from nightjar_jax.linear import attn_out_mlp, embed, linear, pack_state
 from tests.kernels.test_cpu_linear_packed import model_logits
 
@@ -233,6 +234,8 @@ def test_pack_state_holds_a_q4_model_as_4_bit_panels_with_the_same_logits(preset
     assert any(cpu.is_q4(leaf) for leaf in jax.tree.leaves(p4))
     assert any(cpu.is_q8(leaf) for leaf in jax.tree.leaves(p4))  # the table (the tied head of tiny-gqa)
     assert all(leaf.dtype != jnp.uint8 for leaf in jax.tree.leaves(p32))
+    # the bytes as held (what a step reads) and as float32 (what the compact blocks stand for)
+    assert state_bytes(p4, as_float32=True) == state_bytes(p32) > 3 * state_bytes(p4)
     assert all(leaf.dtype != jnp.uint8 for leaf in jax.tree.leaves(pack_state(state, "auto")))  # not Q4_1
     for q_len in (1, 5, 24):  # one row, a register tile, row groups
         np.testing.assert_array_equal(model_logits(cfg, graphdef, p4, q_len), model_logits(cfg, graphdef, p32, q_len))
