@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "pallas", "cpu", "reference")
 LINEAR_IMPLS = ("auto", "cpu", "xla")  # nightjar_jax/linear.py
-WEIGHT_FORMATS = ("auto", "f32")  # how the CPU kernel holds linear weights (nightjar_jax/linear.py pack_state)
+WEIGHT_FORMATS = ("auto", "compact", "f32")  # how the CPU kernel holds linear weights (linear.py pack_state)
 LOAD_FORMATS = ("auto", "hf", "safetensors", "gguf", "llama2c", "orbax", "dummy")
 
 
@@ -250,8 +250,9 @@ class EngineConfig:
     dtype: str | None = None  # None: the checkpoint's / preset's dtype
     attention_impl: str = "auto"
     linear_impl: str = "auto"  # linear layers: CPU kernels for few-row products (auto), or always XLA's dot (xla)
-    # the CPU kernel's weights: "auto" holds a model whose linear weights are exactly GGUF Q4_1 values as 4-bit
-    # panels (the same products to the bit from 0.75 bytes per weight), others as float32 panels; "f32": float32
+    # the CPU kernel's weights (nightjar_jax/linear.py pack_state): "compact" holds weights that are exactly GGUF
+    # Q4_1 / Q8_0 or bfloat16 values in those layouts (the same results to the bit from 0.75 / 1.125 / 2 bytes per
+    # weight), "auto" the same with float32 beside them for products of more than 5 rows, "f32" float32 only
     weight_format: str = "auto"
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -39,14 +39,14 @@ def _on_kernel(x: jax.Array, w: jax.Array, impl: str, *, transposed: bool = Fals
     # packed weights take the kernel at every row count (XLA's dot would need an unpacked copy of the weight)
     if impl == "auto" and not (cpu.is_packed(w) and not transposed):
         return cpu.use_kernel(x.shape, w, transposed=transposed)
-    return (w.dtype == jnp.float32 or cpu.is_q4(w) or (cpu.is_q8(w) and transposed)) and cpu.available()
+    return (w.dtype == jnp.float32 or (cpu.is_compact(w) and cpu.is_q8(w) == transposed)) and cpu.available()
 
 
 def _dtype(w: jax.Array) -> jnp.dtype:
-    """The compute dtype of a weight: float32 for 4-bit panels and 8-bit rows (their float32 values), else its own."""
+    """The compute dtype of a weight: float32 for the compact layouts (their float32 values), else its own."""
     from kernels_pallas.linear import cpu
 
-    return jnp.dtype(jnp.float32) if cpu.is_q4(w) or cpu.is_q8(w) else w.dtype
+    return jnp.dtype(jnp.float32) if cpu.is_compact(w) else w.dtype
 
 
 def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -54,7 +54,7 @@ def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
     from kernels_pallas.linear import cpu
 
     if cpu.is_q8(table):
-        return cpu.q8_dequantize(jnp.take(table, tokens, axis=0))
+        return cpu.q8_rows(table, tokens)
     return jnp.take(table, tokens, axis=0)
 
 
@@ -71,12 +71,15 @@ def linear(x: jax.Array, w: jax.Array, *, impl: str = "auto", transposed: bool =
     if w.ndim == 3:  # packed for the CPU kernel (pack_state); XLA's dot takes [K, N] / [N, K]: a float32 copy
         from kernels_pallas.linear import cpu
 
-        w = cpu.q8_dequantize(w) if cpu.is_q8(w) else cpu.unpack(w)
+        w = cpu.q8_table(w) if cpu.is_q8(w) else cpu.unpack(w)
     spec = "...k,nk->...n" if transposed else "...k,kn->...n"
     return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
 
 
-def pack_state(state, impl: str = "auto", *, compact: bool = True):
+WEIGHT_FORMATS = ("auto", "compact", "f32")
+
+
+def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
     """The model state with its linear weights packed for the CPU kernel (``kernels_pallas/linear/cpu.py`` ``pack``:
     ``[K, N]`` -> 16-column panels ``[N / 16, K, 16]``, each read front to back: SmolLM2-135M's layer products at one
     row 0.88x the time of the ``[K, N]`` split-K passes, 2026-12-03), where they will run on it: ``impl`` not
@@ -84,36 +87,46 @@ def pack_state(state, impl: str = "auto", *, compact: bool = True):
     (all or none, so a fused layer call never mixes layouts). Otherwise ``state`` itself. Packed weights then stay on
     the kernel at every row count (:func:`_on_kernel`); ``impl="xla"`` calls take an unpacked copy.
 
-    With ``compact`` (default), when every kernel is exactly a GGUF Q4_1 weight dequantized (``cpu.pack_q4``: each
-    element reproduced bit for bit, K a multiple of 32), the panels are stored as 4-bit blocks (0.75 bytes per
-    weight instead of 4), and an embedding table that is exactly GGUF Q8_0 values (``cpu.pack_q8``) as 8-bit rows
-    (1.125 bytes per weight; the tied head reads them, :func:`embed` gathers them): the same results to the bit
-    from a fifth and a quarter of the bytes."""
+    ``weight_format`` ``compact``: when every kernel is exactly a GGUF Q4_1 weight dequantized (``cpu.pack_q4``: each
+    element reproduced bit for bit, K a multiple of 32), the panels are held as 4-bit blocks (0.75 bytes per weight
+    instead of 4); else, when every kernel is a bfloat16 value (a bfloat16 checkpoint upcast, ``cpu.pack_bf16``), as
+    bfloat16 panels (2 bytes); and an embedding table that is exactly GGUF Q8_0 values (``cpu.pack_q8``) as 8-bit rows
+    (1.125 bytes; the tied head reads them, :func:`embed` gathers them). The kernel rebuilds every element exactly
+    and sums in the float32 order: the same results to the bit. ``auto`` (default): the same with the float32 panels
+    (table) kept beside the compact bytes, which products of more than 5 rows (8 for the head) read instead (where
+    they are bound by FMAs and rebuilding the weights cost 13-28%): the fewest bytes for decode steps, float32's
+    speed for large batches and prefill, at ~1.2x float32's memory. ``f32``: float32 panels only."""
     check_impl(impl)
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format {weight_format!r} is unknown: allowed {WEIGHT_FORMATS}")
     if impl == "xla" or jax.default_backend() != "cpu":
         return state
     from kernels_pallas.linear import cpu
 
     if not cpu.packing_supported():
         return state
-    flat = jax.tree_util.tree_flatten_with_path(state)[0]
-    kernels = [leaf for path, leaf in flat if _is_linear_kernel(path)]
-    if not kernels or not all(cpu.can_pack(w) for w in kernels):
+    flat = [(jax.tree_util.keystr(path), path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]]
+    kernels = {key: w for key, path, w in flat if _is_linear_kernel(path)}
+    if not kernels or not all(cpu.can_pack(w) for w in kernels.values()):
         return state
-    new = {jax.tree_util.keystr(path): cpu.pack(w) for path, w in flat if _is_linear_kernel(path)}
-    if compact and all(cpu.can_pack_q4(w) for w in kernels):
-        q4 = {}
-        for path, w in flat:
-            if _is_linear_kernel(path):
-                q4[jax.tree_util.keystr(path)] = cpu.pack_q4(w)
-                if q4[jax.tree_util.keystr(path)] is None:
-                    break
+    new = {key: cpu.pack(w) for key, w in kernels.items()}
+    if weight_format == "f32":
+        return _replace(state, new)
+    for make in (cpu.pack_q4, cpu.pack_bf16):  # the first layout every kernel fits (all or none)
+        compact = {}
+        for key, w in kernels.items():
+            if (compact.setdefault(key, make(w))) is None:
+                break
         else:
-            new = q4
-    if compact:
-        for path, w in flat:
-            if _is_embedding(path) and (q8 := cpu.pack_q8(w)) is not None:
-                new[jax.tree_util.keystr(path)] = q8
+            new = compact if weight_format == "compact" else {k: cpu.with_f32(c, new[k]) for k, c in compact.items()}
+            break
+    for key, path, w in flat:
+        if _is_embedding(path) and (q8 := cpu.pack_q8(w)) is not None:
+            new[key] = q8 if weight_format == "compact" else cpu.with_f32(q8, w)
+    return _replace(state, new)
+
+
+def _replace(state, new: dict):
     return jax.tree_util.tree_map_with_path(lambda path, w: new.get(jax.tree_util.keystr(path), w), state)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from kernels_pallas.cpu_build import CpuKernelLibrary, _cpu_flags, cpu_vendor
@@ -97,25 +98,61 @@ _LIBRARY = CpuKernelLibrary("linear", SOURCE, {
 PANEL = 16  # columns per panel of a packed weight
 Q4_ROWS = 32  # weight rows per block of a 4-bit panel weight (pack_q4)
 Q4_BLOCK_BYTES = 384  # per panel and block: 16 float32 scales d, 16 float32 offsets m, 16 x 16 bytes of row pairs
-
-
 Q8_BLOCK_BYTES = 36  # per row and 32-element block of an 8-bit weight: a float32 scale d, then 32 int8 q
+# "with float32": the compact bytes of the whole weight first, then its float32 panels ([N / 16, K, 16]) or table
+# ([N, K]); the kernel reads the first for up to 5 rows (8 for the head), the second for more (where the products
+# are bound by FMAs and rebuilding the weights per call cost 13-22%). The shape's last axis says which.
+Q4_DUAL_BLOCK_BYTES = Q4_BLOCK_BYTES + Q4_ROWS * PANEL * 4
+Q8_DUAL_BLOCK_BYTES = Q8_BLOCK_BYTES + Q4_ROWS * 4
+BF16_DUAL_WIDTH = PANEL * 3  # bfloat16 panels then float32 panels, as bfloat16 [N / 16, K, 16 + 2 * 16]
 
 
 def is_q8(w: jax.Array) -> bool:
-    """Whether ``w`` is an 8-bit ``[N, K]`` weight ``uint8 [N, K / 32, 36]`` (:func:`pack_q8`: a tied head)."""
-    return w.ndim == 3 and w.dtype == jnp.uint8 and w.shape[-1] == Q8_BLOCK_BYTES
+    """Whether ``w`` is an 8-bit ``[N, K]`` weight ``uint8 [N, K / 32, 36]`` (:func:`pack_q8`: a tied head), or the
+    same with the float32 table beside it (``[N, K / 32, 164]``)."""
+    return w.ndim == 3 and w.dtype == jnp.uint8 and w.shape[-1] in (Q8_BLOCK_BYTES, Q8_DUAL_BLOCK_BYTES)
 
 
 def is_q4(w: jax.Array) -> bool:
-    """Whether ``w`` is a 4-bit panel weight ``uint8 [N / 16, K / 32, 384]`` (:func:`pack_q4`)."""
-    return w.ndim == 3 and w.dtype == jnp.uint8 and w.shape[-1] == Q4_BLOCK_BYTES
+    """Whether ``w`` is a 4-bit panel weight ``uint8 [N / 16, K / 32, 384]`` (:func:`pack_q4`), or the same with its
+    float32 panels beside it (``[N / 16, K / 32, 2432]``)."""
+    return w.ndim == 3 and w.dtype == jnp.uint8 and w.shape[-1] in (Q4_BLOCK_BYTES, Q4_DUAL_BLOCK_BYTES)
+
+
+def _regions(w: jax.Array, block_bytes: int) -> tuple[jax.Array, jax.Array | None]:
+    """A compact weight's compact part (its layout without float32) and its float32 part (None if it has none)."""
+    a, b = w.shape[:2]
+    if w.shape[-1] == block_bytes:
+        return w, None
+    flat = w.reshape(-1)
+    compact = flat[: a * b * block_bytes].reshape(a, b, block_bytes)
+    f32 = jax.lax.bitcast_convert_type(flat[a * b * block_bytes:].reshape(-1, 4), jnp.float32)
+    return compact, f32
+
+
+def with_f32(compact: jax.Array, w: jax.Array) -> jax.Array:
+    """A compact weight with ``w``'s float32 panels (or table) beside it, the compact bytes first: 4-bit panels
+    ``[..., 2432]``, 8-bit rows ``[..., 164]``, bfloat16 panels ``bfloat16 [N / 16, K, 48]``; ``w`` is what
+    ``compact`` holds, packed (:func:`pack`; ``[N, K]`` for 8-bit rows)."""
+    f32 = np.asarray(jax.device_get(w), "<f4").reshape(-1)
+    if compact.dtype == jnp.bfloat16:
+        both = np.concatenate([np.asarray(compact).reshape(-1).view(np.uint16), f32.view(np.uint16)])
+        return jnp.asarray(both.view(ml_dtypes.bfloat16).reshape(*compact.shape[:2], BF16_DUAL_WIDTH))
+    block = Q4_DUAL_BLOCK_BYTES if compact.shape[-1] == Q4_BLOCK_BYTES else Q8_DUAL_BLOCK_BYTES
+    both = np.concatenate([np.asarray(compact).reshape(-1), f32.view(np.uint8)])
+    return jnp.asarray(both.reshape(*compact.shape[:2], block))
 
 
 def is_packed(w: jax.Array) -> bool:
-    """Whether ``w`` is in a panel layout for the kernel: float32 ``[N / 16, K, 16]`` (:func:`pack`) or 4-bit
-    ``uint8 [N / 16, K / 32, 384]`` (:func:`pack_q4`)."""
-    return (w.ndim == 3 and w.dtype == jnp.float32 and w.shape[-1] == PANEL) or is_q4(w)
+    """Whether ``w`` is in a panel layout for the kernel: float32 ``[N / 16, K, 16]`` (:func:`pack`), bfloat16
+    (:func:`pack_bf16`) or 4-bit ``uint8 [N / 16, K / 32, 384]`` (:func:`pack_q4`)."""
+    return ((w.ndim == 3 and w.dtype == jnp.float32 and w.shape[-1] == PANEL)
+            or (w.ndim == 3 and w.dtype == jnp.bfloat16 and w.shape[-1] in (PANEL, BF16_DUAL_WIDTH)) or is_q4(w))
+
+
+def is_compact(w: jax.Array) -> bool:
+    """Whether ``w`` is a compact layout the kernel rebuilds as float32 (4-bit / bfloat16 panels, 8-bit rows)."""
+    return is_q4(w) or is_q8(w) or (is_packed(w) and w.dtype == jnp.bfloat16)
 
 
 def in_features(w: jax.Array, *, transposed: bool = False) -> int:
@@ -147,9 +184,14 @@ def pack(w: jax.Array) -> jax.Array:
 
 
 def unpack(w: jax.Array) -> jax.Array:
-    """``[N / 16, K, 16]`` (or a 4-bit panel weight) -> float32 ``[K, N]`` (for XLA's dot: a copy of the weight)."""
+    """``[N / 16, K, 16]`` (float32, bfloat16 or 4-bit panels) -> float32 ``[K, N]`` (for XLA's dot: a copy)."""
     if is_q4(w):
-        w = q4_dequantize(w)
+        compact, f32 = _regions(w, Q4_BLOCK_BYTES)
+        w = q4_dequantize(compact) if f32 is None else f32.reshape(w.shape[0], -1, PANEL)
+    elif w.dtype == jnp.bfloat16 and w.shape[-1] == BF16_DUAL_WIDTH:  # the float32 panels after the bfloat16 ones
+        tail = jax.lax.bitcast_convert_type(w.reshape(-1)[w.shape[0] * w.shape[1] * PANEL:], jnp.uint16)
+        w = jax.lax.bitcast_convert_type(tail.reshape(-1, 2), jnp.float32).reshape(w.shape[0], w.shape[1], PANEL)
+    w = w.astype(jnp.float32)
     p, k, _ = w.shape
     return jnp.reshape(jnp.transpose(w, (1, 0, 2)), (k, p * PANEL))
 
@@ -207,6 +249,17 @@ def _q4_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | Non
         return None
     d, q = found
     return d, lo, q.astype(np.uint8).reshape(k, n)
+
+
+def pack_bf16(w: jax.Array) -> jax.Array | None:
+    """``[K, N]`` float32 -> bfloat16 panels ``[N / 16, K, 16]`` when every element is a bfloat16 value (a bfloat16
+    checkpoint upcast; the kernel widens them exactly), else None."""
+    if not can_pack(w):
+        return None
+    arr = np.asarray(jax.device_get(w))
+    if not np.array_equal((arr.view(np.uint32) & 0xFFFF), np.zeros_like(arr, np.uint32)):
+        return None  # low 16 bits set somewhere: not a bfloat16 value
+    return pack(jnp.asarray(arr)).astype(jnp.bfloat16)
 
 
 def can_pack_q4(w: jax.Array) -> bool:
@@ -269,8 +322,20 @@ def pack_q8(w: jax.Array) -> jax.Array | None:
     return jnp.asarray(out)
 
 
+def q8_table(wq: jax.Array) -> jax.Array:
+    """8-bit rows (either form) -> the float32 ``[N, K]`` table they hold (exact)."""
+    compact, f32 = _regions(wq, Q8_BLOCK_BYTES)
+    return q8_dequantize(compact) if f32 is None else f32.reshape(wq.shape[0], -1)
+
+
+def q8_rows(wq: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows ``ids`` of 8-bit rows (either form) as float32 ``[*ids.shape, K]`` (an embedding lookup; exact)."""
+    compact, _ = _regions(wq, Q8_BLOCK_BYTES)
+    return q8_dequantize(jnp.take(compact, ids, axis=0))
+
+
 def q8_dequantize(wq: jax.Array) -> jax.Array:
-    """8-bit rows -> the float32 ``[..., K]`` they hold (exact). Works on any leading shape, e.g. gathered rows."""
+    """8-bit rows ``[..., K / 32, 36]`` -> the float32 ``[..., K]`` they hold (exact), any leading shape."""
     lead, nb = wq.shape[:-2], wq.shape[-2]
     d = jax.lax.bitcast_convert_type(wq[..., :4], jnp.float32)  # [..., nb]
     q = jax.lax.bitcast_convert_type(wq[..., 4:], jnp.int8).astype(jnp.float32)  # [..., nb, 32]
@@ -279,6 +344,7 @@ def q8_dequantize(wq: jax.Array) -> jax.Array:
 
 def q4_dequantize(wq: jax.Array) -> jax.Array:
     """4-bit panels -> the float32 panels ``[N / 16, K, 16]`` they hold (exact; what the kernel computes with)."""
+    wq = _regions(wq, Q4_BLOCK_BYTES)[0]
     panels, nb, _ = wq.shape
     d = jax.lax.bitcast_convert_type(wq[:, :, :64].reshape(panels, nb, PANEL, 4), jnp.float32)
     m = jax.lax.bitcast_convert_type(wq[:, :, 64:128].reshape(panels, nb, PANEL, 4), jnp.float32)
@@ -308,7 +374,7 @@ def use_kernel(x_shape: tuple[int, ...], w: jax.Array, *, transposed: bool = Fal
     lo, hi = NT_ROWS if transposed else NN_ROWS
     return (
         jax.default_backend() == "cpu"
-        and (w.dtype == jnp.float32 or is_q4(w) or (is_q8(w) and transposed))
+        and (w.dtype == jnp.float32 or (is_compact(w) and is_q8(w) == transposed))
         and (w.ndim == 2 or (is_packed(w) and not transposed) or (is_q8(w) and transposed))
         and lo <= rows <= hi
         and available()
@@ -319,9 +385,9 @@ def _rows(x: jax.Array, ws, *, transposed: bool = False) -> jax.Array:
     """Checks the operands of a call and returns x as ``[rows, K]``."""
     if not available():
         raise RuntimeError(f"the CPU linear kernel is unavailable: {unavailable_reason()}")
-    if x.dtype != jnp.float32 or any(w.dtype != jnp.float32 and not (is_q8(w) if transposed else is_q4(w))
+    if x.dtype != jnp.float32 or any(w.dtype != jnp.float32 and not (is_q8(w) if transposed else is_packed(w))
                                      for w in ws):
-        raise ValueError(f"the CPU linear kernel takes float32 x and float32 (or 4-bit panel / 8-bit head) w; got "
+        raise ValueError(f"the CPU linear kernel takes float32 x and float32 (or compact panel / 8-bit head) w; got "
                          f"{x.dtype} and {[str(w.dtype) for w in ws]}")
     k = x.shape[-1] if x.ndim else None
     if any((w.ndim != 2 and not (is_q8(w) if transposed else is_packed(w)))
@@ -414,7 +480,7 @@ def attn_out_mlp_cpu(a: jax.Array, r: jax.Array, w_o: jax.Array, gain: jax.Array
     _rows(r2, [w_gate, w_up])
     _gain(r, gain)
     if (w_gate.shape != w_up.shape or (in_features(w_down), out_features(w_down)) != (out_features(w_gate), h)
-            or (w_down.dtype != jnp.float32 and not is_q4(w_down))
+            or (w_down.dtype != jnp.float32 and not is_packed(w_down))
             or len({is_packed(w) for w in (w_o, w_gate, w_up, w_down)}) != 1):
         raise ValueError(f"w_gate {w_gate.shape} and w_up {w_up.shape} must be [H, I] and w_down {w_down.shape} "
                          f"float32 [I, H] with H = {h}, all [K, N] or all packed [N / 16, K, 16]")

@@ -47,8 +47,12 @@
 // Two compact layouts hold weights that a GGUF checkpoint stored quantized, losslessly (cpu.py pack_q4 / pack_q8
 // keep them only if every float32 element comes back bit for bit; the kernels rebuild each element exactly and sum
 // in the float32 layouts' order, so the results are the same to the bit):
-//   uint8 [N / 16, K / 32, 384]  4-bit block panels of W [K, N] (Q4_1: d * q + m), every NN form (PackedProductQ4)
+//   uint8 [N / 16, K / 32, 384]  4-bit block panels of W [K, N] (Q4_1: d * q + m), every NN form (PackedProductCompact)
+//   uint8 [N / 16, K / 32, 2432] the same followed by W's float32 panels, which more than 5 rows read instead
 //   uint8 [N, K / 32, 36]        8-bit block rows of a tied head's W [N, K] (Q8_0: d * q), nightjar_linear_nt_f32
+//   uint8 [N, K / 32, 164]       the same followed by the float32 W [N, K], which more than 8 rows read instead
+//   bfloat16 [N / 16, K, 16]     bfloat16 panels of W [K, N] (a bfloat16 checkpoint upcast), every NN form
+//   bfloat16 [N / 16, K, 48]     the same followed by W's float32 panels, which more than 5 rows read instead
 
 #include <algorithm>
 #include <cmath>
@@ -559,6 +563,9 @@ void BlockNT(const float* x, const float* w, float* y, int64_t M, int64_t K, int
 // TileNT): the same sums as the float32 table's to the bit, from 1.125 bytes per weight instead of 4.
 constexpr int64_t kQ8Rows = 32;
 constexpr int64_t kQ8BlockBytes = 36;
+// 8-bit rows with the float32 table beside them: [N, K / 32, 36 + 32 * 4] bytes, all 8-bit blocks first, then the
+// float32 [N, K]; more than kNtFewRows rows read the second
+constexpr int64_t kQ8DualBlockBytes = kQ8BlockBytes + 32 * 4;
 
 inline float Q8Scale(const uint8_t* block) {
   float d;
@@ -707,8 +714,10 @@ struct Segment {
   float* y;
   int64_t N;
   bool packed = false;  // w is [N / 16, K, 16] (PackedProduct)
-  const uint8_t* q = nullptr;  // packed as 4-bit blocks [N / 16, K / 32, 384] instead (w unused; PackedProductQ4)
+  const uint8_t* q = nullptr;  // 4-bit blocks [N / 16, K / 32, 384] (PackedProductCompact); w: none, or float32
+                               // panels beside them (past kPanelRowGroup rows)
   const uint8_t* q8 = nullptr;  // a transposed W [N, K] as 8-bit blocks [N, K / 32, 36] instead (BlockNTQ8)
+  const uint16_t* bf = nullptr;  // packed as bfloat16 panels [N / 16, K, 16] instead (w unused; PackedProductCompact)
 };
 
 // ---- packed weights ----------------------------------------------------------------------------------------------
@@ -720,27 +729,44 @@ struct Segment {
 constexpr int64_t kPanelRowGroup = 8;   // x rows per register tile (8 x 48: 24 sums, 3 panel loads, 1 broadcast)
 constexpr int64_t kPanelRowPanels = 4;  // panels per one-row pass and per one-row work item
 constexpr int64_t kQ4BlockBytesAll = 384;  // bytes per panel and 32-row block of a 4-bit weight (below)
+// A 4-bit weight with its float32 panels beside it: [N / 16, K / 32, 384 + 32 * 16 * 4] bytes, all 4-bit blocks
+// first (the [N / 16, K / 32, 384] layout), then the float32 panels ([N / 16, K, 16]); up to kDualCompactMaxRows
+// rows read the first, more rows the second (where the products are bound by FMAs, not bytes: rebuilding each
+// block per call cost 13-22% there)
+constexpr int64_t kQ4DualBlockBytes = kQ4BlockBytesAll + 32 * 16 * 4;
+// Where both are held, the compact bytes serve up to this many rows: SmolLM2's layer products (two layers, AMD EPYC
+// Zen 4, 2026-12-03, medians of 9 rounds in one process) from 4-bit panels took 0.75 / 0.62 / 0.73 / 0.88 / 1.02 /
+// 1.18 of the float32 panels' time at 2 / 3 / 4 / 5 / 6 / 8 rows
+constexpr int64_t kDualCompactMaxRows = 5;
 
 #ifdef __AVX512F__
 constexpr bool kPackedSupported = true;
 
 // One x row: P panels at once (P streams), two sums each (even and odd k). Four panels at once measured 0.95-0.96
 // of the whole decode step's time with two (six 0.95, eight 0.96-0.97; 2026-12-03, in one process, run in turn).
-template <int P>
-inline void PanelRow(const float* x, const float* wp, float* y, int64_t K, int64_t p) {
-  const float* w[P];
+// 16 weights of a float32 or bfloat16 panel row as float32 (bfloat16: the 16-bit pattern in a float32's high half)
+inline v16 LoadBf16(const uint16_t* p) {
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<v16>(_mm512_slli_epi32(h, 16));
+}
+inline v16 LoadPanel(const float* p) { return Load16(p); }
+inline v16 LoadPanel(const uint16_t* p) { return LoadBf16(p); }
+
+template <int P, typename T>  // T: float, or uint16_t for bfloat16 panels (the same sums in the same order)
+inline void PanelRow(const float* x, const T* wp, float* y, int64_t K, int64_t p) {
+  const T* w[P];
   for (int j = 0; j < P; ++j) w[j] = wp + (p + j) * K * 16;
   v16 a[P][2];
   for (int j = 0; j < P; ++j) a[j][0] = a[j][1] = Splat16(0.0f);
   int64_t k = 0;
   for (; k + 2 <= K; k += 2) {
     const v16 x0 = Splat16(x[k]), x1 = Splat16(x[k + 1]);
-    for (int j = 0; j < P; ++j) a[j][0] += x0 * Load16(w[j] + k * 16);
-    for (int j = 0; j < P; ++j) a[j][1] += x1 * Load16(w[j] + k * 16 + 16);
+    for (int j = 0; j < P; ++j) a[j][0] += x0 * LoadPanel(w[j] + k * 16);
+    for (int j = 0; j < P; ++j) a[j][1] += x1 * LoadPanel(w[j] + k * 16 + 16);
   }
   for (; k < K; ++k) {
     const v16 xk = Splat16(x[k]);
-    for (int j = 0; j < P; ++j) a[j][0] += xk * Load16(w[j] + k * 16);
+    for (int j = 0; j < P; ++j) a[j][0] += xk * LoadPanel(w[j] + k * 16);
   }
   for (int j = 0; j < P; ++j) Store16(y + (p + j) * 16, a[j][0] + a[j][1]);
 }
@@ -861,7 +887,20 @@ inline void PanelRow(const float* x, const uint8_t* wq, float* y, int64_t K, int
   for (int j = 0; j < P; ++j) Store16(y + (p + j) * 16, a[j][0] + a[j][1]);
 }
 
-// One x row over panels p0 .. p1 (float32 or 4-bit): kPanelRowPanels at a time, then the 1-3 left.
+// bfloat16 panels: W [K, N] whose every element is a bfloat16 value (a checkpoint stored in bfloat16, upcast),
+// held as its 16-bit patterns (cpu.py pack_bf16) and widened exactly (the pattern shifted into a float32's high
+// half): the float32 panels' products to the bit from half the bytes.
+
+// Panels p .. p + panels of bfloat16 panels, rows k0 .. k1 -> buf [panels][k1 - k0][16] float32.
+void DequantPanels(const uint16_t* wp, int64_t K, int64_t p, int64_t panels, int64_t k0, int64_t k1, float* buf) {
+  for (int64_t j = 0; j < panels; ++j) {
+    const uint16_t* src = wp + ((p + j) * K + k0) * 16;
+    float* out = buf + j * (k1 - k0) * 16;
+    for (int64_t r = 0; r < k1 - k0; ++r) Store16(out + r * 16, LoadBf16(src + r * 16));
+  }
+}
+
+// One x row over panels p0 .. p1 (float32, 4-bit or bfloat16): kPanelRowPanels at a time, then the 1-3 left.
 template <typename T>
 void PanelRows(const float* x, const T* w, float* y, int64_t K, int64_t p0, int64_t p1) {
   int64_t p = p0;
@@ -892,13 +931,89 @@ void DequantPanels(const uint8_t* wq, int64_t K, int64_t p, int64_t panels, int6
   }
 }
 
-void PackedProductQ4(const float* x, int64_t M, int64_t K, const Segment& s, int64_t p0, int64_t p1) {
+// Rows k and k + 1 of panel p of a compact weight as float32 (k even), and one row k (bfloat16's odd K only).
+inline void PanelPair(const uint8_t* wq, int64_t K, int64_t p, int64_t k, v16& w0, v16& w1) {
+  const uint8_t* blk = wq + (p * (K / kQ4Rows) + k / kQ4Rows) * kQ4BlockBytes;
+  DequantPair(blk + 128 + (k % kQ4Rows) / 2 * 16, LoadQ4Scale(blk), LoadQ4Scale(blk + 64), w0, w1);
+}
+inline void PanelPair(const uint16_t* wb, int64_t K, int64_t p, int64_t k, v16& w0, v16& w1) {
+  w0 = LoadBf16(wb + (p * K + k) * 16);
+  w1 = LoadBf16(wb + (p * K + k + 1) * 16);
+}
+inline v16 PanelOne(const uint8_t*, int64_t, int64_t, int64_t) { return Splat16(0.0f); }  // K % 32 == 0: unused
+inline v16 PanelOne(const uint16_t* wb, int64_t K, int64_t p, int64_t k) { return LoadBf16(wb + (p * K + k) * 16); }
+
+// 2-8 x rows on a compact weight: PanelTile's R x 16P register tile over all of K, each pair of weight rows rebuilt
+// in registers once for all R rows (no buffer); PanelTile's order of sums, so the float32 panels' results.
+template <int R, int P, typename T>
+inline void PanelTileCompact(const float* x, const T* w, float* y, int64_t K, int64_t N, int64_t r0, int64_t p) {
+  v16 acc[R][P];
+  for (int r = 0; r < R; ++r) for (int j = 0; j < P; ++j) acc[r][j] = Splat16(0.0f);
+  const float* xr = x + r0 * K;
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    v16 w0[P], w1[P];
+    for (int j = 0; j < P; ++j) PanelPair(w, K, p + j, k, w0[j], w1[j]);
+    for (int r = 0; r < R; ++r) {
+      const v16 xb = Splat16(xr[r * K + k]);
+      for (int j = 0; j < P; ++j) {
+        acc[r][j] += xb * w0[j];
+        asm("" : "+v"(acc[r][j]));  // row k's sum first: -fassociative-math must not add rows k and k + 1 first
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const v16 xb = Splat16(xr[r * K + k + 1]);
+      for (int j = 0; j < P; ++j) acc[r][j] += xb * w1[j];
+    }
+  }
+  for (; k < K; ++k) {
+    v16 wv[P];
+    for (int j = 0; j < P; ++j) wv[j] = PanelOne(w, K, p + j, k);
+    for (int r = 0; r < R; ++r) {
+      const v16 xb = Splat16(xr[r * K + k]);
+      for (int j = 0; j < P; ++j) acc[r][j] += xb * wv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < P; ++j) Store16(y + (r0 + r) * N + (p + j) * 16, acc[r][j]);
+  }
+}
+
+template <int P, typename T>
+inline void PanelTileCompactRows(const float* x, const T* w, float* y, int64_t K, int64_t N, int64_t r0, int64_t rows,
+                                 int64_t p) {
+  switch (rows) {
+    case 8: PanelTileCompact<8, P>(x, w, y, K, N, r0, p); break;
+    case 7: PanelTileCompact<7, P>(x, w, y, K, N, r0, p); break;
+    case 6: PanelTileCompact<6, P>(x, w, y, K, N, r0, p); break;
+    case 5: PanelTileCompact<5, P>(x, w, y, K, N, r0, p); break;
+    case 4: PanelTileCompact<4, P>(x, w, y, K, N, r0, p); break;
+    case 3: PanelTileCompact<3, P>(x, w, y, K, N, r0, p); break;
+    case 2: PanelTileCompact<2, P>(x, w, y, K, N, r0, p); break;
+    default: PanelTileCompact<1, P>(x, w, y, K, N, r0, p); break;
+  }
+}
+
+// A compact panel weight (T: uint8_t 4-bit blocks, uint16_t bfloat16): one row, or up to kPanelRowGroup rows,
+// rebuilt in registers; more rows by blocks of kb weight rows (whole 4-bit blocks): each 3-panel group's block
+// rebuilt once into a per-thread buffer, then every row group's register tile over it (the float32 panels' order of
+// sums throughout: the same results).
+template <typename T>
+void PackedProductCompact(const float* x, int64_t M, int64_t K, const T* w, const Segment& s, int64_t p0,
+                          int64_t p1) {
   if (M == 1) {
-    PanelRows(x, s.q, s.y, K, p0, p1);
+    PanelRows(x, w, s.y, K, p0, p1);
     return;
   }
-  // blocks of kb weight rows (whole 4-bit blocks): each 3-panel group's block dequantized once, then every row
-  // group's register tile over it (the float32 panels' order of sums: the same result)
+  if (M <= kPanelRowGroup) {
+    for (int64_t p = p0; p < p1; p += 3) {
+      const int64_t panels = std::min<int64_t>(3, p1 - p);
+      if (panels == 3) PanelTileCompactRows<3>(x, w, s.y, K, s.N, 0, M, p);
+      else if (panels == 2) PanelTileCompactRows<2>(x, w, s.y, K, s.N, 0, M, p);
+      else PanelTileCompactRows<1>(x, w, s.y, K, s.N, 0, M, p);
+    }
+    return;
+  }
   const int64_t kb = (M > 16 ? kTileKBlockWide : kTileKBlock) / kQ4Rows * kQ4Rows;
   thread_local std::vector<float> buf;
   buf.resize(3 * kb * 16);
@@ -906,7 +1021,7 @@ void PackedProductQ4(const float* x, int64_t M, int64_t K, const Segment& s, int
     const int64_t k1 = std::min(K, k0 + kb);
     for (int64_t p = p0; p < p1; p += 3) {
       const int64_t panels = std::min<int64_t>(3, p1 - p);
-      DequantPanels(s.q, K, p, panels, k0, k1, buf.data());
+      DequantPanels(w, K, p, panels, k0, k1, buf.data());
       for (int64_t r0 = 0; r0 < M; r0 += kPanelRowGroup) {
         const int64_t rows = std::min(kPanelRowGroup, M - r0);
         PanelGroupRows(panels, x, buf.data(), (k1 - k0) * 16, s.y, K, s.N, r0, rows, p, k0, k1, k0 > 0);
@@ -917,8 +1032,12 @@ void PackedProductQ4(const float* x, int64_t M, int64_t K, const Segment& s, int
 
 // Panels p0 .. p1 of a packed segment: y[:, 16 p0 .. 16 p1] = x [M, K] @ W[:, those columns].
 void PackedProduct(const float* x, int64_t M, int64_t K, const Segment& s, int64_t p0, int64_t p1) {
-  if (s.q != nullptr) {
-    PackedProductQ4(x, M, K, s, p0, p1);
+  if (s.q != nullptr && (s.w == nullptr || M <= kDualCompactMaxRows)) {  // s.w: the float32 panels beside them
+    PackedProductCompact(x, M, K, s.q, s, p0, p1);
+    return;
+  }
+  if (s.bf != nullptr && (s.w == nullptr || M <= kDualCompactMaxRows)) {
+    PackedProductCompact(x, M, K, s.bf, s, p0, p1);
     return;
   }
   if (M == 1) {
@@ -1022,8 +1141,11 @@ WeightDims DimsOf(const W& w) {
   if (w.element_type() == ffi::DataType::F32) {
     if (d.size() == 2) return WeightDims{d[0], d[1], false};
     if (d.size() == 3 && d[2] == 16 && kPackedSupported) return WeightDims{d[1], d[0] * 16, true};
-  } else if (w.element_type() == ffi::DataType::U8 && d.size() == 3 && d[2] == kQ4BlockBytesAll &&
-             kPackedSupported) {
+  } else if (w.element_type() == ffi::DataType::BF16 && d.size() == 3 && (d[2] == 16 || d[2] == 48) &&
+             kPackedSupported) {  // 48: the float32 panels after the bfloat16 ones
+    return WeightDims{d[1], d[0] * 16, true};
+  } else if (w.element_type() == ffi::DataType::U8 && d.size() == 3 &&
+             (d[2] == kQ4BlockBytesAll || d[2] == kQ4DualBlockBytes) && kPackedSupported) {
     return WeightDims{d[1] * 32, d[0] * 16, true, true};
   }
   return WeightDims{};  // k = -1: matches nothing
@@ -1032,7 +1154,17 @@ WeightDims DimsOf(const W& w) {
 // The segment of a panel-layout weight (either format).
 Segment PanelSegment(const W& w, float* y, int64_t N) {
   if (w.element_type() == ffi::DataType::U8) {
-    return Segment{nullptr, y, N, true, static_cast<const uint8_t*>(w.untyped_data())};
+    const auto* q = static_cast<const uint8_t*>(w.untyped_data());
+    const auto d = w.dimensions();
+    const float* f32 = d[2] == kQ4DualBlockBytes ? reinterpret_cast<const float*>(q + d[0] * d[1] * kQ4BlockBytesAll)
+                                                 : nullptr;
+    return Segment{f32, y, N, true, q};
+  }
+  if (w.element_type() == ffi::DataType::BF16) {
+    const auto* bf = static_cast<const uint16_t*>(w.untyped_data());
+    const auto d = w.dimensions();
+    const float* f32 = d[2] == 48 ? reinterpret_cast<const float*>(bf + d[0] * d[1] * 16) : nullptr;
+    return Segment{f32, y, N, true, nullptr, nullptr, bf};
   }
   return Segment{static_cast<const float*>(w.untyped_data()), y, N, true};
 }
@@ -1050,18 +1182,21 @@ std::string AddSegment(int64_t M, int64_t K, const W& w, ffi::Result<ffi::Buffer
     if (dims.k < 0 || dims.k != K || yd.size() != 2 || yd[0] != M || yd[1] != dims.n) {
       return "linear: shapes do not match: x [" + std::to_string(M) + ", " + std::to_string(K) + "], packed " +
              Dims2("w", wd) + ", " + Dims2("y", yd) +
-             " (w float32 [N / 16, K, 16] or uint8 [N / 16, K / 32, 384], y [M, N])";
+             " (w float32 / bfloat16 [N / 16, K, 16] or uint8 [N / 16, K / 32, 384], y [M, N])";
     }
     out.push_back(PanelSegment(w, y->typed_data(), dims.n));
     return "";
   }
-  if (kTransposed && w.element_type() == ffi::DataType::U8 && wd.size() == 3 && wd[2] == kQ8BlockBytes) {
-    if (wd[1] * kQ8Rows != K || yd.size() != 2 || yd[0] != M || yd[1] != wd[0]) {  // 8-bit rows [N, K / 32, 36]
+  if (kTransposed && w.element_type() == ffi::DataType::U8 && wd.size() == 3 &&
+      (wd[2] == kQ8BlockBytes || wd[2] == kQ8DualBlockBytes)) {  // 8-bit rows [N, K / 32, 36] (or 164)
+    if (wd[1] * kQ8Rows != K || yd.size() != 2 || yd[0] != M || yd[1] != wd[0]) {
       return "linear: shapes do not match: x [" + std::to_string(M) + ", " + std::to_string(K) + "], 8-bit " +
-             Dims2("w", wd) + ", " + Dims2("y", yd) + " (w uint8 [N, K / 32, 36], y [M, N])";
+             Dims2("w", wd) + ", " + Dims2("y", yd) + " (w uint8 [N, K / 32, 36 or 164], y [M, N])";
     }
-    out.push_back(Segment{nullptr, y->typed_data(), wd[0], false, nullptr,
-                          static_cast<const uint8_t*>(w.untyped_data())});
+    const auto* q8 = static_cast<const uint8_t*>(w.untyped_data());
+    const float* f32 = wd[2] == kQ8DualBlockBytes ? reinterpret_cast<const float*>(q8 + wd[0] * wd[1] * kQ8BlockBytes)
+                                                  : nullptr;
+    out.push_back(Segment{f32, y->typed_data(), wd[0], false, nullptr, q8});
     return "";
   }
   if (wd.size() != 2 || yd.size() != 2 || w.element_type() != ffi::DataType::F32) {
@@ -1279,7 +1414,7 @@ ffi::Error RunSegments(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_
 #ifdef __AVX512F__
     if (kTransposed && M >= 2 && M <= kNtFewRows) {
       const int64_t K_ = K;
-      if (item.seg.q8 != nullptr) {
+      if (item.seg.q8 != nullptr) {  // 8-bit rows (the float32 table beside them is for more rows)
         const uint8_t* wq = item.seg.q8;
         const int64_t row_bytes = K / kQ8Rows * kQ8BlockBytes;
         BlockNTFew(xp, M, K, item.seg.N, item.c0, item.c1, item.seg.y,
@@ -1294,7 +1429,7 @@ ffi::Error RunSegments(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_
       return;
     }
 #endif
-    if (kTransposed && item.seg.q8 != nullptr) {
+    if (kTransposed && item.seg.q8 != nullptr && (item.seg.w == nullptr || M <= kNtFewRows)) {
 #ifdef __AVX512F__
       BlockNTQ8(xp, xt, ldxt, item.seg.q8, item.seg.y, M, K, item.seg.N, item.c0, item.c1);
 #else
@@ -1399,7 +1534,7 @@ ffi::Error RmsSwiGlu(ffi::ThreadPool pool, In x, In gain, W wg, W wu, Out h, flo
       return ffi::Error::InvalidArgument("rms_swiglu: shapes do not match: x [" + std::to_string(M) + ", " +
                                          std::to_string(K) + "], packed " + Dims2("w_gate", gd) + ", " +
                                          Dims2("w_up", ud) + ", " + Dims2("h", hd) +
-                                         " (w_gate and w_up float32 [N / 16, K, 16] or uint8 [N / 16, K / 32, 384], "
+                                         " (w_gate and w_up float32 / bfloat16 [N / 16, K, 16] or uint8 [N / 16, K / 32, 384], "
                                          "h [M, N])");
     }
     const int64_t N = gdims.n;

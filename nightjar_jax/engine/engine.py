@@ -177,14 +177,13 @@ class LLMEngine:
         from nightjar_jax.spec.drafts import derive_state_dict, parse_draft_spec
 
         cfg = self.config
-        compact = cfg.weight_format == "auto"
         base, skip, keep_first = parse_draft_spec(spec)
         if skip is None and keep_first is None:
             ckpt, graphdef, state = load_model(
                 spec, load_format=cfg.load_format, dtype=cfg.dtype, tokenizer=tokenizer_spec, seed=cfg.seed,
                 attention_impl=cfg.attention_impl, linear_impl=cfg.linear_impl,
             )
-            state = pack_state(state, cfg.linear_impl, compact=compact)
+            state = pack_state(state, cfg.linear_impl, weight_format=cfg.weight_format)
             return ModelHandle(ckpt.config, graphdef, state), ckpt.tokenizer
         ckpt = load_checkpoint(base, load_format=cfg.load_format, dtype=cfg.dtype, tokenizer=tokenizer_spec)
         if ckpt.state_dict is None:
@@ -193,7 +192,8 @@ class LLMEngine:
         graphdef, state = state_from_hf(
             model_cfg, sd, attention_impl=cfg.attention_impl, linear_impl=cfg.linear_impl, source=spec
         )
-        return ModelHandle(model_cfg, graphdef, pack_state(state, cfg.linear_impl, compact=compact)), ckpt.tokenizer
+        state = pack_state(state, cfg.linear_impl, weight_format=cfg.weight_format)
+        return ModelHandle(model_cfg, graphdef, state), ckpt.tokenizer
 
     def _num_pages(self) -> int:
         cache = self.config.cache

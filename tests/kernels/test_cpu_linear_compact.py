@@ -1,4 +1,5 @@
-"""4-bit block panels and 8-bit head rows for the CPU linear kernels (``kernels_pallas/linear/cpu.py``).
+"""Compact weights for the CPU linear kernels (``kernels_pallas/linear/cpu.py``): 4-bit block panels, bfloat16
+panels, 8-bit head rows.
 
 ``pack_q4``: a weight whose every 32-row block of a column is exactly ``d * q + m`` (q in 0 .. 15, d and m 16-bit
 floats: a GGUF Q4_1 weight dequantized, as SmolLM2-135M's 210 matrices are) is held as
@@ -8,7 +9,11 @@ Checked: finding d and m from the float32 weight alone (and refusing anything no
 weights, one element off by an ulp, K not a multiple of 32), the exact round trip, bit equality with the float32
 panels for one row (dequantized in registers), register tiles and row groups over dequantized blocks, every fused
 form, XLA's fallback (an exact float32 copy), and ``pack_state``: a model quantized as Q4_1 gets 4-bit panels and the
-same logits to the bit as float32 panels, ``compact=False`` keeps float32, a model that is not Q4_1 keeps float32.
+same logits to the bit as float32 panels (``weight_format`` compact, and auto with the float32 panels beside the
+compact bytes for more than 8 rows), f32 keeps float32, a model that is not Q4_1 keeps float32.
+
+``pack_bf16``: a weight whose every element is a bfloat16 value (a bfloat16 checkpoint upcast: the shipped drafts) as
+bfloat16 panels, the same checks (K any size).
 
 The tied head's table quantized as GGUF Q8_0 (``pack_q8``: ``d * q`` per 32-element block of a row, q in -127 ..
 127) likewise: found or refused, the head's products (one row, the 12-row tiles) equal the float32 table's to the bit,
@@ -65,6 +70,34 @@ def _q4_weight(rng, k, n, scale=0.1):
     return q4_1((scale * rng.standard_normal((k, n))).astype(np.float32))
 
 
+def _bf16_weight(rng, k, n, scale=0.1):
+    """A float32 weight whose every element is a bfloat16 value (a bfloat16 checkpoint upcast)."""
+    return np.asarray(jnp.asarray((scale * rng.standard_normal((k, n))).astype(np.float32), jnp.bfloat16), np.float32)
+
+
+def _dual(pack):
+    """pack, then the float32 panels beside the compact bytes (weight_format="auto")."""
+    return lambda w: cpu.with_f32(pack(w), cpu.pack(w))
+
+
+# compact panel layouts: how to make a weight it holds exactly, and how to pack it
+FORMATS = {"q4": (_q4_weight, cpu.pack_q4), "bf16": (_bf16_weight, cpu.pack_bf16),
+           "q4+f32": (_q4_weight, _dual(cpu.pack_q4)), "bf16+f32": (_bf16_weight, _dual(cpu.pack_bf16))}
+
+
+def test_pack_bf16_takes_bfloat16_values_only():
+    rng = np.random.default_rng(4)
+    w = _bf16_weight(rng, 37, 48)
+    wb = cpu.pack_bf16(jnp.asarray(w))
+    assert wb is not None and wb.dtype == jnp.bfloat16 and wb.shape == (3, 37, 16)
+    assert cpu.is_packed(wb) and cpu.is_compact(wb) and not cpu.is_compact(cpu.pack(jnp.asarray(w)))
+    np.testing.assert_array_equal(np.asarray(cpu.unpack(wb)), w)
+    w2 = w.copy()
+    w2[3, 4] = np.nextafter(w2[3, 4], np.float32(10))  # one element with low bits: not a bfloat16 value
+    assert cpu.pack_bf16(jnp.asarray(w2)) is None
+    assert cpu.pack_bf16(jnp.asarray(w[:, :40])) is None
+
+
 def test_pack_q4_finds_the_blocks_exactly_or_refuses():
     rng = np.random.default_rng(0)
     w = _q4_weight(rng, 64, 48)
@@ -89,38 +122,48 @@ def test_pack_q4_finds_the_blocks_exactly_or_refuses():
     assert cpu.pack_q4(jnp.asarray(w, jnp.bfloat16)) is None
 
 
-@needs_packing
-@pytest.mark.parametrize("m,k,n", [
+_SHAPES = [
     (1, 64, 48), (1, 32, 16), (1, 320, 80), (1, 64, 128),  # one row: 4 panels at once and the 1-3 left
     (2, 64, 48), (5, 96, 32), (8, 320, 80),               # one register tile over 96-row dequantized blocks
     (9, 64, 48), (17, 320, 48), (33, 608, 112),           # row groups; 288-row blocks past 16 rows; a short block
-])
-def test_q4_products_equal_float32_panels(m, k, n):
+]
+
+
+@needs_packing
+@pytest.mark.parametrize("fmt,m,k,n", [(f, *s) for f in FORMATS for s in _SHAPES]
+                         + [(f, *s) for f in ("bf16", "bf16+f32") for s in ((1, 37, 48), (5, 37, 16), (20, 101, 32))])
+def test_compact_products_equal_float32_panels(fmt, m, k, n):
+    make, pack = FORMATS[fmt]
     rng = np.random.default_rng(m * 1000 + k + n)
     x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
-    w = _q4_weight(rng, k, n)
+    w = make(rng, k, n)
     y32 = np.asarray(jax.jit(cpu.linear_cpu)(x, cpu.pack(jnp.asarray(w))))
-    y4 = np.asarray(jax.jit(cpu.linear_cpu)(x, cpu.pack_q4(jnp.asarray(w))))
+    packed = pack(jnp.asarray(w))
+    assert cpu.in_features(packed) == k and cpu.out_features(packed) == n
+    np.testing.assert_array_equal(np.asarray(cpu.unpack(packed)), w)  # XLA's copy: exact
+    y4 = np.asarray(jax.jit(cpu.linear_cpu)(x, packed))
     np.testing.assert_array_equal(y4, y32)
     np.testing.assert_allclose(y4, np.asarray(x, np.float64) @ w, rtol=1e-4, atol=1e-4)
 
 
 @needs_packing
+@pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("m", [1, 3, 13])
-def test_q4_fused_forms_equal_float32_panels(m):
+def test_compact_fused_forms_equal_float32_panels(fmt, m):
+    make, pack = FORMATS[fmt]
     rng = np.random.default_rng(7 + m)
     eps = 1e-5
     x = jnp.asarray(rng.standard_normal((m, 64)).astype(np.float32))
     g = jnp.asarray((1 + 0.1 * rng.standard_normal(64)).astype(np.float32))
-    ws = [_q4_weight(rng, 64, n) for n in (64, 32, 32)]
+    ws = [make(rng, 64, n) for n in (64, 32, 32)]
     p32 = [cpu.pack(jnp.asarray(w)) for w in ws]
-    p4 = [cpu.pack_q4(jnp.asarray(w)) for w in ws]
+    p4 = [pack(jnp.asarray(w)) for w in ws]
     for a, b in zip(cpu.linear_many_cpu(x, p4), cpu.linear_many_cpu(x, p32), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(cpu.rms_linear_many_cpu(x, g, p4, eps), cpu.rms_linear_many_cpu(x, g, p32, eps), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    wg, wu = _q4_weight(rng, 64, 96), _q4_weight(rng, 64, 96)
-    h4 = cpu.rms_swiglu_cpu(x, g, cpu.pack_q4(jnp.asarray(wg)), cpu.pack_q4(jnp.asarray(wu)), eps)
+    wg, wu = make(rng, 64, 96), make(rng, 64, 96)
+    h4 = cpu.rms_swiglu_cpu(x, g, pack(jnp.asarray(wg)), pack(jnp.asarray(wu)), eps)
     h32 = cpu.rms_swiglu_cpu(x, g, cpu.pack(jnp.asarray(wg)), cpu.pack(jnp.asarray(wu)), eps)
     np.testing.assert_array_equal(np.asarray(h4), np.asarray(h32))
     r = jnp.asarray(rng.standard_normal((m, 32)).astype(np.float32))
@@ -134,18 +177,20 @@ def test_q4_fused_forms_equal_float32_panels(m):
 
 
 @needs_packing
+@pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("m", [1, 2, 8])
-def test_q4_attn_out_mlp_equals_float32_panels(m):
+def test_compact_attn_out_mlp_equals_float32_panels(fmt, m):
+    make, pack_compact = FORMATS[fmt]
     rng = np.random.default_rng(20 + m)
     eps = 1e-5
-    wo, wg, wu, wd = (_q4_weight(rng, k, n) for k, n in ((64, 32), (32, 96), (32, 96), (96, 32)))
+    wo, wg, wu, wd = (make(rng, k, n) for k, n in ((64, 32), (32, 96), (32, 96), (96, 32)))
     g = jnp.asarray((1 + 0.1 * rng.standard_normal(32)).astype(np.float32))
     gn = jnp.asarray((1 + 0.1 * rng.standard_normal(32)).astype(np.float32))
-    nws = [_q4_weight(rng, 32, n) for n in (48, 16, 16)]
+    nws = [make(rng, 32, n) for n in (48, 16, 16)]
     a = jnp.asarray(rng.standard_normal((m, 64)).astype(np.float32))
     r = jnp.asarray((2 * rng.standard_normal((m, 32))).astype(np.float32))
     outs = []
-    for pack in (cpu.pack, cpu.pack_q4):
+    for pack in (cpu.pack, pack_compact):
         pk = [pack(jnp.asarray(w)) for w in (wo, wg, wu, wd)]
         pn = [pack(jnp.asarray(w)) for w in nws]
         y = cpu.attn_out_mlp_cpu(a, r, pk[0], g, *pk[1:], eps)
@@ -185,6 +230,7 @@ def test_pack_q8_finds_the_blocks_exactly_or_refuses():
     np.testing.assert_array_equal(np.asarray(cpu.q8_dequantize(wq)), w)
     tokens = jnp.asarray([[0, 3, 49], [7, 7, 1]], jnp.int32)
     np.testing.assert_array_equal(np.asarray(embed(wq, tokens)), w[np.asarray(tokens)])
+    np.testing.assert_array_equal(np.asarray(embed(cpu.with_f32(wq, jnp.asarray(w)), tokens)), w[np.asarray(tokens)])
     np.testing.assert_array_equal(np.asarray(embed(jnp.asarray(w), tokens)), w[np.asarray(tokens)])
     assert cpu.pack_q8(jnp.asarray(rng.standard_normal((50, 64)).astype(np.float32))) is None
     w2 = w.copy()
@@ -201,7 +247,11 @@ def test_q8_head_equals_float32_head(m, n):
     x = jnp.asarray(rng.standard_normal((m, 96)).astype(np.float32))
     w = q8_0(rng.standard_normal((n, 96)).astype(np.float32))
     wq = cpu.pack_q8(jnp.asarray(w))
+    wd = cpu.with_f32(wq, jnp.asarray(w))  # the float32 table beside the 8-bit rows: read past 8 rows
+    assert wd.shape == (n, 3, cpu.Q8_DUAL_BLOCK_BYTES) and cpu.is_q8(wd)
+    np.testing.assert_array_equal(np.asarray(cpu.q8_table(wd)), w)
     y8 = np.asarray(jax.jit(lambda x: cpu.linear_cpu(x, wq, transposed=True))(x))
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: cpu.linear_cpu(x, wd, transposed=True))(x)), y8)
     y32 = np.asarray(jax.jit(lambda x: cpu.linear_cpu(x, jnp.asarray(w), transposed=True))(x))
     np.testing.assert_array_equal(y8, y32)
     np.testing.assert_allclose(y8, np.asarray(x, np.float64) @ w.T, rtol=1e-4, atol=1e-4)
@@ -213,7 +263,8 @@ def test_q8_head_equals_float32_head(m, n):
 
 
 @pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-mha"])  # tied head, untied head (its kernel packed too)
-def test_pack_state_holds_a_q4_model_as_4_bit_panels_with_the_same_logits(preset):
+@pytest.mark.parametrize("fmt", ["q4", "bf16"])
+def test_pack_state_holds_a_compact_model_with_the_same_logits(preset, fmt):
     from nightjar_jax.models.llama import init_model
     from nightjar_jax.models.presets import get_preset
 
@@ -222,20 +273,36 @@ def test_pack_state_holds_a_q4_model_as_4_bit_panels_with_the_same_logits(preset
     if not cpu.packing_supported():  # nothing to pack for here
         assert pack_state(state, "auto") is state
         return
-    # quantize every linear weight as Q4_1 and the embedding as Q8_0 (a GGUF checkpoint dequantized)
+
+    # q4: every linear weight quantized as Q4_1 and the embedding as Q8_0 (a GGUF checkpoint dequantized);
+    # bf16: every weight a bfloat16 value (a bfloat16 checkpoint upcast)
     def quantize(path, w):
         key = jax.tree_util.keystr(path)
+        if fmt == "bf16":
+            return jnp.asarray(w, jnp.bfloat16).astype(jnp.float32)
         if "kernel" in key:
             return jnp.asarray(q4_1(np.asarray(w)))
         return jnp.asarray(q8_0(np.asarray(w))) if "embedding" in key else w
 
     quantized = jax.tree_util.tree_map_with_path(quantize, state)
-    p4, p32 = pack_state(quantized, "auto"), pack_state(quantized, "auto", compact=False)
-    assert any(cpu.is_q4(leaf) for leaf in jax.tree.leaves(p4))
-    assert any(cpu.is_q8(leaf) for leaf in jax.tree.leaves(p4))  # the table (the tied head of tiny-gqa)
-    assert all(leaf.dtype != jnp.uint8 for leaf in jax.tree.leaves(p32))
-    # the bytes as held (what a step reads) and as float32 (what the compact blocks stand for)
-    assert state_bytes(p4, as_float32=True) == state_bytes(p32) > 3 * state_bytes(p4)
-    assert all(leaf.dtype != jnp.uint8 for leaf in jax.tree.leaves(pack_state(state, "auto")))  # not Q4_1
-    for q_len in (1, 5, 24):  # one row, a register tile, row groups
-        np.testing.assert_array_equal(model_logits(cfg, graphdef, p4, q_len), model_logits(cfg, graphdef, p32, q_len))
+    states = {f: pack_state(quantized, "auto", weight_format=f) for f in ("compact", "auto", "f32")}
+    compact, dual, p32 = (jax.tree.leaves(states[f]) for f in ("compact", "auto", "f32"))
+    if fmt == "q4":
+        assert any(cpu.is_q4(leaf) for leaf in compact) and any(cpu.is_q8(leaf) for leaf in compact)
+        assert any(leaf.shape[-1] == cpu.Q4_DUAL_BLOCK_BYTES for leaf in dual)
+        assert any(leaf.shape[-1] == cpu.Q8_DUAL_BLOCK_BYTES for leaf in dual)  # the table (tiny-gqa's tied head)
+        # the bytes as held (what a one-row step reads) and as float32 (what the compact blocks stand for)
+        assert state_bytes(states["compact"], as_float32=True) == state_bytes(states["f32"]) > 3 * state_bytes(
+            states["compact"])
+    else:
+        assert any(leaf.dtype == jnp.bfloat16 and cpu.is_packed(leaf) for leaf in compact)
+        assert any(leaf.dtype == jnp.bfloat16 and leaf.shape[-1] == cpu.BF16_DUAL_WIDTH for leaf in dual)
+        assert not any(cpu.is_q4(leaf) for leaf in compact)
+    assert not any(cpu.is_compact(leaf) for leaf in p32)
+    assert not any(cpu.is_compact(leaf) for leaf in jax.tree.leaves(pack_state(state, "auto")))  # neither
+    with pytest.raises(ValueError, match="weight_format"):
+        pack_state(state, "auto", weight_format="q4")
+    for q_len in (1, 5, 24):  # one row, a register tile (compact bytes), row groups (float32 beside them in auto)
+        ref = model_logits(cfg, graphdef, states["f32"], q_len)
+        for f in ("compact", "auto"):
+            np.testing.assert_array_equal(model_logits(cfg, graphdef, states[f], q_len), ref)
