@@ -130,6 +130,15 @@ def _regions(w: jax.Array, block_bytes: int) -> tuple[jax.Array, jax.Array | Non
     return compact, f32
 
 
+def compact_bytes(w: jax.Array) -> int:
+    """Bytes of a compact weight's compact part (all of it when no float32 sits beside it)."""
+    if is_q4(w):
+        return w.shape[0] * w.shape[1] * Q4_BLOCK_BYTES
+    if is_q8(w):
+        return w.shape[0] * w.shape[1] * Q8_BLOCK_BYTES
+    return w.shape[0] * w.shape[1] * PANEL * 2  # bfloat16 panels
+
+
 def with_f32(compact: jax.Array, w: jax.Array) -> jax.Array:
     """A compact weight with ``w``'s float32 panels (or table) beside it, the compact bytes first: 4-bit panels
     ``[..., 2432]``, 8-bit rows ``[..., 164]``, bfloat16 panels ``bfloat16 [N / 16, K, 48]``; ``w`` is what

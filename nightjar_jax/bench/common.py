@@ -112,19 +112,23 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def state_bytes(state, *, as_float32: bool = False) -> int:
-    """Total bytes of a model's weights (a pytree of arrays) as held, or with every weight a float32
-    (``as_float32``: compact 4-bit panels / 8-bit rows counted by the float32 elements they hold)."""
+def state_bytes(state, *, as_float32: bool = False, one_row: bool = False) -> int:
+    """Total bytes of a model's weights (a pytree of arrays) as held; with ``one_row``, the bytes a one-row step
+    reads (a compact weight with float32 beside it counts its compact bytes only); with ``as_float32``, every weight
+    as a float32 (compact layouts counted by the float32 elements they hold)."""
     import jax
 
     from kernels_pallas.linear import cpu
 
     def nbytes(x) -> int:
-        if not as_float32:
-            return int(np.prod(x.shape)) * x.dtype.itemsize
-        if cpu.is_q4(x) or cpu.is_q8(x):
+        compact = cpu.is_compact(x)
+        if as_float32 and compact:
             return 4 * cpu.in_features(x, transposed=cpu.is_q8(x)) * cpu.out_features(x, transposed=cpu.is_q8(x))
-        return 4 * int(np.prod(x.shape))
+        if as_float32:
+            return 4 * int(np.prod(x.shape))
+        if one_row and compact:
+            return cpu.compact_bytes(x)
+        return int(np.prod(x.shape)) * x.dtype.itemsize
 
     return int(sum(nbytes(x) for x in jax.tree_util.tree_leaves(state) if hasattr(x, "shape")))
 

@@ -29,6 +29,11 @@ from nightjar_jax.spec.tree import load_tree_order
 
 logger = logging.getLogger(__name__)
 
+# Steps the planner runs autoregressively (γ = 0) still verify a fully copied n-gram chain at γ_max when the verify
+# has at most this many rows (batch x (γ_max + 1)): batch 1 at γ_max = 4, where the verify streams the weights
+# (see LLMEngine._lookup_boost).
+LOOKUP_AR_BOOST_MAX_ROWS = 5
+
 
 @dataclass
 class EngineStats:
@@ -355,15 +360,22 @@ class LLMEngine:
         return min(int(gamma), self.gamma_max)
 
     def _lookup_boost(self, gamma: int) -> bool:
-        """Whether this decode step runs at γ_max instead of the planner's γ (1 .. γ_max - 1): every decoding
-        request is greedy and n-gram lookup copies all γ_max drafts for it, so the draft model does not run and the
-        longer copy costs only a wider verify (on the held-out prompts a copying step accepted 3.16 drafts of 4).
-        Where γ_max has a token tree the step verifies the copied chain instead (and reserves γ_max positions, not
-        the tree's nodes). Not when the pool lacks one page per request for the longer reservation. The planner
-        does not observe such steps: it did not choose them."""
-        if not 0 < gamma < self.gamma_max or self.runner.lookup is None:
+        """Whether this decode step runs at γ_max instead of the planner's γ (1 .. γ_max - 1, or 0 while the
+        verify stays within LOOKUP_AR_BOOST_MAX_ROWS rows): every decoding request is greedy and n-gram lookup copies
+        all γ_max drafts for it, so the draft model does not run and the longer copy costs only a wider verify (on
+        the held-out prompts a copying step accepted 3.16 drafts of 4). Where γ_max has a token tree the step
+        verifies the copied chain instead (and reserves γ_max positions, not the tree's nodes). Not when the pool
+        lacks one page per request for the longer reservation. The planner does not observe such steps: it did not
+        choose them.
+
+        At γ = 0 (the planner found drafting does not pay, e.g. on a CPU where the target's compact weights made a
+        batch-1 step ~2x cheaper than the draft's four passes are worth) a copied chain still costs no draft pass;
+        past a few rows the verify's products are bound by FMAs, not bytes, so there only small batches."""
+        if self.runner.lookup is None or gamma >= self.gamma_max:
             return False
         decoding = [r for r in self.scheduler.running if not r.is_prefilling]
+        if gamma == 0 and len(decoding) * (self.gamma_max + 1) > LOOKUP_AR_BOOST_MAX_ROWS:
+            return False
         return (bool(decoding) and self.allocator.num_free >= len(decoding)
                 and self.runner.lookup_covers(decoding, self.gamma_max))
 

@@ -155,6 +155,44 @@ def test_steps_that_copy_every_row_in_full_run_at_gamma_max_unobserved(engines) 
 
 
 
+def test_autoregressive_steps_verify_a_full_copy_at_batch_1(engines, monkeypatch) -> None:
+    """The planner picks γ = 0 (plain decoding); at batch 1 a step whose lookup copies all γ_max drafts verifies the
+    copied chain anyway (no draft pass), unobserved; at batch 2 (more rows than LOOKUP_AR_BOOST_MAX_ROWS) it stays
+    plain. Outputs stay AR's and every page comes back."""
+    from nightjar_jax.engine import engine as engine_mod
+
+    ar, _ = engines
+    sd = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, planner="static:0",
+             prompt_lookup_max=3, prompt_lookup_min=1, max_model_len=96, max_num_seqs=2, max_num_batched_tokens=32,
+             num_pages=64)
+    eng = sd.engine
+    eng.record_steps = True
+    observed = []
+    observe = eng.planner.observe
+    eng.planner.observe = lambda gamma, *a, **k: observed.append(gamma) or observe(gamma, *a, **k)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = ar.generate([{"prompt_token_ids": LOOP}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert sd.generate([{"prompt_token_ids": LOOP}], greedy, use_tqdm=False)[0].outputs[0].token_ids == want
+    gammas = [s["gamma"] for s in eng.stats.step_log]
+    assert gammas.count(3) > 0 and gammas.count(0) > 0  # boosted copying steps and the planner's plain ones
+    assert all(all(s["lookup"]) and s["batch_size"] == 1 for s in eng.stats.step_log if s["gamma"] == 3)
+    assert set(observed) <= {0}
+    assert eng.num_free_pages == eng.num_total_pages
+    # batch 2: 2 x 4 rows > LOOKUP_AR_BOOST_MAX_ROWS: plain steps only
+    eng.stats.step_log.clear()
+    prompts = [{"prompt_token_ids": p} for p in (LOOP, LOOP[1:])]
+    assert [o.outputs[0].token_ids for o in sd.generate(prompts, greedy, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in ar.generate(prompts, greedy, use_tqdm=False)]
+    assert all(s["gamma"] == 0 for s in eng.stats.step_log if s["batch_size"] == 2)
+    # with the limit raised, batch 2 copies too
+    monkeypatch.setattr(engine_mod, "LOOKUP_AR_BOOST_MAX_ROWS", 8)
+    eng.stats.step_log.clear()
+    assert [o.outputs[0].token_ids for o in sd.generate(prompts, greedy, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in ar.generate(prompts, greedy, use_tqdm=False)]
+    assert any(s["gamma"] == 3 and s["batch_size"] == 2 for s in eng.stats.step_log)
+    assert eng.num_free_pages == eng.num_total_pages
+
+
 def test_trees_carry_a_copy_branch_and_steps_that_copy_every_row_verify_a_chain(engines, tmp_path) -> None:
     """With lookup on, each token tree carries a chain of γ copied nodes beside the draft's (here 2 nodes of depth
     1, so accepting 2 or more drafts in a tree step means the copy branch was accepted), verified greedy or by
