@@ -91,11 +91,11 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
     element reproduced bit for bit, K a multiple of 32), the panels are held as 4-bit blocks (0.75 bytes per weight
     instead of 4); else, when every kernel is a bfloat16 value (a bfloat16 checkpoint upcast, ``cpu.pack_bf16``), as
     bfloat16 panels (2 bytes); and an embedding table that is exactly GGUF Q8_0 values (``cpu.pack_q8``) as 8-bit rows
-    (1.125 bytes; the tied head reads them, :func:`embed` gathers them). The kernel rebuilds every element exactly
+    (1.125 bytes; a tied head reads them, :func:`embed` gathers them). The kernel rebuilds every element exactly
     and sums in the float32 order: the same results to the bit. ``auto`` (default): the same with the float32 panels
-    (table) kept beside the compact bytes, which products of more than 5 rows (8 for the head) read instead (where
-    they are bound by FMAs and rebuilding the weights cost 13-28%): the fewest bytes for decode steps, float32's
-    speed for large batches and prefill, at ~1.2x float32's memory. ``f32``: float32 panels only."""
+    (a tied head's table) kept beside the compact bytes, which products of more than 5 rows (8 for the head) read
+    instead (where they are bound by FMAs and rebuilding the weights cost 13-28%): the fewest bytes for decode
+    steps, float32's speed for large batches and prefill, at ~1.2x float32's memory. ``f32``: float32 only."""
     check_impl(impl)
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format {weight_format!r} is unknown: allowed {WEIGHT_FORMATS}")
@@ -120,9 +120,10 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
         else:
             new = compact if weight_format == "compact" else {k: cpu.with_f32(c, new[k]) for k, c in compact.items()}
             break
+    tied = not any("lm_head" in key for key in kernels)  # else the table is only gathered: no float32 beside it
     for key, path, w in flat:
         if _is_embedding(path) and (q8 := cpu.pack_q8(w)) is not None:
-            new[key] = q8 if weight_format == "compact" else cpu.with_f32(q8, w)
+            new[key] = cpu.with_f32(q8, w) if weight_format == "auto" and tied else q8
     return _replace(state, new)
 
 
