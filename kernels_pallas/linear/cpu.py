@@ -11,7 +11,8 @@ without); ``README.md`` has the measured ratios that set :data:`NN_ROWS` and :da
 Three layouts: ``linear_cpu(x, w)`` with ``w [K, N]`` (``nnx.Linear``'s kernel) or packed ``[N / 16, K, 16]``
 (:func:`pack`: 16-column panels, each read front to back; with AVX-512, the layout the engine holds its linear
 weights in, ``nightjar_jax.linear.pack_state``), and ``linear_cpu(x, w, transposed=True)`` with ``w [N, K]`` (a tied
-LM head, i.e. the embedding table). float32 only; leading dimensions
+LM head, i.e. the embedding table); weights a checkpoint stored compactly may also come as 4-bit / bfloat16 panels
+or 8-bit head rows, rebuilt exactly (:func:`pack_q4`, :func:`pack_bf16`, :func:`pack_q8`). x float32; leading dimensions
 of x are flattened. Build and caching: ``kernels_pallas/cpu_build.py``; ``NIGHTJAR_CPU_KERNEL=0`` disables it.
 """
 
