@@ -21,6 +21,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from nightjar_jax.config import WEIGHT_FORMATS
+
 IMPLS = ("auto", "cpu", "xla")
 
 
@@ -74,9 +76,6 @@ def linear(x: jax.Array, w: jax.Array, *, impl: str = "auto", transposed: bool =
         w = cpu.q8_table(w) if cpu.is_q8(w) else cpu.unpack(w)
     spec = "...k,nk->...n" if transposed else "...k,kn->...n"
     return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
-
-
-WEIGHT_FORMATS = ("auto", "compact", "f32")
 
 
 def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):

@@ -42,6 +42,7 @@ from nightjar_jax.bench.common import (  # noqa: E402
     state_bytes,
     write_json,
 )
+from nightjar_jax.config import WEIGHT_FORMATS  # noqa: E402
 
 logger = logging.getLogger("bench_engine")
 
@@ -61,9 +62,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--compare-linear-xla", action="store_true",
                    help="also time a second engine with linear_impl='xla' (no CPU linear kernel) in the same run")
-    p.add_argument("--weight-format", default="auto", choices=("auto", "f32"),
-                   help="the engine's CPU kernel weights (auto: 4-bit panels / 8-bit head rows for a GGUF Q4_1 / "
-                        "Q8_0 model, losslessly; f32: float32)")
+    p.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
+                   help="the engine's CPU kernel weights (EngineConfig.weight_format: auto, compact or f32)")
     p.add_argument("--compare-f32-weights", action="store_true",
                    help="also time a second engine with weight_format='f32' in the same run")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per batch size (best kept)")

@@ -166,14 +166,14 @@ def is_compact(w: jax.Array) -> bool:
 
 
 def in_features(w: jax.Array, *, transposed: bool = False) -> int:
-    """K of a weight: ``[K, N]``, ``[N, K]`` (transposed), packed ``[N / 16, K, 16]`` or 4-bit."""
+    """K of a weight: ``[K, N]``, ``[N, K]`` (transposed), packed ``[N / 16, K, 16]``, or a compact layout."""
     if is_q4(w) or is_q8(w):
         return w.shape[1] * Q4_ROWS
     return w.shape[1] if transposed or is_packed(w) else w.shape[0]
 
 
 def out_features(w: jax.Array, *, transposed: bool = False) -> int:
-    """N of a weight: ``[K, N]``, ``[N, K]`` (transposed) or packed ``[N / 16, K, 16]``."""
+    """N of a weight: ``[K, N]``, ``[N, K]`` (transposed), packed ``[N / 16, K, 16]``, or a compact layout."""
     if is_packed(w):
         return w.shape[0] * PANEL
     return w.shape[0] if transposed or is_q8(w) else w.shape[1]
@@ -267,7 +267,7 @@ def pack_bf16(w: jax.Array) -> jax.Array | None:
     if not can_pack(w):
         return None
     arr = np.asarray(jax.device_get(w))
-    if not np.array_equal((arr.view(np.uint32) & 0xFFFF), np.zeros_like(arr, np.uint32)):
+    if (arr.view(np.uint32) & 0xFFFF).any():
         return None  # low 16 bits set somewhere: not a bfloat16 value
     return pack(jnp.asarray(arr)).astype(jnp.bfloat16)
 

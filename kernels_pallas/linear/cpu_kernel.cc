@@ -728,12 +728,13 @@ struct Segment {
 // row: 1.3-1.5x the time of split-K, 2026-12-03); its split-K passes were 1.13x (one row) the time of panels.
 constexpr int64_t kPanelRowGroup = 8;   // x rows per register tile (8 x 48: 24 sums, 3 panel loads, 1 broadcast)
 constexpr int64_t kPanelRowPanels = 4;  // panels per one-row pass and per one-row work item
-constexpr int64_t kQ4BlockBytesAll = 384;  // bytes per panel and 32-row block of a 4-bit weight (below)
+// bytes per panel and 32-row block of a 4-bit weight: 64 of d, 64 of m, 256 of nibbles (below)
+constexpr int64_t kQ4BlockBytes = 384;
 // A 4-bit weight with its float32 panels beside it: [N / 16, K / 32, 384 + 32 * 16 * 4] bytes, all 4-bit blocks
 // first (the [N / 16, K / 32, 384] layout), then the float32 panels ([N / 16, K, 16]); up to kDualCompactMaxRows
 // rows read the first, more rows the second (where the products are bound by FMAs, not bytes: rebuilding each
 // block per call cost 13-22% there)
-constexpr int64_t kQ4DualBlockBytes = kQ4BlockBytesAll + 32 * 16 * 4;
+constexpr int64_t kQ4DualBlockBytes = kQ4BlockBytes + 32 * 16 * 4;
 // Where both are held, the compact bytes serve up to this many rows: SmolLM2's layer products (two layers, AMD EPYC
 // Zen 4, 2026-12-03, medians of 9 rounds in one process) from 4-bit panels took 0.75 / 0.62 / 0.73 / 0.88 / 1.02 /
 // 1.18 of the float32 panels' time at 2 / 3 / 4 / 5 / 6 / 8 rows
@@ -844,7 +845,6 @@ inline void PanelGroupRows(int64_t panels, const float* x, const float* w0, int6
 // of 4. One row: dequantized in registers (PanelRowQ4); more rows: a block of up to 3 panels dequantized into a
 // per-thread buffer, then the float32 register tiles over it.
 constexpr int64_t kQ4Rows = 32;        // weight rows per block
-constexpr int64_t kQ4BlockBytes = kQ4BlockBytesAll;  // 64 bytes of d, 64 of m, 256 of nibbles
 
 inline v16 LoadQ4Scale(const uint8_t* p) { return Load16(reinterpret_cast<const float*>(p)); }
 
@@ -1145,7 +1145,7 @@ WeightDims DimsOf(const W& w) {
              kPackedSupported) {  // 48: the float32 panels after the bfloat16 ones
     return WeightDims{d[1], d[0] * 16, true};
   } else if (w.element_type() == ffi::DataType::U8 && d.size() == 3 &&
-             (d[2] == kQ4BlockBytesAll || d[2] == kQ4DualBlockBytes) && kPackedSupported) {
+             (d[2] == kQ4BlockBytes || d[2] == kQ4DualBlockBytes) && kPackedSupported) {
     return WeightDims{d[1] * 32, d[0] * 16, true, true};
   }
   return WeightDims{};  // k = -1: matches nothing
@@ -1156,7 +1156,7 @@ Segment PanelSegment(const W& w, float* y, int64_t N) {
   if (w.element_type() == ffi::DataType::U8) {
     const auto* q = static_cast<const uint8_t*>(w.untyped_data());
     const auto d = w.dimensions();
-    const float* f32 = d[2] == kQ4DualBlockBytes ? reinterpret_cast<const float*>(q + d[0] * d[1] * kQ4BlockBytesAll)
+    const float* f32 = d[2] == kQ4DualBlockBytes ? reinterpret_cast<const float*>(q + d[0] * d[1] * kQ4BlockBytes)
                                                  : nullptr;
     return Segment{f32, y, N, true, q};
   }
@@ -1534,8 +1534,8 @@ ffi::Error RmsSwiGlu(ffi::ThreadPool pool, In x, In gain, W wg, W wu, Out h, flo
       return ffi::Error::InvalidArgument("rms_swiglu: shapes do not match: x [" + std::to_string(M) + ", " +
                                          std::to_string(K) + "], packed " + Dims2("w_gate", gd) + ", " +
                                          Dims2("w_up", ud) + ", " + Dims2("h", hd) +
-                                         " (w_gate and w_up float32 / bfloat16 [N / 16, K, 16] or uint8 [N / 16, K / 32, 384], "
-                                         "h [M, N])");
+                                         " (w_gate and w_up float32 / bfloat16 [N / 16, K, 16] or uint8 "
+                                         "[N / 16, K / 32, 384], h [M, N])");
     }
     const int64_t N = gdims.n;
     float* hp = h->typed_data();

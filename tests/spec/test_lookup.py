@@ -130,18 +130,25 @@ def test_sampled_rows_copy_as_point_masses(engines) -> None:
     assert eng.num_free_pages == eng.num_total_pages
 
 
-def test_steps_that_copy_every_row_in_full_run_at_gamma_max_unobserved(engines) -> None:
-    """The planner asks for γ = 1 of γ_max = 3; a step where every (greedy) row copies all 3 drafts runs at 3
-    instead (the draft model skips it), and the planner sees only the steps it chose. Outputs stay AR's."""
-    ar, _ = engines
-    sd = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, planner="static:1",
+def _lookup_engine_observed(planner: str):
+    """A stories260k engine with a layer-skip draft (γ_max = 3), lookup on and its step log recorded, and the γ of
+    every step its planner observes."""
+    sd = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, planner=planner,
              prompt_lookup_max=3, prompt_lookup_min=1, max_model_len=96, max_num_seqs=2, max_num_batched_tokens=32,
              num_pages=64)
     eng = sd.engine
     eng.record_steps = True
-    observed = []
+    observed: list[int] = []
     observe = eng.planner.observe
     eng.planner.observe = lambda gamma, *a, **k: observed.append(gamma) or observe(gamma, *a, **k)
+    return sd, eng, observed
+
+
+def test_steps_that_copy_every_row_in_full_run_at_gamma_max_unobserved(engines) -> None:
+    """The planner asks for γ = 1 of γ_max = 3; a step where every (greedy) row copies all 3 drafts runs at 3
+    instead (the draft model skips it), and the planner sees only the steps it chose. Outputs stay AR's."""
+    ar, _ = engines
+    sd, eng, observed = _lookup_engine_observed(planner="static:1")
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in (LOOP, PLAIN)]
     assert [o.outputs[0].token_ids for o in sd.generate(prompts, greedy, use_tqdm=False)] == [
@@ -154,7 +161,6 @@ def test_steps_that_copy_every_row_in_full_run_at_gamma_max_unobserved(engines) 
     assert eng.num_free_pages == eng.num_total_pages
 
 
-
 def test_autoregressive_steps_verify_a_full_copy_at_batch_1(engines, monkeypatch) -> None:
     """The planner picks γ = 0 (plain decoding); at batch 1 a step whose lookup copies all γ_max drafts verifies the
     copied chain anyway (no draft pass), unobserved; at batch 2 (more rows than LOOKUP_AR_BOOST_MAX_ROWS) it stays
@@ -162,21 +168,15 @@ def test_autoregressive_steps_verify_a_full_copy_at_batch_1(engines, monkeypatch
     from nightjar_jax.engine import engine as engine_mod
 
     ar, _ = engines
-    sd = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, planner="static:0",
-             prompt_lookup_max=3, prompt_lookup_min=1, max_model_len=96, max_num_seqs=2, max_num_batched_tokens=32,
-             num_pages=64)
-    eng = sd.engine
-    eng.record_steps = True
-    observed = []
-    observe = eng.planner.observe
-    eng.planner.observe = lambda gamma, *a, **k: observed.append(gamma) or observe(gamma, *a, **k)
+    sd, eng, observed = _lookup_engine_observed(planner="static:0")
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     want = ar.generate([{"prompt_token_ids": LOOP}], greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert sd.generate([{"prompt_token_ids": LOOP}], greedy, use_tqdm=False)[0].outputs[0].token_ids == want
     gammas = [s["gamma"] for s in eng.stats.step_log]
     assert gammas.count(3) > 0 and gammas.count(0) > 0  # boosted copying steps and the planner's plain ones
     assert all(all(s["lookup"]) and s["batch_size"] == 1 for s in eng.stats.step_log if s["gamma"] == 3)
-    assert set(observed) <= {0}
+    own = [s for s in eng.stats.step_log if s["gamma"] == 0 and not s["compiled"]]  # (compiling steps: unobserved)
+    assert set(observed) == {0} and len(observed) == len(own)
     assert eng.num_free_pages == eng.num_total_pages
     # batch 2: 2 x 4 rows > LOOKUP_AR_BOOST_MAX_ROWS: plain steps only
     eng.stats.step_log.clear()
