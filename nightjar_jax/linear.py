@@ -44,7 +44,7 @@ def _on_kernel(x: jax.Array, w: jax.Array, impl: str, *, transposed: bool = Fals
     return (w.dtype == jnp.float32 or (cpu.is_compact(w) and cpu.is_q8(w) == transposed)) and cpu.available()
 
 
-def _dtype(w: jax.Array) -> jnp.dtype:
+def compute_dtype(w: jax.Array) -> jnp.dtype:
     """The compute dtype of a weight: float32 for the compact layouts (their float32 values), else its own."""
     from kernels_pallas.linear import cpu
 
@@ -185,7 +185,7 @@ def rms_linear_many(x: jax.Array, gain: jax.Array, ws: list[jax.Array], eps: flo
         from kernels_pallas.linear import cpu
 
         return cpu.rms_linear_many_cpu(x, gain, ws, eps)
-    return linear_many(rms_norm(x, gain, eps).astype(_dtype(ws[0])), ws, impl=impl)
+    return linear_many(rms_norm(x, gain, eps).astype(compute_dtype(ws[0])), ws, impl=impl)
 
 
 def rms_swiglu(x: jax.Array, gain: jax.Array, w_gate: jax.Array, w_up: jax.Array, eps: float, *,
@@ -197,7 +197,7 @@ def rms_swiglu(x: jax.Array, gain: jax.Array, w_gate: jax.Array, w_up: jax.Array
         from kernels_pallas.linear import cpu
 
         return cpu.rms_swiglu_cpu(x, gain, w_gate, w_up, eps)
-    gate, up = linear_many(rms_norm(x, gain, eps).astype(_dtype(w_gate)), [w_gate, w_up], impl=impl)
+    gate, up = linear_many(rms_norm(x, gain, eps).astype(compute_dtype(w_gate)), [w_gate, w_up], impl=impl)
     return jax.nn.silu(gate) * up
 
 
@@ -208,7 +208,7 @@ def linear_residual(x: jax.Array, w: jax.Array, r: jax.Array, *, impl: str = "au
         from kernels_pallas.linear import cpu
 
         return cpu.linear_residual_cpu(x, w, r)
-    return r + linear(x.astype(_dtype(w)), w, impl=impl)
+    return r + linear(x.astype(compute_dtype(w)), w, impl=impl)
 
 
 def attn_out_mlp(a: jax.Array, r: jax.Array, w_o: jax.Array, gain: jax.Array, w_gate: jax.Array, w_up: jax.Array,

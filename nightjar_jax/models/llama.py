@@ -26,7 +26,16 @@ from flax import nnx
 
 from nightjar_jax.attention import paged_attention
 from nightjar_jax.config import ModelConfig, RopeScaling
-from nightjar_jax.linear import attn_out_mlp, embed, linear, linear_residual, rms_linear_many, rms_norm, rms_swiglu
+from nightjar_jax.linear import (
+    attn_out_mlp,
+    compute_dtype,
+    embed,
+    linear,
+    linear_residual,
+    rms_linear_many,
+    rms_norm,
+    rms_swiglu,
+)
 from nightjar_jax.linear import check_impl as check_linear_impl
 
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer: (k_pages, v_pages)
@@ -270,7 +279,7 @@ class Llama(nnx.Module):
         else:
             if features is None or embed_table is None:
                 raise ValueError(f"{self.config.name} is a feature draft: pass features= and embed_table=")
-            dtype = self.fc.kernel.dtype
+            dtype = compute_dtype(self.fc.kernel[...])  # float32 for a compact (bfloat16-panel) kernel's float32 values
             inputs = jnp.concatenate([embed(embed_table, tokens).astype(dtype), features.astype(dtype)], axis=-1)
             x = linear(inputs, self.fc.kernel[...], impl=self.linear_impl)
         inv_freq = self.inv_freq[...]

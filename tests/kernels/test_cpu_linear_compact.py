@@ -310,3 +310,39 @@ def test_pack_state_holds_a_compact_model_with_the_same_logits(preset, fmt):
         ref = model_logits(cfg, graphdef, states["f32"], q_len)
         for f in ("compact", "auto"):
             np.testing.assert_array_equal(model_logits(cfg, graphdef, states[f], q_len), ref)
+
+
+@needs_packing
+def test_feature_draft_on_bfloat16_panels_equals_float32():
+    """A feature draft (the shipped smollm2-eagle's form: fc over [the target's embedding, feature], an untied subset
+    head) with bfloat16-valued weights: the same hidden states and logits to the bit from bfloat16 panels as from
+    float32 ones. Its fc input stays float32 (it once took the compact kernel's storage dtype, bfloat16: rounded
+    inputs, and XLA's dot on an unpacked copy of the weight every pass)."""
+    from nightjar_jax.config import ModelConfig
+    from nightjar_jax.models.llama import BatchMetadata, allocate_kv_cache, init_model, make_model_fns
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=16, max_position_embeddings=64, tie_word_embeddings=False, head_vocab_size=16,
+                      feature_size=32, name="tiny-feature")
+    graphdef, state = init_model(cfg, seed=5, linear_impl="auto")
+    quantized = jax.tree.map(lambda w: jnp.asarray(w, jnp.bfloat16).astype(w.dtype) if w.dtype == F32 else w, state)
+    states = {f: pack_state(quantized, "auto", weight_format=f) for f in ("compact", "auto", "f32")}
+    assert any(leaf.dtype == jnp.bfloat16 and cpu.is_packed(leaf) for leaf in jax.tree.leaves(states["compact"]))
+    hidden_fn, logits_fn = make_model_fns(graphdef)
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.standard_normal((cfg.vocab_size, 32)), F32)  # the target's embedding
+    for q_len in (1, 5):
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, q_len)), jnp.int32)
+        feats = jnp.asarray(rng.standard_normal((2, q_len, 32)), F32)
+        md = BatchMetadata(block_tables=jnp.asarray([[1, 2], [3, 4]], jnp.int32),
+                           context_lens=jnp.asarray([q_len, q_len], jnp.int32))
+
+        def run(s, tokens=tokens, feats=feats, md=md):
+            kv = allocate_kv_cache(cfg, num_pages=8, page_size=4)
+            hidden, _ = jax.jit(hidden_fn)(s, tokens, kv, md, features=feats, embed_table=table)
+            return np.asarray(hidden), np.asarray(jax.jit(logits_fn)(s, hidden))
+
+        ref = run(states["f32"])
+        for f in ("compact", "auto"):
+            for got, want in zip(run(states[f]), ref, strict=True):
+                np.testing.assert_array_equal(got, want)
