@@ -3,7 +3,8 @@
 On the tiny stories260K model as target and a random one-layer feature draft: greedy speculative decoding equals
 plain decoding, and every draft token the engine proposes equals the one the training forward of
 ``scripts/distill_eagle.py`` computes from the target's features at the same step (so the paged feature pool, the
-first step over the not-yet-run tokens and the fed-back features in later steps are wired as trained).
+first step over the not-yet-run tokens and the fed-back features in later steps are wired as trained). With the
+draft packed as the shipped one is (bfloat16 panels), no compiled decode step runs an XLA dot.
 """
 
 from __future__ import annotations
@@ -160,3 +161,42 @@ def test_feature_draft_tree_equals_ar(setup) -> None:
         s = engine.stats
         accepted[nodes] = s.num_accepted_tokens / s.drafted_per_position[0]  # per sequence-step
     assert accepted[12] >= accepted[0]
+
+
+def _capturing(fn, name: str, shapes: dict):
+    """``fn`` that also records its first call's arguments in ``shapes[name]`` (as shapes: donated arrays go)."""
+
+    def call(*args):
+        shapes.setdefault(name, (fn, jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, args)))
+        return fn(*args)
+
+    return call
+
+
+def test_packed_decode_steps_stay_on_the_kernel(setup) -> None:
+    """With the draft packed for the CPU kernel as the shipped one is (bfloat16 panels: ``pack_state`` on
+    bfloat16-valued weights), no compiled decode step (chain or tree) runs an XLA dot: every product stays on the
+    kernel. A product that leaves it takes an unpacked float32 copy of its weight on every call (the feature draft's
+    ``fc`` once did, at ~1 ms a pass on SmolLM2). Greedy SD still equals AR."""
+    from kernels_pallas.linear import cpu
+    from nightjar_jax.linear import pack_state
+
+    if not cpu.packing_supported():
+        pytest.skip(f"packed weights need the CPU linear kernel built with AVX-512 (available: {cpu.available()})")
+    *_, target, draft = setup
+    bf16_valued = jax.tree.map(lambda w: w.astype(jnp.bfloat16).astype(w.dtype) if w.dtype == jnp.float32 else w,
+                               draft.state)
+    packed = ModelHandle(draft.config, draft.graphdef, pack_state(bf16_valued, "auto"))
+    assert any(cpu.is_compact(w) for w in jax.tree.leaves(packed.state))
+    for nodes in (0, 12):
+        engine = _engine(target, packed, tree_nodes=nodes)
+        runner, shapes = engine.runner, {}
+        for name in ("_propose", "_propose_tree", "_draft_fill", "_verify", "_verify_tree", "_forward_sample"):
+            setattr(runner, name, _capturing(getattr(runner, name), name, shapes))
+        assert _run(engine, PROMPTS[1]) == _run(_engine(target, None), PROMPTS[1])
+        drafting = {"_propose_tree", "_verify_tree"} if nodes else {"_propose", "_verify"}
+        assert drafting <= set(shapes)
+        for name, (fn, args) in shapes.items():
+            hlo = fn.lower(*args).compile().as_text()
+            assert " dot(" not in hlo, f"{name} (tree nodes {nodes}) runs an XLA dot"
