@@ -735,10 +735,12 @@ constexpr int64_t kQ4BlockBytes = 384;
 // rows read the first, more rows the second (where the products are bound by FMAs, not bytes: rebuilding each
 // block per call cost 13-22% there)
 constexpr int64_t kQ4DualBlockBytes = kQ4BlockBytes + 32 * 16 * 4;
-// Where both are held, the compact bytes serve up to this many rows: SmolLM2's layer products (two layers, AMD EPYC
-// Zen 4, 2026-12-03, medians of 9 rounds in one process) from 4-bit panels took 0.75 / 0.62 / 0.73 / 0.88 / 1.02 /
-// 1.18 of the float32 panels' time at 2 / 3 / 4 / 5 / 6 / 8 rows
-constexpr int64_t kDualCompactMaxRows = 5;
+// Where both are held, the compact bytes serve up to this many rows (the register tiles, kPanelRowGroup): SmolLM2's
+// layer products (two layers, AMD EPYC Zen 4, 2026-12-03 15:10 UTC, medians of 15 alternating rounds in one process;
+// the float32 panels of two layers, 28 MB, mostly held in L3 there) from 4-bit panels took 0.74 / 0.86 / 0.83 / 0.96 /
+// 0.93 / 0.90 / 0.90 of the float32 panels' time at 2 / 3 / 4 / 5 / 6 / 7 / 8 rows, 1.21 at 9 and 1.31 at 12 (the
+// block buffer). Before PanelTileCompact kept its sums in registers (the same day), 6 rows took 1.02 and 8 rows 1.18.
+constexpr int64_t kDualCompactMaxRows = 8;
 
 #ifdef __AVX512F__
 constexpr bool kPackedSupported = true;
@@ -947,6 +949,9 @@ inline v16 PanelOne(const uint16_t* wb, int64_t K, int64_t p, int64_t k) { retur
 // in registers once for all R rows (no buffer); PanelTile's order of sums, so the float32 panels' results.
 template <int R, int P, typename T>
 inline void PanelTileCompact(const float* x, const T* w, float* y, int64_t K, int64_t N, int64_t r0, int64_t p) {
+  // The body runs inside a loop of one pass: GCC 12 then keeps acc in registers; as the function's own block it
+  // kept the 4-60 sums in memory, a load and a store around every multiply-add (2-8 rows: 1.2-1.7x the time).
+  for (int once = 0; once < 1; ++once) {
   v16 acc[R][P];
   for (int r = 0; r < R; ++r) for (int j = 0; j < P; ++j) acc[r][j] = Splat16(0.0f);
   const float* xr = x + r0 * K;
@@ -976,6 +981,7 @@ inline void PanelTileCompact(const float* x, const T* w, float* y, int64_t K, in
   }
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < P; ++j) Store16(y + (r0 + r) * N + (p + j) * 16, acc[r][j]);
+  }
   }
 }
 
