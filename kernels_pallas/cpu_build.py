@@ -92,13 +92,28 @@ class CpuKernelLibrary:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_so = Path(tmp) / out.name
-            cmd = [cxx, *FLAGS, *define_flags, f"-I{jax.ffi.include_dir()}", str(self.source), "-o", str(tmp_so)]
+            cmd = self._command(cxx, tmp_so)
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 raise RuntimeError(f"building {self.source.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
             os.replace(tmp_so, out)  # atomic: a concurrent build of the same key writes the same bytes
         logger.info("built the CPU %s kernel: %s", self.name, out)
         return out
+
+    def _command(self, cxx: str, out: Path | str, *extra: str) -> list[str]:
+        define_flags = [f"-D{k}={v}" for k, v in sorted(self.defines.items())]
+        return [cxx, *FLAGS, *define_flags, *extra, f"-I{jax.ffi.include_dir()}", str(self.source), "-o", str(out)]
+
+    def assembly(self) -> str:
+        """The kernel compiled as it is built, as assembly text (``-S``): for reading what the compiler made of a
+        loop (``scripts/kernel_spills.py``)."""
+        cxx = _compiler()
+        if cxx is None:
+            raise RuntimeError("no C++ compiler found (tried $CXX, g++, c++, clang++)")
+        proc = subprocess.run(self._command(cxx, "-", "-S"), capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling {self.source.name} to assembly failed:\n{proc.stderr[-2000:]}")
+        return proc.stdout
 
     def _load(self) -> None:
         """Build (once per key), load and register the targets; records the failure reason instead of raising."""

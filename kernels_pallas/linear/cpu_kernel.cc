@@ -948,40 +948,43 @@ inline v16 PanelOne(const uint16_t* wb, int64_t K, int64_t p, int64_t k) { retur
 // 2-8 x rows on a compact weight: PanelTile's R x 16P register tile over all of K, each pair of weight rows rebuilt
 // in registers once for all R rows (no buffer); PanelTile's order of sums, so the float32 panels' results.
 template <int R, int P, typename T>
-inline void PanelTileCompact(const float* x, const T* w, float* y, int64_t K, int64_t N, int64_t r0, int64_t p) {
-  // The body runs inside a loop of one pass: GCC 12 then keeps acc in registers; as the function's own block it
-  // kept the 4-60 sums in memory, a load and a store around every multiply-add (2-8 rows: 1.2-1.7x the time).
+__attribute__((noinline)) void PanelTileCompact(const float* x, const T* w, float* y, int64_t K, int64_t N, int64_t r0,
+                                                int64_t p) {
+  // The body runs inside a loop of one pass, and each instantiation is compiled on its own (noinline): GCC 12 then
+  // keeps acc in registers. Without both it kept the sums in memory, a load and a store around every multiply-add
+  // (2-8 rows 1.2-1.6x the time; check with the assembly: no vfmadd with a stack operand but in the 7-8 x 3 tiles,
+  // which have more sums and weights than registers).
   for (int once = 0; once < 1; ++once) {
-  v16 acc[R][P];
-  for (int r = 0; r < R; ++r) for (int j = 0; j < P; ++j) acc[r][j] = Splat16(0.0f);
-  const float* xr = x + r0 * K;
-  int64_t k = 0;
-  for (; k + 2 <= K; k += 2) {
-    v16 w0[P], w1[P];
-    for (int j = 0; j < P; ++j) PanelPair(w, K, p + j, k, w0[j], w1[j]);
-    for (int r = 0; r < R; ++r) {
-      const v16 xb = Splat16(xr[r * K + k]);
-      for (int j = 0; j < P; ++j) {
-        acc[r][j] += xb * w0[j];
-        asm("" : "+v"(acc[r][j]));  // row k's sum first: -fassociative-math must not add rows k and k + 1 first
+    v16 acc[R][P];
+    for (int r = 0; r < R; ++r) for (int j = 0; j < P; ++j) acc[r][j] = Splat16(0.0f);
+    const float* xr = x + r0 * K;
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) {
+      v16 w0[P], w1[P];
+      for (int j = 0; j < P; ++j) PanelPair(w, K, p + j, k, w0[j], w1[j]);
+      for (int r = 0; r < R; ++r) {
+        const v16 xb = Splat16(xr[r * K + k]);
+        for (int j = 0; j < P; ++j) {
+          acc[r][j] += xb * w0[j];
+          asm("" : "+v"(acc[r][j]));  // row k's sum first: -fassociative-math must not add rows k and k + 1 first
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const v16 xb = Splat16(xr[r * K + k + 1]);
+        for (int j = 0; j < P; ++j) acc[r][j] += xb * w1[j];
+      }
+    }
+    for (; k < K; ++k) {
+      v16 wv[P];
+      for (int j = 0; j < P; ++j) wv[j] = PanelOne(w, K, p + j, k);
+      for (int r = 0; r < R; ++r) {
+        const v16 xb = Splat16(xr[r * K + k]);
+        for (int j = 0; j < P; ++j) acc[r][j] += xb * wv[j];
       }
     }
     for (int r = 0; r < R; ++r) {
-      const v16 xb = Splat16(xr[r * K + k + 1]);
-      for (int j = 0; j < P; ++j) acc[r][j] += xb * w1[j];
+      for (int j = 0; j < P; ++j) Store16(y + (r0 + r) * N + (p + j) * 16, acc[r][j]);
     }
-  }
-  for (; k < K; ++k) {
-    v16 wv[P];
-    for (int j = 0; j < P; ++j) wv[j] = PanelOne(w, K, p + j, k);
-    for (int r = 0; r < R; ++r) {
-      const v16 xb = Splat16(xr[r * K + k]);
-      for (int j = 0; j < P; ++j) acc[r][j] += xb * wv[j];
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < P; ++j) Store16(y + (r0 + r) * N + (p + j) * 16, acc[r][j]);
-  }
   }
 }
 
