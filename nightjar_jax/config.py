@@ -252,7 +252,7 @@ class EngineConfig:
     linear_impl: str = "auto"  # linear layers: CPU kernels for few-row products (auto), or always XLA's dot (xla)
     # the CPU kernel's weights (nightjar_jax/linear.py pack_state): "compact" holds weights that are exactly GGUF
     # Q4_1 / Q8_0 or bfloat16 values in those layouts (the same results to the bit from 0.75 / 1.125 / 2 bytes per
-    # weight), "auto" the same with float32 beside them for products of more than 5 rows, "f32" float32 only
+    # weight), "auto" the same with float32 beside them for products of more than 8 rows, "f32" float32 only
     weight_format: str = "auto"
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
