@@ -93,7 +93,7 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
     (1.125 bytes; a tied head reads them, :func:`embed` gathers them). The kernel rebuilds every element exactly
     and sums in the float32 order: the same results to the bit. ``auto`` (default): the same with the float32 panels
     (a tied head's table) kept beside the compact bytes, which products of more than 8 rows read instead (where
-    they are bound by FMAs and rebuilding the weights per call cost 13-31%): the fewest bytes for decode
+    they are bound by FMAs: rebuilding the weights per call cost 21-31% at 9-12 rows): the fewest bytes for decode
     steps, float32's speed for large batches and prefill, at ~1.2x float32's memory. ``f32``: float32 only."""
     check_impl(impl)
     if weight_format not in WEIGHT_FORMATS:

@@ -102,7 +102,8 @@ Q4_BLOCK_BYTES = 384  # per panel and block: 16 float32 scales d, 16 float32 off
 Q8_BLOCK_BYTES = 36  # per row and 32-element block of an 8-bit weight: a float32 scale d, then 32 int8 q
 # "with float32": the compact bytes of the whole weight first, then its float32 panels ([N / 16, K, 16]) or table
 # ([N, K]); the kernel reads the first for up to 8 rows, the second for more (where the products are bound by
-# FMAs and rebuilding the weights per call cost 13-31%; cpu_kernel.cc kDualCompactMaxRows). The shape's last axis says which.
+# FMAs: rebuilding the weights per call cost 21-31% at 9-12 rows; cpu_kernel.cc kDualCompactMaxRows). The shape's
+# last axis says which.
 Q4_DUAL_BLOCK_BYTES = Q4_BLOCK_BYTES + Q4_ROWS * PANEL * 4
 Q8_DUAL_BLOCK_BYTES = Q8_BLOCK_BYTES + Q4_ROWS * 4
 BF16_DUAL_WIDTH = PANEL * 3  # bfloat16 panels then float32 panels, as bfloat16 [N / 16, K, 16 + 2 * 16]
