@@ -1,0 +1,125 @@
+"""Where a decode step's time goes: the target's jitted step traced with ``jax.profiler`` and summed per op.
+
+Runs a real engine (default: SmolLM2, batch 1, plain decoding), captures the arguments of one decode step
+(``forward_sample``; ``--verify`` the γ-token verify instead, with the default draft), replays that step ``--steps``
+times inside ``jax.profiler.trace(..., create_perfetto_trace=True)`` and sums each op's time over the XLA thunks of
+the step's module, custom calls named by their target (``nightjar_paged_attention_f32``, ...) through the compiled
+HLO. Prints a table (ms per step, calls per step) and writes JSON. Timings are the profiler's: each op a little slower
+than untraced, the shares are what to read.
+
+    python scripts/profile_step.py                       # batch 1 decode step of SmolLM2
+    python scripts/profile_step.py --batch-size 4 --verify --out results/profile_verify_b4.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+CUSTOM_CALL = re.compile(r"%(\S+) = .*? custom-call\(.*?custom_call_target=\"([^\"]+)\"")
+
+
+def custom_call_targets(hlo_text: str) -> dict[str, str]:
+    """``{instruction name: custom-call target}`` of an optimized HLO module's text."""
+    return {m.group(1): m.group(2) for m in CUSTOM_CALL.finditer(hlo_text)}
+
+
+def op_table(trace_events: list[dict], module: str, targets: dict[str, str], steps: int) -> list[dict]:
+    """Per op of ``module``'s thunks: ms and calls per step (custom calls by target, other ops by name without
+    their numeric suffix: ``wrapped_scatter.3`` -> ``wrapped_scatter``), largest first."""
+    total, calls = collections.defaultdict(float), collections.Counter()
+    for e in trace_events:
+        if e.get("ph") != "X" or e.get("args", {}).get("hlo_module") != module:
+            continue
+        if e["name"] == "ThunkExecutor::Execute":
+            continue
+        key = targets.get(e["name"], re.sub(r"\.\d+$", "", e["name"]))
+        total[key] += e["dur"]  # microseconds
+        calls[key] += 1
+    rows = [{"op": k, "ms_per_step": v / steps / 1e3, "calls_per_step": calls[k] / steps} for k, v in total.items()]
+    return sorted(rows, key=lambda r: -r["ms_per_step"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=200, help="tokens of context before the traced step")
+    ap.add_argument("--verify", action="store_true", help="trace the verify step at --gamma instead of plain decode")
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default="results/profile_step.json")
+    args = ap.parse_args()
+    if args.batch_size < 1 or args.steps < 1 or args.prompt_len < 1 or args.gamma < 1:
+        raise SystemExit("--batch-size, --steps, --prompt-len and --gamma must be at least 1")
+
+    import jax
+
+    from nightjar_jax import LLM, SamplingParams
+
+    name = "_verify" if args.verify else "_forward_sample"
+    llm = LLM(args.model, draft_model="auto" if args.verify else None, num_speculative_tokens=args.gamma,
+              planner=f"static:{args.gamma}" if args.verify else "static", max_num_seqs=args.batch_size,
+              max_model_len=args.prompt_len + 64, max_num_batched_tokens=max(512, args.prompt_len),
+              prompt_lookup_max=0)
+    runner = llm.engine.runner
+    if args.verify and runner.draft is None:
+        raise SystemExit(f"--verify needs a draft: {args.model} has no default draft")
+    step_fn, captured = getattr(runner, name), []
+
+    def capture(*a):
+        captured.append(a)
+        return step_fn(*a)
+
+    setattr(runner, name, capture)
+    prompts = [[(7 * i + 13 * j) % 1000 + 100 for j in range(args.prompt_len)] for i in range(args.batch_size)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    setattr(runner, name, step_fn)
+    if not captured:
+        raise SystemExit(f"no {name.strip('_')} step ran")
+    a = captured[-1]
+
+    def replay():
+        # the donated pools are the runner's current ones; every other argument as captured
+        if args.verify:
+            out, _, runner.kv, runner.features = step_fn(a[0], runner.kv, runner.features, *a[3:])
+        else:
+            out, runner.kv, runner.features = step_fn(a[0], runner.kv, runner.features, *a[3:])
+        return out
+
+    jax.block_until_ready(replay())
+    hlo = step_fn.lower(a[0], runner.kv, runner.features, *a[3:]).compile().as_text()
+    module = "jit_" + ("verify" if args.verify else "forward_sample")
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for _ in range(args.steps):
+                jax.block_until_ready(replay())
+        path = glob.glob(os.path.join(tmp, "plugins", "profile", "*", "perfetto_trace.json.gz"))
+        if not path:
+            raise SystemExit("the profiler wrote no perfetto trace")
+        with gzip.open(path[0]) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    rows = op_table(events, module, custom_call_targets(hlo), args.steps)
+    total = sum(r["ms_per_step"] for r in rows)
+    print(f"{module}, batch {args.batch_size}, {args.steps} traced steps: {total:.3f} ms per step in ops")
+    print("| op | ms per step | share | calls per step |\n|---|---:|---:|---:|")
+    for r in rows[:20]:
+        print(f"| {r['op']} | {r['ms_per_step']:.3f} | {r['ms_per_step'] / total:.1%} | {r['calls_per_step']:.0f} |")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"module": module, "batch_size": args.batch_size, "steps": args.steps, "rows": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
