@@ -733,7 +733,7 @@ constexpr int64_t kQ4BlockBytes = 384;
 // A 4-bit weight with its float32 panels beside it: [N / 16, K / 32, 384 + 32 * 16 * 4] bytes, all 4-bit blocks
 // first (the [N / 16, K / 32, 384] layout), then the float32 panels ([N / 16, K, 16]); up to kDualCompactMaxRows
 // rows read the first, more rows the second (where the products are bound by FMAs, not bytes: rebuilding each
-// block per call cost 13-22% there)
+// block per call cost 21-31% at 9-12 rows)
 constexpr int64_t kQ4DualBlockBytes = kQ4BlockBytes + 32 * 16 * 4;
 // Where both are held, the compact bytes serve up to this many rows (the register tiles, kPanelRowGroup): SmolLM2's
 // layer products (two layers, AMD EPYC Zen 4, 2026-12-03 15:10 UTC, medians of 15 alternating rounds in one process;
