@@ -50,7 +50,8 @@ _HELP = {
     "compilation_cache_dir": "JAX persistent compilation cache folder ('' disables)",
     "weight_format": "CPU kernel weights: compact (GGUF Q4_1 / Q8_0 and bfloat16 values in those layouts, the same "
                      "results from a fifth to a half of the bytes), auto (compact plus float32 for products of more "
-                     "than 8 rows), f32",
+                     "than 8 rows), f32, w4a8 (opt-in, lossy: Q4_1 weights times int8-quantized activations, "
+                     "AVX512-VNNI)",
 }
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 

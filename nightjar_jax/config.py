@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "pallas", "cpu", "reference")
 LINEAR_IMPLS = ("auto", "cpu", "xla")  # nightjar_jax/linear.py
-WEIGHT_FORMATS = ("auto", "compact", "f32")  # how the CPU kernel holds linear weights (linear.py pack_state)
+WEIGHT_FORMATS = ("auto", "compact", "f32", "w4a8")  # how the CPU kernel holds linear weights (linear.py pack_state)
 LOAD_FORMATS = ("auto", "hf", "safetensors", "gguf", "llama2c", "orbax", "dummy")
 
 
@@ -252,7 +252,8 @@ class EngineConfig:
     linear_impl: str = "auto"  # linear layers: CPU kernels for few-row products (auto), or always XLA's dot (xla)
     # the CPU kernel's weights (nightjar_jax/linear.py pack_state): "compact" holds weights that are exactly GGUF
     # Q4_1 / Q8_0 or bfloat16 values in those layouts (the same results to the bit from 0.75 / 1.125 / 2 bytes per
-    # weight), "auto" the same with float32 beside them for products of more than 8 rows, "f32" float32 only
+    # weight), "auto" the same with float32 beside them for products of more than 8 rows, "f32" float32 only;
+    # "w4a8" (opt-in, lossy): GGUF Q4_1 weights multiplied with int8-quantized activations (AVX512-VNNI)
     weight_format: str = "auto"
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -16,6 +16,7 @@ Shapes are static under ``jit``, so the choice is made once per compiled step va
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from nightjar_jax.config import WEIGHT_FORMATS
 
 IMPLS = ("auto", "cpu", "xla")
+_log = logging.getLogger(__name__)
 
 
 def check_impl(impl: str) -> str:
@@ -94,7 +96,14 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
     and sums in the float32 order: the same results to the bit. ``auto`` (default): the same with the float32 panels
     (a tied head's table) kept beside the compact bytes, which products of more than 8 rows read instead (where
     they are bound by FMAs: rebuilding the weights per call cost 21-31% at 9-12 rows): the fewest bytes for decode
-    steps, float32's speed for large batches and prefill, at ~1.2x float32's memory. ``f32``: float32 only."""
+    steps, float32's speed for large batches and prefill, at ~1.2x float32's memory. ``f32``: float32 only.
+
+    ``w4a8`` (opt-in, **lossy**): where every kernel is exactly Q4_1 (as ``compact``), the 4-bit blocks laid out for
+    int8 activations (``cpu.pack_w4a8``): each product quantizes its x per row and 32-element block to int8 and
+    multiplies with AVX512-VNNI integer dot products (llama.cpp's scheme), at every row count (no float32 beside
+    them), so a row's result never depends on the other rows of its step. The weights stay exact; x's rounding
+    changes the outputs slightly. Other models (and the bfloat16 drafts) get ``auto``; so do CPUs without
+    AVX512-VNNI, with a warning."""
     check_impl(impl)
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format {weight_format!r} is unknown: allowed {WEIGHT_FORMATS}")
@@ -111,18 +120,25 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
     new = {key: cpu.pack(w) for key, w in kernels.items()}
     if weight_format == "f32":
         return _replace(state, new)
-    for make in (cpu.pack_q4, cpu.pack_bf16):  # the first layout every kernel fits (all or none)
+    w4a8 = weight_format == "w4a8"
+    if w4a8 and not cpu.w4a8_supported():
+        _log.warning("weight_format='w4a8' needs AVX512-VNNI, which this CPU lacks: weights held as 'auto'")
+        w4a8 = False
+    for make in (cpu.pack_w4a8 if w4a8 else cpu.pack_q4, cpu.pack_bf16):  # the first layout every kernel fits
         compact = {}
         for key, w in kernels.items():
             if (compact.setdefault(key, make(w))) is None:
                 break
         else:
-            new = compact if weight_format == "compact" else {k: cpu.with_f32(c, new[k]) for k, c in compact.items()}
+            alone = weight_format == "compact" or make is cpu.pack_w4a8  # w4a8: the int8 path at every row count
+            new = compact if alone else {k: cpu.with_f32(c, new[k]) for k, c in compact.items()}
             break
+    if weight_format == "w4a8" and not any(cpu.is_w4a8(w) for w in new.values()):
+        _log.info("weight_format='w4a8': not every linear weight is exactly GGUF Q4_1 here; held as 'auto'")
     tied = not any("lm_head" in key for key in kernels)  # else the table is only gathered: no float32 beside it
     for key, path, w in flat:
         if _is_embedding(path) and (q8 := cpu.pack_q8(w)) is not None:
-            new[key] = cpu.with_f32(q8, w) if weight_format == "auto" and tied else q8
+            new[key] = cpu.with_f32(q8, w) if weight_format in ("auto", "w4a8") and tied else q8
     return _replace(state, new)
 
 

@@ -63,9 +63,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compare-linear-xla", action="store_true",
                    help="also time a second engine with linear_impl='xla' (no CPU linear kernel) in the same run")
     p.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
-                   help="the engine's CPU kernel weights (EngineConfig.weight_format: auto, compact or f32)")
+                   help="the engine's CPU kernel weights (EngineConfig.weight_format: auto, compact, f32 or w4a8)")
     p.add_argument("--compare-f32-weights", action="store_true",
                    help="also time a second engine with weight_format='f32' in the same run")
+    p.add_argument("--compare-weight-format", choices=WEIGHT_FORMATS, default=None,
+                   help="also time a second engine with this weight_format in the same run, and compare its greedy "
+                        "tokens with the first engine's (e.g. w4a8, lossy, against auto)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per batch size (best kept)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default="results/bench_engine.json")
@@ -199,6 +202,22 @@ def hf_decode(hf, prompts: list[list[int]], output_len: int) -> dict:
             "tokens": out[:, ids.shape[1]:].tolist()}
 
 
+def greedy_agreement(llm, other, prompts: list[list[int]], output_len: int) -> dict:
+    """Greedy outputs of two engines on the same prompts: sequences equal, and the share of all tokens that come
+    before a sequence's first difference (1.0: identical)."""
+    from nightjar_jax import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    a = [o.outputs[0].token_ids for o in llm.generate(reqs, sp, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in other.generate(reqs, sp, use_tqdm=False)]
+    prefix = [next((i for i, (x, y) in enumerate(zip(s, t, strict=False)) if x != y), min(len(s), len(t)))
+              for s, t in zip(a, b, strict=True)]
+    total = sum(len(s) for s in a)
+    return {"sequences": len(a), "equal_sequences": sum(s == t for s, t in zip(a, b, strict=True)),
+            "equal_tokens": sum(prefix) / max(total, 1), "common_prefix": prefix}
+
+
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -226,6 +245,8 @@ def main() -> None:
         alts["xla-linear"] = engine(linear_impl="xla", weight_format=args.weight_format)
     if args.compare_f32_weights:
         alts["f32-weights"] = engine(weight_format="f32")
+    if args.compare_weight_format is not None:
+        alts[f"{args.compare_weight_format}-weights"] = engine(weight_format=args.compare_weight_format)
     weight_bytes = state_bytes(llm.engine.runner.target.state, one_row=True)  # what a batch-1 step reads
     # the float32 model's bytes (every weight as a float32: what the peer reads, and the engine with f32 weights)
     f32_bytes = state_bytes(llm.engine.runner.target.state, as_float32=True)
@@ -304,6 +325,12 @@ def main() -> None:
             greedy_equal[b0] = agree
             print(f"greedy tokens equal to the peer's at batch {b0}: {sum(agree)} of {len(agree)} sequences",
                   flush=True)
+    alt_agreement = {name: greedy_agreement(llm, alt, all_prompts[:max(batch_sizes)], args.output_len)
+                     for name, alt in alts.items()}
+    for name, agree in alt_agreement.items():
+        print(f"greedy tokens of {name} against the first engine's ({agree['sequences']} prompts, "
+              f"{args.output_len} tokens): {agree['equal_sequences']} sequences equal, {agree['equal_tokens']:.3f} of "
+              f"the tokens before the first difference", flush=True)
     bw2 = memory_bandwidth_gbs(args.bandwidth_mib << 20)  # again at the end: the floor uses the best seen
     best_gbs = max([bw["best_gbs"], bw2["best_gbs"]] + [r["bandwidth_gbs"] for r in paired])
     if best_gbs > bw["best_gbs"]:
@@ -376,6 +403,7 @@ def main() -> None:
                           "weight_bytes": weight_bytes, "f32_weight_bytes": f32_bytes, "floor_ms": 1e3 * floor_s,
                           "nightjar": ours, "nightjar_linear_xla": ours_alt.get("xla-linear", {}),
                           "nightjar_f32_weights": ours_alt.get("f32-weights", {}), "peer": peer,
+                          "nightjar_alternatives": ours_alt, "greedy_agreement_with_alternatives": alt_agreement,
                           "interleaved_batch1": inter,
                           "batch1_paired": paired, "host": host, "goals": goals,
                           "greedy_equal_to_peer": greedy_equal})

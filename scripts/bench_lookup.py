@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from distill_draft import TARGET, chat_ids, load_prompts, target_tokenizer  # noqa: E402
 
 from nightjar_jax.bench.common import machine_note, write_json  # noqa: E402
+from nightjar_jax.config import WEIGHT_FORMATS  # noqa: E402
 
 VARIANTS = ("plain", "draft alone", "lookup at the planner's γ", "lookup, copying steps at γ_max")
 
@@ -34,10 +35,12 @@ def tree_variants(sizes: list[int]) -> list[str]:
     return [f"tree of {n}{suffix}" for n in sizes for suffix in (", draft alone", " + copy branch")]
 
 
-def build(variant: str, max_model_len: int, model: str = TARGET, draft: str = "auto", batch_size: int = 1):
+def build(variant: str, max_model_len: int, model: str = TARGET, draft: str = "auto", batch_size: int = 1,
+          weight_format: str = "auto"):
     from nightjar_jax import LLM
 
-    kw = dict(max_model_len=max_model_len, max_num_seqs=batch_size, max_num_batched_tokens=512)
+    kw = dict(max_model_len=max_model_len, max_num_seqs=batch_size, max_num_batched_tokens=512,
+              weight_format=weight_format)
     if variant == "plain":
         return LLM(model, draft_model=None, **kw)
     if variant.startswith("tree of "):
@@ -90,6 +93,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
     ap.add_argument("--trees", default="", help="comma-separated tree sizes (draft nodes) to add, e.g. 11,16")
+    ap.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
+                    help="every engine's CPU kernel weights (EngineConfig.weight_format; w4a8: opt-in, lossy)")
     ap.add_argument("--out", default="results/bench_lookup.json")
     args = ap.parse_args()
     tok = target_tokenizer()
@@ -99,12 +104,12 @@ def main() -> None:
     variants = [*VARIANTS, *tree_variants(sizes)]
     # room for the largest tree step's lookahead past the prompt and the output
     room = args.max_prompt_tokens + args.max_tokens + 8 + max([0, *sizes]) + 4
-    llms = {v: build(v, room, batch_size=args.batch_size) for v in variants}
+    llms = {v: build(v, room, batch_size=args.batch_size, weight_format=args.weight_format) for v in variants}
     rows = run(llms, prompts, args.max_tokens, warmup=2, batch_size=args.batch_size)
     plain = rows["plain"]["tokens_per_second"]
     timed = (len(prompts) // args.batch_size - 2) * args.batch_size
     print(f"\n{timed} held-out chat prompts x {args.max_tokens} greedy tokens, batch {args.batch_size}, "
-          "planner-chosen γ")
+          f"planner-chosen γ, weight_format {args.weight_format}")
     print("| variant | decode tok/s | x plain | steps per γ |")
     print("|---|---:|---:|---|")
     for name, row in rows.items():

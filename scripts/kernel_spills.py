@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 KERNELS = ("linear", "paged_attention", "sampling")
 LABEL = re.compile(r"^(_Z\S+):$")
-FMA = re.compile(r"\bvfn?m(add|sub)\w*ps\b")
+FMA = re.compile(r"\b(vfn?m(add|sub)\w*ps|vpdpbu?sd)\b")  # float multiply-adds; VNNI int8 dot products
 
 
 def spills(assembly: str) -> list[tuple[str, int, int]]:

@@ -24,6 +24,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from nightjar_jax.config import WEIGHT_FORMATS  # noqa: E402
 
 CUSTOM_CALL = re.compile(r"%(\S+) = .*? custom-call\(.*?custom_call_target=\"([^\"]+)\"")
 
@@ -57,6 +58,8 @@ def main() -> None:
     ap.add_argument("--verify", action="store_true", help="trace the verify step at --gamma instead of plain decode")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
+                    help="the engine's CPU kernel weights (EngineConfig.weight_format)")
     ap.add_argument("--out", default="results/profile_step.json")
     args = ap.parse_args()
     if args.batch_size < 1 or args.steps < 1 or args.prompt_len < 1 or args.gamma < 1:
@@ -70,7 +73,7 @@ def main() -> None:
     llm = LLM(args.model, draft_model="auto" if args.verify else None, num_speculative_tokens=args.gamma,
               planner=f"static:{args.gamma}" if args.verify else "static", max_num_seqs=args.batch_size,
               max_model_len=args.prompt_len + 64, max_num_batched_tokens=max(512, args.prompt_len),
-              prompt_lookup_max=0)
+              prompt_lookup_max=0, weight_format=args.weight_format)
     runner = llm.engine.runner
     if args.verify and runner.draft is None:
         raise SystemExit(f"--verify needs a draft: {args.model} has no default draft")

@@ -115,6 +115,12 @@ def is_q8(w: jax.Array) -> bool:
     return w.ndim == 3 and w.dtype == jnp.uint8 and w.shape[-1] in (Q8_BLOCK_BYTES, Q8_DUAL_BLOCK_BYTES)
 
 
+def is_w4a8(w: jax.Array) -> bool:
+    """Whether ``w`` is a 4-bit panel weight for int8 activations, ``int8 [N / 16, K / 32, 384]`` (:func:`pack_w4a8`:
+    ``weight_format="w4a8"``, lossy in the activation)."""
+    return w.ndim == 3 and w.dtype == jnp.int8 and w.shape[-1] == Q4_BLOCK_BYTES
+
+
 def is_q4(w: jax.Array) -> bool:
     """Whether ``w`` is a 4-bit panel weight ``uint8 [N / 16, K / 32, 384]`` (:func:`pack_q4`), or the same with its
     float32 panels beside it (``[N / 16, K / 32, 2432]``)."""
@@ -134,7 +140,7 @@ def _regions(w: jax.Array, block_bytes: int) -> tuple[jax.Array, jax.Array | Non
 
 def compact_bytes(w: jax.Array) -> int:
     """Bytes of a compact weight's compact part (all of it when no float32 sits beside it)."""
-    if is_q4(w):
+    if is_q4(w) or is_w4a8(w):
         return w.shape[0] * w.shape[1] * Q4_BLOCK_BYTES
     if is_q8(w):
         return w.shape[0] * w.shape[1] * Q8_BLOCK_BYTES
@@ -156,19 +162,21 @@ def with_f32(compact: jax.Array, w: jax.Array) -> jax.Array:
 
 def is_packed(w: jax.Array) -> bool:
     """Whether ``w`` is in a panel layout for the kernel: float32 ``[N / 16, K, 16]`` (:func:`pack`), bfloat16
-    (:func:`pack_bf16`) or 4-bit ``uint8 [N / 16, K / 32, 384]`` (:func:`pack_q4`)."""
+    (:func:`pack_bf16`), 4-bit ``uint8 [N / 16, K / 32, 384]`` (:func:`pack_q4`) or ``int8`` (:func:`pack_w4a8`)."""
     return ((w.ndim == 3 and w.dtype == jnp.float32 and w.shape[-1] == PANEL)
-            or (w.ndim == 3 and w.dtype == jnp.bfloat16 and w.shape[-1] in (PANEL, BF16_DUAL_WIDTH)) or is_q4(w))
+            or (w.ndim == 3 and w.dtype == jnp.bfloat16 and w.shape[-1] in (PANEL, BF16_DUAL_WIDTH)) or is_q4(w)
+            or is_w4a8(w))
 
 
 def is_compact(w: jax.Array) -> bool:
-    """Whether ``w`` is a compact layout the kernel rebuilds as float32 (4-bit / bfloat16 panels, 8-bit rows)."""
-    return is_q4(w) or is_q8(w) or (is_packed(w) and w.dtype == jnp.bfloat16)
+    """Whether ``w`` is a compact layout (4-bit / bfloat16 panels, 8-bit rows: rebuilt as float32; 4-bit panels for
+    int8 activations), whose products take float32 x."""
+    return is_q4(w) or is_q8(w) or is_w4a8(w) or (is_packed(w) and w.dtype == jnp.bfloat16)
 
 
 def in_features(w: jax.Array, *, transposed: bool = False) -> int:
     """K of a weight: ``[K, N]``, ``[N, K]`` (transposed), packed ``[N / 16, K, 16]``, or a compact layout."""
-    if is_q4(w) or is_q8(w):
+    if is_q4(w) or is_q8(w) or is_w4a8(w):
         return w.shape[1] * Q4_ROWS
     return w.shape[1] if transposed or is_packed(w) else w.shape[0]
 
@@ -195,8 +203,11 @@ def pack(w: jax.Array) -> jax.Array:
 
 
 def unpack(w: jax.Array) -> jax.Array:
-    """``[N / 16, K, 16]`` (float32, bfloat16 or 4-bit panels) -> float32 ``[K, N]`` (for XLA's dot: a copy)."""
-    if is_q4(w):
+    """``[N / 16, K, 16]`` (float32, bfloat16 or 4-bit panels) -> float32 ``[K, N]`` (for XLA's dot: a copy; for
+    :func:`pack_w4a8`'s layout the exact weights, x then not quantized)."""
+    if is_w4a8(w):
+        w = w4a8_dequantize(w)
+    elif is_q4(w):
         compact, f32 = _regions(w, Q4_BLOCK_BYTES)
         w = q4_dequantize(compact) if f32 is None else f32.reshape(w.shape[0], -1, PANEL)
     elif w.dtype == jnp.bfloat16 and w.shape[-1] == BF16_DUAL_WIDTH:  # the float32 panels after the bfloat16 ones
@@ -279,10 +290,9 @@ def can_pack_q4(w: jax.Array) -> bool:
     return can_pack(w) and w.shape[0] % Q4_ROWS == 0 and w.shape[0] > 0
 
 
-def pack_q4(w: jax.Array) -> jax.Array | None:
-    """``[K, N]`` float32 -> ``uint8 [N / 16, K / 32, 384]``, the 4-bit panel layout, when every element of ``w`` is
-    exactly ``d * q + m`` for its 32-row block and column (q in 0 .. 15, d and m 16-bit floats: a GGUF Q4_1 weight
-    dequantized); None otherwise. :func:`q4_dequantize` (and the kernel) give back ``w``'s panels bit for bit."""
+def _q4_panel_blocks(w: jax.Array) -> tuple[np.ndarray, np.ndarray] | None:
+    """A Q4_1 weight ``[K, N]`` -> ``(out uint8 [N / 16, K / 32, 384] with each block's 16 d and 16 m written
+    (bytes 0-127, little-endian float32), q [K, N] uint8)``, or None (not a 4-bit shape, or not exactly Q4_1)."""
     if not can_pack_q4(w):
         return None
     arr = np.asarray(jax.device_get(w))
@@ -296,10 +306,88 @@ def pack_q4(w: jax.Array) -> jax.Array | None:
     for lo, values in ((0, d), (64, m)):  # [block, column] -> per panel and block, 16 little-endian float32
         per_panel = values.reshape(nb, panels, PANEL).transpose(1, 0, 2).astype("<f4")
         out[:, :, lo:lo + 64] = per_panel.view(np.uint8).reshape(panels, nb, 64)
+    return out, q
+
+
+def pack_q4(w: jax.Array) -> jax.Array | None:
+    """``[K, N]`` float32 -> ``uint8 [N / 16, K / 32, 384]``, the 4-bit panel layout, when every element of ``w`` is
+    exactly ``d * q + m`` for its 32-row block and column (q in 0 .. 15, d and m 16-bit floats: a GGUF Q4_1 weight
+    dequantized); None otherwise. :func:`q4_dequantize` (and the kernel) give back ``w``'s panels bit for bit."""
+    found = _q4_panel_blocks(w)
+    if found is None:
+        return None
+    out, q = found
+    panels, nb, _ = out.shape
     qp = q.reshape(nb, Q4_ROWS // 2, 2, panels, PANEL)  # [block, pair, row in pair, panel, column]
     nibbles = qp[:, :, 0] | (qp[:, :, 1] << 4)  # [block, pair, panel, column]
     out[:, :, 128:] = nibbles.transpose(2, 0, 1, 3).reshape(panels, nb, 256)
     return jnp.asarray(out)
+
+
+# ---- 4-bit panels for int8 activations (weight_format="w4a8"): the same Q4_1 blocks, lossy in the activation -----
+# cpu_kernel.cc PackedProductW4A8: x is quantized per row and 32-element block to int8 and multiplied with the 4-bit
+# weights by AVX512-VNNI dot products (llama.cpp's scheme for Q4_1 weights), at every row count: SmolLM2's layer
+# products 0.41-0.45x the exact 4-bit rebuild's time in cache at 1-8 rows, 0.64-0.81x for all 210 from memory; the
+# whole engine 1.0-1.2x at batch 1, 1.37-1.80x at batch 4-64 (README.md, "4-bit weights with int8 activations").
+# The weights are still exact; x's rounding is not (at most half a step, a block's max |x| / 254, per element): on
+# SmolLM2 the greedy next token matched the exact model's at 91.5% of held-out positions (perplexity 43.5 -> 44.9).
+# So it is opt-in.
+
+
+def w4a8_supported() -> bool:
+    """Whether the kernel takes :func:`pack_w4a8`'s layout here: packed weights and AVX512-VNNI (the kernel is built
+    with -march=native, so vpdpbusd is compiled in exactly when this CPU has it)."""
+    return packing_supported() and "avx512_vnni" in _cpu_flags().split()
+
+
+def pack_w4a8(w: jax.Array) -> jax.Array | None:
+    """``[K, N]`` float32 -> ``int8 [N / 16, K / 32, 384]`` when every element is exactly a Q4_1 block's
+    ``d * q + m`` (as :func:`pack_q4`), else None. Per panel and 32-row block: 16 float32 d, 16 float32 m, then 4
+    groups of 64 bytes, group g holding rows 8g .. 8g + 7 with column c in bytes 4c .. 4c + 3 (byte i: row 8g + i in
+    the low nibble, 8g + 4 + i in the high), the order AVX512-VNNI's vpdpbusd sums."""
+    found = _q4_panel_blocks(w)
+    if found is None:
+        return None
+    out, q = found
+    panels, nb, _ = out.shape
+    qg = q.reshape(nb, 4, 2, 4, panels, PANEL)  # [block, group, half, i, panel, column]: row 8g + 4 half + i
+    nibbles = qg[:, :, 0] | (qg[:, :, 1] << 4)  # [block, group, i, panel, column]
+    out[:, :, 128:] = nibbles.transpose(3, 0, 1, 4, 2).reshape(panels, nb, 256)  # [panel, block, group, column, i]
+    return jnp.asarray(out.view(np.int8))
+
+
+def w4a8_dequantize(wq: jax.Array) -> jax.Array:
+    """:func:`pack_w4a8`'s layout -> the float32 panels ``[N / 16, K, 16]`` of its exact weights."""
+    u = jax.lax.bitcast_convert_type(wq, jnp.uint8)
+    panels, nb, _ = u.shape
+    d = jax.lax.bitcast_convert_type(u[:, :, :64].reshape(panels, nb, PANEL, 4), jnp.float32)
+    m = jax.lax.bitcast_convert_type(u[:, :, 64:128].reshape(panels, nb, PANEL, 4), jnp.float32)
+    g = u[:, :, 128:].reshape(panels, nb, 4, PANEL, 4)  # [panel, block, group, column, i]
+    q = jnp.stack([g & 15, g >> 4], axis=3)  # [panel, block, group, half, column, i]
+    q = jnp.transpose(q, (0, 1, 2, 3, 5, 4)).reshape(panels, nb, Q4_ROWS, PANEL).astype(jnp.float32)
+    return (d[:, :, None, :] * q + m[:, :, None, :]).reshape(panels, nb * Q4_ROWS, PANEL)
+
+
+def w4a8_reference(x: np.ndarray, wq) -> np.ndarray:
+    """What the kernel computes for ``x [M, K] @`` a :func:`pack_w4a8` weight, in numpy (float64 sums; tests): x
+    quantized per row and 32-element block as the kernel does, the exact weights' blocks."""
+    x = np.asarray(x, np.float32)
+    u = np.asarray(wq).view(np.uint8)
+    panels, nb, _ = u.shape
+    d = u[:, :, :64].copy().view("<f4").reshape(panels, nb, PANEL)
+    m = u[:, :, 64:128].copy().view("<f4").reshape(panels, nb, PANEL)
+    g = u[:, :, 128:].reshape(panels, nb, 4, PANEL, 4)
+    q = np.stack([g & 15, g >> 4], axis=3).transpose(0, 1, 2, 3, 5, 4).reshape(panels, nb, Q4_ROWS, PANEL)
+    xb = x.reshape(x.shape[0], nb, Q4_ROWS)
+    amax = np.abs(xb).max(axis=2)
+    dx = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    qx = np.rint(xb * inv[:, :, None]).astype(np.float64)  # [M, nb, 32]
+    isum = np.einsum("mbk,pbkc->mpbc", qx, q.astype(np.float64))  # exact integers
+    sx = xb.astype(np.float64).sum(axis=2)  # [M, nb]
+    y = (isum * (d[None].astype(np.float64) * dx[:, None, :, None]) + m[None] * sx[:, None, :, None]).sum(axis=2)
+    return y.reshape(x.shape[0], panels * PANEL).astype(np.float32)
 
 
 def _q8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:

@@ -48,13 +48,17 @@
 // keep them only if every float32 element comes back bit for bit; the kernels rebuild each element exactly and sum
 // in the float32 layouts' order, so the results are the same to the bit):
 //   uint8 [N / 16, K / 32, 384]  4-bit block panels of W [K, N] (Q4_1: d * q + m), every NN form (PackedProductCompact)
-//   uint8 [N / 16, K / 32, 2432] the same followed by W's float32 panels, which more than 5 rows read instead
+//   uint8 [N / 16, K / 32, 2432] the same followed by W's float32 panels, which more than 8 rows read instead
 //   uint8 [N, K / 32, 36]        8-bit block rows of a tied head's W [N, K] (Q8_0: d * q), nightjar_linear_nt_f32
 //   uint8 [N, K / 32, 164]       the same followed by the float32 W [N, K], which more than 8 rows read instead
 //   bfloat16 [N / 16, K, 16]     bfloat16 panels of W [K, N] (a bfloat16 checkpoint upcast), every NN form
-//   bfloat16 [N / 16, K, 48]     the same followed by W's float32 panels, which more than 5 rows read instead
+//   bfloat16 [N / 16, K, 48]     the same followed by W's float32 panels, which more than 8 rows read instead
+// and one lossy layout, opt-in (weight_format="w4a8", cpu.py pack_w4a8; with AVX512-VNNI):
+//   int8 [N / 16, K / 32, 384]   the Q4_1 blocks for int8 activations: x quantized per row and 32-element block,
+//                                multiplied by vpdpbusd at every row count (PackedProductW4A8)
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -718,6 +722,22 @@ struct Segment {
                                // panels beside them (past kPanelRowGroup rows)
   const uint8_t* q8 = nullptr;  // a transposed W [N, K] as 8-bit blocks [N, K / 32, 36] instead (BlockNTQ8)
   const uint16_t* bf = nullptr;  // packed as bfloat16 panels [N / 16, K, 16] instead (w unused; PackedProductCompact)
+  const uint8_t* qa = nullptr;  // 4-bit blocks for int8 activations, int8 [N / 16, K / 32, 384] (PackedProductW4A8)
+};
+
+// x [M, K] quantized per row and 32-element block for the int8-activation weights (PackedProductW4A8): q [M, K]
+// int8, d [M, K / 32] (the scale d_x), s [M, K / 32] (the block's sum of x).
+struct QuantX {
+  std::vector<float> src;  // the x it was made from (Quantized: a thread's cache, checked by content)
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+// x quantized once for all the items of one phase (one x): the first item to need it quantizes, the others wait.
+struct SharedQuant {
+  std::atomic<int> state{0};  // 0: not started, 1: being made, 2: ready
+  QuantX qx;
+  const QuantX& Get(const float* x, int64_t M, int64_t K);  // with AVX512-VNNI only
 };
 
 // ---- packed weights ----------------------------------------------------------------------------------------------
@@ -1039,8 +1059,176 @@ void PackedProductCompact(const float* x, int64_t M, int64_t K, const T* w, cons
   }
 }
 
+// ---- 4-bit weights with int8 activations (weight_format="w4a8"; lossy in the activation) -------------------------
+// The same Q4_1 blocks as the 4-bit panels (w = d * q + m per 32 rows of a column), laid out for AVX512-VNNI's
+// vpdpbusd (unsigned 8-bit times signed 8-bit, four products summed into each 32-bit lane), and x quantized per
+// row and 32-element block to int8 (d_x = max |x| / 127, q_x = round(x / d_x); llama.cpp's Q8 activations). Per
+// block and column: sum_k w x ~= d * d_x * (sum_k q q_x) + m * (sum_k x), the integer sum exact, the m term over
+// the float32 x itself. So only x's rounding is lost (~0.4% of a block's largest |x| per element); the products
+// are no longer the float32 model's to the bit, which is why this layout is opt-in.
+// Layout int8 [N / 16, K / 32, 384] per panel and block: 16 float32 d, 16 float32 m, then 4 groups of 64 bytes,
+// group g holding rows 8g .. 8g + 7: lane c (4 bytes) of the group is column c, byte i of it row 8g + i in the low
+// nibble and row 8g + 4 + i in the high. Each row's result depends only on that row of x (integer sums, then per
+// block two multiply-adds in block order, the same in every variant below), so any number of rows, any tile and
+// any thread give a row the same bits: speculative verify steps and batches agree with one-row decoding.
+#if defined(__AVX512VNNI__)
+constexpr bool kW4A8Supported = true;
+
+void QuantizeRows(const float* x, int64_t M, int64_t K, QuantX& out) {
+  const int64_t nb = K / kQ4Rows;
+  out.q.resize(M * K);
+  out.d.resize(M * nb);
+  out.s.resize(M * nb);
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * K + b * kQ4Rows;
+      const v16 x0 = Load16(xb), x1 = Load16(xb + 16);
+      const __m512 a = _mm512_max_ps(_mm512_abs_ps(reinterpret_cast<__m512>(x0)),
+                                     _mm512_abs_ps(reinterpret_cast<__m512>(x1)));
+      const float amax = _mm512_reduce_max_ps(a);
+      const float d = amax / 127.0f;
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const __m512i q0 = _mm512_cvtps_epi32(reinterpret_cast<__m512>(x0 * Splat16(inv)));  // round to nearest even
+      const __m512i q1 = _mm512_cvtps_epi32(reinterpret_cast<__m512>(x1 * Splat16(inv)));
+      int8_t* qb = out.q.data() + r * K + b * kQ4Rows;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(q1));
+      v16 sum = x0 + x1;
+      asm("" : "+v"(sum));
+      out.d[r * nb + b] = d;
+      out.s[r * nb + b] = _mm512_reduce_add_ps(reinterpret_cast<__m512>(sum));
+    }
+  }
+}
+
+// This thread's quantized x: made once per x (a phase's items on one thread share it), checked by content.
+const QuantX& Quantized(const float* x, int64_t M, int64_t K) {
+  thread_local QuantX cache;
+  const size_t n = static_cast<size_t>(M * K);
+  if (cache.src.size() != n || std::memcmp(cache.src.data(), x, n * sizeof(float)) != 0) {
+    cache.src.assign(x, x + n);
+    QuantizeRows(x, M, K, cache);
+  }
+  return cache;
+}
+
+const QuantX& SharedQuant::Get(const float* x, int64_t M, int64_t K) {
+  int expected = 0;
+  if (state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+    QuantizeRows(x, M, K, qx);
+    state.store(2, std::memory_order_release);
+  } else {
+    while (state.load(std::memory_order_acquire) != 2) nightjar::CpuRelax();
+  }
+  return qx;
+}
+
+// The block's 16 columns of rows 8g .. 8g + 3 (lo) and 8g + 4 .. 8g + 7 (hi), each lane 4 unsigned bytes.
+inline void UnpackW4A8(const uint8_t* group, __m512i& lo, __m512i& hi) {
+  const __m512i v = _mm512_loadu_si512(group);
+  const __m512i mask = _mm512_set1_epi8(15);
+  lo = _mm512_and_si512(v, mask);
+  hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), mask);
+}
+
+// acc += d * d_x * isum, then acc += m * s_x: one block's epilogue, in this order in every variant.
+inline v16 W4A8Epilogue(v16 acc, __m512i isum, v16 d, v16 m, float dx, float sx) {
+  const v16 f = reinterpret_cast<v16>(_mm512_cvtepi32_ps(isum));
+  v16 scale = d * Splat16(dx);
+  asm("" : "+v"(scale));
+  acc = reinterpret_cast<v16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(f), reinterpret_cast<__m512>(scale),
+                                              reinterpret_cast<__m512>(acc)));
+  asm("" : "+v"(acc));
+  acc = reinterpret_cast<v16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(m), reinterpret_cast<__m512>(Splat16(sx)),
+                                              reinterpret_cast<__m512>(acc)));
+  asm("" : "+v"(acc));
+  return acc;
+}
+
+inline int32_t Word(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return v;
+}
+
+// R x rows (r0 ..) on P panels (p ..) over all K: each group's weights unpacked once for all R rows.
+template <int R, int P>
+__attribute__((noinline)) void W4A8Tile(const QuantX& qx, const uint8_t* wq, float* y, int64_t K, int64_t N,
+                                        int64_t r0, int64_t p) {
+  for (int once = 0; once < 1; ++once) {  // as PanelTileCompact: keeps the sums in registers with GCC 12
+    const int64_t nb = K / kQ4Rows;
+    v16 acc[R][P];
+    for (int r = 0; r < R; ++r) for (int j = 0; j < P; ++j) acc[r][j] = Splat16(0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk[P];
+      for (int j = 0; j < P; ++j) blk[j] = wq + ((p + j) * nb + b) * kQ4BlockBytes;
+      __m512i isum[R][P];
+      for (int r = 0; r < R; ++r) for (int j = 0; j < P; ++j) isum[r][j] = _mm512_setzero_si512();
+      for (int g = 0; g < 4; ++g) {
+        __m512i lo[P], hi[P];
+        for (int j = 0; j < P; ++j) UnpackW4A8(blk[j] + 128 + 64 * g, lo[j], hi[j]);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = qx.q.data() + (r0 + r) * K + b * kQ4Rows + 8 * g;
+          const __m512i xa = _mm512_set1_epi32(Word(xq)), xb = _mm512_set1_epi32(Word(xq + 4));
+          for (int j = 0; j < P; ++j) {
+            isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], lo[j], xa);
+            isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], hi[j], xb);
+          }
+        }
+      }
+      for (int j = 0; j < P; ++j) {
+        const v16 d = LoadQ4Scale(blk[j]), m = LoadQ4Scale(blk[j] + 64);
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (r0 + r) * nb + b;
+          acc[r][j] = W4A8Epilogue(acc[r][j], isum[r][j], d, m, qx.d[at], qx.s[at]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < P; ++j) Store16(y + (r0 + r) * N + (p + j) * 16, acc[r][j]);
+    }
+  }
+}
+
+template <int P>
+void W4A8TileRows(const QuantX& qx, const uint8_t* wq, float* y, int64_t K, int64_t N, int64_t r0, int64_t rows,
+                  int64_t p) {
+  switch (rows) {
+    case 4: W4A8Tile<4, P>(qx, wq, y, K, N, r0, p); break;
+    case 3: W4A8Tile<3, P>(qx, wq, y, K, N, r0, p); break;
+    case 2: W4A8Tile<2, P>(qx, wq, y, K, N, r0, p); break;
+    default: W4A8Tile<1, P>(qx, wq, y, K, N, r0, p); break;
+  }
+}
+
+// Panels p0 .. p1 of an int8-activation weight for x [M, K]: one row 4 panels at a time; more rows in groups of
+// up to 4 rows over 2 panels (each group re-reads the item's panels, which stay in cache).
+void PackedProductW4A8(const float* x, int64_t M, int64_t K, const Segment& s, int64_t p0, int64_t p1,
+                       SharedQuant* sq) {
+  const QuantX& qx = sq != nullptr ? sq->Get(x, M, K) : Quantized(x, M, K);
+  for (int64_t r0 = 0; r0 < M; r0 += 4) {
+    const int64_t rows = std::min<int64_t>(4, M - r0);
+    int64_t p = p0;
+    if (rows == 1) {
+      for (; p + 4 <= p1; p += 4) W4A8Tile<1, 4>(qx, s.qa, s.y, K, s.N, r0, p);
+    }
+    for (; p + 2 <= p1; p += 2) W4A8TileRows<2>(qx, s.qa, s.y, K, s.N, r0, rows, p);
+    if (p < p1) W4A8TileRows<1>(qx, s.qa, s.y, K, s.N, r0, rows, p);
+  }
+}
+#else
+constexpr bool kW4A8Supported = false;
+void PackedProductW4A8(const float*, int64_t, int64_t, const Segment&, int64_t, int64_t, SharedQuant*) {}
+#endif
+
 // Panels p0 .. p1 of a packed segment: y[:, 16 p0 .. 16 p1] = x [M, K] @ W[:, those columns].
-void PackedProduct(const float* x, int64_t M, int64_t K, const Segment& s, int64_t p0, int64_t p1) {
+// sq: x quantized once for the phase (int8-activation weights; else each thread quantizes its own copy).
+void PackedProduct(const float* x, int64_t M, int64_t K, const Segment& s, int64_t p0, int64_t p1,
+                   SharedQuant* sq = nullptr) {
+  if (s.qa != nullptr) {
+    PackedProductW4A8(x, M, K, s, p0, p1, sq);
+    return;
+  }
   if (s.q != nullptr && (s.w == nullptr || M <= kDualCompactMaxRows)) {  // s.w: the float32 panels beside them
     PackedProductCompact(x, M, K, s.q, s, p0, p1);
     return;
@@ -1092,15 +1280,16 @@ void PackedProduct(const float* x, int64_t M, int64_t K, const Segment& s, int64
 }
 #else
 constexpr bool kPackedSupported = false;
-void PackedProduct(const float*, int64_t, int64_t, const Segment&, int64_t, int64_t) {}
+constexpr bool kW4A8Supported = false;
+void PackedProduct(const float*, int64_t, int64_t, const Segment&, int64_t, int64_t, SharedQuant* = nullptr) {}
 #endif
 
 // One item of a packed SwiGLU: panels p0 .. p1 of gate and up (same shapes; outputs g.y, u.y [M, N]), then
 // h [M, N] = silu(gate) * up on those columns, so the gate runs on every thread (rms_swiglu, attn_out_mlp).
 void PackedSwiGluItem(const float* x, int64_t M, int64_t K, const Segment& g, const Segment& u, float* h, int64_t p0,
-                      int64_t p1) {
-  PackedProduct(x, M, K, g, p0, p1);
-  PackedProduct(x, M, K, u, p0, p1);
+                      int64_t p1, SharedQuant* sq) {
+  PackedProduct(x, M, K, g, p0, p1, sq);
+  PackedProduct(x, M, K, u, p0, p1, sq);
   const int64_t N = g.N;
   for (int64_t row = 0; row < M; ++row) {
     for (int64_t c = p0 * 16; c < p1 * 16; ++c) h[row * N + c] = nightjar::Silu(g.y[row * N + c]) * u.y[row * N + c];
@@ -1156,12 +1345,19 @@ WeightDims DimsOf(const W& w) {
   } else if (w.element_type() == ffi::DataType::U8 && d.size() == 3 &&
              (d[2] == kQ4BlockBytes || d[2] == kQ4DualBlockBytes) && kPackedSupported) {
     return WeightDims{d[1] * 32, d[0] * 16, true, true};
+  } else if (w.element_type() == ffi::DataType::S8 && d.size() == 3 && d[2] == kQ4BlockBytes && kW4A8Supported) {
+    return WeightDims{d[1] * 32, d[0] * 16, true, true};  // 4-bit blocks for int8 activations
   }
   return WeightDims{};  // k = -1: matches nothing
 }
 
 // The segment of a panel-layout weight (either format).
 Segment PanelSegment(const W& w, float* y, int64_t N) {
+  if (w.element_type() == ffi::DataType::S8) {  // DimsOf: int8 [N / 16, K / 32, 384], with AVX512-VNNI
+    Segment s{nullptr, y, N, true};
+    s.qa = static_cast<const uint8_t*>(w.untyped_data());
+    return s;
+  }
   if (w.element_type() == ffi::DataType::U8) {
     const auto* q = static_cast<const uint8_t*>(w.untyped_data());
     const auto d = w.dimensions();
@@ -1191,7 +1387,8 @@ std::string AddSegment(int64_t M, int64_t K, const W& w, ffi::Result<ffi::Buffer
     if (dims.k < 0 || dims.k != K || yd.size() != 2 || yd[0] != M || yd[1] != dims.n) {
       return "linear: shapes do not match: x [" + std::to_string(M) + ", " + std::to_string(K) + "], packed " +
              Dims2("w", wd) + ", " + Dims2("y", yd) +
-             " (w float32 / bfloat16 [N / 16, K, 16] or uint8 [N / 16, K / 32, 384], y [M, N])";
+             " (w float32 / bfloat16 [N / 16, K, 16], uint8 [N / 16, K / 32, 384] or, with AVX512-VNNI, int8 "
+             "[N / 16, K / 32, 384]; y [M, N])";
     }
     out.push_back(PanelSegment(w, y->typed_data(), dims.n));
     return "";
@@ -1385,8 +1582,10 @@ ffi::Error RunSegments(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_
     if (!packed.empty()) {
       const std::vector<PackedItem> items = PlanPacked(M, packed, threads);
       const PackedItem* ip = items.data();
+      SharedQuant sq;
+      SharedQuant* sqp = &sq;
       nightjar::ParallelFor(pool, static_cast<int64_t>(items.size()),
-                            [=](int64_t it) { PackedProduct(xp, M, K, *ip[it].seg, ip[it].p0, ip[it].p1); });
+                            [=](int64_t it) { PackedProduct(xp, M, K, *ip[it].seg, ip[it].p0, ip[it].p1, sqp); });
       if (plain.empty()) return ffi::Error::Success();
       work = plain;
     }
@@ -1555,8 +1754,10 @@ ffi::Error RmsSwiGlu(ffi::ThreadPool pool, In x, In gain, W wg, W wu, Out h, flo
     const std::vector<PackedItem> items = PlanPacked(M, {sg}, std::max<int64_t>(1, pool.num_threads()));
     const PackedItem* ip = items.data();
     const float* xp = xn.data();
+    SharedQuant sq;
+    SharedQuant* sqp = &sq;
     nightjar::ParallelFor(pool, static_cast<int64_t>(items.size()), [=, &sg, &su](int64_t it) {
-      PackedSwiGluItem(xp, M, K, sg, su, hp, ip[it].p0, ip[it].p1);  // K = 0: zero products, h = 0
+      PackedSwiGluItem(xp, M, K, sg, su, hp, ip[it].p0, ip[it].p1, sqp);  // K = 0: zero products, h = 0
     });
     return ffi::Error::Success();
   }
@@ -1694,17 +1895,18 @@ ffi::Error AttnOutMlpImpl(ffi::ThreadPool& pool, In& a, In& r, W& wo, In& gain, 
     const float* rp = r.typed_data();
     const float* gp = gain.typed_data();
     float* hp = h.data();
+    SharedQuant quant[4];  // int8-activation weights: each product's x quantized once (a, norm, h, next norm)
     std::vector<nightjar::Phase> phases = {
         {A > 0 ? static_cast<int64_t>(io.size()) : 0,
-         [&](int64_t it) { PackedProduct(ap, M, A, *io[it].seg, io[it].p0, io[it].p1); }},
+         [&](int64_t it) { PackedProduct(ap, M, A, *io[it].seg, io[it].p0, io[it].p1, &quant[0]); }},
         {1, [&](int64_t) {
            AddInto(yp, rp, M * H);  // y = r1
            RmsNormRows(yp, gp, M, H, eps, xn.data());
          }},
         {I > 0 ? static_cast<int64_t>(igu.size()) : 0,
-         [&](int64_t it) { PackedSwiGluItem(xn.data(), M, H, sg[0], su[0], hp, igu[it].p0, igu[it].p1); }},
+         [&](int64_t it) { PackedSwiGluItem(xn.data(), M, H, sg[0], su[0], hp, igu[it].p0, igu[it].p1, &quant[1]); }},
         {I > 0 ? static_cast<int64_t>(id.size()) : 0,
-         [&](int64_t it) { PackedProduct(hp, M, I, *id[it].seg, id[it].p0, id[it].p1); }},
+         [&](int64_t it) { PackedProduct(hp, M, I, *id[it].seg, id[it].p0, id[it].p1, &quant[2]); }},
         {1, [&](int64_t) {
            AddInto(yp, down.data(), M * H);
            if (next != nullptr) RmsNormRows(yp, next->gain->typed_data(), M, H, next->eps, xn2.data());
@@ -1712,7 +1914,9 @@ ffi::Error AttnOutMlpImpl(ffi::ThreadPool& pool, In& a, In& r, W& wo, In& gain, 
     };
     if (next != nullptr) {
       phases.push_back({static_cast<int64_t>(iq.size()),
-                        [&](int64_t it) { PackedProduct(xn2.data(), M, H, *iq[it].seg, iq[it].p0, iq[it].p1); }});
+                        [&](int64_t it) {
+                          PackedProduct(xn2.data(), M, H, *iq[it].seg, iq[it].p0, iq[it].p1, &quant[3]);
+                        }});
     }
     nightjar::ParallelPhases(pool, phases);
     return ffi::Error::Success();

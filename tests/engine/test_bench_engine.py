@@ -61,3 +61,31 @@ def test_chat_prompts_keep_whole_questions_that_fit() -> None:
         make_prompt_ids(tok, texts, 2, 5, vocab_size=256, chat=True)
     with pytest.raises(ValueError, match="chat template"):
         make_prompt_ids(None, texts, 2, 20, vocab_size=256, chat=True)
+
+
+class _FixedOutputs:
+    """An engine stand-in whose greedy outputs are given (``generate`` as LLM's, one output per request)."""
+
+    def __init__(self, outs):
+        self.outs = outs
+
+    def generate(self, reqs, sp, use_tqdm=False):
+        assert sp.temperature == 0 and sp.ignore_eos and len(reqs) == len(self.outs)
+
+        class _O:
+            def __init__(self, ids):
+                self.outputs = [type("C", (), {"token_ids": ids})()]
+
+        return [_O(ids) for ids in self.outs]
+
+
+def test_greedy_agreement_counts_tokens_before_the_first_difference() -> None:
+    bench = load_script("bench_engine.py", "bench_engine_t3")
+    a = _FixedOutputs([[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]])
+    b = _FixedOutputs([[1, 2, 3, 4], [5, 6, 0, 8], [0, 9, 9, 9]])
+    res = bench.greedy_agreement(a, b, [[1], [2], [3]], 4)
+    assert res["sequences"] == 3 and res["equal_sequences"] == 1
+    assert res["common_prefix"] == [4, 2, 0]
+    assert res["equal_tokens"] == 6 / 12
+    same = bench.greedy_agreement(a, a, [[1], [2], [3]], 4)
+    assert same["equal_sequences"] == 3 and same["equal_tokens"] == 1.0
