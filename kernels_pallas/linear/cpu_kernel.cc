@@ -728,7 +728,6 @@ struct Segment {
 // x [M, K] quantized per row and 32-element block for the int8-activation weights (PackedProductW4A8): q [M, K]
 // int8, d [M, K / 32] (the scale d_x), s [M, K / 32] (the block's sum of x).
 struct QuantX {
-  std::vector<float> src;  // the x it was made from (Quantized: a thread's cache, checked by content)
   std::vector<int8_t> q;
   std::vector<float> d, s;
 };
@@ -1101,17 +1100,6 @@ void QuantizeRows(const float* x, int64_t M, int64_t K, QuantX& out) {
   }
 }
 
-// This thread's quantized x: made once per x (a phase's items on one thread share it), checked by content.
-const QuantX& Quantized(const float* x, int64_t M, int64_t K) {
-  thread_local QuantX cache;
-  const size_t n = static_cast<size_t>(M * K);
-  if (cache.src.size() != n || std::memcmp(cache.src.data(), x, n * sizeof(float)) != 0) {
-    cache.src.assign(x, x + n);
-    QuantizeRows(x, M, K, cache);
-  }
-  return cache;
-}
-
 const QuantX& SharedQuant::Get(const float* x, int64_t M, int64_t K) {
   int expected = 0;
   if (state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
@@ -1205,7 +1193,9 @@ void W4A8TileRows(const QuantX& qx, const uint8_t* wq, float* y, int64_t K, int6
 // up to 4 rows over 2 panels (each group re-reads the item's panels, which stay in cache).
 void PackedProductW4A8(const float* x, int64_t M, int64_t K, const Segment& s, int64_t p0, int64_t p1,
                        SharedQuant* sq) {
-  const QuantX& qx = sq != nullptr ? sq->Get(x, M, K) : Quantized(x, M, K);
+  QuantX own;  // no phase to share it with: this call's own copy
+  if (sq == nullptr) QuantizeRows(x, M, K, own);
+  const QuantX& qx = sq != nullptr ? sq->Get(x, M, K) : own;
   for (int64_t r0 = 0; r0 < M; r0 += 4) {
     const int64_t rows = std::min<int64_t>(4, M - r0);
     int64_t p = p0;
@@ -1222,7 +1212,7 @@ void PackedProductW4A8(const float*, int64_t, int64_t, const Segment&, int64_t, 
 #endif
 
 // Panels p0 .. p1 of a packed segment: y[:, 16 p0 .. 16 p1] = x [M, K] @ W[:, those columns].
-// sq: x quantized once for the phase (int8-activation weights; else each thread quantizes its own copy).
+// sq: x quantized once for the phase (int8-activation weights; without one, each call quantizes its own copy).
 void PackedProduct(const float* x, int64_t M, int64_t K, const Segment& s, int64_t p0, int64_t p1,
                    SharedQuant* sq = nullptr) {
   if (s.qa != nullptr) {
