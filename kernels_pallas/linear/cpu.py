@@ -105,6 +105,7 @@ Q8_BLOCK_BYTES = 36  # per row and 32-element block of an 8-bit weight: a float3
 # FMAs: rebuilding the weights per call cost 21-31% at 9-12 rows; cpu_kernel.cc kDualCompactMaxRows). The shape's
 # last axis says which.
 Q4_DUAL_BLOCK_BYTES = Q4_BLOCK_BYTES + Q4_ROWS * PANEL * 4
+W4A8_BLOCK_BYTES = 320  # pack_w4a8: per panel and block 16 float16 d, 16 float16 m, then 4 x 64 bytes of nibbles
 Q8_DUAL_BLOCK_BYTES = Q8_BLOCK_BYTES + Q4_ROWS * 4
 BF16_DUAL_WIDTH = PANEL * 3  # bfloat16 panels then float32 panels, as bfloat16 [N / 16, K, 16 + 2 * 16]
 
@@ -116,9 +117,9 @@ def is_q8(w: jax.Array) -> bool:
 
 
 def is_w4a8(w: jax.Array) -> bool:
-    """Whether ``w`` is a 4-bit panel weight for int8 activations, ``int8 [N / 16, K / 32, 384]`` (:func:`pack_w4a8`:
+    """Whether ``w`` is a 4-bit panel weight for int8 activations, ``int8 [N / 16, K / 32, 320]`` (:func:`pack_w4a8`:
     ``weight_format="w4a8"``, lossy in the activation)."""
-    return w.ndim == 3 and w.dtype == jnp.int8 and w.shape[-1] == Q4_BLOCK_BYTES
+    return w.ndim == 3 and w.dtype == jnp.int8 and w.shape[-1] == W4A8_BLOCK_BYTES
 
 
 def is_q4(w: jax.Array) -> bool:
@@ -140,7 +141,9 @@ def _regions(w: jax.Array, block_bytes: int) -> tuple[jax.Array, jax.Array | Non
 
 def compact_bytes(w: jax.Array) -> int:
     """Bytes of a compact weight's compact part (all of it when no float32 sits beside it)."""
-    if is_q4(w) or is_w4a8(w):
+    if is_w4a8(w):
+        return w.shape[0] * w.shape[1] * W4A8_BLOCK_BYTES
+    if is_q4(w):
         return w.shape[0] * w.shape[1] * Q4_BLOCK_BYTES
     if is_q8(w):
         return w.shape[0] * w.shape[1] * Q8_BLOCK_BYTES
@@ -341,43 +344,64 @@ def w4a8_supported() -> bool:
 
 
 def pack_w4a8(w: jax.Array) -> jax.Array | None:
-    """``[K, N]`` float32 -> ``int8 [N / 16, K / 32, 384]`` when every element is exactly a Q4_1 block's
-    ``d * q + m`` (as :func:`pack_q4`), else None. Per panel and 32-row block: 16 float32 d, 16 float32 m, then 4
-    groups of 64 bytes, group g holding rows 8g .. 8g + 7 with column c in bytes 4c .. 4c + 3 (byte i: row 8g + i in
-    the low nibble, 8g + 4 + i in the high), the order AVX512-VNNI's vpdpbusd sums."""
-    found = _q4_panel_blocks(w)
+    """``[K, N]`` float32 -> ``int8 [N / 16, K / 32, 320]`` when every element is exactly a Q4_1 block's
+    ``d * q + m`` with d and m 16-bit floats (a GGUF Q4_1 weight dequantized), else None. Per panel and 32-row
+    block: the 16 columns' d, then their m (little-endian float16: 0.625 bytes per weight), then 4 groups of 64
+    bytes, group g holding rows 8g .. 8g + 7 with column c in bytes 4c .. 4c + 3 (byte i: row 8g + i in the low
+    nibble, 8g + 4 + i in the high), the order AVX512-VNNI's vpdpbusd sums."""
+    if not can_pack_q4(w):
+        return None
+    found = _q4_blocks(np.asarray(jax.device_get(w)))
     if found is None:
         return None
-    out, q = found
-    panels, nb, _ = out.shape
+    d, m, q = found
+    halves = [v.astype("<f2") for v in (d, m)]
+    if any((h.astype(np.float32).view(np.uint32) != v.view(np.uint32)).any() for h, v in zip(halves, (d, m),
+                                                                                              strict=True)):
+        return None  # a scale or offset that is not a 16-bit float (not from a GGUF): pack_q4 holds it
+    k, n = w.shape
+    nb, panels = k // Q4_ROWS, n // PANEL
+    out = np.empty((panels, nb, W4A8_BLOCK_BYTES), np.uint8)
+    for lo, values in ((0, halves[0]), (32, halves[1])):  # [block, column] -> per panel and block, 16 float16
+        out[:, :, lo:lo + 32] = values.reshape(nb, panels, PANEL).transpose(1, 0, 2).view(np.uint8).reshape(
+            panels, nb, 32)
     qg = q.reshape(nb, 4, 2, 4, panels, PANEL)  # [block, group, half, i, panel, column]: row 8g + 4 half + i
     nibbles = qg[:, :, 0] | (qg[:, :, 1] << 4)  # [block, group, i, panel, column]
-    out[:, :, 128:] = nibbles.transpose(3, 0, 1, 4, 2).reshape(panels, nb, 256)  # [panel, block, group, column, i]
+    out[:, :, 64:] = nibbles.transpose(3, 0, 1, 4, 2).reshape(panels, nb, 256)  # [panel, block, group, column, i]
     return jnp.asarray(out.view(np.int8))
+
+
+def _w4a8_parts(wq) -> tuple:
+    """:func:`pack_w4a8`'s layout (numpy or jax) -> ``(d, m, q)``: d and m float32 ``[panels, blocks, 16]``, q
+    ``[panels, blocks, 32, 16]`` (row in block, column) in 0 .. 15."""
+    xp = jnp if isinstance(wq, jax.Array) else np
+    u = jax.lax.bitcast_convert_type(wq, jnp.uint8) if xp is jnp else np.asarray(wq).view(np.uint8)
+    panels, nb, _ = u.shape
+
+    def halves(a):  # [panels, nb, 32] bytes -> [panels, nb, 16] float32
+        if xp is jnp:
+            return jax.lax.bitcast_convert_type(a.reshape(panels, nb, PANEL, 2), jnp.float16).astype(jnp.float32)
+        return np.ascontiguousarray(a).view("<f2").astype(np.float32).reshape(panels, nb, PANEL)
+
+    g = u[:, :, 64:].reshape(panels, nb, 4, PANEL, 4)  # [panel, block, group, column, i]
+    q = xp.stack([g & 15, g >> 4], axis=3)  # [panel, block, group, half, column, i]
+    q = xp.transpose(q, (0, 1, 2, 3, 5, 4)).reshape(panels, nb, Q4_ROWS, PANEL)
+    return halves(u[:, :, :32]), halves(u[:, :, 32:64]), q
 
 
 def w4a8_dequantize(wq: jax.Array) -> jax.Array:
     """:func:`pack_w4a8`'s layout -> the float32 panels ``[N / 16, K, 16]`` of its exact weights."""
-    u = jax.lax.bitcast_convert_type(wq, jnp.uint8)
-    panels, nb, _ = u.shape
-    d = jax.lax.bitcast_convert_type(u[:, :, :64].reshape(panels, nb, PANEL, 4), jnp.float32)
-    m = jax.lax.bitcast_convert_type(u[:, :, 64:128].reshape(panels, nb, PANEL, 4), jnp.float32)
-    g = u[:, :, 128:].reshape(panels, nb, 4, PANEL, 4)  # [panel, block, group, column, i]
-    q = jnp.stack([g & 15, g >> 4], axis=3)  # [panel, block, group, half, column, i]
-    q = jnp.transpose(q, (0, 1, 2, 3, 5, 4)).reshape(panels, nb, Q4_ROWS, PANEL).astype(jnp.float32)
-    return (d[:, :, None, :] * q + m[:, :, None, :]).reshape(panels, nb * Q4_ROWS, PANEL)
+    d, m, q = _w4a8_parts(wq)
+    panels, nb = d.shape[:2]
+    return (d[:, :, None, :] * q.astype(jnp.float32) + m[:, :, None, :]).reshape(panels, nb * Q4_ROWS, PANEL)
 
 
 def w4a8_reference(x: np.ndarray, wq) -> np.ndarray:
     """What the kernel computes for ``x [M, K] @`` a :func:`pack_w4a8` weight, in numpy (float64 sums; tests): x
     quantized per row and 32-element block as the kernel does, the exact weights' blocks."""
     x = np.asarray(x, np.float32)
-    u = np.asarray(wq).view(np.uint8)
-    panels, nb, _ = u.shape
-    d = u[:, :, :64].copy().view("<f4").reshape(panels, nb, PANEL)
-    m = u[:, :, 64:128].copy().view("<f4").reshape(panels, nb, PANEL)
-    g = u[:, :, 128:].reshape(panels, nb, 4, PANEL, 4)
-    q = np.stack([g & 15, g >> 4], axis=3).transpose(0, 1, 2, 3, 5, 4).reshape(panels, nb, Q4_ROWS, PANEL)
+    d, m, q = _w4a8_parts(np.asarray(wq))
+    panels, nb = d.shape[:2]
     xb = x.reshape(x.shape[0], nb, Q4_ROWS)
     amax = np.abs(xb).max(axis=2)
     dx = amax / np.float32(127)

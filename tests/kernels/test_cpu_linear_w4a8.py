@@ -36,15 +36,23 @@ def test_pack_w4a8_holds_the_exact_weights_or_refuses():
     rng = np.random.default_rng(0)
     w = _q4_weight(rng, 96, 48)
     wa = cpu.pack_w4a8(jnp.asarray(w))
-    assert wa.dtype == jnp.int8 and wa.shape == (3, 3, cpu.Q4_BLOCK_BYTES)
+    assert wa.dtype == jnp.int8 and wa.shape == (3, 3, cpu.W4A8_BLOCK_BYTES)
     assert cpu.is_w4a8(wa) and cpu.is_packed(wa) and cpu.is_compact(wa) and not cpu.is_q4(wa)
-    assert (cpu.in_features(wa), cpu.out_features(wa), cpu.compact_bytes(wa)) == (96, 48, 3 * 3 * 384)
+    assert (cpu.in_features(wa), cpu.out_features(wa), cpu.compact_bytes(wa)) == (96, 48, 3 * 3 * 320)
     np.testing.assert_array_equal(np.asarray(cpu.unpack(wa)), w)  # bit for bit
     assert cpu.pack_w4a8(jnp.asarray(0.1 * rng.standard_normal((96, 48)).astype(np.float32))) is None  # not Q4_1
     assert cpu.pack_w4a8(jnp.asarray(_q4_weight(rng, 64, 40))) is None  # N not a multiple of 16
     off = w.copy()
     off[5, 7] = np.nextafter(off[5, 7], np.float32(1))  # one element an ulp off
     assert cpu.pack_w4a8(jnp.asarray(off)) is None
+    # d * q + m exactly, but the offset m not a 16-bit float (not from a GGUF): the exact 4-bit panels take it, the
+    # int8 layout (16-bit scales, as the GGUF stores them) does not
+    q = rng.integers(0, 16, (64, 32)).astype(np.float32)
+    q[0::32], q[1::32] = 0, 15  # each block spans 0 .. 15
+    d, m = np.float32(np.float16(0.01)), np.float32(0.1)  # 0.1: a float32 that no 16-bit float equals
+    odd = (d * q + m).astype(np.float32)
+    assert cpu.pack_q4(jnp.asarray(odd)) is not None
+    assert cpu.pack_w4a8(jnp.asarray(odd)) is None
 
 
 @pytest.mark.parametrize("k,n", [(64, 48), (576, 80), (160, 16)])
