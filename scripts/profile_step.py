@@ -5,7 +5,9 @@ Runs a real engine (default: SmolLM2, batch 1, plain decoding), captures the arg
 times inside ``jax.profiler.trace(..., create_perfetto_trace=True)`` and sums each op's time over the XLA thunks of
 the step's module, custom calls named by their target (``nightjar_paged_attention_f32``, ...) through the compiled
 HLO. Prints a table (ms per step, calls per step) and writes JSON. Timings are the profiler's: each op a little slower
-than untraced, the shares are what to read.
+than untraced, the shares are what to read. The same step is also timed untraced first (``--steps`` calls, median):
+its wall time against the ops' sum shows what runs between the ops. ``--weight-format`` as the engine's
+(``w4a8``: int8 activations).
 
     python scripts/profile_step.py                       # batch 1 decode step of SmolLM2
     python scripts/profile_step.py --batch-size 4 --verify --out results/profile_verify_b4.json
@@ -22,6 +24,9 @@ import os
 import re
 import sys
 import tempfile
+import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nightjar_jax.config import WEIGHT_FORMATS  # noqa: E402
@@ -100,6 +105,11 @@ def main() -> None:
         return out
 
     jax.block_until_ready(replay())
+    walls = []
+    for _ in range(args.steps):  # untraced: the step's wall time, ops and the gaps between them
+        t0 = time.perf_counter()
+        jax.block_until_ready(replay())
+        walls.append(1e3 * (time.perf_counter() - t0))
     hlo = step_fn.lower(a[0], runner.kv, runner.features, *a[3:]).compile().as_text()
     module = "jit_" + ("verify" if args.verify else "forward_sample")
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,13 +124,16 @@ def main() -> None:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     rows = op_table(events, module, custom_call_targets(hlo), args.steps)
     total = sum(r["ms_per_step"] for r in rows)
-    print(f"{module}, batch {args.batch_size}, {args.steps} traced steps: {total:.3f} ms per step in ops")
+    wall = float(np.median(walls))
+    print(f"{module}, batch {args.batch_size}, {args.steps} traced steps: {total:.3f} ms per step in ops; untraced "
+          f"the call took {wall:.3f} ms (median of {args.steps}): {wall - total:.3f} ms outside the ops")
     print("| op | ms per step | share | calls per step |\n|---|---:|---:|---:|")
     for r in rows[:20]:
         print(f"| {r['op']} | {r['ms_per_step']:.3f} | {r['ms_per_step'] / total:.1%} | {r['calls_per_step']:.0f} |")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"module": module, "batch_size": args.batch_size, "steps": args.steps, "rows": rows}, f, indent=1)
+        json.dump({"module": module, "batch_size": args.batch_size, "steps": args.steps, "rows": rows,
+                   "ops_ms_per_step": total, "wall_ms": walls, "wall_ms_median": wall}, f, indent=1)
     print(f"wrote {args.out}")
 
 

@@ -57,3 +57,7 @@ def test_runs_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     attention = [r for op, r in ops.items() if "paged_attention" in op]
     assert attention and attention[0]["calls_per_step"] == 5  # stories260K has 5 layers
     assert "ms per step in ops" in capsys.readouterr().out
+    # the untraced calls: one wall time per step, their median, and the ops' sum beside them
+    assert len(got["wall_ms"]) == 2 and all(t > 0 for t in got["wall_ms"])
+    assert min(got["wall_ms"]) <= got["wall_ms_median"] <= max(got["wall_ms"])
+    assert got["ops_ms_per_step"] == sum(r["ms_per_step"] for r in got["rows"])
