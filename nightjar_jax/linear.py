@@ -98,8 +98,8 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
     they are bound by FMAs: rebuilding the weights per call cost 21-31% at 9-12 rows): the fewest bytes for decode
     steps, float32's speed for large batches and prefill, at ~1.2x float32's memory. ``f32``: float32 only.
 
-    ``w4a8`` (opt-in, **lossy**): where every kernel is exactly Q4_1 (as ``compact``), the 4-bit blocks laid out for
-    int8 activations (``cpu.pack_w4a8``): each product quantizes its x per row and 32-element block to int8 and
+    ``w4a8`` (opt-in, **lossy**): where every kernel is exactly Q4_1 with 16-bit d and m (a GGUF's), the blocks laid
+    out for int8 activations (``cpu.pack_w4a8``): each product quantizes its x per row and 32-element block to int8 and
     multiplies with AVX512-VNNI integer dot products (llama.cpp's scheme), at every row count (no float32 beside
     them), so a row's result never depends on the other rows of its step. The weights stay exact; x's rounding
     changes the outputs slightly. Other models (and the bfloat16 drafts) get ``auto``; so do CPUs without
@@ -124,7 +124,8 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
     if w4a8 and not cpu.w4a8_supported():
         _log.warning("weight_format='w4a8' needs AVX512-VNNI, which this CPU lacks: weights held as 'auto'")
         w4a8 = False
-    for make in (cpu.pack_w4a8 if w4a8 else cpu.pack_q4, cpu.pack_bf16):  # the first layout every kernel fits
+    makers = (cpu.pack_w4a8, cpu.pack_q4, cpu.pack_bf16) if w4a8 else (cpu.pack_q4, cpu.pack_bf16)
+    for make in makers:  # the first layout every kernel fits (all or none)
         compact = {}
         for key, w in kernels.items():
             if (compact.setdefault(key, make(w))) is None:
@@ -134,7 +135,8 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
             new = compact if alone else {k: cpu.with_f32(c, new[k]) for k, c in compact.items()}
             break
     if weight_format == "w4a8" and not any(cpu.is_w4a8(w) for w in new.values()):
-        _log.info("weight_format='w4a8': not every linear weight is exactly GGUF Q4_1 here; held as 'auto'")
+        _log.info("weight_format='w4a8': not every linear weight is exactly GGUF Q4_1 (16-bit d and m) here; "
+                  "held as 'auto'")
     tied = not any("lm_head" in key for key in kernels)  # else the table is only gathered: no float32 beside it
     for key, path, w in flat:
         if _is_embedding(path) and (q8 := cpu.pack_q8(w)) is not None:

@@ -219,3 +219,28 @@ def test_engine_on_w4a8_speculation_and_batches_equal_one_row_decoding():
     sd = engine(True)
     assert run(sd, prompts) == alone  # verify steps (γ + 1 rows per sequence): the same greedy tokens
     assert all(len(t) == 20 for t in alone)
+
+
+def test_pack_state_w4a8_falls_back_to_the_exact_layouts_as_auto_would():
+    """Q4_1 weights whose offsets are not 16-bit floats (not from a GGUF): no int8 layout, the exact 4-bit panels with
+    float32 beside them, exactly what ``auto`` holds."""
+    cfg, graphdef, quantized = _quantized_model("tiny-gqa", 6)
+    first = True
+
+    def shift(path, w):  # one kernel rebuilt with float32 offsets off the 16-bit grid (exactly d * q + m still)
+        nonlocal first
+        if first and "kernel" in jax.tree_util.keystr(path):
+            first = False
+            rng = np.random.default_rng(0)
+            q = rng.integers(0, 16, w.shape).astype(np.float32)
+            q[0::32], q[1::32] = 0, 15
+            return jnp.asarray((np.float32(np.float16(0.01)) * q + np.float32(0.1)).astype(np.float32))
+        return w
+
+    odd = jax.tree_util.tree_map_with_path(shift, quantized)
+    held = pack_state(odd, "auto", weight_format="w4a8")
+    auto = pack_state(odd, "auto", weight_format="auto")
+    assert not any(cpu.is_w4a8(w) for w in jax.tree.leaves(held))
+    assert any(cpu.is_q4(w) for w in jax.tree.leaves(held))
+    for a, b in zip(jax.tree.leaves(held), jax.tree.leaves(auto), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
