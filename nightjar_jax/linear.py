@@ -40,8 +40,9 @@ def _on_kernel(x: jax.Array, w: jax.Array, impl: str, *, transposed: bool = Fals
         return False
     from kernels_pallas.linear import cpu
 
-    # packed weights take the kernel at every row count (XLA's dot would need an unpacked copy of the weight)
-    if impl == "auto" and not (cpu.is_packed(w) and not transposed):
+    # packed weights take the kernel at every row count (XLA's dot would need an unpacked copy of the weight), and so
+    # does a w4a8 head (its int8 activations at every row count, as the layers')
+    if impl == "auto" and not (cpu.is_packed(w) and not transposed) and not (transposed and cpu.is_w8a8_head(w)):
         return cpu.use_kernel(x.shape, w, transposed=transposed)
     return (w.dtype == jnp.float32 or (cpu.is_compact(w) and cpu.is_q8(w) == transposed)) and cpu.available()
 
@@ -101,9 +102,10 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
     ``w4a8`` (opt-in, **lossy**): where every kernel is exactly Q4_1 with 16-bit d and m (a GGUF's), the blocks laid
     out for int8 activations (``cpu.pack_w4a8``): each product quantizes its x per row and 32-element block to int8 and
     multiplies with AVX512-VNNI integer dot products (llama.cpp's scheme), at every row count (no float32 beside
-    them), so a row's result never depends on the other rows of its step. The weights stay exact; x's rounding
-    changes the outputs slightly. Other models (and the bfloat16 drafts) get ``auto``; so do CPUs without
-    AVX512-VNNI, with a warning."""
+    them), so a row's result never depends on the other rows of its step; a tied Q8_0 head likewise
+    (``cpu.with_w8a8_head``: the 8-bit rows, then panels of them for int8 x, instead of the float32 table). The
+    weights stay exact; x's rounding changes the outputs slightly. Other models (and the bfloat16 drafts) get
+    ``auto``; so do CPUs without AVX512-VNNI, with a warning."""
     check_impl(impl)
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format {weight_format!r} is unknown: allowed {WEIGHT_FORMATS}")
@@ -138,9 +140,13 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
         _log.info("weight_format='w4a8': not every linear weight is exactly GGUF Q4_1 (16-bit d and m) here; "
                   "held as 'auto'")
     tied = not any("lm_head" in key for key in kernels)  # else the table is only gathered: no float32 beside it
+    int8_x = any(cpu.is_w4a8(w) for w in new.values())  # w4a8 took: the tied head's products quantize x too
     for key, path, w in flat:
         if _is_embedding(path) and (q8 := cpu.pack_q8(w)) is not None:
-            new[key] = cpu.with_f32(q8, w) if weight_format in ("auto", "w4a8") and tied else q8
+            if int8_x and tied and (head := cpu.with_w8a8_head(q8)) is not None:
+                new[key] = head
+            else:
+                new[key] = cpu.with_f32(q8, w) if weight_format in ("auto", "w4a8") and tied else q8
     return _replace(state, new)
 
 

@@ -107,13 +107,24 @@ Q8_BLOCK_BYTES = 36  # per row and 32-element block of an 8-bit weight: a float3
 Q4_DUAL_BLOCK_BYTES = Q4_BLOCK_BYTES + Q4_ROWS * PANEL * 4
 W4A8_BLOCK_BYTES = 320  # pack_w4a8: per panel and block 16 float16 d, 16 float16 m, then 4 x 64 bytes of nibbles
 Q8_DUAL_BLOCK_BYTES = Q8_BLOCK_BYTES + Q4_ROWS * 4
+# a tied head's 8-bit rows with panels for int8 activations beside them (with_w8a8_head; weight_format="w4a8"):
+# [N, K / 32, 72], the rows first, then [N / 16, K / 32, 576] panels (16 float32 d, 8 groups of 16 x 4 bytes q + 128)
+Q8_W8A8_BLOCK_BYTES = 2 * Q8_BLOCK_BYTES
+W8A8_PANEL_BLOCK_BYTES = 64 + Q4_ROWS * PANEL
 BF16_DUAL_WIDTH = PANEL * 3  # bfloat16 panels then float32 panels, as bfloat16 [N / 16, K, 16 + 2 * 16]
 
 
 def is_q8(w: jax.Array) -> bool:
     """Whether ``w`` is an 8-bit ``[N, K]`` weight ``uint8 [N, K / 32, 36]`` (:func:`pack_q8`: a tied head), or the
     same with the float32 table beside it (``[N, K / 32, 164]``)."""
-    return w.ndim == 3 and w.dtype == jnp.uint8 and w.shape[-1] in (Q8_BLOCK_BYTES, Q8_DUAL_BLOCK_BYTES)
+    return w.ndim == 3 and w.dtype == jnp.uint8 and w.shape[-1] in (Q8_BLOCK_BYTES, Q8_DUAL_BLOCK_BYTES,
+                                                                     Q8_W8A8_BLOCK_BYTES)
+
+
+def is_w8a8_head(w: jax.Array) -> bool:
+    """Whether ``w`` is a tied head's 8-bit rows with panels for int8 activations beside them (:func:`with_w8a8_head`,
+    ``uint8 [N, K / 32, 72]``): its products quantize x and use AVX512-VNNI at every row count."""
+    return w.ndim == 3 and w.dtype == jnp.uint8 and w.shape[-1] == Q8_W8A8_BLOCK_BYTES
 
 
 def is_w4a8(w: jax.Array) -> bool:
@@ -330,11 +341,11 @@ def pack_q4(w: jax.Array) -> jax.Array | None:
 # ---- 4-bit panels for int8 activations (weight_format="w4a8"): the same Q4_1 blocks, lossy in the activation -----
 # cpu_kernel.cc PackedProductW4A8: x is quantized per row and 32-element block to int8 and multiplied with the 4-bit
 # weights by AVX512-VNNI dot products (llama.cpp's scheme for Q4_1 weights), at every row count: SmolLM2's layer
-# products 0.41-0.45x the exact 4-bit rebuild's time in cache at 1-8 rows, 0.64-0.81x for all 210 from memory; the
-# whole engine 1.0-1.2x at batch 1, 1.37-1.80x at batch 4-64 (README.md, "4-bit weights with int8 activations").
-# The weights are still exact; x's rounding is not (at most half a step, a block's max |x| / 254, per element): on
-# SmolLM2 the greedy next token matched the exact model's at 91.5% of held-out positions (perplexity 43.5 -> 44.9).
-# So it is opt-in.
+# products 0.41-0.45x the exact 4-bit rebuild's time in cache at 1-8 rows, 0.64-0.81x for all 210 from memory; with
+# the tied head on int8 x too (with_w8a8_head) the whole engine 1.2-1.3x at batch 1-4, 1.9-2.1x at batch 16-64
+# (README.md, "4-bit weights with int8 activations"). The weights are still exact; x's rounding is not (at most half
+# a step, a block's max |x| / 254, per element): on SmolLM2 the greedy next token matched the exact model's at 91%
+# of held-out positions (perplexity 43.5 -> 45.0). So it is opt-in.
 
 
 def w4a8_supported() -> bool:
@@ -414,6 +425,24 @@ def w4a8_reference(x: np.ndarray, wq) -> np.ndarray:
     return y.reshape(x.shape[0], panels * PANEL).astype(np.float32)
 
 
+def w8a8_head_reference(x: np.ndarray, wq) -> np.ndarray:
+    """What the kernel computes for ``x [M, K]`` times a :func:`with_w8a8_head` table ``[N, K / 32, 72]``
+    (transposed), in numpy (tests): x quantized per row and 32 elements, exact integer sums, float64 scaling."""
+    x = np.asarray(x, np.float32)
+    n, nb, _ = wq.shape
+    rows = np.asarray(wq).reshape(-1)[: n * nb * Q8_BLOCK_BYTES].reshape(n, nb, Q8_BLOCK_BYTES)  # the rows come first
+    d = rows[:, :, :4].copy().view("<f4").reshape(n, nb).astype(np.float64)
+    q = rows[:, :, 4:].view(np.int8).astype(np.float64)  # [n, nb, 32]
+    xb = x.reshape(x.shape[0], nb, Q4_ROWS)
+    amax = np.abs(xb).max(axis=2)
+    dx = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    qx = np.rint(xb * inv[:, :, None]).astype(np.float64)
+    isum = np.einsum("mbk,nbk->mnb", qx, q)
+    return (isum * d[None] * dx[:, None, :]).sum(axis=2).astype(np.float32)
+
+
 def _q8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """``w [N, K]`` float32 -> ``(d [N, K/32], q [N, K] int8)`` with ``d * q == w`` bit for bit in float32, or None
     (d as :func:`_fit_blocks` finds it from the block's largest magnitude)."""
@@ -448,7 +477,30 @@ def pack_q8(w: jax.Array) -> jax.Array | None:
 def q8_table(wq: jax.Array) -> jax.Array:
     """8-bit rows (either form) -> the float32 ``[N, K]`` table they hold (exact)."""
     compact, f32 = _regions(wq, Q8_BLOCK_BYTES)
-    return q8_dequantize(compact) if f32 is None else f32.reshape(wq.shape[0], -1)
+    if f32 is None or is_w8a8_head(wq):  # (the bytes after the rows of a w8a8 head are panels, not float32)
+        return q8_dequantize(compact)
+    return f32.reshape(wq.shape[0], -1)
+
+
+def with_w8a8_head(q8: jax.Array) -> jax.Array | None:
+    """8-bit rows ``uint8 [N, K / 32, 36]`` (:func:`pack_q8`) -> the same rows followed by panels of them for int8
+    activations, ``uint8 [N, K / 32, 72]`` (None unless N is a multiple of 16): per 16 rows and 32-element block the
+    16 rows' d (float32), then 8 groups of 64 bytes, group g holding elements 4g .. 4g + 3 of row c in bytes 4c ..
+    4c + 3 as q + 128 (unsigned, vpdpbusd's first operand; the kernel takes 128 * sum q_x back off). A tied head
+    reads the panels (x quantized per row and 32 elements, as ``pack_w4a8``'s weights), the embedding the rows."""
+    if q8.shape[-1] != Q8_BLOCK_BYTES or q8.shape[0] % PANEL:
+        return None
+    rows = np.asarray(jax.device_get(q8))
+    n, nb, _ = rows.shape
+    panels = n // PANEL
+    d = rows[:, :, :4].copy().view("<f4").reshape(panels, PANEL, nb)  # [panel, row, block]
+    q = (rows[:, :, 4:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # [n, block, 32]
+    out = np.empty((panels, nb, W8A8_PANEL_BLOCK_BYTES), np.uint8)
+    out[:, :, :64] = np.ascontiguousarray(d.transpose(0, 2, 1), "<f4").view(np.uint8).reshape(panels, nb, 64)
+    qg = q.reshape(panels, PANEL, nb, 8, 4)  # [panel, row, block, group, i]
+    out[:, :, 64:] = qg.transpose(0, 2, 3, 1, 4).reshape(panels, nb, 8 * PANEL * 4)  # [panel, block, group, row, i]
+    both = np.concatenate([rows.reshape(-1), out.reshape(-1)])
+    return jnp.asarray(both.reshape(n, nb, Q8_W8A8_BLOCK_BYTES))
 
 
 def q8_rows(wq: jax.Array, ids: jax.Array) -> jax.Array:

@@ -55,7 +55,9 @@
 //   bfloat16 [N / 16, K, 48]     the same followed by W's float32 panels, which more than 8 rows read instead
 // and one lossy layout, opt-in (weight_format="w4a8", cpu.py pack_w4a8; with AVX512-VNNI):
 //   int8 [N / 16, K / 32, 320]   the Q4_1 blocks for int8 activations: x quantized per row and 32-element block,
-//                                multiplied by vpdpbusd at every row count (PackedProductW4A8)
+//                                multiplied by vpdpbusd at every row count (PackedProductInt8)
+//   uint8 [N, K / 32, 72]        a tied head's 8-bit rows, then panels of them for int8 activations, which its
+//                                products read at every row count (PackedProductInt8); the embedding the rows
 
 #include <algorithm>
 #include <atomic>
@@ -722,14 +724,16 @@ struct Segment {
                                // panels beside them (past kPanelRowGroup rows)
   const uint8_t* q8 = nullptr;  // a transposed W [N, K] as 8-bit blocks [N, K / 32, 36] instead (BlockNTQ8)
   const uint16_t* bf = nullptr;  // packed as bfloat16 panels [N / 16, K, 16] instead (w unused; PackedProductCompact)
-  const uint8_t* qa = nullptr;  // 4-bit blocks for int8 activations, int8 [N / 16, K / 32, 320] (PackedProductW4A8)
+  const uint8_t* qa = nullptr;  // 4-bit blocks for int8 activations, int8 [N / 16, K / 32, 320] (PackedProductInt8)
+  const uint8_t* qh = nullptr;  // a tied head's 8-bit panels for int8 activations, [N / 16, K / 32, 576] (W8A8)
 };
 
-// x [M, K] quantized per row and 32-element block for the int8-activation weights (PackedProductW4A8): q [M, K]
+// x [M, K] quantized per row and 32-element block for the int8-activation weights (PackedProductInt8): q [M, K]
 // int8, d [M, K / 32] (the scale d_x), s [M, K / 32] (the block's sum of x).
 struct QuantX {
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> qs;  // [M, K / 32]: each block's sum of q (the 8-bit head's offset correction)
 };
 
 // x quantized once for all the items of one phase (one x): the first item to need it quantizes, the others wait.
@@ -750,8 +754,15 @@ constexpr int64_t kPanelRowPanels = 4;  // panels per one-row pass and per one-r
 // bytes per panel and 32-row block of a 4-bit weight: 64 of d, 64 of m, 256 of nibbles (below)
 constexpr int64_t kQ4BlockBytes = 384;
 // bytes per panel and block of a weight for int8 activations (weight_format="w4a8"): 16 float16 d, 16 float16 m,
-// then 4 groups of 64 bytes of nibbles (PackedProductW4A8)
+// then 4 groups of 64 bytes of nibbles (PackedProductInt8)
 constexpr int64_t kW4A8BlockBytes = 320;
+// A tied head's 8-bit rows with panels for int8 activations beside them (weight_format="w4a8"): uint8
+// [N, K / 32, 72], the 8-bit rows [N, K / 32, 36] first (the embedding gathers them), then as many bytes of panels
+// [N / 16, K / 32, 576]: per panel and block 16 float32 d, then 8 groups of 64 bytes, group g holding k = 4g .. 4g + 3
+// of the 16 rows as q + 128 (unsigned, for vpdpbusd; PackedProductInt8)
+constexpr int64_t kQ8HeadBlockBytes = 72;
+constexpr int64_t kW8A8BlockBytes = 576;
+constexpr int64_t kInt8PanelChunk = 8;  // panels per chunk of the int8-activation products (46-123 KB: L2)
 // A 4-bit weight with its float32 panels beside it: [N / 16, K / 32, 384 + 32 * 16 * 4] bytes, all 4-bit blocks
 // first (the [N / 16, K / 32, 384] layout), then the float32 panels ([N / 16, K, 16]); up to kDualCompactMaxRows
 // rows read the first, more rows the second (where the products are bound by FMAs, not bytes: rebuilding each
@@ -1082,6 +1093,7 @@ void QuantizeRows(const float* x, int64_t M, int64_t K, QuantX& out) {
   out.q.resize(M * K);
   out.d.resize(M * nb);
   out.s.resize(M * nb);
+  out.qs.resize(M * nb);
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * K + b * kQ4Rows;
@@ -1098,6 +1110,7 @@ void QuantizeRows(const float* x, int64_t M, int64_t K, QuantX& out) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(q1));
       v16 sum = x0 + x1;
       asm("" : "+v"(sum));
+      out.qs[r * nb + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
       out.d[r * nb + b] = d;
       out.s[r * nb + b] = _mm512_reduce_add_ps(reinterpret_cast<__m512>(sum));
     }
@@ -1187,45 +1200,117 @@ __attribute__((noinline)) void W4A8Tile(const QuantX& qx, const uint8_t* wq, flo
   }
 }
 
-template <int P>
-void W4A8TileRows(const QuantX& qx, const uint8_t* wq, float* y, int64_t K, int64_t N, int64_t r0, int64_t rows,
-                  int64_t p) {
-  switch (rows) {
-    case 4: W4A8Tile<4, P>(qx, wq, y, K, N, r0, p); break;
-    case 3: W4A8Tile<3, P>(qx, wq, y, K, N, r0, p); break;
-    case 2: W4A8Tile<2, P>(qx, wq, y, K, N, r0, p); break;
-    default: W4A8Tile<1, P>(qx, wq, y, K, N, r0, p); break;
+
+// A tied head's 8-bit panels (kQ8HeadBlockBytes) times int8 x: per block the 16 rows' integer sums of (q + 128) q_x,
+// less 128 * sum q_x, times d * d_x. R rows on P panels, as W4A8Tile.
+template <int R, int P>
+__attribute__((noinline)) void W8A8Tile(const QuantX& qx, const uint8_t* wq, float* y, int64_t K, int64_t N,
+                                        int64_t r0, int64_t p) {
+  for (int once = 0; once < 1; ++once) {
+    const int64_t nb = K / kQ4Rows;
+    v16 acc[R][P];
+    for (int r = 0; r < R; ++r) for (int j = 0; j < P; ++j) acc[r][j] = Splat16(0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk[P];
+      for (int j = 0; j < P; ++j) blk[j] = wq + ((p + j) * nb + b) * kW8A8BlockBytes;
+      __m512i isum[R][P];
+      for (int r = 0; r < R; ++r) for (int j = 0; j < P; ++j) isum[r][j] = _mm512_setzero_si512();
+      for (int g = 0; g < 8; ++g) {
+        __m512i w[P];
+        for (int j = 0; j < P; ++j) w[j] = _mm512_loadu_si512(blk[j] + 64 + 64 * g);
+        for (int r = 0; r < R; ++r) {
+          const __m512i xa = _mm512_set1_epi32(Word(qx.q.data() + (r0 + r) * K + b * kQ4Rows + 4 * g));
+          for (int j = 0; j < P; ++j) isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], w[j], xa);
+        }
+      }
+      for (int j = 0; j < P; ++j) {
+        const v16 d = LoadQ4Scale(blk[j]);
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (r0 + r) * nb + b;
+          const __m512i exact = _mm512_sub_epi32(isum[r][j], _mm512_set1_epi32(128 * qx.qs[at]));
+          const v16 f = reinterpret_cast<v16>(_mm512_cvtepi32_ps(exact));
+          v16 scale = d * Splat16(qx.d[at]);
+          asm("" : "+v"(scale));
+          acc[r][j] = reinterpret_cast<v16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(f),
+                                                            reinterpret_cast<__m512>(scale),
+                                                            reinterpret_cast<__m512>(acc[r][j])));
+          asm("" : "+v"(acc[r][j]));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < P; ++j) Store16(y + (r0 + r) * N + (p + j) * 16, acc[r][j]);
+    }
   }
 }
 
-// Panels p0 .. p1 of an int8-activation weight for x [M, K]: one row 4 panels at a time; more rows in groups of
-// up to 4 rows over 2 panels (each group re-reads the item's panels, which stay in cache).
-void PackedProductW4A8(const float* x, int64_t M, int64_t K, const Segment& s, int64_t p0, int64_t p1,
+// The two int8-activation tiles as types (Int8Product takes either).
+template <int R, int P>
+struct W4A8 {
+  static void Run(const QuantX& qx, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t r0, int64_t p) {
+    W4A8Tile<R, P>(qx, w, y, K, N, r0, p);
+  }
+};
+template <int R, int P>
+struct W8A8 {
+  static void Run(const QuantX& qx, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t r0, int64_t p) {
+    W8A8Tile<R, P>(qx, w, y, K, N, r0, p);
+  }
+};
+
+template <template <int, int> class Tile, int P>
+void Int8TileRows(const QuantX& qx, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t r0, int64_t rows,
+                  int64_t p) {
+  switch (rows) {
+    case 4: Tile<4, P>::Run(qx, w, y, K, N, r0, p); break;
+    case 3: Tile<3, P>::Run(qx, w, y, K, N, r0, p); break;
+    case 2: Tile<2, P>::Run(qx, w, y, K, N, r0, p); break;
+    default: Tile<1, P>::Run(qx, w, y, K, N, r0, p); break;
+  }
+}
+
+// Panels p0 .. p1 of an int8-activation weight (W4A8: 4-bit layer weights; W8A8: a tied head's 8-bit panels) for
+// x [M, K]: one row 4 panels at a time; more rows in groups of up to 4 rows over 2 panels, every group over a chunk
+// of kInt8PanelChunk panels before the next chunk, so the groups after the first read the chunk from cache (an item
+// may hold thousands of panels: a 49,152-row head's 3,072 over 2 threads; with all row groups over the whole item
+// its 16 MB streamed from memory once per 4 rows).
+template <template <int, int> class Tile>
+void Int8Product(const QuantX& qx, const uint8_t* w, const Segment& s, int64_t M, int64_t K, int64_t p0,
+                 int64_t p1) {
+  for (int64_t c0 = p0; c0 < p1; c0 += kInt8PanelChunk) {
+    const int64_t c1 = std::min(p1, c0 + kInt8PanelChunk);
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+      const int64_t rows = std::min<int64_t>(4, M - r0);
+      int64_t p = c0;
+      if (rows == 1) {
+        for (; p + 4 <= c1; p += 4) Tile<1, 4>::Run(qx, w, s.y, K, s.N, r0, p);
+      }
+      for (; p + 2 <= c1; p += 2) Int8TileRows<Tile, 2>(qx, w, s.y, K, s.N, r0, rows, p);
+      if (p < c1) Int8TileRows<Tile, 1>(qx, w, s.y, K, s.N, r0, rows, p);
+    }
+  }
+}
+
+// A segment of either int8-activation layout; sq: x quantized once for the phase (else this call's own copy).
+void PackedProductInt8(const float* x, int64_t M, int64_t K, const Segment& s, int64_t p0, int64_t p1,
                        SharedQuant* sq) {
-  QuantX own;  // no phase to share it with: this call's own copy
+  QuantX own;
   if (sq == nullptr) QuantizeRows(x, M, K, own);
   const QuantX& qx = sq != nullptr ? sq->Get(x, M, K) : own;
-  for (int64_t r0 = 0; r0 < M; r0 += 4) {
-    const int64_t rows = std::min<int64_t>(4, M - r0);
-    int64_t p = p0;
-    if (rows == 1) {
-      for (; p + 4 <= p1; p += 4) W4A8Tile<1, 4>(qx, s.qa, s.y, K, s.N, r0, p);
-    }
-    for (; p + 2 <= p1; p += 2) W4A8TileRows<2>(qx, s.qa, s.y, K, s.N, r0, rows, p);
-    if (p < p1) W4A8TileRows<1>(qx, s.qa, s.y, K, s.N, r0, rows, p);
-  }
+  if (s.qa != nullptr) Int8Product<W4A8>(qx, s.qa, s, M, K, p0, p1);
+  else Int8Product<W8A8>(qx, s.qh, s, M, K, p0, p1);
 }
 #else
 constexpr bool kW4A8Supported = false;
-void PackedProductW4A8(const float*, int64_t, int64_t, const Segment&, int64_t, int64_t, SharedQuant*) {}
+void PackedProductInt8(const float*, int64_t, int64_t, const Segment&, int64_t, int64_t, SharedQuant*) {}
 #endif
 
 // Panels p0 .. p1 of a packed segment: y[:, 16 p0 .. 16 p1] = x [M, K] @ W[:, those columns].
 // sq: x quantized once for the phase (int8-activation weights; without one, each call quantizes its own copy).
 void PackedProduct(const float* x, int64_t M, int64_t K, const Segment& s, int64_t p0, int64_t p1,
                    SharedQuant* sq = nullptr) {
-  if (s.qa != nullptr) {
-    PackedProductW4A8(x, M, K, s, p0, p1, sq);
+  if (s.qa != nullptr || s.qh != nullptr) {
+    PackedProductInt8(x, M, K, s, p0, p1, sq);
     return;
   }
   if (s.q != nullptr && (s.w == nullptr || M <= kDualCompactMaxRows)) {  // s.w: the float32 panels beside them
@@ -1390,6 +1475,19 @@ std::string AddSegment(int64_t M, int64_t K, const W& w, ffi::Result<ffi::Buffer
              "[N / 16, K / 32, 320]; y [M, N])";
     }
     out.push_back(PanelSegment(w, y->typed_data(), dims.n));
+    return "";
+  }
+  if (kTransposed && w.element_type() == ffi::DataType::U8 && wd.size() == 3 && wd[2] == kQ8HeadBlockBytes) {
+    // 8-bit rows with panels for int8 activations beside them [N, K / 32, 72] (weight_format="w4a8")
+    if (!kW4A8Supported || !kPackedSupported) return "linear: 8-bit head panels for int8 x need AVX512-VNNI";
+    if (wd[1] * kQ8Rows != K || wd[0] % 16 != 0 || yd.size() != 2 || yd[0] != M || yd[1] != wd[0]) {
+      return "linear: shapes do not match: x [" + std::to_string(M) + ", " + std::to_string(K) + "], 8-bit " +
+             Dims2("w", wd) + ", " + Dims2("y", yd) + " (w uint8 [N, K / 32, 72] with N a multiple of 16, y [M, N])";
+    }
+    const auto* q8 = static_cast<const uint8_t*>(w.untyped_data());
+    Segment seg{nullptr, y->typed_data(), wd[0], true, nullptr, q8};
+    seg.qh = q8 + wd[0] * wd[1] * kQ8BlockBytes;
+    out.push_back(seg);
     return "";
   }
   if (kTransposed && w.element_type() == ffi::DataType::U8 && wd.size() == 3 &&
@@ -1574,6 +1672,15 @@ ffi::Error RunSegments(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_
       continue;
     }
     work.push_back(s);
+  }
+  if (kTransposed && !work.empty() && work[0].qh != nullptr) {  // a tied head's panels for int8 x (one segment)
+    const std::vector<PackedItem> items = PlanPacked(M, work, threads);
+    const PackedItem* ip = items.data();
+    SharedQuant sq;
+    SharedQuant* sqp = &sq;
+    nightjar::ParallelFor(pool, static_cast<int64_t>(items.size()),
+                          [=](int64_t it) { PackedProduct(xp, M, K, *ip[it].seg, ip[it].p0, ip[it].p1, sqp); });
+    return ffi::Error::Success();
   }
   if (!kTransposed) {
     std::vector<Segment> packed, plain;

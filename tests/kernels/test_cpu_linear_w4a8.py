@@ -7,6 +7,7 @@ its x per row and 32-element block to int8. Lossy in x, so these tests check wha
   float32 rounding, and differs from the exact product by no more than x's rounding allows;
 - a row's result never depends on the other rows of the call (1 row, register tiles, row groups: the same bits),
   nor on the fused form that computed it, which is what keeps verify steps and batches equal to one-row decoding;
+- a tied Q8_0 head gets panels of its rows for int8 x too (``with_w8a8_head``), with the same guarantees;
 - ``pack_state`` holds a Q4_1 model this way (and anything else as ``auto``), and in the engine greedy speculative
   decoding equals plain decoding and a batch equals each prompt run alone.
 """
@@ -19,8 +20,10 @@ import numpy as np
 import pytest
 
 from kernels_pallas.linear import cpu
-from nightjar_jax.linear import attn_out_mlp, linear, pack_state
+from nightjar_jax.linear import _on_kernel, attn_out_mlp, linear, pack_state
 from tests.kernels.test_cpu_linear_compact import _q4_weight, q4_1, q8_0
+
+F32 = jnp.float32
 
 pytestmark = pytest.mark.skipif(
     not cpu.w4a8_supported(),
@@ -140,6 +143,35 @@ def test_attn_out_mlp_rows_equal_one_row_calls():
     np.testing.assert_allclose(np.asarray(y), np.asarray(exact), rtol=0.05, atol=0.05)
 
 
+def test_tied_head_panels_for_int8_x():
+    """``with_w8a8_head``: the 8-bit rows kept first (the embedding's gathers, XLA's exact copy), panels of them for
+    int8 x after; the head's products follow the scheme, a row's logits do not depend on the other rows."""
+    rng = np.random.default_rng(8)
+    n, k = 160, 96
+    table = q8_0((0.1 * rng.standard_normal((n, k))).astype(np.float32))
+    q8 = cpu.pack_q8(jnp.asarray(table))
+    head = cpu.with_w8a8_head(q8)
+    assert head.shape == (n, k // 32, cpu.Q8_W8A8_BLOCK_BYTES) and cpu.is_w8a8_head(head) and cpu.is_q8(head)
+    np.testing.assert_array_equal(np.asarray(cpu.q8_table(head)), table)
+    np.testing.assert_array_equal(np.asarray(cpu.q8_rows(head, jnp.asarray([[3, 159], [0, 7]]))), table[[[3, 159],
+                                                                                                          [0, 7]]])
+    assert cpu.with_w8a8_head(cpu.pack_q8(jnp.asarray(table[:40]))) is None  # N not a multiple of 16
+    x = _x(rng, 13, k)
+    one = np.stack([np.asarray(cpu.linear_cpu(jnp.asarray(x[i:i + 1]), head, transposed=True))[0] for i in range(13)])
+    for m in (1, 2, 5, 13):
+        y = np.asarray(cpu.linear_cpu(jnp.asarray(x[:m]), head, transposed=True))
+        np.testing.assert_array_equal(y, one[:m])
+        ref = cpu.w8a8_head_reference(x[:m], head)
+        scale = np.abs(x[:m].astype(np.float64)) @ np.abs(table.T.astype(np.float64))
+        assert np.all(np.abs(y - ref) <= 1e-5 * scale + 1e-6)
+        exact = x[:m].astype(np.float64) @ table.T.astype(np.float64)
+        assert 0 < np.abs(y - exact).max() <= 0.02 * np.abs(exact).max()
+    # on the kernel at every row count, beyond the tiles' range too (as the layers); XLA's path: the exact table
+    assert _on_kernel(jnp.ones((400, k), F32), head, "auto", transposed=True)
+    np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x[:2]), head, impl="xla", transposed=True)),
+                               x[:2].astype(np.float64) @ table.T, rtol=1e-4, atol=1e-4)
+
+
 def _quantized_model(preset: str, seed: int):
     """A tiny preset with every linear weight exactly Q4_1 and the table Q8_0 (a GGUF checkpoint dequantized)."""
     from nightjar_jax.models.llama import init_model
@@ -167,7 +199,7 @@ def test_pack_state_w4a8_holds_q4_models_and_others_as_auto():
     leaves = jax.tree.leaves(held)
     kernels = [leaf for leaf in leaves if cpu.is_packed(leaf)]
     assert kernels and all(cpu.is_w4a8(leaf) for leaf in kernels)  # all of them, no float32 beside
-    assert any(leaf.shape[-1] == cpu.Q8_DUAL_BLOCK_BYTES for leaf in leaves)  # the tied head as in auto (exact)
+    assert any(cpu.is_w8a8_head(leaf) for leaf in leaves)  # the tied head: panels for int8 x beside its rows
     ref = model_logits(cfg, graphdef, pack_state(quantized, "auto", weight_format="f32"), 5)
     got = model_logits(cfg, graphdef, held, 5)
     assert not np.array_equal(got, ref)  # lossy ...
