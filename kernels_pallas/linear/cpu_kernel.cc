@@ -1200,7 +1200,6 @@ __attribute__((noinline)) void W4A8Tile(const QuantX& qx, const uint8_t* wq, flo
   }
 }
 
-
 // A tied head's 8-bit panels (kQ8HeadBlockBytes) times int8 x: per block the 16 rows' integer sums of (q + 128) q_x,
 // less 128 * sum q_x, times d * d_x. R rows on P panels, as W4A8Tile.
 template <int R, int P>
