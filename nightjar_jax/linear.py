@@ -136,11 +136,11 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
             alone = weight_format == "compact" or make is cpu.pack_w4a8  # w4a8: the int8 path at every row count
             new = compact if alone else {k: cpu.with_f32(c, new[k]) for k, c in compact.items()}
             break
-    if weight_format == "w4a8" and not any(cpu.is_w4a8(w) for w in new.values()):
+    int8_x = any(cpu.is_w4a8(w) for w in new.values())  # w4a8 took: the tied head's products quantize x too
+    if weight_format == "w4a8" and not int8_x:
         _log.info("weight_format='w4a8': not every linear weight is exactly GGUF Q4_1 (16-bit d and m) here; "
                   "held as 'auto'")
     tied = not any("lm_head" in key for key in kernels)  # else the table is only gathered: no float32 beside it
-    int8_x = any(cpu.is_w4a8(w) for w in new.values())  # w4a8 took: the tied head's products quantize x too
     for key, path, w in flat:
         if _is_embedding(path) and (q8 := cpu.pack_q8(w)) is not None:
             if int8_x and tied and (head := cpu.with_w8a8_head(q8)) is not None:

@@ -29,6 +29,7 @@ from nightjar_jax.config import WEIGHT_FORMATS  # noqa: E402
 
 PAGE = 16
 BUCKET = 128  # prefill lengths padded to a multiple of this (few compiled shapes)
+_FNS: dict[int, tuple] = {}  # graphdef id -> its jitted (hidden_fn, logits_fn)
 
 
 def prefill_logits(handle, tokens: list[int]) -> np.ndarray:
@@ -54,8 +55,6 @@ def prefill_logits(handle, tokens: list[int]) -> np.ndarray:
     hidden, _ = hidden_fn(handle.state, ids, kv, md)
     return np.asarray(logits_fn(handle.state, hidden))[0, :n]
 
-
-_FNS: dict[int, tuple] = {}
 
 
 def held_as(state) -> list[str]:

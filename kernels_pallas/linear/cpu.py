@@ -304,9 +304,10 @@ def can_pack_q4(w: jax.Array) -> bool:
     return can_pack(w) and w.shape[0] % Q4_ROWS == 0 and w.shape[0] > 0
 
 
-def _q4_panel_blocks(w: jax.Array) -> tuple[np.ndarray, np.ndarray] | None:
-    """A Q4_1 weight ``[K, N]`` -> ``(out uint8 [N / 16, K / 32, 384] with each block's 16 d and 16 m written
-    (bytes 0-127, little-endian float32), q [K, N] uint8)``, or None (not a 4-bit shape, or not exactly Q4_1)."""
+def pack_q4(w: jax.Array) -> jax.Array | None:
+    """``[K, N]`` float32 -> ``uint8 [N / 16, K / 32, 384]``, the 4-bit panel layout, when every element of ``w`` is
+    exactly ``d * q + m`` for its 32-row block and column (q in 0 .. 15, d and m 16-bit floats: a GGUF Q4_1 weight
+    dequantized); None otherwise. :func:`q4_dequantize` (and the kernel) give back ``w``'s panels bit for bit."""
     if not can_pack_q4(w):
         return None
     arr = np.asarray(jax.device_get(w))
@@ -320,18 +321,6 @@ def _q4_panel_blocks(w: jax.Array) -> tuple[np.ndarray, np.ndarray] | None:
     for lo, values in ((0, d), (64, m)):  # [block, column] -> per panel and block, 16 little-endian float32
         per_panel = values.reshape(nb, panels, PANEL).transpose(1, 0, 2).astype("<f4")
         out[:, :, lo:lo + 64] = per_panel.view(np.uint8).reshape(panels, nb, 64)
-    return out, q
-
-
-def pack_q4(w: jax.Array) -> jax.Array | None:
-    """``[K, N]`` float32 -> ``uint8 [N / 16, K / 32, 384]``, the 4-bit panel layout, when every element of ``w`` is
-    exactly ``d * q + m`` for its 32-row block and column (q in 0 .. 15, d and m 16-bit floats: a GGUF Q4_1 weight
-    dequantized); None otherwise. :func:`q4_dequantize` (and the kernel) give back ``w``'s panels bit for bit."""
-    found = _q4_panel_blocks(w)
-    if found is None:
-        return None
-    out, q = found
-    panels, nb, _ = out.shape
     qp = q.reshape(nb, Q4_ROWS // 2, 2, panels, PANEL)  # [block, pair, row in pair, panel, column]
     nibbles = qp[:, :, 0] | (qp[:, :, 1] << 4)  # [block, pair, panel, column]
     out[:, :, 128:] = nibbles.transpose(2, 0, 1, 3).reshape(panels, nb, 256)

@@ -1136,14 +1136,20 @@ inline void UnpackW4A8(const uint8_t* group, __m512i& lo, __m512i& hi) {
   hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), mask);
 }
 
-// acc += d * d_x * isum, then acc += m * s_x: one block's epilogue, in this order in every variant.
-inline v16 W4A8Epilogue(v16 acc, __m512i isum, v16 d, v16 m, float dx, float sx) {
+// acc += d * d_x * isum (a block's integer sums scaled), in this order in every variant.
+inline v16 Int8ScaledAdd(v16 acc, __m512i isum, v16 d, float dx) {
   const v16 f = reinterpret_cast<v16>(_mm512_cvtepi32_ps(isum));
   v16 scale = d * Splat16(dx);
   asm("" : "+v"(scale));
   acc = reinterpret_cast<v16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(f), reinterpret_cast<__m512>(scale),
                                               reinterpret_cast<__m512>(acc)));
   asm("" : "+v"(acc));
+  return acc;
+}
+
+// The 4-bit blocks' epilogue: acc += d * d_x * isum, then acc += m * s_x.
+inline v16 W4A8Epilogue(v16 acc, __m512i isum, v16 d, v16 m, float dx, float sx) {
+  acc = Int8ScaledAdd(acc, isum, d, dx);
   acc = reinterpret_cast<v16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(m), reinterpret_cast<__m512>(Splat16(sx)),
                                               reinterpret_cast<__m512>(acc)));
   asm("" : "+v"(acc));
@@ -1227,13 +1233,7 @@ __attribute__((noinline)) void W8A8Tile(const QuantX& qx, const uint8_t* wq, flo
         for (int r = 0; r < R; ++r) {
           const int64_t at = (r0 + r) * nb + b;
           const __m512i exact = _mm512_sub_epi32(isum[r][j], _mm512_set1_epi32(128 * qx.qs[at]));
-          const v16 f = reinterpret_cast<v16>(_mm512_cvtepi32_ps(exact));
-          v16 scale = d * Splat16(qx.d[at]);
-          asm("" : "+v"(scale));
-          acc[r][j] = reinterpret_cast<v16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(f),
-                                                            reinterpret_cast<__m512>(scale),
-                                                            reinterpret_cast<__m512>(acc[r][j])));
-          asm("" : "+v"(acc[r][j]));
+          acc[r][j] = Int8ScaledAdd(acc[r][j], exact, d, qx.d[at]);
         }
       }
     }

@@ -138,8 +138,8 @@ def test_attn_out_mlp_rows_equal_one_row_calls():
         for t, t1 in zip(qkv, qkv1, strict=True):
             np.testing.assert_array_equal(np.asarray(t)[i:i + 1], np.asarray(t1))
     # and near the exact layer (float32 weights)
-    exact = attn_out_mlp(jnp.asarray(a), jnp.asarray(r), *(cpu.pack(cpu.unpack(w)) for w in (wo,)), g,
-                         *(cpu.pack(cpu.unpack(w)) for w in (wg, wu, wd)), eps)
+    po, pg, pu, pd = (cpu.pack(cpu.unpack(w)) for w in (wo, wg, wu, wd))  # the same weights as float32 panels
+    exact = attn_out_mlp(jnp.asarray(a), jnp.asarray(r), po, g, pg, pu, pd, eps)
     np.testing.assert_allclose(np.asarray(y), np.asarray(exact), rtol=0.05, atol=0.05)
 
 
