@@ -32,6 +32,9 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-er
 HEADERS = (Path(__file__).with_name("cpu_parallel.h"), Path(__file__).with_name("cpu_math.h"))
 
 
+_LOADED: list[CpuKernelLibrary] = []  # libraries loaded in this process, in load order
+
+
 def cache_dir() -> Path:
     root = os.environ.get("NIGHTJAR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nightjar_jax")
     return Path(root) / "cpu_kernels"
@@ -128,6 +131,7 @@ class CpuKernelLibrary:
                 for target, symbol in self.symbols.items():
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 self._state.update(ok=True, reason="", lib=lib)
+                _LOADED.append(self)
             except Exception as e:  # noqa: BLE001 - any build/load failure means: use the XLA path
                 logger.warning("CPU %s kernel unavailable, using the XLA path: %s", self.name, e)
                 self._state.update(ok=False, reason=str(e))
@@ -140,3 +144,18 @@ class CpuKernelLibrary:
     def unavailable_reason(self) -> str:
         self._load()
         return str(self._state["reason"])
+
+
+def spin_us(value: int | None = None) -> int | None:
+    """The CPU kernels' helper threads' spin after each call, in microseconds (``cpu_parallel.h``'s SpinTeam; set
+    at start-up by ``NIGHTJAR_CPU_SPIN_US``, default 30; 0 hands every call's helpers to XLA's pool). With
+    ``value``, sets it first. None when no kernel library is loaded."""
+    for library in _LOADED:
+        lib = library._state.get("lib")
+        if lib is None:
+            continue
+        if value is not None:
+            lib.NightjarSetSpinUs(ctypes.c_int64(int(value)))
+        lib.NightjarSpinUs.restype = ctypes.c_int64
+        return int(lib.NightjarSpinUs())
+    return None

@@ -9,8 +9,13 @@ than untraced, the shares are what to read. The same step is also timed untraced
 its wall time against the ops' sum shows what runs between the ops. ``--weight-format`` as the engine's
 (``w4a8``: int8 activations).
 
+``--compare-spin-us 0,30`` also times the untraced step under each spin of the CPU kernels' helper threads
+(``kernels_pallas/cpu_parallel.h``; 0: XLA's pool wakes a helper per call), interleaved in blocks of 15 calls so the
+machine's drift falls on every setting alike, and prints each median against the first's.
+
     python scripts/profile_step.py                       # batch 1 decode step of SmolLM2
     python scripts/profile_step.py --batch-size 4 --verify --out results/profile_verify_b4.json
+    python scripts/profile_step.py --compare-spin-us 0,30 --rounds 12
 """
 
 from __future__ import annotations
@@ -55,6 +60,39 @@ def op_table(trace_events: list[dict], module: str, targets: dict[str, str], ste
     return sorted(rows, key=lambda r: -r["ms_per_step"])
 
 
+def compare_spins(replay, spins: list[int], rounds: int, block: int = 15) -> list[dict]:
+    """Times ``replay()`` (a jitted step, blocking) under each helper-thread spin, interleaved: every round runs
+    ``block`` calls per setting (after 3 unrecorded). Prints and returns per-setting medians against the first's."""
+    import jax
+
+    from kernels_pallas import cpu_build
+
+    before = cpu_build.spin_us()
+    if before is None:
+        print("no CPU kernel library is loaded: nothing to compare")
+        return []
+    walls: dict[int, list[float]] = {v: [] for v in spins}
+    try:
+        for _ in range(rounds):
+            for v in spins:
+                cpu_build.spin_us(v)
+                for _ in range(3):
+                    jax.block_until_ready(replay())
+                for _ in range(block):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(replay())
+                    walls[v].append(1e3 * (time.perf_counter() - t0))
+    finally:
+        cpu_build.spin_us(before)
+    base = float(np.median(walls[spins[0]]))
+    rows = [{"spin_us": v, "median_ms": float(np.median(w)), "p10_ms": float(np.percentile(w, 10)),
+             "ratio": float(np.median(w)) / base, "calls": len(w)} for v, w in walls.items()]
+    print(f"| helper spin (us) | median ms | p10 ms | x spin {spins[0]} |\n|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['spin_us']} | {r['median_ms']:.3f} | {r['p10_ms']:.3f} | {r['ratio']:.3f} |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -65,8 +103,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
                     help="the engine's CPU kernel weights (EngineConfig.weight_format)")
+    ap.add_argument("--compare-spin-us", default="",
+                    help="comma-separated helper-thread spins (microseconds) to time the step under, interleaved")
+    ap.add_argument("--rounds", type=int, default=8, help="--compare-spin-us: rounds of 15 calls per setting")
     ap.add_argument("--out", default="results/profile_step.json")
     args = ap.parse_args()
+    try:
+        spins = [int(v) for v in args.compare_spin_us.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--compare-spin-us takes comma-separated integers, got {args.compare_spin_us!r}") from None
+    if any(v < 0 for v in spins) or args.rounds < 1:
+        raise SystemExit("--compare-spin-us values must be >= 0 and --rounds at least 1")
     if args.batch_size < 1 or args.steps < 1 or args.prompt_len < 1 or args.gamma < 1:
         raise SystemExit("--batch-size, --steps, --prompt-len and --gamma must be at least 1")
 
@@ -110,6 +157,7 @@ def main() -> None:
         t0 = time.perf_counter()
         jax.block_until_ready(replay())
         walls.append(1e3 * (time.perf_counter() - t0))
+    spin_rows = compare_spins(replay, spins, args.rounds) if spins else []
     hlo = step_fn.lower(a[0], runner.kv, runner.features, *a[3:]).compile().as_text()
     module = "jit_" + ("verify" if args.verify else "forward_sample")
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,7 +181,8 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"module": module, "batch_size": args.batch_size, "steps": args.steps, "rows": rows,
-                   "ops_ms_per_step": total, "wall_ms": walls, "wall_ms_median": wall}, f, indent=1)
+                   "ops_ms_per_step": total, "wall_ms": walls, "wall_ms_median": wall, "spins": spin_rows}, f,
+                  indent=1)
     print(f"wrote {args.out}")
 
 

@@ -49,7 +49,7 @@ def test_runs_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     prof = load_script("profile_step.py", "profile_step_run")
     out = tmp_path / "p.json"
     monkeypatch.setattr(sys, "argv", ["profile_step.py", "--model", "stories260k", "--steps", "2", "--prompt-len",
-                                      "12", "--out", str(out)])
+                                      "12", "--compare-spin-us", "0,30", "--rounds", "1", "--out", str(out)])
     prof.main()
     got = json.loads(out.read_text())
     assert got["module"] == "jit_forward_sample" and got["steps"] == 2
@@ -61,3 +61,17 @@ def test_runs_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert len(got["wall_ms"]) == 2 and all(t > 0 for t in got["wall_ms"])
     assert min(got["wall_ms"]) <= got["wall_ms_median"] <= max(got["wall_ms"])
     assert got["ops_ms_per_step"] == sum(r["ms_per_step"] for r in got["rows"])
+    # the interleaved spin comparison: one row per setting, 15 calls each, the first setting the ratios' base
+    assert [r["spin_us"] for r in got["spins"]] == [0, 30] and all(r["calls"] == 15 for r in got["spins"])
+    assert got["spins"][0]["ratio"] == 1.0 and got["spins"][1]["median_ms"] > 0
+
+
+def test_bad_spin_list_is_a_clear_error(monkeypatch):
+    import sys
+
+    import pytest
+
+    prof = load_script("profile_step.py", "profile_step_bad")
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--compare-spin-us", "0,x"])
+    with pytest.raises(SystemExit, match="comma-separated integers"):
+        prof.main()
