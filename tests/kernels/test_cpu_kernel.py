@@ -105,3 +105,46 @@ def test_q_is_cast_to_the_pool_dtype_like_the_pallas_wrapper():
                                   scale=case.scale)
     assert out.dtype == F32
     assert_close(out.astype(BF16), paged_attention_reference(*case.args, scale=case.scale))
+
+
+# ---- long contexts: many pages per row block, rows of one block on both sides of a page boundary ----
+
+LONG_CONTEXTS = [1, 127, 128, 129, 200, 256, 257, 300, 520]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("page_size, q_len", [(16, 1), (12, 5), (16, 24)])
+def test_long_contexts_match_reference(dtype, page_size, q_len):
+    # page size 12: keys that never align with the 8-key dot products; q_len 24 with GQA 3: 72 rows, five blocks,
+    # rows of one block seeing different numbers of pages
+    case = make_case(LONG_CONTEXTS, q_len=q_len, num_q_heads=6, num_kv_heads=2, page_size=page_size,
+                     dtype=dtype, seed=page_size + q_len)
+    _check(case)
+
+
+def test_tree_mask_window_across_page_boundaries_in_long_contexts():
+    from tests.spec.test_tree import _tree_case
+
+    case = make_case([131, 140, 300], q_len=9, num_q_heads=4, num_kv_heads=2, page_size=16, seed=5)
+    mask = _tree_case(9, 12, seed=1)  # window keys ctx - 12 .. ctx - 1: across a page boundary for each context
+    want = paged_attention_reference(*case.args, scale=case.scale, tree_mask=mask)
+    got = jax.jit(lambda *a: cpu.paged_attention_cpu(*a, scale=case.scale, tree_mask=mask))(*case.args)
+    assert_close(got, want)
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    """A batch equals each sequence run alone, bitwise, and each verify row the decode of its position (to float
+    rounding: a row's group of query rows sharing key loads differs between the two, and with it how the compiler
+    contracts the multiply-adds)."""
+    q_len, heads, kv_heads = 6, 6, 2
+    case = make_case([125, 131, 259], q_len=q_len, num_q_heads=heads, num_kv_heads=kv_heads, page_size=16, seed=9)
+    run = jax.jit(lambda q, bt, cl: cpu.paged_attention_cpu(q, case.k_pages, case.v_pages, bt, cl,
+                                                            scale=case.scale))
+    batch = np.asarray(run(case.q, case.block_tables, case.context_lens))
+    for s, ctx in enumerate(np.asarray(case.context_lens)):
+        alone = np.asarray(run(case.q[s:s + 1], case.block_tables[s:s + 1], case.context_lens[s:s + 1]))
+        np.testing.assert_array_equal(alone[0], batch[s])
+        for i in range(q_len):  # query i sits at position ctx - q_len + i: decode it with that context
+            one = np.asarray(run(case.q[s:s + 1, i:i + 1], case.block_tables[s:s + 1],
+                                 jnp.asarray([ctx - q_len + i + 1], jnp.int32)))
+            np.testing.assert_allclose(one[0, 0], batch[s, i], rtol=1e-6, atol=1e-7)
