@@ -61,6 +61,9 @@ def test_runs_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert len(got["wall_ms"]) == 2 and all(t > 0 for t in got["wall_ms"])
     assert min(got["wall_ms"]) <= got["wall_ms_median"] <= max(got["wall_ms"])
     assert got["ops_ms_per_step"] == sum(r["ms_per_step"] for r in got["rows"])
+    # the host's dispatch of each untraced call: part of its wall time
+    assert len(got["dispatch_ms"]) == 2
+    assert all(0 < d <= w for d, w in zip(got["dispatch_ms"], got["wall_ms"], strict=True))
     # the interleaved spin comparison: one row per setting, 15 calls each, the first setting the ratios' base
     assert [r["spin_us"] for r in got["spins"]] == [0, 30] and all(r["calls"] == 15 for r in got["spins"])
     assert got["spins"][0]["ratio"] == 1.0 and got["spins"][1]["median_ms"] > 0
