@@ -221,8 +221,10 @@ inline void ParallelPhases(xla::ffi::ThreadPool& pool, const std::vector<Phase>&
 
 }  // namespace nightjar
 
-// The spin team's setting from Python (cpu_build.set_spin_us): every library exports these, all reach one team.
-extern "C" __attribute__((used)) inline void NightjarSetSpinUs(int64_t us) { nightjar::SpinTeam::Get().set_spin_us(us); }
+// The spin team's setting from Python (cpu_build.spin_us): every library exports these, all reach one team.
+extern "C" __attribute__((used)) inline void NightjarSetSpinUs(int64_t us) {
+  nightjar::SpinTeam::Get().set_spin_us(us);
+}
 extern "C" __attribute__((used)) inline int64_t NightjarSpinUs() { return nightjar::SpinTeam::Get().spin_us(); }
 
 #endif  // NIGHTJAR_CPU_PARALLEL_H_
