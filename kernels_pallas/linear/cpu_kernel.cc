@@ -1379,8 +1379,12 @@ void PackedSwiGluItem(const float* x, int64_t M, int64_t K, const Segment& g, co
   }
 }
 
-// The work items over packed segments: groups of panels (4 for one row, 3 for 2-8 rows, taken dynamically; past 8
-// rows one wide item per thread).
+// The work items over packed segments: one wide item per thread (whole 3-panel groups), each thread streaming one
+// contiguous run of panels. With XLA's pool as the helpers (NIGHTJAR_CPU_SPIN_US=0), 1-8 rows take small groups
+// dynamically (4 panels for one row, else 3): a helper woken from XLA's pool starts ~18 us into the call, and with
+// wide items the caller would wait for its whole share. With the spinning team the helper starts at once: in the
+// engine's decode step, wide items against small ones with the team, interleaved in one process, 0.94-1.03x at
+// batch 1, 0.94x at 2, 0.88x (w4a8) and 1.00x (exact) at 4 (docs/benchmarks.md).
 struct PackedItem {
   const Segment* seg;
   int64_t p0, p1;
@@ -1389,7 +1393,7 @@ struct PackedItem {
 std::vector<PackedItem> PlanPacked(int64_t M, const std::vector<Segment>& segments, int64_t threads) {
   std::vector<PackedItem> items;
   int64_t group = M == 1 ? kPanelRowPanels : 3;
-  if (M > kPanelRowGroup) {
+  if (M > kPanelRowGroup || nightjar::SpinTeam::Get().spin_us() > 0) {
     // wide items (one per thread, whole 3-panel groups): a new item's first block waits on memory
     int64_t panels = 0;
     for (const Segment& s : segments) panels = std::max(panels, s.N / 16);

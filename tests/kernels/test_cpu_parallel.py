@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -87,3 +88,33 @@ def test_calls_from_several_threads_at_once_are_all_correct():
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a kernel call hung"
     assert not errors, errors
+
+
+@pytest.mark.parametrize("form", ["packed", "q4", "w4a8"])
+@pytest.mark.parametrize("m", [1, 4, 9])
+def test_wide_and_small_panel_items_give_the_same_bits(form, m):
+    """Packed panels are split into one wide item per thread with the team, into small groups taken dynamically
+    with XLA's pool (1-8 rows): every column is still computed whole by one item, so the bits are the same."""
+    from tests.kernels.test_cpu_linear_compact import _q4_weight
+
+    rng = np.random.default_rng(m)
+    k, n = 96, 40 * 16  # 40 panels: groups of 4 and 3 leave remainders, two wide items of 21 and 19
+    w = _q4_weight(rng, k, n)
+    if form == "packed":
+        wp = cpu.pack(jnp.asarray(w))
+    elif form == "q4":
+        wp = cpu.pack_q4(jnp.asarray(w))
+    else:
+        if not cpu.w4a8_supported():
+            pytest.skip("int8-activation weights need AVX-512 with AVX512-VNNI")
+        wp = cpu.pack_w4a8(jnp.asarray(w))
+    assert wp is not None
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    run = jax.jit(cpu.linear_cpu)
+    cpu_build.spin_us(0)
+    small = np.asarray(run(x, wp))
+    cpu_build.spin_us(30)
+    wide = np.asarray(run(x, wp))
+    np.testing.assert_array_equal(small, wide)
+    if form != "w4a8":  # exact weights: against numpy (w4a8 quantizes x; its own tests bound that)
+        np.testing.assert_allclose(wide, x.astype(np.float64) @ w.astype(np.float64), rtol=2e-4, atol=2e-4)
