@@ -11,7 +11,8 @@ host's dispatch (arguments parsed and handed over, ~1 ms at batch 1 for SmolLM2'
 ``--weight-format`` as the engine's (``w4a8``: int8 activations).
 
 ``--compare-spin-us 0,30`` also times the untraced step under each spin of the CPU kernels' helper threads
-(``kernels_pallas/cpu_parallel.h``; 0: XLA's pool wakes a helper per call), interleaved in blocks of 15 calls so the
+(``kernels_pallas/cpu_parallel.h``; 0: XLA's pool wakes a helper per call, and packed products at 1-8 rows take
+small panel groups instead of one wide item per thread), interleaved in blocks of 15 calls so the
 machine's drift falls on every setting alike, and prints each median against the first's.
 
     python scripts/profile_step.py                       # batch 1 decode step of SmolLM2
