@@ -98,7 +98,8 @@ def test_wide_and_small_panel_items_give_the_same_bits(form, m):
     from tests.kernels.test_cpu_linear_compact import _q4_weight
 
     rng = np.random.default_rng(m)
-    k, n = 96, 40 * 16  # 40 panels: groups of 4 and 3 leave remainders, two wide items of 21 and 19
+    # 40 panels: 3-panel groups leave one over; wide items of 21 and 19 end one-row passes of 4 panels short
+    k, n = 96, 40 * 16
     w = _q4_weight(rng, k, n)
     if form == "packed":
         wp = cpu.pack(jnp.asarray(w))
