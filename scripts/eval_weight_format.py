@@ -56,7 +56,6 @@ def prefill_logits(handle, tokens: list[int]) -> np.ndarray:
     return np.asarray(logits_fn(handle.state, hidden))[0, :n]
 
 
-
 def held_as(state) -> list[str]:
     """How a model's packed linear weights are held: ``w4a8``, ``q4`` (exact 4-bit), or the panels' dtype."""
     import jax

@@ -396,38 +396,37 @@ def w4a8_dequantize(wq: jax.Array) -> jax.Array:
     return (d[:, :, None, :] * q.astype(jnp.float32) + m[:, :, None, :]).reshape(panels, nb * Q4_ROWS, PANEL)
 
 
-def w4a8_reference(x: np.ndarray, wq) -> np.ndarray:
-    """What the kernel computes for ``x [M, K] @`` a :func:`pack_w4a8` weight, in numpy (float64 sums; tests): x
-    quantized per row and 32-element block as the kernel does, the exact weights' blocks."""
-    x = np.asarray(x, np.float32)
-    d, m, q = _w4a8_parts(np.asarray(wq))
-    panels, nb = d.shape[:2]
-    xb = x.reshape(x.shape[0], nb, Q4_ROWS)
+def _quantize_x(x: np.ndarray, nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x ``[M, K]`` as the kernel quantizes it per row and 32-element block: ``(x blocks [M, nb, 32] float32, d_x
+    [M, nb], q_x [M, nb, 32] as float64 integers)``, d_x = max |x| / 127 and q_x = round(x * 127 / max |x|)."""
+    xb = np.asarray(x, np.float32).reshape(-1, nb, Q4_ROWS)
     amax = np.abs(xb).max(axis=2)
     dx = amax / np.float32(127)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    qx = np.rint(xb * inv[:, :, None]).astype(np.float64)  # [M, nb, 32]
+    return xb, dx, np.rint(xb * inv[:, :, None]).astype(np.float64)
+
+
+def w4a8_reference(x: np.ndarray, wq) -> np.ndarray:
+    """What the kernel computes for ``x [M, K] @`` a :func:`pack_w4a8` weight, in numpy (float64 sums; tests): x
+    quantized per row and 32-element block as the kernel does, the exact weights' blocks."""
+    d, m, q = _w4a8_parts(np.asarray(wq))
+    panels, nb = d.shape[:2]
+    xb, dx, qx = _quantize_x(x, nb)
     isum = np.einsum("mbk,pbkc->mpbc", qx, q.astype(np.float64))  # exact integers
     sx = xb.astype(np.float64).sum(axis=2)  # [M, nb]
     y = (isum * (d[None].astype(np.float64) * dx[:, None, :, None]) + m[None] * sx[:, None, :, None]).sum(axis=2)
-    return y.reshape(x.shape[0], panels * PANEL).astype(np.float32)
+    return y.reshape(xb.shape[0], panels * PANEL).astype(np.float32)
 
 
 def w8a8_head_reference(x: np.ndarray, wq) -> np.ndarray:
     """What the kernel computes for ``x [M, K]`` times a :func:`with_w8a8_head` table ``[N, K / 32, 72]``
     (transposed), in numpy (tests): x quantized per row and 32 elements, exact integer sums, float64 scaling."""
-    x = np.asarray(x, np.float32)
     n, nb, _ = wq.shape
     rows = np.asarray(wq).reshape(-1)[: n * nb * Q8_BLOCK_BYTES].reshape(n, nb, Q8_BLOCK_BYTES)  # the rows come first
     d = rows[:, :, :4].copy().view("<f4").reshape(n, nb).astype(np.float64)
     q = rows[:, :, 4:].view(np.int8).astype(np.float64)  # [n, nb, 32]
-    xb = x.reshape(x.shape[0], nb, Q4_ROWS)
-    amax = np.abs(xb).max(axis=2)
-    dx = amax / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    qx = np.rint(xb * inv[:, :, None]).astype(np.float64)
+    _, dx, qx = _quantize_x(x, nb)
     isum = np.einsum("mbk,nbk->mnb", qx, q)
     return (isum * d[None] * dx[:, None, :]).sum(axis=2).astype(np.float32)
 

@@ -1676,28 +1676,18 @@ ffi::Error RunSegments(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_
     }
     work.push_back(s);
   }
-  if (kTransposed && !work.empty() && work[0].qh != nullptr) {  // a tied head's panels for int8 x (one segment)
-    const std::vector<PackedItem> items = PlanPacked(M, work, threads);
+  // panel layouts (transposed: only a tied head's panels for int8 x) on their own items, the rest below
+  std::vector<Segment> packed, plain;
+  for (const Segment& s : work) (s.packed ? packed : plain).push_back(s);
+  if (!packed.empty()) {
+    const std::vector<PackedItem> items = PlanPacked(M, packed, threads);
     const PackedItem* ip = items.data();
     SharedQuant sq;
     SharedQuant* sqp = &sq;
     nightjar::ParallelFor(pool, static_cast<int64_t>(items.size()),
                           [=](int64_t it) { PackedProduct(xp, M, K, *ip[it].seg, ip[it].p0, ip[it].p1, sqp); });
-    return ffi::Error::Success();
-  }
-  if (!kTransposed) {
-    std::vector<Segment> packed, plain;
-    for (const Segment& s : work) (s.packed ? packed : plain).push_back(s);
-    if (!packed.empty()) {
-      const std::vector<PackedItem> items = PlanPacked(M, packed, threads);
-      const PackedItem* ip = items.data();
-      SharedQuant sq;
-      SharedQuant* sqp = &sq;
-      nightjar::ParallelFor(pool, static_cast<int64_t>(items.size()),
-                            [=](int64_t it) { PackedProduct(xp, M, K, *ip[it].seg, ip[it].p0, ip[it].p1, sqp); });
-      if (plain.empty()) return ffi::Error::Success();
-      work = plain;
-    }
+    if (plain.empty()) return ffi::Error::Success();
+    work = plain;
   }
   if (!kTransposed && M <= kSplitKMaxRows) return RunSplitK(pool, xp, M, K, work, threads);
   int64_t total = 0;
