@@ -518,8 +518,10 @@ def q4_dequantize(wq: jax.Array) -> jax.Array:
 
 
 def packing_supported() -> bool:
-    """Whether the kernels take packed weights here: built with AVX-512 (the panels are 16-float vectors)."""
-    return _has_avx512() and available()
+    """Whether the kernels take packed weights here: built with AVX-512, or AVX2 and FMA (the panels are 16-float
+    vectors: one AVX-512 register, or a pair of AVX registers)."""
+    flags = _cpu_flags().split()
+    return (_has_avx512() or ("avx2" in flags and "fma" in flags)) and available()
 
 
 def available() -> bool:

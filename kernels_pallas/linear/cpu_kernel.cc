@@ -73,7 +73,7 @@
 #include "../cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -96,11 +96,40 @@ constexpr int64_t kPrefetchRows = 8;
 // 16-float (AVX-512) vectors where the CPU has them: half the load and FMA instructions per weight byte of the
 // 8-float ones (SmolLM2-135M's products standalone on a 2-vCPU Xeon: 18.6 ms against 19.2 at one row, a plain read
 // 17.9; at 5 rows, where the products are near the cores' FMA rate, see README.md).
+#define NIGHTJAR_V16 1
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 inline v16 Load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void Store16(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 inline v16 Splat16(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+// A value of its own: -fassociative-math must not refold the arithmetic around it (the compact layouts' exact sums).
+inline void Opaque(v16& v) { asm("" : "+v"(v)); }
+inline void Opaque(v16& a, v16& b) { asm("" : "+v"(a), "+v"(b)); }
+#elif defined(__AVX2__) && defined(__FMA__)
+// Without AVX-512 (AMD Zen 3, Intel before Skylake-SP) the panel layouts' kernels take 16 floats as a pair of AVX
+// registers, so one source serves both: the same sums lane by lane in the same order (each lane's FMA chain is the
+// same; only the register width differs). A GCC vector of 64 bytes would do, but GCC 12 keeps it on the stack
+// without AVX-512 (a load and a store around every FMA); a struct of two 8-float vectors stays in registers.
+#define NIGHTJAR_V16 1
+struct v16 {
+  v8 lo, hi;
+  float operator[](int i) const { return i < 8 ? lo[i] : hi[i - 8]; }
+};
+inline v16 operator+(v16 a, v16 b) { return v16{a.lo + b.lo, a.hi + b.hi}; }
+inline v16 operator*(v16 a, v16 b) { return v16{a.lo * b.lo, a.hi * b.hi}; }
+inline v16& operator+=(v16& a, v16 b) {
+  a.lo += b.lo;
+  a.hi += b.hi;
+  return a;
+}
+inline v16 Load16(const float* p) { return v16{Load(p), Load(p + 8)}; }
+inline void Store16(float* p, v16 v) {
+  Store(p, v.lo);
+  Store(p + 8, v.hi);
+}
+inline v16 Splat16(float x) { return v16{Splat(x), Splat(x)}; }
+inline void Opaque(v16& v) { asm("" : "+x"(v.lo), "+x"(v.hi)); }
+inline void Opaque(v16& a, v16& b) { asm("" : "+x"(a.lo), "+x"(a.hi), "+x"(b.lo), "+x"(b.hi)); }
 #endif
 
 // y[r, c_begin:c_end] += sum_{u < U} x[r, k + u] * W[k + u, c_begin:c_end] for the R rows starting at r0:
@@ -241,6 +270,19 @@ void BlockNN(const float* x, const float* w, float* y, int64_t M, int64_t K, int
   }
 }
 
+// W rows per block of the register tiles (Block48's, and the packed weights' past kPanelRowGroup rows): a 48-column
+// panel's block (18 KB) stays in L1 for every row tile of x after the first
+constexpr int64_t kTileKBlock = 96;
+// Past two row tiles (M > 16) the block is NIGHTJAR_TILE_K_BLOCK_WIDE rows (cpu.py's TILE_K_BLOCK_WIDE): 96 too, or
+// 288 on AMD EPYC (Zen 4), where products alone measured 0.956 / 0.943 / 0.955 / 0.964 of the time at 24 / 32 / 48 /
+// 64 rows with 288-row blocks (a block then comes from L2 for the row tiles after the first, and W's stream restarts
+// a third as often), but 1.01-1.03 at 12-16 rows (the two in turn in one process, 2026-12-03); whole decode steps at
+// batch 24 / 32 / 64 0.95 / 0.97 / 0.95 of the time.
+#ifndef NIGHTJAR_TILE_K_BLOCK_WIDE
+#define NIGHTJAR_TILE_K_BLOCK_WIDE 96
+#endif
+constexpr int64_t kTileKBlockWide = NIGHTJAR_TILE_K_BLOCK_WIDE;
+
 #ifdef __AVX512F__
 // More than kSplitKMaxRows rows with AVX-512: y[r0 .. r0 + R, c0 .. c0 + 48] (+)= x[r0 .. r0 + R, k0 .. k1] @
 // W[k0 .. k1, c0 .. c0 + 48], an R x 48 register tile (R <= 8: 24 accumulators, 3 weight vectors and a broadcast of
@@ -288,17 +330,6 @@ inline void Tile48(const float* x, const float* w, float* y, int64_t ldy, int64_
   }
 }
 
-constexpr int64_t kTileKBlock = 96;  // W rows per block: a 48-column panel's block (18 KB) stays in L1 for every
-                                      // row tile of x after the first
-// Past two row tiles (M > 16) the block is NIGHTJAR_TILE_K_BLOCK_WIDE rows (cpu.py's TILE_K_BLOCK_WIDE): 96 too, or
-// 288 on AMD EPYC (Zen 4), where products alone measured 0.956 / 0.943 / 0.955 / 0.964 of the time at 24 / 32 / 48 /
-// 64 rows with 288-row blocks (a block then comes from L2 for the row tiles after the first, and W's stream restarts
-// a third as often), but 1.01-1.03 at 12-16 rows (the two in turn in one process, 2026-12-03); whole decode steps at
-// batch 24 / 32 / 64 0.95 / 0.97 / 0.95 of the time.
-#ifndef NIGHTJAR_TILE_K_BLOCK_WIDE
-#define NIGHTJAR_TILE_K_BLOCK_WIDE 96
-#endif
-constexpr int64_t kTileKBlockWide = NIGHTJAR_TILE_K_BLOCK_WIDE;
 
 // Columns c_begin .. c_end (whole 48-column panels) of y = x @ W for any M, by blocks of kTileKBlock rows of W: each
 // panel's block is read from memory once (by the first row tile) and from L1 by the others. y's element (r, c) is
@@ -478,32 +509,47 @@ inline void RowNT1(const float* x, const float* w, float* y, int64_t K, int64_t 
 // loaded once for both rows, and both rows' loads are in flight together. SmolLM2's one-row products alone (AMD
 // EPYC, 2026-12-03, the two in turn in one process): 1.5-2.5% less time than a row of each stream in turn, so the
 // head alone ~8-10% faster.
+#ifdef NIGHTJAR_V16
+// RowNT2's vectors: 16 floats with AVX-512, else 8 (RowNT1's; a pair of AVX registers would leave too few for 8 sums)
 #ifdef __AVX512F__
-// RowNT2's sums with the weights from `load(n, k)` (16 elements of row n from k; `tail(n, k)`: one element, for
-// the K % 16 past the last vector), so other weight layouts share its order of operations (RowNT2Q8).
-template <typename Load, typename Tail>
-inline void RowNT2Impl(const float* x, int64_t K, int64_t na, int64_t nb, float* y, Load load, Tail tail) {
-  v16 a0 = Splat16(0.0f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+typedef v16 vrow;
+constexpr int kRowWidth = 16;
+inline vrow LoadRow(const float* p) { return Load16(p); }
+inline vrow SplatRow(float x) { return Splat16(x); }
+#else
+typedef v8 vrow;
+constexpr int kRowWidth = 8;
+inline vrow LoadRow(const float* p) { return Load(p); }
+inline vrow SplatRow(float x) { return Splat(x); }
+#endif
+
+// RowNT2's sums with the weights from `load(n, k)` (kRowWidth elements of row n from k; `tail(n, k)`: one element,
+// for the K % kRowWidth past the last vector), so other weight layouts share its order of operations (RowNT2Q8).
+// Without AVX-512 each row's sums are RowNT1's, in the same order.
+template <typename LoadW, typename TailW>
+inline void RowNT2Impl(const float* x, int64_t K, int64_t na, int64_t nb, float* y, LoadW load, TailW tail) {
+  constexpr int W = kRowWidth;
+  vrow a0 = SplatRow(0.0f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
   int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    const v16 x0 = Load16(x + k), x1 = Load16(x + k + 16), x2 = Load16(x + k + 32), x3 = Load16(x + k + 48);
+  for (; k + 4 * W <= K; k += 4 * W) {
+    const vrow x0 = LoadRow(x + k), x1 = LoadRow(x + k + W), x2 = LoadRow(x + k + 2 * W), x3 = LoadRow(x + k + 3 * W);
     a0 += x0 * load(na, k);
     b0 += x0 * load(nb, k);
-    a1 += x1 * load(na, k + 16);
-    b1 += x1 * load(nb, k + 16);
-    a2 += x2 * load(na, k + 32);
-    b2 += x2 * load(nb, k + 32);
-    a3 += x3 * load(na, k + 48);
-    b3 += x3 * load(nb, k + 48);
+    a1 += x1 * load(na, k + W);
+    b1 += x1 * load(nb, k + W);
+    a2 += x2 * load(na, k + 2 * W);
+    b2 += x2 * load(nb, k + 2 * W);
+    a3 += x3 * load(na, k + 3 * W);
+    b3 += x3 * load(nb, k + 3 * W);
   }
-  for (; k + 16 <= K; k += 16) {
-    const v16 x0 = Load16(x + k);
+  for (; k + W <= K; k += W) {
+    const vrow x0 = LoadRow(x + k);
     a0 += x0 * load(na, k);
     b0 += x0 * load(nb, k);
   }
-  const v16 a = (a0 + a1) + (a2 + a3), b = (b0 + b1) + (b2 + b3);
+  const vrow a = (a0 + a1) + (a2 + a3), b = (b0 + b1) + (b2 + b3);
   float sa = 0.0f, sb = 0.0f;
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < W; ++i) {
     sa += a[i];
     sb += b[i];
   }
@@ -517,8 +563,8 @@ inline void RowNT2Impl(const float* x, int64_t K, int64_t na, int64_t nb, float*
 #endif
 
 inline void RowNT2(const float* x, const float* w, float* y, int64_t K, int64_t na, int64_t nb) {
-#ifdef __AVX512F__
-  RowNT2Impl(x, K, na, nb, y, [=](int64_t n, int64_t k) { return Load16(w + n * K + k); },
+#ifdef NIGHTJAR_V16
+  RowNT2Impl(x, K, na, nb, y, [=](int64_t n, int64_t k) { return LoadRow(w + n * K + k); },
              [=](int64_t n, int64_t k) { return w[n * K + k]; });
 #else
   RowNT1(x, w, y, K, na);
@@ -528,8 +574,10 @@ inline void RowNT2(const float* x, const float* w, float* y, int64_t K, int64_t 
 
 constexpr int64_t kNtRows = 64;  // weight rows per L2 block (64 x K floats)
 
-void BlockNT(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n_begin,
-             int64_t n_end) {
+// noinline: one compiled copy for the float32 table and the 8-bit rows' dequantized chunks (BlockNTQ8), so both sum in
+// the same order (-fassociative-math may reassociate each inlined copy's reductions differently)
+__attribute__((noinline)) void BlockNT(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
+                                       int64_t n_begin, int64_t n_end) {
   if (M == 1) {
     // two streams per thread: the block's halves, a row of each together (RowNT2). One front-to-back stream per
     // thread read 24.6 GB/s from memory where two read 29.1 (SmolLM2's head cold from memory, 2 threads,
@@ -653,6 +701,24 @@ void BlockNTFew(const float* x, int64_t M, int64_t K, int64_t N, int64_t n_begin
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(NIGHTJAR_V16)
+// Elements k .. k + 8 of an 8-bit row (k a multiple of 8) as float32 weights: LoadQ8's 8-float half.
+inline v8 LoadQ8x8(const uint8_t* row, int64_t k) {
+  const uint8_t* block = row + k / kQ8Rows * kQ8BlockBytes;
+  const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4 + k % kQ8Rows)));
+  v8 w = Splat(Q8Scale(block)) * reinterpret_cast<v8>(_mm256_cvtepi32_ps(q));
+  asm("" : "+x"(w));  // a value of its own (LoadQ8)
+  return w;
+}
+
+// RowNT2 on 8-bit rows without AVX-512: dequantized in registers, the float32 table's sums in the same order.
+inline void RowNT2Q8(const float* x, const uint8_t* wq, float* y, int64_t K, int64_t na, int64_t nb) {
+  const int64_t row_bytes = K / kQ8Rows * kQ8BlockBytes;
+  RowNT2Impl(x, K, na, nb, y, [=](int64_t n, int64_t k) { return LoadQ8x8(wq + n * row_bytes, k); },
+             [](int64_t, int64_t) { return 0.0f; });
+}
+#endif
+
 void DequantRowsQ8(const uint8_t* wq, int64_t K, int64_t n0, int64_t n1, float* buf) {
   const int64_t nb = K / kQ8Rows;
   for (int64_t n = n0; n < n1; ++n) {
@@ -675,7 +741,7 @@ void DequantRowsQ8(const uint8_t* wq, int64_t K, int64_t n0, int64_t n1, float* 
 // buffer the float32 kernels read (16 rows for one x row: the buffer stays in L1; 48 for the 12-row tiles).
 void BlockNTQ8(const float* xp, const float* xt, int64_t ldxt, const uint8_t* wq, float* y, int64_t M, int64_t K,
                int64_t N, int64_t n_begin, int64_t n_end) {
-#ifdef __AVX512F__
+#ifdef NIGHTJAR_V16
   if (M == 1) {  // two streams, as BlockNT's one row: the item's halves, a row of each together
     const int64_t half = (n_end - n_begin) / 2;
     for (int64_t i = 0; i < half; ++i) RowNT2Q8(xp, wq, y, K, n_begin + i, n_begin + half + i);
@@ -749,8 +815,16 @@ struct SharedQuant {
 // partial sums, no reduction: the same sums whichever thread takes the item, and items can be small, so the
 // threads finish together). The [K, N] layout read the same way strides over every row (a 16-column slab per
 // row: 1.3-1.5x the time of split-K, 2026-12-03); its split-K passes were 1.13x (one row) the time of panels.
+#ifdef __AVX512F__
 constexpr int64_t kPanelRowGroup = 8;   // x rows per register tile (8 x 48: 24 sums, 3 panel loads, 1 broadcast)
+constexpr int64_t kTilePanels = 3;      // panels per register tile (and per block of the tiles' work)
 constexpr int64_t kPanelRowPanels = 4;  // panels per one-row pass and per one-row work item
+#else
+// 16 AVX registers instead of 32: a 6 x 16 tile (12 sums, 2 loads, 1 broadcast), one row over 2 panels (8 sums)
+constexpr int64_t kPanelRowGroup = 6;
+constexpr int64_t kTilePanels = 1;
+constexpr int64_t kPanelRowPanels = 2;
+#endif
 // bytes per panel and 32-row block of a 4-bit weight: 64 of d, 64 of m, 256 of nibbles (below)
 constexpr int64_t kQ4BlockBytes = 384;
 // bytes per panel and block of a weight for int8 activations (weight_format="w4a8"): 16 float16 d, 16 float16 m,
@@ -775,16 +849,24 @@ constexpr int64_t kQ4DualBlockBytes = kQ4BlockBytes + 32 * 16 * 4;
 // block buffer). Before PanelTileCompact kept its sums in registers (the same day), 6 rows took 1.02 and 8 rows 1.18.
 constexpr int64_t kDualCompactMaxRows = 8;
 
-#ifdef __AVX512F__
+#ifdef NIGHTJAR_V16
 constexpr bool kPackedSupported = true;
 
 // One x row: P panels at once (P streams), two sums each (even and odd k). Four panels at once measured 0.95-0.96
 // of the whole decode step's time with two (six 0.95, eight 0.96-0.97; 2026-12-03, in one process, run in turn).
 // 16 weights of a float32 or bfloat16 panel row as float32 (bfloat16: the 16-bit pattern in a float32's high half)
+#ifdef __AVX512F__
 inline v16 LoadBf16(const uint16_t* p) {
   const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return reinterpret_cast<v16>(_mm512_slli_epi32(h, 16));
 }
+#else
+inline v8 LoadBf16x8(const uint16_t* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<v8>(_mm256_slli_epi32(h, 16));
+}
+inline v16 LoadBf16(const uint16_t* p) { return v16{LoadBf16x8(p), LoadBf16x8(p + 8)}; }
+#endif
 inline v16 LoadPanel(const float* p) { return Load16(p); }
 inline v16 LoadPanel(const uint16_t* p) { return LoadBf16(p); }
 
@@ -884,13 +966,29 @@ constexpr int64_t kQ4Rows = 32;        // weight rows per block
 inline v16 LoadQ4Scale(const uint8_t* p) { return Load16(reinterpret_cast<const float*>(p)); }
 
 // Rows 2i and 2i + 1 of a block (the 16 bytes at `pair`) as float32 weights.
-inline void DequantPair(const uint8_t* pair, v16 d, v16 m, v16& w0, v16& w1) {
+#ifdef __AVX512F__
+inline void Nibbles(const uint8_t* pair, v16& lo, v16& hi) {  // the 16 bytes' low and high nibbles as float32
   const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
-  const v16 lo = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))));
-  const v16 hi = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)));
+  lo = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))));
+  hi = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)));
+}
+#else
+inline void Nibbles8(const uint8_t* bytes, v8& lo, v8& hi) {
+  const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+  lo = reinterpret_cast<v8>(_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(15))));
+  hi = reinterpret_cast<v8>(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)));
+}
+inline void Nibbles(const uint8_t* pair, v16& lo, v16& hi) {
+  Nibbles8(pair, lo.lo, hi.lo);
+  Nibbles8(pair + 8, lo.hi, hi.hi);
+}
+#endif
+inline void DequantPair(const uint8_t* pair, v16 d, v16 m, v16& w0, v16& w1) {
+  v16 lo, hi;
+  Nibbles(pair, lo, hi);
   w0 = d * lo + m;
   w1 = d * hi + m;
-  asm("" : "+v"(w0), "+v"(w1));  // values of their own (-fassociative-math must not fold d or m into x's product)
+  Opaque(w0, w1);  // values of their own (-fassociative-math must not fold d or m into x's product)
 }
 
 // One x row on 4-bit panels: the same two sums per panel in the same order (even k, odd k), so the same result.
@@ -999,7 +1097,7 @@ __attribute__((noinline)) void PanelTileCompact(const float* x, const T* w, floa
         const v16 xb = Splat16(xr[r * K + k]);
         for (int j = 0; j < P; ++j) {
           acc[r][j] += xb * w0[j];
-          asm("" : "+v"(acc[r][j]));  // row k's sum first: -fassociative-math must not add rows k and k + 1 first
+          Opaque(acc[r][j]);  // row k's sum first: -fassociative-math must not add rows k and k + 1 first
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -1048,8 +1146,8 @@ void PackedProductCompact(const float* x, int64_t M, int64_t K, const T* w, cons
     return;
   }
   if (M <= kPanelRowGroup) {
-    for (int64_t p = p0; p < p1; p += 3) {
-      const int64_t panels = std::min<int64_t>(3, p1 - p);
+    for (int64_t p = p0; p < p1; p += kTilePanels) {
+      const int64_t panels = std::min<int64_t>(kTilePanels, p1 - p);
       if (panels == 3) PanelTileCompactRows<3>(x, w, s.y, K, s.N, 0, M, p);
       else if (panels == 2) PanelTileCompactRows<2>(x, w, s.y, K, s.N, 0, M, p);
       else PanelTileCompactRows<1>(x, w, s.y, K, s.N, 0, M, p);
@@ -1058,11 +1156,11 @@ void PackedProductCompact(const float* x, int64_t M, int64_t K, const T* w, cons
   }
   const int64_t kb = (M > 16 ? kTileKBlockWide : kTileKBlock) / kQ4Rows * kQ4Rows;
   thread_local std::vector<float> buf;
-  buf.resize(3 * kb * 16);
+  buf.resize(kTilePanels * kb * 16);
   for (int64_t k0 = 0; k0 < K; k0 += kb) {
     const int64_t k1 = std::min(K, k0 + kb);
-    for (int64_t p = p0; p < p1; p += 3) {
-      const int64_t panels = std::min<int64_t>(3, p1 - p);
+    for (int64_t p = p0; p < p1; p += kTilePanels) {
+      const int64_t panels = std::min<int64_t>(kTilePanels, p1 - p);
       DequantPanels(w, K, p, panels, k0, k1, buf.data());
       for (int64_t r0 = 0; r0 < M; r0 += kPanelRowGroup) {
         const int64_t rows = std::min(kPanelRowGroup, M - r0);
@@ -1332,12 +1430,13 @@ void PackedProduct(const float* x, int64_t M, int64_t K, const Segment& s, int64
     const int64_t groups = (M + kPanelRowGroup - 1) / kPanelRowGroup;
     for (int64_t k0 = 0; k0 < K; k0 += kb) {
       const int64_t k1 = std::min(K, k0 + kb);
-      for (int64_t p = p0; p < p1; p += 3) {
-        const int64_t panels = std::min<int64_t>(3, p1 - p);
-        const bool last = p + 3 >= p1;
-        const int64_t np = last ? p0 : p + 3, nk0 = last ? k1 : k0, nk1 = last ? std::min(K, k1 + kb) : k1;
+      for (int64_t p = p0; p < p1; p += kTilePanels) {
+        const int64_t panels = std::min<int64_t>(kTilePanels, p1 - p);
+        const bool last = p + kTilePanels >= p1;
+        const int64_t np = last ? p0 : p + kTilePanels, nk0 = last ? k1 : k0;
+        const int64_t nk1 = last ? std::min(K, k1 + kb) : k1;
         PrefetchPlan next;
-        next.runs = nk1 > nk0 ? std::min<int64_t>(3, p1 - np) : 0;
+        next.runs = nk1 > nk0 ? std::min<int64_t>(kTilePanels, p1 - np) : 0;
         next.lines = nk1 - nk0;
         for (int64_t j = 0; j < next.runs; ++j) next.run[j] = s.w + (np + j) * K * 16 + nk0 * 16;
         const int64_t total = next.runs * next.lines;
@@ -1352,9 +1451,9 @@ void PackedProduct(const float* x, int64_t M, int64_t K, const Segment& s, int64
     }
     return;
   }
-  // up to kPanelRowGroup rows (or K = 0): one register tile over all of K per 3-panel group
-  for (int64_t p = p0; p < p1; p += 3) {
-    const int64_t panels = std::min<int64_t>(3, p1 - p);
+  // up to kPanelRowGroup rows (or K = 0): one register tile over all of K per kTilePanels-panel group
+  for (int64_t p = p0; p < p1; p += kTilePanels) {
+    const int64_t panels = std::min<int64_t>(kTilePanels, p1 - p);
     for (int64_t r0 = 0; r0 < M; r0 += kPanelRowGroup) {
       const int64_t rows = std::min(kPanelRowGroup, M - r0);
       PanelGroupRows(panels, x, s.w + p * K * 16, K * 16, s.y, K, s.N, r0, rows, p, 0, K, false);
@@ -1470,7 +1569,7 @@ std::string AddSegment(int64_t M, int64_t K, const W& w, ffi::Result<ffi::Buffer
   const auto wd = w.dimensions(), yd = y->dimensions();
   const WeightDims dims = DimsOf(w);
   if (!kTransposed && wd.size() == 3) {  // packed panels
-    if (!kPackedSupported) return "linear: packed weights need a CPU with AVX-512";
+    if (!kPackedSupported) return "linear: packed weights need a CPU with AVX-512, or AVX2 and FMA";
     if (dims.k < 0 || dims.k != K || yd.size() != 2 || yd[0] != M || yd[1] != dims.n) {
       return "linear: shapes do not match: x [" + std::to_string(M) + ", " + std::to_string(K) + "], packed " +
              Dims2("w", wd) + ", " + Dims2("y", yd) +

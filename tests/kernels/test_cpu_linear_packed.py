@@ -25,7 +25,7 @@ F32 = jnp.float32
 
 needs_packing = pytest.mark.skipif(
     not cpu.packing_supported(),
-    reason=f"packed weights need the CPU linear kernel built with AVX-512 (available: {cpu.available()})",
+    reason=f"packed weights need the CPU linear kernel built with AVX-512 or AVX2 + FMA (available: {cpu.available()})",
 )
 
 
