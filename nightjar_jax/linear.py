@@ -9,7 +9,8 @@
 
 :func:`linear_many` takes the weights that share one input (q/k/v, gate/up) in one kernel call. :func:`pack_state`
 stores a model's linear weights as the kernel's 16-column panels ``[N / 16, K, 16]`` (the engine does it at load on
-CPUs with AVX-512); every function here takes either layout, packed weights on the kernel at every row count.
+CPUs with AVX-512, or AVX2 and FMA); every function here takes either layout, packed weights on the kernel at every
+row count.
 
 Shapes are static under ``jit``, so the choice is made once per compiled step variant.
 """
@@ -41,8 +42,10 @@ def _on_kernel(x: jax.Array, w: jax.Array, impl: str, *, transposed: bool = Fals
     from kernels_pallas.linear import cpu
 
     # packed weights take the kernel at every row count (XLA's dot would need an unpacked copy of the weight), and so
-    # does a w4a8 head (its int8 activations at every row count, as the layers')
-    if impl == "auto" and not (cpu.is_packed(w) and not transposed) and not (transposed and cpu.is_w8a8_head(w)):
+    # does a tied head held as 8-bit rows (XLA's dot would need a float32 copy of the table: past the kernel's 12 rows
+    # without AVX-512, SmolLM2's batch-16 step spent 52 ms making it and 26 ms in the dot, 2026-12-03) and a w4a8
+    # head (its int8 activations at every row count, as the layers')
+    if impl == "auto" and not (cpu.is_packed(w) and not transposed) and not (transposed and cpu.is_q8(w)):
         return cpu.use_kernel(x.shape, w, transposed=transposed)
     return (w.dtype == jnp.float32 or (cpu.is_compact(w) and cpu.is_q8(w) == transposed)) and cpu.available()
 
@@ -85,7 +88,8 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
     """The model state with its linear weights packed for the CPU kernel (``kernels_pallas/linear/cpu.py`` ``pack``:
     ``[K, N]`` -> 16-column panels ``[N / 16, K, 16]``, each read front to back: SmolLM2-135M's layer products at one
     row 0.88x the time of the ``[K, N]`` split-K passes, 2026-12-03), where they will run on it: ``impl`` not
-    ``xla``, the CPU backend, a kernel built with AVX-512, and every ``kernel`` float32 with N a multiple of 16
+    ``xla``, the CPU backend, a kernel built with AVX-512 or AVX2 + FMA, and every ``kernel`` float32 with N a multiple
+    of 16
     (all or none, so a fused layer call never mixes layouts). Otherwise ``state`` itself. Packed weights then stay on
     the kernel at every row count (:func:`_on_kernel`); ``impl="xla"`` calls take an unpacked copy.
 
@@ -101,11 +105,12 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
 
     ``w4a8`` (opt-in, **lossy**): where every kernel is exactly Q4_1 with 16-bit d and m (a GGUF's), the blocks laid
     out for int8 activations (``cpu.pack_w4a8``): each product quantizes its x per row and 32-element block to int8 and
-    multiplies with AVX512-VNNI integer dot products (llama.cpp's scheme), at every row count (no float32 beside
-    them), so a row's result never depends on the other rows of its step; a tied Q8_0 head likewise
-    (``cpu.with_w8a8_head``: the 8-bit rows, then panels of them for int8 x, instead of the float32 table). The
-    weights stay exact; x's rounding changes the outputs slightly. Other models (and the bfloat16 drafts) get
-    ``auto``; so do CPUs without AVX512-VNNI, with a warning."""
+    multiplies with AVX512-VNNI integer dot products (llama.cpp's scheme; without AVX-512, AVX2's vpmaddubsw +
+    vpmaddwd, the same integers), at every row count (no float32 beside them), so a row's result never depends on
+    the other rows of its step; with AVX512-VNNI a tied Q8_0 head likewise (``cpu.with_w8a8_head``: the 8-bit rows,
+    then panels of them for int8 x, instead of the float32 table; without it the head keeps its exact 8-bit rows).
+    The weights stay exact; x's rounding changes the outputs slightly. Other models (and the bfloat16 drafts) get
+    ``auto``; so do CPUs with AVX-512 but not AVX512-VNNI, with a warning."""
     check_impl(impl)
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format {weight_format!r} is unknown: allowed {WEIGHT_FORMATS}")
@@ -124,7 +129,8 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
         return _replace(state, new)
     w4a8 = weight_format == "w4a8"
     if w4a8 and not cpu.w4a8_supported():
-        _log.warning("weight_format='w4a8' needs AVX512-VNNI, which this CPU lacks: weights held as 'auto'")
+        _log.warning("weight_format='w4a8' needs AVX512-VNNI, or AVX2 and F16C without AVX-512, which this CPU "
+                     "lacks: weights held as 'auto'")
         w4a8 = False
     makers = (cpu.pack_w4a8, cpu.pack_q4, cpu.pack_bf16) if w4a8 else (cpu.pack_q4, cpu.pack_bf16)
     for make in makers:  # the first layout every kernel fits (all or none)
@@ -143,7 +149,7 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
     tied = not any("lm_head" in key for key in kernels)  # else the table is only gathered: no float32 beside it
     for key, path, w in flat:
         if _is_embedding(path) and (q8 := cpu.pack_q8(w)) is not None:
-            if int8_x and tied and (head := cpu.with_w8a8_head(q8)) is not None:
+            if int8_x and tied and cpu.w8a8_head_supported() and (head := cpu.with_w8a8_head(q8)) is not None:
                 new[key] = head
             else:
                 new[key] = cpu.with_f32(q8, w) if weight_format in ("auto", "w4a8") and tied else q8

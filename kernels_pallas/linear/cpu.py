@@ -9,11 +9,12 @@ without); ``README.md`` has the measured ratios that set :data:`NN_ROWS` and :da
 :func:`use_kernel` picks them over XLA.
 
 Three layouts: ``linear_cpu(x, w)`` with ``w [K, N]`` (``nnx.Linear``'s kernel) or packed ``[N / 16, K, 16]``
-(:func:`pack`: 16-column panels, each read front to back; with AVX-512, the layout the engine holds its linear
-weights in, ``nightjar_jax.linear.pack_state``), and ``linear_cpu(x, w, transposed=True)`` with ``w [N, K]`` (a tied
-LM head, i.e. the embedding table); weights a checkpoint stored compactly may also come as 4-bit / bfloat16 panels
-or 8-bit head rows, rebuilt exactly (:func:`pack_q4`, :func:`pack_bf16`, :func:`pack_q8`). x float32; leading dimensions
-of x are flattened. Build and caching: ``kernels_pallas/cpu_build.py``; ``NIGHTJAR_CPU_KERNEL=0`` disables it.
+(:func:`pack`: 16-column panels, each read front to back; with AVX-512, or AVX2 and FMA, the layout the engine holds
+its linear weights in, ``nightjar_jax.linear.pack_state``), and ``linear_cpu(x, w, transposed=True)`` with
+``w [N, K]`` (a tied LM head, i.e. the embedding table); weights a checkpoint stored compactly may also come as
+4-bit / bfloat16 panels or 8-bit head rows, rebuilt exactly (:func:`pack_q4`, :func:`pack_bf16`, :func:`pack_q8`).
+x float32; leading dimensions of x are flattened. Build and caching: ``kernels_pallas/cpu_build.py``;
+``NIGHTJAR_CPU_KERNEL=0`` disables it.
 """
 
 from __future__ import annotations
@@ -338,8 +339,16 @@ def pack_q4(w: jax.Array) -> jax.Array | None:
 
 
 def w4a8_supported() -> bool:
-    """Whether the kernel takes :func:`pack_w4a8`'s layout here: packed weights and AVX512-VNNI (the kernel is built
-    with -march=native, so vpdpbusd is compiled in exactly when this CPU has it)."""
+    """Whether the kernel takes :func:`pack_w4a8`'s layout here: packed weights and AVX512-VNNI, or no AVX-512 at all
+    with AVX2 and F16C (vpmaddubsw + vpmaddwd give vpdpbusd's integer sums exactly for 4-bit weights; the kernel is
+    built with -march=native, so each is compiled in exactly when this CPU has it)."""
+    flags = _cpu_flags().split()
+    return packing_supported() and ("avx512_vnni" in flags or (not _has_avx512() and "f16c" in flags))
+
+
+def w8a8_head_supported() -> bool:
+    """Whether the kernel takes :func:`with_w8a8_head`'s layout here: AVX512-VNNI (its q + 128 bytes would saturate
+    vpmaddubsw's pairs; without it a ``w4a8`` model's tied head keeps its exact 8-bit rows)."""
     return packing_supported() and "avx512_vnni" in _cpu_flags().split()
 
 

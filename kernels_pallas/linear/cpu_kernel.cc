@@ -800,6 +800,12 @@ struct QuantX {
   std::vector<int8_t> q;
   std::vector<float> d, s;
   std::vector<int32_t> qs;  // [M, K / 32]: each block's sum of q (the 8-bit head's offset correction)
+  void Resize(int64_t M, int64_t K) {
+    q.resize(M * K);
+    d.resize(M * K / 32);
+    s.resize(M * K / 32);
+    qs.resize(M * K / 32);
+  }
 };
 
 // x quantized once for all the items of one phase (one x): the first item to need it quantizes, the others wait.
@@ -1183,15 +1189,25 @@ void PackedProductCompact(const float* x, int64_t M, int64_t K, const T* w, cons
 // nibble and row 8g + 4 + i in the high. Each row's result depends only on that row of x (integer sums, then per
 // block two multiply-adds in block order, the same in every variant below), so any number of rows, any tile and
 // any thread give a row the same bits: speculative verify steps and batches agree with one-row decoding.
+// Without AVX-512 (AVX2, F16C; NIGHTJAR_INT8 256) the same layout and the same integer sums: vpdpbusd's four
+// u8 x s8 products per lane are vpmaddubsw's pairs (s16, saturating, but 4-bit weights times |q_x| <= 127 stay
+// under 4,096) then vpmaddwd's pairs (s32), exact, so the results are the AVX512-VNNI kernel's. A tied head's
+// 8-bit panels (q + 128 up to 255: a pair could reach 64,770 and saturate) stay AVX512-VNNI's: without it the
+// head keeps its exact 8-bit rows (cpu.py with_w8a8_head).
 #if defined(__AVX512VNNI__)
-constexpr bool kW4A8Supported = true;
+#define NIGHTJAR_INT8 512
+#elif !defined(__AVX512F__) && defined(NIGHTJAR_V16) && defined(__F16C__)
+#define NIGHTJAR_INT8 256
+#endif
 
+#ifdef NIGHTJAR_INT8
+constexpr bool kW4A8Supported = true;
+constexpr bool kW8A8HeadSupported = NIGHTJAR_INT8 == 512;
+
+#if NIGHTJAR_INT8 == 512
 void QuantizeRows(const float* x, int64_t M, int64_t K, QuantX& out) {
   const int64_t nb = K / kQ4Rows;
-  out.q.resize(M * K);
-  out.d.resize(M * nb);
-  out.s.resize(M * nb);
-  out.qs.resize(M * nb);
+  out.Resize(M, K);
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * K + b * kQ4Rows;
@@ -1214,6 +1230,51 @@ void QuantizeRows(const float* x, int64_t M, int64_t K, QuantX& out) {
     }
   }
 }
+#else
+inline float MaxLane(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+// QuantizeRows with 8-float vectors: the same q and d per block (round to nearest even); s summed in its own order.
+void QuantizeRows(const float* x, int64_t M, int64_t K, QuantX& out) {
+  const int64_t nb = K / kQ4Rows;
+  out.Resize(M, K);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * K + b * kQ4Rows;
+      v8 xv[4];
+      for (int i = 0; i < 4; ++i) xv[i] = Load(xb + 8 * i);
+      __m256 a = _mm256_and_ps(reinterpret_cast<__m256>(xv[0]), abs_mask);
+      for (int i = 1; i < 4; ++i) a = _mm256_max_ps(a, _mm256_and_ps(reinterpret_cast<__m256>(xv[i]), abs_mask));
+      const float amax = MaxLane(a);
+      const float d = amax / 127.0f;
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      alignas(32) int32_t qi[32];
+      __m256i qsum = _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {
+        const __m256i q = _mm256_cvtps_epi32(reinterpret_cast<__m256>(xv[i] * Splat(inv)));  // round to nearest even
+        _mm256_store_si256(reinterpret_cast<__m256i*>(qi + 8 * i), q);
+        qsum = _mm256_add_epi32(qsum, q);
+      }
+      int8_t* qb = out.q.data() + r * K + b * kQ4Rows;
+      for (int i = 0; i < 32; ++i) qb[i] = static_cast<int8_t>(qi[i]);  // |q| <= 127
+      v8 sum = (xv[0] + xv[1]) + (xv[2] + xv[3]);
+      asm("" : "+x"(sum));
+      alignas(32) int32_t qs[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(qs), qsum);
+      int32_t qt = 0;
+      for (int i = 0; i < 8; ++i) qt += qs[i];
+      out.qs[r * nb + b] = qt;
+      out.d[r * nb + b] = d;
+      out.s[r * nb + b] = Sum(sum);
+    }
+  }
+}
+#endif
 
 const QuantX& SharedQuant::Get(const float* x, int64_t M, int64_t K) {
   int expected = 0;
@@ -1226,16 +1287,26 @@ const QuantX& SharedQuant::Get(const float* x, int64_t M, int64_t K) {
   return qx;
 }
 
+#if NIGHTJAR_INT8 == 512
+typedef __m512i vi16;  // 16 int32 lanes: a panel's 16 columns
+inline vi16 ZeroI16() { return _mm512_setzero_si512(); }
+
 // The block's 16 columns of rows 8g .. 8g + 3 (lo) and 8g + 4 .. 8g + 7 (hi), each lane 4 unsigned bytes.
-inline void UnpackW4A8(const uint8_t* group, __m512i& lo, __m512i& hi) {
+inline void UnpackW4A8(const uint8_t* group, vi16& lo, vi16& hi) {
   const __m512i v = _mm512_loadu_si512(group);
   const __m512i mask = _mm512_set1_epi8(15);
   lo = _mm512_and_si512(v, mask);
   hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), mask);
 }
 
+// isum += lo . xa + hi . xb per lane (4 u8 x s8 products each; xa, xb: 4 bytes of x broadcast to every lane).
+inline vi16 Dot2(vi16 isum, vi16 lo, int32_t xa, vi16 hi, int32_t xb) {
+  isum = _mm512_dpbusd_epi32(isum, lo, _mm512_set1_epi32(xa));
+  return _mm512_dpbusd_epi32(isum, hi, _mm512_set1_epi32(xb));
+}
+
 // acc += d * d_x * isum (a block's integer sums scaled), in this order in every variant.
-inline v16 Int8ScaledAdd(v16 acc, __m512i isum, v16 d, float dx) {
+inline v16 Int8ScaledAdd(v16 acc, vi16 isum, v16 d, float dx) {
   const v16 f = reinterpret_cast<v16>(_mm512_cvtepi32_ps(isum));
   v16 scale = d * Splat16(dx);
   asm("" : "+v"(scale));
@@ -1246,7 +1317,7 @@ inline v16 Int8ScaledAdd(v16 acc, __m512i isum, v16 d, float dx) {
 }
 
 // The 4-bit blocks' epilogue: acc += d * d_x * isum, then acc += m * s_x.
-inline v16 W4A8Epilogue(v16 acc, __m512i isum, v16 d, v16 m, float dx, float sx) {
+inline v16 W4A8Epilogue(v16 acc, vi16 isum, v16 d, v16 m, float dx, float sx) {
   acc = Int8ScaledAdd(acc, isum, d, dx);
   acc = reinterpret_cast<v16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(m), reinterpret_cast<__m512>(Splat16(sx)),
                                               reinterpret_cast<__m512>(acc)));
@@ -1258,6 +1329,57 @@ inline v16 W4A8Epilogue(v16 acc, __m512i isum, v16 d, v16 m, float dx, float sx)
 inline v16 LoadHalf16(const uint8_t* p) {
   return reinterpret_cast<v16>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 }
+#else
+struct vi16 {  // 16 int32 lanes as a pair of AVX registers
+  __m256i lo, hi;
+};
+inline vi16 ZeroI16() { return vi16{_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+
+inline void UnpackW4A8(const uint8_t* group, vi16& lo, vi16& hi) {
+  const __m256i mask = _mm256_set1_epi8(15);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32 * h));
+    (h ? lo.hi : lo.lo) = _mm256_and_si256(v, mask);
+    (h ? hi.hi : hi.lo) = _mm256_and_si256(_mm256_srli_epi32(v, 4), mask);
+  }
+}
+
+// Dot2 without VNNI: vpmaddubsw (pairs, s16: each |lo . xa| <= 2 * 15 * 127, the two sums together < 7,700) then
+// vpmaddwd against ones (s32): the same integers as vpdpbusd.
+inline vi16 Dot2(vi16 isum, vi16 lo, int32_t xa, vi16 hi, int32_t xb) {
+  const __m256i a = _mm256_set1_epi32(xa), b = _mm256_set1_epi32(xb), ones = _mm256_set1_epi16(1);
+  const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(lo.lo, a), _mm256_maddubs_epi16(hi.lo, b));
+  const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(lo.hi, a), _mm256_maddubs_epi16(hi.hi, b));
+  return vi16{_mm256_add_epi32(isum.lo, _mm256_madd_epi16(pl, ones)),
+              _mm256_add_epi32(isum.hi, _mm256_madd_epi16(ph, ones))};
+}
+
+inline v16 Int8ScaledAdd(v16 acc, vi16 isum, v16 d, float dx) {
+  const v16 f{reinterpret_cast<v8>(_mm256_cvtepi32_ps(isum.lo)), reinterpret_cast<v8>(_mm256_cvtepi32_ps(isum.hi))};
+  v16 scale = d * Splat16(dx);
+  Opaque(scale);
+  acc.lo = reinterpret_cast<v8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(f.lo), reinterpret_cast<__m256>(scale.lo),
+                                                reinterpret_cast<__m256>(acc.lo)));
+  acc.hi = reinterpret_cast<v8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(f.hi), reinterpret_cast<__m256>(scale.hi),
+                                                reinterpret_cast<__m256>(acc.hi)));
+  Opaque(acc);
+  return acc;
+}
+
+inline v16 W4A8Epilogue(v16 acc, vi16 isum, v16 d, v16 m, float dx, float sx) {
+  acc = Int8ScaledAdd(acc, isum, d, dx);
+  const __m256 s = _mm256_set1_ps(sx);
+  acc.lo = reinterpret_cast<v8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(m.lo), s, reinterpret_cast<__m256>(acc.lo)));
+  acc.hi = reinterpret_cast<v8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(m.hi), s, reinterpret_cast<__m256>(acc.hi)));
+  Opaque(acc);
+  return acc;
+}
+
+inline v16 LoadHalf16(const uint8_t* p) {
+  return v16{reinterpret_cast<v8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))),
+             reinterpret_cast<v8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))))};
+}
+#endif
 
 inline int32_t Word(const int8_t* q) {
   int32_t v;
@@ -1276,18 +1398,15 @@ __attribute__((noinline)) void W4A8Tile(const QuantX& qx, const uint8_t* wq, flo
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk[P];
       for (int j = 0; j < P; ++j) blk[j] = wq + ((p + j) * nb + b) * kW4A8BlockBytes;
-      __m512i isum[R][P];
-      for (int r = 0; r < R; ++r) for (int j = 0; j < P; ++j) isum[r][j] = _mm512_setzero_si512();
+      vi16 isum[R][P];
+      for (int r = 0; r < R; ++r) for (int j = 0; j < P; ++j) isum[r][j] = ZeroI16();
       for (int g = 0; g < 4; ++g) {
-        __m512i lo[P], hi[P];
+        vi16 lo[P], hi[P];
         for (int j = 0; j < P; ++j) UnpackW4A8(blk[j] + 64 + 64 * g, lo[j], hi[j]);
         for (int r = 0; r < R; ++r) {
           const int8_t* xq = qx.q.data() + (r0 + r) * K + b * kQ4Rows + 8 * g;
-          const __m512i xa = _mm512_set1_epi32(Word(xq)), xb = _mm512_set1_epi32(Word(xq + 4));
-          for (int j = 0; j < P; ++j) {
-            isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], lo[j], xa);
-            isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], hi[j], xb);
-          }
+          const int32_t xa = Word(xq), xb = Word(xq + 4);
+          for (int j = 0; j < P; ++j) isum[r][j] = Dot2(isum[r][j], lo[j], xa, hi[j], xb);
         }
       }
       for (int j = 0; j < P; ++j) {
@@ -1304,6 +1423,7 @@ __attribute__((noinline)) void W4A8Tile(const QuantX& qx, const uint8_t* wq, flo
   }
 }
 
+#if NIGHTJAR_INT8 == 512
 // A tied head's 8-bit panels (kQ8HeadBlockBytes) times int8 x: per block the 16 rows' integer sums of (q + 128) q_x,
 // less 128 * sum q_x, times d * d_x. R rows on P panels, as W4A8Tile.
 template <int R, int P>
@@ -1341,19 +1461,32 @@ __attribute__((noinline)) void W8A8Tile(const QuantX& qx, const uint8_t* wq, flo
   }
 }
 
-// The two int8-activation tiles as types (Int8Product takes either).
-template <int R, int P>
-struct W4A8 {
-  static void Run(const QuantX& qx, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t r0, int64_t p) {
-    W4A8Tile<R, P>(qx, w, y, K, N, r0, p);
-  }
-};
 template <int R, int P>
 struct W8A8 {
   static void Run(const QuantX& qx, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t r0, int64_t p) {
     W8A8Tile<R, P>(qx, w, y, K, N, r0, p);
   }
 };
+#endif
+
+// The int8-activation tiles as types (Int8Product takes either).
+template <int R, int P>
+struct W4A8 {
+  static void Run(const QuantX& qx, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t r0, int64_t p) {
+    W4A8Tile<R, P>(qx, w, y, K, N, r0, p);
+  }
+};
+
+#if NIGHTJAR_INT8 == 512
+constexpr int64_t kInt8RowGroup = 4;   // x rows per int8 tile
+constexpr int64_t kInt8RowPanels = 4;  // panels per one-row tile
+constexpr int64_t kInt8Panels = 2;     // panels per tile of more rows
+#else
+// 16 AVX registers: a tile's sums and integer sums take 4 per row and panel
+constexpr int64_t kInt8RowGroup = 2;
+constexpr int64_t kInt8RowPanels = 2;
+constexpr int64_t kInt8Panels = 1;
+#endif
 
 template <template <int, int> class Tile, int P>
 void Int8TileRows(const QuantX& qx, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t r0, int64_t rows,
@@ -1376,13 +1509,13 @@ void Int8Product(const QuantX& qx, const uint8_t* w, const Segment& s, int64_t M
                  int64_t p1) {
   for (int64_t c0 = p0; c0 < p1; c0 += kInt8PanelChunk) {
     const int64_t c1 = std::min(p1, c0 + kInt8PanelChunk);
-    for (int64_t r0 = 0; r0 < M; r0 += 4) {
-      const int64_t rows = std::min<int64_t>(4, M - r0);
+    for (int64_t r0 = 0; r0 < M; r0 += kInt8RowGroup) {
+      const int64_t rows = std::min<int64_t>(kInt8RowGroup, M - r0);
       int64_t p = c0;
       if (rows == 1) {
-        for (; p + 4 <= c1; p += 4) Tile<1, 4>::Run(qx, w, s.y, K, s.N, r0, p);
+        for (; p + kInt8RowPanels <= c1; p += kInt8RowPanels) Tile<1, kInt8RowPanels>::Run(qx, w, s.y, K, s.N, r0, p);
       }
-      for (; p + 2 <= c1; p += 2) Int8TileRows<Tile, 2>(qx, w, s.y, K, s.N, r0, rows, p);
+      for (; p + kInt8Panels <= c1; p += kInt8Panels) Int8TileRows<Tile, kInt8Panels>(qx, w, s.y, K, s.N, r0, rows, p);
       if (p < c1) Int8TileRows<Tile, 1>(qx, w, s.y, K, s.N, r0, rows, p);
     }
   }
@@ -1394,11 +1527,17 @@ void PackedProductInt8(const float* x, int64_t M, int64_t K, const Segment& s, i
   QuantX own;
   if (sq == nullptr) QuantizeRows(x, M, K, own);
   const QuantX& qx = sq != nullptr ? sq->Get(x, M, K) : own;
-  if (s.qa != nullptr) Int8Product<W4A8>(qx, s.qa, s, M, K, p0, p1);
-  else Int8Product<W8A8>(qx, s.qh, s, M, K, p0, p1);
+#if NIGHTJAR_INT8 == 512
+  if (s.qh != nullptr) {
+    Int8Product<W8A8>(qx, s.qh, s, M, K, p0, p1);
+    return;
+  }
+#endif
+  Int8Product<W4A8>(qx, s.qa, s, M, K, p0, p1);
 }
 #else
 constexpr bool kW4A8Supported = false;
+constexpr bool kW8A8HeadSupported = false;
 void PackedProductInt8(const float*, int64_t, int64_t, const Segment&, int64_t, int64_t, SharedQuant*) {}
 #endif
 
@@ -1463,6 +1602,7 @@ void PackedProduct(const float* x, int64_t M, int64_t K, const Segment& s, int64
 #else
 constexpr bool kPackedSupported = false;
 constexpr bool kW4A8Supported = false;
+constexpr bool kW8A8HeadSupported = false;
 void PackedProduct(const float*, int64_t, int64_t, const Segment&, int64_t, int64_t, SharedQuant* = nullptr) {}
 #endif
 
@@ -1581,7 +1721,7 @@ std::string AddSegment(int64_t M, int64_t K, const W& w, ffi::Result<ffi::Buffer
   }
   if (kTransposed && w.element_type() == ffi::DataType::U8 && wd.size() == 3 && wd[2] == kQ8HeadBlockBytes) {
     // 8-bit rows with panels for int8 activations beside them [N, K / 32, 72] (weight_format="w4a8")
-    if (!kW4A8Supported || !kPackedSupported) return "linear: 8-bit head panels for int8 x need AVX512-VNNI";
+    if (!kW8A8HeadSupported || !kPackedSupported) return "linear: 8-bit head panels for int8 x need AVX512-VNNI";
     if (wd[1] * kQ8Rows != K || wd[0] % 16 != 0 || yd.size() != 2 || yd[0] != M || yd[1] != wd[0]) {
       return "linear: shapes do not match: x [" + std::to_string(M) + ", " + std::to_string(K) + "], 8-bit " +
              Dims2("w", wd) + ", " + Dims2("y", yd) + " (w uint8 [N, K / 32, 72] with N a multiple of 16, y [M, N])";

@@ -1,13 +1,15 @@
 """4-bit weights with int8 activations (``weight_format="w4a8"``; ``kernels_pallas/linear/cpu.py`` ``pack_w4a8``).
 
-The same Q4_1 blocks as the lossless 4-bit panels, laid out for AVX512-VNNI dot products; each product quantizes
-its x per row and 32-element block to int8. Lossy in x, so these tests check what the kernel must still guarantee:
+The same Q4_1 blocks as the lossless 4-bit panels, laid out for AVX512-VNNI dot products (on CPUs without AVX-512,
+AVX2's vpmaddubsw + vpmaddwd give the same integer sums); each product quantizes its x per row and 32-element block
+to int8. Lossy in x, so these tests check what the kernel must still guarantee:
 - the layout holds the exact weights (round trip) and refuses weights that are not Q4_1;
 - every product equals the numpy model of the scheme (x quantized as the kernel does, exact integer sums) to
   float32 rounding, and differs from the exact product by no more than x's rounding allows;
 - a row's result never depends on the other rows of the call (1 row, register tiles, row groups: the same bits),
   nor on the fused form that computed it, which is what keeps verify steps and batches equal to one-row decoding;
-- a tied Q8_0 head gets panels of its rows for int8 x too (``with_w8a8_head``), with the same guarantees;
+- a tied Q8_0 head gets panels of its rows for int8 x too (``with_w8a8_head``), with the same guarantees (with
+  AVX512-VNNI; elsewhere the layout is refused with a clear error and ``pack_state`` keeps the exact 8-bit rows);
 - ``pack_state`` holds a Q4_1 model this way (and anything else as ``auto``), and in the engine greedy speculative
   decoding equals plain decoding and a batch equals each prompt run alone.
 """
@@ -27,7 +29,8 @@ F32 = jnp.float32
 
 pytestmark = pytest.mark.skipif(
     not cpu.w4a8_supported(),
-    reason=f"int8-activation weights need the CPU kernel with AVX-512 and AVX512-VNNI (available: {cpu.available()})",
+    reason=f"int8-activation weights need the CPU kernel with AVX512-VNNI, or AVX2 and F16C without AVX-512 "
+           f"(available: {cpu.available()})",
 )
 
 
@@ -157,6 +160,11 @@ def test_tied_head_panels_for_int8_x():
                                                                                                           [0, 7]]])
     assert cpu.with_w8a8_head(cpu.pack_q8(jnp.asarray(table[:40]))) is None  # N not a multiple of 16
     x = _x(rng, 13, k)
+    if not cpu.w8a8_head_supported():  # AVX2 without AVX512-VNNI: the layout is refused clearly (pack_state never
+        # makes it there: the head keeps its exact 8-bit rows, test_pack_state_w4a8_holds_q4_models_and_others_as_auto)
+        with pytest.raises(Exception, match="8-bit head panels for int8 x need AVX512-VNNI"):
+            jax.block_until_ready(cpu.linear_cpu(jnp.asarray(x[:1]), head, transposed=True))
+        return
     one = np.stack([np.asarray(cpu.linear_cpu(jnp.asarray(x[i:i + 1]), head, transposed=True))[0] for i in range(13)])
     for m in (1, 2, 5, 13):
         y = np.asarray(cpu.linear_cpu(jnp.asarray(x[:m]), head, transposed=True))
@@ -199,7 +207,11 @@ def test_pack_state_w4a8_holds_q4_models_and_others_as_auto():
     leaves = jax.tree.leaves(held)
     kernels = [leaf for leaf in leaves if cpu.is_packed(leaf)]
     assert kernels and all(cpu.is_w4a8(leaf) for leaf in kernels)  # all of them, no float32 beside
-    assert any(cpu.is_w8a8_head(leaf) for leaf in leaves)  # the tied head: panels for int8 x beside its rows
+    if cpu.w8a8_head_supported():
+        assert any(cpu.is_w8a8_head(leaf) for leaf in leaves)  # the tied head: panels for int8 x beside its rows
+    else:  # without AVX512-VNNI: its exact 8-bit rows (with the float32 table beside them, as auto)
+        heads = [leaf for leaf in leaves if cpu.is_q8(leaf)]
+        assert heads and not any(cpu.is_w8a8_head(leaf) for leaf in heads)
     ref = model_logits(cfg, graphdef, pack_state(quantized, "auto", weight_format="f32"), 5)
     got = model_logits(cfg, graphdef, held, 5)
     assert not np.array_equal(got, ref)  # lossy ...
