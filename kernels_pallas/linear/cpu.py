@@ -77,8 +77,12 @@ _ZEN_AVX512 = _has_avx512() and cpu_vendor() == "AuthenticAMD"
 SPLIT_K_MAX_ROWS = 8 if _ZEN_AVX512 else 12
 NT_TILE_MIN_ROWS = 2 if _ZEN_AVX512 else SPLIT_K_MAX_ROWS + 1
 # W rows per block of the 8 x 48 tiles past 16 rows (cpu_kernel.cc kTileKBlockWide): 288 on AMD EPYC (products alone
-# 0.94-0.96 of the time at 24-64 rows against 96-row blocks, in one process, 2026-12-03), else 96
-TILE_K_BLOCK_WIDE = 288 if _ZEN_AVX512 else 96
+# 0.94-0.96 of the time at 24-64 rows against 96-row blocks, in one process, 2026-12-03), 96 on other AVX-512 CPUs.
+# Without AVX-512 only packed weights take these blocks (6 x 16 tiles): SmolLM2's seven layer products against XLA's
+# dot on the [K, N] weights, interleaved in one process (AMD EPYC Zen 3, 2026-12-03): 1.12 / 1.24 of its time at
+# 256 / 512 rows (prefill chunks) with 96-row blocks, 0.97 / 0.99 and 0.97 / 0.95 with 576 (two runs), 0.93 / 0.93
+# with 1,536; 0.81-0.84 at 64 rows with any
+TILE_K_BLOCK_WIDE = 288 if _ZEN_AVX512 else (96 if _has_avx512() else 576)
 NN_MAX_ROWS = 160 if _has_avx512() else SPLIT_K_MAX_ROWS
 # the head past 32 rows on its tiles measured no better than XLA's dot on the Xeon; on AMD EPYC (2026-12-03, whole
 # step with the head on XLA past 32 rows against on the tiles up to 160, the two in turn in one process) 0.935 of the
