@@ -89,9 +89,8 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
     ``[K, N]`` -> 16-column panels ``[N / 16, K, 16]``, each read front to back: SmolLM2-135M's layer products at one
     row 0.88x the time of the ``[K, N]`` split-K passes, 2026-12-03), where they will run on it: ``impl`` not
     ``xla``, the CPU backend, a kernel built with AVX-512 or AVX2 + FMA, and every ``kernel`` float32 with N a multiple
-    of 16
-    (all or none, so a fused layer call never mixes layouts). Otherwise ``state`` itself. Packed weights then stay on
-    the kernel at every row count (:func:`_on_kernel`); ``impl="xla"`` calls take an unpacked copy.
+    of 16 (all or none, so a fused layer call never mixes layouts). Otherwise ``state`` itself. Packed weights then
+    stay on the kernel at every row count (:func:`_on_kernel`); ``impl="xla"`` calls take an unpacked copy.
 
     ``weight_format`` ``compact``: when every kernel is exactly a GGUF Q4_1 weight dequantized (``cpu.pack_q4``: each
     element reproduced bit for bit, K a multiple of 32), the panels are held as 4-bit blocks (0.75 bytes per weight

@@ -1191,7 +1191,9 @@ void PackedProductCompact(const float* x, int64_t M, int64_t K, const T* w, cons
 // any thread give a row the same bits: speculative verify steps and batches agree with one-row decoding.
 // Without AVX-512 (AVX2, F16C; NIGHTJAR_INT8 256) the same layout and the same integer sums: vpdpbusd's four
 // u8 x s8 products per lane are vpmaddubsw's pairs (s16, saturating, but 4-bit weights times |q_x| <= 127 stay
-// under 4,096) then vpmaddwd's pairs (s32), exact, so the results are the AVX512-VNNI kernel's. A tied head's
+// under 4,096) then vpmaddwd's pairs (s32), exact: the AVX512-VNNI kernel's integer sums (each block's sum of x,
+// for the m term, is added in another order, so a result may differ from an AVX-512 CPU's in its last bits; within
+// one CPU every row count, tile and thread still gives a row the same bits). A tied head's
 // 8-bit panels (q + 128 up to 255: a pair could reach 64,770 and saturate) stay AVX512-VNNI's: without it the
 // head keeps its exact 8-bit rows (cpu.py with_w8a8_head).
 #if defined(__AVX512VNNI__)
@@ -1679,7 +1681,7 @@ WeightDims DimsOf(const W& w) {
 
 // The segment of a panel-layout weight (either format).
 Segment PanelSegment(const W& w, float* y, int64_t N) {
-  if (w.element_type() == ffi::DataType::S8) {  // DimsOf: int8 [N / 16, K / 32, 320], with AVX512-VNNI
+  if (w.element_type() == ffi::DataType::S8) {  // DimsOf: int8 [N / 16, K / 32, 320], with AVX512-VNNI or AVX2
     Segment s{nullptr, y, N, true};
     s.qa = static_cast<const uint8_t*>(w.untyped_data());
     return s;
@@ -1713,7 +1715,7 @@ std::string AddSegment(int64_t M, int64_t K, const W& w, ffi::Result<ffi::Buffer
     if (dims.k < 0 || dims.k != K || yd.size() != 2 || yd[0] != M || yd[1] != dims.n) {
       return "linear: shapes do not match: x [" + std::to_string(M) + ", " + std::to_string(K) + "], packed " +
              Dims2("w", wd) + ", " + Dims2("y", yd) +
-             " (w float32 / bfloat16 [N / 16, K, 16], uint8 [N / 16, K / 32, 384] or, with AVX512-VNNI, int8 "
+             " (w float32 / bfloat16 [N / 16, K, 16], uint8 [N / 16, K / 32, 384] or, with AVX512-VNNI or AVX2, int8 "
              "[N / 16, K / 32, 320]; y [M, N])";
     }
     out.push_back(PanelSegment(w, y->typed_data(), dims.n));
