@@ -8,7 +8,7 @@ fill a 3-panel group, leading dimensions, every fused form with packed weights (
 norms, the SwiGLU gate, the residual add, the whole post-attention layer with the next layer's q/k/v), clear errors
 for mixed or mis-shaped layouts, the dispatch (packed weights stay on the kernel at every row count), and a model
 whose packed state gives the unpacked state's logits. Runs where the kernel takes packed weights (built with
-AVX-512); elsewhere ``pack_state`` leaves the weights as they are, which the last test checks.
+AVX-512, or AVX2 and FMA); elsewhere ``pack_state`` leaves the weights as they are, which the last test checks.
 """
 
 from __future__ import annotations
