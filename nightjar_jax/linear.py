@@ -106,8 +106,8 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
     out for int8 activations (``cpu.pack_w4a8``): each product quantizes its x per row and 32-element block to int8 and
     multiplies with AVX512-VNNI integer dot products (llama.cpp's scheme; without AVX-512, AVX2's vpmaddubsw +
     vpmaddwd, the same integers), at every row count (no float32 beside them), so a row's result never depends on
-    the other rows of its step; with AVX512-VNNI a tied Q8_0 head likewise (``cpu.with_w8a8_head``: the 8-bit rows,
-    then panels of them for int8 x, instead of the float32 table; without it the head keeps its exact 8-bit rows).
+    the other rows of its step; a tied Q8_0 head likewise (``cpu.with_w8a8_head``: the 8-bit rows, then panels of
+    them for int8 x, instead of the float32 table; without AVX-512 the kernel reads the rows with int8 x).
     The weights stay exact; x's rounding changes the outputs slightly. Other models (and the bfloat16 drafts) get
     ``auto``; so do CPUs with AVX-512 but not AVX512-VNNI, with a warning."""
     check_impl(impl)
@@ -148,7 +148,7 @@ def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):
     tied = not any("lm_head" in key for key in kernels)  # else the table is only gathered: no float32 beside it
     for key, path, w in flat:
         if _is_embedding(path) and (q8 := cpu.pack_q8(w)) is not None:
-            if int8_x and tied and cpu.w8a8_head_supported() and (head := cpu.with_w8a8_head(q8)) is not None:
+            if int8_x and tied and (head := cpu.with_w8a8_head(q8)) is not None:
                 new[key] = head
             else:
                 new[key] = cpu.with_f32(q8, w) if weight_format in ("auto", "w4a8") and tied else q8

@@ -350,12 +350,6 @@ def w4a8_supported() -> bool:
     return packing_supported() and ("avx512_vnni" in flags or (not _has_avx512() and "f16c" in flags))
 
 
-def w8a8_head_supported() -> bool:
-    """Whether the kernel takes :func:`with_w8a8_head`'s layout here: AVX512-VNNI (its q + 128 bytes would saturate
-    vpmaddubsw's pairs; without it a ``w4a8`` model's tied head keeps its exact 8-bit rows)."""
-    return packing_supported() and "avx512_vnni" in _cpu_flags().split()
-
-
 def pack_w4a8(w: jax.Array) -> jax.Array | None:
     """``[K, N]`` float32 -> ``int8 [N / 16, K / 32, 320]`` when every element is exactly a Q4_1 block's
     ``d * q + m`` with d and m 16-bit floats (a GGUF Q4_1 weight dequantized), else None. Per panel and 32-row

@@ -1194,8 +1194,8 @@ void PackedProductCompact(const float* x, int64_t M, int64_t K, const T* w, cons
 // under 4,096) then vpmaddwd's pairs (s32), exact: the AVX512-VNNI kernel's integer sums (each block's sum of x,
 // for the m term, is added in another order, so a result may differ from an AVX-512 CPU's in its last bits; within
 // one CPU every row count, tile and thread still gives a row the same bits). A tied head's
-// 8-bit panels (q + 128 up to 255: a pair could reach 64,770 and saturate) stay AVX512-VNNI's: without it the
-// head keeps its exact 8-bit rows (cpu.py with_w8a8_head).
+// 8-bit panels (q + 128 up to 255: a pair could reach 64,770 and saturate) are AVX512-VNNI's: without it the head
+// reads its 8-bit rows instead (W8A8Rows, below).
 #if defined(__AVX512VNNI__)
 #define NIGHTJAR_INT8 512
 #elif !defined(__AVX512F__) && defined(NIGHTJAR_V16) && defined(__F16C__)
@@ -1204,7 +1204,7 @@ void PackedProductCompact(const float* x, int64_t M, int64_t K, const T* w, cons
 
 #ifdef NIGHTJAR_INT8
 constexpr bool kW4A8Supported = true;
-constexpr bool kW8A8HeadSupported = NIGHTJAR_INT8 == 512;
+constexpr bool kW8A8HeadSupported = true;
 
 #if NIGHTJAR_INT8 == 512
 void QuantizeRows(const float* x, int64_t M, int64_t K, QuantX& out) {
@@ -1523,18 +1523,84 @@ void Int8Product(const QuantX& qx, const uint8_t* w, const Segment& s, int64_t M
   }
 }
 
+#if NIGHTJAR_INT8 == 256
+// A tied head for int8 x without VNNI: its 8-bit rows (the layout's first half; the panels after them are
+// vpdpbusd's, whose q + 128 bytes would saturate vpmaddubsw), each weight row against each x row per 32-element
+// block: vpsignb moves q_x's sign onto q_w so vpmaddubsw takes |q_x| unsigned (pairs |q_w q_x| <= 2 * 127 * 127,
+// under 32,768), vpmaddwd sums pairs: the block's integer sum of q_w q_x exactly (8 lanes of it), then
+// acc += float(isum) * (d_w * d_x) per lane and the lanes summed at the end. A row's result depends only on its x.
+inline __m256i DotQ8(__m256i w, __m256i x) {
+  const __m256i ax = _mm256_sign_epi8(x, x);  // |q_x| (q_x in -127 .. 127)
+  const __m256i sw = _mm256_sign_epi8(w, x);  // q_w with q_x's sign (0 where q_x is 0)
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), _mm256_set1_epi16(1));
+}
+
+// Weight rows a0 + i and b0 + i (i < count) against x rows r0 .. r0 + R: a row of each of two streams at a time
+// (two streams per thread read faster than one here, as BlockNT's), each block's weights loaded once for the R rows.
+template <int R>
+void W8A8RowsTile(const QuantX& qx, const uint8_t* rows, float* y, int64_t K, int64_t N, int64_t r0, int64_t a0,
+                  int64_t b0, int64_t count) {
+  const int64_t nb = K / kQ8Rows, row_bytes = nb * kQ8BlockBytes;
+  for (int64_t i = 0; i < count; ++i) {
+    v8 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Splat(0.0f);
+    const uint8_t* wa = rows + (a0 + i) * row_bytes;
+    const uint8_t* wb = rows + (b0 + i) * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* ba = wa + b * kQ8BlockBytes;
+      const uint8_t* bb = wb + b * kQ8BlockBytes;
+      const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ba + 4));
+      const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bb + 4));
+      const float da = Q8Scale(ba), db = Q8Scale(bb);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * nb + b;
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.q.data() + at * kQ8Rows));
+        const v8 fa = reinterpret_cast<v8>(_mm256_cvtepi32_ps(DotQ8(qa, xq)));
+        const v8 fb = reinterpret_cast<v8>(_mm256_cvtepi32_ps(DotQ8(qb, xq)));
+        acc[r][0] += fa * Splat(da * qx.d[at]);
+        acc[r][1] += fb * Splat(db * qx.d[at]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      y[(r0 + r) * N + a0 + i] = Sum(acc[r][0]);
+      y[(r0 + r) * N + b0 + i] = Sum(acc[r][1]);
+    }
+  }
+}
+
+// Weight rows n0 .. n1 (a multiple of 16) for x [M, K]: one x row over the range's two halves (two streams); more
+// rows by chunks of 64 weight rows (41 KB: L2), every group of up to 4 x rows over a chunk's halves before the next.
+void W8A8Rows(const QuantX& qx, const uint8_t* rows, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
+              int64_t n1) {
+  const int64_t chunk = M == 1 ? n1 - n0 : 64;
+  for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+    const int64_t half = (std::min(n1, c0 + chunk) - c0) / 2;
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+      switch (std::min<int64_t>(4, M - r0)) {
+        case 4: W8A8RowsTile<4>(qx, rows, y, K, N, r0, c0, c0 + half, half); break;
+        case 3: W8A8RowsTile<3>(qx, rows, y, K, N, r0, c0, c0 + half, half); break;
+        case 2: W8A8RowsTile<2>(qx, rows, y, K, N, r0, c0, c0 + half, half); break;
+        default: W8A8RowsTile<1>(qx, rows, y, K, N, r0, c0, c0 + half, half); break;
+      }
+    }
+  }
+}
+#endif
+
 // A segment of either int8-activation layout; sq: x quantized once for the phase (else this call's own copy).
 void PackedProductInt8(const float* x, int64_t M, int64_t K, const Segment& s, int64_t p0, int64_t p1,
                        SharedQuant* sq) {
   QuantX own;
   if (sq == nullptr) QuantizeRows(x, M, K, own);
   const QuantX& qx = sq != nullptr ? sq->Get(x, M, K) : own;
-#if NIGHTJAR_INT8 == 512
   if (s.qh != nullptr) {
+#if NIGHTJAR_INT8 == 512
     Int8Product<W8A8>(qx, s.qh, s, M, K, p0, p1);
+#else
+    W8A8Rows(qx, s.q8, s.y, M, K, s.N, 16 * p0, 16 * p1);
+#endif
     return;
   }
-#endif
   Int8Product<W4A8>(qx, s.qa, s, M, K, p0, p1);
 }
 #else
@@ -1723,7 +1789,9 @@ std::string AddSegment(int64_t M, int64_t K, const W& w, ffi::Result<ffi::Buffer
   }
   if (kTransposed && w.element_type() == ffi::DataType::U8 && wd.size() == 3 && wd[2] == kQ8HeadBlockBytes) {
     // 8-bit rows with panels for int8 activations beside them [N, K / 32, 72] (weight_format="w4a8")
-    if (!kW8A8HeadSupported || !kPackedSupported) return "linear: 8-bit head panels for int8 x need AVX512-VNNI";
+    if (!kW8A8HeadSupported || !kPackedSupported) {
+      return "linear: 8-bit head panels for int8 x need AVX512-VNNI, or AVX2 and F16C";
+    }
     if (wd[1] * kQ8Rows != K || wd[0] % 16 != 0 || yd.size() != 2 || yd[0] != M || yd[1] != wd[0]) {
       return "linear: shapes do not match: x [" + std::to_string(M) + ", " + std::to_string(K) + "], 8-bit " +
              Dims2("w", wd) + ", " + Dims2("y", yd) + " (w uint8 [N, K / 32, 72] with N a multiple of 16, y [M, N])";

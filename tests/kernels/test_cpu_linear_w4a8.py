@@ -8,8 +8,8 @@ to int8. Lossy in x, so these tests check what the kernel must still guarantee:
   float32 rounding, and differs from the exact product by no more than x's rounding allows;
 - a row's result never depends on the other rows of the call (1 row, register tiles, row groups: the same bits),
   nor on the fused form that computed it, which is what keeps verify steps and batches equal to one-row decoding;
-- a tied Q8_0 head gets panels of its rows for int8 x too (``with_w8a8_head``), with the same guarantees (with
-  AVX512-VNNI; elsewhere the layout is refused with a clear error and ``pack_state`` keeps the exact 8-bit rows);
+- a tied Q8_0 head gets panels of its rows for int8 x too (``with_w8a8_head``), with the same guarantees (without
+  AVX-512 the kernel reads its rows: vpsignb + vpmaddubsw, the same integer sums);
 - ``pack_state`` holds a Q4_1 model this way (and anything else as ``auto``), and in the engine greedy speculative
   decoding equals plain decoding and a batch equals each prompt run alone.
 """
@@ -160,11 +160,6 @@ def test_tied_head_panels_for_int8_x():
                                                                                                           [0, 7]]])
     assert cpu.with_w8a8_head(cpu.pack_q8(jnp.asarray(table[:40]))) is None  # N not a multiple of 16
     x = _x(rng, 13, k)
-    if not cpu.w8a8_head_supported():  # AVX2 without AVX512-VNNI: the layout is refused clearly (pack_state never
-        # makes it there: the head keeps its exact 8-bit rows, test_pack_state_w4a8_holds_q4_models_and_others_as_auto)
-        with pytest.raises(Exception, match="8-bit head panels for int8 x need AVX512-VNNI"):
-            jax.block_until_ready(cpu.linear_cpu(jnp.asarray(x[:1]), head, transposed=True))
-        return
     one = np.stack([np.asarray(cpu.linear_cpu(jnp.asarray(x[i:i + 1]), head, transposed=True))[0] for i in range(13)])
     for m in (1, 2, 5, 13):
         y = np.asarray(cpu.linear_cpu(jnp.asarray(x[:m]), head, transposed=True))
@@ -207,11 +202,7 @@ def test_pack_state_w4a8_holds_q4_models_and_others_as_auto():
     leaves = jax.tree.leaves(held)
     kernels = [leaf for leaf in leaves if cpu.is_packed(leaf)]
     assert kernels and all(cpu.is_w4a8(leaf) for leaf in kernels)  # all of them, no float32 beside
-    if cpu.w8a8_head_supported():
-        assert any(cpu.is_w8a8_head(leaf) for leaf in leaves)  # the tied head: panels for int8 x beside its rows
-    else:  # without AVX512-VNNI: its exact 8-bit rows (with the float32 table beside them, as auto)
-        heads = [leaf for leaf in leaves if cpu.is_q8(leaf)]
-        assert heads and not any(cpu.is_w8a8_head(leaf) for leaf in heads)
+    assert any(cpu.is_w8a8_head(leaf) for leaf in leaves)  # the tied head: panels for int8 x beside its rows
     ref = model_logits(cfg, graphdef, pack_state(quantized, "auto", weight_format="f32"), 5)
     got = model_logits(cfg, graphdef, held, 5)
     assert not np.array_equal(got, ref)  # lossy ...
