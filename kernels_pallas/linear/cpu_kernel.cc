@@ -638,7 +638,18 @@ inline v16 LoadQ8(const uint8_t* row, int64_t k) {
   asm("" : "+v"(w));
   return w;
 }
+#elif defined(NIGHTJAR_V16)
+// Elements k .. k + 8 of an 8-bit row (k a multiple of 8) as float32 weights: RowNT2Impl's 8-float vectors.
+inline v8 LoadQ8(const uint8_t* row, int64_t k) {
+  const uint8_t* block = row + k / kQ8Rows * kQ8BlockBytes;
+  const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4 + k % kQ8Rows)));
+  v8 w = Splat(Q8Scale(block)) * reinterpret_cast<v8>(_mm256_cvtepi32_ps(q));
+  asm("" : "+x"(w));  // a value of its own (as above)
+  return w;
+}
+#endif
 
+#ifdef NIGHTJAR_V16
 // RowNT2 on 8-bit rows, dequantized in registers: the same accumulators in the same order, so the same sums.
 inline void RowNT2Q8(const float* x, const uint8_t* wq, float* y, int64_t K, int64_t na, int64_t nb) {
   const int64_t row_bytes = K / kQ8Rows * kQ8BlockBytes;  // K is whole 32-element blocks: no scalar tail
@@ -647,24 +658,25 @@ inline void RowNT2Q8(const float* x, const uint8_t* wq, float* y, int64_t K, int
 }
 
 // 2 .. kNtFewRows x rows against two weight rows (na, nb) at once: 2R accumulators, each weight vector loaded (or
-// dequantized) once for all R rows, x's rows from L1. `load(n, k)`: elements k .. k + 16 of weight row n; K % 16
-// elements past the last vector are summed in scalars (`tail(n, k)`: one element).
-template <int R, typename Load, typename Tail>
-inline void RowsNT2(const float* x, int64_t K, int64_t na, int64_t nb, float* y, int64_t N, Load load, Tail tail) {
-  v16 a[R], b[R];
-  for (int r = 0; r < R; ++r) a[r] = b[r] = Splat16(0.0f);
-  const int64_t kv = K / 16 * 16;
-  for (int64_t k = 0; k < kv; k += 16) {
-    const v16 wa = load(na, k), wb = load(nb, k);
+// dequantized) once for all R rows, x's rows from L1. `load(n, k)`: elements k .. k + kRowWidth of weight row n;
+// K % kRowWidth elements past the last vector are summed in scalars (`tail(n, k)`: one element).
+template <int R, typename LoadW, typename TailW>
+inline void RowsNT2(const float* x, int64_t K, int64_t na, int64_t nb, float* y, int64_t N, LoadW load, TailW tail) {
+  constexpr int W = kRowWidth;
+  vrow a[R], b[R];
+  for (int r = 0; r < R; ++r) a[r] = b[r] = SplatRow(0.0f);
+  const int64_t kv = K / W * W;
+  for (int64_t k = 0; k < kv; k += W) {
+    const vrow wa = load(na, k), wb = load(nb, k);
     for (int r = 0; r < R; ++r) {
-      const v16 xv = Load16(x + r * K + k);
+      const vrow xv = LoadRow(x + r * K + k);
       a[r] += xv * wa;
       b[r] += xv * wb;
     }
   }
   for (int r = 0; r < R; ++r) {
     float sa = 0.0f, sb = 0.0f;
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < W; ++i) {
       sa += a[r][i];
       sb += b[r][i];
     }
@@ -677,23 +689,34 @@ inline void RowsNT2(const float* x, int64_t K, int64_t na, int64_t nb, float* y,
   }
 }
 
-template <typename Load, typename Tail>
-void BlockNTFew(const float* x, int64_t M, int64_t K, int64_t N, int64_t n_begin, int64_t n_end, float* y, Load load,
-                Tail tail) {
+#ifdef __AVX512F__
+constexpr int64_t kFewRowGroup = 12;  // x rows per RowsNT2 (2 x 12 sums of 32 registers)
+#else
+constexpr int64_t kFewRowGroup = 6;  // 2 x 6 sums of 16 registers; more rows load the weights again (from L1)
+#endif
+
+template <typename LoadW, typename TailW>
+void BlockNTFew(const float* x, int64_t M, int64_t K, int64_t N, int64_t n_begin, int64_t n_end, float* y, LoadW load,
+                TailW tail) {
   const int64_t half = (n_end - n_begin) / 2;  // two streams: the item's halves, a row of each together
   auto rows = [&](int64_t na, int64_t nb) {
-    switch (M) {
-      case 12: RowsNT2<12>(x, K, na, nb, y, N, load, tail); break;
-      case 11: RowsNT2<11>(x, K, na, nb, y, N, load, tail); break;
-      case 10: RowsNT2<10>(x, K, na, nb, y, N, load, tail); break;
-      case 9: RowsNT2<9>(x, K, na, nb, y, N, load, tail); break;
-      case 8: RowsNT2<8>(x, K, na, nb, y, N, load, tail); break;
-      case 7: RowsNT2<7>(x, K, na, nb, y, N, load, tail); break;
-      case 6: RowsNT2<6>(x, K, na, nb, y, N, load, tail); break;
-      case 5: RowsNT2<5>(x, K, na, nb, y, N, load, tail); break;
-      case 4: RowsNT2<4>(x, K, na, nb, y, N, load, tail); break;
-      case 3: RowsNT2<3>(x, K, na, nb, y, N, load, tail); break;
-      default: RowsNT2<2>(x, K, na, nb, y, N, load, tail); break;
+    for (int64_t r0 = 0; r0 < M; r0 += kFewRowGroup) {  // each row's sums are the same in any group
+      const float* xr = x + r0 * K;
+      float* yr = y + r0 * N;
+      switch (std::min(kFewRowGroup, M - r0)) {
+        case 12: RowsNT2<12>(xr, K, na, nb, yr, N, load, tail); break;
+        case 11: RowsNT2<11>(xr, K, na, nb, yr, N, load, tail); break;
+        case 10: RowsNT2<10>(xr, K, na, nb, yr, N, load, tail); break;
+        case 9: RowsNT2<9>(xr, K, na, nb, yr, N, load, tail); break;
+        case 8: RowsNT2<8>(xr, K, na, nb, yr, N, load, tail); break;
+        case 7: RowsNT2<7>(xr, K, na, nb, yr, N, load, tail); break;
+        case 6: RowsNT2<6>(xr, K, na, nb, yr, N, load, tail); break;
+        case 5: RowsNT2<5>(xr, K, na, nb, yr, N, load, tail); break;
+        case 4: RowsNT2<4>(xr, K, na, nb, yr, N, load, tail); break;
+        case 3: RowsNT2<3>(xr, K, na, nb, yr, N, load, tail); break;
+        case 2: RowsNT2<2>(xr, K, na, nb, yr, N, load, tail); break;
+        default: RowsNT2<1>(xr, K, na, nb, yr, N, load, tail); break;
+      }
     }
   };
   for (int64_t i = 0; i < half; ++i) rows(n_begin + i, n_begin + half + i);
@@ -701,23 +724,6 @@ void BlockNTFew(const float* x, int64_t M, int64_t K, int64_t N, int64_t n_begin
 }
 #endif
 
-#if !defined(__AVX512F__) && defined(NIGHTJAR_V16)
-// Elements k .. k + 8 of an 8-bit row (k a multiple of 8) as float32 weights: LoadQ8's 8-float half.
-inline v8 LoadQ8x8(const uint8_t* row, int64_t k) {
-  const uint8_t* block = row + k / kQ8Rows * kQ8BlockBytes;
-  const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4 + k % kQ8Rows)));
-  v8 w = Splat(Q8Scale(block)) * reinterpret_cast<v8>(_mm256_cvtepi32_ps(q));
-  asm("" : "+x"(w));  // a value of its own (LoadQ8)
-  return w;
-}
-
-// RowNT2 on 8-bit rows without AVX-512: dequantized in registers, the float32 table's sums in the same order.
-inline void RowNT2Q8(const float* x, const uint8_t* wq, float* y, int64_t K, int64_t na, int64_t nb) {
-  const int64_t row_bytes = K / kQ8Rows * kQ8BlockBytes;
-  RowNT2Impl(x, K, na, nb, y, [=](int64_t n, int64_t k) { return LoadQ8x8(wq + n * row_bytes, k); },
-             [](int64_t, int64_t) { return 0.0f; });
-}
-#endif
 
 void DequantRowsQ8(const uint8_t* wq, int64_t K, int64_t n0, int64_t n1, float* buf) {
   const int64_t nb = K / kQ8Rows;
@@ -1855,8 +1861,8 @@ constexpr int64_t kSplitKMaxRows = NIGHTJAR_SPLIT_K_MAX_ROWS;
 #define NIGHTJAR_NT_TILE_MIN_ROWS (NIGHTJAR_SPLIT_K_MAX_ROWS + 1)
 #endif
 constexpr int64_t kNtTileMinRows = NIGHTJAR_NT_TILE_MIN_ROWS;
-// With AVX-512, 2 .. kNtFewRows rows of x take BlockNTFew (a weight vector per 16 elements, every x row against
-// it) instead of the tiles: SmolLM2's head alone (AMD EPYC Zen 4, 2026-12-03, medians of 6 rounds in one process)
+// 2 .. kNtFewRows rows of x take BlockNTFew (a weight vector per 16 elements, every x row against it; 8 elements
+// without AVX-512) instead of the tiles: SmolLM2's head alone (AMD EPYC Zen 4, 2026-12-03, medians of 6 rounds in one process)
 // float32 3.8 / 4.8 / 6.1 / 6.1 / 6.9 ms at 2 / 3 / 4 / 6 / 8 rows against 5.9 / 6.8 / 6.4 / 6.0 / 6.1 for BlockNTx,
 // and from 8-bit rows 1.4 / 1.9 / 2.6 / 3.2 / 4.3 ms against 8.0-9.0 through a buffer for the tiles. One kernel for
 // both formats keeps their sums identical.
@@ -2027,7 +2033,7 @@ ffi::Error RunSegments(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_
 #endif
   nightjar::ParallelFor(pool, static_cast<int64_t>(items.size()), [=](int64_t it) {
     const Item& item = ip[it];
-#ifdef __AVX512F__
+#ifdef NIGHTJAR_V16
     if (kTransposed && M >= 2 && M <= kNtFewRows) {
       const int64_t K_ = K;
       if (item.seg.q8 != nullptr) {  // 8-bit rows (the float32 table beside them is for more rows)
@@ -2039,7 +2045,7 @@ ffi::Error RunSegments(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_
       } else {
         const float* w = item.seg.w;
         BlockNTFew(xp, M, K, item.seg.N, item.c0, item.c1, item.seg.y,
-                   [=](int64_t n, int64_t k) { return Load16(w + n * K_ + k); },
+                   [=](int64_t n, int64_t k) { return LoadRow(w + n * K_ + k); },
                    [=](int64_t n, int64_t k) { return w[n * K_ + k]; });
       }
       return;
