@@ -7,14 +7,17 @@
 - ``auto``: ``pallas`` on GPU/TPU; on CPU, ``cpu`` when that kernel builds, else ``reference``.
 
 All implementations share one contract (see the reference's docstring): q ``[num_seqs, q_len, num_q_heads,
-head_dim]``, one layer's K/V pools ``[num_kv_heads, num_pages, page_size, head_dim]``, block tables, context lengths
-that include the ``q_len`` new tokens, and query ``i`` at position ``context_len - q_len + i``; an optional tree mask
-(speculative token trees) narrows what each query sees among the last keys (every implementation takes it).
+head_dim]``, one layer's K/V pools ``[num_kv_heads, num_pages, page_size, head_dim]`` (``uint16`` pools hold bfloat16
+bit patterns: ``nightjar_jax.models.llama.kv_storage_dtype``; the CPU kernel reads them as they are), block tables,
+context lengths that include the ``q_len`` new tokens, and query ``i`` at position ``context_len - q_len + i``; an
+optional tree mask (speculative token trees) narrows what each query sees among the last keys (every implementation
+takes it).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from kernels_pallas.paged_attention.reference import paged_attention_reference
 
@@ -53,6 +56,9 @@ def paged_attention(
     tree_mask: jax.Array | None = None,  # [q_len, M] bool: a speculative token tree (reference.py)
 ) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim]
     impl = resolve_impl(impl)
+    if k_pages.dtype == jnp.uint16 and impl != "cpu":  # bfloat16 pools held as bit patterns (llama.kv_storage_dtype)
+        k_pages = jax.lax.bitcast_convert_type(k_pages, jnp.bfloat16)
+        v_pages = jax.lax.bitcast_convert_type(v_pages, jnp.bfloat16)
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, block_tables, context_lens, scale=scale,
                                          tree_mask=tree_mask)

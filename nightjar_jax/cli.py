@@ -16,6 +16,7 @@ from typing import Any
 from nightjar_jax.config import (
     ATTENTION_IMPLS,
     DTYPES,
+    KV_CACHE_DTYPES,
     LINEAR_IMPLS,
     LOAD_FORMATS,
     WEIGHT_FORMATS,
@@ -30,7 +31,7 @@ from nightjar_jax.config import (
 STARTUP_ERRORS = (ValueError, FileNotFoundError)
 
 _CHOICES = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "attention_impl": ATTENTION_IMPLS,
-            "linear_impl": LINEAR_IMPLS, "weight_format": WEIGHT_FORMATS}
+            "linear_impl": LINEAR_IMPLS, "weight_format": WEIGHT_FORMATS, "kv_cache_dtype": KV_CACHE_DTYPES}
 _HELP = {
     "model": "a preset name (e.g. stories260k), a local folder / GGUF file, or a Hugging Face repo id",
     "tokenizer": "tokenizer folder or file (default: the model's own)",
@@ -47,6 +48,8 @@ _HELP = {
     "planner": "who picks γ each step: a planner name (static, nightjar, banditspec, dsd, ...)",
     "kv_cache_bytes": "KV cache memory budget in bytes (suffixes K, M, G, KiB, MiB, GiB allowed)",
     "num_pages": "KV pages (overrides --kv-cache-bytes)",
+    "kv_cache_dtype": "KV pools' dtype: auto (the model's), or bfloat16 under a float32 model (opt-in, lossy: K/V "
+                      "rounded when written; twice the tokens per byte, half the bytes attention reads)",
     "compilation_cache_dir": "JAX persistent compilation cache folder ('' disables)",
     "weight_format": "CPU kernel weights: compact (GGUF Q4_1 / Q8_0 and bfloat16 values in those layouts, the same "
                      "results from a fifth to a half of the bytes), auto (compact plus float32 for products of more "

@@ -21,6 +21,7 @@ ATTENTION_IMPLS = ("auto", "pallas", "cpu", "reference")
 LINEAR_IMPLS = ("auto", "cpu", "xla")  # nightjar_jax/linear.py
 WEIGHT_FORMATS = ("auto", "compact", "f32", "w4a8")  # how the CPU kernel holds linear weights (linear.py pack_state)
 LOAD_FORMATS = ("auto", "hf", "safetensors", "gguf", "llama2c", "orbax", "dummy")
+KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: each model's own dtype
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -146,9 +147,9 @@ class ModelConfig:
             return 2 * self.feature_size * d + self.num_layers * per_layer + d + head
         return v * d + self.num_layers * per_layer + d + head
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
+    def kv_bytes_per_token(self, kv_dtype: str | None = None) -> int:
+        """Bytes of K and V for one token over all layers, in ``kv_dtype`` (default: the model's dtype)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(kv_dtype or self.dtype)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -166,18 +167,28 @@ class CacheConfig:
     """The paged KV cache.
 
     ``num_pages`` counts page 0, which is reserved as the padding target and never handed to a sequence. When
-    ``num_pages`` is None it is derived from ``kv_cache_bytes``.
+    ``num_pages`` is None it is derived from ``kv_cache_bytes``. ``kv_cache_dtype`` (vLLM's ``--kv-cache-dtype``):
+    the pools' element type, ``auto`` each model's own; ``bfloat16`` under a float32 model (opt-in, lossy: K and V
+    rounded to bfloat16 when written, q and the sums stay float32) holds twice the tokens in the same bytes and
+    halves what attention reads per step.
     """
 
     page_size: int = 16
     num_pages: int | None = None
     kv_cache_bytes: int = 256 * 2**20
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check_int("page_size", self.page_size, 1, 1024)
         if self.num_pages is not None:
             _check_int("num_pages", self.num_pages, 2)
         _check_int("kv_cache_bytes", self.kv_cache_bytes, 1)
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
+               f"one of {KV_CACHE_DTYPES}")
+
+    def kv_dtype(self, model_dtype: str) -> str:
+        """The pools' dtype for a model of ``model_dtype``."""
+        return model_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
 
 @dataclass(frozen=True)

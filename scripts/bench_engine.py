@@ -42,7 +42,7 @@ from nightjar_jax.bench.common import (  # noqa: E402
     state_bytes,
     write_json,
 )
-from nightjar_jax.config import WEIGHT_FORMATS  # noqa: E402
+from nightjar_jax.config import KV_CACHE_DTYPES, WEIGHT_FORMATS  # noqa: E402
 
 logger = logging.getLogger("bench_engine")
 
@@ -69,6 +69,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compare-weight-format", choices=WEIGHT_FORMATS, default=None,
                    help="also time a second engine with this weight_format in the same run, and compare its greedy "
                         "tokens with the first engine's (e.g. w4a8, lossy, against auto)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the engine's K/V pools (CacheConfig.kv_cache_dtype: auto = the model's dtype, or bfloat16)")
+    p.add_argument("--compare-kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="also time a second engine with this kv_cache_dtype in the same run, and compare its greedy "
+                        "tokens with the first engine's (e.g. bfloat16, lossy, against auto)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per batch size (best kept)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default="results/bench_engine.json")
@@ -233,9 +238,10 @@ def main() -> None:
           f"{bw['jax_median_gbs']:.1f})", flush=True)
 
     def engine(**kw):  # AR only (no default draft pair)
-        return LLM(args.model, max_model_len=512, max_num_seqs=max_batch, max_num_batched_tokens=512,
-                   num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, 0), dtype=args.dtype,
-                   draft_model=None, **kw)
+        kw.setdefault("kv_cache_dtype", args.kv_cache_dtype)
+        return LLM(args.model, max_model_len=max(512, args.prompt_len + args.output_len), max_num_seqs=max_batch,
+                   max_num_batched_tokens=512, num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, 0),
+                   dtype=args.dtype, draft_model=None, **kw)
 
     t0 = time.perf_counter()
     llm = engine(weight_format=args.weight_format)
@@ -247,6 +253,9 @@ def main() -> None:
         alts["f32-weights"] = engine(weight_format="f32")
     if args.compare_weight_format is not None:
         alts[f"{args.compare_weight_format}-weights"] = engine(weight_format=args.compare_weight_format)
+    if args.compare_kv_cache_dtype is not None:
+        alts[f"{args.compare_kv_cache_dtype}-kv"] = engine(weight_format=args.weight_format,
+                                                           kv_cache_dtype=args.compare_kv_cache_dtype)
     weight_bytes = state_bytes(llm.engine.runner.target.state, one_row=True)  # what a batch-1 step reads
     # the float32 model's bytes (every weight as a float32: what the peer reads, and the engine with f32 weights)
     f32_bytes = state_bytes(llm.engine.runner.target.state, as_float32=True)

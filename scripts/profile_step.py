@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--compare-spin-us", default="",
                     help="comma-separated helper-thread spins (microseconds) to time the step under, interleaved")
     ap.add_argument("--rounds", type=int, default=8, help="--compare-spin-us: rounds of 15 calls per setting")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the K/V pools' dtype (auto: the model's, or bfloat16)")
     ap.add_argument("--out", default="results/profile_step.json")
     args = ap.parse_args()
     try:
@@ -127,7 +128,7 @@ def main() -> None:
     llm = LLM(args.model, draft_model="auto" if args.verify else None, num_speculative_tokens=args.gamma,
               planner=f"static:{args.gamma}" if args.verify else "static", max_num_seqs=args.batch_size,
               max_model_len=args.prompt_len + 64, max_num_batched_tokens=max(512, args.prompt_len),
-              prompt_lookup_max=0, weight_format=args.weight_format)
+              prompt_lookup_max=0, weight_format=args.weight_format, kv_cache_dtype=args.kv_cache_dtype)
     runner = llm.engine.runner
     if args.verify and runner.draft is None:
         raise SystemExit(f"--verify needs a draft: {args.model} has no default draft")

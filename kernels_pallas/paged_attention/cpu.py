@@ -22,13 +22,21 @@ from kernels_pallas.cpu_build import CpuKernelLibrary
 from kernels_pallas.paged_attention.reference import check_tree_mask
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
-TARGETS = {  # pool dtype -> FFI target name
+TARGETS = {  # pool dtype -> FFI target name (q cast to the pool dtype)
     jnp.dtype(jnp.float32): "nightjar_paged_attention_f32",
     jnp.dtype(jnp.bfloat16): "nightjar_paged_attention_bf16",
+}
+F32_Q_BF16_KV = "nightjar_paged_attention_f32_bf16kv"  # float32 q and output over bfloat16 pools
+BITS_TARGETS = {  # q dtype -> target over pools of bfloat16 bit patterns (uint16: llama.kv_storage_dtype)
+    jnp.dtype(jnp.float32): "nightjar_paged_attention_f32_bf16bits",
+    jnp.dtype(jnp.bfloat16): "nightjar_paged_attention_bf16_bf16bits",
 }
 _SYMBOLS = {  # FFI target name -> handler symbol in the built library
     "nightjar_paged_attention_f32": "NjPagedAttentionF32",
     "nightjar_paged_attention_bf16": "NjPagedAttentionBF16",
+    F32_Q_BF16_KV: "NjPagedAttentionF32Bf16Kv",
+    "nightjar_paged_attention_f32_bf16bits": "NjPagedAttentionF32Bf16BitsKv",
+    "nightjar_paged_attention_bf16_bf16bits": "NjPagedAttentionBf16Bf16BitsKv",
 }
 _LIBRARY = CpuKernelLibrary("paged_attention", SOURCE, _SYMBOLS)
 
@@ -53,14 +61,17 @@ def paged_attention_cpu(
     tree_mask: jax.Array | None = None,  # [q_len, M] bool (reference.py: speculative token trees)
 ) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim], dtype of q
     """The reference's contract as a CPU custom call: K and V pools of one dtype (float32 or bfloat16) and one
-    shape; q is cast to the pools' dtype (as the Pallas wrapper does) and the result back to q's dtype."""
+    shape, or ``uint16`` pools holding bfloat16 bit patterns (how the engine holds bfloat16 pools on CPU:
+    ``nightjar_jax.models.llama.kv_storage_dtype``). A float32 q over bfloat16 pools (``kv_cache_dtype="bfloat16"``
+    under a float32 model) stays float32, and so does the result; any other q is cast to the pools' dtype (as the
+    Pallas wrapper does) and the result back to q's dtype."""
     if not available():
         raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {unavailable_reason()}")
     dtype = jnp.dtype(k_pages.dtype)
-    if dtype not in TARGETS or v_pages.dtype != dtype:
+    if (dtype not in TARGETS and dtype != jnp.uint16) or v_pages.dtype != dtype:
         raise ValueError(
-            f"CPU paged attention takes k_pages and v_pages of one dtype in {[str(d) for d in TARGETS]}; got "
-            f"{k_pages.dtype}, {v_pages.dtype}"
+            f"CPU paged attention takes k_pages and v_pages of one dtype in {[str(d) for d in TARGETS]} (or uint16: "
+            f"bfloat16 bit patterns); got {k_pages.dtype}, {v_pages.dtype}"
         )
     if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must both be [KVH, pages, page, dim]")
@@ -73,9 +84,16 @@ def paged_attention_cpu(
         tree_mask = jnp.zeros((0, 0), jnp.uint8)
     else:
         check_tree_mask(tree_mask, q.shape[1])
-    call = jax.ffi.ffi_call(TARGETS[dtype], jax.ShapeDtypeStruct(q.shape, dtype), vmap_method="sequential")
+    if dtype == jnp.uint16:  # bfloat16 bit patterns: float32 q stays float32, any other q as bfloat16
+        q_dtype = jnp.dtype(jnp.float32) if q.dtype == jnp.float32 else jnp.dtype(jnp.bfloat16)
+        target = BITS_TARGETS[q_dtype]
+    elif q.dtype == jnp.float32 and dtype == jnp.bfloat16:
+        q_dtype, target = jnp.dtype(jnp.float32), F32_Q_BF16_KV
+    else:
+        q_dtype, target = dtype, TARGETS[dtype]
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q_dtype), vmap_method="sequential")
     out = call(
-        q.astype(dtype), k_pages, v_pages, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),
+        q.astype(q_dtype), k_pages, v_pages, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),
         tree_mask.astype(jnp.uint8), scale=np.float32(scale),
     )
     return out.astype(q.dtype)

@@ -11,8 +11,9 @@
 // kernel reads each key row once per block of query rows, straight from its page (no gathered copy), and only the
 // keys below the context length (a page slot past it is never read, so stale or NaN data cannot leak).
 //
-// Work split: one item = (sequence, KV head, block of up to kRowBlock query rows, rows ordered (query, group)).
-// Items run on XLA's intra-op thread pool through nightjar::ParallelFor (../cpu_parallel.h).
+// Work split: one item = (sequence, KV head, block of up to kRowBlock query rows, rows ordered (query, group), chunk
+// of ~kChunkKeys keys); a block whose keys span several chunks merges its chunks' partial sums in a second phase.
+// Both phases run on the spin team or XLA's intra-op pool through nightjar::ParallelPhases (../cpu_parallel.h).
 
 #include <algorithm>
 #include <atomic>
@@ -146,20 +147,48 @@ struct Dims {
   int64_t S, Q, H, D, KVH, NP, PS, W, G, M;  // M: tree-mask window (0: none)
 };
 
-template <typename T>
-void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const int32_t* cl, const uint8_t* tm,
-                 T* out, const Dims& n, float scale, int64_t s, int64_t h, int64_t r0, int64_t r1, std::vector<float>& scratch,
-                 std::atomic<bool>& bad_page) {
+// Keys are split at fixed positions into chunks of whole pages (about kChunkKeys keys): one work item per (sequence,
+// KV head, block of query rows, chunk), so a long context spreads over every thread even at batch 1 (with 3 KV heads
+// on 2 threads one item per head left a thread idle a third of the time, and a 1,000-token context took 41% of a
+// SmolLM2 batch-1 step). The chunks of a row are merged in chunk order (flash-decoding's rescaled sums). Positions,
+// not the batch, set the chunks, so a row's result does not depend on the other rows of its call.
+#ifndef NIGHTJAR_ATTN_CHUNK_KEYS
+#define NIGHTJAR_ATTN_CHUNK_KEYS 256
+#endif
+constexpr int64_t kChunkKeys = NIGHTJAR_ATTN_CHUNK_KEYS;
+
+inline int64_t ChunkKeys(int64_t page_size) { return std::max<int64_t>(1, kChunkKeys / page_size) * page_size; }
+
+// What a chunk leaves for the merge, per query row: the row's largest score in the chunk (-inf: it sees no key
+// there), the sum of exp(score - max) and the value rows weighted by those terms [D].
+struct Partial {
+  float* base;  // [rows][chunks][2 + D]
+  int64_t chunks, D;
+  float* at(int64_t row, int64_t c) const { return base + (row * chunks + c) * (2 + D); }
+};
+
+// Keys the rows r0 .. r1 of (s, h) see: the block's last row has the largest query position.
+inline int64_t BlockKeys(const Dims& n, int64_t ctx, int64_t r1) {
+  const int64_t last_pos = ctx - n.Q + (r1 - 1) / n.G;
+  return std::max<int64_t>(0, std::min<int64_t>(ctx, last_pos + 1));
+}
+
+// Rows r0 .. r1 of (sequence s, KV head h) over the keys of chunk c. With `part` null (the block's keys fit one
+// chunk) it writes the rows' outputs, acc / sum; else each row's partial (merged by MergeChunks).
+template <typename TQ, typename T>  // TQ: q and out, T: the pools (float, or bfloat16 bits)
+void AttendChunk(const TQ* q, const T* k, const T* v, const int32_t* bt, const int32_t* cl, const uint8_t* tm,
+                 TQ* out, const Dims& n, float scale, int64_t s, int64_t h, int64_t r0, int64_t r1, int64_t c,
+                 int64_t chunk_keys, const Partial* part, std::vector<float>& scratch, std::atomic<bool>& bad_page) {
   const int64_t R = r1 - r0, D = n.D, G = n.G;
   const int64_t ctx = cl[s];
-  // the last row of the block has the largest query position; keys past it are masked for every row
-  const int64_t last_pos = ctx - n.Q + (r1 - 1) / G;
-  const int64_t num_keys = std::max<int64_t>(0, std::min<int64_t>(ctx, last_pos + 1));
-  scratch.resize(static_cast<size_t>(R * D * 2 + R * std::max<int64_t>(num_keys, 1) + n.PS * D));
+  const int64_t num_keys = BlockKeys(n, ctx, r1);
+  const int64_t key_lo = c * chunk_keys, key_hi = std::min(num_keys, key_lo + chunk_keys);
+  const int64_t CK = std::max<int64_t>(key_hi - key_lo, 1);  // the chunk's keys (a row of scores)
+  scratch.resize(static_cast<size_t>(R * D * 2 + R * CK + n.PS * D));
   float* qf = scratch.data();          // [R, D] scaled queries
   float* acc = qf + R * D;             // [R, D]
-  float* sc = acc + R * D;             // [R, num_keys] scores, then probabilities
-  float* pagebuf = sc + R * std::max<int64_t>(num_keys, 1);  // [PS, D] a widened bf16 page
+  float* sc = acc + R * D;             // [R, CK] scores, then exp(score - the row's max)
+  float* pagebuf = sc + R * CK;        // [PS, D] a widened bf16 page
   const bool vec = D % 8 == 0;         // the vector paths; any other head size takes the scalar loops
   int64_t pos[kRowBlock];
   const uint8_t* tree_row[kRowBlock];  // this row's tree-mask row (keys from window0 on), or null
@@ -168,27 +197,26 @@ void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const in
     const int64_t row = r0 + r, i = row / G, g = row % G;
     pos[r] = ctx - n.Q + i;
     tree_row[r] = n.M > 0 ? tm + i * n.M : nullptr;
-    const T* src = q + ((s * n.Q + i) * n.H + h * G + g) * D;
+    const TQ* src = q + ((s * n.Q + i) * n.H + h * G + g) * D;
     for (int64_t j = 0; j < D; ++j) qf[r * D + j] = ToFloat(src[j]) * scale;
     std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
   }
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  // pass 1: scores (each key row read once for the block)
-  // keys are walked page by page (no division per key; a page's rows are contiguous)
-  for (int64_t key0 = 0, lp = 0; key0 < num_keys; key0 += n.PS, ++lp) {
+  // pass 1: scores (each key row read once for the block), page by page (chunks start on a page)
+  for (int64_t key0 = key_lo, lp = key_lo / n.PS; key0 < key_hi; key0 += n.PS, ++lp) {
     const int32_t page = bt[s * n.W + lp];
     if (page < 0 || page >= n.NP) {
       bad_page.store(true, std::memory_order_relaxed);
       return;
     }
     const T* base = k + (h * n.NP + page) * n.PS * D;
-    const int64_t nk = std::min<int64_t>(n.PS, num_keys - key0);
+    const int64_t nk = std::min<int64_t>(n.PS, key_hi - key0);
     // Pages are scattered, so the hardware prefetcher restarts at each one: fetch the next key page, and this
     // page's values (read again in pass 3, from L2), while this page's scores are computed.
     const int64_t page_bytes = nk * D * static_cast<int64_t>(sizeof(T));
     const char* vpage = reinterpret_cast<const char*>(v + (h * n.NP + page) * n.PS * D);
     for (int64_t off = 0; off < page_bytes; off += 64) __builtin_prefetch(vpage + off, 0, 2);
-    if (key0 + n.PS < num_keys) {
+    if (key0 + n.PS < key_hi) {
       const int32_t next = bt[s * n.W + lp + 1];
       if (next >= 0 && next < n.NP) {
         const char* kn = reinterpret_cast<const char*>(k + (h * n.NP + next) * n.PS * D);
@@ -211,7 +239,7 @@ void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const in
             const int64_t r = g0 + g;
             for (int u = 0; u < 8; ++u) {
               const int64_t key = key0 + t + u;
-              sc[r * num_keys + key] = Visible(key, pos[r], tree_row[r], window0) ? d8[g][u] : neg_inf;
+              sc[r * CK + key - key_lo] = Visible(key, pos[r], tree_row[r], window0) ? d8[g][u] : neg_inf;
             }
           }
         }
@@ -224,52 +252,54 @@ void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const in
         float dot = 0.0f;
         const float* qr = qf + r * D;
         for (int64_t j = 0; j < D; ++j) dot += qr[j] * kr[j];
-        sc[r * num_keys + key] = Visible(key, pos[r], tree_row[r], window0) ? dot : neg_inf;
+        sc[r * CK + key - key_lo] = Visible(key, pos[r], tree_row[r], window0) ? dot : neg_inf;
       }
     }
   }
-  // pass 2: softmax per row (a row with no visible key, i.e. left padding, keeps zeros)
+  // pass 2: per row, exp(score - the row's max over the chunk) and their sum; a row that sees no key here (left
+  // padding, a chunk past its position, or every key masked by its tree) keeps zeros and a max of -inf
+  float row_max[kRowBlock], row_sum[kRowBlock];
   for (int64_t r = 0; r < R; ++r) {
-    float* row = sc + r * num_keys;
-    if (pos[r] < 0) {
-      std::fill(row, row + num_keys, 0.0f);
-      continue;
-    }
-    const int64_t visible = std::min<int64_t>(num_keys, pos[r] + 1);
+    float* row = sc + r * CK;
+    const int64_t visible = std::max<int64_t>(0, std::min<int64_t>(key_hi, pos[r] + 1) - key_lo);
     float m = neg_inf;
-    for (int64_t key = 0; key < visible; ++key) m = std::max(m, row[key]);
+    for (int64_t j = 0; j < visible; ++j) m = std::max(m, row[j]);
     float total = 0.0f;
-    for (int64_t key = 0; key < visible; ++key) {
-      row[key] = nightjar::ExpNonPositive(row[key] - m);
-      total += row[key];
+    if (m == neg_inf) {
+      std::fill(row, row + CK, 0.0f);
+    } else {
+      for (int64_t j = 0; j < visible; ++j) {
+        row[j] = nightjar::ExpNonPositive(row[j] - m);
+        total += row[j];
+      }
+      std::fill(row + visible, row + CK, 0.0f);  // pass 3 runs a row group's widest
     }
-    const float inv = 1.0f / total;
-    for (int64_t key = 0; key < visible; ++key) row[key] *= inv;
-    std::fill(row + std::max<int64_t>(visible, 0), row + num_keys, 0.0f);  // pass 3 runs a row group's widest
+    row_max[r] = m;
+    row_sum[r] = total;
   }
   // pass 3: weighted sum of value rows (each read once for the block)
-  for (int64_t key0 = 0, lp = 0; key0 < num_keys; key0 += n.PS, ++lp) {
+  for (int64_t key0 = key_lo, lp = key_lo / n.PS; key0 < key_hi; key0 += n.PS, ++lp) {
     const T* base = v + (h * n.NP + bt[s * n.W + lp]) * n.PS * D;
-    const int64_t nk = std::min<int64_t>(n.PS, num_keys - key0);
+    const int64_t nk = std::min<int64_t>(n.PS, key_hi - key0);
     const float* vp = PageRows(base, pagebuf, nk * D);
     for (int64_t g0 = 0; g0 < R; g0 += kRowGroup) {
       const int rg = static_cast<int>(std::min<int64_t>(kRowGroup, R - g0));
-      int64_t last = pos[g0];  // the group's widest row: keys past a row's own position have p = 0
+      int64_t last = pos[g0];  // the group's widest row: keys past a row's own position have weight 0
       for (int g = 1; g < rg; ++g) last = std::max(last, pos[g0 + g]);
       const int64_t visible = std::min<int64_t>(nk, last - key0 + 1);  // this page's keys the group sees
       if (visible <= 0) continue;
-      const float* pr = sc + g0 * num_keys + key0;
+      const float* pr = sc + g0 * CK + key0 - key_lo;
       int64_t j = 0;
       if (vec) {
         for (; j + 32 <= D; j += 32) {  // four independent accumulators per row over the page's keys
-          if (rg == 3) AccumulateRows<3>(pr, num_keys, vp + j, D, visible, acc + g0 * D + j);
-          else if (rg == 2) AccumulateRows<2>(pr, num_keys, vp + j, D, visible, acc + g0 * D + j);
-          else AccumulateRows<1>(pr, num_keys, vp + j, D, visible, acc + g0 * D + j);
+          if (rg == 3) AccumulateRows<3>(pr, CK, vp + j, D, visible, acc + g0 * D + j);
+          else if (rg == 2) AccumulateRows<2>(pr, CK, vp + j, D, visible, acc + g0 * D + j);
+          else AccumulateRows<1>(pr, CK, vp + j, D, visible, acc + g0 * D + j);
         }
       }
       for (int g = 0; g < rg; ++g) {
         float* a = acc + (g0 + g) * D;
-        const float* pg = pr + g * num_keys;
+        const float* pg = pr + g * CK;
         for (int64_t jj = j; jj < D; ++jj) {
           float x = a[jj];
           for (int64_t t = 0; t < visible; ++t) x += pg[t] * vp[t * D + jj];
@@ -279,18 +309,53 @@ void AttendBlock(const T* q, const T* k, const T* v, const int32_t* bt, const in
     }
   }
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t row = r0 + r, i = row / G, g = row % G;
-    T* dst = out + ((s * n.Q + i) * n.H + h * G + g) * D;
-    for (int64_t j = 0; j < D; ++j) FromFloat(pos[r] >= 0 ? acc[r * D + j] : 0.0f, dst + j);
+    const int64_t row = r0 + r;
+    if (part != nullptr) {
+      float* dst = part->at(row, c);
+      dst[0] = row_max[r];
+      dst[1] = row_sum[r];
+      std::copy(acc + r * D, acc + (r + 1) * D, dst + 2);
+      continue;
+    }
+    const int64_t i = row / G, g = row % G;
+    TQ* dst = out + ((s * n.Q + i) * n.H + h * G + g) * D;
+    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;  // no key seen: zeros
+    for (int64_t j = 0; j < D; ++j) FromFloat(acc[r * D + j] * inv, dst + j);
   }
 }
 
-template <ffi::DataType DT>
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k_pages,
-                              ffi::Buffer<DT> v_pages, ffi::Buffer<ffi::S32> block_tables,
+// A row's output from its chunks' partials, in chunk order: sum_c acc_c w_c / sum_c l_c w_c with w_c =
+// exp(max_c - max); w = 1 exactly for the chunk holding the max, so one chunk gives AttendChunk's acc / sum.
+template <typename T>
+void MergeChunks(const Partial& part, int64_t chunks, T* dst, int64_t row) {
+  const int64_t D = part.D;
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part.at(row, c)[0]);
+  float num[512];  // D <= 512 (checked by the caller)
+  std::fill(num, num + D, 0.0f);
+  float den = 0.0f;
+  if (m != -std::numeric_limits<float>::infinity()) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* p = part.at(row, c);
+      if (p[1] == 0.0f) continue;  // no key of this chunk seen
+      const float w = p[0] == m ? 1.0f : nightjar::ExpNonPositive(p[0] - m);
+      den += p[1] * w;
+      for (int64_t j = 0; j < D; ++j) num[j] += p[2 + j] * w;
+    }
+  }
+  const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+  for (int64_t j = 0; j < D; ++j) FromFloat(num[j] * inv, dst + j);
+}
+
+// DQ: q and the output; DK: the K/V pools (float32 q over bfloat16 pools: kv_cache_dtype="bfloat16" under a
+// float32 model, q kept at full precision)
+template <ffi::DataType DQ, ffi::DataType DK>
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DQ> q, ffi::Buffer<DK> k_pages,
+                              ffi::Buffer<DK> v_pages, ffi::Buffer<ffi::S32> block_tables,
                               ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::U8> tree_mask,
-                              ffi::ResultBuffer<DT> out, float scale) {
-  using T = ffi::NativeType<DT>;
+                              ffi::ResultBuffer<DQ> out, float scale) {
+  using TQ = ffi::NativeType<DQ>;
+  using T = ffi::NativeType<DK>;
   auto qd = q.dimensions();
   auto kd = k_pages.dimensions();
   auto bd = block_tables.dimensions();
@@ -320,23 +385,79 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buff
                                          std::to_string(n.W * n.PS) + "]");
     }
   }
+  if (n.D > 512) {
+    return ffi::Error::InvalidArgument("paged attention: head_dim " + std::to_string(n.D) + " above 512");
+  }
   const int64_t rows = n.Q * n.G;
   const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
-  const int64_t items = n.S * n.KVH * blocks;
-  const T* qp = q.typed_data();
+  const int64_t chunk_keys = ChunkKeys(n.PS);
+  // chunks of the call's longest row block; a block with fewer runs only its own (the rest are empty items)
+  int64_t chunks = 1;
+  for (int64_t s = 0; s < n.S; ++s) {
+    chunks = std::max(chunks, (BlockKeys(n, cl[s], rows) + chunk_keys - 1) / chunk_keys);
+  }
+  const TQ* qp = q.typed_data();
   const T* kp = k_pages.typed_data();
   const T* vp = v_pages.typed_data();
   const int32_t* btp = block_tables.typed_data();
   const uint8_t* tmp = tree_mask.typed_data();
-  T* op = out->typed_data();
-
+  TQ* op = out->typed_data();
+  auto block_chunks = [&, cl](int64_t s, int64_t b) {
+    return (BlockKeys(n, cl[s], std::min(rows, (b + 1) * kRowBlock)) + chunk_keys - 1) / chunk_keys;
+  };
+  // partials of the blocks with more than one chunk: [S][KVH][rows][chunks][2 + D] (thread_local: the calls of a
+  // step reuse it, and concurrent calls on other threads have their own)
+  thread_local std::vector<float> partials;
+  const bool merge = chunks > 1;
+  if (merge) partials.resize(static_cast<size_t>(n.S * n.KVH * rows * chunks * (2 + n.D)));
+  float* pbase = partials.data();
+  auto part_of = [=](int64_t s, int64_t h) {
+    return Partial{pbase + (s * n.KVH + h) * rows * chunks * (2 + n.D), chunks, n.D};
+  };
   std::atomic<bool> bad_page{false};
   std::atomic<bool>* bad = &bad_page;
-  nightjar::ParallelFor(pool, items, [=, scratch = std::vector<float>()](int64_t it) mutable {
-    const int64_t b = it % blocks, sh = it / blocks, h = sh % n.KVH, s = sh / n.KVH;
-    AttendBlock<T>(qp, kp, vp, btp, cl, tmp, op, n, scale, s, h, b * kRowBlock, std::min(rows, (b + 1) * kRowBlock),
-                   scratch, *bad);
-  });
+  // the items: every (sequence, KV head, row block) with each of its own chunks (a block with no key still runs
+  // one, which writes its zeros), chunk innermost so a row block's chunks go to different threads
+  struct Item {
+    int32_t s, h, b, c;
+  };
+  std::vector<Item> items;
+  items.reserve(static_cast<size_t>(n.S * n.KVH * blocks));
+  for (int64_t s = 0; s < n.S; ++s) {
+    for (int64_t h = 0; h < n.KVH; ++h) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t own = std::max<int64_t>(1, block_chunks(s, b));
+        for (int64_t c = 0; c < own; ++c) {
+          items.push_back(Item{static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(b),
+                               static_cast<int32_t>(c)});
+        }
+      }
+    }
+  }
+  std::vector<nightjar::Phase> phases = {
+      {static_cast<int64_t>(items.size()), [&, bad](int64_t it) {
+         thread_local std::vector<float> scratch;
+         const Item& e = items[it];
+         const bool split = block_chunks(e.s, e.b) > 1;
+         const Partial part = part_of(e.s, e.h);
+         AttendChunk<TQ, T>(qp, kp, vp, btp, cl, tmp, op, n, scale, e.s, e.h, e.b * kRowBlock,
+                        std::min(rows, (e.b + 1) * kRowBlock), e.c, chunk_keys, split ? &part : nullptr, scratch,
+                        *bad);
+       }},
+  };
+  if (merge) {
+    phases.push_back({n.S * n.KVH * blocks, [&](int64_t it) {
+                        const int64_t b = it % blocks, sh = it / blocks, h = sh % n.KVH, s = sh / n.KVH;
+                        const int64_t own = block_chunks(s, b);
+                        if (own <= 1 || bad_page.load(std::memory_order_relaxed)) return;
+                        const Partial part = part_of(s, h);
+                        for (int64_t row = b * kRowBlock; row < std::min(rows, (b + 1) * kRowBlock); ++row) {
+                          const int64_t i = row / n.G, g = row % n.G;
+                          MergeChunks<TQ>(part, own, op + ((s * n.Q + i) * n.H + h * n.G + g) * n.D, row);
+                        }
+                      }});
+  }
+  nightjar::ParallelPhases(pool, phases);
   if (bad_page.load()) {
     return ffi::Error::InvalidArgument("paged attention: a block-table entry is outside [0, num_pages)");
   }
@@ -345,17 +466,26 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buff
 
 }  // namespace
 
-#define NJ_BIND(DT)                                   \
+#define NJ_BIND(DQ, DK)                               \
   ffi::Ffi::Bind()                                    \
       .Ctx<ffi::ThreadPool>()                         \
-      .Arg<ffi::Buffer<DT>>()                         \
-      .Arg<ffi::Buffer<DT>>()                         \
-      .Arg<ffi::Buffer<DT>>()                         \
+      .Arg<ffi::Buffer<DQ>>()                         \
+      .Arg<ffi::Buffer<DK>>()                         \
+      .Arg<ffi::Buffer<DK>>()                         \
       .Arg<ffi::Buffer<ffi::S32>>()                   \
       .Arg<ffi::Buffer<ffi::S32>>()                   \
       .Arg<ffi::Buffer<ffi::U8>>()                    \
-      .Ret<ffi::Buffer<DT>>()                         \
+      .Ret<ffi::Buffer<DQ>>()                         \
       .Attr<float>("scale")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NjPagedAttentionF32, PagedAttentionImpl<ffi::F32>, NJ_BIND(ffi::F32));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NjPagedAttentionBF16, PagedAttentionImpl<ffi::BF16>, NJ_BIND(ffi::BF16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjPagedAttentionF32, (PagedAttentionImpl<ffi::F32, ffi::F32>), NJ_BIND(ffi::F32, ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjPagedAttentionBF16, (PagedAttentionImpl<ffi::BF16, ffi::BF16>),
+                              NJ_BIND(ffi::BF16, ffi::BF16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjPagedAttentionF32Bf16Kv, (PagedAttentionImpl<ffi::F32, ffi::BF16>),
+                              NJ_BIND(ffi::F32, ffi::BF16));
+// pools of bfloat16 bit patterns as uint16 (the engine's bfloat16 pools on CPU, whose scatters XLA:CPU would
+// otherwise run by copying the pool): the same code as bfloat16 pools
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjPagedAttentionF32Bf16BitsKv, (PagedAttentionImpl<ffi::F32, ffi::U16>),
+                              NJ_BIND(ffi::F32, ffi::U16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjPagedAttentionBf16Bf16BitsKv, (PagedAttentionImpl<ffi::BF16, ffi::U16>),
+                              NJ_BIND(ffi::BF16, ffi::U16));

@@ -137,6 +137,7 @@ class LLMEngine:
             ),
             lookup=((config.spec.prompt_lookup_min, config.spec.prompt_lookup_max)
                     if config.spec.prompt_lookup_max else None),
+            kv_cache_dtype=config.cache.kv_cache_dtype,
         )
         self.gamma_max = gamma_max
         self.planner = self._make_planner()
@@ -150,8 +151,9 @@ class LLMEngine:
             getattr(tokenizer, "eos_token_ids", ()) or ()
         )
         logger.info(
-            "engine ready: target %s, draft %s, %d KV pages x %d tokens, max_model_len %d, γ_max %d, planner %s",
+            "engine ready: target %s, draft %s, %d KV pages x %d tokens (%s), max_model_len %d, γ_max %d, planner %s",
             target.config.name, draft.config.name if draft else None, num_pages, config.cache.page_size,
+            config.cache.kv_dtype(target.config.dtype),
             self.max_model_len, gamma_max, self.planner,
         )
 
@@ -204,9 +206,9 @@ class LLMEngine:
         cache = self.config.cache
         if cache.num_pages is not None:
             return cache.num_pages
-        per_token = self.target.config.kv_bytes_per_token()
+        per_token = self.target.config.kv_bytes_per_token(cache.kv_dtype(self.target.config.dtype))
         if self.draft is not None:
-            per_token += self.draft.config.kv_bytes_per_token()
+            per_token += self.draft.config.kv_bytes_per_token(cache.kv_dtype(self.draft.config.dtype))
             if self.draft.config.feature_size is not None:  # the target's hidden state per token, for the draft
                 per_token += self.target.config.hidden_size * dtype_bytes(self.target.config.dtype)
         return max(2, cache.kv_cache_bytes // (per_token * cache.page_size))

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nightjar_jax.config import ModelConfig
+from nightjar_jax.config import KV_CACHE_DTYPES, ModelConfig
 from nightjar_jax.engine.request import Request
 from nightjar_jax.engine.sampler import SamplingTensors, argmax, processed_probs, sample, top_k_ids
 from nightjar_jax.engine.scheduler import ScheduledBatch
@@ -171,6 +171,7 @@ class ModelRunner:
         tree_order=None,
         tree_min_gamma: int = 1,
         lookup: tuple[int, int] | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         """``bucket_pages``: pad block tables to a power-of-two width covering the batch's longest sequence instead
         of ``max_model_len``. The reference attention gathers the whole table, so on CPU this keeps attention cost
@@ -184,7 +185,9 @@ class ModelRunner:
         ``lookup``: (min n, max n) of n-gram lookup drafts (``nightjar_jax/spec/lookup.py``): in chain steps in
         place of the draft's tokens, in trees as a copy branch of γ nodes (``with_copy_branch``), and a step
         where every row is greedy and copies all γ drafts verifies the copied chain without the draft, tree or
-        not; None: the draft's tokens only."""
+        not; None: the draft's tokens only.
+
+        ``kv_cache_dtype``: the K/V pools' dtype (``CacheConfig.kv_cache_dtype``; ``auto``: each model's own)."""
         self.target = target
         self.lookup = lookup
         self.draft = draft
@@ -206,9 +209,15 @@ class ModelRunner:
             max_pages_per_seq=max_pages,
             page_buckets=buckets_up_to(max_pages, start=4) if bucket_pages else [max_pages],
         )
-        self.kv: KVCache = allocate_kv_cache(target.config, num_pages, page_size)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is unknown: allowed {KV_CACHE_DTYPES}")
+
+        def kv_dtype(cfg):
+            return cfg.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+
+        self.kv: KVCache = allocate_kv_cache(target.config, num_pages, page_size, kv_dtype(target.config))
         self.draft_kv: KVCache | None = (
-            allocate_kv_cache(draft.config, num_pages, page_size) if draft is not None else None
+            allocate_kv_cache(draft.config, num_pages, page_size, kv_dtype(draft.config)) if draft is not None else None
         )
         # A feature draft (EAGLE) reads the target's final hidden state at the previous position: the target's
         # passes write them into this per-token pool, paged like the KV cache (same block tables).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from nightjar_jax import LLM, SamplingParams
+from nightjar_jax.models.llama import kv_values
 
 PROMPTS = ["Once upon a time", "The cat sat on the mat and", "Lily had a red ball. One day", "Tom was sad because"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -101,3 +102,24 @@ def test_pallas_attention_gives_the_same_tokens(alone):
     sp = SamplingParams(temperature=0, max_tokens=8)
     outs = llm.generate(PROMPTS[:2], sp)
     assert [o.outputs[0].token_ids for o in outs] == [a[:8] for a in alone[:2]]
+
+
+def test_bfloat16_kv_cache_holds_twice_the_pages_and_keeps_the_text(alone):
+    """kv_cache_dtype="bfloat16" under the float32 model: bfloat16 pools, twice the pages from the same bytes, and
+    (K and V rounded, q and the sums float32) the float32 cache's greedy text on these prompts; the pages all come
+    back, and an unknown dtype is a clear error naming the allowed ones."""
+    budget = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, kv_cache_bytes=2**20)
+    f32 = LLM("stories260k", **budget)
+    bf16 = LLM("stories260k", kv_cache_dtype="bfloat16", **budget)
+    assert {str(p.dtype) for kv in f32.engine.runner.kv for p in kv} == {"float32"}
+    # on CPU held as bfloat16 bit patterns (scattered in place; llama.kv_storage_dtype)
+    assert {str(p.dtype) for kv in bf16.engine.runner.kv for p in kv} == {"uint16"}
+    assert {str(kv_values(p).dtype) for kv in bf16.engine.runner.kv for p in kv} == {"bfloat16"}
+    assert abs(bf16.engine.runner.num_pages - 2 * f32.engine.runner.num_pages) <= 1  # the budget's floor division
+    outs = bf16.generate(PROMPTS, GREEDY)
+    got = [o.outputs[0].token_ids for o in outs]
+    same = sum(a == b for g, w in zip(got, alone, strict=True) for a, b in zip(g, w, strict=True))
+    assert got[0][:8] == alone[0][:8] and same >= 0.9 * sum(len(w) for w in alone), (got, alone)
+    assert bf16.engine.num_free_pages == bf16.engine.num_total_pages
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='float16' is invalid: allowed one of \('auto', "):
+        LLM("stories260k", kv_cache_dtype="float16", **budget)

@@ -98,13 +98,25 @@ def test_pools_of_different_dtypes_or_shapes_are_rejected():
                                 case.context_lens, scale=case.scale)
 
 
-def test_q_is_cast_to_the_pool_dtype_like_the_pallas_wrapper():
-    case = make_case([5, 9], q_len=2, num_q_heads=4, num_kv_heads=2, page_size=4, dtype=BF16)
-    q32 = case.q.astype(F32)
-    out = cpu.paged_attention_cpu(q32, case.k_pages, case.v_pages, case.block_tables, case.context_lens,
-                                  scale=case.scale)
+def test_float32_q_over_bfloat16_pools_stays_float32():
+    # kv_cache_dtype="bfloat16" under a float32 model: q and the output keep float32 (the reference computes the
+    # same: float32 q against the pools' values widened), at float32's tolerance, on one chunk and on several
+    case = make_case([5, 9, 300], q_len=2, num_q_heads=4, num_kv_heads=2, page_size=4, dtype=BF16)
+    q32 = case.q.astype(F32) * 1.001  # values a bfloat16 q could not hold
+    args = (q32, case.k_pages, case.v_pages, case.block_tables, case.context_lens)
+    out = jax.jit(lambda *a: cpu.paged_attention_cpu(*a, scale=case.scale))(*args)
     assert out.dtype == F32
-    assert_close(out.astype(BF16), paged_attention_reference(*case.args, scale=case.scale))
+    assert_close(out, paged_attention_reference(*args, scale=case.scale))
+
+
+def test_other_q_dtypes_are_cast_to_the_pool_dtype_like_the_pallas_wrapper():
+    case = make_case([5, 9], q_len=2, num_q_heads=4, num_kv_heads=2, page_size=4, dtype=F32)
+    q16 = case.q.astype(BF16)
+    out = cpu.paged_attention_cpu(q16, case.k_pages, case.v_pages, case.block_tables, case.context_lens,
+                                  scale=case.scale)
+    assert out.dtype == BF16
+    want = paged_attention_reference(q16.astype(F32), *case.args[1:], scale=case.scale)
+    assert_close(out, want.astype(BF16))
 
 
 # ---- long contexts: many pages per row block, rows of one block on both sides of a page boundary ----
@@ -148,3 +160,29 @@ def test_a_row_does_not_depend_on_its_batch():
             one = np.asarray(run(case.q[s:s + 1, i:i + 1], case.block_tables[s:s + 1],
                                  jnp.asarray([ctx - q_len + i + 1], jnp.int32)))
             np.testing.assert_allclose(one[0, 0], batch[s, i], rtol=1e-6, atol=1e-7)
+
+
+# ---- keys split into chunks (~256 keys each, at fixed positions) and merged: contexts of several chunks ----
+
+CHUNKED_CONTEXTS = [255, 256, 257, 511, 513, 1100]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("page_size, q_len", [(16, 1), (12, 5)])
+def test_contexts_of_several_chunks_match_reference(dtype, page_size, q_len):
+    # page size 12: chunks of 252 keys; q_len 5: a block's rows on both sides of a chunk boundary (ctx 257, 513)
+    case = make_case(CHUNKED_CONTEXTS, q_len=q_len, num_q_heads=6, num_kv_heads=2, page_size=page_size,
+                     dtype=dtype, seed=page_size + 7 * q_len)
+    _check(case)
+
+
+def test_chunked_rows_do_not_depend_on_their_batch():
+    """Chunks sit at fixed key positions, so a long row merges the same partial sums whatever else is in the call:
+    a batch of one short and two long contexts equals each sequence run alone, bitwise."""
+    case = make_case([40, 700, 1100], q_len=1, num_q_heads=6, num_kv_heads=2, page_size=16, seed=11)
+    run = jax.jit(lambda q, bt, cl: cpu.paged_attention_cpu(q, case.k_pages, case.v_pages, bt, cl,
+                                                            scale=case.scale))
+    batch = np.asarray(run(case.q, case.block_tables, case.context_lens))
+    for s in range(3):
+        alone = np.asarray(run(case.q[s:s + 1], case.block_tables[s:s + 1], case.context_lens[s:s + 1]))
+        np.testing.assert_array_equal(alone[0], batch[s])
