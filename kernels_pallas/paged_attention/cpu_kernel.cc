@@ -138,6 +138,25 @@ inline void AccumulateRows(const float* p, int64_t ldp, const float* vr, int64_t
   }
 }
 
+// The largest of row[0 .. n) (-inf when n = 0): 8 lanes at a time (std::max's NaN order keeps GCC from vectorizing
+// the plain loop, which took ~7% of the attention kernel's samples at 1,000 tokens of context); max is exact in any
+// order.
+inline float RowMax(const float* row, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+#if defined(__AVX__)
+  if (n >= 8) {
+    __m256 mv = _mm256_loadu_ps(row);
+    for (j = 8; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(row + j));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mv);
+    for (float x : lanes) m = std::max(m, x);
+  }
+#endif
+  for (; j < n; ++j) m = std::max(m, row[j]);
+  return m;
+}
+
 // Causal, and inside a tree's window only the keys its mask row allows.
 inline bool Visible(int64_t key, int64_t pos, const uint8_t* tree_row, int64_t window0) {
   return key <= pos && (tree_row == nullptr || key < window0 || tree_row[key - window0] != 0);
@@ -262,8 +281,7 @@ void AttendChunk(const TQ* q, const T* k, const T* v, const int32_t* bt, const i
   for (int64_t r = 0; r < R; ++r) {
     float* row = sc + r * CK;
     const int64_t visible = std::max<int64_t>(0, std::min<int64_t>(key_hi, pos[r] + 1) - key_lo);
-    float m = neg_inf;
-    for (int64_t j = 0; j < visible; ++j) m = std::max(m, row[j]);
+    const float m = RowMax(row, visible);
     float total = 0.0f;
     if (m == neg_inf) {
       std::fill(row, row + CK, 0.0f);
