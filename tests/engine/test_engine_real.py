@@ -123,3 +123,17 @@ def test_bfloat16_kv_cache_holds_twice_the_pages_and_keeps_the_text(alone):
     assert bf16.engine.num_free_pages == bf16.engine.num_total_pages
     with pytest.raises(ValueError, match=r"kv_cache_dtype='float16' is invalid: allowed one of \('auto', "):
         LLM("stories260k", kv_cache_dtype="float16", **budget)
+
+
+@pytest.mark.parametrize("tree_nodes", [0, 4], ids=["chain", "tree"])
+def test_speculative_decoding_over_a_bfloat16_kv_cache_equals_its_ar(tree_nodes):
+    """Both models' pools bfloat16 (held as bit patterns on CPU): verify rows read what decode rows read, and a token
+    tree's accepted nodes move their K/V bits into place, so greedy SD equals AR over the same cache dtype."""
+    common = dict(max_model_len=256, max_num_seqs=4, num_pages=128, kv_cache_dtype="bfloat16")
+    ar = LLM("stories260k", **common).generate(PROMPTS, GREEDY)
+    sd = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, planner="static",
+             spec_tree_nodes=tree_nodes, **common)
+    outs = sd.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ar]
+    assert sd.engine.stats.num_accepted_tokens > 0
+    assert sd.engine.num_free_pages == sd.engine.num_total_pages
