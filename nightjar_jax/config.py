@@ -158,6 +158,13 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The K/V pools' dtype for a model of ``model_dtype`` under ``kv_cache_dtype`` (``auto``: the model's own);
+    an unknown ``kv_cache_dtype`` is a :class:`ConfigError` naming the allowed ones."""
+    _check(kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", kv_cache_dtype, f"one of {KV_CACHE_DTYPES}")
+    return model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+
+
 def dtype_bytes(dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2}[dtype]
 
@@ -183,12 +190,11 @@ class CacheConfig:
         if self.num_pages is not None:
             _check_int("num_pages", self.num_pages, 2)
         _check_int("kv_cache_bytes", self.kv_cache_bytes, 1)
-        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
-               f"one of {KV_CACHE_DTYPES}")
+        resolve_kv_dtype(self.kv_cache_dtype, "float32")  # validates
 
     def kv_dtype(self, model_dtype: str) -> str:
         """The pools' dtype for a model of ``model_dtype``."""
-        return model_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        return resolve_kv_dtype(self.kv_cache_dtype, model_dtype)
 
 
 @dataclass(frozen=True)

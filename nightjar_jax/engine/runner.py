@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nightjar_jax.config import KV_CACHE_DTYPES, ModelConfig
+from nightjar_jax.config import ModelConfig, resolve_kv_dtype
 from nightjar_jax.engine.request import Request
 from nightjar_jax.engine.sampler import SamplingTensors, argmax, processed_probs, sample, top_k_ids
 from nightjar_jax.engine.scheduler import ScheduledBatch
@@ -209,15 +209,11 @@ class ModelRunner:
             max_pages_per_seq=max_pages,
             page_buckets=buckets_up_to(max_pages, start=4) if bucket_pages else [max_pages],
         )
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is unknown: allowed {KV_CACHE_DTYPES}")
-
-        def kv_dtype(cfg):
-            return cfg.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-
-        self.kv: KVCache = allocate_kv_cache(target.config, num_pages, page_size, kv_dtype(target.config))
+        self.kv: KVCache = allocate_kv_cache(target.config, num_pages, page_size,
+                                             resolve_kv_dtype(kv_cache_dtype, target.config.dtype))
         self.draft_kv: KVCache | None = (
-            allocate_kv_cache(draft.config, num_pages, page_size, kv_dtype(draft.config)) if draft is not None else None
+            allocate_kv_cache(draft.config, num_pages, page_size, resolve_kv_dtype(kv_cache_dtype, draft.config.dtype))
+            if draft is not None else None
         )
         # A feature draft (EAGLE) reads the target's final hidden state at the previous position: the target's
         # passes write them into this per-token pool, paged like the KV cache (same block tables).

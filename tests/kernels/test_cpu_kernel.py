@@ -109,6 +109,20 @@ def test_float32_q_over_bfloat16_pools_stays_float32():
     assert_close(out, paged_attention_reference(*args, scale=case.scale))
 
 
+@pytest.mark.parametrize("q_dtype", [F32, BF16], ids=["f32-q", "bf16-q"])
+def test_uint16_pools_are_read_as_bfloat16_bit_patterns(q_dtype):
+    # how the engine holds bfloat16 pools on CPU (llama.kv_storage_dtype): the same bits as the bfloat16 pools
+    case = make_case([5, 9, 300], q_len=2, num_q_heads=4, num_kv_heads=2, page_size=4, dtype=BF16)
+    q = case.q.astype(q_dtype)
+    bits = [jax.lax.bitcast_convert_type(p, jnp.uint16) for p in (case.k_pages, case.v_pages)]
+    run = jax.jit(lambda k, v: cpu.paged_attention_cpu(q, k, v, case.block_tables, case.context_lens,
+                                                       scale=case.scale))
+    out = run(*bits)
+    assert out.dtype == q_dtype
+    np.testing.assert_array_equal(np.asarray(out.astype(F32)),
+                                  np.asarray(run(case.k_pages, case.v_pages).astype(F32)))
+
+
 def test_other_q_dtypes_are_cast_to_the_pool_dtype_like_the_pallas_wrapper():
     case = make_case([5, 9], q_len=2, num_q_heads=4, num_kv_heads=2, page_size=4, dtype=F32)
     q16 = case.q.astype(BF16)
