@@ -76,9 +76,10 @@ def linear(x: jax.Array, w: jax.Array, *, impl: str = "auto", transposed: bool =
 
         y = cpu.linear_cpu(x, w, transposed=transposed)
         return y if out_dtype is None else y.astype(out_dtype)
-    if w.ndim == 3:  # packed for the CPU kernel (pack_state); XLA's dot takes [K, N] / [N, K]: a float32 copy
-        from kernels_pallas.linear import cpu
+    from kernels_pallas.linear import cpu
 
+    w = cpu.value(w)  # one layer of a stacked weight (ModelHandle.stack_layers): its slice
+    if w.ndim == 3:  # packed for the CPU kernel (pack_state); XLA's dot takes [K, N] / [N, K]: a float32 copy
         w = cpu.q8_table(w) if cpu.is_q8(w) else cpu.unpack(w)
     spec = "...k,nk->...n" if transposed else "...k,kn->...n"
     return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)

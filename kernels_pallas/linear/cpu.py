@@ -101,6 +101,64 @@ _LIBRARY = CpuKernelLibrary("linear", SOURCE, {
                                      "NIGHTJAR_TILE_K_BLOCK_WIDE": TILE_K_BLOCK_WIDE})
 
 
+class LayerView:
+    """Layer ``index`` of a weight or norm gain stacked over a model's layers (``stacked [L, ...]``): the kernels'
+    calls take the stacked array itself with the layer as an attribute (``cpu_kernel.cc`` ``View``), so a decode
+    step dispatches one array per weight kind instead of one per layer (``ModelHandle.stack_layers``); anything
+    else takes :meth:`value`, the slice (a copy under XLA). Made inside a traced step; ``shape``, ``dtype`` and
+    ``ndim`` are the layer's."""
+
+    __slots__ = ("stacked", "index")
+
+    def __init__(self, stacked: jax.Array, index: int):
+        if not 0 <= index < stacked.shape[0]:
+            raise ValueError(f"layer {index} of a weight stacked over {stacked.shape[0]} layers")
+        self.stacked, self.index = stacked, int(index)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stacked.shape[1:])
+
+    @property
+    def dtype(self):
+        return self.stacked.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.stacked.ndim - 1
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def value(self) -> jax.Array:
+        return self.stacked[self.index]
+
+    def __getitem__(self, key):
+        return self if key is Ellipsis else self.value()[key]  # nnx reads a parameter as ``param[...]``
+
+    def astype(self, dtype) -> jax.Array:
+        return self.value().astype(dtype)
+
+    def reshape(self, *shape) -> jax.Array:
+        return self.value().reshape(*shape)
+
+    def __jax_array__(self) -> jax.Array:
+        return self.value()
+
+
+def value(w):
+    """``w`` as an array: a :class:`LayerView`'s slice, anything else itself."""
+    return w.value() if isinstance(w, LayerView) else w
+
+
+def _operands(*ws) -> tuple[list[jax.Array], np.ndarray]:
+    """A call's weight / gain operands and its ``layers`` attribute: a :class:`LayerView` as its stacked array at its
+    layer, an array as itself at -1."""
+    arrays = [w.stacked if isinstance(w, LayerView) else w for w in ws]
+    return arrays, np.asarray([w.index if isinstance(w, LayerView) else -1 for w in ws], np.int64)
+
+
 PANEL = 16  # columns per panel of a packed weight
 Q4_ROWS = 32  # weight rows per block of a 4-bit panel weight (pack_q4)
 Q4_BLOCK_BYTES = 384  # per panel and block: 16 float32 scales d, 16 float32 offsets m, 16 x 16 bytes of row pairs
@@ -575,7 +633,8 @@ def linear_cpu(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.A
     n = out_features(w, transposed=transposed)
     call = jax.ffi.ffi_call(_TARGETS[transposed], jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
                             vmap_method="sequential")
-    return call(x2, w).reshape(*x.shape[:-1], n)
+    (w_op,), layers = _operands(w)
+    return call(x2, w_op, layers=layers).reshape(*x.shape[:-1], n)
 
 
 def linear_many_cpu(x: jax.Array, ws: list[jax.Array] | tuple[jax.Array, ...]) -> list[jax.Array]:
@@ -585,7 +644,8 @@ def linear_many_cpu(x: jax.Array, ws: list[jax.Array] | tuple[jax.Array, ...]) -
         raise ValueError(f"linear_many_cpu takes 2 or 3 weights, got {len(ws)}")
     x2 = _rows(x, ws)
     outs = tuple(jax.ShapeDtypeStruct((x2.shape[0], out_features(w)), jnp.float32) for w in ws)
-    ys = jax.ffi.ffi_call(_MANY_TARGETS[len(ws)], outs, vmap_method="sequential")(x2, *ws)
+    ops, layers = _operands(*ws)
+    ys = jax.ffi.ffi_call(_MANY_TARGETS[len(ws)], outs, vmap_method="sequential")(x2, *ops, layers=layers)
     return [y.reshape(*x.shape[:-1], out_features(w)) for y, w in zip(ys, ws, strict=True)]
 
 
@@ -606,7 +666,9 @@ def rms_linear_many_cpu(x: jax.Array, gain: jax.Array, ws: list[jax.Array] | tup
     x2 = _rows(x, ws)
     _gain(x, gain)
     outs = tuple(jax.ShapeDtypeStruct((x2.shape[0], out_features(w)), jnp.float32) for w in ws)
-    ys = jax.ffi.ffi_call(_RMS_TARGETS[len(ws)], outs, vmap_method="sequential")(x2, gain, *ws, eps=np.float32(eps))
+    ops, layers = _operands(gain, *ws)
+    ys = jax.ffi.ffi_call(_RMS_TARGETS[len(ws)], outs, vmap_method="sequential")(x2, *ops, eps=np.float32(eps),
+                                                                                    layers=layers)
     return [y.reshape(*x.shape[:-1], out_features(w)) for y, w in zip(ys, ws, strict=True)]
 
 
@@ -619,7 +681,8 @@ def rms_swiglu_cpu(x: jax.Array, gain: jax.Array, w_gate: jax.Array, w_up: jax.A
     n = out_features(w_gate)
     call = jax.ffi.ffi_call("nightjar_rms_swiglu_f32", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
                             vmap_method="sequential")
-    return call(x2, gain, w_gate, w_up, eps=np.float32(eps)).reshape(*x.shape[:-1], n)
+    ops, layers = _operands(gain, w_gate, w_up)
+    return call(x2, *ops, eps=np.float32(eps), layers=layers).reshape(*x.shape[:-1], n)
 
 
 def linear_residual_cpu(x: jax.Array, w: jax.Array, r: jax.Array) -> jax.Array:
@@ -631,7 +694,8 @@ def linear_residual_cpu(x: jax.Array, w: jax.Array, r: jax.Array) -> jax.Array:
                          f"got {r.dtype}{r.shape}")
     call = jax.ffi.ffi_call("nightjar_linear_residual_f32", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
                             vmap_method="sequential")
-    return call(x2, w, r.reshape(x2.shape[0], n)).reshape(*x.shape[:-1], n)
+    (w_op,), layers = _operands(w)
+    return call(x2, w_op, r.reshape(x2.shape[0], n), layers=layers).reshape(*x.shape[:-1], n)
 
 
 def attn_out_mlp_cpu(a: jax.Array, r: jax.Array, w_o: jax.Array, gain: jax.Array, w_gate: jax.Array,
@@ -659,7 +723,8 @@ def attn_out_mlp_cpu(a: jax.Array, r: jax.Array, w_o: jax.Array, gain: jax.Array
     y_shape = jax.ShapeDtypeStruct((a2.shape[0], h), jnp.float32)
     if next_gain is None:
         call = jax.ffi.ffi_call("nightjar_attn_out_mlp_f32", y_shape, vmap_method="sequential")
-        return call(a2, r2, w_o, gain, w_gate, w_up, w_down, eps=np.float32(eps)).reshape(r.shape)
+        ops, layers = _operands(w_o, gain, w_gate, w_up, w_down)
+        return call(a2, r2, *ops, eps=np.float32(eps), layers=layers).reshape(r.shape)
     if next_ws is None or len(next_ws) != 3 or next_eps is None:
         raise ValueError("the next layer's q/k/v need next_gain, 3 next_ws and next_eps")
     _rows(r2, next_ws)
@@ -668,7 +733,7 @@ def attn_out_mlp_cpu(a: jax.Array, r: jax.Array, w_o: jax.Array, gain: jax.Array
         raise ValueError("the next q/k/v must be packed [N / 16, K, 16] exactly when the layer's weights are")
     outs = (y_shape, *(jax.ShapeDtypeStruct((a2.shape[0], out_features(w)), jnp.float32) for w in next_ws))
     call = jax.ffi.ffi_call("nightjar_attn_out_mlp_qkv_f32", outs, vmap_method="sequential")
-    y, *qkv = call(a2, r2, w_o, gain, w_gate, w_up, w_down, next_gain, *next_ws, eps=np.float32(eps),
-                   eps_next=np.float32(next_eps))
+    ops, layers = _operands(w_o, gain, w_gate, w_up, w_down, next_gain, *next_ws)
+    y, *qkv = call(a2, r2, *ops, eps=np.float32(eps), eps_next=np.float32(next_eps), layers=layers)
     lead = a.shape[:-1]
     return y.reshape(r.shape), [t.reshape(*lead, out_features(w)) for t, w in zip(qkv, next_ws, strict=True)]

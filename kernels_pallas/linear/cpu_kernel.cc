@@ -1750,7 +1750,63 @@ std::string Dims2(const char* name, const ffi::Span<const int64_t>& d) {
   return s + "]";
 }
 
-using W = ffi::AnyBuffer;  // a weight: float32 [K, N] / [N, K] / packed panels, or uint8 4-bit panels
+// A weight or a norm gain as a call reads it: a buffer, or one layer of a buffer stacked over the model's layers
+// ([L, ...]: the engine's stacked state on the CPU backend, one array per weight kind instead of one per layer, so a
+// decode step's call dispatches ~12 weight arrays instead of ~270; ModelHandle.stack_layers). The calls take an
+// array attribute `layers`, one entry per weight / gain operand in order: -1 for the buffer itself, else the layer.
+class View {
+ public:
+  View(const ffi::AnyBuffer& b, int64_t layer) : type_(b.element_type()), dims_(b.dimensions()) {
+    data_ = static_cast<char*>(b.untyped_data());
+    if (layer >= 0) {  // Views checked layer < dims[0]
+      dims_ = dims_.last(dims_.size() - 1);
+      int64_t n = 1;
+      for (int64_t d : dims_) n *= d;
+      data_ += layer * n * static_cast<int64_t>(ffi::ByteWidth(type_));
+    }
+  }
+  ffi::DataType element_type() const { return type_; }
+  ffi::Span<const int64_t> dimensions() const { return dims_; }
+  void* untyped_data() const { return data_; }
+  float* typed_data() const { return reinterpret_cast<float*>(data_); }  // float32 views (gains)
+
+ private:
+  ffi::DataType type_;
+  ffi::Span<const int64_t> dims_;
+  char* data_;
+};
+
+using Layers = ffi::Span<const int64_t>;
+
+// The views of a call's weight / gain operands `bufs` at their `layers` entries, or an error naming what is wrong.
+std::string Views(Layers layers, std::initializer_list<const ffi::AnyBuffer*> bufs, std::vector<View>& out) {
+  if (layers.size() != bufs.size()) {
+    return "linear: attribute layers must have one entry per weight / gain operand (" + std::to_string(bufs.size()) +
+           "); got " + std::to_string(layers.size());
+  }
+  size_t i = 0;
+  for (const ffi::AnyBuffer* b : bufs) {
+    const int64_t layer = layers[i++];
+    const auto d = b->dimensions();
+    if (layer < -1 || (layer >= 0 && (d.size() < 2 || layer >= d[0]))) {
+      return "linear: layer " + std::to_string(layer) + " of " + Dims2("a stacked operand", d) +
+             " (allowed: -1 for the whole buffer, or 0 <= layer < its first dimension, with 2 or more dimensions)";
+    }
+    out.emplace_back(*b, layer);
+  }
+  return "";
+}
+
+// A norm gain: float32 [n].
+std::string CheckGain(const View& g, int64_t n, const char* what) {
+  const auto d = g.dimensions();
+  if (g.element_type() != ffi::DataType::F32 || d.size() != 1 || d[0] != n) {
+    return std::string(what) + ": gain must be float32 [" + std::to_string(n) + "]; got " + Dims2("gain", d);
+  }
+  return "";
+}
+
+using W = View;  // a weight: float32 [K, N] / [N, K] / packed panels, or uint8 4-bit panels, ...
 
 // A weight's logical [K, N]: [K, N] itself, packed panels [N / 16, K, 16] or 4-bit panels [N / 16, K / 32, 384].
 struct WeightDims {
@@ -2141,17 +2197,17 @@ void RmsNormRows(const float* xp, const float* g, int64_t M, int64_t K, float ep
 }
 
 // x [M, K] and gain [K] checked; xn = RMSNorm(x) * gain.
-std::string RmsNorm(In& x, In& gain, float eps, std::vector<float>& xn) {
-  const auto xd = x.dimensions(), gd = gain.dimensions();
+std::string RmsNorm(In& x, const W& gain, float eps, std::vector<float>& xn) {
+  const auto xd = x.dimensions();
   if (xd.size() != 2) return "rms_linear: x must be 2-D";
   const int64_t M = xd[0], K = xd[1];
-  if (gd.size() != 1 || gd[0] != K) return "rms_linear: gain must be [K] for x [M, K]; got " + Dims2("gain", gd);
+  if (std::string e = CheckGain(gain, K, "rms_linear (gain [K] for x [M, K])"); !e.empty()) return e;
   xn.resize(M * K);
   RmsNormRows(x.typed_data(), gain.typed_data(), M, K, eps, xn.data());
   return "";
 }
 
-ffi::Error RmsLinear(ffi::ThreadPool& pool, In& x, In& gain, float eps,
+ffi::Error RmsLinear(ffi::ThreadPool& pool, In& x, const W& gain, float eps,
                      std::initializer_list<std::pair<W*, Out*>> products) {
   std::vector<float> xn;
   std::string error = RmsNorm(x, gain, eps, xn);
@@ -2159,15 +2215,25 @@ ffi::Error RmsLinear(ffi::ThreadPool& pool, In& x, In& gain, float eps,
   return RunProducts<false>(pool, xn.data(), x.dimensions()[0], x.dimensions()[1], products);
 }
 
-ffi::Error RmsLinear2(ffi::ThreadPool pool, In x, In gain, W w1, W w2, Out y1, Out y2, float eps) {
-  return RmsLinear(pool, x, gain, eps, {{&w1, &y1}, {&w2, &y2}});
+using B = ffi::AnyBuffer;  // a weight or gain operand as bound; Views makes its view
+
+#define NJ_VIEWS(...)                                            \
+  std::vector<View> v;                                           \
+  if (std::string e = Views(layers, {__VA_ARGS__}, v); !e.empty()) \
+    return ffi::Error::InvalidArgument(e);
+
+ffi::Error RmsLinear2(ffi::ThreadPool pool, In x, B gain, B w1, B w2, Out y1, Out y2, float eps, Layers layers) {
+  NJ_VIEWS(&gain, &w1, &w2)
+  return RmsLinear(pool, x, v[0], eps, {{&v[1], &y1}, {&v[2], &y2}});
 }
-ffi::Error RmsLinear3(ffi::ThreadPool pool, In x, In gain, W w1, W w2, W w3, Out y1, Out y2, Out y3, float eps) {
-  return RmsLinear(pool, x, gain, eps, {{&w1, &y1}, {&w2, &y2}, {&w3, &y3}});
+ffi::Error RmsLinear3(ffi::ThreadPool pool, In x, B gain, B w1, B w2, B w3, Out y1, Out y2, Out y3, float eps,
+                      Layers layers) {
+  NJ_VIEWS(&gain, &w1, &w2, &w3)
+  return RmsLinear(pool, x, v[0], eps, {{&v[1], &y1}, {&v[2], &y2}, {&v[3], &y3}});
 }
 
 // h = silu(RMSNorm(x) @ W_gate) * (RMSNorm(x) @ W_up): both products in one pass over the pool, then the gate.
-ffi::Error RmsSwiGlu(ffi::ThreadPool pool, In x, In gain, W wg, W wu, Out h, float eps) {
+ffi::Error RmsSwiGluImpl(ffi::ThreadPool& pool, In& x, const W& gain, const W& wg, const W& wu, Out& h, float eps) {
   std::vector<float> xn;
   std::string error = RmsNorm(x, gain, eps, xn);
   if (!error.empty()) return ffi::Error::InvalidArgument(error);
@@ -2244,8 +2310,15 @@ ffi::Error RmsSwiGlu(ffi::ThreadPool pool, In x, In gain, W wg, W wu, Out h, flo
   return ffi::Error::Success();
 }
 
+ffi::Error RmsSwiGlu(ffi::ThreadPool pool, In x, B gain, B wg, B wu, Out h, float eps, Layers layers) {
+  NJ_VIEWS(&gain, &wg, &wu)
+  return RmsSwiGluImpl(pool, x, v[0], v[1], v[2], h, eps);
+}
+
 // y = r + x @ W (the residual add of o_proj and down_proj).
-ffi::Error LinearResidual(ffi::ThreadPool pool, In x, W w, In r, Out y) {
+ffi::Error LinearResidual(ffi::ThreadPool pool, In x, B wb, In r, Out y, Layers layers) {
+  NJ_VIEWS(&wb)
+  W& w = v[0];
   if (x.dimensions().size() != 2) return ffi::Error::InvalidArgument("linear_residual: x must be 2-D");
   const auto rd = r.dimensions(), yd = y->dimensions();
   if (rd.size() != 2 || rd[0] != yd[0] || rd[1] != yd[1]) {
@@ -2260,7 +2333,7 @@ ffi::Error LinearResidual(ffi::ThreadPool pool, In x, W w, In r, Out y) {
 
 // The next layer's pre-attention norm and q/k/v, when a call also runs them (AttnOutMlpQkv).
 struct NextQkv {
-  In* gain;
+  const W* gain;
   W* w[3];
   Out* y[3];
   float eps;
@@ -2272,8 +2345,11 @@ struct NextQkv {
 // (o_proj split-K items; the residual add and the norm; gate/up items; the gate; down_proj items and the residual
 // add; [the next norm; q/k/v items; their partials]): the pool is woken once per layer instead of four times, and
 // between the dependent products the threads spin instead of going back to the pool.
-ffi::Error AttnOutMlpImpl(ffi::ThreadPool& pool, In& a, In& r, W& wo, In& gain, W& wg, W& wu, W& wd, Out& y,
+ffi::Error AttnOutMlpImpl(ffi::ThreadPool& pool, In& a, In& r, W& wo, const W& gain, W& wg, W& wu, W& wd, Out& y,
                           float eps, const NextQkv* next) {
+  if (gain.element_type() != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("attn_out_mlp: gain must be float32; got " + Dims2("gain", gain.dimensions()));
+  }
   const auto ad = a.dimensions(), rd = r.dimensions(), od = wo.dimensions(), gd = gain.dimensions(),
              gwd = wg.dimensions(), ud = wu.dimensions(), dd = wd.dimensions(), yd = y->dimensions();
   const WeightDims o = DimsOf(wo), g = DimsOf(wg), u = DimsOf(wu), dn = DimsOf(wd);
@@ -2296,7 +2372,7 @@ ffi::Error AttnOutMlpImpl(ffi::ThreadPool& pool, In& a, In& r, W& wo, In& gain, 
   std::vector<Segment> qkv;  // the next layer's products (x = RMSNorm'(y) [M, H])
   if (next != nullptr) {
     const auto nd = next->gain->dimensions();
-    if (nd.size() != 1 || nd[0] != H) {
+    if (nd.size() != 1 || nd[0] != H || next->gain->element_type() != ffi::DataType::F32) {
       return ffi::Error::InvalidArgument("attn_out_mlp_qkv: the next norm's gain must be [H] = [" +
                                          std::to_string(H) + "]; got " + Dims2("gain", nd));
     }
@@ -2401,52 +2477,58 @@ ffi::Error AttnOutMlpImpl(ffi::ThreadPool& pool, In& a, In& r, W& wo, In& gain, 
   return ffi::Error::Success();
 }
 
-ffi::Error AttnOutMlp(ffi::ThreadPool pool, In a, In r, W wo, In gain, W wg, W wu, W wd, Out y, float eps) {
-  return AttnOutMlpImpl(pool, a, r, wo, gain, wg, wu, wd, y, eps, nullptr);
+ffi::Error AttnOutMlp(ffi::ThreadPool pool, In a, In r, B wo, B gain, B wg, B wu, B wd, Out y, float eps,
+                      Layers layers) {
+  NJ_VIEWS(&wo, &gain, &wg, &wu, &wd)
+  return AttnOutMlpImpl(pool, a, r, v[0], v[1], v[2], v[3], v[4], y, eps, nullptr);
 }
 
 // AttnOutMlp, then the next layer's q/k/v from RMSNorm(y) with its gain (attr eps_next).
-ffi::Error AttnOutMlpQkv(ffi::ThreadPool pool, In a, In r, W wo, In gain, W wg, W wu, W wd, In gain_next, W wq,
-                         W wk, W wv, Out y, Out q, Out k, Out v, float eps, float eps_next) {
-  const NextQkv next{&gain_next, {&wq, &wk, &wv}, {&q, &k, &v}, eps_next};
-  return AttnOutMlpImpl(pool, a, r, wo, gain, wg, wu, wd, y, eps, &next);
+ffi::Error AttnOutMlpQkv(ffi::ThreadPool pool, In a, In r, B wo, B gain, B wg, B wu, B wd, B gain_next, B wq,
+                         B wk, B wv, Out y, Out q, Out k, Out v_out, float eps, float eps_next, Layers layers) {
+  NJ_VIEWS(&wo, &gain, &wg, &wu, &wd, &gain_next, &wq, &wk, &wv)
+  const NextQkv next{&v[5], {&v[6], &v[7], &v[8]}, {&q, &k, &v_out}, eps_next};
+  return AttnOutMlpImpl(pool, a, r, v[0], v[1], v[2], v[3], v[4], y, eps, &next);
 }
 
 template <bool kTransposed>
-ffi::Error Linear1(ffi::ThreadPool pool, In x, W w, Out y) {
-  return Run<kTransposed>(pool, x, {{&w, &y}});
+ffi::Error Linear1(ffi::ThreadPool pool, In x, B w, Out y, Layers layers) {
+  NJ_VIEWS(&w)
+  return Run<kTransposed>(pool, x, {{&v[0], &y}});
 }
-ffi::Error Linear2(ffi::ThreadPool pool, In x, W w1, W w2, Out y1, Out y2) {
-  return Run<false>(pool, x, {{&w1, &y1}, {&w2, &y2}});
+ffi::Error Linear2(ffi::ThreadPool pool, In x, B w1, B w2, Out y1, Out y2, Layers layers) {
+  NJ_VIEWS(&w1, &w2)
+  return Run<false>(pool, x, {{&v[0], &y1}, {&v[1], &y2}});
 }
-ffi::Error Linear3(ffi::ThreadPool pool, In x, W w1, W w2, W w3, Out y1, Out y2, Out y3) {
-  return Run<false>(pool, x, {{&w1, &y1}, {&w2, &y2}, {&w3, &y3}});
+ffi::Error Linear3(ffi::ThreadPool pool, In x, B w1, B w2, B w3, Out y1, Out y2, Out y3, Layers layers) {
+  NJ_VIEWS(&w1, &w2, &w3)
+  return Run<false>(pool, x, {{&v[0], &y1}, {&v[1], &y2}, {&v[2], &y3}});
 }
+
+#undef NJ_VIEWS
 
 }  // namespace
 
 #define NJ_X .Arg<ffi::Buffer<ffi::F32>>()
 #define NJ_W .Arg<ffi::AnyBuffer>()
 #define NJ_Y .Ret<ffi::Buffer<ffi::F32>>()
+#define NJ_LAYERS .Attr<ffi::Span<const int64_t>>("layers")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinearF32, (Linear1<false>), ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_W NJ_Y);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinearNtF32, (Linear1<true>), ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_W NJ_Y);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinear2F32, Linear2, ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_W NJ_W NJ_Y NJ_Y);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinear3F32, Linear3,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_W NJ_W NJ_W NJ_Y NJ_Y NJ_Y);
+// NJ_W: a weight or gain operand (any dtype; a view of it per `layers`)
+#define NJ_BIND ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinearF32, (Linear1<false>), NJ_BIND NJ_X NJ_W NJ_Y NJ_LAYERS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinearNtF32, (Linear1<true>), NJ_BIND NJ_X NJ_W NJ_Y NJ_LAYERS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinear2F32, Linear2, NJ_BIND NJ_X NJ_W NJ_W NJ_Y NJ_Y NJ_LAYERS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinear3F32, Linear3, NJ_BIND NJ_X NJ_W NJ_W NJ_W NJ_Y NJ_Y NJ_Y NJ_LAYERS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjRmsLinear2F32, RmsLinear2,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_X NJ_W NJ_W NJ_Y NJ_Y
-                                  .Attr<float>("eps"));
+                              NJ_BIND NJ_X NJ_W NJ_W NJ_W NJ_Y NJ_Y.Attr<float>("eps") NJ_LAYERS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjRmsLinear3F32, RmsLinear3,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_X NJ_W NJ_W NJ_W NJ_Y NJ_Y NJ_Y
-                                  .Attr<float>("eps"));
+                              NJ_BIND NJ_X NJ_W NJ_W NJ_W NJ_W NJ_Y NJ_Y NJ_Y.Attr<float>("eps") NJ_LAYERS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjRmsSwiGluF32, RmsSwiGlu,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_X NJ_W NJ_W NJ_Y.Attr<float>("eps"));
+                              NJ_BIND NJ_X NJ_W NJ_W NJ_W NJ_Y.Attr<float>("eps") NJ_LAYERS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjAttnOutMlpF32, AttnOutMlp,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_X NJ_W NJ_X NJ_W NJ_W NJ_W NJ_Y
-                                  .Attr<float>("eps"));
+                              NJ_BIND NJ_X NJ_X NJ_W NJ_W NJ_W NJ_W NJ_W NJ_Y.Attr<float>("eps") NJ_LAYERS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjAttnOutMlpQkvF32, AttnOutMlpQkv,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_X NJ_W NJ_X NJ_W NJ_W NJ_W NJ_X NJ_W NJ_W
-                                  NJ_W NJ_Y NJ_Y NJ_Y NJ_Y.Attr<float>("eps").Attr<float>("eps_next"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinearResidualF32, LinearResidual,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() NJ_X NJ_W NJ_X NJ_Y);
+                              NJ_BIND NJ_X NJ_X NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W NJ_W NJ_Y NJ_Y NJ_Y NJ_Y
+                                  .Attr<float>("eps").Attr<float>("eps_next") NJ_LAYERS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NjLinearResidualF32, LinearResidual, NJ_BIND NJ_X NJ_W NJ_X NJ_Y NJ_LAYERS);
