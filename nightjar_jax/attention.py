@@ -54,8 +54,16 @@ def paged_attention(
     scale: float,
     impl: str = "auto",
     tree_mask: jax.Array | None = None,  # [q_len, M] bool: a speculative token tree (reference.py)
+    layer: int | None = None,  # the pools hold every layer, [L, ...] (models.llama.StackedKV): attend over this one
 ) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim]
     impl = resolve_impl(impl)
+    if layer is not None:
+        if impl == "cpu":  # the kernel reads the layer's pools in place
+            from kernels_pallas.paged_attention.cpu import paged_attention_cpu
+
+            return paged_attention_cpu(q, k_pages, v_pages, block_tables, context_lens, scale=scale,
+                                       tree_mask=tree_mask, layer=layer)
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
     if k_pages.dtype == jnp.uint16 and impl != "cpu":  # bfloat16 pools held as bit patterns (llama.kv_storage_dtype)
         k_pages = jax.lax.bitcast_convert_type(k_pages, jnp.bfloat16)
         v_pages = jax.lax.bitcast_convert_type(v_pages, jnp.bfloat16)

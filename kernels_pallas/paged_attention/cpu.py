@@ -59,12 +59,14 @@ def paged_attention_cpu(
     *,
     scale: float,
     tree_mask: jax.Array | None = None,  # [q_len, M] bool (reference.py: speculative token trees)
+    layer: int | None = None,  # the pools are every layer's [L, KVH, pages, page, dim]: attend over this one
 ) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim], dtype of q
     """The reference's contract as a CPU custom call: K and V pools of one dtype (float32 or bfloat16) and one
     shape, or ``uint16`` pools holding bfloat16 bit patterns (how the engine holds bfloat16 pools on CPU:
     ``nightjar_jax.models.llama.kv_storage_dtype``). A float32 q over bfloat16 pools (``kv_cache_dtype="bfloat16"``
     under a float32 model) stays float32, and so does the result; any other q is cast to the pools' dtype (as the
-    Pallas wrapper does) and the result back to q's dtype."""
+    Pallas wrapper does) and the result back to q's dtype. With ``layer``, the pools are stacked over the layers
+    (``nightjar_jax.models.llama.StackedKV``) and the kernel reads that layer's in place."""
     if not available():
         raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {unavailable_reason()}")
     dtype = jnp.dtype(k_pages.dtype)
@@ -73,13 +75,15 @@ def paged_attention_cpu(
             f"CPU paged attention takes k_pages and v_pages of one dtype in {[str(d) for d in TARGETS]} (or uint16: "
             f"bfloat16 bit patterns); got {k_pages.dtype}, {v_pages.dtype}"
         )
-    if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
-        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must both be [KVH, pages, page, dim]")
-    if q.ndim != 4 or q.shape[3] != k_pages.shape[3] or q.shape[2] % k_pages.shape[0]:
-        raise ValueError(
-            f"q {q.shape} must be [seqs, q_len, heads, {k_pages.shape[3]}] with heads a multiple of "
-            f"num_kv_heads={k_pages.shape[0]}"
-        )
+    stacked = layer is not None
+    if k_pages.ndim != 4 + stacked or v_pages.shape != k_pages.shape:
+        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must both be "
+                         f"{'[layers, KVH, pages, page, dim]' if stacked else '[KVH, pages, page, dim]'}")
+    if stacked and not 0 <= layer < k_pages.shape[0]:
+        raise ValueError(f"layer {layer} of pools stacked over {k_pages.shape[0]} layers")
+    kvh, dim = k_pages.shape[stacked], k_pages.shape[-1]
+    if q.ndim != 4 or q.shape[3] != dim or q.shape[2] % kvh:
+        raise ValueError(f"q {q.shape} must be [seqs, q_len, heads, {dim}] with heads a multiple of num_kv_heads={kvh}")
     if tree_mask is None:
         tree_mask = jnp.zeros((0, 0), jnp.uint8)
     else:
@@ -94,6 +98,6 @@ def paged_attention_cpu(
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q_dtype), vmap_method="sequential")
     out = call(
         q.astype(q_dtype), k_pages, v_pages, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),
-        tree_mask.astype(jnp.uint8), scale=np.float32(scale),
+        tree_mask.astype(jnp.uint8), scale=np.float32(scale), layer=np.int64(-1 if layer is None else layer),
     )
     return out.astype(q.dtype)

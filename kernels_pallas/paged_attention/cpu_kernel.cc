@@ -371,12 +371,28 @@ template <ffi::DataType DQ, ffi::DataType DK>
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DQ> q, ffi::Buffer<DK> k_pages,
                               ffi::Buffer<DK> v_pages, ffi::Buffer<ffi::S32> block_tables,
                               ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::U8> tree_mask,
-                              ffi::ResultBuffer<DQ> out, float scale) {
+                              ffi::ResultBuffer<DQ> out, float scale, int64_t layer) {
   using TQ = ffi::NativeType<DQ>;
   using T = ffi::NativeType<DK>;
   auto qd = q.dimensions();
   auto kd = k_pages.dimensions();
+  auto vd = v_pages.dimensions();
   auto bd = block_tables.dimensions();
+  const T* kp = k_pages.typed_data();
+  const T* vp = v_pages.typed_data();
+  if (layer >= 0) {  // one layer of pools stacked over the layers [L, KVH, NP, PS, D] (the engine's stacked cache)
+    if (kd.size() != 5 || vd.size() != 5 || vd[0] != kd[0] || layer >= kd[0]) {
+      return ffi::Error::InvalidArgument("paged attention: layer " + std::to_string(layer) +
+                                         " needs pools stacked over the layers [L, KVH, NP, PS, D] with layer < L");
+    }
+    kd = kd.last(4);
+    vd = vd.last(4);
+    const int64_t per_layer = kd[0] * kd[1] * kd[2] * kd[3];
+    kp += layer * per_layer;
+    vp += layer * per_layer;
+  } else if (layer != -1) {
+    return ffi::Error::InvalidArgument("paged attention: layer must be -1 (one layer's pools) or >= 0");
+  }
   if (qd.size() != 4 || kd.size() != 4 || bd.size() != 2 || context_lens.dimensions().size() != 1) {
     return ffi::Error::InvalidArgument("paged attention: expected q [S,Q,H,D], pools [KVH,NP,PS,D], "
                                        "block tables [S,W], context lengths [S]");
@@ -387,7 +403,6 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DQ> q, ffi::Buff
     return ffi::Error::InvalidArgument("paged attention: tree mask must be [Q, M >= Q] (M = 0: none)");
   }
   n.M = td[1];
-  auto vd = v_pages.dimensions();
   if (vd.size() != 4 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3]) {
     return ffi::Error::InvalidArgument("paged attention: v_pages must have k_pages' shape [KVH,NP,PS,D]");
   }
@@ -415,8 +430,6 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DQ> q, ffi::Buff
     chunks = std::max(chunks, (BlockKeys(n, cl[s], rows) + chunk_keys - 1) / chunk_keys);
   }
   const TQ* qp = q.typed_data();
-  const T* kp = k_pages.typed_data();
-  const T* vp = v_pages.typed_data();
   const int32_t* btp = block_tables.typed_data();
   const uint8_t* tmp = tree_mask.typed_data();
   TQ* op = out->typed_data();
@@ -494,7 +507,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DQ> q, ffi::Buff
       .Arg<ffi::Buffer<ffi::S32>>()                   \
       .Arg<ffi::Buffer<ffi::U8>>()                    \
       .Ret<ffi::Buffer<DQ>>()                         \
-      .Attr<float>("scale")
+      .Attr<float>("scale")                           \
+      .Attr<int64_t>("layer")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjPagedAttentionF32, (PagedAttentionImpl<ffi::F32, ffi::F32>), NJ_BIND(ffi::F32, ffi::F32));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NjPagedAttentionBF16, (PagedAttentionImpl<ffi::BF16, ffi::BF16>),

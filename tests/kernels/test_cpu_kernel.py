@@ -133,6 +133,33 @@ def test_other_q_dtypes_are_cast_to_the_pool_dtype_like_the_pallas_wrapper():
     assert_close(out, want.astype(BF16))
 
 
+@pytest.mark.parametrize("dtype", [F32, jnp.uint16], ids=["f32", "bf16-bits"])
+def test_one_layer_of_stacked_pools_in_place(dtype):
+    # the engine's stacked cache (llama.StackedKV): pools [L, KVH, NP, PS, D], the kernel reading layer i in place
+    # one page layout for every layer (the block tables are shared), different values per layer
+    c = make_case([5, 9, 300], q_len=3, num_q_heads=4, num_kv_heads=2, page_size=4,
+                  dtype=F32 if dtype == F32 else BF16)
+    layers = [(c.k_pages * (1.0 + i) - i, c.v_pages * (0.5 + i) + i) for i in range(3)]
+
+    def pool(p):
+        return p if dtype == F32 else jax.lax.bitcast_convert_type(p, jnp.uint16)
+
+    k = jnp.stack([pool(lk) for lk, _ in layers])
+    v = jnp.stack([pool(lv) for _, lv in layers])
+    q, bt, cl = c.q.astype(F32), c.block_tables, c.context_lens
+    for i, (lk, lv) in enumerate(layers):
+        got = jax.jit(lambda k, v, i=i: cpu.paged_attention_cpu(q, k, v, bt, cl, scale=c.scale, layer=i))(k, v)
+        want = cpu.paged_attention_cpu(q, pool(lk), pool(lv), bt, cl, scale=c.scale)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        # the dispatch point: the kernel in place, any other implementation on the slice
+        if dtype == F32:
+            assert_close(got, paged_attention(q, k, v, bt, cl, scale=c.scale, impl="reference", layer=i))
+    with pytest.raises(ValueError, match="layer 3 of pools stacked over 3 layers"):
+        cpu.paged_attention_cpu(q, k, v, bt, cl, scale=1.0, layer=3)
+    with pytest.raises(ValueError, match=r"must both be \[layers, KVH, pages, page, dim\]"):
+        cpu.paged_attention_cpu(q, k[0], v[0], bt, cl, scale=1.0, layer=0)
+
+
 # ---- long contexts: many pages per row block, rows of one block on both sides of a page boundary ----
 
 LONG_CONTEXTS = [1, 127, 128, 129, 200, 256, 257, 300, 520]
