@@ -256,12 +256,12 @@ def main() -> None:
     if args.compare_kv_cache_dtype is not None:
         alts[f"{args.compare_kv_cache_dtype}-kv"] = engine(weight_format=args.weight_format,
                                                            kv_cache_dtype=args.compare_kv_cache_dtype)
-    weight_bytes = state_bytes(llm.engine.runner.target.state, one_row=True)  # what a batch-1 step reads
+    weight_bytes = state_bytes(llm.engine.runner.target.model_state(), one_row=True)  # what a batch-1 step reads
     # the float32 model's bytes (every weight as a float32: what the peer reads, and the engine with f32 weights)
-    f32_bytes = state_bytes(llm.engine.runner.target.state, as_float32=True)
+    f32_bytes = state_bytes(llm.engine.runner.target.model_state(), as_float32=True)
     floor_s = weight_bytes / (bw["best_gbs"] * 1e9)
     print(f"weights {weight_bytes / 2**20:.0f} MiB read by a batch-1 step ({f32_bytes / 2**20:.0f} MiB as float32, "
-          f"{state_bytes(llm.engine.runner.target.state) / 2**20:.0f} MiB held) -> batch-1 "
+          f"{state_bytes(llm.engine.runner.target.model_state()) / 2**20:.0f} MiB held) -> batch-1 "
           f"floor {1e3 * floor_s:.1f} ms/token ({1 / floor_s:.1f} tok/s)", flush=True)
     texts = load_prompt_texts(args.dataset)
     all_prompts, source = make_prompt_ids(llm.get_tokenizer(), texts, max_batch, args.prompt_len,

@@ -42,18 +42,19 @@ def prefill_logits(handle, tokens: list[int]) -> np.ndarray:
 
     n = len(tokens)
     padded = -(-n // BUCKET) * BUCKET
-    fns = _FNS.get(id(handle.graphdef))
-    if fns is None:
-        hidden_fn, logits_fn = make_model_fns(handle.graphdef)
-        fns = _FNS[id(handle.graphdef)] = (jax.jit(hidden_fn), jax.jit(logits_fn))
+    fns = _FNS.get(id(handle))
+    if fns is None:  # over the handle's leaves (a stacked state is rebuilt per layer inside, ModelHandle.unflatten)
+        model_hidden, model_logits = make_model_fns(handle.graphdef)
+        fns = _FNS[id(handle)] = (jax.jit(lambda leaves, *a: model_hidden(handle.unflatten(leaves), *a)),
+                                  jax.jit(lambda leaves, h: model_logits(handle.unflatten(leaves), h)))
     hidden_fn, logits_fn = fns
     pages = padded // PAGE
     kv = allocate_kv_cache(handle.config, num_pages=pages + 1, page_size=PAGE)
     md = BatchMetadata(block_tables=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
                        context_lens=jnp.asarray([padded], jnp.int32))
     ids = jnp.asarray([tokens + [0] * (padded - n)], jnp.int32)
-    hidden, _ = hidden_fn(handle.state, ids, kv, md)
-    return np.asarray(logits_fn(handle.state, hidden))[0, :n]
+    hidden, _ = hidden_fn(handle.leaves(), ids, kv, md)
+    return np.asarray(logits_fn(handle.leaves(), hidden))[0, :n]
 
 
 def held_as(state) -> list[str]:
@@ -104,7 +105,7 @@ def main() -> None:
     for fmt in (args.reference, args.candidate):
         llm = LLM(args.model, draft_model=None, weight_format=fmt, max_model_len=args.max_prompt_tokens + BUCKET)
         handles[fmt] = llm.engine.runner.target
-    held = {f: held_as(h.state) for f, h in handles.items()}
+    held = {f: held_as(h.model_state()) for f, h in handles.items()}
     rows = [compare(prefill_logits(handles[args.reference], ids), prefill_logits(handles[args.candidate], ids), ids)
             for ids in prompts]
     pos = sum(r["positions"] for r in rows)

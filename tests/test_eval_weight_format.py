@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from nightjar_jax.testing import load_script
 
@@ -35,4 +36,23 @@ def test_prefill_logits_are_the_models_and_ignore_the_padding() -> None:
     full = ev.prefill_logits(handle, tokens)
     assert full.shape == (len(tokens), handle.config.vocab_size)
     np.testing.assert_allclose(ev.prefill_logits(handle, tokens[:4]), full[:4], rtol=1e-5, atol=1e-5)  # causal
-    assert ev.held_as(handle.state) in ([], ["float32"])  # stories260k: float32 (packed where the kernel runs)
+    assert ev.held_as(handle.model_state()) in ([], ["float32"])  # stories260k: float32 (packed where the kernel runs)
+
+
+def test_prefill_logits_and_held_as_read_a_stacked_model(monkeypatch) -> None:
+    # the engine stacks a packed model's per-layer weights (ModelHandle.stack_layers): the script reads them per layer
+    from kernels_pallas.linear import cpu
+    from nightjar_jax import LLM
+
+    if not cpu.packing_supported():
+        pytest.skip("weights are packed (and stacked) only where the kernel takes packed weights")
+    ev = load_script("eval_weight_format.py", "eval_weight_format_t3")
+    tokens = [1, 400, 18, 29, 33, 7, 250]
+    logits = {}
+    for stack in ("1", "0"):
+        monkeypatch.setenv("NIGHTJAR_STACK_LAYERS", stack)
+        handle = LLM("tiny-gqa", load_format="dummy", draft_model=None, max_model_len=300).engine.runner.target
+        assert handle.stacked == (stack == "1")
+        assert ev.held_as(handle.model_state()) == ["float32"]
+        logits[stack] = ev.prefill_logits(handle, tokens)
+    np.testing.assert_array_equal(logits["1"], logits["0"])

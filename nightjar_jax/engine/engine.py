@@ -191,7 +191,10 @@ class LLMEngine:
                 attention_impl=cfg.attention_impl, linear_impl=cfg.linear_impl,
             )
             state = pack_state(state, cfg.linear_impl, weight_format=cfg.weight_format)
-            return ModelHandle(ckpt.config, graphdef, state), ckpt.tokenizer
+            handle = ModelHandle(ckpt.config, graphdef, state)
+            del state  # stack_layers replaces the per-layer arrays
+            handle.stack_layers()
+            return handle, ckpt.tokenizer
         ckpt = load_checkpoint(base, load_format=cfg.load_format, dtype=cfg.dtype, tokenizer=tokenizer_spec)
         if ckpt.state_dict is None:
             raise ValueError(f"draft spec {spec!r} derives layers from real weights; load_format=dummy has none")
@@ -200,7 +203,10 @@ class LLMEngine:
             model_cfg, sd, attention_impl=cfg.attention_impl, linear_impl=cfg.linear_impl, source=spec
         )
         state = pack_state(state, cfg.linear_impl, weight_format=cfg.weight_format)
-        return ModelHandle(model_cfg, graphdef, state), ckpt.tokenizer
+        handle = ModelHandle(model_cfg, graphdef, state)
+        del state
+        handle.stack_layers()
+        return handle, ckpt.tokenizer
 
     def _num_pages(self) -> int:
         cache = self.config.cache

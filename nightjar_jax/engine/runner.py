@@ -35,7 +35,9 @@ from nightjar_jax.engine.scheduler import ScheduledBatch
 from nightjar_jax.models.llama import (
     BatchMetadata,
     KVCache,
+    StackedKV,
     allocate_kv_cache,
+    kv_page_size,
     make_model_fns,
     position_pages,
     read_previous_features,
@@ -93,6 +95,68 @@ class ModelHandle:
         self._flat: tuple[object, tuple] | None = None  # (the state object the leaves came from, leaves)
         self._embed_index: int | None = None  # position of the embedding table among the leaves
         self.treedef = jax.tree.structure(self.state)
+        # stack_layers: for each leaf of the model's own state, (index among the leaves, layer or -1), and that
+        # state's structure and key paths
+        self._plan: list[tuple[int, int]] | None = None
+        self._layer_treedef = None
+        self._layer_paths: list[tuple[str, ...]] | None = None
+
+    def stack_layers(self) -> bool:
+        """Hold each per-layer weight kind as one array stacked over the layers (``[L, ...]``: SmolLM2-135M's 270
+        per-layer arrays become 9) where the CPU kernels read every per-layer weight: the CPU backend with the linear
+        kernels built and the state packed for them (``nightjar_jax.linear.pack_state``). Each jitted step then
+        dispatches ~12 weight arrays instead of ~270; after a decode step has streamed the weights through the
+        caches, every array costs the host's dispatch a few cache misses (docs/benchmarks.md). Inside the step
+        :meth:`unflatten` hands the model each layer's weights as a ``LayerView`` (``kernels_pallas/linear/cpu.py``),
+        which the kernels take as the stacked array and a layer attribute (anything else as the slice). ``state``
+        becomes the tuple of arrays. Returns whether it stacked; ``NIGHTJAR_STACK_LAYERS=0`` turns it off."""
+        import os
+
+        from kernels_pallas.linear import cpu
+
+        if (self._plan is not None or self.graphdef is None or os.environ.get("NIGHTJAR_STACK_LAYERS", "1") == "0"
+                or jax.default_backend() != "cpu" or not cpu.available()):
+            return False
+        flat = jax.tree_util.tree_flatten_with_path(self.state)[0]
+        if not any(cpu.is_packed(leaf) for _, leaf in flat):
+            return False
+        keys = [tuple(getattr(k, "key", getattr(k, "name", k)) for k in path) for path, _ in flat]
+        groups: dict[tuple, list[tuple[int, int]]] = {}  # the path after the layer index -> [(layer, leaf index)]
+        for j, key in enumerate(keys):
+            if len(key) > 2 and key[0] == "layers" and isinstance(key[1], int):
+                groups.setdefault(key[2:], []).append((key[1], j))
+        layers = self.config.num_layers
+        leaves: list = []
+        plan: list[tuple[int, int] | None] = [None] * len(flat)
+        for members in groups.values():
+            members.sort()
+            arrays = [flat[j][1] for _, j in members]
+            if [i for i, _ in members] == list(range(layers)) and len({(a.shape, a.dtype) for a in arrays}) == 1:
+                for i, j in members:
+                    plan[j] = (len(leaves), i)
+                leaves.append(jnp.stack(arrays))
+        for j, (_, leaf) in enumerate(flat):
+            if plan[j] is None:  # not per-layer, or a kind whose layers differ
+                plan[j] = (len(leaves), -1)
+                leaves.append(leaf)
+        self._layer_treedef = jax.tree.structure(self.state)
+        self._layer_paths = [tuple(str(k) for k in key) for key in keys]
+        self._plan = plan
+        self.state = tuple(leaves)
+        self.treedef = jax.tree.structure(self.state)
+        self._flat = None
+        self._embed_index = None
+        return True
+
+    @property
+    def stacked(self) -> bool:
+        return self._plan is not None
+
+    def model_state(self) -> nnx.State | dict:
+        """The state as the model reads it, per layer (stacked: each layer's weights a ``LayerView``, whose
+        ``value()`` is its slice): for looking at the weights outside a jitted step (their bytes, their layouts).
+        A jitted function takes :meth:`leaves` and calls :meth:`unflatten` inside."""
+        return self.unflatten(self.leaves())
 
     def leaves(self) -> tuple:
         """The state's arrays as a flat tuple, for the jitted steps (which rebuild the state with :meth:`unflatten`).
@@ -109,18 +173,25 @@ class ModelHandle:
         return self._flat[1]
 
     def unflatten(self, leaves) -> nnx.State | dict:
-        return jax.tree.unflatten(self.treedef, leaves)
+        """The model's state from :meth:`leaves` (inside a jitted step); stacked (:meth:`stack_layers`), each
+        per-layer weight as a ``LayerView`` of its stacked array."""
+        if self._plan is None:
+            return jax.tree.unflatten(self.treedef, leaves)
+        from kernels_pallas.linear.cpu import LayerView
+
+        return jax.tree.unflatten(self._layer_treedef,
+                                  [leaves[k] if i < 0 else LayerView(leaves[k], i) for k, i in self._plan])
 
     def embedding(self) -> jax.Array:
         """The token embedding table ``[vocab, hidden]`` (a feature draft embeds its tokens with the target's)."""
         if self._embed_index is None:
-            paths = [tuple(str(getattr(k, "key", k)) for k in path)
-                     for path, _ in jax.tree_util.tree_flatten_with_path(self.state)[0]]
+            paths = self._layer_paths or [tuple(str(getattr(k, "key", k)) for k in path)
+                                          for path, _ in jax.tree_util.tree_flatten_with_path(self.state)[0]]
             found = [i for i, p in enumerate(paths) if "embed_tokens" in p and "embedding" in p]
             if not found:
                 raise ValueError(f"{self.config.name} has no embed_tokens.embedding (a feature draft needs a target "
                                  "with its own embedding table)")
-            self._embed_index = found[0]
+            self._embed_index = found[0] if self._plan is None else self._plan[found[0]][0]
         return self.leaves()[self._embed_index]
 
 
@@ -209,10 +280,14 @@ class ModelRunner:
             max_pages_per_seq=max_pages,
             page_buckets=buckets_up_to(max_pages, start=4) if bucket_pages else [max_pages],
         )
+        # a model whose weights are stacked over its layers has its K/V pools stacked too (StackedKV: 2 donated
+        # arrays per step instead of 2 per layer)
         self.kv: KVCache = allocate_kv_cache(target.config, num_pages, page_size,
-                                             resolve_kv_dtype(kv_cache_dtype, target.config.dtype))
+                                             resolve_kv_dtype(kv_cache_dtype, target.config.dtype),
+                                             stacked=target.stacked)
         self.draft_kv: KVCache | None = (
-            allocate_kv_cache(draft.config, num_pages, page_size, resolve_kv_dtype(kv_cache_dtype, draft.config.dtype))
+            allocate_kv_cache(draft.config, num_pages, page_size, resolve_kv_dtype(kv_cache_dtype, draft.config.dtype),
+                              stacked=draft.stacked)
             if draft is not None else None
         )
         # A feature draft (EAGLE) reads the target's final hidden state at the previous position: the target's
@@ -420,10 +495,12 @@ class ModelRunner:
         def move_slots(kv, feats, src, dst, block_tables, real):
             """Copy every layer's K/V (and the feature pool's rows) from positions ``src`` to ``dst`` [S, m]
             (padding rows: page 0)."""
-            page_size = kv[0][0].shape[2]
-            sp, so = position_pages(block_tables, src, real[:, None] & (src >= 0), page_size)
-            dp, do = position_pages(block_tables, dst, real[:, None] & (dst >= 0), page_size)
-            moved = tuple((k.at[:, dp, do].set(k[:, sp, so]), v.at[:, dp, do].set(v[:, sp, so])) for k, v in kv)
+            sp, so = position_pages(block_tables, src, real[:, None] & (src >= 0), kv_page_size(kv))
+            dp, do = position_pages(block_tables, dst, real[:, None] & (dst >= 0), kv_page_size(kv))
+            if isinstance(kv, StackedKV):  # every layer at once
+                moved = StackedKV(*(p.at[:, :, dp, do].set(p[:, :, sp, so]) for p in kv))
+            else:
+                moved = tuple((k.at[:, dp, do].set(k[:, sp, so]), v.at[:, dp, do].set(v[:, sp, so])) for k, v in kv)
             if feats is not None:
                 feats = feats.at[dp, do].set(feats[sp, so])
             return moved, feats

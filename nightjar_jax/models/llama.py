@@ -5,8 +5,9 @@ Vocabulary
   array. Ragged chunks are right-aligned: a sequence with ``query_len < q_len`` new tokens is left-padded. Slot
   ``i`` sits at position ``context_len - q_len + i``; slots ``i < q_len - query_len`` are padding: their K/V go to
   page 0 (the reserved padding page) and their outputs are ignored. A padding row has ``query_len = 0``.
-- KV cache: one ``(k_pages, v_pages)`` pair per layer, each ``[num_kv_heads, num_pages, page_size, head_dim]``.
-  The forward pass writes the new tokens' K/V into the pages named by the block tables, then attends.
+- KV cache: one ``(k_pages, v_pages)`` pair per layer, each ``[num_kv_heads, num_pages, page_size, head_dim]``, or
+  (:class:`StackedKV`, where the engine stacks the weights over the layers) two arrays ``[num_layers, ...]``. The
+  forward pass writes the new tokens' K/V into the pages named by the block tables, then attends.
 - prefill: ``q_len`` = a chunk of the prompt; decode: ``q_len = 1``; verify (speculative decoding): ``q_len = γ + 1``.
 
 The model is called under ``jax.jit`` over a split ``(graphdef, state)`` (see :func:`make_forward`), never
@@ -38,7 +39,33 @@ from nightjar_jax.linear import (
 )
 from nightjar_jax.linear import check_impl as check_linear_impl
 
-KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer: (k_pages, v_pages)
+
+class StackedKV(NamedTuple):
+    """Every layer's K and V pools as two arrays ``[num_layers, num_kv_heads, num_pages, page_size, head_dim]``:
+    the engine's cache where the model's weights are stacked over the layers (``ModelHandle.stack_layers``), so a
+    step dispatches 2 donated pools instead of 2 per layer. The forward pass writes and attends one layer of them at
+    a time in place (the CPU attention kernel reads the layer's pools in place; other implementations take the
+    slice)."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+# per layer: (k_pages, v_pages); or StackedKV
+KVCache = tuple[tuple[jax.Array, jax.Array], ...] | StackedKV
+
+
+class LayerKV(NamedTuple):
+    """Layer ``layer`` of a :class:`StackedKV`, as a decoder layer reads and updates it (inside a traced step)."""
+
+    k: jax.Array  # [L, KVH, pages, page, dim]
+    v: jax.Array
+    layer: int
+
+
+def kv_page_size(kv_cache: KVCache) -> int:
+    """Tokens per page of a K/V cache (either layout)."""
+    return kv_cache.k.shape[3] if isinstance(kv_cache, StackedKV) else kv_cache[0][0].shape[2]
 
 
 class BatchMetadata(NamedTuple):
@@ -158,12 +185,13 @@ class Attention(nnx.Module):
         q = apply_rope(q, rope_pos, inv_freq)
         k = apply_rope(k, rope_pos, inv_freq)
 
-        k_pages, v_pages = kv
-        page_size = k_pages.shape[2]
+        layer = kv.layer if isinstance(kv, LayerKV) else None  # a layer of stacked pools, or one layer's
+        k_pages, v_pages = kv[0], kv[1]
+        page_size = k_pages.shape[-2]
         page_ids, slots, _ = page_slots(md, q_len, page_size)  # padding writes land on the reserved page 0
         # [num_kv_heads, num_seqs, q_len, head_dim] scattered into [num_kv_heads, num_pages, page_size, head_dim]
-        k_pages = write_kv_pages(k_pages, page_ids, slots, k.transpose(2, 0, 1, 3))
-        v_pages = write_kv_pages(v_pages, page_ids, slots, v.transpose(2, 0, 1, 3))
+        k_pages = write_kv_pages(k_pages, page_ids, slots, k.transpose(2, 0, 1, 3), layer=layer)
+        v_pages = write_kv_pages(v_pages, page_ids, slots, v.transpose(2, 0, 1, 3), layer=layer)
 
         out = paged_attention(
             q,
@@ -174,8 +202,10 @@ class Attention(nnx.Module):
             scale=1.0 / math.sqrt(self.head_dim),
             impl=self.attention_impl,
             tree_mask=md.tree_mask,
+            layer=layer,
         )
-        return out.reshape(num_seqs, q_len, self.num_heads * self.head_dim), (k_pages, v_pages)
+        new_kv = (k_pages, v_pages) if layer is None else LayerKV(k_pages, v_pages, layer)
+        return out.reshape(num_seqs, q_len, self.num_heads * self.head_dim), new_kv
 
 
 class MLP(nnx.Module):
@@ -286,11 +316,21 @@ class Llama(nnx.Module):
         new_cache = []
         qkv = None  # each layer's q/k/v come out of the previous layer's fused call
         layers = list(self.layers)
-        for i, (layer, kv) in enumerate(zip(layers, kv_cache, strict=True)):
+        stacked = isinstance(kv_cache, StackedKV)
+        if stacked and kv_cache.k.shape[0] != len(layers):
+            raise ValueError(f"stacked K/V pools {kv_cache.k.shape} hold {kv_cache.k.shape[0]} layers; "
+                             f"{self.config.name} has {len(layers)}")
+        if not stacked and len(kv_cache) != len(layers):
+            raise ValueError(f"the K/V cache has {len(kv_cache)} layers; {self.config.name} has {len(layers)}")
+        for i, layer in enumerate(layers):
             next_layer = layers[i + 1] if i + 1 < len(layers) else None
+            kv = LayerKV(kv_cache.k, kv_cache.v, i) if stacked else kv_cache[i]
             x, kv, qkv = layer.forward(x, positions, inv_freq, kv, md, qkv=qkv, next_layer=next_layer)
-            new_cache.append(kv)
-        return self.norm(x), tuple(new_cache)
+            if stacked:  # the next layer writes into the pools this one wrote
+                kv_cache = StackedKV(kv.k, kv.v)
+            else:
+                new_cache.append(kv)
+        return self.norm(x), kv_cache if stacked else tuple(new_cache)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """LM head in the model dtype with float32 output. hidden ``[..., hidden]`` -> ``[..., vocab]``."""
@@ -362,13 +402,19 @@ def kv_values(pages: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(pages, jnp.bfloat16) if pages.dtype == jnp.uint16 else pages
 
 
-def write_kv_pages(pages: jax.Array, page_ids: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
+def write_kv_pages(pages: jax.Array, page_ids: jax.Array, slots: jax.Array, values: jax.Array,
+                   layer: int | None = None) -> jax.Array:
     """``pages [KVH, num_pages, page_size, D]`` with ``values [KVH, num_seqs, q_len, D]`` (rounded to the pool's
     dtype) at ``(page_ids, slots) [num_seqs, q_len]``, in place (the pools are donated); a ``uint16`` pool gets the
-    values' bfloat16 bit patterns."""
+    values' bfloat16 bit patterns. With ``layer``, ``pages`` holds every layer (``[L, KVH, ...]``, :class:`StackedKV`)
+    and that layer's are written."""
     if pages.dtype == jnp.uint16:
-        return pages.at[:, page_ids, slots].set(jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16))
-    return pages.at[:, page_ids, slots].set(values.astype(pages.dtype))
+        values = jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
+    values = values.astype(pages.dtype)
+    if layer is None:
+        return pages.at[:, page_ids, slots].set(values)
+    # the layer index and the (page, slot) arrays sit apart: numpy's rule puts the indexed dimensions first
+    return pages.at[layer, :, page_ids, slots].set(values.transpose(1, 2, 0, 3))
 
 
 def write_feature_pages(pool: jax.Array, values: jax.Array, md: BatchMetadata) -> jax.Array:
@@ -385,12 +431,15 @@ def read_previous_features(pool: jax.Array, md: BatchMetadata, q_len: int) -> ja
     return jnp.where(ok[..., None], pool[pages, slots], 0)
 
 
-def allocate_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: str | None = None) -> KVCache:
+def allocate_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: str | None = None, *,
+                      stacked: bool = False) -> KVCache:
     """Zeroed K/V pools for every layer: ``num_layers`` pairs of ``[num_kv_heads, num_pages, page_size, head_dim]``
     in ``dtype`` (default: the model's; bfloat16 on the CPU backend held as its bit patterns,
-    :func:`kv_storage_dtype`)."""
+    :func:`kv_storage_dtype`); ``stacked``: one :class:`StackedKV` of ``[num_layers, ...]`` pools instead."""
     shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
     dt = kv_storage_dtype(dtype or cfg.dtype)
+    if stacked:
+        return StackedKV(jnp.zeros((cfg.num_layers, *shape), dt), jnp.zeros((cfg.num_layers, *shape), dt))
     return tuple((jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.num_layers))
 
 

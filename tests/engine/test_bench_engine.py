@@ -15,7 +15,7 @@ def test_interleaved_batch1_pairs_every_decode_step_with_a_read_and_frees_its_pa
     bench = load_script("bench_engine.py", "bench_engine_t")
     llm = LLM("stories260k", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, num_pages=16,
               draft_model=None)
-    weight_bytes = state_bytes(llm.engine.runner.target.state)
+    weight_bytes = state_bytes(llm.engine.runner.target.model_state())
     probe = ReadProbe(weight_bytes + 3)  # rounded down to whole float32s
     assert probe.num_bytes == (weight_bytes + 3) // 4 * 4
     prompt = [1, 400, 18, 29]

@@ -4,6 +4,7 @@ gives the reference's tokens."""
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from nightjar_jax import LLM, SamplingParams
@@ -111,10 +112,10 @@ def test_bfloat16_kv_cache_holds_twice_the_pages_and_keeps_the_text(alone):
     budget = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, kv_cache_bytes=2**20)
     f32 = LLM("stories260k", **budget)
     bf16 = LLM("stories260k", kv_cache_dtype="bfloat16", **budget)
-    assert {str(p.dtype) for kv in f32.engine.runner.kv for p in kv} == {"float32"}
+    assert {str(p.dtype) for p in jax.tree.leaves(f32.engine.runner.kv)} == {"float32"}
     # on CPU held as bfloat16 bit patterns (scattered in place; llama.kv_storage_dtype)
-    assert {str(p.dtype) for kv in bf16.engine.runner.kv for p in kv} == {"uint16"}
-    assert {str(kv_values(p).dtype) for kv in bf16.engine.runner.kv for p in kv} == {"bfloat16"}
+    assert {str(p.dtype) for p in jax.tree.leaves(bf16.engine.runner.kv)} == {"uint16"}
+    assert {str(kv_values(p).dtype) for p in jax.tree.leaves(bf16.engine.runner.kv)} == {"bfloat16"}
     assert abs(bf16.engine.runner.num_pages - 2 * f32.engine.runner.num_pages) <= 1  # the budget's floor division
     outs = bf16.generate(PROMPTS, GREEDY)
     got = [o.outputs[0].token_ids for o in outs]
