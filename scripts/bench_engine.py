@@ -74,6 +74,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compare-kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                    help="also time a second engine with this kv_cache_dtype in the same run, and compare its greedy "
                         "tokens with the first engine's (e.g. bfloat16, lossy, against auto)")
+    p.add_argument("--compare-per-layer", action="store_true",
+                   help="also time a second engine holding one array per layer and weight kind "
+                        "(NIGHTJAR_STACK_LAYERS=0; the engine stacks them over the layers on the CPU kernels)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per batch size (best kept)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default="results/bench_engine.json")
@@ -256,6 +259,16 @@ def main() -> None:
     if args.compare_kv_cache_dtype is not None:
         alts[f"{args.compare_kv_cache_dtype}-kv"] = engine(weight_format=args.weight_format,
                                                            kv_cache_dtype=args.compare_kv_cache_dtype)
+    if args.compare_per_layer:
+        before = os.environ.get("NIGHTJAR_STACK_LAYERS")
+        os.environ["NIGHTJAR_STACK_LAYERS"] = "0"
+        try:
+            alts["per-layer"] = engine(weight_format=args.weight_format)
+        finally:
+            if before is None:
+                del os.environ["NIGHTJAR_STACK_LAYERS"]
+            else:
+                os.environ["NIGHTJAR_STACK_LAYERS"] = before
     weight_bytes = state_bytes(llm.engine.runner.target.model_state(), one_row=True)  # what a batch-1 step reads
     # the float32 model's bytes (every weight as a float32: what the peer reads, and the engine with f32 weights)
     f32_bytes = state_bytes(llm.engine.runner.target.model_state(), as_float32=True)
