@@ -20,6 +20,7 @@ Variants compile on first use (kept across runs by JAX's persistent compilation 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -110,8 +111,6 @@ class ModelHandle:
         :meth:`unflatten` hands the model each layer's weights as a ``LayerView`` (``kernels_pallas/linear/cpu.py``),
         which the kernels take as the stacked array and a layer attribute (anything else as the slice). ``state``
         becomes the tuple of arrays. Returns whether it stacked; ``NIGHTJAR_STACK_LAYERS=0`` turns it off."""
-        import os
-
         from kernels_pallas.linear import cpu
 
         if (self._plan is not None or self.graphdef is None or os.environ.get("NIGHTJAR_STACK_LAYERS", "1") == "0"

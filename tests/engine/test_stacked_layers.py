@@ -164,6 +164,7 @@ def test_stacked_step_slices_no_weight(monkeypatch):
     layers = llm.engine.target.config.num_layers
     stacked = [leaf for leaf in runner.target.leaves() if leaf.ndim >= 2 and leaf.shape[0] == layers]
     assert len(stacked) == 9
+
     def sliced(dtype: str, shape: tuple[int, ...]) -> list[str]:
         """Instructions slicing or copying out an array of ``shape`` (or ``[1, *shape]``: a dynamic slice)."""
         dims = ",".join(map(str, shape))
