@@ -203,11 +203,12 @@ void AttendChunk(const TQ* q, const T* k, const T* v, const int32_t* bt, const i
   const int64_t num_keys = BlockKeys(n, ctx, r1);
   const int64_t key_lo = c * chunk_keys, key_hi = std::min(num_keys, key_lo + chunk_keys);
   const int64_t CK = std::max<int64_t>(key_hi - key_lo, 1);  // the chunk's keys (a row of scores)
-  scratch.resize(static_cast<size_t>(R * D * 2 + R * CK + n.PS * D));
+  scratch.resize(static_cast<size_t>(R * D * 2 + R * CK + n.PS * D + 8 * D));
   float* qf = scratch.data();          // [R, D] scaled queries
   float* acc = qf + R * D;             // [R, D]
   float* sc = acc + R * D;             // [R, CK] scores, then exp(score - the row's max)
   float* pagebuf = sc + R * CK;        // [PS, D] a widened bf16 page
+  float* tailbuf = pagebuf + n.PS * D;  // [8, D] a page's last keys (fewer than 8), zero-padded
   const bool vec = D % 8 == 0;         // the vector paths; any other head size takes the scalar loops
   int64_t pos[kRowBlock];
   const uint8_t* tree_row[kRowBlock];  // this row's tree-mask row (keys from window0 on), or null
@@ -247,16 +248,27 @@ void AttendChunk(const TQ* q, const T* k, const T* v, const int32_t* bt, const i
     const float* kp = PageRows(base, pagebuf, nk * D);
     int64_t t = 0;
     if (vec) {
-      for (; t + 8 <= nk; t += 8) {
+      // Every key's score comes from Dot8Rows, the last (fewer than 8) from a zero-padded copy: how many keys the
+      // block reads (its widest row) must not decide a key's arithmetic, or a row's scores would depend on the
+      // other query rows of its call (a verify step's rows differed from one-row decoding in their last bits, and
+      // w4a8's int8 rounding of the next products turned those into different greedy tokens).
+      for (; t < nk; t += 8) {
+        const int64_t keys = std::min<int64_t>(8, nk - t);
+        const float* k8 = kp + t * D;
+        if (keys < 8) {
+          std::copy(k8, k8 + keys * D, tailbuf);
+          std::fill(tailbuf + keys * D, tailbuf + 8 * D, 0.0f);
+          k8 = tailbuf;
+        }
         for (int64_t g0 = 0; g0 < R; g0 += kRowGroup) {
           const int rg = static_cast<int>(std::min<int64_t>(kRowGroup, R - g0));
           float d8[kRowGroup][8];
-          if (rg == 3) Dot8Rows<3>(qf + g0 * D, kp + t * D, D, d8);
-          else if (rg == 2) Dot8Rows<2>(qf + g0 * D, kp + t * D, D, d8);
-          else Dot8Rows<1>(qf + g0 * D, kp + t * D, D, d8);
+          if (rg == 3) Dot8Rows<3>(qf + g0 * D, k8, D, d8);
+          else if (rg == 2) Dot8Rows<2>(qf + g0 * D, k8, D, d8);
+          else Dot8Rows<1>(qf + g0 * D, k8, D, d8);
           for (int g = 0; g < rg; ++g) {
             const int64_t r = g0 + g;
-            for (int u = 0; u < 8; ++u) {
+            for (int u = 0; u < keys; ++u) {
               const int64_t key = key0 + t + u;
               sc[r * CK + key - key_lo] = Visible(key, pos[r], tree_row[r], window0) ? d8[g][u] : neg_inf;
             }

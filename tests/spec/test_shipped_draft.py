@@ -105,3 +105,23 @@ def test_distill_warm_start_loads_the_shipped_draft() -> None:
                                  shipped.head_vocab_size or 0)
     with pytest.raises(ValueError, match="num_layers"):
         distill.load_init_from(str(DRAFT), other)
+
+
+def test_w4a8_greedy_sd_equals_ar(ar_outputs) -> None:
+    """``weight_format="w4a8"`` (int8 activations): greedy speculative decoding with the default draft gives the
+    w4a8 target's AR tokens. Its int8 rounding turns any last-bit difference between a verify row and the one-row
+    decode of that position into a different token, so this pins that a row's attention never depends on the other
+    query rows of its call (it did: a page's last keys were scored 8 at a time or one by one depending on the call's
+    widest row, and these prompts diverged from AR after 5-15 tokens)."""
+    from kernels_pallas.linear import cpu
+
+    if not cpu.w4a8_supported():
+        pytest.skip(f"w4a8 needs the CPU kernel with AVX512-VNNI, or AVX2 and F16C (available: {cpu.available()})")
+    prompts, _ = ar_outputs
+    params = SamplingParams(temperature=0, max_tokens=40)
+    ar = LLM(TARGET, draft_model=None, weight_format="w4a8", **KWARGS)
+    want = [o.outputs[0].token_ids for o in ar.generate(prompts, params)]
+    del ar
+    sd = LLM(TARGET, num_speculative_tokens=4, planner="static:4", weight_format="w4a8", **KWARGS)
+    assert [o.outputs[0].token_ids for o in sd.generate(prompts, params)] == want
+    assert sd.engine.stats.num_drafted_tokens > 0
