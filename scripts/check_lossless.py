@@ -1,0 +1,111 @@
+"""Greedy speculative decoding against plain decoding, token for token, on real prompts (the lossless invariant).
+
+Decodes each prompt greedily with the target alone, then with its draft under each ``--planners`` entry (``static:4``:
+γ = 4 every step; ``nightjar``: the bandit's γ sequence), and reports per planner the prompts whose tokens left plain
+decoding's and where. Default: SmolLM2-135M-Instruct with its default draft on the held-out MT-Bench / Spec-Bench
+prompts of ``distill_draft.py`` (chat template), at both the default weights and ``w4a8``, whose int8 rounding of the
+products turns any last-bit difference between a verify row and one-row decoding into a different token (so a
+kernel whose row's result depends on the other rows of its call shows here within a few dozen tokens).
+
+    python scripts/check_lossless.py                                   # 16 held-out prompts x 128 tokens
+    python scripts/check_lossless.py --weight-formats w4a8 --prompts 28 --max-tokens 256 --out results/lossless.json
+
+Prints a table and writes JSON; exits 1 when any output differs (so it can gate a change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from nightjar_jax.config import WEIGHT_FORMATS  # noqa: E402
+
+
+def first_difference(want: list[int], got: list[int]) -> int | None:
+    """Index of the first token where ``got`` leaves ``want`` (a length difference counts), None when equal."""
+    for i, (a, b) in enumerate(zip(want, got, strict=False)):  # lengths may differ
+        if a != b:
+            return i
+    return None if len(want) == len(got) else min(len(want), len(got))
+
+
+def compare(model: str, draft: str, prompts: list, weight_format: str, planners: list[str], max_tokens: int,
+            gamma: int, max_model_len: int) -> list[dict]:
+    """One row per planner: the prompts whose greedy SD tokens left the target's plain greedy tokens."""
+    from nightjar_jax import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    common = dict(max_num_seqs=1, max_model_len=max_model_len, max_num_batched_tokens=512,
+                  weight_format=weight_format)
+    t0 = time.perf_counter()
+    ar = LLM(model, draft_model=None, **common)
+    want = [o.outputs[0].token_ids for o in ar.generate(prompts, params)]
+    del ar
+    rows = [{"weight_format": weight_format, "planner": "ar (reference)", "prompts": len(prompts),
+             "tokens": sum(len(t) for t in want), "differing": [], "seconds": time.perf_counter() - t0}]
+    for planner in planners:
+        t0 = time.perf_counter()
+        sd = LLM(model, draft_model=draft, planner=planner, num_speculative_tokens=gamma, **common)
+        got = [o.outputs[0].token_ids for o in sd.generate(prompts, params)]
+        stats = sd.engine.stats
+        diffs = [(i, first_difference(w, g)) for i, (w, g) in enumerate(zip(want, got, strict=True))]
+        rows.append({"weight_format": weight_format, "planner": planner, "prompts": len(prompts),
+                     "tokens": sum(len(t) for t in got), "differing": [{"prompt": i, "first_token": d}
+                                                                       for i, d in diffs if d is not None],
+                     "drafted": stats.num_drafted_tokens, "accepted": stats.num_accepted_tokens,
+                     "seconds": time.perf_counter() - t0})
+        del sd
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--draft", default="auto", help="the draft (default: the target preset's paired draft)")
+    ap.add_argument("--weight-formats", default="auto,w4a8",
+                    help=f"comma-separated engine weight formats, each of {WEIGHT_FORMATS}")
+    ap.add_argument("--planners", default="static:4,nightjar", help="comma-separated planners for the SD runs")
+    ap.add_argument("--gamma", type=int, default=4, help="num_speculative_tokens (γ_max)")
+    ap.add_argument("--prompts", type=int, default=16, help="first N held-out prompts (at most 28)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--out", default="results/check_lossless.json")
+    args = ap.parse_args()
+    formats = [f.strip() for f in args.weight_formats.split(",") if f.strip()]
+    planners = [p.strip() for p in args.planners.split(",") if p.strip()]
+    bad = [f for f in formats if f not in WEIGHT_FORMATS]
+    if bad or not formats:
+        raise SystemExit(f"--weight-formats: unknown {bad}; each must be one of {WEIGHT_FORMATS}")
+    if not planners or args.prompts < 1 or args.max_tokens < 1 or args.gamma < 1:
+        raise SystemExit("--planners must name one planner or more; --prompts, --max-tokens and --gamma at least 1")
+
+    from distill_draft import chat_ids, load_prompts, target_tokenizer
+
+    tok = target_tokenizer()
+    prompts = [chat_ids(tok, p["text"]) for p in load_prompts("heldout")][: args.prompts]
+    prompts = [p for p in prompts if len(p) + args.max_tokens <= args.max_model_len]
+    rows = []
+    for fmt in formats:
+        rows += compare(args.model, args.draft, prompts, fmt, planners, args.max_tokens, args.gamma,
+                        args.max_model_len)
+    print("| weight format | planner | prompts | tokens | prompts differing (first differing token) | s |")
+    print("|---|---|---:|---:|---|---:|")
+    for r in rows:
+        diff = ", ".join(f"#{d['prompt']} ({d['first_token']})" for d in r["differing"]) or "none"
+        print(f"| {r['weight_format']} | {r['planner']} | {r['prompts']} | {r['tokens']} | {diff} | "
+              f"{r['seconds']:.0f} |")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"model": args.model, "draft": args.draft, "max_tokens": args.max_tokens, "rows": rows}, f,
+                  indent=1)
+    print(f"wrote {args.out}")
+    sys.exit(1 if any(r["differing"] for r in rows) else 0)
+
+
+if __name__ == "__main__":
+    main()
