@@ -524,8 +524,8 @@ inline vrow SplatRow(float x) { return Splat(x); }
 #endif
 
 // RowNT2's sums with the weights from `load(n, k)` (kRowWidth elements of row n from k; `tail(n, k)`: one element,
-// for the K % kRowWidth past the last vector), so other weight layouts share its order of operations (RowNT2Q8).
-// Without AVX-512 each row's sums are RowNT1's, in the same order.
+// for the K % kRowWidth past the last vector). Without AVX-512 each row's sums are RowNT1's, in the same order. With
+// the CPU kernels' vectors (NIGHTJAR_V16) one x row takes BlockNTFew instead, whose sums every row count shares.
 template <typename LoadW, typename TailW>
 inline void RowNT2Impl(const float* x, int64_t K, int64_t na, int64_t nb, float* y, LoadW load, TailW tail) {
   constexpr int W = kRowWidth;
@@ -612,9 +612,9 @@ __attribute__((noinline)) void BlockNT(const float* x, const float* w, float* y,
 // W [N, K] (an embedding table used as the LM head) whose every 32-element block of a row is W[n, k] = d * q[n, k]
 // exactly (q in -127 .. 127, d a 16-bit float: a GGUF Q8_0 table dequantized; cpu.py pack_q8 keeps the layout only
 // if every element comes back bit for bit). Stored as [N, K / 32, 36] bytes: per block d (float32), then the 32 q
-// (int8). Each element is rebuilt as the float32 d * q (exact: 11 bits times 8) in registers for one x row
-// (RowNT2Q8), or a chunk of rows at a time into a per-thread buffer that the float32 tiles then read (BlockNTx /
-// TileNT): the same sums as the float32 table's to the bit, from 1.125 bytes per weight instead of 4.
+// (int8). Each element is rebuilt as the float32 d * q (exact: 11 bits times 8) in registers for up to kNtFewRows x
+// rows (BlockNTFew), or a chunk of rows at a time into a per-thread buffer that the float32 tiles then read
+// (BlockNTx / TileNT): the same sums as the float32 table's to the bit, from 1.125 bytes per weight instead of 4.
 constexpr int64_t kQ8Rows = 32;
 constexpr int64_t kQ8BlockBytes = 36;
 // 8-bit rows with the float32 table beside them: [N, K / 32, 36 + 32 * 4] bytes, all 8-bit blocks first, then the
@@ -650,13 +650,6 @@ inline v8 LoadQ8(const uint8_t* row, int64_t k) {
 #endif
 
 #ifdef NIGHTJAR_V16
-// RowNT2 on 8-bit rows, dequantized in registers: the same accumulators in the same order, so the same sums.
-inline void RowNT2Q8(const float* x, const uint8_t* wq, float* y, int64_t K, int64_t na, int64_t nb) {
-  const int64_t row_bytes = K / kQ8Rows * kQ8BlockBytes;  // K is whole 32-element blocks: no scalar tail
-  RowNT2Impl(x, K, na, nb, y, [=](int64_t n, int64_t k) { return LoadQ8(wq + n * row_bytes, k); },
-             [](int64_t, int64_t) { return 0.0f; });
-}
-
 // 2 .. kNtFewRows x rows against two weight rows (na, nb) at once: 2R accumulators, each weight vector loaded (or
 // dequantized) once for all R rows, x's rows from L1. `load(n, k)`: elements k .. k + kRowWidth of weight row n;
 // K % kRowWidth elements past the last vector are summed in scalars (`tail(n, k)`: one element).
@@ -743,17 +736,10 @@ void DequantRowsQ8(const uint8_t* wq, int64_t K, int64_t n0, int64_t n1, float* 
 }
 
 // Rows n_begin .. n_end of an 8-bit W against every row of x (xt: x^T for the BlockNTx tiles, ldxt = 0: none):
-// one x row with AVX-512 dequantized in registers (RowNT2Q8); otherwise chunks of rows dequantized in turn into a
-// buffer the float32 kernels read (16 rows for one x row: the buffer stays in L1; 48 for the 12-row tiles).
+// chunks of rows dequantized in turn into a buffer the float32 kernels read (16 rows for one x row, which reaches
+// here only without the CPU kernels' vectors: the buffer stays in L1; 48 for the 12-row tiles).
 void BlockNTQ8(const float* xp, const float* xt, int64_t ldxt, const uint8_t* wq, float* y, int64_t M, int64_t K,
                int64_t N, int64_t n_begin, int64_t n_end) {
-#ifdef NIGHTJAR_V16
-  if (M == 1) {  // two streams, as BlockNT's one row: the item's halves, a row of each together
-    const int64_t half = (n_end - n_begin) / 2;
-    for (int64_t i = 0; i < half; ++i) RowNT2Q8(xp, wq, y, K, n_begin + i, n_begin + half + i);
-    n_begin += 2 * half;  // at most one row left: through the buffer below
-  }
-#endif
   const int64_t chunk = M == 1 ? 16 : 48;
   thread_local std::vector<float> buf;
   buf.resize(chunk * K);
@@ -897,25 +883,6 @@ inline v16 LoadBf16(const uint16_t* p) { return v16{LoadBf16x8(p), LoadBf16x8(p 
 inline v16 LoadPanel(const float* p) { return Load16(p); }
 inline v16 LoadPanel(const uint16_t* p) { return LoadBf16(p); }
 
-template <int P, typename T>  // T: float, or uint16_t for bfloat16 panels (the same sums in the same order)
-inline void PanelRow(const float* x, const T* wp, float* y, int64_t K, int64_t p) {
-  const T* w[P];
-  for (int j = 0; j < P; ++j) w[j] = wp + (p + j) * K * 16;
-  v16 a[P][2];
-  for (int j = 0; j < P; ++j) a[j][0] = a[j][1] = Splat16(0.0f);
-  int64_t k = 0;
-  for (; k + 2 <= K; k += 2) {
-    const v16 x0 = Splat16(x[k]), x1 = Splat16(x[k + 1]);
-    for (int j = 0; j < P; ++j) a[j][0] += x0 * LoadPanel(w[j] + k * 16);
-    for (int j = 0; j < P; ++j) a[j][1] += x1 * LoadPanel(w[j] + k * 16 + 16);
-  }
-  for (; k < K; ++k) {
-    const v16 xk = Splat16(x[k]);
-    for (int j = 0; j < P; ++j) a[j][0] += xk * LoadPanel(w[j] + k * 16);
-  }
-  for (int j = 0; j < P; ++j) Store16(y + (p + j) * 16, a[j][0] + a[j][1]);
-}
-
 // y[r0 .. r0 + R, panels p .. p + P] (=, or += with `add`) x[r0 .. r0 + R, k0 .. k1] @ those panels' rows k0 .. k1:
 // an R x 16P register tile (R broadcasts of x and P panel loads per k).
 // Prefetch: lines i in [pf_from, pf_to) of `next` (a PrefetchPlan), spread over the k loop.
@@ -1018,14 +985,15 @@ inline void DequantPair(const uint8_t* pair, v16 d, v16 m, v16& w0, v16& w1) {
   Opaque(w0, w1);  // values of their own (-fassociative-math must not fold d or m into x's product)
 }
 
-// One x row on 4-bit panels: the same two sums per panel in the same order (even k, odd k), so the same result.
+// One x row on 4-bit panels, the scales loaded once per block: PanelTileCompact's arithmetic (each weight pair rebuilt
+// as DequantPair does, one sum per column, row 2i added before row 2i + 1), so the same bits as any number of rows.
 template <int P>
-inline void PanelRow(const float* x, const uint8_t* wq, float* y, int64_t K, int64_t p) {
+inline void PanelRowQ4(const float* x, const uint8_t* wq, float* y, int64_t K, int64_t p) {
   const int64_t nb = K / kQ4Rows;
   const uint8_t* w[P];
   for (int j = 0; j < P; ++j) w[j] = wq + (p + j) * nb * kQ4BlockBytes;
-  v16 a[P][2];
-  for (int j = 0; j < P; ++j) a[j][0] = a[j][1] = Splat16(0.0f);
+  v16 a[P];
+  for (int j = 0; j < P; ++j) a[j] = Splat16(0.0f);
   for (int64_t b = 0; b < nb; ++b) {
     v16 d[P], m[P];
     if (kOneRowPrefetch > 0) {
@@ -1042,12 +1010,13 @@ inline void PanelRow(const float* x, const uint8_t* wq, float* y, int64_t K, int
       for (int j = 0; j < P; ++j) {
         v16 w0, w1;
         DequantPair(w[j] + b * kQ4BlockBytes + 128 + i * 16, d[j], m[j], w0, w1);
-        a[j][0] += x0 * w0;
-        a[j][1] += x1 * w1;
+        a[j] += x0 * w0;
+        Opaque(a[j]);
+        a[j] += x1 * w1;
       }
     }
   }
-  for (int j = 0; j < P; ++j) Store16(y + (p + j) * 16, a[j][0] + a[j][1]);
+  for (int j = 0; j < P; ++j) Store16(y + (p + j) * 16, a[j]);
 }
 
 // bfloat16 panels: W [K, N] whose every element is a bfloat16 value (a checkpoint stored in bfloat16, upcast),
@@ -1060,19 +1029,6 @@ void DequantPanels(const uint16_t* wp, int64_t K, int64_t p, int64_t panels, int
     const uint16_t* src = wp + ((p + j) * K + k0) * 16;
     float* out = buf + j * (k1 - k0) * 16;
     for (int64_t r = 0; r < k1 - k0; ++r) Store16(out + r * 16, LoadBf16(src + r * 16));
-  }
-}
-
-// One x row over panels p0 .. p1 (float32, 4-bit or bfloat16): kPanelRowPanels at a time, then the 1-3 left.
-template <typename T>
-void PanelRows(const float* x, const T* w, float* y, int64_t K, int64_t p0, int64_t p1) {
-  int64_t p = p0;
-  for (; p + kPanelRowPanels <= p1; p += kPanelRowPanels) PanelRow<kPanelRowPanels>(x, w, y, K, p);
-  switch (p1 - p) {
-    case 3: PanelRow<3>(x, w, y, K, p); break;
-    case 2: PanelRow<2>(x, w, y, K, p); break;
-    case 1: PanelRow<1>(x, w, y, K, p); break;
-    default: break;
   }
 }
 
@@ -1164,6 +1120,30 @@ inline void PanelTileCompactRows(const float* x, const T* w, float* y, int64_t K
   }
 }
 
+// One x row over panels p0 .. p1, kPanelRowPanels at a time: the several-row tiles' order of sums (one sum per column,
+// row k added before row k + 1), so a row's result never depends on how many rows its call has and a speculative
+// verify step's rows equal one-row decoding to the bit. (Until 2026-12-04 one row summed even and odd k apart and
+// added the two at the end: more FMA chains in flight, another rounding; greedy SD could then differ from plain
+// decoding where the target's two best logits tied to ~1e-5. The 4-bit one-row pass, with the scales hoisted per
+// block, measured no slower: 0.968x / 0.993x the whole batch-1 step.)
+inline void PanelRows(const float* x, const uint8_t* w, float* y, int64_t K, int64_t, int64_t p0, int64_t p1) {
+  int64_t p = p0;
+  for (; p + kPanelRowPanels <= p1; p += kPanelRowPanels) PanelRowQ4<kPanelRowPanels>(x, w, y, K, p);
+  for (; p < p1; ++p) PanelRowQ4<1>(x, w, y, K, p);
+}
+inline void PanelRows(const float* x, const uint16_t* w, float* y, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+  int64_t p = p0;
+  for (; p + kPanelRowPanels <= p1; p += kPanelRowPanels) PanelTileCompact<1, kPanelRowPanels>(x, w, y, K, N, 0, p);
+  for (; p < p1; ++p) PanelTileCompact<1, 1>(x, w, y, K, N, 0, p);
+}
+inline void PanelRows(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+  int64_t p = p0;
+  for (; p + kPanelRowPanels <= p1; p += kPanelRowPanels) {
+    PanelTile<1, kPanelRowPanels>(x, w + p * K * 16, K * 16, y, K, N, 0, p, 0, K, false);
+  }
+  for (; p < p1; ++p) PanelTile<1, 1>(x, w + p * K * 16, K * 16, y, K, N, 0, p, 0, K, false);
+}
+
 // A compact panel weight (T: uint8_t 4-bit blocks, uint16_t bfloat16): one row, or up to kPanelRowGroup rows,
 // rebuilt in registers; more rows by blocks of kb weight rows (whole 4-bit blocks): each 3-panel group's block
 // rebuilt once into a per-thread buffer, then every row group's register tile over it (the float32 panels' order of
@@ -1172,7 +1152,7 @@ template <typename T>
 void PackedProductCompact(const float* x, int64_t M, int64_t K, const T* w, const Segment& s, int64_t p0,
                           int64_t p1) {
   if (M == 1) {
-    PanelRows(x, w, s.y, K, p0, p1);
+    PanelRows(x, w, s.y, K, s.N, p0, p1);
     return;
   }
   if (M <= kPanelRowGroup) {
@@ -1657,7 +1637,7 @@ void PackedProduct(const float* x, int64_t M, int64_t K, const Segment& s, int64
     return;
   }
   if (M == 1) {
-    PanelRows(x, s.w, s.y, K, p0, p1);
+    PanelRows(x, s.w, s.y, K, s.N, p0, p1);
     return;
   }
   if (M > kPanelRowGroup && K > 0) {
@@ -2115,7 +2095,10 @@ ffi::Error RunSegments(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_
   nightjar::ParallelFor(pool, static_cast<int64_t>(items.size()), [=](int64_t it) {
     const Item& item = ip[it];
 #ifdef NIGHTJAR_V16
-    if (kTransposed && M >= 2 && M <= kNtFewRows) {
+    // 1 .. kNtFewRows rows: one sum per x row and weight row, so one row gets the bits of any other count (until
+    // 2026-12-04 one row took four sums per weight row, RowNT2Q8: ~7e-6 apart in SmolLM2's logits; now the head's
+    // two chains per pass cost the batch-1 step ~2-3%, measured interleaved)
+    if (kTransposed && M <= kNtFewRows) {
       const int64_t K_ = K;
       if (item.seg.q8 != nullptr) {  // 8-bit rows (the float32 table beside them is for more rows)
         const uint8_t* wq = item.seg.q8;

@@ -147,6 +147,35 @@ def test_compact_products_equal_float32_panels(fmt, m, k, n):
 
 
 @needs_packing
+@pytest.mark.parametrize("fmt", ["f32", "q8 head", "q8+f32 head", *FORMATS])
+def test_a_rows_result_does_not_depend_on_the_row_count(fmt):
+    """One x row gets the bits it gets in a call of 2 .. 13 rows, for every weight layout `auto` uses: a speculative
+    verify step's rows then equal one-row decoding to the bit, as the lossless invariant needs (until 2026-12-04 one
+    row summed even and odd k apart, and the head four sums per weight row: ~1e-5 apart, enough to change a greedy
+    token where the two best logits tie that closely)."""
+    rng = np.random.default_rng(21)
+    k, n = 320, 80  # 10 blocks of 32; 5 panels: the one-row pass's groups and one left
+    x = rng.standard_normal((13, k)).astype(np.float32)
+    if fmt == "f32":
+        w, transposed = cpu.pack(jnp.asarray(rng.standard_normal((k, n)).astype(np.float32))), False
+    elif fmt.startswith("q8"):
+        table = q8_0(rng.standard_normal((n, k)).astype(np.float32))
+        w, transposed = cpu.pack_q8(jnp.asarray(table)), True
+        if fmt == "q8+f32 head":
+            w = cpu.with_f32(w, jnp.asarray(table))
+    else:
+        make, pack = FORMATS[fmt]
+        w, transposed = pack(jnp.asarray(make(rng, k, n))), False
+    run = jax.jit(lambda x: cpu.linear_cpu(x, w, transposed=transposed))
+    one = np.stack([np.asarray(run(jnp.asarray(x[i:i + 1])))[0] for i in range(len(x))])
+    # 1-8 rows: the one-row passes and the few-row tiles, on every CPU. Past 8, AVX2 CPUs keep the order (measured
+    # to 200 rows); AVX-512 ones take the head's 8-lane or transposed tiles there, not checked on such a CPU yet.
+    counts = (2, 3, 5, 8) if cpu._has_avx512() else (2, 3, 5, 8, 9, 13)
+    for m in counts:
+        np.testing.assert_array_equal(np.asarray(run(jnp.asarray(x[:m]))), one[:m], err_msg=f"{m} rows")
+
+
+@needs_packing
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("m", [1, 3, 13])
 def test_compact_fused_forms_equal_float32_panels(fmt, m):
