@@ -9,6 +9,7 @@ kernel whose row's result depends on the other rows of its call shows here withi
 
     python scripts/check_lossless.py                                   # 16 held-out prompts x 128 tokens
     python scripts/check_lossless.py --weight-formats w4a8 --prompts 28 --max-tokens 256 --out results/lossless.json
+    python scripts/check_lossless.py --max-num-seqs 4     # SD batched: verify steps of 4 sequences' rows
 
 Prints a table and writes JSON; exits 1 when any output differs (so it can gate a change).
 """
@@ -35,26 +36,28 @@ def first_difference(want: list[int], got: list[int]) -> int | None:
 
 
 def compare(model: str, draft: str, prompts: list, weight_format: str, planners: list[str], max_tokens: int,
-            gamma: int, max_model_len: int) -> list[dict]:
-    """One row per planner: the prompts whose greedy SD tokens left the target's plain greedy tokens."""
+            gamma: int, max_model_len: int, max_num_seqs: int = 1) -> list[dict]:
+    """One row per planner: the prompts whose greedy SD tokens left the target's plain greedy tokens. The
+    reference is always one prompt at a time (batch 1); ``max_num_seqs`` > 1 runs the SD engines batched, so their
+    verify steps carry several sequences' rows at once."""
     from nightjar_jax import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    common = dict(max_num_seqs=1, max_model_len=max_model_len, max_num_batched_tokens=512,
-                  weight_format=weight_format)
+    common = dict(max_model_len=max_model_len, max_num_batched_tokens=512, weight_format=weight_format)
     t0 = time.perf_counter()
-    ar = LLM(model, draft_model=None, **common)
+    ar = LLM(model, draft_model=None, max_num_seqs=1, **common)
     want = [o.outputs[0].token_ids for o in ar.generate(prompts, params)]
     del ar
-    rows = [{"weight_format": weight_format, "planner": "ar (reference)", "prompts": len(prompts),
+    rows = [{"weight_format": weight_format, "planner": "ar (reference, batch 1)", "prompts": len(prompts),
              "tokens": sum(len(t) for t in want), "differing": [], "seconds": time.perf_counter() - t0}]
     for planner in planners:
         t0 = time.perf_counter()
-        sd = LLM(model, draft_model=draft, planner=planner, num_speculative_tokens=gamma, **common)
+        sd = LLM(model, draft_model=draft, planner=planner, num_speculative_tokens=gamma, max_num_seqs=max_num_seqs,
+                 **common)
         got = [o.outputs[0].token_ids for o in sd.generate(prompts, params)]
         stats = sd.engine.stats
         diffs = [(i, first_difference(w, g)) for i, (w, g) in enumerate(zip(want, got, strict=True))]
-        rows.append({"weight_format": weight_format, "planner": planner, "prompts": len(prompts),
+        rows.append({"weight_format": weight_format, "planner": planner, "batch": max_num_seqs, "prompts": len(prompts),
                      "tokens": sum(len(t) for t in got), "differing": [{"prompt": i, "first_token": d}
                                                                        for i, d in diffs if d is not None],
                      "drafted": stats.num_drafted_tokens, "accepted": stats.num_accepted_tokens,
@@ -74,6 +77,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="first N held-out prompts (at most 28)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, default=1,
+                    help="the SD engines' batch (the reference decodes one prompt at a time)")
     ap.add_argument("--out", default="results/check_lossless.json")
     args = ap.parse_args()
     formats = [f.strip() for f in args.weight_formats.split(",") if f.strip()]
@@ -81,8 +86,9 @@ def main() -> None:
     bad = [f for f in formats if f not in WEIGHT_FORMATS]
     if bad or not formats:
         raise SystemExit(f"--weight-formats: unknown {bad}; each must be one of {WEIGHT_FORMATS}")
-    if not planners or args.prompts < 1 or args.max_tokens < 1 or args.gamma < 1:
-        raise SystemExit("--planners must name one planner or more; --prompts, --max-tokens and --gamma at least 1")
+    if not planners or min(args.prompts, args.max_tokens, args.gamma, args.max_num_seqs) < 1:
+        raise SystemExit("--planners must name one planner or more; --prompts, --max-tokens, --gamma and "
+                         "--max-num-seqs at least 1")
 
     from distill_draft import chat_ids, load_prompts, target_tokenizer
 
@@ -92,7 +98,7 @@ def main() -> None:
     rows = []
     for fmt in formats:
         rows += compare(args.model, args.draft, prompts, fmt, planners, args.max_tokens, args.gamma,
-                        args.max_model_len)
+                        args.max_model_len, args.max_num_seqs)
     print("| weight format | planner | prompts | tokens | prompts differing (first differing token) | s |")
     print("|---|---|---:|---:|---|---:|")
     for r in rows:
