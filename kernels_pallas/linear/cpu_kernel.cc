@@ -880,8 +880,6 @@ inline v8 LoadBf16x8(const uint16_t* p) {
 }
 inline v16 LoadBf16(const uint16_t* p) { return v16{LoadBf16x8(p), LoadBf16x8(p + 8)}; }
 #endif
-inline v16 LoadPanel(const float* p) { return Load16(p); }
-inline v16 LoadPanel(const uint16_t* p) { return LoadBf16(p); }
 
 // y[r0 .. r0 + R, panels p .. p + P] (=, or += with `add`) x[r0 .. r0 + R, k0 .. k1] @ those panels' rows k0 .. k1:
 // an R x 16P register tile (R broadcasts of x and P panel loads per k).
