@@ -48,7 +48,7 @@ def compare(model: str, draft: str, prompts: list, weight_format: str, planners:
     ar = LLM(model, draft_model=None, max_num_seqs=1, **common)
     want = [o.outputs[0].token_ids for o in ar.generate(prompts, params)]
     del ar
-    rows = [{"weight_format": weight_format, "planner": "ar (reference, batch 1)", "prompts": len(prompts),
+    rows = [{"weight_format": weight_format, "planner": "ar (reference, batch 1)", "batch": 1, "prompts": len(prompts),
              "tokens": sum(len(t) for t in want), "differing": [], "seconds": time.perf_counter() - t0}]
     for planner in planners:
         t0 = time.perf_counter()
@@ -94,7 +94,11 @@ def main() -> None:
 
     tok = target_tokenizer()
     prompts = [chat_ids(tok, p["text"]) for p in load_prompts("heldout")][: args.prompts]
-    prompts = [p for p in prompts if len(p) + args.max_tokens <= args.max_model_len]
+    fit = [p for p in prompts if len(p) + args.max_tokens <= args.max_model_len]
+    if len(fit) < len(prompts):
+        print(f"{len(prompts) - len(fit)} prompts skipped: prompt + --max-tokens over --max-model-len "
+              f"{args.max_model_len}")
+    prompts = fit
     rows = []
     for fmt in formats:
         rows += compare(args.model, args.draft, prompts, fmt, planners, args.max_tokens, args.gamma,

@@ -38,8 +38,9 @@
 //   48 as below. Without (only with linear_impl="cpu"): a kKBlock-row block of W is packed into 16-column panels
 //   reused from L2 by every 6 x 16 register tile of x (PanelNN), and the next block is prefetched meanwhile.
 // - NT (tied head): one item = a block of weight rows (contiguous); one x row: each weight row against x with
-//   4 independent accumulators, a row of each of the item's halves at once (RowNT2); with AVX-512, 2 to
-//   kNtFewRows (8) rows: a weight vector against every x row, two weight rows at once (BlockNTFew); past that, from
+//   4 independent accumulators, a row of each of the item's halves in turn (RowNT2) without the CPU kernels' vectors;
+//   with them, 1 to kNtFewRows (8) rows: a weight vector against every x row, two weight rows at once (BlockNTFew,
+//   one order of sums at every row count); past that, from
 //   kNtTileMinRows rows with AVX-512 (`auto` up to 32 rows, 160 on AMD EPYC): y^T = W @ x^T in 12 x 32 tiles
 //   (BlockNTx); otherwise 4 weight rows x up to 3 x-rows of partial sums per tile (TileNT), weight rows blocked by
 //   kNtRows so every x tile reuses them from L2.
@@ -505,12 +506,8 @@ inline void RowNT1(const float* x, const float* w, float* y, int64_t K, int64_t 
   y[n] = s;
 }
 
-// Two weight rows (na, nb) against one x row at once (BlockNT's two streams in one loop body): each x vector is
-// loaded once for both rows, and both rows' loads are in flight together. SmolLM2's one-row products alone (AMD
-// EPYC, 2026-12-03, the two in turn in one process): 1.5-2.5% less time than a row of each stream in turn, so the
-// head alone ~8-10% faster.
 #ifdef NIGHTJAR_V16
-// RowNT2's vectors: 16 floats with AVX-512, else 8 (RowNT1's; a pair of AVX registers would leave too few for 8 sums)
+// BlockNTFew's vectors: 16 floats with AVX-512, else 8 (a pair of AVX registers would leave too few registers)
 #ifdef __AVX512F__
 typedef v16 vrow;
 constexpr int kRowWidth = 16;
@@ -522,54 +519,15 @@ constexpr int kRowWidth = 8;
 inline vrow LoadRow(const float* p) { return Load(p); }
 inline vrow SplatRow(float x) { return Splat(x); }
 #endif
-
-// RowNT2's sums with the weights from `load(n, k)` (kRowWidth elements of row n from k; `tail(n, k)`: one element,
-// for the K % kRowWidth past the last vector). Without AVX-512 each row's sums are RowNT1's, in the same order. With
-// the CPU kernels' vectors (NIGHTJAR_V16) one x row takes BlockNTFew instead, whose sums every row count shares.
-template <typename LoadW, typename TailW>
-inline void RowNT2Impl(const float* x, int64_t K, int64_t na, int64_t nb, float* y, LoadW load, TailW tail) {
-  constexpr int W = kRowWidth;
-  vrow a0 = SplatRow(0.0f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-  int64_t k = 0;
-  for (; k + 4 * W <= K; k += 4 * W) {
-    const vrow x0 = LoadRow(x + k), x1 = LoadRow(x + k + W), x2 = LoadRow(x + k + 2 * W), x3 = LoadRow(x + k + 3 * W);
-    a0 += x0 * load(na, k);
-    b0 += x0 * load(nb, k);
-    a1 += x1 * load(na, k + W);
-    b1 += x1 * load(nb, k + W);
-    a2 += x2 * load(na, k + 2 * W);
-    b2 += x2 * load(nb, k + 2 * W);
-    a3 += x3 * load(na, k + 3 * W);
-    b3 += x3 * load(nb, k + 3 * W);
-  }
-  for (; k + W <= K; k += W) {
-    const vrow x0 = LoadRow(x + k);
-    a0 += x0 * load(na, k);
-    b0 += x0 * load(nb, k);
-  }
-  const vrow a = (a0 + a1) + (a2 + a3), b = (b0 + b1) + (b2 + b3);
-  float sa = 0.0f, sb = 0.0f;
-  for (int i = 0; i < W; ++i) {
-    sa += a[i];
-    sb += b[i];
-  }
-  for (; k < K; ++k) {
-    sa += x[k] * tail(na, k);
-    sb += x[k] * tail(nb, k);
-  }
-  y[na] = sa;
-  y[nb] = sb;
-}
 #endif
 
+// Two weight rows (na, nb) against one x row: BlockNT's two streams, a row of each in turn. Reached only without the
+// CPU kernels' vectors (NIGHTJAR_V16): with them one x row takes BlockNTFew, whose sums every row count shares. (Until
+// 2026-12-04 RowNT2 read both rows in one loop body with four sums per row: 1.5-2.5% less time for SmolLM2's one-row
+// products, but another order of sums than 2+ rows.)
 inline void RowNT2(const float* x, const float* w, float* y, int64_t K, int64_t na, int64_t nb) {
-#ifdef NIGHTJAR_V16
-  RowNT2Impl(x, K, na, nb, y, [=](int64_t n, int64_t k) { return LoadRow(w + n * K + k); },
-             [=](int64_t n, int64_t k) { return w[n * K + k]; });
-#else
   RowNT1(x, w, y, K, na);
   RowNT1(x, w, y, K, nb);
-#endif
 }
 
 constexpr int64_t kNtRows = 64;  // weight rows per L2 block (64 x K floats)
@@ -639,7 +597,7 @@ inline v16 LoadQ8(const uint8_t* row, int64_t k) {
   return w;
 }
 #elif defined(NIGHTJAR_V16)
-// Elements k .. k + 8 of an 8-bit row (k a multiple of 8) as float32 weights: RowNT2Impl's 8-float vectors.
+// Elements k .. k + 8 of an 8-bit row (k a multiple of 8) as float32 weights: BlockNTFew's 8-float vectors.
 inline v8 LoadQ8(const uint8_t* row, int64_t k) {
   const uint8_t* block = row + k / kQ8Rows * kQ8BlockBytes;
   const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4 + k % kQ8Rows)));
@@ -1915,7 +1873,8 @@ constexpr int64_t kSplitKMaxRows = NIGHTJAR_SPLIT_K_MAX_ROWS;
 // With AVX-512 the tied head takes BlockNTx's tiles from this many rows (cpu.py's NT_TILE_MIN_ROWS): past the
 // split-K rows, or from 2 rows on AMD EPYC (Zen 4), where they measured faster than TileNT at every row count from 2
 // (products alone, the two in turn in one process: 2 rows 0.974, 3 rows 0.958, 5 rows 0.905, 8 rows 0.857 of the
-// time; whole decode step at batch 2 / 4 / 8: 0.978 / 0.941 / 0.868; at one row 1.108, so one row keeps RowNT2).
+// time; whole decode step at batch 2 / 4 / 8: 0.978 / 0.941 / 0.868; at one row 1.108, so one row kept RowNT2, and
+// since 2026-12-04 takes BlockNTFew, whose order of sums 2-8 rows share).
 #ifndef NIGHTJAR_NT_TILE_MIN_ROWS
 #define NIGHTJAR_NT_TILE_MIN_ROWS (NIGHTJAR_SPLIT_K_MAX_ROWS + 1)
 #endif

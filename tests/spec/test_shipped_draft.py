@@ -112,7 +112,7 @@ def test_w4a8_greedy_sd_equals_ar(ar_outputs) -> None:
     w4a8 target's AR tokens. Its int8 rounding turns any last-bit difference between a verify row and the one-row
     decode of that position into a different token, so this pins that a row's attention never depends on the other
     query rows of its call (it did: a page's last keys were scored 8 at a time or one by one depending on the call's
-    widest row, and these prompts diverged from AR after 5-15 tokens)."""
+    widest row, and this test failed on that kernel)."""
     from kernels_pallas.linear import cpu
 
     if not cpu.w4a8_supported():
