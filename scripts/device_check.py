@@ -262,6 +262,8 @@ def main() -> int:
             continue
         try:
             rows.append(run_case(case, interpret=interpret, calls_per_run=calls_per_run, runs=runs, copy_bw=copy_bw))
+            print(f"{case.name}: ok={rows[-1]['ok']} err={rows[-1]['max_abs_err']:.1e} "
+                  f"{rows[-1]['kernel_s'] * 1e6:.1f} us ({time.perf_counter() - started:.0f} s)", flush=True)
         except Exception as error:
             traceback.print_exc()
             rows.append({**dataclasses.asdict(case), "ok": False, "error": f"{type(error).__name__}: {error}"[:500]})

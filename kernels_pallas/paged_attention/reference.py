@@ -63,12 +63,15 @@ def paged_attention_reference(
         mask &= tree_visible(tree_mask, key_pos, context_lens)
 
     qg = q.astype(jnp.float32).reshape(num_seqs, q_len, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("sqhgd,shkd->shgqk", qg, k) * scale  # [num_seqs, kv_heads, group, q_len, num_keys]
+    # float32 products at full precision: XLA:GPU's default takes TF32 inputs (~1e-3 off), too loose for an oracle
+    hi = jax.lax.Precision.HIGHEST
+    # [num_seqs, kv_heads, group, q_len, num_keys]
+    scores = jnp.einsum("sqhgd,shkd->shgqk", qg, k, precision=hi) * scale
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     row_valid = (query_pos >= 0)[:, None, None, :, None]  # [num_seqs, 1, 1, q_len, 1]
     scores = jnp.where(row_valid, scores, 0.0)  # padding rows: finite scores, output zeroed below
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("shgqk,shkd->sqhgd", probs, v)
+    out = jnp.einsum("shgqk,shkd->sqhgd", probs, v, precision=hi)
     out = jnp.where((query_pos >= 0)[:, :, None, None, None], out, 0.0)
     return out.reshape(num_seqs, q_len, num_q_heads, head_dim).astype(q.dtype)
 

@@ -223,3 +223,23 @@ def test_bodies_lower_with_a_tree_mask(platform):
     text = _lower_for(platform, body, tree_window=40)
     assert ("__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call") in text
     assert "_tree" in text  # the kernel's name marks the tree variant
+
+
+def test_float32_products_ask_for_full_precision_in_kernel_and_reference():
+    """On a GPU, XLA's default precision feeds float32 products TF32 inputs (~1e-3 off): the reference oracle and
+    the kernel's dots must both ask for HIGHEST, or they disagree by more than the float32 tolerance (seen on an
+    H200, 2026-12-04: every float32 case failed while the reference took the default). The reference computes in
+    float32 for every input dtype; the kernel's bf16 dots keep the default (bf16 inputs are exact on tensor cores)."""
+    highest = "precision=(Precision.HIGHEST, Precision.HIGHEST)"
+
+    def jaxpr(fn, case) -> str:
+        return str(jax.make_jaxpr(functools.partial(fn, scale=case.scale))(*case.args))
+
+    f32 = make_case([5, 9], q_len=1, num_q_heads=4, num_kv_heads=2, page_size=4)
+    bf16 = make_case([5, 9], q_len=1, num_q_heads=4, num_kv_heads=2, page_size=4, dtype=BF16)
+    kernel = functools.partial(paged_attention, backend="gpu")
+    for fn, case in [(paged_attention_reference, f32), (paged_attention_reference, bf16), (kernel, f32)]:
+        text = jaxpr(fn, case)
+        assert text.count("dot_general[") == text.count(highest) == 2, text
+    text = jaxpr(kernel, bf16)
+    assert text.count("dot_general[") == 2 and highest not in text, text

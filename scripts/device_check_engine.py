@@ -1,0 +1,181 @@
+"""The engine end to end on an accelerator, in one call: AR decode throughput against the weights' floor, and the
+cost of a speculative step at each γ.
+
+Weights are random (``load_format="dummy"``, created on the device in bfloat16): timings depend on shapes, not
+values, and no checkpoint has to travel to the device machine. For each ``--models`` entry it builds an AR engine
+(``draft_model=None``) with ``attention_impl="auto"`` (the Pallas kernel on a GPU / TPU) and times greedy decode
+at each batch size (``run_decode_workload``: decode steps only, from the engine's step log, after one untimed run
+that compiles that batch's shapes; the compile run's wall time is reported too). The floor of a batch-1 step is the
+weights' bytes over the device's read bandwidth, measured here (a jitted float32 sum over ``--bandwidth-mib``).
+If the engine fails with the Pallas kernel, the error is recorded and the model is run again with
+``attention_impl="reference"`` (XLA), so one failure still leaves numbers.
+
+``--spec TARGET+DRAFT``: one engine with that draft and ``num_speculative_tokens = max(--gammas)``; γ is forced
+per step and the step time (draft + verify, from the step log) is reported per batch size and γ, relative to γ = 0.
+Acceptance of random weights means nothing (near zero), so tokens per step are not reported as a result.
+
+``--smoke``: tiny presets on whatever backend is present (CPU here), to check the script runs.
+Prints tables; writes JSON (``--out``). Sections past ``--budget-s`` are recorded as skipped.
+
+    python scripts/device_check_engine.py --out "$OUT/device_check_engine.json"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from nightjar_jax.bench.common import (  # noqa: E402
+    machine_note,
+    memory_bandwidth_gbs,
+    pages_needed,
+    run_decode_workload,
+    state_bytes,
+    write_json,
+)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="smollm2-135m-instruct,llama-7b")
+    p.add_argument("--batch-sizes", default="1,16,64")
+    p.add_argument("--spec", default="llama-7b+llama-68m", help="TARGET+DRAFT, or '' to skip")
+    p.add_argument("--spec-batch-sizes", default="1,16")
+    p.add_argument("--gammas", default="0,1,2,4")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--bandwidth-mib", type=int, default=2048)
+    p.add_argument("--budget-s", type=float, default=200.0, help="skip sections that would start after this")
+    p.add_argument("--smoke", action="store_true", help="tiny presets, small batches (for CPU)")
+    p.add_argument("--out", default="results/device_check_engine.json")
+    args = p.parse_args()
+    if args.smoke:
+        args.models, args.spec, args.batch_sizes, args.spec_batch_sizes = "tiny-gqa", "tiny-gqa+tiny-mha", "1,2", "1"
+        args.prompt_len, args.output_len, args.bandwidth_mib, args.dtype = 16, 8, 64, "float32"
+    return args
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _prompts(vocab_size: int, num: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab_size, size=length).tolist() for _ in range(num)]
+
+
+def _llm(model: str, args, max_batch: int, gamma_max: int = 0, **kw):
+    from nightjar_jax import LLM
+
+    max_len = args.prompt_len + args.output_len + gamma_max + 8
+    return LLM(model, load_format="dummy", dtype=args.dtype, max_model_len=max_len, max_num_seqs=max_batch,
+               max_num_batched_tokens=max(512, args.prompt_len), page_size=16,
+               num_pages=pages_needed(max_batch, args.prompt_len, args.output_len, gamma_max), **kw)
+
+
+def ar_section(model: str, args, bw_gbs: float, impl: str) -> dict:
+    from nightjar_jax.attention import resolve_impl
+
+    batch_sizes = _ints(args.batch_sizes)
+    t0 = time.perf_counter()
+    llm = _llm(model, args, max(batch_sizes), draft_model=None, attention_impl=impl)
+    build_s = time.perf_counter() - t0
+    weight_bytes = state_bytes(llm.engine.runner.target.model_state())
+    floor_ms = 1e3 * weight_bytes / (bw_gbs * 1e9)
+    vocab = llm.engine.target.config.vocab_size
+    rows = []
+    for b in batch_sizes:
+        prompts = _prompts(vocab, b, args.prompt_len, seed=b)
+        t1 = time.perf_counter()
+        run_decode_workload(llm, prompts, args.output_len)  # compiles this batch's shapes
+        compile_run_s = time.perf_counter() - t1
+        runs = [run_decode_workload(llm, prompts, args.output_len) for _ in range(2)]
+        best = min(runs, key=lambda r: r.tpot_ms)
+        rows.append({"batch_size": b, "tpot_ms": best.tpot_ms, "tokens_per_s": best.tokens_per_second,
+                     "floor_ratio": best.tpot_ms / floor_ms if b == 1 else None,
+                     "compile_run_s": compile_run_s, "decode_steps": best.num_decode_steps})
+        print(f"  {model} [{resolve_impl(impl)}] batch {b:3d}: TPOT {best.tpot_ms:8.3f} ms  "
+              f"{best.tokens_per_second:9.1f} tok/s  (first run incl. compile {compile_run_s:.1f} s)", flush=True)
+    return {"model": model, "attention_impl": resolve_impl(impl), "build_s": build_s, "weight_bytes": weight_bytes,
+            "floor_ms": floor_ms, "rows": rows}
+
+
+def spec_section(target: str, draft: str, args) -> dict:
+    gammas = _ints(args.gammas)
+    batch_sizes = _ints(args.spec_batch_sizes)
+    llm = _llm(target, args, max(batch_sizes), gamma_max=max(gammas), draft_model=draft,
+               num_speculative_tokens=max(gammas))
+    vocab = llm.engine.target.config.vocab_size
+    rows = []
+    for b in batch_sizes:
+        prompts = _prompts(vocab, b, args.prompt_len, seed=100 + b)
+        base = None
+        for g in gammas:
+            run_decode_workload(llm, prompts, args.output_len, gamma=g)  # compiles
+            run = min((run_decode_workload(llm, prompts, args.output_len, gamma=g) for _ in range(2)),
+                      key=lambda r: r.decode_seconds / max(r.num_decode_steps, 1))
+            step_ms = 1e3 * run.decode_seconds / max(run.num_decode_steps, 1)
+            base = step_ms if g == 0 else base
+            row = {"batch_size": b, "gamma": g, "step_ms": step_ms,
+                   "draft_ms": 1e3 * run.draft_seconds / max(run.num_decode_steps, 1),
+                   "verify_ms": 1e3 * run.verify_seconds / max(run.num_decode_steps, 1),
+                   "vs_gamma0": step_ms / base if base else None, "gamma_steps": run.gamma_steps}
+            rows.append(row)
+            print(f"  {target}+{draft} batch {b:3d} γ={g}: step {step_ms:8.3f} ms (draft {row['draft_ms']:.3f}, "
+                  f"verify {row['verify_ms']:.3f}) = {row['vs_gamma0'] or 1:.2f}x γ=0", flush=True)
+    return {"target": target, "draft": draft, "rows": rows}
+
+
+def main() -> None:
+    args = parse_args()
+    import jax
+
+    started = time.perf_counter()
+    result: dict = {"args": vars(args), "machine": machine_note(), "devices": [str(d) for d in jax.devices()],
+                    "sections": []}
+    print(f"backend {jax.default_backend()}: {jax.devices()}", flush=True)
+    bw = memory_bandwidth_gbs(args.bandwidth_mib << 20)
+    result["bandwidth"] = bw
+    print(f"device read bandwidth (jitted float32 sum over {args.bandwidth_mib} MiB): best {bw['jax_gbs']:.0f} GB/s, "
+          f"median {bw['jax_median_gbs']:.0f} GB/s", flush=True)
+
+    def run(name: str, fn) -> dict | None:
+        if time.perf_counter() - started > args.budget_s:
+            result["sections"].append({"name": name, "skipped": f"time budget {args.budget_s:.0f}s spent"})
+            print(f"{name}: skipped (budget)", flush=True)
+            return None
+        print(f"{name}:", flush=True)
+        t0 = time.perf_counter()
+        try:
+            out = {"name": name, **fn(), "seconds": time.perf_counter() - t0}
+        except Exception as e:  # one failure must not cost the other sections' numbers
+            out = {"name": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
+                   "seconds": time.perf_counter() - t0}
+            print(f"  FAILED: {out['error']}\n{out['traceback']}", flush=True)
+        result["sections"].append(out)
+        write_json(args.out, result)  # after every section: a killed run keeps what it measured
+        return out
+
+    for model in [m for m in args.models.split(",") if m]:
+        out = run(f"ar {model}", lambda m=model: ar_section(m, args, bw["jax_gbs"], "auto"))
+        if out is not None and "error" in out:
+            run(f"ar {model} (reference attention)", lambda m=model: ar_section(m, args, bw["jax_gbs"], "reference"))
+    if args.spec:
+        target, draft = args.spec.split("+")
+        run(f"spec {args.spec}", lambda: spec_section(target, draft, args))
+    result["total_s"] = time.perf_counter() - started
+    write_json(args.out, result)
+    print(json.dumps({"sections": [(s["name"], "error" in s, "skipped" in s) for s in result["sections"]]}))
+
+
+if __name__ == "__main__":
+    main()

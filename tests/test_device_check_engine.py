@@ -1,0 +1,31 @@
+"""scripts/device_check_engine.py runs (``--smoke``: tiny presets on the CPU) and writes every section's numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_device_check_engine_smoke_writes_each_section(tmp_path):
+    out = tmp_path / "engine.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check_engine.py"), "--smoke", "--out",
+                           str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["bandwidth"]["jax_gbs"] > 0
+    names = [s["name"] for s in result["sections"]]
+    assert names == ["ar tiny-gqa", "spec tiny-gqa+tiny-mha"], result["sections"]
+    assert not any("error" in s or "skipped" in s for s in result["sections"]), result["sections"]
+    ar, spec = result["sections"]
+    assert [r["batch_size"] for r in ar["rows"]] == [1, 2]
+    assert all(r["tpot_ms"] > 0 and r["tokens_per_s"] > 0 for r in ar["rows"])
+    assert ar["weight_bytes"] > 0 and ar["floor_ms"] > 0 and ar["rows"][0]["floor_ratio"] > 0
+    assert [(r["batch_size"], r["gamma"]) for r in spec["rows"]] == [(1, 0), (1, 1), (1, 2), (1, 4)]
+    assert spec["rows"][0]["vs_gamma0"] == 1.0
+    # a forced γ is the γ every decode step ran
+    assert all(set(r["gamma_steps"]) == {str(r["gamma"])} or set(r["gamma_steps"]) == {r["gamma"]}
+               for r in spec["rows"]), spec["rows"]
