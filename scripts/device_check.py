@@ -4,6 +4,8 @@ On a GPU: for decode (q_len 1), verify (q_len 4, 8) and prefill chunks (q_len 25
 and llama-3-8b (GQA 32/8) head shapes, bf16, page size 16 / 32, batch 1..64, context 512..4096 (mixed lengths in
 a batch), it checks ``paged_attention`` (GPU body, compiled) against ``paged_attention_reference`` on a pool whose
 unwritten slots are NaN, times both, and for q_len 1 also times ``jax.experimental.pallas.ops.gpu.paged_attention``.
+Where ``num_splits=0`` (keys split across programs, the count chosen from the grid's size) would split, that
+variant is checked and timed too (``split_us`` / its split count).
 
 Timing: one jitted executable runs the kernel ``calls_per_run`` times on distinct q slices (one dispatch, nothing
 to CSE or hoist); the time of a call is the median over ``runs`` runs after warm-up, divided by
@@ -43,6 +45,8 @@ from kernels_pallas.paged_attention import (  # noqa: E402
     paged_attention,
     paged_attention_reference,
 )
+from kernels_pallas.paged_attention.kernel_gpu import GPU_TUNING_DEFAULTS, auto_num_splits  # noqa: E402
+from kernels_pallas.paged_attention.layout import QueryBlocking  # noqa: E402
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # max abs error vs the reference (outputs are O(1))
 
@@ -193,6 +197,18 @@ def run_case(case: Case, *, interpret: bool, calls_per_run: int, runs: int, copy
     row["kernel_GBps"] = row["bytes"] / row["kernel_s"] / 1e9
     row["kernel_bw_fraction"] = row["kernel_GBps"] * 1e9 / copy_bw
     row["kernel_TFLOPs"] = attention_flops(case, lens) / row["kernel_s"] / 1e12
+    # keys split across programs (num_splits=0: chosen from the grid's size), where that choice splits at all
+    blocking = QueryBlocking.choose(case.q_len, case.num_q_heads // case.num_kv_heads,
+                                    GPU_TUNING_DEFAULTS["block_rows"])
+    max_iterations = -(-block_tables.shape[1] // GPU_TUNING_DEFAULTS["pages_per_block"])
+    row["split_num_splits"] = auto_num_splits(case.batch * case.num_kv_heads * blocking.num_q_blocks, max_iterations)
+    if row["split_num_splits"] > 1:
+        split = functools.partial(kernel, num_splits=0)
+        split_out = jax.jit(split)(q, *rest).astype(jnp.float32)
+        row["split_max_abs_err"] = float(jnp.max(jnp.abs(split_out - expected)))
+        row["split_ok"] = not bool(jnp.isnan(split_out).any()) and row["split_max_abs_err"] <= TOLERANCE[case.dtype]
+        row["ok"] = row["ok"] and row["split_ok"]
+        row["split_s"] = time_call(split, q, rest, calls_per_run=calls_per_run, runs=runs)
     if case.q_len == 1:
         try:
             ops = jax.jit(functools.partial(pallas_ops_decode, interpret=interpret))
@@ -213,7 +229,7 @@ def print_table(rows: list[dict], label: str, copy_bw: float) -> None:
     print(f"\n== paged attention device check: {label} | copy bandwidth {copy_bw / 1e9:.1f} GB/s ==")
     header = (
         f"{'case':24} {'ok':>3} {'max_err':>8} {'kernel_us':>10} {'GB/s':>8} {'bw_frac':>7} {'TFLOP/s':>7} "
-        f"{'ref_us':>9} {'ops_us':>9} {'ops_frac':>8}"
+        f"{'ref_us':>9} {'ops_us':>9} {'ops_frac':>8} {'split_us':>12}"
     )
     print(header)
     for row in rows:
@@ -222,10 +238,12 @@ def print_table(rows: list[dict], label: str, copy_bw: float) -> None:
             continue
         ops_us = f"{row['pallas_ops_s'] * 1e6:9.1f}" if "pallas_ops_s" in row else f"{'-':>9}"
         ops_frac = f"{row['pallas_ops_bw_fraction']:8.2f}" if "pallas_ops_s" in row else f"{'-':>8}"
+        split_us = (f"{row['split_s'] * 1e6:8.1f} /{row['split_num_splits']:>2}" if "split_s" in row
+                    else f"{'-':>12}")
         print(
             f"{row['name']:24} {'yes' if row['ok'] else 'NO':>3} {row['max_abs_err']:8.1e} "
             f"{row['kernel_s'] * 1e6:10.1f} {row['kernel_GBps']:8.1f} {row['kernel_bw_fraction']:7.2f} "
-            f"{row['kernel_TFLOPs']:7.2f} {row['reference_s'] * 1e6:9.1f} {ops_us} {ops_frac}"
+            f"{row['kernel_TFLOPs']:7.2f} {row['reference_s'] * 1e6:9.1f} {ops_us} {ops_frac} {split_us}"
         )
 
 

@@ -101,6 +101,9 @@ def _validate_tuning(tuning: dict, defaults: dict, backend: str, page_size: int,
         value = params[name]
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if "num_splits" in params and (not isinstance(params["num_splits"], int) or params["num_splits"] < 0):
+        raise ValueError(f"num_splits must be an int >= 0 (0: chosen from the grid's size, 1: no split), "
+                         f"got {params['num_splits']!r}")
     if backend == "gpu" and compiled:
         # Triton tiles must have power-of-two sides: [pages_per_block * page_size, head_dim].
         for name, value in (
@@ -136,7 +139,8 @@ def paged_attention(
     interpret: None -> interpret exactly when running on CPU. With backend="tpu", ``interpret=True`` uses the TPU
       interpreter (``pltpu.InterpretParams()``), which models SMEM scalar prefetch and the page DMAs.
     tuning: ``GPU_TUNING_DEFAULTS`` / ``TPU_TUNING_DEFAULTS`` keys (pages_per_block, block_rows; GPU also
-      num_warps, num_stages).
+      num_warps, num_stages, and num_splits: key ranges per (sequence, KV head, q block) merged afterwards, 1 = no
+      split, 0 = chosen from the grid's size; see ``kernel_gpu.py``).
     """
     _validate(q, k_pages, v_pages, block_tables, context_lens, scale)
     if tree_mask is not None:

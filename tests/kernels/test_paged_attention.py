@@ -78,6 +78,45 @@ def test_gpu_body_prefill_chunks(dtype):
 
 
 @pytest.mark.parametrize(
+    "case_kwargs, context_lens, tuning",
+    [
+        ({"q_len": 1, "num_q_heads": 4, "num_kv_heads": 2, "page_size": 4}, [1, 3, 4, 5, 13, 40],
+         {"num_splits": 4, "pages_per_block": 2}),  # decode; 40 keys reach the last split, 1 key only the first
+        ({"q_len": 5, "num_q_heads": 8, "num_kv_heads": 2, "page_size": 8, "dtype": BF16}, [5, 9, 41],
+         {"num_splits": 3, "pages_per_block": 1}),  # verify; 7 iterations in splits of 3, 3 and 1
+        ({"q_len": 24, "num_q_heads": 4, "num_kv_heads": 2, "page_size": 8}, [5, 24, 37, 50],
+         {"num_splits": 2, "pages_per_block": 2, "block_rows": 16}),  # prefill, 3 q blocks x 2 splits
+        ({"q_len": 1, "num_q_heads": 8, "num_kv_heads": 1, "page_size": 4}, [2, 29],
+         {"num_splits": 0, "pages_per_block": 1}),  # auto: 2 programs -> as many splits as iterations (8)
+    ],
+    ids=["decode-4", "verify-3-bf16", "prefill-2", "auto"],
+)
+def test_gpu_body_split_keys(case_kwargs, context_lens, tuning):
+    """Keys split into ranges, each its own program, merged in order (flash-decoding) == the reference; the
+    pools are NaN wherever nothing may read, so an empty or partial split reads nothing it must not."""
+    case = make_case(context_lens, **case_kwargs)
+    _check(case, backend="gpu", **tuning)
+    unsplit = paged_attention(*case.args, scale=case.scale, backend="gpu", **{**tuning, "num_splits": 1})
+    split = paged_attention(*case.args, scale=case.scale, backend="gpu", **tuning)
+    assert_close(split, unsplit)
+
+
+def test_split_keys_keep_a_stray_read_visible_and_pick_their_count():
+    """A NaN read inside one split reaches the merged output (not hidden by its weight); ``auto_num_splits`` fills
+    about SPLIT_TARGET_PROGRAMS programs, never more splits than loop iterations, and none for a large grid."""
+    case = make_case([5, 9], q_len=1, num_q_heads=4, num_kv_heads=2, page_size=4)
+    over = paged_attention(*case.args[:4], case.context_lens + 1, scale=case.scale, backend="gpu", num_splits=2,
+                           pages_per_block=1)
+    assert np.isnan(np.asarray(over)).all(axis=(1, 2, 3)).all()
+    assert kernel_gpu.auto_num_splits(8, 256) == 16  # batch 1, 8 KV heads, 4096 keys in 256 iterations
+    assert kernel_gpu.auto_num_splits(8, 3) == 3
+    assert kernel_gpu.auto_num_splits(3, 256) == 64  # ceil(128 / 3) = 43 -> 64
+    assert kernel_gpu.auto_num_splits(512, 256) == 1
+    with pytest.raises(ValueError, match="num_splits must be an int >= 0"):
+        paged_attention(*case.args, scale=case.scale, backend="gpu", num_splits=-1)
+
+
+@pytest.mark.parametrize(
     "params, context_lens, tuning",
     [
         ((F32, 4, 4, 2, 1), [1, 3, 4, 5, 9], {}),
@@ -204,6 +243,14 @@ def test_gpu_body_lowers_to_triton():
     """Runs the Pallas -> Triton IR lowering on CPU (needs jaxlib's Triton bindings); Triton compile is not run."""
     text = _lower_for("cuda", kernel_gpu.paged_attention_gpu)
     assert "__gpu$xla.gpu.triton" in text
+
+
+def test_split_gpu_body_lowers_to_triton():
+    """The split body (a fourth grid axis, a loop from a program-dependent start, three float32 outputs) lowers to
+    Triton IR too, with and without a tree mask."""
+    for tree_window in (0, 40):
+        text = _lower_for("cuda", kernel_gpu.paged_attention_gpu, tree_window=tree_window, num_splits=4)
+        assert "__gpu$xla.gpu.triton" in text and "_split4" in text
 
 
 def test_tpu_body_lowers_to_mosaic():

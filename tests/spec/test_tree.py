@@ -145,9 +145,10 @@ def test_cpu_kernel_tree_mask_matches_reference(dtype):
 @pytest.mark.parametrize("backend, dtype, q_len, window, tuning", [
     ("gpu", jnp.float32, 20, 40, {"block_rows": 16}),  # 40 rows per head: 3 q blocks; 2 bit words
     ("gpu", jnp.bfloat16, 5, 70, {}),  # 3 words, the last partial
+    ("gpu", jnp.float32, 4, 40, {"num_splits": 3, "pages_per_block": 1}),  # keys split: the window spans splits
     ("tpu", jnp.float32, 20, 40, {"block_rows": 16}),
     ("tpu", jnp.bfloat16, 3, 33, {}),  # window key 32 is the second word's bit 0
-], ids=["gpu-f32-3blocks", "gpu-bf16-3words", "tpu-f32-3blocks", "tpu-bf16-33"])
+], ids=["gpu-f32-3blocks", "gpu-bf16-3words", "gpu-f32-split", "tpu-f32-3blocks", "tpu-bf16-33"])
 def test_pallas_bodies_tree_mask_match_reference(backend, dtype, q_len, window, tuning):
     """The Pallas bodies under a tree mask == the reference (compiled on their own accelerator, else interpreted);
     the mask changes the output."""
