@@ -82,7 +82,11 @@ def linear(x: jax.Array, w: jax.Array, *, impl: str = "auto", transposed: bool =
     if w.ndim == 3:  # packed for the CPU kernel (pack_state); XLA's dot takes [K, N] / [N, K]: a float32 copy
         w = cpu.q8_table(w) if cpu.is_q8(w) else cpu.unpack(w)
     spec = "...k,nk->...n" if transposed else "...k,kn->...n"
-    return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
+    # float32 means float32 on a GPU too: XLA:GPU's default precision feeds float32 products TF32 inputs (10-bit
+    # mantissas), as PyTorch does not by default. XLA:CPU computes float32 in full either way (left at its default).
+    full = jnp.result_type(x, w) == jnp.float32 and jax.default_backend() != "cpu"
+    return jnp.einsum(spec, x, w, preferred_element_type=out_dtype,
+                      precision=jax.lax.Precision.HIGHEST if full else None)
 
 
 def pack_state(state, impl: str = "auto", *, weight_format: str = "auto"):

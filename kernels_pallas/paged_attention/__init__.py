@@ -132,8 +132,8 @@ def paged_attention(
     """Paged multi-query causal attention with GQA; same contract as ``paged_attention_reference``, tree mask
     included (each q block's rows carry their tree mask as bit words: ``layout.py``).
 
-    If q's dtype differs from the pages' dtype, q is cast to the pages' dtype for the matmuls and the output is
-    returned in q's dtype.
+    If q's dtype differs from the pages' dtype, the products run in the wider of the two (a float32 q over bfloat16
+    pages: K and V widened to float32 tile by tile, as the reference does) and the output is returned in q's dtype.
 
     backend: "gpu" (Pallas Triton body), "tpu" (Mosaic TPU body) or "auto" (TPU body on TPU, GPU body elsewhere).
     interpret: None -> interpret exactly when running on CPU. With backend="tpu", ``interpret=True`` uses the TPU
@@ -149,8 +149,11 @@ def paged_attention(
             raise ValueError(f"tree_mask dtype must be bool, got {tree_mask.dtype}")
     backend = _resolve_backend(backend)
     out_dtype = q.dtype
-    # The matmuls take one input dtype; casting q (small) beats casting the page pool (large).
-    q = q.astype(k_pages.dtype)
+    # The products take the wider of the two dtypes: a bfloat16 q over float32 pages is widened (q is small); a
+    # float32 q over bfloat16 pages stays float32 and each K/V tile is widened in the body (online_softmax_step), so
+    # q and the sums stay float32 as they do in the reference and the CPU kernel (kv_cache_dtype="bfloat16" under a
+    # float32 model), rather than q being rounded to bfloat16.
+    q = q.astype(jnp.promote_types(q.dtype, k_pages.dtype))
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     page_size, head_dim = k_pages.shape[2], k_pages.shape[3]

@@ -154,6 +154,8 @@ def online_softmax_step(
     context may be NaN and ``0 * nan = nan``, so masked scores, probabilities and values are all replaced."""
     # HIGHEST: fp32 inputs use IEEE fp32 on GPU instead of TF32; no effect on bf16.
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    if k.dtype != q.dtype:  # a float32 q over bfloat16 pages (the wrapper never passes a narrower q): widen the tile
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
     scores = lax.dot_general(
         q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
     )  # [block_rows, block_k]

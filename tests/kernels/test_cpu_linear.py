@@ -368,3 +368,19 @@ def test_back_to_back_layer_calls_stay_exact():
     for _ in range(25):
         for t, f in zip(chain(x), first, strict=True):
             np.testing.assert_array_equal(np.asarray(t), f)
+
+
+def test_xla_products_of_float32_ask_for_full_precision_off_the_cpu(monkeypatch):
+    """On a GPU, XLA's default precision gives float32 products TF32 inputs; the model's linear layers ask for
+    HIGHEST there (float32 means float32, as in PyTorch), bfloat16 keeps the default, and on the CPU backend (full
+    float32 either way) the product is left as it was."""
+    x = jnp.ones((3, 16), jnp.float32)
+    w = jnp.ones((16, 8), jnp.float32)
+
+    def text(a, b) -> str:
+        return str(jax.make_jaxpr(lambda a, b: linear(a, b, impl="xla"))(a, b))
+
+    assert "Precision.HIGHEST" not in text(x, w)  # CPU backend
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert "precision=(Precision.HIGHEST, Precision.HIGHEST)" in text(x, w)
+    assert "Precision.HIGHEST" not in text(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))

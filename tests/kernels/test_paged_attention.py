@@ -140,14 +140,23 @@ def test_tpu_body_interpreted(params, context_lens, tuning):
     _check(case, backend="tpu", interpret=True, **tuning)
 
 
-def test_q_dtype_differs_from_pages():
-    """fp32 q over a bf16 pool: q is cast to bf16 for the kernel, the output comes back fp32."""
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_q_dtype_differs_from_pages(backend):
+    """fp32 q over a bf16 pool (kv_cache_dtype="bfloat16" under a float32 model): q and the sums stay float32 as in
+    the reference (K and V widened tile by tile), to float32 tolerance, the output fp32. The body used to round q
+    to bfloat16 first, ~1e-2 off. A bf16 q over an fp32 pool is widened to fp32."""
     case = make_case([5, 9], q_len=2, num_q_heads=4, num_kv_heads=2, page_size=4, dtype=BF16)
-    q = case.q.astype(F32)
-    expected = paged_attention_reference(case.q, *case.args[1:], scale=case.scale).astype(F32)
-    actual = paged_attention(q, *case.args[1:], scale=case.scale)
-    assert actual.dtype == F32
-    assert_close(actual.astype(BF16), expected.astype(BF16))
+    q = jax.random.normal(jax.random.key(1), case.q.shape, F32)
+    expected = paged_attention_reference(q, *case.args[1:], scale=case.scale)
+    actual = paged_attention(q, *case.args[1:], scale=case.scale, backend=backend, interpret=True)
+    assert actual.dtype == F32 and expected.dtype == F32
+    assert_close(actual, expected)
+    f32 = make_case([5, 9], q_len=2, num_q_heads=4, num_kv_heads=2, page_size=4)
+    narrow_q = f32.q.astype(BF16)
+    expected = paged_attention_reference(narrow_q, *f32.args[1:], scale=f32.scale)
+    actual = paged_attention(narrow_q, *f32.args[1:], scale=f32.scale, backend=backend, interpret=True)
+    assert actual.dtype == BF16
+    assert_close(actual, expected)
 
 
 def test_auto_backend_under_jit():
