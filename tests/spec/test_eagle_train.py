@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,6 +43,8 @@ def test_unrolled_chain_equals_sequential_drafting(eagle, num_layers) -> None:
     emb = jnp.asarray(rng.standard_normal((1, t, 32)).astype(np.float32))
     h = jnp.asarray(rng.standard_normal((1, t, 32)).astype(np.float32))
     outs = eagle.ttt_forward(cfg, params, emb, h, depths)
+    # one compile per prefix length instead of every op run eagerly per shape (54 s -> a few here)
+    one_depth = jax.jit(lambda e, f: eagle.ttt_forward(cfg, params, e, f, 1)[0])
     for c in range(0, t - depths + 1):
         feat_in = np.zeros((t, 32), np.float32)  # slot p's feature input
         feat_in[1 : c + 1] = np.asarray(h[0, :c])
@@ -49,7 +52,7 @@ def test_unrolled_chain_equals_sequential_drafting(eagle, num_layers) -> None:
             p = c + j - 1
             shifted = np.zeros((1, t, 32), np.float32)  # ttt_forward shifts by one: h'[p] = feat_in[p + 1]
             shifted[0, :-1] = feat_in[1:]
-            ref = eagle.ttt_forward(cfg, params, emb[:, : p + 1], jnp.asarray(shifted[:, : p + 1]), 1)[0][0, p]
+            ref = one_depth(emb[:, : p + 1], jnp.asarray(shifted[:, : p + 1]))[0, p]
             np.testing.assert_allclose(np.asarray(outs[j - 1][0, p]), np.asarray(ref), rtol=2e-4, atol=2e-5,
                                        err_msg=f"chain start {c}, depth {j}")
             if p + 1 < t:
