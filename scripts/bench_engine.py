@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nightjar_jax.bench.common import (  # noqa: E402
     DEFAULT_DATASET,
     ReadProbe,
+    host_share,
     load_prompt_texts,
     machine_note,
     make_prompt_ids,
@@ -121,34 +122,6 @@ def interleaved_batch1(llm, prompt: list[int], steps: int, probe: ReadProbe) -> 
             "step_over_read_quartiles": [float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75))],
             "median_step_over_median_read": float(np.median(st) / np.median(rd)),
             "step_ms": [1e3 * v for v in step_s], "read_ms": [1e3 * v for v in read_s], "token_ids": list(token_ids)}
-
-
-def host_share(llm, prompts: list[list[int]], output_len: int) -> dict:
-    """Share of decode-step wall time spent outside the jitted forward call (dispatch + device + block)."""
-    import jax
-
-    runner = llm.engine.runner
-    inner = runner._forward_sample
-    call_seconds: list[float] = []
-
-    def timed(*args):
-        t0 = time.perf_counter()
-        out = inner(*args)
-        jax.block_until_ready(out)
-        if args[3].shape[1] == 1:  # tokens [S, 1]: a decode step (prefill chunks are longer)
-            call_seconds.append(time.perf_counter() - t0)
-        return out
-
-    runner._forward_sample = timed
-    try:
-        run = run_decode_workload(llm, prompts, output_len)
-    finally:
-        runner._forward_sample = inner
-    step = run.decode_seconds / run.num_decode_steps
-    device = sum(call_seconds) / len(call_seconds)
-    return {"batch_size": len(prompts), "step_ms": 1e3 * step, "forward_call_ms": 1e3 * device,
-            "host_ms": 1e3 * (step - device), "host_fraction": (step - device) / step,
-            "num_steps": run.num_decode_steps}
 
 
 # ---- the peer ---------------------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ Weights are random (``load_format="dummy"``, created on the device in bfloat16):
 values, and no checkpoint has to travel to the device machine. For each ``--models`` entry it builds an AR engine
 (``draft_model=None``) with ``attention_impl="auto"`` (the Pallas kernel on a GPU / TPU) and times greedy decode
 at each batch size (``run_decode_workload``: decode steps only, from the engine's step log, after one untimed run
-that compiles that batch's shapes; the compile run's wall time is reported too). The floor of a batch-1 step is the
+that compiles that batch's shapes; the compile run's wall time is reported too), then one more run with the
+jitted forward call timed to its end (``host_share``): the call's time (dispatch + device) and the rest of a step
+(the host's scheduling and bookkeeping). The floor of a batch-1 step is the
 weights' bytes over the device's read bandwidth, measured here (a jitted float32 sum over ``--bandwidth-mib``).
 If the engine fails with the Pallas kernel, the error is recorded and the model is run again with
 ``attention_impl="reference"`` (XLA), so one failure still leaves numbers.
@@ -34,6 +36,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nightjar_jax.bench.common import (  # noqa: E402
+    host_share,
     machine_note,
     memory_bandwidth_gbs,
     pages_needed,
@@ -100,11 +103,14 @@ def ar_section(model: str, args, bw_gbs: float, impl: str) -> dict:
         compile_run_s = time.perf_counter() - t1
         runs = [run_decode_workload(llm, prompts, args.output_len) for _ in range(2)]
         best = min(runs, key=lambda r: r.tpot_ms)
+        host = host_share(llm, prompts, args.output_len)  # the step with the forward call timed to its end
         rows.append({"batch_size": b, "tpot_ms": best.tpot_ms, "tokens_per_s": best.tokens_per_second,
                      "floor_ratio": best.tpot_ms / floor_ms if b == 1 else None,
-                     "compile_run_s": compile_run_s, "decode_steps": best.num_decode_steps})
+                     "compile_run_s": compile_run_s, "decode_steps": best.num_decode_steps,
+                     "forward_call_ms": host["forward_call_ms"], "host_ms": host["host_ms"]})
         print(f"  {model} [{resolve_impl(impl)}] batch {b:3d}: TPOT {best.tpot_ms:8.3f} ms  "
-              f"{best.tokens_per_second:9.1f} tok/s  (first run incl. compile {compile_run_s:.1f} s)", flush=True)
+              f"{best.tokens_per_second:9.1f} tok/s  (first run incl. compile {compile_run_s:.1f} s; forward call "
+              f"{host['forward_call_ms']:.3f} ms, the rest of a step {host['host_ms']:.3f} ms)", flush=True)
     return {"model": model, "attention_impl": resolve_impl(impl), "build_s": build_s, "weight_bytes": weight_bytes,
             "floor_ms": floor_ms, "rows": rows}
 

@@ -23,6 +23,7 @@ def test_device_check_engine_smoke_writes_each_section(tmp_path):
     ar, spec = result["sections"]
     assert [r["batch_size"] for r in ar["rows"]] == [1, 2]
     assert all(r["tpot_ms"] > 0 and r["tokens_per_s"] > 0 for r in ar["rows"])
+    assert all(0 < r["forward_call_ms"] and r["host_ms"] > -r["forward_call_ms"] for r in ar["rows"])
     assert ar["weight_bytes"] > 0 and ar["floor_ms"] > 0 and ar["rows"][0]["floor_ratio"] > 0
     assert [(r["batch_size"], r["gamma"]) for r in spec["rows"]] == [(1, 0), (1, 1), (1, 2), (1, 4)]
     assert spec["rows"][0]["vs_gamma0"] == 1.0
