@@ -64,6 +64,16 @@ def parse_args() -> argparse.Namespace:
     if args.smoke:
         args.models, args.spec, args.batch_sizes, args.spec_batch_sizes = "tiny-gqa", "tiny-gqa+tiny-mha", "1,2", "1"
         args.prompt_len, args.output_len, args.bandwidth_mib, args.dtype = 16, 8, 64, "float32"
+    if args.spec and (args.spec.count("+") != 1 or not all(args.spec.split("+"))):
+        p.error(f"--spec {args.spec!r}: expected TARGET+DRAFT (e.g. llama-7b+llama-68m), or '' to skip")
+    for name in ("batch_sizes", "spec_batch_sizes", "gammas"):
+        try:
+            values = _ints(getattr(args, name))
+        except ValueError:
+            values = []
+        if not values or min(values) < (0 if name == "gammas" else 1):
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)!r}: expected a comma list of integers "
+                    f"{'>= 0' if name == 'gammas' else '>= 1'}")
     return args
 
 

@@ -30,3 +30,12 @@ def test_device_check_engine_smoke_writes_each_section(tmp_path):
     # a forced γ is the γ every decode step ran
     assert all(set(r["gamma_steps"]) == {str(r["gamma"])} or set(r["gamma_steps"]) == {r["gamma"]}
                for r in spec["rows"]), spec["rows"]
+
+
+def test_device_check_engine_rejects_bad_arguments_clearly():
+    script = str(ROOT / "scripts" / "device_check_engine.py")
+    for argv, message in [(["--spec", "llama-7b"], "expected TARGET+DRAFT"),
+                          (["--batch-sizes", "1,x"], "comma list of integers >= 1"),
+                          (["--gammas", "-1"], "comma list of integers >= 0")]:
+        proc = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and message in proc.stderr, (argv, proc.stderr[-500:])
