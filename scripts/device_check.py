@@ -45,7 +45,7 @@ from kernels_pallas.paged_attention import (  # noqa: E402
     paged_attention,
     paged_attention_reference,
 )
-from kernels_pallas.paged_attention.kernel_gpu import GPU_TUNING_DEFAULTS, auto_num_splits  # noqa: E402
+from kernels_pallas.paged_attention.kernel_gpu import GPU_TUNING_DEFAULTS, split_plan  # noqa: E402
 from kernels_pallas.paged_attention.layout import QueryBlocking  # noqa: E402
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # max abs error vs the reference (outputs are O(1))
@@ -201,7 +201,7 @@ def run_case(case: Case, *, interpret: bool, calls_per_run: int, runs: int, copy
     blocking = QueryBlocking.choose(case.q_len, case.num_q_heads // case.num_kv_heads,
                                     GPU_TUNING_DEFAULTS["block_rows"])
     max_iterations = -(-block_tables.shape[1] // GPU_TUNING_DEFAULTS["pages_per_block"])
-    row["split_num_splits"] = auto_num_splits(case.batch * case.num_kv_heads * blocking.num_q_blocks, max_iterations)
+    _, row["split_num_splits"] = split_plan(case.batch, case.num_kv_heads, blocking, max_iterations, 0)
     if row["split_num_splits"] > 1:
         split = functools.partial(kernel, num_splits=0)
         split_out = jax.jit(split)(q, *rest).astype(jnp.float32)

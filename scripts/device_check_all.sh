@@ -23,14 +23,15 @@ timeout 90 python3 scripts/device_check.py --budget-s 60 --out "$out_dir/device_
     > "$out_dir/attention.log" 2>&1
 echo "attention check exit $?"; tail -25 "$out_dir/attention.log"
 
-timeout 210 python3 scripts/device_check_engine.py --budget-s 150 --batch-sizes 1,64 --gammas 0,2,4 --out "$out_dir/device_check_engine.json" \
-    > "$out_dir/engine.log" 2>&1
+timeout 210 python3 scripts/device_check_engine.py --budget-s 150 --batch-sizes 1,64 --gammas 0,2,4 \
+    --out "$out_dir/device_check_engine.json" > "$out_dir/engine.log" 2>&1
 echo "engine check exit $?"; grep -v "^ *File\|^    " "$out_dir/engine.log" | tail -30
 
 # the kernel bodies first (fast, the most device-specific), then the engine through a real model
 JAX_PLATFORMS=cuda,cpu timeout 170 python3 -m pytest -v -p no:cacheprovider -rfE --tb=short \
     tests/kernels/test_paged_attention.py tests/spec/test_tree.py > "$out_dir/pytest_gpu_kernels.log" 2>&1
-echo "pytest (kernels, trees) exit $?"; grep -E "FAILED|ERROR|passed|failed" "$out_dir/pytest_gpu_kernels.log" | tail -20
+echo "pytest (kernels, trees) exit $?"; grep -E "FAILED|ERROR|passed|failed" "$out_dir/pytest_gpu_kernels.log" \
+    | tail -20
 JAX_PLATFORMS=cuda,cpu timeout 80 python3 -m pytest -v -p no:cacheprovider -rfE --tb=short \
     tests/engine/test_engine_real.py > "$out_dir/pytest_gpu_engine.log" 2>&1
 echo "pytest (engine) exit $?"; grep -E "FAILED|ERROR|passed|failed" "$out_dir/pytest_gpu_engine.log" | tail -20

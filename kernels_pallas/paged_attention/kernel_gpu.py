@@ -121,6 +121,19 @@ def auto_num_splits(num_programs: int, max_iterations: int, target: int = SPLIT_
     return max(1, min(1 << (want - 1).bit_length(), max_iterations))
 
 
+def split_plan(num_seqs: int, num_kv_heads: int, blocking: QueryBlocking, max_iterations: int,
+               num_splits: int) -> tuple[int, int]:
+    """``(iterations per split, splits)`` the body runs for ``num_splits`` (0: :func:`auto_num_splits` over the
+    grid's ``num_seqs x num_kv_heads x q blocks`` programs); ``(0, 1)`` when it does not split. The splits actually
+    run can be fewer than asked: equal ranges of ``ceil(max_iterations / num_splits)`` iterations."""
+    if num_splits == 0:
+        num_splits = auto_num_splits(num_seqs * num_kv_heads * blocking.num_q_blocks, max_iterations)
+    if num_splits <= 1:
+        return 0, 1
+    iters_per_split = -(-max_iterations // num_splits)
+    return iters_per_split, -(-max_iterations // iters_per_split)
+
+
 def combine_splits(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array) -> jax.Array:
     """Merge per-split flash-attention state along axis 2 (``[..., num_splits, rows, head_dim | 1]``), in split
     order, into normalised float32 outputs ``[..., rows, head_dim]``. An empty split (max ``MASK_VALUE``, sum 0)
@@ -168,11 +181,8 @@ def paged_attention_gpu(
     rows = blocking.block_rows
     words = () if tree_mask is None else tree_words(tree_mask, blocking)
 
-    max_iterations = padded_pages_per_seq // pages_per_block
-    if num_splits == 0:
-        num_splits = auto_num_splits(num_seqs * num_kv_heads * blocking.num_q_blocks, max_iterations)
-    iters_per_split = -(-max_iterations // num_splits) if num_splits > 1 else 0
-    splits = -(-max_iterations // iters_per_split) if iters_per_split else 1
+    iters_per_split, splits = split_plan(num_seqs, num_kv_heads, blocking, padded_pages_per_seq // pages_per_block,
+                                         num_splits)
 
     kernel = functools.partial(
         _paged_attention_gpu_kernel, blocking=blocking, pages_per_block=pages_per_block, scale=scale,

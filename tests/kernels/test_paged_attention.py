@@ -112,6 +112,9 @@ def test_split_keys_keep_a_stray_read_visible_and_pick_their_count():
     assert kernel_gpu.auto_num_splits(8, 3) == 3
     assert kernel_gpu.auto_num_splits(3, 256) == 64  # ceil(128 / 3) = 43 -> 64
     assert kernel_gpu.auto_num_splits(512, 256) == 1
+    one_row = layout.QueryBlocking.choose(1, 4, 64)
+    assert kernel_gpu.split_plan(1, 8, one_row, 17, 0) == (2, 9)  # 16 asked, 17 iterations: ranges of 2, 9 run
+    assert kernel_gpu.split_plan(64, 8, one_row, 17, 0) == (0, 1) == kernel_gpu.split_plan(1, 8, one_row, 17, 1)
     with pytest.raises(ValueError, match="num_splits must be an int >= 0"):
         paged_attention(*case.args, scale=case.scale, backend="gpu", num_splits=-1)
 
