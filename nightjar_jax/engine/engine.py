@@ -322,14 +322,14 @@ class LLMEngine:
         batch = self.scheduler.schedule_prefill()
         outputs: list[RequestOutput] = []
         if batch is not None:
-            sampled = self.runner.execute_prefill(batch)
+            sampled, logprobs = self.runner.execute_prefill(batch)
             now = time.monotonic()
-            for r, n, tok in zip(batch.requests, batch.num_new_tokens, sampled, strict=True):
+            for i, (r, n, tok) in enumerate(zip(batch.requests, batch.num_new_tokens, sampled, strict=True)):
                 if r.first_scheduled_time is None:
                     r.first_scheduled_time = now
                 r.num_computed += n
                 if r.num_computed == r.num_tokens:  # the chunk reached the end: the sampled token is real
-                    outputs.append(self._append(r, [int(tok)], now))
+                    outputs.append(self._append(r, [int(tok)], now, logprobs[i] if logprobs else None))
             self.stats.num_prefill_steps += 1
         else:
             gamma = self._select_gamma()
@@ -346,10 +346,10 @@ class LLMEngine:
                 compiled = self.runner.num_compiled() != compiled_before
                 now = time.monotonic()
                 delivered = 0  # tokens appended: a stop or max_tokens drops the committed tokens after it
-                for r, toks in zip(batch.requests, result.committed, strict=True):
+                for i, (r, toks) in enumerate(zip(batch.requests, result.committed, strict=True)):
                     r.num_computed = r.num_tokens + len(toks) - 1
                     before = len(r.output_token_ids)
-                    outputs.append(self._append(r, toks, now))
+                    outputs.append(self._append(r, toks, now, result.logprobs[i] if result.logprobs else None))
                     delivered += len(r.output_token_ids) - before
                 self._record_decode(batch, result, time.perf_counter() - t0, delivered, compiled,
                                     observe=not boosted)
@@ -431,15 +431,21 @@ class LLMEngine:
             self.stats.num_preemptions += len(batch.preempted)
 
     # ---- outputs ------------------------------------------------------------------------------------------------
-    def _append(self, r: Request, tokens: list[int], now: float) -> RequestOutput | None:
-        """Append committed tokens one by one, stopping at the first stop condition (later ones are dropped)."""
+    def _append(self, r: Request, tokens: list[int], now: float, logprobs: list | None = None) -> RequestOutput | None:
+        """Append committed tokens one by one, stopping at the first stop condition (later ones are dropped), with
+        their log-probabilities (one ``{token id: Logprob}`` per token) when the request asked for them."""
         if r.is_finished:
             return None
+        if r.sampling.logprobs is not None and (logprobs is None or len(logprobs) != len(tokens)):
+            raise RuntimeError(f"request {r.request_id} asked for log-probabilities but the step returned "
+                               f"{'none' if logprobs is None else len(logprobs)} for {len(tokens)} tokens")
         sp = r.sampling
         eos = self._eos_ids if not sp.ignore_eos else ()
         new_ids: list[int] = []
-        for tok in tokens:
+        for j, tok in enumerate(tokens):
             r.output_token_ids.append(tok)
+            if logprobs is not None and r.output_logprobs is not None:
+                r.output_logprobs.append(self._decode_logprobs(logprobs[j]))
             r.token_times.append(now)
             new_ids.append(tok)
             if r.first_token_time is None:
@@ -459,6 +465,13 @@ class LLMEngine:
                 break
         self.stats.num_generated_tokens += len(new_ids)
         return self._make_output(r, new_ids)
+
+    def _decode_logprobs(self, entry: dict) -> dict:
+        """Fill each entry's ``decoded_token`` (the token's own text) when there is a tokenizer."""
+        if self.tokenizer is not None:
+            for token, lp in entry.items():
+                lp.decoded_token = self.tokenizer.token_text(token)
+        return entry
 
     def _detokenize(self, r: Request, ids: list[int], final: bool) -> bool:
         """Extend ``r.output_text`` with ``ids``; returns True when a stop string ended the text (trimmed).
@@ -502,6 +515,8 @@ class LLMEngine:
             index=0, text=r.output_text, token_ids=list(r.output_token_ids),
             finish_reason=r.finish_reason.value if r.finish_reason else None, stop_reason=r.stop_reason,
             delta_text=delta, delta_token_ids=new_ids,
+            logprobs=None if r.output_logprobs is None else list(r.output_logprobs),
+            cumulative_logprob=None if r.output_logprobs is None else r.cumulative_logprob,
         )
         metrics = RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finish_time,
                                  list(r.token_times))

@@ -6,6 +6,21 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at one position (vLLM's ``Logprob``): the model's ``log_softmax`` value, its rank
+    there (1 = most likely) and its text (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated token: the generated token's entry first, then the top-k asked for (a dict keeps that order; the
+# generated token appears once when it is among them).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -14,6 +29,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     delta_text: str = ""  # text added by the latest step (streaming)
     delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None  # one entry per token of token_ids, when the request asked for them
+    cumulative_logprob: float | None = None  # the sum of the generated tokens' log-probabilities (same condition)
 
     @property
     def finished(self) -> bool:

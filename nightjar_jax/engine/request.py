@@ -59,6 +59,12 @@ class Request:
     held_text: str = ""  # decoded text held back: it may be the start of a stop string
     detokenizer: object | None = field(default=None, repr=False)
     lookup_index: object | None = field(default=None, repr=False)  # n-gram lookup drafts (spec/lookup.py)
+    # one {token id: Logprob} per output token when sampling.logprobs is set (else None)
+    output_logprobs: list | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.sampling.logprobs is not None and self.output_logprobs is None:
+            self.output_logprobs = []
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +86,14 @@ class Request:
     def is_prefilling(self) -> bool:
         """True while more than the last token remains to be processed."""
         return self.num_computed < self.num_tokens - 1
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the output tokens' log-probabilities (None unless the request asked for them)."""
+        if self.output_logprobs is None:
+            return None
+        return float(sum(entry[tok].logprob for tok, entry in zip(self.output_token_ids, self.output_logprobs,
+                                                                  strict=True)))
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)

@@ -14,7 +14,8 @@ the one at the previous position, and the draft embeds its tokens with the targe
 ``S`` is a batch bucket (powers of two up to ``max_num_seqs``); ``T`` a chunk bucket (powers of two). Each
 function also has a greedy variant (static ``all_greedy``) that skips the vocabulary-sized distributions.
 Variants compile on first use (kept across runs by JAX's persistent compilation cache) or all at once in
-:meth:`ModelRunner.warmup`; after that a step never compiles. Only committed token ids come back to the host.
+:meth:`ModelRunner.warmup`; after that a step never compiles. Only committed token ids come back to the host (and
+their log-probabilities for the requests that ask: ``SamplingParams.logprobs``, a static ``num_logprobs`` variant).
 """
 
 from __future__ import annotations
@@ -30,8 +31,18 @@ import numpy as np
 from flax import nnx
 
 from nightjar_jax.config import ModelConfig, resolve_kv_dtype
+from nightjar_jax.engine.outputs import Logprob, SampleLogprobs
 from nightjar_jax.engine.request import Request
-from nightjar_jax.engine.sampler import SamplingTensors, argmax, processed_probs, sample, top_k_ids
+from nightjar_jax.engine.sampler import (
+    SamplingTensors,
+    TokenLogprobs,
+    argmax,
+    logprobs_bucket,
+    processed_probs,
+    sample,
+    token_logprobs,
+    top_k_ids,
+)
 from nightjar_jax.engine.scheduler import ScheduledBatch
 from nightjar_jax.models.llama import (
     BatchMetadata,
@@ -208,6 +219,9 @@ class DecodeResult:
     catchup_tokens: int = 0
     tree_nodes: int = 0  # drafted nodes per request when the step verified a token tree (0: a chain)
     lookup: list[bool] | None = None  # per request: its drafts came from n-gram lookup (None: no lookup this step)
+    # per request, per committed token: its log-probabilities (the requests that asked; None for the others, and
+    # None throughout when no request of the batch asked)
+    logprobs: list[SampleLogprobs | None] | None = None
 
 
 @dataclass
@@ -217,6 +231,35 @@ class RunnerShapes:
     prefill_len_buckets: list[int]
     max_pages_per_seq: int
     page_buckets: list[int]  # block-table widths: powers of two (reference attention) or just the maximum
+
+
+def _logprobs_arg(requests: list[Request]) -> dict:
+    """The step functions' ``num_logprobs`` keyword for a batch: absent when no request asks for log-probabilities
+    (the variants without them run), else the static top-k bucket covering the largest request."""
+    asked = [r.sampling.logprobs for r in requests if r.sampling.logprobs is not None]
+    return {"num_logprobs": logprobs_bucket(max(asked))} if asked else {}
+
+
+def host_logprobs(lp: TokenLogprobs | None, requests: list[Request], committed: list[list[int]]) -> list | None:
+    """Device log-probabilities of a step ([S, ...] arrays, ``...`` = positions or none) -> per request, the
+    positions of its ``committed`` tokens as ``{token id: Logprob}`` (the chosen token first, then its top
+    ``logprobs``); None for requests that did not ask. Returns None when ``lp`` is None."""
+    if lp is None:
+        return None
+    logprob, rank, top_ids, top = (np.asarray(a) for a in lp)
+    if logprob.ndim == 1:  # one position per row: [S] -> [S, 1]
+        logprob, rank, top_ids, top = logprob[:, None], rank[:, None], top_ids[:, None], top[:, None]
+    return [None if r.sampling.logprobs is None else [
+        _position_logprobs(token, float(logprob[i, j]), int(rank[i, j]), top_ids[i, j, : r.sampling.logprobs],
+                           top[i, j, : r.sampling.logprobs])
+        for j, token in enumerate(tokens)] for i, (r, tokens) in enumerate(zip(requests, committed, strict=True))]
+
+
+def _position_logprobs(token: int, logprob: float, rank: int, top_ids: np.ndarray, top: np.ndarray) -> dict:
+    entry = {int(token): Logprob(logprob, rank)}
+    for k, (t, v) in enumerate(zip(top_ids.tolist(), top.tolist(), strict=True)):
+        entry.setdefault(int(t), Logprob(float(v), k + 1))
+    return entry
 
 
 def _copies_everything(looked_up: list[list[int]], requests: list[Request], gamma: int) -> bool:
@@ -315,7 +358,10 @@ class ModelRunner:
     def _build_jitted(self) -> None:
         t_hidden, t_logits = self.target.fns
 
-        def forward_sample(leaves, kv, feats, tokens, block_tables, context_lens, query_lens, st, all_greedy):
+        def forward_sample(leaves, kv, feats, tokens, block_tables, context_lens, query_lens, st, all_greedy,
+                           num_logprobs=None):
+            """... -> (next_tokens [S], kv, feats, log-probabilities of next_tokens or None). ``num_logprobs``
+            (static; None: off) is the top-k the log-probabilities carry (:func:`token_logprobs`)."""
             state = self.target.unflatten(leaves)
             md = BatchMetadata(block_tables, context_lens, query_lens)
             hidden, kv = t_hidden(state, tokens, kv, md)
@@ -326,9 +372,11 @@ class ModelRunner:
                 next_tokens = argmax(logits)
             else:
                 next_tokens = sample(logits, st, SALT_SAMPLE)
-            return next_tokens, kv, feats
+            lp = None if num_logprobs is None else token_logprobs(logits, next_tokens, num_logprobs)
+            return next_tokens, kv, feats, lp
 
-        self._forward_sample = jax.jit(forward_sample, donate_argnums=(1, 2), static_argnums=(8,))
+        self._forward_sample = jax.jit(forward_sample, donate_argnums=(1, 2), static_argnums=(8,),
+                                       static_argnames=("num_logprobs",))
 
         if self.draft is None:
             return
@@ -391,9 +439,10 @@ class ModelRunner:
             return draft_tokens, draft_probs, kv
 
         def verify(leaves, kv, feats, last_tokens, draft_tokens, draft_probs, copied, block_tables, context_lens, st,
-                   all_greedy):
+                   all_greedy, num_logprobs=None):
             """last_tokens [S]; draft_tokens [S, γ]; context_lens [S] = n + γ; copied [S, γ] bool: drafts that
-            n-gram lookup copied (their draft distribution is a point mass on the copied token)."""
+            n-gram lookup copied (their draft distribution is a point mass on the copied token). Returns (out
+            [S, γ + 1], num_accepted [S], kv, feats, the log-probabilities of out under the target, or None)."""
             state = self.target.unflatten(leaves)
             tokens = jnp.concatenate([last_tokens[:, None], draft_tokens], axis=1)  # [S, γ + 1]
             query_lens = jnp.where(context_lens > 0, tokens.shape[1], 0).astype(jnp.int32)
@@ -409,7 +458,9 @@ class ModelRunner:
                 point_mass = jax.nn.one_hot(draft_tokens, draft_probs.shape[-1], dtype=draft_probs.dtype)
                 draft_probs = jnp.where(copied[..., None], point_mass, draft_probs)
                 out, num_accepted = rejection_sample(draft_tokens, draft_probs, target_probs, st, salt=SALT_VERIFY)
-            return out, num_accepted, kv, feats
+            # out[:, j] (j <= num_accepted) is the target's token after position j, under logits[:, j]
+            lp = None if num_logprobs is None else token_logprobs(logits, out, num_logprobs)
+            return out, num_accepted, kv, feats, lp
 
         def propose_tree(leaves, kv, feats, embed, tokens, first_lens, block_tables, context_lens, copy_tokens,
                          gamma):
@@ -454,7 +505,7 @@ class ModelRunner:
             return jnp.concatenate(node_tokens, axis=1), kv
 
         def verify_tree(leaves, kv, feats, last_tokens, node_tokens, copy_valid, block_tables, context_lens, st,
-                        gamma, all_greedy):
+                        gamma, all_greedy, num_logprobs=None):
             """One target pass over the root and the tree's nodes (tree mask; context_lens = n + N), acceptance
             (greedy: the deepest agreeing branch; sampled: recursive rejection sampling down the tree, lossless), then
             the accepted branch's K/V (and features) moved from the nodes' slots n - 1 + i to positions
@@ -489,7 +540,11 @@ class ModelRunner:
             src = jnp.where(keep, n[:, None] - 1 + path[:, 1:], n[:, None] - 1 + depth)  # [S, depth]
             dst = n[:, None] - 1 + depth
             kv, feats = move_slots(kv, feats, src, dst, block_tables, real)
-            return out, num_accepted, kv, feats
+            lp = None
+            if num_logprobs is not None:  # out[:, j] is the target's token after the branch's node path[:, j]
+                branch_logits = jnp.take_along_axis(logits, path[:, :, None], axis=1)  # [S, depth + 1, V]
+                lp = token_logprobs(branch_logits, out, num_logprobs)
+            return out, num_accepted, kv, feats, lp
 
         def move_slots(kv, feats, src, dst, block_tables, real):
             """Copy every layer's K/V (and the feature pool's rows) from positions ``src`` to ``dst`` [S, m]
@@ -505,10 +560,11 @@ class ModelRunner:
             return moved, feats
 
         self._propose_tree = jax.jit(propose_tree, donate_argnums=(1,), static_argnums=(9,))
-        self._verify_tree = jax.jit(verify_tree, donate_argnums=(1, 2), static_argnums=(9, 10))
+        self._verify_tree = jax.jit(verify_tree, donate_argnums=(1, 2), static_argnums=(9, 10),
+                                    static_argnames=("num_logprobs",))
         self._draft_fill = jax.jit(draft_fill, donate_argnums=(1,))
         self._propose = jax.jit(propose, donate_argnums=(1,), static_argnums=(9, 10))
-        self._verify = jax.jit(verify, donate_argnums=(1, 2), static_argnums=(10,))
+        self._verify = jax.jit(verify, donate_argnums=(1, 2), static_argnums=(10,), static_argnames=("num_logprobs",))
 
     # ---- host-side batch assembly -------------------------------------------------------------------------------
     def _block_tables(self, requests: list[Request], num_rows: int, lookahead: int = 0) -> np.ndarray:
@@ -540,9 +596,10 @@ class ModelRunner:
         return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps)
 
     # ---- steps --------------------------------------------------------------------------------------------------
-    def execute_prefill(self, batch: ScheduledBatch) -> np.ndarray:
-        """Run prefill chunks; returns the sampled token per request ``[num_seqs]`` (meaningful only for requests
-        whose chunk reached the end of their tokens)."""
+    def execute_prefill(self, batch: ScheduledBatch) -> tuple[np.ndarray, list | None]:
+        """Run prefill chunks; returns the sampled token per request ``[num_seqs]`` and, when a request asked, their
+        log-probabilities (:func:`host_logprobs`; both meaningful only for requests whose chunk reached the end of
+        their tokens)."""
         num_rows = bucket_for(batch.num_seqs, self.shapes.prefill_seq_buckets)
         q_len = bucket_for(max(batch.num_new_tokens), self.shapes.prefill_len_buckets)
         tokens = np.zeros((num_rows, q_len), np.int32)
@@ -555,14 +612,17 @@ class ModelRunner:
             query_lens[i] = n
         return self._run_forward_sample(batch.requests, tokens, context_lens, query_lens, num_rows)
 
-    def _run_forward_sample(self, requests, tokens, context_lens, query_lens, num_rows) -> np.ndarray:
+    def _run_forward_sample(self, requests, tokens, context_lens, query_lens, num_rows):
+        """-> (next token per request [num_seqs], log-probabilities per request or None)."""
         all_greedy = all(r.sampling.greedy for r in requests)
         st = self._sampling_tensors(requests, num_rows)
         bt = self._block_tables(requests, num_rows)
-        next_tokens, self.kv, self.features = self._forward_sample(
-            self.target.leaves(), self.kv, self.features, tokens, bt, context_lens, query_lens, st, all_greedy
+        next_tokens, self.kv, self.features, lp = self._forward_sample(
+            self.target.leaves(), self.kv, self.features, tokens, bt, context_lens, query_lens, st, all_greedy,
+            **_logprobs_arg(requests),
         )
-        return np.asarray(next_tokens)[: len(requests)]
+        out = np.asarray(next_tokens)[: len(requests)]
+        return out, host_logprobs(lp, requests, [[int(t)] for t in out])
 
     def execute_decode(self, batch: ScheduledBatch, gamma: int) -> DecodeResult:
         """One decode step at speculative length ``gamma`` (0: plain autoregressive)."""
@@ -576,9 +636,9 @@ class ModelRunner:
                 tokens[i, 0] = r.token_at(r.num_tokens - 1)
                 context_lens[i] = r.num_tokens
             query_lens = (context_lens > 0).astype(np.int32)
-            out = self._run_forward_sample(requests, tokens, context_lens, query_lens, num_rows)
+            out, logprobs = self._run_forward_sample(requests, tokens, context_lens, query_lens, num_rows)
             return DecodeResult([[int(t)] for t in out], 0, 0, [0] * len(requests),
-                                verify_seconds=time.perf_counter() - t0)
+                                verify_seconds=time.perf_counter() - t0, logprobs=logprobs)
         if gamma > self.gamma_max:
             raise ValueError(f"gamma={gamma} exceeds the compiled maximum {self.gamma_max}")
 
@@ -640,14 +700,14 @@ class ModelRunner:
         drafted = gamma if tree is None else tree.num_nodes
         verify_lens = np.where(n > 0, n + drafted, 0).astype(np.int32)
         if tree is not None:
-            out, num_accepted, self.kv, self.features = self._verify_tree(
+            out, num_accepted, self.kv, self.features, lp = self._verify_tree(
                 self.target.leaves(), self.kv, self.features, first[:, -1], draft_tokens, copy_valid, bt, verify_lens,
-                st, gamma, all_greedy,
+                st, gamma, all_greedy, **_logprobs_arg(requests),
             )
         else:
-            out, num_accepted, self.kv, self.features = self._verify(
+            out, num_accepted, self.kv, self.features, lp = self._verify(
                 self.target.leaves(), self.kv, self.features, first[:, -1], draft_tokens, draft_probs, copied, bt,
-                verify_lens, st, all_greedy,
+                verify_lens, st, all_greedy, **_logprobs_arg(requests),
             )
         out_np, acc_np = np.asarray(out), np.asarray(num_accepted)
         t3 = time.perf_counter()
@@ -670,6 +730,7 @@ class ModelRunner:
             draft_seconds=t2 - t1, verify_seconds=t3 - t2, catchup_seconds=t1 - t0, catchup_tokens=catchup_tokens,
             tree_nodes=0 if tree is None else tree.num_nodes,
             lookup=None if looked_up is None else [bool(p) for p in looked_up],
+            logprobs=host_logprobs(lp, requests, committed),
         )
 
     def lookup_covers(self, requests: list[Request], gamma: int) -> bool:
@@ -766,7 +827,7 @@ class ModelRunner:
                 for all_greedy in modes:
                     for gamma in gammas:
                         if gamma == 0:
-                            _, self.kv, self.features = self._forward_sample(
+                            _, self.kv, self.features, _ = self._forward_sample(
                                 self.target.leaves(), self.kv, self.features, np.zeros((num_rows, 1), np.int32), bt,
                                 zeros, zeros, st, all_greedy,
                             )
@@ -778,7 +839,7 @@ class ModelRunner:
                                 self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, zeros, bt,
                                 zeros, no_copy, gamma,
                             )
-                            out, _, self.kv, self.features = self._verify_tree(
+                            out, _, self.kv, self.features, _ = self._verify_tree(
                                 self.target.leaves(), self.kv, self.features, zeros, tokens, no_copy.astype(bool), bt,
                                 zeros, st, gamma, all_greedy,
                             )
@@ -786,7 +847,7 @@ class ModelRunner:
                             keys += [("propose_tree", num_rows, gamma, width),
                                      ("verify_tree", num_rows, gamma, width, all_greedy)]
                             if self.lookup is not None and all_greedy:  # steps that copy every row's γ drafts
-                                out, _, self.kv, self.features = self._verify(
+                                out, _, self.kv, self.features, _ = self._verify(
                                     self.target.leaves(), self.kv, self.features, zeros,
                                     np.zeros((num_rows, gamma), np.int32), None, np.ones((num_rows, gamma), bool),
                                     bt, zeros, st, True,
@@ -799,7 +860,7 @@ class ModelRunner:
                                 self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, zeros, bt,
                                 zeros, st, gamma, all_greedy,
                             )
-                            out, _, self.kv, self.features = self._verify(
+                            out, _, self.kv, self.features, _ = self._verify(
                                 self.target.leaves(), self.kv, self.features, zeros, tokens, probs,
                                 np.zeros((num_rows, gamma), bool), bt, zeros, st, all_greedy,
                             )

@@ -317,3 +317,40 @@ def sample(logits: jax.Array, st: SamplingTensors, salt: int = SALT_SAMPLE) -> j
         return jnp.where(st.temperature == 0, top, drawn)
 
     return jax.lax.cond(jnp.all(st.temperature == 0), lambda _: top, draw, logits)
+
+
+def logprobs_bucket(num_top: int) -> int:
+    """The static top-``k`` a step computes when its batch asks for at most ``num_top`` top log-probabilities: 0, 5
+    or ``MAX_LOGPROBS``, so at most three variants of a step function compile for log-probabilities."""
+    from nightjar_jax.engine.sampling_params import MAX_LOGPROBS
+
+    if not 0 <= num_top <= MAX_LOGPROBS:
+        raise ValueError(f"num_top={num_top} is outside [0, {MAX_LOGPROBS}]")
+    return 0 if num_top == 0 else 5 if num_top <= 5 else MAX_LOGPROBS
+
+
+class TokenLogprobs(NamedTuple):
+    """What :func:`token_logprobs` returns, on device or (after ``np.asarray``) on the host."""
+
+    logprob: jax.Array  # [...] f32: the chosen token's log-probability
+    rank: jax.Array  # [...] int32: 1 + the number of tokens strictly more likely than it
+    top_ids: jax.Array  # [..., k] int32: the k most likely tokens, most likely first (ties: the lowest id first)
+    top_logprobs: jax.Array  # [..., k] f32
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> TokenLogprobs:
+    """The model's log-probabilities (``log_softmax(logits)``: before temperature and filtering) of ``tokens`` and
+    of the ``num_top`` most likely tokens: logits [..., V], tokens [...] int (ids outside [0, V), e.g. -1 padding,
+    read id 0) -> :class:`TokenLogprobs`. ``num_top`` is static (0: the chosen tokens' alone)."""
+    vocab = logits.shape[-1]
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [..., V] f32
+    chosen = jnp.clip(tokens.astype(jnp.int32), 0, vocab - 1)[..., None]  # [..., 1] int32
+    logprob = jnp.take_along_axis(log_probs, chosen, axis=-1)  # [..., 1] f32
+    rank = 1 + jnp.sum(log_probs > logprob, axis=-1, dtype=jnp.int32)  # [...] int32
+    if num_top:
+        top_ids = top_k_ids(log_probs, num_top)  # [..., k] int32
+        top = jnp.take_along_axis(log_probs, top_ids, axis=-1)  # [..., k] f32
+    else:
+        top_ids = jnp.zeros(tokens.shape + (0,), jnp.int32)
+        top = jnp.zeros(tokens.shape + (0,), jnp.float32)
+    return TokenLogprobs(logprob[..., 0], rank, top_ids, top)

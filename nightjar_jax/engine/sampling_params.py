@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The most top log-probabilities a request may ask for per token (vLLM's default ``max_logprobs``; OpenAI's chat API
+# allows 20 ``top_logprobs``).
+MAX_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
@@ -13,6 +17,9 @@ class SamplingParams:
     ``seed`` makes sampling reproducible per request, independent of what else is in the batch.
     ``stop`` strings end the completion (the stop string itself is not included in the text);
     ``stop_token_ids`` end it with the token included in ``token_ids`` but not in the text.
+    ``logprobs`` (None: off) returns, for every generated token, its log-probability and those of the ``logprobs``
+    most likely tokens at that position (0: the generated token's alone), from the model's own distribution (the
+    log-softmax of its logits, before temperature and filtering, as vLLM's default and the OpenAI API report).
     """
 
     n: int = 1
@@ -27,6 +34,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -49,6 +57,9 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "non-negative integers"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                       and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+             f"None or an integer in [0, {MAX_LOGPROBS}]"),
         ]
         for ok, name, allowed in checks:
             if not ok:

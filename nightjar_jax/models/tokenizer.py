@@ -168,6 +168,26 @@ class Tokenizer:
             return self.hf_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text as it reads inside a text (special tokens included): a SentencePiece ``▁there`` is
+        " there", where decoding it alone strips the space. Decodes ``[anchor, token_id]`` and drops the anchor's
+        text (the anchor: the token of "a"); a token with an incomplete UTF-8 character gives U+FFFD, as in vLLM's
+        log-probabilities. Cached per id."""
+        cache = self.__dict__.setdefault("_token_texts", {})
+        text = cache.get(token_id)
+        if text is None:
+            anchor = self.__dict__.get("_text_anchor")
+            if anchor is None:
+                ids = self.encode("a", add_special_tokens=False)
+                anchor = self.__dict__["_text_anchor"] = (ids[-1], self.decode(ids[-1:], False)) if ids else ()
+            text = self.decode([token_id], skip_special_tokens=False)
+            if anchor:
+                both = self.decode([anchor[0], token_id], skip_special_tokens=False)
+                if anchor[1] and both.startswith(anchor[1]):
+                    text = both[len(anchor[1]):]
+            cache[token_id] = text
+        return text
+
     # ---- chat ---------------------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:

@@ -36,7 +36,13 @@ from nightjar_jax.engine.outputs import RequestOutput
 from nightjar_jax.engine.sampling_params import SamplingParams
 from nightjar_jax.server.async_engine import AsyncEngine, GroupStream
 from nightjar_jax.server.metrics import ServerMetrics
-from nightjar_jax.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from nightjar_jax.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_logprobs,
+    completion_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -279,17 +285,25 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         base = {"id": rid, "object": "text_completion", "created": now, "model": model}
 
         if req.stream:
+            sent = [0] * size  # per choice: tokens whose log-probabilities went out
+            offsets = [0] * size  # per choice: text_offset of the next token
 
             def chunk(index, out):
                 if out is None:
                     return dict(base)
                 comp = out.outputs[0]
                 if not comp.delta_text and not comp.finished:
-                    return None
+                    return None  # (its tokens' log-probabilities go with the next chunk that is sent)
+                logprobs = None
+                if comp.logprobs is not None:
+                    start = sent[index]
+                    logprobs, offsets[index] = completion_logprobs(
+                        comp.token_ids[start:], comp.logprobs[start:], offsets[index])
+                    sent[index] = len(comp.token_ids)
                 choice = {
                     "index": index,
                     "text": comp.delta_text,
-                    "logprobs": None,
+                    "logprobs": logprobs,
                     "finish_reason": comp.finish_reason,
                 }
                 return {**base, "choices": [choice]}
@@ -302,7 +316,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         except _ClientGone:
             return Response(status_code=499)
         choices = [
-            {"index": i, "text": o.outputs[0].text, "logprobs": None, "finish_reason": o.outputs[0].finish_reason}
+            {"index": i, "text": o.outputs[0].text, "finish_reason": o.outputs[0].finish_reason,
+             "logprobs": None if o.outputs[0].logprobs is None
+             else completion_logprobs(o.outputs[0].token_ids, o.outputs[0].logprobs)[0]}
             for i, o in enumerate(outs)
         ]
         return {**base, "choices": choices, "usage": usage(outs, req.n)}
@@ -325,16 +341,22 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         size, now = req.n, int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model}
 
+        num_top = req.num_logprobs()
         if req.stream:
+            sent = [0] * size  # per choice: tokens whose log-probabilities went out
 
             def chunk(index, out):
                 if out is None:
                     return dict(base)
                 comp = out.outputs[0]
                 if not comp.delta_text and not comp.finished:
-                    return None
+                    return None  # (its tokens' log-probabilities go with the next chunk that is sent)
                 delta = {"content": comp.delta_text} if comp.delta_text else {}
-                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": comp.finish_reason}
+                logprobs = None
+                if comp.logprobs is not None:
+                    start, sent[index] = sent[index], len(comp.token_ids)
+                    logprobs = chat_logprobs(comp.token_ids[start:], comp.logprobs[start:], num_top)
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": comp.finish_reason}
                 return {**base, "choices": [choice]}
 
             first = [
@@ -363,7 +385,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             {
                 "index": i,
                 "message": {"role": "assistant", "content": o.outputs[0].text},
-                "logprobs": None,
+                "logprobs": None if o.outputs[0].logprobs is None
+                else chat_logprobs(o.outputs[0].token_ids, o.outputs[0].logprobs, num_top),
                 "finish_reason": o.outputs[0].finish_reason,
             }
             for i, o in enumerate(outs)

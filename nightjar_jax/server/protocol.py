@@ -1,8 +1,10 @@
 """OpenAI-compatible request bodies (pydantic) and the OpenAI error shape.
 
 Unknown fields are rejected (``extra="forbid"``), but the fields the official clients commonly send are accepted
-at their neutral values (``user``, ``logprobs`` false/null, ``presence_penalty``/``frequency_penalty`` 0, ``echo``
-false, ...); a non-neutral value of a field this server does not implement is a 400 that names the field.
+at their neutral values (``user``, ``presence_penalty``/``frequency_penalty`` 0, ``echo`` false, ...); a non-neutral
+value of a field this server does not implement is a 400 that names the field. ``logprobs`` (completions: the top-k,
+0-20; chat: ``logprobs`` true with ``top_logprobs`` 0-20) returns the generated tokens' log-probabilities in the
+OpenAI shapes (see ``app.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nightjar_jax.engine.sampling_params import SamplingParams
+from nightjar_jax.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
@@ -96,12 +98,17 @@ class _SamplingFields(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             seed=self.seed,
+            logprobs=self.num_logprobs(),
         )
         for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
         return SamplingParams(**kwargs)
+
+    def num_logprobs(self) -> int | None:
+        """The top log-probabilities each generated token carries (None: none asked)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -115,15 +122,17 @@ class CompletionRequest(_SamplingFields):
     prompt: PromptField
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, bool]]:
         return super().unsupported() + [
             ("echo", bool(self.echo)),
-            ("logprobs", self.logprobs is not None),
             ("suffix", bool(self.suffix)),
         ]
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (a string or a list of token ids each)."""
@@ -163,7 +172,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -173,12 +182,56 @@ class ChatCompletionRequest(_SamplingFields):
     def unsupported(self) -> list[tuple[str, bool]]:
         fmt = (self.response_format or {}).get("type", "text")
         return super().unsupported() + [
-            ("logprobs", bool(self.logprobs)),
-            ("top_logprobs", bool(self.top_logprobs)),
             ("tools", bool(self.tools)),
             ("tool_choice", self.tool_choice not in (None, "none", "auto")),
             ("response_format", fmt != "text"),
         ]
 
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def _token_text(lp: Any, token: int) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token}"
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict], text_offset: int = 0) -> tuple[dict, int]:
+    """The legacy completions ``logprobs`` object for generated tokens and their ``{token id: Logprob}`` entries
+    (``CompletionOutput.logprobs``): ``tokens``, ``token_logprobs``, ``top_logprobs`` (per token, the asked top-k
+    plus the generated token, keyed by text, as OpenAI) and ``text_offset`` (each token's start in the text, counting
+    from ``text_offset``). Returns the object and the offset after the last token (for the next streamed chunk)."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, entry in zip(token_ids, logprobs, strict=True):
+        text = _token_text(entry[token], token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(entry[token].logprob)
+        out["top_logprobs"].append({_token_text(lp, t): lp.logprob for t, lp in entry.items()})
+        out["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return out, text_offset
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict], num_top: int) -> dict:
+    """The chat completions ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}`` with the
+    ``num_top`` most likely tokens at each position (most likely first)."""
+    content = []
+    for token, entry in zip(token_ids, logprobs, strict=True):
+        top = sorted(entry.items(), key=lambda item: -item[1].logprob)[:num_top]
+        content.append({
+            **_chat_token(token, entry[token]),
+            "top_logprobs": [_chat_token(t, lp) for t, lp in top],
+        })
+    return {"content": content}
+
+
+def _chat_token(token: int, lp: Any) -> dict:
+    text = _token_text(lp, token)
+    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}

@@ -69,14 +69,23 @@ def test_n_completions(llm):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
 
 
-def test_speculative_decoding_with_layer_skip_draft_equals_ar(alone):
-    llm = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, planner="static",
-              max_model_len=256,
-              max_num_seqs=4, num_pages=128)
-    outs = llm.generate(PROMPTS, GREEDY)
+def test_speculative_decoding_with_layer_skip_draft_equals_ar(llm, alone):
+    sd = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, planner="static",
+             max_model_len=256, max_num_seqs=4, num_pages=128)
+    outs = sd.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == alone
-    stats = llm.engine.stats
+    stats = sd.engine.stats
     assert stats.num_drafted_tokens > 0 and 0 < stats.num_accepted_tokens <= stats.num_drafted_tokens
+    # log-probabilities: a verify pass reads the target's logits at each committed position, as plain decoding does
+    with_lp = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+    spec = [o.outputs[0] for o in sd.generate(PROMPTS, with_lp)]
+    plain = [o.outputs[0] for o in llm.generate(PROMPTS, with_lp)]
+    for a, b in zip(spec, plain, strict=True):
+        assert a.token_ids == b.token_ids and len(a.logprobs) == len(a.token_ids)
+        for tok, x, y in zip(a.token_ids, a.logprobs, b.logprobs, strict=True):
+            assert list(x) == list(y) and x[tok].rank == 1  # greedy: the same ids, the token the top-1
+            assert [v.logprob for v in x.values()] == pytest.approx([v.logprob for v in y.values()], abs=1e-4)
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3) and a.cumulative_logprob < 0
 
 
 def test_vocabulary_mismatch_is_a_clear_error():

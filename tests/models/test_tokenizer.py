@@ -107,3 +107,18 @@ def test_incremental_detokenizer_byte_level(smollm):
     # several ids at once, and special tokens skipped
     detok = IncrementalDetokenizer(smollm)
     assert detok.add(ids[:3]) + detok.add(ids[3:]) + detok.add([2]) == text
+
+
+@pytest.mark.parametrize("name", ["stories", "smollm"])
+def test_token_text_spells_the_text_a_token_reads_in(request, name):
+    """Per-token text (log-probabilities' ``decoded_token``): the tokens of a text, each rendered alone, spell the
+    text back, leading spaces included (a SentencePiece ``▁word`` decodes alone without its space)."""
+    tok: Tokenizer = request.getfixturevalue(name)
+    text = "Once upon a time, there was a little girl named Lily."
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.token_text(i) for i in ids]
+    assert "".join(pieces) in (text, " " + text)  # (SentencePiece encodes a leading space into the first token)
+    assert any(p.startswith(" ") for p in pieces[1:])
+    assert tok.token_text(ids[1]) is tok.token_text(ids[1])  # cached
+    if tok.eos_token_ids:
+        assert tok.token_text(tok.eos_token_ids[0])  # a special token keeps its text

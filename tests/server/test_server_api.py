@@ -163,6 +163,40 @@ def test_common_openai_fields_accepted(client):
     assert chat.choices[0].finish_reason in ("length", "stop")
 
 
+def test_logprobs_completions_and_chat(client):
+    """Log-probabilities in OpenAI's two shapes; streamed chunks carry the same values as the whole response."""
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0, logprobs=3)
+    resp = client.completions.create(**kw)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 10
+    assert "".join(lp.tokens) == resp.choices[0].text  # greedy, no stop string: the tokens spell the text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(10)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value <= 0 and len(top) <= 3 and top[token] == value  # greedy: the token is the top-1
+        assert max(top.values()) == value
+    chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
+    assert sum((c.choices[0].logprobs.token_logprobs for c in chunks if c.choices[0].logprobs), []) == pytest.approx(
+        lp.token_logprobs)
+    assert sum((c.choices[0].logprobs.text_offset for c in chunks if c.choices[0].logprobs), []) == lp.text_offset
+
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 6
+    for item in content:
+        assert [t.token for t in item.top_logprobs][0] == item.token and len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert bytes(item.bytes).decode("utf-8") == item.token
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True)
+    streamed = sum((c.choices[0].logprobs.content for c in stream if c.choices and c.choices[0].logprobs), [])
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True)
+    assert [t.top_logprobs for t in plain.choices[0].logprobs.content] == [[]] * 6
+    assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).choices[0].logprobs is None
+
+
 # ---- bad input --------------------------------------------------------------------------------------------------
 GOOD = {"model": MODEL, "prompt": "Once", "max_tokens": 2}
 BAD_CASES = [
@@ -181,6 +215,22 @@ BAD_CASES = [
     ("n zero", "/v1/completions", {**GOOD, "n": 0}, None, 400),
     ("unsupported penalty", "/v1/completions", {**GOOD, "presence_penalty": 0.5}, None, 400),
     ("unsupported echo", "/v1/completions", {**GOOD, "echo": True}, None, 400),
+    ("logprobs over 20", "/v1/completions", {**GOOD, "logprobs": 21}, None, 400),
+    ("negative logprobs", "/v1/completions", {**GOOD, "logprobs": -1}, None, 400),
+    (
+        "top_logprobs without logprobs",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        None,
+        400,
+    ),
+    (
+        "top_logprobs over 20",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+        None,
+        400,
+    ),
     ("empty prompt", "/v1/completions", {**GOOD, "prompt": ""}, None, 400),
     ("empty prompt list", "/v1/completions", {**GOOD, "prompt": []}, None, 400),
     ("token id out of range", "/v1/completions", {**GOOD, "prompt": [1, 99999]}, None, 400),
