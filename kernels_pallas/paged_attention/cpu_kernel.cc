@@ -330,9 +330,14 @@ void AttendChunk(const TQ* q, const T* k, const T* v, const int32_t* bt, const i
       for (int g = 0; g < rg; ++g) {
         float* a = acc + (g0 + g) * D;
         const float* pg = pr + g * CK;
+        // Over this row's own keys, not the group's widest: -fassociative-math vectorizes this sum, and the split
+        // of its terms into vector lanes and a remainder follows the loop's length, so running the group's length
+        // gave a row other last bits with other rows beside it (a 5-row verify pass differed from one-row decoding
+        // on AVX-512, where rows go three to a group; the zero weights past a row's position add nothing either way).
+        const int64_t own = std::min<int64_t>(visible, pos[g0 + g] - key0 + 1);
         for (int64_t jj = j; jj < D; ++jj) {
           float x = a[jj];
-          for (int64_t t = 0; t < visible; ++t) x += pg[t] * vp[t * D + jj];
+          for (int64_t t = 0; t < own; ++t) x += pg[t] * vp[t * D + jj];
           a[jj] = x;
         }
       }

@@ -185,13 +185,20 @@ def test_tree_mask_window_across_page_boundaries_in_long_contexts():
     assert_close(got, want)
 
 
-def test_a_row_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("head_dim", [16, 40, 64])
+def test_a_row_does_not_depend_on_its_batch(head_dim):
     """A batch equals each sequence run alone, and each verify row the decode of its position, bitwise: a key's
     score must not depend on how many keys its call's widest row reads (a verify row once scored a page's last
     keys in a scalar loop where its one-row decode scored them 8 at a time: different last bits, and with w4a8's
-    int8 rounding of the products after it, different greedy tokens from speculative and plain decoding)."""
-    q_len, heads, kv_heads = 6, 6, 2
-    case = make_case([125, 131, 259], q_len=q_len, num_q_heads=heads, num_kv_heads=kv_heads, page_size=16, seed=9)
+    int8 rounding of the products after it, different greedy tokens from speculative and plain decoding), nor a
+    row's weighted sum of values on the other rows of its group (head sizes 16 and 40 sum the last 16 / 8 columns
+    in a loop the compiler vectorizes with reassociation: it ran over the group's widest row, and on AVX-512, where
+    rows go three to a group, a 5-row verify pass differed from one-row decoding in the last bit). Contexts 3 and
+    21 end a verify pass inside a page's first 8-key group and past its second; two query heads per KV head put rows
+    of two positions in one group."""
+    q_len, heads, kv_heads = 6, 4, 2
+    case = make_case([125, 131, 259, 9, 27], q_len=q_len, num_q_heads=heads, num_kv_heads=kv_heads, page_size=16,
+                     head_dim=head_dim, seed=9)
     run = jax.jit(lambda q, bt, cl: cpu.paged_attention_cpu(q, case.k_pages, case.v_pages, bt, cl,
                                                             scale=case.scale))
     batch = np.asarray(run(case.q, case.block_tables, case.context_lens))
