@@ -119,7 +119,7 @@ def test_bad_sampling_values_raise_with_field_names():
 def test_warmup_compiles_every_decode_variant_so_decoding_compiles_nothing(impl):
     from nightjar_jax.attention import resolve_impl
 
-    eng = fake_engine(draft=True, num_speculative_tokens=2, max_num_seqs=4, attention_impl=impl)
+    eng = fake_engine(draft=True, num_speculative_tokens=2, max_num_seqs=2, attention_impl=impl)
     runner = eng.runner
     keys = runner.warmup(max_context=16)
     if resolve_impl(impl) == "reference":
@@ -136,7 +136,7 @@ def test_warmup_compiles_every_decode_variant_so_decoding_compiles_nothing(impl)
 
     rng = random.Random(0)
     eng._select_gamma = lambda: rng.randint(0, 2)
-    for i in range(3):
+    for i in range(3):  # (3 requests on 2 slots: batches of 2 and 1)
         eng.add_request([7 + i], greedy(6), request_id=str(i))
     done = run_all(eng)
     assert done == {str(i): expected([7 + i], 6) for i in range(3)}

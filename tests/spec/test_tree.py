@@ -313,7 +313,7 @@ def real_ar():
 
     llm = LLM("stories260k", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, num_pages=128,
               draft_model=None)
-    return [o.outputs[0].token_ids for o in llm.generate(REAL_PROMPTS, SamplingParams(temperature=0, max_tokens=40))]
+    return [o.outputs[0].token_ids for o in llm.generate(REAL_PROMPTS, SamplingParams(temperature=0, max_tokens=24))]
 
 
 @pytest.mark.parametrize("impl", ["auto", "reference", "pallas"])
@@ -323,7 +323,7 @@ def test_real_model_tree_equals_ar_and_steady_state_compiles_nothing(real_ar, im
     llm = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, planner="static",
               max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, num_pages=128, spec_tree_nodes=10,
               attention_impl=impl)
-    sp = SamplingParams(temperature=0, max_tokens=40)
+    sp = SamplingParams(temperature=0, max_tokens=24)
     assert [o.outputs[0].token_ids for o in llm.generate(REAL_PROMPTS, sp)] == real_ar
     eng = llm.engine
     assert eng.num_free_pages == eng.num_total_pages
@@ -332,7 +332,7 @@ def test_real_model_tree_equals_ar_and_steady_state_compiles_nothing(real_ar, im
     assert [o.outputs[0].token_ids for o in llm.generate(REAL_PROMPTS, sp)] == real_ar
     assert eng.runner.compiled_cache_sizes() == before
     # the sampled path (rejection sampling down the tree) with top_k = 1 is deterministic: it must equal greedy
-    sampled = SamplingParams(temperature=0.8, top_k=1, max_tokens=40, seed=7)
+    sampled = SamplingParams(temperature=0.8, top_k=1, max_tokens=24, seed=7)
     assert [o.outputs[0].token_ids for o in llm.generate(REAL_PROMPTS, sampled)] == real_ar
     assert eng.num_free_pages == eng.num_total_pages
 
