@@ -149,9 +149,9 @@ def main() -> None:
     def replay():
         # the donated pools are the runner's current ones; every other argument as captured
         if args.verify:
-            out, _, runner.kv, runner.features = step_fn(a[0], runner.kv, runner.features, *a[3:])
+            out, _, runner.kv, runner.features, _ = step_fn(a[0], runner.kv, runner.features, *a[3:])
         else:
-            out, runner.kv, runner.features = step_fn(a[0], runner.kv, runner.features, *a[3:])
+            out, runner.kv, runner.features, _ = step_fn(a[0], runner.kv, runner.features, *a[3:])
         return out
 
     jax.block_until_ready(replay())

@@ -169,9 +169,10 @@ class DecodeRun:
         return d
 
 
-def run_decode_workload(llm, prompts: list[list[int]], output_len: int, gamma: int | None = 0) -> DecodeRun:
+def run_decode_workload(llm, prompts: list[list[int]], output_len: int, gamma: int | None = 0,
+                        logprobs: int | None = None) -> DecodeRun:
     """Generate ``output_len`` greedy tokens for every prompt at a forced γ (None: the engine's planner picks γ
-    each step, and keeps what it learned across calls); time decode steps only."""
+    each step, and keeps what it learned across calls), with ``SamplingParams.logprobs``; time decode steps only."""
     from nightjar_jax import SamplingParams
 
     engine = llm.engine
@@ -181,7 +182,7 @@ def run_decode_workload(llm, prompts: list[list[int]], output_len: int, gamma: i
         engine.__dict__.pop("_select_gamma", None)  # undo an earlier forced γ: the class method asks the planner
     elif engine.draft is not None:
         engine._select_gamma = lambda: gamma if engine.scheduler.num_decoding() else 0
-    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, logprobs=logprobs)
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     total = time.perf_counter() - t0

@@ -322,8 +322,12 @@ class LLMEngine:
         batch = self.scheduler.schedule_prefill()
         outputs: list[RequestOutput] = []
         if batch is not None:
-            sampled, logprobs = self.runner.execute_prefill(batch)
+            sampled, logprobs, prompt_logprobs = self.runner.execute_prefill(batch)
             now = time.monotonic()
+            for r, scored in zip(batch.requests, prompt_logprobs or [None] * len(batch.requests), strict=True):
+                for index, entry in scored or []:
+                    if r.prompt_logprobs[index] is None:  # (a chunk recomputed after a preemption: keep the first)
+                        r.prompt_logprobs[index] = self._decode_logprobs(entry)
             for i, (r, n, tok) in enumerate(zip(batch.requests, batch.num_new_tokens, sampled, strict=True)):
                 if r.first_scheduled_time is None:
                     r.first_scheduled_time = now
@@ -523,4 +527,4 @@ class LLMEngine:
         if r.is_finished:
             self.requests.pop(r.request_id, None)
         return RequestOutput(r.request_id, r.prompt, list(r.prompt_token_ids), [comp], r.is_finished, metrics,
-                             r.error)
+                             r.error, prompt_logprobs=None if r.prompt_logprobs is None else list(r.prompt_logprobs))

@@ -73,3 +73,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # with SamplingParams.prompt_logprobs: one {token id: Logprob} per prompt token (None for the first, which nothing
+    # predicts), as vLLM; complete once the prompt's prefill is done (every output after the first token)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -61,10 +61,15 @@ class Request:
     lookup_index: object | None = field(default=None, repr=False)  # n-gram lookup drafts (spec/lookup.py)
     # one {token id: Logprob} per output token when sampling.logprobs is set (else None)
     output_logprobs: list | None = field(default=None, repr=False)
+    # one {token id: Logprob} per prompt token when sampling.prompt_logprobs is set (the first, and any the prefill has
+    # not reached yet, None), else None
+    prompt_logprobs: list | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.sampling.logprobs is not None and self.output_logprobs is None:
             self.output_logprobs = []
+        if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -224,6 +225,16 @@ class DecodeResult:
     logprobs: list[SampleLogprobs | None] | None = None
 
 
+class PrefillResult(NamedTuple):
+    """What a prefill step produced, per request in batch order."""
+
+    sampled: np.ndarray  # [num_seqs] the token sampled after each chunk (real only where the chunk ended the tokens)
+    logprobs: list | None  # as DecodeResult.logprobs, for the sampled tokens
+    # per request: [(prompt token index, {token id: Logprob})] the chunk scored (None: the request did not ask);
+    # None throughout when no request asked
+    prompt_logprobs: list | None = None
+
+
 @dataclass
 class RunnerShapes:
     decode_buckets: list[int]
@@ -233,26 +244,33 @@ class RunnerShapes:
     page_buckets: list[int]  # block-table widths: powers of two (reference attention) or just the maximum
 
 
-def _logprobs_arg(requests: list[Request]) -> dict:
-    """The step functions' ``num_logprobs`` keyword for a batch: absent when no request asks for log-probabilities
-    (the variants without them run), else the static top-k bucket covering the largest request."""
-    asked = [r.sampling.logprobs for r in requests if r.sampling.logprobs is not None]
-    return {"num_logprobs": logprobs_bucket(max(asked))} if asked else {}
+def _logprobs_arg(requests: list[Request], field: str = "logprobs") -> dict:
+    """The step functions' ``num_logprobs`` keyword (``num_prompt_logprobs`` for ``field="prompt_logprobs"``) for a
+    batch: absent when no request asks (the variants without them run), else the static top-k bucket covering the
+    largest request."""
+    asked = [getattr(r.sampling, field) for r in requests if getattr(r.sampling, field) is not None]
+    return {f"num_{field}": logprobs_bucket(max(asked))} if asked else {}
 
 
-def host_logprobs(lp: TokenLogprobs | None, requests: list[Request], committed: list[list[int]]) -> list | None:
+def host_logprobs(lp: TokenLogprobs | None, requests: list[Request], committed: list[list[int]],
+                  field: str = "logprobs", columns: list[list[int]] | None = None) -> list | None:
     """Device log-probabilities of a step ([S, ...] arrays, ``...`` = positions or none) -> per request, the
-    positions of its ``committed`` tokens as ``{token id: Logprob}`` (the chosen token first, then its top
-    ``logprobs``); None for requests that did not ask. Returns None when ``lp`` is None."""
+    positions of its ``committed`` tokens as ``{token id: Logprob}`` (the chosen token first, then its top k, k =
+    the request's ``field``); None for requests that did not ask. ``columns[i]``: the positions of row i the tokens
+    sit at (default 0, 1, ...). Returns None when ``lp`` is None."""
     if lp is None:
         return None
     logprob, rank, top_ids, top = (np.asarray(a) for a in lp)
     if logprob.ndim == 1:  # one position per row: [S] -> [S, 1]
         logprob, rank, top_ids, top = logprob[:, None], rank[:, None], top_ids[:, None], top[:, None]
-    return [None if r.sampling.logprobs is None else [
-        _position_logprobs(token, float(logprob[i, j]), int(rank[i, j]), top_ids[i, j, : r.sampling.logprobs],
-                           top[i, j, : r.sampling.logprobs])
-        for j, token in enumerate(tokens)] for i, (r, tokens) in enumerate(zip(requests, committed, strict=True))]
+    out: list = []
+    for i, (r, tokens) in enumerate(zip(requests, committed, strict=True)):
+        k = getattr(r.sampling, field)
+        cols = range(len(tokens)) if columns is None else columns[i]
+        out.append(None if k is None else [
+            _position_logprobs(token, float(logprob[i, j]), int(rank[i, j]), top_ids[i, j, :k], top[i, j, :k])
+            for j, token in zip(cols, tokens, strict=True)])
+    return out
 
 
 def _position_logprobs(token: int, logprob: float, rank: int, top_ids: np.ndarray, top: np.ndarray) -> dict:
@@ -359,24 +377,29 @@ class ModelRunner:
         t_hidden, t_logits = self.target.fns
 
         def forward_sample(leaves, kv, feats, tokens, block_tables, context_lens, query_lens, st, all_greedy,
-                           num_logprobs=None):
-            """... -> (next_tokens [S], kv, feats, log-probabilities of next_tokens or None). ``num_logprobs``
-            (static; None: off) is the top-k the log-probabilities carry (:func:`token_logprobs`)."""
+                           num_logprobs=None, prompt_targets=None, num_prompt_logprobs=None):
+            """... -> (next_tokens [S], kv, feats, (log-probabilities of next_tokens, of prompt_targets)), each None
+            unless asked. ``num_logprobs`` / ``num_prompt_logprobs`` (static; None: off) are the top-k they carry
+            (:func:`token_logprobs`); prompt_targets [S, T] int32: the token after each position (-1: none wanted),
+            scored under the logits at that position."""
             state = self.target.unflatten(leaves)
             md = BatchMetadata(block_tables, context_lens, query_lens)
             hidden, kv = t_hidden(state, tokens, kv, md)
             if feats is not None:
                 feats = write_feature_pages(feats, hidden, md)
+            plp = None
+            if num_prompt_logprobs is not None:  # every position's logits (T x the head's cost): opt-in
+                plp = token_logprobs(t_logits(state, hidden), prompt_targets, num_prompt_logprobs)
             logits = t_logits(state, hidden[:, -1])  # [S, V] f32
             if all_greedy:
                 next_tokens = argmax(logits)
             else:
                 next_tokens = sample(logits, st, SALT_SAMPLE)
             lp = None if num_logprobs is None else token_logprobs(logits, next_tokens, num_logprobs)
-            return next_tokens, kv, feats, lp
+            return next_tokens, kv, feats, (lp, plp)
 
         self._forward_sample = jax.jit(forward_sample, donate_argnums=(1, 2), static_argnums=(8,),
-                                       static_argnames=("num_logprobs",))
+                                       static_argnames=("num_logprobs", "num_prompt_logprobs"))
 
         if self.draft is None:
             return
@@ -596,33 +619,53 @@ class ModelRunner:
         return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps)
 
     # ---- steps --------------------------------------------------------------------------------------------------
-    def execute_prefill(self, batch: ScheduledBatch) -> tuple[np.ndarray, list | None]:
-        """Run prefill chunks; returns the sampled token per request ``[num_seqs]`` and, when a request asked, their
+    def execute_prefill(self, batch: ScheduledBatch) -> PrefillResult:
+        """Run prefill chunks: the sampled token per request ``[num_seqs]`` and, when a request asked, their
         log-probabilities (:func:`host_logprobs`; both meaningful only for requests whose chunk reached the end of
-        their tokens)."""
+        their tokens), and the log-probabilities of the prompt tokens each chunk scored."""
         num_rows = bucket_for(batch.num_seqs, self.shapes.prefill_seq_buckets)
         q_len = bucket_for(max(batch.num_new_tokens), self.shapes.prefill_len_buckets)
         tokens = np.zeros((num_rows, q_len), np.int32)
         context_lens = np.zeros(num_rows, np.int32)
         query_lens = np.zeros(num_rows, np.int32)
+        prompt_arg = _logprobs_arg(batch.requests, "prompt_logprobs")
+        targets = np.full((num_rows, q_len), -1, np.int32) if prompt_arg else None
+        scored: list[list[int]] = []  # per request: the prompt positions (token indices) its chunk scores
         for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
             start = r.num_computed
             tokens[i, q_len - n :] = r.all_token_ids[start : start + n]  # right-aligned (left padding)
             context_lens[i] = start + n
             query_lens[i] = n
-        return self._run_forward_sample(batch.requests, tokens, context_lens, query_lens, num_rows)
+            # position p's logits score prompt token p + 1: the chunk's positions whose next token is a prompt token
+            # (after a preemption a recomputed chunk scores them again; the engine keeps the first values)
+            wanted = list(range(start + 1, min(start + n, r.num_prompt_tokens - 1) + 1))
+            scored.append(wanted if r.sampling.prompt_logprobs is not None else [])
+            if targets is not None and scored[-1]:
+                targets[i, q_len - n : q_len - n + len(wanted)] = [r.prompt_token_ids[j] for j in wanted]
+        if prompt_arg:
+            prompt_arg["prompt_targets"] = targets
+        out, logprobs, plp = self._run_forward_sample(batch.requests, tokens, context_lens, query_lens, num_rows,
+                                                      **prompt_arg)
+        prompt = None
+        if plp is not None:
+            ids = [[r.prompt_token_ids[j] for j in w] for r, w in zip(batch.requests, scored, strict=True)]
+            cols = [[q_len - n + j for j in range(len(w))] for n, w in zip(batch.num_new_tokens, scored, strict=True)]
+            entries = host_logprobs(plp, batch.requests, ids, "prompt_logprobs", cols)
+            prompt = [None if e is None else list(zip(w, e, strict=True)) for w, e in zip(scored, entries, strict=True)]
+        return PrefillResult(out, logprobs, prompt)
 
-    def _run_forward_sample(self, requests, tokens, context_lens, query_lens, num_rows):
-        """-> (next token per request [num_seqs], log-probabilities per request or None)."""
+    def _run_forward_sample(self, requests, tokens, context_lens, query_lens, num_rows, **prompt_arg):
+        """-> (next token per request [num_seqs], log-probabilities per request or None, the prompt's device
+        log-probabilities or None)."""
         all_greedy = all(r.sampling.greedy for r in requests)
         st = self._sampling_tensors(requests, num_rows)
         bt = self._block_tables(requests, num_rows)
-        next_tokens, self.kv, self.features, lp = self._forward_sample(
+        next_tokens, self.kv, self.features, (lp, plp) = self._forward_sample(
             self.target.leaves(), self.kv, self.features, tokens, bt, context_lens, query_lens, st, all_greedy,
-            **_logprobs_arg(requests),
+            **_logprobs_arg(requests), **prompt_arg,
         )
         out = np.asarray(next_tokens)[: len(requests)]
-        return out, host_logprobs(lp, requests, [[int(t)] for t in out])
+        return out, host_logprobs(lp, requests, [[int(t)] for t in out]), plp
 
     def execute_decode(self, batch: ScheduledBatch, gamma: int) -> DecodeResult:
         """One decode step at speculative length ``gamma`` (0: plain autoregressive)."""
@@ -636,7 +679,7 @@ class ModelRunner:
                 tokens[i, 0] = r.token_at(r.num_tokens - 1)
                 context_lens[i] = r.num_tokens
             query_lens = (context_lens > 0).astype(np.int32)
-            out, logprobs = self._run_forward_sample(requests, tokens, context_lens, query_lens, num_rows)
+            out, logprobs, _ = self._run_forward_sample(requests, tokens, context_lens, query_lens, num_rows)
             return DecodeResult([[int(t)] for t in out], 0, 0, [0] * len(requests),
                                 verify_seconds=time.perf_counter() - t0, logprobs=logprobs)
         if gamma > self.gamma_max:

@@ -20,6 +20,8 @@ class SamplingParams:
     ``logprobs`` (None: off) returns, for every generated token, its log-probability and those of the ``logprobs``
     most likely tokens at that position (0: the generated token's alone), from the model's own distribution (the
     log-softmax of its logits, before temperature and filtering, as vLLM's default and the OpenAI API report).
+    ``prompt_logprobs`` (None: off) does the same for the prompt's tokens after the first (``RequestOutput.
+    prompt_logprobs``; the completions API's ``echo`` with ``logprobs`` reads them), computed in the prefill passes.
     """
 
     n: int = 1
@@ -35,6 +37,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -57,9 +60,8 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "non-negative integers"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
-                                       and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
-             f"None or an integer in [0, {MAX_LOGPROBS}]"),
+            (_is_count(self.logprobs), "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]"),
+            (_is_count(self.prompt_logprobs), "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]"),
         ]
         for ok, name, allowed in checks:
             if not ok:
@@ -68,6 +70,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_count(x: object) -> bool:
+    """None or an integer in [0, MAX_LOGPROBS] (not a bool)."""
+    return x is None or (isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_LOGPROBS)
 
 
 def _is_number(x: object) -> bool:

@@ -169,6 +169,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             )
         return max_tokens
 
+    def token_text(token: int) -> str:
+        return engine.tokenizer.token_text(token)
+
     def make_params(req, max_tokens: int | None) -> SamplingParams:
         try:
             return req.sampling_params(max_tokens)
@@ -215,9 +218,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             stream.abort()  # no-op once finished; frees the pages on disconnect or cancellation
         return finals  # type: ignore[return-value]
 
-    def usage(outs: list[RequestOutput], n: int) -> dict[str, int]:
+    def usage(outs: list[RequestOutput], n: int, generated: bool = True) -> dict[str, int]:
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outs[::n])
-        completion_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        completion_tokens = sum(len(o.outputs[0].token_ids) for o in outs) if generated else 0
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -278,31 +281,46 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         model = check_model(req.model)
         req.check_unsupported()
         prompts = req.prompts()
-        params = make_params(req, check_max_tokens(req.max_tokens, "max_tokens"))
+        if req.echo and engine.tokenizer is None:
+            raise APIError(400, "'echo' needs the model's tokenizer to render the prompt; this model has none",
+                           param="echo")
+        params = make_params(req, check_max_tokens(req.engine_max_tokens(), "max_tokens"))
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream = await add_group(prompts, params, req.n, rid)
         size, now = len(prompts) * req.n, int(time.time())
         base = {"id": rid, "object": "text_completion", "created": now, "model": model}
 
+        def echoed(out: RequestOutput) -> tuple[str, list[int], list | None]:
+            """echo: the prompt's text, its token ids and their log-probabilities (when asked)."""
+            text = out.prompt if out.prompt is not None else engine.tokenizer.decode(out.prompt_token_ids)
+            return text, list(out.prompt_token_ids), out.prompt_logprobs
+
         if req.stream:
             sent = [0] * size  # per choice: tokens whose log-probabilities went out
             offsets = [0] * size  # per choice: text_offset of the next token
+            started = [False] * size  # per choice: a chunk went out (with echo, the first carries the prompt)
 
             def chunk(index, out):
                 if out is None:
                     return dict(base)
                 comp = out.outputs[0]
-                if not comp.delta_text and not comp.finished:
+                if not comp.delta_text and not comp.finished and (started[index] or not req.echo):
                     return None  # (its tokens' log-probabilities go with the next chunk that is sent)
-                logprobs = None
+                text, ids, lps = comp.delta_text, comp.token_ids[sent[index]:], None
                 if comp.logprobs is not None:
-                    start = sent[index]
-                    logprobs, offsets[index] = completion_logprobs(
-                        comp.token_ids[start:], comp.logprobs[start:], offsets[index])
+                    lps = comp.logprobs[sent[index]:]
                     sent[index] = len(comp.token_ids)
+                if req.echo and not started[index]:
+                    prompt_text, prompt_ids, prompt_lps = echoed(out)
+                    text, ids = prompt_text + text, prompt_ids + ids
+                    lps = None if lps is None else prompt_lps + lps
+                started[index] = True
+                logprobs = None
+                if lps is not None:
+                    logprobs, offsets[index] = completion_logprobs(ids, lps, offsets[index], token_text)
                 choice = {
                     "index": index,
-                    "text": comp.delta_text,
+                    "text": text,
                     "logprobs": logprobs,
                     "finish_reason": comp.finish_reason,
                 }
@@ -315,13 +333,19 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             outs = await collect(stream, request, size)
         except _ClientGone:
             return Response(status_code=499)
-        choices = [
-            {"index": i, "text": o.outputs[0].text, "finish_reason": o.outputs[0].finish_reason,
-             "logprobs": None if o.outputs[0].logprobs is None
-             else completion_logprobs(o.outputs[0].token_ids, o.outputs[0].logprobs)[0]}
-            for i, o in enumerate(outs)
-        ]
-        return {**base, "choices": choices, "usage": usage(outs, req.n)}
+        choices = []
+        for i, o in enumerate(outs):
+            comp = o.outputs[0]
+            text, ids, lps, finish = comp.text, comp.token_ids, comp.logprobs, comp.finish_reason
+            if req.prompt_only:  # echo with max_tokens 0: the one generated token is not part of the answer
+                text, ids, lps, finish = "", [], None if lps is None else [], "length"
+            if req.echo:
+                prompt_text, prompt_ids, prompt_lps = echoed(o)
+                text, ids = prompt_text + text, prompt_ids + ids
+                lps = None if lps is None else prompt_lps + lps
+            choices.append({"index": i, "text": text, "finish_reason": finish,
+                            "logprobs": None if lps is None else completion_logprobs(ids, lps, 0, token_text)[0]})
+        return {**base, "choices": choices, "usage": usage(outs, req.n, generated=not req.prompt_only)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -1,10 +1,10 @@
 """OpenAI-compatible request bodies (pydantic) and the OpenAI error shape.
 
 Unknown fields are rejected (``extra="forbid"``), but the fields the official clients commonly send are accepted
-at their neutral values (``user``, ``presence_penalty``/``frequency_penalty`` 0, ``echo`` false, ...); a non-neutral
+at their neutral values (``user``, ``presence_penalty``/``frequency_penalty`` 0, ...); a non-neutral
 value of a field this server does not implement is a 400 that names the field. ``logprobs`` (completions: the top-k,
 0-20; chat: ``logprobs`` true with ``top_logprobs`` 0-20) returns the generated tokens' log-probabilities in the
-OpenAI shapes (see ``app.py``).
+OpenAI shapes (see ``app.py``); completions' ``echo`` prepends the prompt (and its tokens' log-probabilities).
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ class _SamplingFields(_Strict):
             include_stop_str_in_output=self.include_stop_str_in_output,
             seed=self.seed,
             logprobs=self.num_logprobs(),
+            prompt_logprobs=self.num_prompt_logprobs(),
         )
         for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(self, name)
@@ -108,6 +109,10 @@ class _SamplingFields(_Strict):
 
     def num_logprobs(self) -> int | None:
         """The top log-probabilities each generated token carries (None: none asked)."""
+        return None
+
+    def num_prompt_logprobs(self) -> int | None:
+        """The same for the prompt's tokens (None: none asked)."""
         return None
 
     @property
@@ -120,19 +125,39 @@ PromptField = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptField
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)  # 0: only with echo (score the prompt, generate nothing)
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, bool]]:
         return super().unsupported() + [
-            ("echo", bool(self.echo)),
             ("suffix", bool(self.suffix)),
         ]
 
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "'max_tokens'=0 needs 'echo': true (score the prompt only); otherwise at least 1",
+                           param="max_tokens")
+        if self.max_tokens == 0 and self.stream:
+            raise APIError(400, "'max_tokens'=0 (echo the prompt only) is not supported with 'stream': true",
+                           param="max_tokens")
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the response holds the prompt (and its log-probabilities) alone."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def engine_max_tokens(self) -> int | None:
+        """max_tokens for the engine: a prompt-only request still runs one step (its token is dropped)."""
+        return 1 if self.prompt_only else self.max_tokens
+
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (a string or a list of token ids each)."""
@@ -203,17 +228,25 @@ def _token_text(lp: Any, token: int) -> str:
     return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token}"
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict], text_offset: int = 0) -> tuple[dict, int]:
-    """The legacy completions ``logprobs`` object for generated tokens and their ``{token id: Logprob}`` entries
-    (``CompletionOutput.logprobs``): ``tokens``, ``token_logprobs``, ``top_logprobs`` (per token, the asked top-k
-    plus the generated token, keyed by text, as OpenAI) and ``text_offset`` (each token's start in the text, counting
-    from ``text_offset``). Returns the object and the offset after the last token (for the next streamed chunk)."""
+def completion_logprobs(token_ids: list[int], logprobs: list[dict | None], text_offset: int = 0,
+                        token_text=None) -> tuple[dict, int]:
+    """The legacy completions ``logprobs`` object for tokens and their ``{token id: Logprob}`` entries
+    (``CompletionOutput.logprobs``, or with ``echo`` ``RequestOutput.prompt_logprobs`` first, whose first entry is
+    None: its token gets null values, its text from ``token_text(id)``): ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (per token, the asked top-k plus the token itself, keyed by text, as OpenAI) and ``text_offset``
+    (each token's start in the text, counting from ``text_offset``). Returns the object and the offset after the last
+    token (for the next streamed chunk)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in zip(token_ids, logprobs, strict=True):
-        text = _token_text(entry[token], token)
+        if entry is None:
+            text = token_text(token) if token_text is not None else f"token_id:{token}"
+            value, top = None, None
+        else:
+            text = _token_text(entry[token], token)
+            value, top = entry[token].logprob, {_token_text(lp, t): lp.logprob for t, lp in entry.items()}
         out["tokens"].append(text)
-        out["token_logprobs"].append(entry[token].logprob)
-        out["top_logprobs"].append({_token_text(lp, t): lp.logprob for t, lp in entry.items()})
+        out["token_logprobs"].append(value)
+        out["top_logprobs"].append(top)
         out["text_offset"].append(text_offset)
         text_offset += len(text)
     return out, text_offset

@@ -88,6 +88,23 @@ def test_speculative_decoding_with_layer_skip_draft_equals_ar(llm, alone):
         assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3) and a.cumulative_logprob < 0
 
 
+def test_prompt_logprobs_score_a_prompt_as_its_generation_did(llm):
+    """A prompt that continues with its own greedy generation scores those tokens, in one prefill pass, as the
+    decode steps that generated them did (as lm-evaluation-harness's loglikelihood reads them)."""
+    gen = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20, logprobs=1))[0]
+    prompt = gen.prompt_token_ids + gen.outputs[0].token_ids
+    scored = llm.generate([{"prompt_token_ids": prompt}],
+                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3))[0]
+    plp = scored.prompt_logprobs
+    assert len(plp) == len(prompt) and plp[0] is None and scored.outputs[0].logprobs is None
+    n = len(gen.prompt_token_ids)
+    for j, (tok, want) in enumerate(zip(gen.outputs[0].token_ids, gen.outputs[0].logprobs, strict=True)):
+        entry = plp[n + j]
+        assert next(iter(entry)) == tok and entry[tok].rank == 1 and len(entry) == 3
+        assert entry[tok].logprob == pytest.approx(want[tok].logprob, abs=1e-4)
+        assert entry[tok].decoded_token == want[tok].decoded_token
+
+
 def test_vocabulary_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="vocabulary"):
         LLM("stories260k", draft_model="llama-68m", load_format="dummy", max_model_len=128, num_pages=16)

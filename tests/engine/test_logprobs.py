@@ -90,11 +90,20 @@ def test_logprobs_survive_preemption():
     eng = fake_engine(num_pages=13, max_num_seqs=5)
     prompts = [[i + 1, i + 2, i + 3] for i in range(5)]
     roomy = _generate(fake_engine(), prompts, [greedy(20)] * 5)
-    outs = _generate(eng, prompts, [greedy(20, logprobs=1)] * 5)
-    assert eng.stats.num_preemptions > 0
-    for out, want in zip(outs, roomy, strict=True):
+    finals = {}
+    ids = [eng.add_request(p, greedy(20, logprobs=1, prompt_logprobs=0)) for p in prompts]
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert eng.stats.num_preemptions > 0 and eng.num_free_pages == eng.num_total_pages
+    for i, want, prompt in zip(ids, roomy, prompts, strict=True):
+        out = finals[i].outputs[0]
         assert out.token_ids == want.token_ids
         _check_entries(out.token_ids, out.logprobs, 1, out.cumulative_logprob)
+        # the prompt scored once (a recomputed prefill keeps the first values): one entry per token after the first
+        plp = finals[i].prompt_logprobs
+        assert plp[0] is None and [list(e) for e in plp[1:]] == [[t] for t in prompt[1:]]
 
 
 @pytest.mark.parametrize("bad", [-1, MAX_LOGPROBS + 1, 2.5, True, "3"])
@@ -119,3 +128,42 @@ def test_token_logprobs_matches_numpy_and_buckets():
     assert [logprobs_bucket(k) for k in (0, 1, 5, 6, 20)] == [0, 5, 5, 20, 20]
     with pytest.raises(ValueError, match="outside"):
         logprobs_bucket(21)
+
+
+@pytest.mark.parametrize("budget", [16, 4])
+def test_prompt_logprobs_score_each_prompt_token_under_the_model(budget):
+    """``prompt_logprobs``: the first prompt token gets None, every later one the model's log-probability after the
+    tokens before it (the fake model predicts 31 x sum + count of its prefix: a prompt built to follow it scores TOP
+    throughout, one that breaks it REST from the break on), whole or in chunks of 4 (budget). Generation is
+    unchanged."""
+    from nightjar_jax.testing import fake_next_token
+
+    follows = [5]
+    while len(follows) < 9:
+        follows.append(fake_next_token(follows, VOCAB))
+    broken = follows[:4] + [(follows[4] + 1) % VOCAB] + follows[5:]
+    eng = fake_engine(max_num_batched_tokens=budget)
+    plain = _generate(eng, [follows, broken], [greedy(5)] * 2)
+    ids = [eng.add_request(p, greedy(5, prompt_logprobs=2)) for p in (follows, broken)]
+    finals = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.outputs[0].token_ids and out.prompt_logprobs is not None:
+                assert all(e is not None for e in out.prompt_logprobs[1:])  # complete once tokens come out
+            if out.finished:
+                finals[out.request_id] = out
+    outs = [finals[i] for i in ids]
+    assert [o.outputs[0].token_ids for o in outs] == [o.token_ids for o in plain]
+    assert outs[0].outputs[0].logprobs is None  # (only the prompt's asked)
+    for out, prompt in zip(outs, (follows, broken), strict=True):
+        plp = out.prompt_logprobs
+        assert len(plp) == len(prompt) and plp[0] is None
+        for j in range(1, len(prompt)):
+            entry = plp[j]
+            assert next(iter(entry)) == prompt[j] and len(entry) in (2, 3)
+            want = TOP if prompt[j] == fake_next_token(prompt[:j], VOCAB) else REST
+            assert (want == REST) == (prompt is broken and j >= 4)
+            assert entry[prompt[j]].logprob == pytest.approx(want, abs=1e-5)
+            top = [lp for lp in entry.values() if lp.rank == 1]
+            assert top and top[0].logprob == pytest.approx(TOP, abs=1e-5)
+    assert eng.num_free_pages == eng.num_total_pages

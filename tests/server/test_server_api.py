@@ -197,6 +197,36 @@ def test_logprobs_completions_and_chat(client):
     assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).choices[0].logprobs is None
 
 
+def test_echo_scores_the_prompt_as_generation_scored_it(client, server):
+    """``echo`` with ``logprobs`` (how lm-evaluation-harness scores continuations): the prompt's text and tokens come
+    first, the first token with null values, and the generated token scores as the same prompt's generation scored
+    it. ``max_tokens`` 0 with echo returns the prompt alone, with the same values."""
+    gen = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=0, logprobs=1)
+    prompt_ids = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=1).usage.prompt_tokens
+    scored = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=1, temperature=0,
+                                       logprobs=1, echo=True)
+    choice = scored.choices[0]
+    assert choice.text.startswith("Once upon a time") and choice.text.endswith(gen.choices[0].logprobs.tokens[0])
+    lp = choice.logprobs
+    assert len(lp.tokens) == prompt_ids + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.token_logprobs[-1] == pytest.approx(gen.choices[0].logprobs.token_logprobs[0], abs=1e-4)
+    # max_tokens 0: the prompt alone, scored as above
+    body = {"model": MODEL, "prompt": "Once upon a time", "temperature": 0, "logprobs": 1, "echo": True}
+    resp = post(server, "/v1/completions", {**body, "max_tokens": 0}).json()
+    only = resp["choices"][0]
+    assert only["text"] == "Once upon a time" and only["finish_reason"] == "length"
+    assert only["logprobs"]["tokens"] == lp.tokens[:-1]
+    assert only["logprobs"]["token_logprobs"][1:] == pytest.approx(lp.token_logprobs[1:-1], abs=1e-5)
+    assert resp["usage"]["completion_tokens"] == 0 and resp["usage"]["prompt_tokens"] == prompt_ids
+    plain = post(server, "/v1/completions", {**body, "max_tokens": 4, "logprobs": None}).json()
+    assert plain["choices"][0]["text"].startswith("Once upon a time") and plain["choices"][0]["logprobs"] is None
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=1, temperature=0,
+                                            logprobs=1, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert sum((c.choices[0].logprobs.token_logprobs for c in chunks), [])[1:] == pytest.approx(lp.token_logprobs[1:])
+
+
 # ---- bad input --------------------------------------------------------------------------------------------------
 GOOD = {"model": MODEL, "prompt": "Once", "max_tokens": 2}
 BAD_CASES = [
@@ -209,12 +239,14 @@ BAD_CASES = [
     ("unknown field", "/v1/completions", {**GOOD, "bogus": 1}, None, 400),
     ("missing prompt", "/v1/completions", {"model": MODEL}, None, 400),
     ("negative max_tokens", "/v1/completions", {**GOOD, "max_tokens": -1}, None, 400),
-    ("zero max_tokens", "/v1/completions", {**GOOD, "max_tokens": 0}, None, 400),
     ("huge max_tokens", "/v1/completions", {**GOOD, "max_tokens": 10**12}, None, 400),
     ("bad temperature", "/v1/completions", {**GOOD, "temperature": -1}, None, 400),
     ("n zero", "/v1/completions", {**GOOD, "n": 0}, None, 400),
     ("unsupported penalty", "/v1/completions", {**GOOD, "presence_penalty": 0.5}, None, 400),
-    ("unsupported echo", "/v1/completions", {**GOOD, "echo": True}, None, 400),
+    ("unsupported suffix", "/v1/completions", {**GOOD, "suffix": "x"}, None, 400),
+    ("max_tokens 0 without echo", "/v1/completions", {**GOOD, "max_tokens": 0}, None, 400),
+    ("max_tokens 0 echo streamed", "/v1/completions", {**GOOD, "max_tokens": 0, "echo": True, "stream": True}, None,
+     400),
     ("logprobs over 20", "/v1/completions", {**GOOD, "logprobs": 21}, None, 400),
     ("negative logprobs", "/v1/completions", {**GOOD, "logprobs": -1}, None, 400),
     (
