@@ -450,6 +450,7 @@ class LLMEngine:
             r.output_token_ids.append(tok)
             if logprobs is not None and r.output_logprobs is not None:
                 r.output_logprobs.append(self._decode_logprobs(logprobs[j]))
+                r.cumulative_logprob += logprobs[j][tok].logprob
             r.token_times.append(now)
             new_ids.append(tok)
             if r.first_token_time is None:
@@ -520,7 +521,7 @@ class LLMEngine:
             finish_reason=r.finish_reason.value if r.finish_reason else None, stop_reason=r.stop_reason,
             delta_text=delta, delta_token_ids=new_ids,
             logprobs=None if r.output_logprobs is None else list(r.output_logprobs),
-            cumulative_logprob=None if r.output_logprobs is None else r.cumulative_logprob,
+            cumulative_logprob=r.cumulative_logprob,
         )
         metrics = RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finish_time,
                                  list(r.token_times))

@@ -64,10 +64,12 @@ class Request:
     # one {token id: Logprob} per prompt token when sampling.prompt_logprobs is set (the first, and any the prefill has
     # not reached yet, None), else None
     prompt_logprobs: list | None = field(default=None, repr=False)
+    cumulative_logprob: float | None = None  # the output tokens' log-probabilities summed (when asked for)
 
     def __post_init__(self) -> None:
         if self.sampling.logprobs is not None and self.output_logprobs is None:
             self.output_logprobs = []
+            self.cumulative_logprob = 0.0
         if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
@@ -91,14 +93,6 @@ class Request:
     def is_prefilling(self) -> bool:
         """True while more than the last token remains to be processed."""
         return self.num_computed < self.num_tokens - 1
-
-    @property
-    def cumulative_logprob(self) -> float | None:
-        """The sum of the output tokens' log-probabilities (None unless the request asked for them)."""
-        if self.output_logprobs is None:
-            return None
-        return float(sum(entry[tok].logprob for tok, entry in zip(self.output_token_ids, self.output_logprobs,
-                                                                  strict=True)))
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)
