@@ -231,9 +231,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
     async def stream_events(
-        stream: GroupStream, size: int, n: int, chunk, include_usage: bool, first: list[dict] | None = None
+        stream: GroupStream, size: int, n: int, chunk, include_usage: bool, first: list[dict] | None = None,
+        continuous_usage: bool = False,
     ) -> AsyncIterator[str]:
-        """SSE frames: ``chunk(index, out)`` per output (None = skip), usage when asked, then ``[DONE]``."""
+        """SSE frames: ``chunk(index, out)`` per output (None = skip; with ``continuous_usage`` each carries its
+        request's usage so far), usage when asked, then ``[DONE]``."""
         finals: list[RequestOutput | None] = [None] * size
         try:
             for frame in first or []:
@@ -241,6 +243,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             async for index, out in stream:
                 body = chunk(index, out)
                 if body is not None:
+                    if continuous_usage:
+                        body["usage"] = usage([out], 1)
                     yield sse(body)
                 if out.finished:
                     finals[index] = out
@@ -327,7 +331,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 return {**base, "choices": [choice]}
 
             return StreamingResponse(
-                stream_events(stream, size, req.n, chunk, req.include_usage), media_type="text/event-stream"
+                stream_events(stream, size, req.n, chunk, req.include_usage, continuous_usage=req.continuous_usage),
+                media_type="text/event-stream",
             )
         try:
             outs = await collect(stream, request, size)
@@ -398,7 +403,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 for i in range(size)
             ]
             return StreamingResponse(
-                stream_events(stream, size, req.n, chunk, req.include_usage, first=first),
+                stream_events(stream, size, req.n, chunk, req.include_usage, first=first,
+                              continuous_usage=req.continuous_usage),
                 media_type="text/event-stream",
             )
         try:

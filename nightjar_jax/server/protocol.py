@@ -119,6 +119,11 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Every streamed chunk carries its request's usage so far (vLLM's ``continuous_usage_stats``)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 PromptField = str | list[str] | list[int] | list[list[int]]
 

@@ -80,6 +80,22 @@ def test_completion_usage_and_stream_match(client):
     assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
 
 
+def test_continuous_usage_stats_in_every_chunk(server):
+    body = {**GOOD, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "stream": True, "n": 2,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    frames = [json.loads(line[6:]) for line in post(server, "/v1/completions", body).text.splitlines()
+              if line.startswith("data: {")]
+    per_choice: dict[int, list[int]] = {}
+    for frame in frames[:-1]:
+        usage = frame["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        per_choice.setdefault(frame["choices"][0]["index"], []).append(usage["completion_tokens"])
+    assert sorted(per_choice) == [0, 1]
+    for counts in per_choice.values():  # each choice's own count, growing to its max_tokens
+        assert counts == sorted(counts) and counts[-1] == 12 and counts[0] >= 1
+    assert frames[-1]["choices"] == [] and frames[-1]["usage"]["completion_tokens"] == 24
+
+
 def test_chat_completion(client):
     messages = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "Once upon a time"}]
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8, temperature=0)
