@@ -40,6 +40,8 @@ from nightjar_jax.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_logprobs,
     completion_logprobs,
 )
@@ -264,6 +266,43 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def need_tokenizer():
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        return engine.tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's endpoint: a prompt's (or chat messages') token ids, their count and the context length."""
+        authorize(request)
+        req: TokenizeRequest = await read_body(request, TokenizeRequest)
+        check_model(req.model)
+        req.check()
+        tok = need_tokenizer()
+        if req.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            try:
+                text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+            except Exception as exc:  # no template, or the template rejected the messages
+                raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from None
+        else:
+            text = req.prompt
+        ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's endpoint: the text of token ids."""
+        authorize(request)
+        req: DetokenizeRequest = await read_body(request, DetokenizeRequest)
+        check_model(req.model)
+        tok = need_tokenizer()
+        vocab = engine.target.config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}): got {bad[:5]}", param="tokens")
+        return {"prompt": tok.decode(req.tokens)}
 
     @app.get("/v1/models")
     async def list_models(request: Request):

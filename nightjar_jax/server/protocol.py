@@ -229,6 +229,27 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # (the ids the completion endpoints would see: they encode the same way)
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def _token_text(lp: Any, token: int) -> str:
     return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token}"
 

@@ -96,6 +96,25 @@ def test_continuous_usage_stats_in_every_chunk(server):
     assert frames[-1]["choices"] == [] and frames[-1]["usage"]["completion_tokens"] == 24
 
 
+def test_tokenize_and_detokenize(server, client):
+    """vLLM's /tokenize and /detokenize: the ids the completion endpoints count (usage), and back."""
+    resp = post(server, "/tokenize", {"model": MODEL, "prompt": "Once upon a time"}).json()
+    assert resp == {"count": 5, "max_model_len": MAX_MODEL_LEN, "tokens": [1, 403, 407, 261, 378]}
+    bare = post(server, "/tokenize", {"prompt": "Once upon a time", "add_special_tokens": False}).json()
+    assert bare["tokens"] == [403, 407, 261, 378]
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    chat = post(server, "/tokenize", {"messages": messages}).json()
+    usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
+    assert chat["count"] == usage.prompt_tokens == len(chat["tokens"])
+    assert post(server, "/detokenize", {"tokens": [1, 403, 407, 261, 378]}).json() == {"prompt": "Once upon a time"}
+    for path, body in [("/tokenize", {"prompt": "x", "messages": messages}), ("/tokenize", {}),
+                       ("/detokenize", {"tokens": [1, 99999]}), ("/detokenize", {"tokens": "abc"}),
+                       ("/tokenize", {"model": "nope", "prompt": "x"})]:
+        r = post(server, path, body)
+        assert r.status_code in (400, 404) and r.json()["error"]["message"], (path, body)
+    assert post(server, "/tokenize", {"prompt": "x"}, key=None).status_code == 401
+
+
 def test_chat_completion(client):
     messages = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "Once upon a time"}]
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8, temperature=0)
