@@ -88,6 +88,34 @@ class LLM:
         return results  # type: ignore[return-value]
 
 
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them, each
+        rendered with the model's chat template (or ``chat_template``), then generated as :meth:`generate` does; one
+        output per conversation."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: chat needs one to render the conversation")
+        messages = list(messages)
+        conversations = [messages] if messages and isinstance(messages[0], dict) else [list(c) for c in messages]
+        if not conversations or not all(conversations):
+            raise ValueError("chat needs at least one conversation of at least one message")
+        for conversation in conversations:
+            for m in conversation:
+                if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
+                    raise ValueError(f"each message must be a dict with a 'role' and a string 'content': got {m!r}")
+        prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
 def _child_params(sp: SamplingParams, index: int) -> SamplingParams:
     if sp.n == 1:
         return sp

@@ -190,10 +190,14 @@ class Tokenizer:
 
     # ---- chat ---------------------------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the model's chat template (jinja2, sandboxed like transformers)."""
-        if not self.chat_template:
-            raise ValueError(f"{self.source}: this tokenizer has no chat template; use a plain-text prompt instead")
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> str:
+        """Render ``messages`` with the model's chat template, or ``chat_template`` when given (jinja2, sandboxed like
+        transformers)."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if not template:
+            raise ValueError(f"{self.source}: this tokenizer has no chat template; use a plain-text prompt instead "
+                             "or pass a chat_template")
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -212,7 +216,7 @@ class Tokenizer:
             return self.hf_tokenizer.convert_ids_to_tokens(i)
 
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        return env.from_string(self.chat_template).render(
+        return env.from_string(template).render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=token_str(self.bos_token_id),

@@ -105,6 +105,24 @@ def test_prompt_logprobs_score_a_prompt_as_its_generation_did(llm):
         assert entry[tok].decoded_token == want[tok].decoded_token
 
 
+def test_chat_renders_conversations_with_the_template(llm):
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    chat = [{"role": "user", "content": "Tell me a story."}]
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    one = llm.chat(chat, sp, chat_template=template)
+    assert len(one) == 1 and one[0].prompt == "user: Tell me a story.\nassistant:"
+    assert one[0].outputs[0].token_ids == llm.generate([one[0].prompt], sp)[0].outputs[0].token_ids
+    two = llm.chat([chat, chat + [{"role": "assistant", "content": "Once"}]], sp, chat_template=template)
+    assert [o.outputs[0].token_ids for o in two][0] == one[0].outputs[0].token_ids and len(two) == 2
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat(chat, sp)  # stories260k has none of its own
+    with pytest.raises(ValueError, match="string 'content'"):
+        llm.chat([{"role": "user"}], sp, chat_template=template)
+    with pytest.raises(ValueError, match="at least one conversation"):
+        llm.chat([], sp, chat_template=template)
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
+
+
 def test_vocabulary_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="vocabulary"):
         LLM("stories260k", draft_model="llama-68m", load_format="dummy", max_model_len=128, num_pages=16)
