@@ -528,4 +528,4 @@ class LLMEngine:
         if r.is_finished:
             self.requests.pop(r.request_id, None)
         return RequestOutput(r.request_id, r.prompt, list(r.prompt_token_ids), [comp], r.is_finished, metrics,
-                             r.error, prompt_logprobs=None if r.prompt_logprobs is None else list(r.prompt_logprobs))
+                             r.error, prompt_logprobs=r.prompt_logprobs_snapshot())

@@ -65,6 +65,7 @@ class Request:
     # not reached yet, None), else None
     prompt_logprobs: list | None = field(default=None, repr=False)
     cumulative_logprob: float | None = None  # the output tokens' log-probabilities summed (when asked for)
+    _prompt_logprobs_done: list | None = field(default=None, repr=False)  # prompt_logprobs_snapshot's shared copy
 
     def __post_init__(self) -> None:
         if self.sampling.logprobs is not None and self.output_logprobs is None:
@@ -93,6 +94,17 @@ class Request:
     def is_prefilling(self) -> bool:
         """True while more than the last token remains to be processed."""
         return self.num_computed < self.num_tokens - 1
+
+    def prompt_logprobs_snapshot(self) -> list | None:
+        """``prompt_logprobs`` for an output: a copy while the prefill may still fill it, then one list shared by every
+        later output (an 8k-token prompt is not copied again at each decode step)."""
+        if self.prompt_logprobs is None:
+            return None
+        if self.num_computed < self.num_prompt_tokens:
+            return list(self.prompt_logprobs)
+        if self._prompt_logprobs_done is None:
+            self._prompt_logprobs_done = list(self.prompt_logprobs)
+        return self._prompt_logprobs_done
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)

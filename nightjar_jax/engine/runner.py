@@ -21,6 +21,7 @@ their log-probabilities for the requests that ask: ``SamplingParams.logprobs``, 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -244,6 +245,22 @@ class RunnerShapes:
     page_buckets: list[int]  # block-table widths: powers of two (reference attention) or just the maximum
 
 
+PROMPT_LOGPROBS_SLICE = 16  # positions per pass of prompt_token_logprobs
+
+
+def prompt_token_logprobs(logits_fn, hidden: jax.Array, targets: jax.Array, num_top: int) -> TokenLogprobs:
+    """:func:`token_logprobs` at every position of a prefill chunk, ``PROMPT_LOGPROBS_SLICE`` positions at a time
+    (``lax.map``): hidden [S, T, H], targets [S, T] -> [S, T] fields. The whole chunk's logits at once would be an
+    [S, T, V] float32 array (32 x 512 positions x 49,152 ids: 3 GiB) and more as large beside it; a slice holds
+    [S, 16, V]."""
+    num_seqs, q_len = targets.shape
+    width = math.gcd(q_len, PROMPT_LOGPROBS_SLICE)
+    h = hidden.reshape(num_seqs, q_len // width, width, -1).swapaxes(0, 1)  # [T / w, S, w, H]
+    t = targets.reshape(num_seqs, q_len // width, width).swapaxes(0, 1)  # [T / w, S, w]
+    out = jax.lax.map(lambda ht: token_logprobs(logits_fn(ht[0]), ht[1], num_top), (h, t))
+    return TokenLogprobs(*(x.swapaxes(0, 1).reshape((num_seqs, q_len) + x.shape[3:]) for x in out))
+
+
 def _logprobs_arg(requests: list[Request], field: str = "logprobs") -> dict:
     """The step functions' ``num_logprobs`` keyword (``num_prompt_logprobs`` for ``field="prompt_logprobs"``) for a
     batch: absent when no request asks (the variants without them run), else the static top-k bucket covering the
@@ -389,7 +406,7 @@ class ModelRunner:
                 feats = write_feature_pages(feats, hidden, md)
             plp = None
             if num_prompt_logprobs is not None:  # every position's logits (T x the head's cost): opt-in
-                plp = token_logprobs(t_logits(state, hidden), prompt_targets, num_prompt_logprobs)
+                plp = prompt_token_logprobs(lambda h: t_logits(state, h), hidden, prompt_targets, num_prompt_logprobs)
             logits = t_logits(state, hidden[:, -1])  # [S, V] f32
             if all_greedy:
                 next_tokens = argmax(logits)

@@ -155,7 +155,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids for ``text``; with ``add_special_tokens`` BOS is prepended when the model wants it."""
         if self.hf_tokenizer is not None:
-            return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            ids = list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            bos = self.bos_token_id
+            if add_special_tokens and bos is not None and ids[:2] == [bos, bos] and not text.startswith(
+                    2 * (self.hf_tokenizer.bos_token or "\0")):
+                ids = ids[1:]  # text that starts with BOS (a chat template's {{ bos_token }}): BOS once, as below
+            return ids
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:

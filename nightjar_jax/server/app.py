@@ -298,7 +298,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         req: DetokenizeRequest = await read_body(request, DetokenizeRequest)
         check_model(req.model)
         tok = need_tokenizer()
-        vocab = engine.target.config.vocab_size
+        vocab = min(engine.target.config.vocab_size, tok.vocab_size)
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids must be in [0, {vocab}): got {bad[:5]}", param="tokens")
@@ -335,7 +335,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
 
         def echoed(out: RequestOutput) -> tuple[str, list[int], list | None]:
             """echo: the prompt's text, its token ids and their log-probabilities (when asked)."""
-            text = out.prompt if out.prompt is not None else engine.tokenizer.decode(out.prompt_token_ids)
+            text = out.prompt if out.prompt is not None else engine.tokenizer.decode(out.prompt_token_ids, False)
             return text, list(out.prompt_token_ids), out.prompt_logprobs
 
         if req.stream:

@@ -121,8 +121,9 @@ class _SamplingFields(_Strict):
 
     @property
     def continuous_usage(self) -> bool:
-        """Every streamed chunk carries its request's usage so far (vLLM's ``continuous_usage_stats``)."""
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """Every streamed chunk carries its request's usage so far (vLLM's ``continuous_usage_stats``, which like
+        vLLM takes effect with ``include_usage``)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 PromptField = str | list[str] | list[int] | list[list[int]]

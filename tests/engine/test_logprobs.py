@@ -167,3 +167,18 @@ def test_prompt_logprobs_score_each_prompt_token_under_the_model(budget):
             top = [lp for lp in entry.values() if lp.rank == 1]
             assert top and top[0].logprob == pytest.approx(TOP, abs=1e-5)
     assert eng.num_free_pages == eng.num_total_pages
+
+
+def test_prompt_token_logprobs_in_slices_equal_the_whole_chunk():
+    import jax.numpy as jnp
+
+    from nightjar_jax.engine.runner import prompt_token_logprobs
+
+    rng = np.random.default_rng(1)
+    hidden = jnp.asarray(rng.normal(size=(3, 48, 8)).astype(np.float32))  # 3 slices of 16 positions
+    head = jnp.asarray(rng.normal(size=(8, 30)).astype(np.float32))
+    targets = jnp.asarray(rng.integers(-1, 30, size=(3, 48)).astype(np.int32))
+    got = prompt_token_logprobs(lambda h: h @ head, hidden, targets, 4)
+    want = token_logprobs(hidden @ head, targets, 4)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)

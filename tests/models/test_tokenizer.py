@@ -122,3 +122,20 @@ def test_token_text_spells_the_text_a_token_reads_in(request, name):
     assert tok.token_text(ids[1]) is tok.token_text(ids[1])  # cached
     if tok.eos_token_ids:
         assert tok.token_text(tok.eos_token_ids[0])  # a special token keeps its text
+
+
+def test_transformers_tokenizer_adds_bos_once_to_text_that_starts_with_it(tmp_path):
+    """A chat template renders ``{{ bos_token }}`` and the tokenizer adds BOS again (Llama-3's): the prompt gets one
+    BOS, as the tokenizers-backed path already does (``Tokenizer.encode``)."""
+    import tokenizers
+    from tokenizers.processors import TemplateProcessing
+
+    backend = tokenizers.Tokenizer.from_file(str(STORIES / "tokenizer.json"))
+    backend.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    assert tok.hf_tokenizer is not None and tok.hf_tokenizer.encode("<s>Once") == [1, 1, 403]
+    assert tok.encode("<s>Once") == tok.encode("Once") == [1, 403]
+    assert tok.encode("<s>Once", add_special_tokens=False) == [1, 403]

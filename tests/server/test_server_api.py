@@ -94,6 +94,10 @@ def test_continuous_usage_stats_in_every_chunk(server):
     for counts in per_choice.values():  # each choice's own count, growing to its max_tokens
         assert counts == sorted(counts) and counts[-1] == 12 and counts[0] >= 1
     assert frames[-1]["choices"] == [] and frames[-1]["usage"]["completion_tokens"] == 24
+    body["stream_options"] = {"continuous_usage_stats": True}  # (as vLLM: it takes effect with include_usage)
+    frames = [json.loads(line[6:]) for line in post(server, "/v1/completions", body).text.splitlines()
+              if line.startswith("data: {")]
+    assert frames and all("usage" not in f for f in frames)
 
 
 def test_tokenize_and_detokenize(server, client):
