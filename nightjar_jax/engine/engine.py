@@ -264,6 +264,8 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens but the whole KV pool holds "
                 f"{self.allocator.num_usable * self.allocator.page_size}: it can never be scheduled"
             )
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}): got {max(params.logit_bias)}")
         if request_id is None:
             request_id = str(next(self._ids))
         if request_id in self.requests:

@@ -38,6 +38,7 @@ from nightjar_jax.engine.request import Request
 from nightjar_jax.engine.sampler import (
     SamplingTensors,
     TokenLogprobs,
+    apply_logit_bias,
     argmax,
     logprobs_bucket,
     processed_probs,
@@ -407,12 +408,13 @@ class ModelRunner:
             plp = None
             if num_prompt_logprobs is not None:  # every position's logits (T x the head's cost): opt-in
                 plp = prompt_token_logprobs(lambda h: t_logits(state, h), hidden, prompt_targets, num_prompt_logprobs)
-            logits = t_logits(state, hidden[:, -1])  # [S, V] f32
+            raw = t_logits(state, hidden[:, -1])  # [S, V] f32
+            logits = apply_logit_bias(raw, st)
             if all_greedy:
                 next_tokens = argmax(logits)
             else:
                 next_tokens = sample(logits, st, SALT_SAMPLE)
-            lp = None if num_logprobs is None else token_logprobs(logits, next_tokens, num_logprobs)
+            lp = None if num_logprobs is None else token_logprobs(raw, next_tokens, num_logprobs)
             return next_tokens, kv, feats, (lp, plp)
 
         self._forward_sample = jax.jit(forward_sample, donate_argnums=(1, 2), static_argnums=(8,),
@@ -448,7 +450,7 @@ class ModelRunner:
             def draft_step(i, tok_in, q_lens, kv, extra):
                 md = BatchMetadata(block_tables, context_lens + i * real, q_lens)
                 hidden, kv = d_hidden(state, tok_in, kv, md, **extra)
-                logits = d_logits(state, hidden[:, -1])  # [S, V]
+                logits = apply_logit_bias(d_logits(state, hidden[:, -1]), st)  # [S, V]
                 feature = hidden[:, -1:] if feats is not None else None
                 if all_greedy:
                     return argmax(logits), None, kv, feature
@@ -490,7 +492,8 @@ class ModelRunner:
             hidden, kv = t_hidden(state, tokens, kv, md)
             if feats is not None:  # only the accepted positions' are read later; the rest are overwritten first
                 feats = write_feature_pages(feats, hidden, md)
-            logits = t_logits(state, hidden)  # [S, γ + 1, V]
+            raw = t_logits(state, hidden)  # [S, γ + 1, V]
+            logits = apply_logit_bias(raw, st)
             if all_greedy:
                 out, num_accepted = greedy_verify(draft_tokens, logits)
             else:
@@ -499,7 +502,7 @@ class ModelRunner:
                 draft_probs = jnp.where(copied[..., None], point_mass, draft_probs)
                 out, num_accepted = rejection_sample(draft_tokens, draft_probs, target_probs, st, salt=SALT_VERIFY)
             # out[:, j] (j <= num_accepted) is the target's token after position j, under logits[:, j]
-            lp = None if num_logprobs is None else token_logprobs(logits, out, num_logprobs)
+            lp = None if num_logprobs is None else token_logprobs(raw, out, num_logprobs)
             return out, num_accepted, kv, feats, lp
 
         def propose_tree(leaves, kv, feats, embed, tokens, first_lens, block_tables, context_lens, copy_tokens,
@@ -564,7 +567,8 @@ class ModelRunner:
             hidden, kv = t_hidden(state, tokens, kv, md)
             if feats is not None:
                 feats = write_feature_pages(feats, hidden, md)
-            logits = t_logits(state, hidden)  # [S, N + 1, V]
+            raw = t_logits(state, hidden)  # [S, N + 1, V]
+            logits = apply_logit_bias(raw, st)
             n = context_lens - num_nodes  # committed tokens
             slots = n[:, None] - 1 + jnp.arange(num_nodes + 1)[None, :]
             valid = slots < self.max_model_len
@@ -582,7 +586,7 @@ class ModelRunner:
             kv, feats = move_slots(kv, feats, src, dst, block_tables, real)
             lp = None
             if num_logprobs is not None:  # out[:, j] is the target's token after the branch's node path[:, j]
-                branch_logits = jnp.take_along_axis(logits, path[:, :, None], axis=1)  # [S, depth + 1, V]
+                branch_logits = jnp.take_along_axis(raw, path[:, :, None], axis=1)  # [S, depth + 1, V]
                 lp = token_logprobs(branch_logits, out, num_logprobs)
             return out, num_accepted, kv, feats, lp
 
@@ -633,7 +637,15 @@ class ModelRunner:
             temperature[i], top_k[i], top_p[i], min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
             seeds[i] = r.seed % 2**32
             steps[i] = len(r.output_token_ids)
-        return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps)
+        bias_ids = bias_values = None
+        widest = max((len(r.sampling.logit_bias) for r in requests if r.sampling.logit_bias), default=0)
+        if widest:  # a static width per batch: powers of two from 8 (a few variants, compiled on first use)
+            width = max(8, next_power_of_two(widest))
+            bias_ids, bias_values = np.zeros((num_rows, width), np.int32), np.zeros((num_rows, width), np.float32)
+            for i, r in enumerate(requests):
+                for j, (token, value) in enumerate((r.sampling.logit_bias or {}).items()):
+                    bias_ids[i, j], bias_values[i, j] = token, value
+        return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, bias_ids, bias_values)
 
     # ---- steps --------------------------------------------------------------------------------------------------
     def execute_prefill(self, batch: ScheduledBatch) -> PrefillResult:

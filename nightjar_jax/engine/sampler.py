@@ -88,6 +88,10 @@ class SamplingTensors(NamedTuple):
     min_p: jax.Array  # [B] float32 in [0, 1); 0 means off
     seeds: jax.Array  # [B] uint32 per-request seed
     steps: jax.Array  # [B] int32 number of tokens this request has generated so far
+    # logit_bias (None when no row has one): ids [B, M] int32 and values [B, M] float32 added to the logits before
+    # anything else (padding: id 0, value 0); see apply_logit_bias
+    bias_ids: jax.Array | None = None
+    bias_values: jax.Array | None = None
 
     @classmethod
     def create(
@@ -114,6 +118,24 @@ class SamplingTensors(NamedTuple):
             seeds=column(_fold_to_uint32(seeds), np.uint32),
             steps=column(steps, np.int32),
         )
+
+
+def apply_logit_bias(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """logits [B, ..., V] + each row's ``logit_bias`` (OpenAI's: added to the logits before sampling, greedy rows
+    included, so -100 bans a token and +100 all but forces it); unchanged when the batch has none (static: the
+    tensors' structure). Every step applies it to the target's logits and the draft's alike, so speculative decoding
+    stays lossless with respect to the biased distribution."""
+    if st.bias_ids is None:
+        return logits
+    batch = logits.shape[0]
+    ids = st.bias_ids.reshape((batch,) + (1,) * (logits.ndim - 2) + st.bias_ids.shape[1:])  # [B, 1.., M]
+    values = st.bias_values.reshape(ids.shape).astype(logits.dtype)
+    ids = jnp.broadcast_to(ids, logits.shape[:-1] + ids.shape[-1:])
+    values = jnp.broadcast_to(values, ids.shape)
+    add = jnp.zeros_like(logits)
+    add = jax.vmap(lambda a, i, v: a.at[i].add(v), in_axes=(0, 0, 0))(
+        add.reshape(-1, logits.shape[-1]), ids.reshape(-1, ids.shape[-1]), values.reshape(-1, ids.shape[-1]))
+    return logits + add.reshape(logits.shape)
 
 
 def _fold_to_uint32(seeds: int | np.ndarray | list) -> np.ndarray:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 # The most top log-probabilities a request may ask for per token (vLLM's default ``max_logprobs``; OpenAI's chat API
 # allows 20 ``top_logprobs``).
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (OpenAI's API takes up to 300)
 
 
 @dataclass
@@ -38,6 +39,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100), greedy rows included
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +64,11 @@ class SamplingParams:
              "non-negative integers"),
             (_is_count(self.logprobs), "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]"),
             (_is_count(self.prompt_logprobs), "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]"),
+            (self.logit_bias is None or (isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS
+                                         and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                 and _is_number(v) and -100 <= v <= 100
+                                                 for t, v in self.logit_bias.items())), "logit_bias",
+             f"None or a dict of at most {MAX_LOGIT_BIAS} token ids (integers >= 0) to numbers in [-100, 100]"),
         ]
         for ok, name, allowed in checks:
             if not ok:

@@ -74,7 +74,6 @@ class _SamplingFields(_Strict):
         return [
             ("presence_penalty", bool(self.presence_penalty)),
             ("frequency_penalty", bool(self.frequency_penalty)),
-            ("logit_bias", bool(self.logit_bias)),
             ("best_of", self.best_of is not None and self.best_of != self.n),
             ("store", bool(self.store)),
         ]
@@ -100,12 +99,23 @@ class _SamplingFields(_Strict):
             seed=self.seed,
             logprobs=self.num_logprobs(),
             prompt_logprobs=self.num_prompt_logprobs(),
+            logit_bias=self.token_bias(),
         )
         for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
         return SamplingParams(**kwargs)
+
+    def token_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with its keys (token ids as JSON strings) as integers."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "'logit_bias' keys must be token ids (integers as strings)",
+                           param="logit_bias") from None
 
     def num_logprobs(self) -> int | None:
         """The top log-probabilities each generated token carries (None: none asked)."""

@@ -119,6 +119,17 @@ def test_tokenize_and_detokenize(server, client):
     assert post(server, "/tokenize", {"prompt": "x"}, key=None).status_code == 401
 
 
+def test_logit_bias(client, server):
+    """OpenAI's logit_bias: +100 on one token makes greedy decoding repeat it; the ids must be the vocabulary's."""
+    resp = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0,
+                                      logit_bias={"403": 100}, logprobs=0)
+    lp = resp.choices[0].logprobs
+    assert len(set(lp.tokens)) == 1 and lp.tokens[0].strip() == "Once"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logit_bias={"403": 100})
+    assert chat.choices[0].message.content.split() == ["Once"] * 3
+
+
 def test_chat_completion(client):
     messages = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "Once upon a time"}]
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8, temperature=0)
@@ -283,6 +294,9 @@ BAD_CASES = [
     ("n zero", "/v1/completions", {**GOOD, "n": 0}, None, 400),
     ("unsupported penalty", "/v1/completions", {**GOOD, "presence_penalty": 0.5}, None, 400),
     ("unsupported suffix", "/v1/completions", {**GOOD, "suffix": "x"}, None, 400),
+    ("logit_bias key not an id", "/v1/completions", {**GOOD, "logit_bias": {"x": 1}}, None, 400),
+    ("logit_bias value over 100", "/v1/completions", {**GOOD, "logit_bias": {"3": 200}}, None, 400),
+    ("logit_bias id past the vocabulary", "/v1/completions", {**GOOD, "logit_bias": {"99999": 1}}, None, 400),
     ("max_tokens 0 without echo", "/v1/completions", {**GOOD, "max_tokens": 0}, None, 400),
     ("max_tokens 0 echo streamed", "/v1/completions", {**GOOD, "max_tokens": 0, "echo": True, "stream": True}, None,
      400),

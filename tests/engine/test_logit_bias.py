@@ -1,0 +1,83 @@
+"""``SamplingParams.logit_bias`` (OpenAI's): added to the logits before sampling, greedy rows included, in plain,
+speculative (chain and tree) and sampled steps alike, on the fake model whose logits are 10 at its next token and 0
+elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import VOCAB, fake_engine, greedy
+
+from nightjar_jax.engine.sampling_params import SamplingParams
+from nightjar_jax.testing import fake_greedy_continuation
+
+PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15], [3]]
+
+
+def _run(eng, prompts, params) -> list[list[int]]:
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    assert eng.num_free_pages == eng.num_total_pages
+    return [done[i] for i in ids]
+
+
+def _biased_greedy(prompt: list[int], n: int, bias: dict[int, float]) -> list[int]:
+    """The fake model's greedy tokens with a bias: its token scores 10, every other 0, each plus its bias."""
+    from nightjar_jax.testing import fake_next_token
+
+    seq = list(prompt)
+    for _ in range(n):
+        scores = {t: bias.get(t, 0.0) for t in range(VOCAB)}
+        nxt = fake_next_token(seq, VOCAB)
+        scores[nxt] += 10.0
+        best = max(scores.values())
+        seq.append(min(t for t, s in scores.items() if s == best))
+    return seq[len(prompt):]
+
+
+BIASES = [{42: 20.0}, {42: 5.0, 7: 9.5}, {t: -100.0 for t in range(0, VOCAB, 2)}]
+
+
+@pytest.mark.parametrize("kind", ["ar", "chain", "tree"])
+def test_logit_bias_moves_greedy_tokens_in_every_step_kind(kind):
+    kwargs = {"ar": {}, "chain": dict(draft=True, num_speculative_tokens=3),
+              "tree": dict(draft=True, runner_up=True, num_speculative_tokens=3, spec_tree_nodes=8)}[kind]
+    eng = fake_engine(**kwargs)
+    params = [greedy(8, logit_bias=b) for b in BIASES]
+    outs = _run(eng, PROMPTS, params)
+    for out, prompt, bias in zip(outs, PROMPTS, BIASES, strict=True):
+        assert out.token_ids == _biased_greedy(prompt, 8, bias)
+    assert outs[0].token_ids == [42] * 8
+    # beside unbiased requests, which keep the model's tokens
+    mixed = _run(eng, PROMPTS, [greedy(8), params[0], greedy(8)])
+    assert mixed[0].token_ids == fake_greedy_continuation(PROMPTS[0], 8, VOCAB)
+    assert mixed[1].token_ids == [42] * 8
+    assert mixed[2].token_ids == fake_greedy_continuation(PROMPTS[2], 8, VOCAB)
+
+
+def test_logit_bias_in_sampled_rows_and_logprobs_stay_the_models():
+    eng = fake_engine(draft=True, num_speculative_tokens=2)
+    out = _run(eng, PROMPTS[:2], [SamplingParams(temperature=1.0, seed=3, max_tokens=10, logit_bias={42: 100.0},
+                                                 logprobs=0),
+                                  SamplingParams(temperature=1.0, seed=4, max_tokens=10,
+                                                 logit_bias={t: -100.0 for t in range(VOCAB) if t != 9})])
+    assert out[0].token_ids == [42] * 10 and out[1].token_ids == [9] * 10
+    # log-probabilities are the model's own (before the bias, as vLLM's): 42 is not the fake model's token here
+    assert all(entry[42].logprob < -9 for entry in out[0].logprobs)
+
+
+@pytest.mark.parametrize("bias, match", [({-1: 1.0}, "logit_bias"), ({3: 101.0}, "logit_bias"),
+                                         ({"3": 1.0}, "logit_bias"), ([3], "logit_bias")])
+def test_bad_logit_bias_is_a_clear_error(bias, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_ids_past_the_vocabulary_are_rejected_alone():
+    eng = fake_engine()
+    with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 97\)"):
+        eng.add_request([5, 6], greedy(4, logit_bias={VOCAB: 1.0}))
+    assert not eng.has_unfinished_requests()
