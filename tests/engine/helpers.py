@@ -35,3 +35,16 @@ def run_all(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list[int]]:
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def generate_outputs(engine: LLMEngine, prompts: list, params: list[SamplingParams]) -> list:
+    """Add every prompt with its params, step until idle; returns each request's final ``CompletionOutput`` in
+    prompt order, after checking that every page came back."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    assert engine.num_free_pages == engine.num_total_pages
+    return [done[i] for i in ids]

@@ -5,23 +5,12 @@ elsewhere."""
 from __future__ import annotations
 
 import pytest
-from helpers import VOCAB, fake_engine, greedy
+from helpers import VOCAB, fake_engine, generate_outputs, greedy
 
 from nightjar_jax.engine.sampling_params import SamplingParams
 from nightjar_jax.testing import fake_greedy_continuation
 
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15], [3]]
-
-
-def _run(eng, prompts, params) -> list[list[int]]:
-    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    assert eng.num_free_pages == eng.num_total_pages
-    return [done[i] for i in ids]
 
 
 def _biased_greedy(prompt: list[int], n: int, bias: dict[int, float]) -> list[int]:
@@ -47,12 +36,12 @@ def test_logit_bias_moves_greedy_tokens_in_every_step_kind(kind):
               "tree": dict(draft=True, runner_up=True, num_speculative_tokens=3, spec_tree_nodes=8)}[kind]
     eng = fake_engine(**kwargs)
     params = [greedy(8, logit_bias=b) for b in BIASES]
-    outs = _run(eng, PROMPTS, params)
+    outs = generate_outputs(eng, PROMPTS, params)
     for out, prompt, bias in zip(outs, PROMPTS, BIASES, strict=True):
         assert out.token_ids == _biased_greedy(prompt, 8, bias)
     assert outs[0].token_ids == [42] * 8
     # beside unbiased requests, which keep the model's tokens
-    mixed = _run(eng, PROMPTS, [greedy(8), params[0], greedy(8)])
+    mixed = generate_outputs(eng, PROMPTS, [greedy(8), params[0], greedy(8)])
     assert mixed[0].token_ids == fake_greedy_continuation(PROMPTS[0], 8, VOCAB)
     assert mixed[1].token_ids == [42] * 8
     assert mixed[2].token_ids == fake_greedy_continuation(PROMPTS[2], 8, VOCAB)
@@ -60,10 +49,10 @@ def test_logit_bias_moves_greedy_tokens_in_every_step_kind(kind):
 
 def test_logit_bias_in_sampled_rows_and_logprobs_stay_the_models():
     eng = fake_engine(draft=True, num_speculative_tokens=2)
-    out = _run(eng, PROMPTS[:2], [SamplingParams(temperature=1.0, seed=3, max_tokens=10, logit_bias={42: 100.0},
-                                                 logprobs=0),
-                                  SamplingParams(temperature=1.0, seed=4, max_tokens=10,
-                                                 logit_bias={t: -100.0 for t in range(VOCAB) if t != 9})])
+    params = [SamplingParams(temperature=1.0, seed=3, max_tokens=10, logit_bias={42: 100.0}, logprobs=0),
+              SamplingParams(temperature=1.0, seed=4, max_tokens=10,
+                             logit_bias={t: -100.0 for t in range(VOCAB) if t != 9})]
+    out = generate_outputs(eng, PROMPTS[:2], params)
     assert out[0].token_ids == [42] * 10 and out[1].token_ids == [9] * 10
     # log-probabilities are the model's own (before the bias, as vLLM's): 42 is not the fake model's token here
     assert all(entry[42].logprob < -9 for entry in out[0].logprobs)

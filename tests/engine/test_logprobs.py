@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import VOCAB, fake_engine, greedy
+from helpers import VOCAB, fake_engine, generate_outputs, greedy
 
 from nightjar_jax.engine.sampler import logprobs_bucket, token_logprobs
 from nightjar_jax.engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -36,32 +36,21 @@ def _check_entries(tokens: list[int], logprobs: list[dict], num_top: int, cumula
     assert cumulative == pytest.approx(len(tokens) * TOP, abs=1e-4)
 
 
-def _generate(eng, prompts, params_list) -> list:
-    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
-    finals = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                finals[out.request_id] = out.outputs[0]
-    assert eng.num_free_pages == eng.num_total_pages
-    return [finals[i] for i in ids]
-
-
 @pytest.mark.parametrize("kind", ["ar", "chain", "tree"])
 def test_logprobs_are_the_models_and_leave_the_tokens_alone(kind):
     kwargs = {"ar": {}, "chain": dict(draft=True, num_speculative_tokens=3),
               "tree": dict(draft=True, runner_up=True, num_speculative_tokens=3, spec_tree_nodes=8)}[kind]
     eng = fake_engine(**kwargs)
-    plain = _generate(eng, PROMPTS, [greedy(9)] * 3)
+    plain = generate_outputs(eng, PROMPTS, [greedy(9)] * 3)
     asked = [greedy(9, logprobs=k) for k in (0, 3, MAX_LOGPROBS)]
-    outs = _generate(eng, PROMPTS, asked)
+    outs = generate_outputs(eng, PROMPTS, asked)
     for out, ref, sp in zip(outs, plain, asked, strict=True):
         assert out.token_ids == ref.token_ids and ref.logprobs is None and ref.cumulative_logprob is None
         _check_entries(out.token_ids, out.logprobs, sp.logprobs, out.cumulative_logprob)
     if kind != "ar":
         assert eng.stats.num_accepted_tokens > 0  # the speculative steps ran and accepted drafts
     # a batch mixing requests with and without: only the asking ones carry them, and the tokens do not move
-    mixed = _generate(eng, PROMPTS, [greedy(9), greedy(9, logprobs=2), greedy(9)])
+    mixed = generate_outputs(eng, PROMPTS, [greedy(9), greedy(9, logprobs=2), greedy(9)])
     assert [o.token_ids for o in mixed] == [o.token_ids for o in plain]
     assert mixed[0].logprobs is None and mixed[2].logprobs is None
     _check_entries(mixed[1].token_ids, mixed[1].logprobs, 2, mixed[1].cumulative_logprob)
@@ -71,7 +60,7 @@ def test_sampled_tokens_carry_their_own_logprob_and_rank():
     """Sampling at a high temperature draws ids other than the model's top one: each token's entry then holds its
     own (lower) log-probability and rank, with the top-1 beside it."""
     eng = fake_engine()
-    outs = _generate(eng, PROMPTS, [SamplingParams(temperature=100.0, seed=s, max_tokens=12, logprobs=1)
+    outs = generate_outputs(eng, PROMPTS, [SamplingParams(temperature=100.0, seed=s, max_tokens=12, logprobs=1)
                                     for s in range(3)])
     off_top = 0
     for out in outs:
@@ -89,7 +78,7 @@ def test_sampled_tokens_carry_their_own_logprob_and_rank():
 def test_logprobs_survive_preemption():
     eng = fake_engine(num_pages=13, max_num_seqs=5)
     prompts = [[i + 1, i + 2, i + 3] for i in range(5)]
-    roomy = _generate(fake_engine(), prompts, [greedy(20)] * 5)
+    roomy = generate_outputs(fake_engine(), prompts, [greedy(20)] * 5)
     finals = {}
     ids = [eng.add_request(p, greedy(20, logprobs=1, prompt_logprobs=0)) for p in prompts]
     while eng.has_unfinished_requests():
@@ -143,7 +132,7 @@ def test_prompt_logprobs_score_each_prompt_token_under_the_model(budget):
         follows.append(fake_next_token(follows, VOCAB))
     broken = follows[:4] + [(follows[4] + 1) % VOCAB] + follows[5:]
     eng = fake_engine(max_num_batched_tokens=budget)
-    plain = _generate(eng, [follows, broken], [greedy(5)] * 2)
+    plain = generate_outputs(eng, [follows, broken], [greedy(5)] * 2)
     ids = [eng.add_request(p, greedy(5, prompt_logprobs=2)) for p in (follows, broken)]
     finals = {}
     while eng.has_unfinished_requests():
