@@ -338,8 +338,11 @@ class LLMEngine:
                     outputs.append(self._append(r, [int(tok)], now, logprobs[i] if logprobs else None))
             self.stats.num_prefill_steps += 1
         else:
-            gamma = self._select_gamma()
-            boosted = self._lookup_boost(gamma)
+            # presence / frequency penalties depend on every token before a position, which a speculative step's
+            # later positions would not see: such batches decode plainly (the planner neither chooses nor observes)
+            penalized = any(r.sampling.has_penalties for r in self.scheduler.running)
+            gamma = 0 if penalized else self._select_gamma()
+            boosted = not penalized and self._lookup_boost(gamma)
             # a boosted step verifies a copied chain: γ_max positions ahead, not the tree's nodes
             gamma, lookahead = (self.gamma_max, self.gamma_max) if boosted else (gamma, self.runner.lookahead(gamma))
             batch = self.scheduler.schedule_decode(lookahead)
@@ -358,7 +361,7 @@ class LLMEngine:
                     outputs.append(self._append(r, toks, now, result.logprobs[i] if result.logprobs else None))
                     delivered += len(r.output_token_ids) - before
                 self._record_decode(batch, result, time.perf_counter() - t0, delivered, compiled,
-                                    observe=not boosted)
+                                    observe=not (boosted or penalized))
         self.stats.num_steps += 1
         self.stats.last_step_seconds = time.perf_counter() - t0
         return [o for o in outputs if o is not None]
@@ -450,6 +453,8 @@ class LLMEngine:
         new_ids: list[int] = []
         for j, tok in enumerate(tokens):
             r.output_token_ids.append(tok)
+            if r.output_counts is not None:
+                r.output_counts[tok] = r.output_counts.get(tok, 0) + 1
             if logprobs is not None and r.output_logprobs is not None:
                 r.output_logprobs.append(self._decode_logprobs(logprobs[j]))
                 r.cumulative_logprob += logprobs[j][tok].logprob

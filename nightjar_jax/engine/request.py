@@ -66,11 +66,16 @@ class Request:
     prompt_logprobs: list | None = field(default=None, repr=False)
     cumulative_logprob: float | None = None  # the output tokens' log-probabilities summed (when asked for)
     _prompt_logprobs_done: list | None = field(default=None, repr=False)  # prompt_logprobs_snapshot's shared copy
+    output_counts: dict[int, int] | None = field(default=None, repr=False)  # token -> times generated (penalties)
 
     def __post_init__(self) -> None:
         if self.sampling.logprobs is not None and self.output_logprobs is None:
             self.output_logprobs = []
             self.cumulative_logprob = 0.0
+        if self.sampling.has_penalties and self.output_counts is None:
+            self.output_counts = {}
+            for tok in self.output_token_ids:
+                self.output_counts[tok] = self.output_counts.get(tok, 0) + 1
         if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 

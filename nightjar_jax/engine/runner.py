@@ -624,8 +624,7 @@ class ModelRunner:
             bt[i, : len(r.block_table)] = r.block_table
         return bt
 
-    @staticmethod
-    def _sampling_tensors(requests: list[Request], num_rows: int) -> SamplingTensors:
+    def _sampling_tensors(self, requests: list[Request], num_rows: int) -> SamplingTensors:
         temperature = np.zeros(num_rows, np.float32)
         top_k = np.zeros(num_rows, np.int32)
         top_p = np.ones(num_rows, np.float32)
@@ -639,6 +638,16 @@ class ModelRunner:
             steps[i] = len(r.output_token_ids)
         bias_ids = bias_values = None
         widest = max((len(r.sampling.logit_bias) for r in requests if r.sampling.logit_bias), default=0)
+        if any(r.output_counts for r in requests):  # penalties: one dense [S, V] bias (a shape that never grows)
+            vocab = self.target.config.vocab_size
+            dense = np.zeros((num_rows, vocab), np.float32)
+            for i, r in enumerate(requests):
+                for token, value in (r.sampling.logit_bias or {}).items():
+                    dense[i, token] += value
+                sp = r.sampling
+                for token, count in (r.output_counts or {}).items():
+                    dense[i, token] -= sp.presence_penalty + sp.frequency_penalty * count
+            return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, None, dense)
         if widest:  # a static width per batch: powers of two from 8 (a few variants, compiled on first use)
             width = max(8, next_power_of_two(widest))
             bias_ids, bias_values = np.zeros((num_rows, width), np.int32), np.zeros((num_rows, width), np.float32)

@@ -89,7 +89,8 @@ class SamplingTensors(NamedTuple):
     seeds: jax.Array  # [B] uint32 per-request seed
     steps: jax.Array  # [B] int32 number of tokens this request has generated so far
     # logit_bias (None when no row has one): ids [B, M] int32 and values [B, M] float32 added to the logits before
-    # anything else (padding: id 0, value 0); see apply_logit_bias
+    # anything else (padding: id 0, value 0); or, with presence / frequency penalties in the batch, ids None and
+    # values a dense [B, V] float32 bias; see apply_logit_bias
     bias_ids: jax.Array | None = None
     bias_values: jax.Array | None = None
 
@@ -125,9 +126,11 @@ def apply_logit_bias(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     included, so -100 bans a token and +100 all but forces it); unchanged when the batch has none (static: the
     tensors' structure). Every step applies it to the target's logits and the draft's alike, so speculative decoding
     stays lossless with respect to the biased distribution."""
-    if st.bias_ids is None:
+    if st.bias_values is None:
         return logits
     batch = logits.shape[0]
+    if st.bias_ids is None:  # a dense [B, V] bias (presence / frequency penalties)
+        return logits + st.bias_values.reshape((batch,) + (1,) * (logits.ndim - 2) + (logits.shape[-1],))
     ids = st.bias_ids.reshape((batch,) + (1,) * (logits.ndim - 2) + st.bias_ids.shape[1:])  # [B, 1.., M]
     values = st.bias_values.reshape(ids.shape).astype(logits.dtype)
     ids = jnp.broadcast_to(ids, logits.shape[:-1] + ids.shape[-1:])

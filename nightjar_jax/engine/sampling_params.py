@@ -40,6 +40,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100), greedy rows included
+    # OpenAI's: subtracted from the logit of every token already generated (presence: once; frequency: per time),
+    # in [-2, 2]; a batch holding such a request decodes without speculation
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +68,10 @@ class SamplingParams:
              "non-negative integers"),
             (_is_count(self.logprobs), "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]"),
             (_is_count(self.prompt_logprobs), "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]"),
+            (_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+             "a float in [-2, 2]"),
+            (_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             "a float in [-2, 2]"),
             (self.logit_bias is None or (isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS
                                          and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                  and _is_number(v) and -100 <= v <= 100
@@ -73,6 +81,10 @@ class SamplingParams:
         for ok, name, allowed in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: allowed {allowed}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
     @property
     def greedy(self) -> bool:

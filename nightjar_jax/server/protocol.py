@@ -1,7 +1,7 @@
 """OpenAI-compatible request bodies (pydantic) and the OpenAI error shape.
 
 Unknown fields are rejected (``extra="forbid"``), but the fields the official clients commonly send are accepted
-at their neutral values (``user``, ``presence_penalty``/``frequency_penalty`` 0, ...); a non-neutral
+at their neutral values (``user``, ``store`` false, ...); a non-neutral
 value of a field this server does not implement is a 400 that names the field. ``logprobs`` (completions: the top-k,
 0-20; chat: ``logprobs`` true with ``top_logprobs`` 0-20) returns the generated tokens' log-probabilities in the
 OpenAI shapes (see ``app.py``); completions' ``echo`` prepends the prompt (and its tokens' log-probabilities).
@@ -59,11 +59,11 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Accepted at their neutral values only (see _check_unsupported).
-    user: str | None = None
-    presence_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0  # [-2, 2] (SamplingParams checks): a batch holding one decodes plainly
     frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
+    # Accepted at their neutral values only (see unsupported).
+    user: str | None = None
     best_of: int | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -72,8 +72,6 @@ class _SamplingFields(_Strict):
     def unsupported(self) -> list[tuple[str, bool]]:
         """(field, is_set_to_a_value_this_server_cannot_honour) pairs."""
         return [
-            ("presence_penalty", bool(self.presence_penalty)),
-            ("frequency_penalty", bool(self.frequency_penalty)),
             ("best_of", self.best_of is not None and self.best_of != self.n),
             ("store", bool(self.store)),
         ]
@@ -100,6 +98,8 @@ class _SamplingFields(_Strict):
             logprobs=self.num_logprobs(),
             prompt_logprobs=self.num_prompt_logprobs(),
             logit_bias=self.token_bias(),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
         )
         for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(self, name)

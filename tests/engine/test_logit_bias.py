@@ -70,3 +70,50 @@ def test_logit_bias_ids_past_the_vocabulary_are_rejected_alone():
     with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 97\)"):
         eng.add_request([5, 6], greedy(4, logit_bias={VOCAB: 1.0}))
     assert not eng.has_unfinished_requests()
+
+
+def _penalized_greedy(prompt: list[int], n: int, bias: dict[int, float], presence: float, frequency: float):
+    from nightjar_jax.testing import fake_next_token
+
+    seq, counts = list(prompt), {}
+    for _ in range(n):
+        scores = {t: bias.get(t, 0.0) - (presence + frequency * counts[t] if t in counts else 0.0)
+                  for t in range(VOCAB)}
+        scores[fake_next_token(seq, VOCAB)] += 10.0
+        best = max(scores.values())
+        tok = min(t for t, s in scores.items() if s == best)
+        seq.append(tok)
+        counts[tok] = counts.get(tok, 0) + 1
+    return seq[len(prompt):]
+
+
+def test_presence_and_frequency_penalties_lower_generated_tokens_and_turn_speculation_off():
+    """Token 42 biased to 11.5 beats the model's 10 until penalties bring it down: presence 1 + frequency 1 per time
+    leaves it at 9.5 after once (the model's token wins), at 11.5 - 1 - 1 x 1 = 9.5; with frequency 0.5 alone it wins
+    three times (11.5, 11.0, 10.5, then 10.0 ties the model's token and the lower id wins). A batch holding a
+    penalized request decodes without speculation; the others keep their exact tokens and speculate again after."""
+    eng = fake_engine(draft=True, num_speculative_tokens=3)
+    cases = [(1.0, 1.0), (0.0, 0.5), (-2.0, 0.0)]
+    params = [greedy(10, logit_bias={42: 11.5}, presence_penalty=p, frequency_penalty=f) for p, f in cases]
+    outs = generate_outputs(eng, PROMPTS, params)
+    for out, prompt, (p, f) in zip(outs, PROMPTS, cases, strict=True):
+        assert out.token_ids == _penalized_greedy(prompt, 10, {42: 11.5}, p, f), (p, f)
+    assert outs[0].token_ids.count(42) == 1 and outs[2].token_ids == [42] * 10  # (a negative penalty rewards)
+    assert eng.stats.num_drafted_tokens == 0 and eng.stats.decode_steps_per_gamma.keys() == {0}
+    # preemption keeps the counts (the request keeps them; a recompute appends no output again)
+    small = fake_engine(num_pages=13, max_num_seqs=5)
+    prompts = [[i + 1, i + 2, i + 3] for i in range(5)]
+    p = [greedy(20, logit_bias={42: 11.5}, frequency_penalty=0.5)] * 5
+    got = generate_outputs(small, prompts, p)
+    assert small.stats.num_preemptions > 0
+    assert [o.token_ids for o in got] == [_penalized_greedy(q, 20, {42: 11.5}, 0.0, 0.5) for q in prompts]
+    # unpenalized requests afterwards speculate again
+    plain = generate_outputs(eng, PROMPTS, [greedy(10)] * 3)
+    assert [o.token_ids for o in plain] == [fake_greedy_continuation(q, 10, VOCAB) for q in PROMPTS]
+    assert eng.stats.num_drafted_tokens > 0
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+def test_penalties_outside_their_range_are_clear_errors(field):
+    with pytest.raises(ValueError, match=rf"{field}=2.5 is invalid: allowed a float in \[-2, 2\]"):
+        SamplingParams(**{field: 2.5})

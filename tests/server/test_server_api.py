@@ -130,6 +130,19 @@ def test_logit_bias(client, server):
     assert chat.choices[0].message.content.split() == ["Once"] * 3
 
 
+def test_penalties_are_served(client):
+    """stories260K's greedy story repeats " park" / " She"; penalties of 2 + 2 per time steer it off after "in the
+    park" (same prefix, then " with her friends" where plain decoding goes on to "."; deterministic, greedy)."""
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=48, temperature=0)
+    plain = client.completions.create(**kw).choices[0].text
+    again = client.completions.create(**kw, presence_penalty=0.0, frequency_penalty=0.0).choices[0].text
+    penalized = client.completions.create(**kw, presence_penalty=2.0, frequency_penalty=2.0)
+    text = penalized.choices[0].text
+    assert again == plain and penalized.usage.completion_tokens == 48
+    prefix = ", there was a little girl named Lily. She loved to play outside in the park"
+    assert plain.startswith(prefix + ".") and text.startswith(prefix + " with her friends")
+
+
 def test_chat_completion(client):
     messages = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "Once upon a time"}]
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8, temperature=0)
@@ -292,7 +305,7 @@ BAD_CASES = [
     ("huge max_tokens", "/v1/completions", {**GOOD, "max_tokens": 10**12}, None, 400),
     ("bad temperature", "/v1/completions", {**GOOD, "temperature": -1}, None, 400),
     ("n zero", "/v1/completions", {**GOOD, "n": 0}, None, 400),
-    ("unsupported penalty", "/v1/completions", {**GOOD, "presence_penalty": 0.5}, None, 400),
+    ("penalty out of range", "/v1/completions", {**GOOD, "presence_penalty": 2.5}, None, 400),
     ("unsupported suffix", "/v1/completions", {**GOOD, "suffix": "x"}, None, 400),
     ("logit_bias key not an id", "/v1/completions", {**GOOD, "logit_bias": {"x": 1}}, None, 400),
     ("logit_bias value over 100", "/v1/completions", {**GOOD, "logit_bias": {"3": 200}}, None, 400),
