@@ -272,6 +272,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         req = Request(request_id, [int(t) for t in ids], params, seed, prompt=text)
+        if params.min_tokens:
+            stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_ids)
+            req.stop_ids = tuple(sorted(t for t in stop if t < vocab))  # (an id past the vocabulary never comes)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         if self.tokenizer is not None:
@@ -340,7 +343,7 @@ class LLMEngine:
         else:
             # presence / frequency penalties depend on every token before a position, which a speculative step's
             # later positions would not see: such batches decode plainly (the planner neither chooses nor observes)
-            penalized = any(r.sampling.has_penalties for r in self.scheduler.running)
+            penalized = any(r.plain_steps_only for r in self.scheduler.running)
             gamma = 0 if penalized else self._select_gamma()
             boosted = not penalized and self._lookup_boost(gamma)
             # a boosted step verifies a copied chain: γ_max positions ahead, not the tree's nodes
@@ -464,7 +467,7 @@ class LLMEngine:
                 r.first_token_time = now
             reason: FinishReason | None = None
             text_ids = [tok]
-            if tok in sp.stop_token_ids or tok in eos:
+            if (tok in sp.stop_token_ids or tok in eos) and len(r.output_token_ids) > sp.min_tokens:
                 reason, r.stop_reason, text_ids = FinishReason.STOP, tok, []
             elif (sp.max_tokens is not None and len(r.output_token_ids) >= sp.max_tokens) or (
                 r.num_tokens >= self.max_model_len
@@ -497,7 +500,7 @@ class LLMEngine:
         full = emitted + r.held_text + (r.detokenizer.add(ids) if ids else "")
         sp = r.sampling
         stopped = False
-        if sp.stop:
+        if sp.stop and not r.under_min_tokens:
             longest = max(len(s) for s in sp.stop)
             hits = [(full.find(s, max(0, len(emitted) - longest)), s) for s in sp.stop]
             hits = [(i, s) for i, s in hits if i >= 0]

@@ -67,6 +67,7 @@ class Request:
     cumulative_logprob: float | None = None  # the output tokens' log-probabilities summed (when asked for)
     _prompt_logprobs_done: list | None = field(default=None, repr=False)  # prompt_logprobs_snapshot's shared copy
     output_counts: dict[int, int] | None = field(default=None, repr=False)  # token -> times generated (penalties)
+    stop_ids: tuple[int, ...] = ()  # the ids that would end it (EOS unless ignore_eos, stop_token_ids): min_tokens
 
     def __post_init__(self) -> None:
         if self.sampling.logprobs is not None and self.output_logprobs is None:
@@ -99,6 +100,16 @@ class Request:
     def is_prefilling(self) -> bool:
         """True while more than the last token remains to be processed."""
         return self.num_computed < self.num_tokens - 1
+
+    @property
+    def under_min_tokens(self) -> bool:
+        """Fewer output tokens than ``min_tokens``: its stop ids are banned and stop strings not checked yet."""
+        return len(self.output_token_ids) < self.sampling.min_tokens
+
+    @property
+    def plain_steps_only(self) -> bool:
+        """Its logits at a position depend on the tokens before it (penalties, min_tokens): no speculative steps."""
+        return self.sampling.has_penalties or self.under_min_tokens
 
     def prompt_logprobs_snapshot(self) -> list | None:
         """``prompt_logprobs`` for an output: a copy while the prefill may still fill it, then one list shared by every

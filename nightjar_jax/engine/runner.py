@@ -298,6 +298,18 @@ def _position_logprobs(token: int, logprob: float, rank: int, top_ids: np.ndarra
     return entry
 
 
+BANNED = -1e30  # the bias that keeps a token from being generated (exp(-1e30 - max) = 0; no inf - inf)
+
+
+def _row_bias(r: Request) -> dict[int, float]:
+    """A request's additive logit bias this step: its ``logit_bias``, and its stop ids banned while it is under
+    ``min_tokens``."""
+    bias = dict(r.sampling.logit_bias or {})
+    if r.stop_ids and r.under_min_tokens:
+        bias.update({t: BANNED for t in r.stop_ids})
+    return bias
+
+
 def _copies_everything(looked_up: list[list[int]], requests: list[Request], gamma: int) -> bool:
     """Every request greedy and its n-gram lookup copying all γ drafts: a step the draft model skips."""
     return all(r.sampling.greedy and len(p) == gamma for p, r in zip(looked_up, requests, strict=True))
@@ -637,12 +649,13 @@ class ModelRunner:
             seeds[i] = r.seed % 2**32
             steps[i] = len(r.output_token_ids)
         bias_ids = bias_values = None
-        widest = max((len(r.sampling.logit_bias) for r in requests if r.sampling.logit_bias), default=0)
+        biases = [_row_bias(r) for r in requests]
+        widest = max((len(b) for b in biases), default=0)
         if any(r.output_counts for r in requests):  # penalties: one dense [S, V] bias (a shape that never grows)
             vocab = self.target.config.vocab_size
             dense = np.zeros((num_rows, vocab), np.float32)
             for i, r in enumerate(requests):
-                for token, value in (r.sampling.logit_bias or {}).items():
+                for token, value in biases[i].items():
                     dense[i, token] += value
                 sp = r.sampling
                 for token, count in (r.output_counts or {}).items():
@@ -651,8 +664,8 @@ class ModelRunner:
         if widest:  # a static width per batch: powers of two from 8 (a few variants, compiled on first use)
             width = max(8, next_power_of_two(widest))
             bias_ids, bias_values = np.zeros((num_rows, width), np.int32), np.zeros((num_rows, width), np.float32)
-            for i, r in enumerate(requests):
-                for j, (token, value) in enumerate((r.sampling.logit_bias or {}).items()):
+            for i, bias in enumerate(biases):
+                for j, (token, value) in enumerate(bias.items()):
                     bias_ids[i, j], bias_values[i, j] = token, value
         return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, bias_ids, bias_values)
 

@@ -44,6 +44,9 @@ class SamplingParams:
     # in [-2, 2]; a batch holding such a request decodes without speculation
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's: EOS and stop_token_ids cannot be generated, and stop strings do not end the text, before this many
+    # tokens (a batch holding a request under it decodes without speculation, as with penalties)
+    min_tokens: int = 0
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -68,6 +71,9 @@ class SamplingParams:
              "non-negative integers"),
             (_is_count(self.logprobs), "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]"),
             (_is_count(self.prompt_logprobs), "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]"),
+            (isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool) and self.min_tokens >= 0
+             and (self.max_tokens is None or self.min_tokens <= self.max_tokens), "min_tokens",
+             "an integer >= 0 and at most max_tokens"),
             (_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
              "a float in [-2, 2]"),
             (_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",

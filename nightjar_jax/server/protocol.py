@@ -57,6 +57,7 @@ class _SamplingFields(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's: no stop (EOS, stop ids, stop strings) before this many tokens
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     presence_penalty: float | None = 0.0  # [-2, 2] (SamplingParams checks): a batch holding one decodes plainly
@@ -98,6 +99,7 @@ class _SamplingFields(_Strict):
             logprobs=self.num_logprobs(),
             prompt_logprobs=self.num_prompt_logprobs(),
             logit_bias=self.token_bias(),
+            min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
         )

@@ -117,3 +117,38 @@ def test_presence_and_frequency_penalties_lower_generated_tokens_and_turn_specul
 def test_penalties_outside_their_range_are_clear_errors(field):
     with pytest.raises(ValueError, match=rf"{field}=2.5 is invalid: allowed a float in \[-2, 2\]"):
         SamplingParams(**{field: 2.5})
+
+
+def _min_tokens_greedy(prompt: list[int], eos: int, stop_ids: set[int], min_tokens: int, max_tokens: int):
+    """The fake model's greedy tokens with its stop ids banned for the first min_tokens, stopping at one after."""
+    from nightjar_jax.testing import fake_next_token
+
+    seq, out = list(prompt), []
+    while len(out) < max_tokens:
+        banned = stop_ids | {eos} if len(out) < min_tokens else set()
+        nxt = fake_next_token(seq, VOCAB)
+        tok = nxt if nxt not in banned else min(t for t in range(VOCAB) if t not in banned)  # the rest tie at 0
+        seq.append(tok)
+        out.append(tok)
+        if tok in stop_ids | {eos}:
+            break
+    return out
+
+
+@pytest.mark.parametrize("kind", ["ar", "chain"])
+def test_min_tokens_bans_stop_ids_until_reached(kind):
+    """EOS is the model's third token: with min_tokens 6 it is banned for six tokens (the model's runner-up, id 0
+    here, comes instead), then the request runs until EOS comes back or max_tokens; speculation is off while a request
+    is under min_tokens and on again after."""
+    cont = fake_greedy_continuation(PROMPTS[0], 12, VOCAB)
+    eos = cont[2]
+    kwargs = {"ar": {}, "chain": dict(draft=True, num_speculative_tokens=3)}[kind]
+    eng = fake_engine(eos=eos, **kwargs)
+    params = [greedy(12, min_tokens=6), greedy(12), greedy(12, min_tokens=2, stop_token_ids=[cont[0]])]
+    outs = generate_outputs(eng, [PROMPTS[0]] * 3, params)
+    assert outs[1].token_ids == cont[:3] and outs[1].finish_reason == "stop"  # EOS at the third token, as before
+    assert outs[0].token_ids == _min_tokens_greedy(PROMPTS[0], eos, set(), 6, 12)
+    assert len(outs[0].token_ids) > 6 and eos not in outs[0].token_ids[:6]
+    assert outs[2].token_ids == _min_tokens_greedy(PROMPTS[0], eos, {cont[0]}, 2, 12)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4)

@@ -173,6 +173,10 @@ def test_stop_string(client):
         model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0, stop=stop, stream=True
     )
     assert "".join(c.choices[0].text for c in chunks) == cut
+    # vLLM's min_tokens: no stop before that many tokens (the stop string comes earlier, so the text runs on)
+    late = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0, stop=[stop],
+                                     extra_body={"min_tokens": 12})
+    assert late.choices[0].text.startswith(cut + stop) and late.usage.completion_tokens >= 12
 
 
 def test_seed_reproducible_and_n(client):
