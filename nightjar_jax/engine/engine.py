@@ -341,11 +341,12 @@ class LLMEngine:
                     outputs.append(self._append(r, [int(tok)], now, logprobs[i] if logprobs else None))
             self.stats.num_prefill_steps += 1
         else:
-            # presence / frequency penalties depend on every token before a position, which a speculative step's
-            # later positions would not see: such batches decode plainly (the planner neither chooses nor observes)
-            penalized = any(r.plain_steps_only for r in self.scheduler.running)
-            gamma = 0 if penalized else self._select_gamma()
-            boosted = not penalized and self._lookup_boost(gamma)
+            # presence / frequency penalties and min_tokens' bans depend on every token before a position, which a
+            # speculative step's later positions would not see: such batches decode plainly (the planner neither
+            # chooses nor observes those steps)
+            plain_only = any(r.plain_steps_only for r in self.scheduler.running)
+            gamma = 0 if plain_only else self._select_gamma()
+            boosted = not plain_only and self._lookup_boost(gamma)
             # a boosted step verifies a copied chain: γ_max positions ahead, not the tree's nodes
             gamma, lookahead = (self.gamma_max, self.gamma_max) if boosted else (gamma, self.runner.lookahead(gamma))
             batch = self.scheduler.schedule_decode(lookahead)
@@ -364,7 +365,7 @@ class LLMEngine:
                     outputs.append(self._append(r, toks, now, result.logprobs[i] if result.logprobs else None))
                     delivered += len(r.output_token_ids) - before
                 self._record_decode(batch, result, time.perf_counter() - t0, delivered, compiled,
-                                    observe=not (boosted or penalized))
+                                    observe=not (boosted or plain_only))
         self.stats.num_steps += 1
         self.stats.last_step_seconds = time.perf_counter() - t0
         return [o for o in outputs if o is not None]

@@ -65,7 +65,6 @@ class Request:
     # not reached yet, None), else None
     prompt_logprobs: list | None = field(default=None, repr=False)
     cumulative_logprob: float | None = None  # the output tokens' log-probabilities summed (when asked for)
-    _prompt_logprobs_done: list | None = field(default=None, repr=False)  # prompt_logprobs_snapshot's shared copy
     output_counts: dict[int, int] | None = field(default=None, repr=False)  # token -> times generated (penalties)
     stop_ids: tuple[int, ...] = ()  # the ids that would end it (EOS unless ignore_eos, stop_token_ids): min_tokens
 
@@ -75,8 +74,6 @@ class Request:
             self.cumulative_logprob = 0.0
         if self.sampling.has_penalties and self.output_counts is None:
             self.output_counts = {}
-            for tok in self.output_token_ids:
-                self.output_counts[tok] = self.output_counts.get(tok, 0) + 1
         if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
@@ -112,15 +109,12 @@ class Request:
         return self.sampling.has_penalties or self.under_min_tokens
 
     def prompt_logprobs_snapshot(self) -> list | None:
-        """``prompt_logprobs`` for an output: a copy while the prefill may still fill it, then one list shared by every
-        later output (an 8k-token prompt is not copied again at each decode step)."""
-        if self.prompt_logprobs is None:
-            return None
-        if self.num_computed < self.num_prompt_tokens:
-            return list(self.prompt_logprobs)
-        if self._prompt_logprobs_done is None:
-            self._prompt_logprobs_done = list(self.prompt_logprobs)
-        return self._prompt_logprobs_done
+        """``prompt_logprobs`` for an output: a copy while the prefill may still fill it, then the list itself, shared
+        by every later output (complete, it never changes: a recomputed prefill keeps the first values; an 8k-token
+        prompt is not copied again at each decode step)."""
+        if self.prompt_logprobs is None or self.num_computed >= self.num_prompt_tokens:
+            return self.prompt_logprobs
+        return list(self.prompt_logprobs)
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)

@@ -135,10 +135,10 @@ def apply_logit_bias(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     values = st.bias_values.reshape(ids.shape).astype(logits.dtype)
     ids = jnp.broadcast_to(ids, logits.shape[:-1] + ids.shape[-1:])
     values = jnp.broadcast_to(values, ids.shape)
-    add = jnp.zeros_like(logits)
-    add = jax.vmap(lambda a, i, v: a.at[i].add(v), in_axes=(0, 0, 0))(
-        add.reshape(-1, logits.shape[-1]), ids.reshape(-1, ids.shape[-1]), values.reshape(-1, ids.shape[-1]))
-    return logits + add.reshape(logits.shape)
+    vocab, width = logits.shape[-1], ids.shape[-1]
+    biased = jax.vmap(lambda row, i, v: row.at[i].add(v))(
+        logits.reshape(-1, vocab), ids.reshape(-1, width), values.reshape(-1, width))
+    return biased.reshape(logits.shape)
 
 
 def _fold_to_uint32(seeds: int | np.ndarray | list) -> np.ndarray:

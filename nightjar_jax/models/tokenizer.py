@@ -75,6 +75,8 @@ class Tokenizer:
         self.add_bos = add_bos
         self.chat_template = chat_template
         self.source = source
+        self._token_texts: dict[int, str] = {}  # token_text's cache
+        self._text_anchor: tuple | None = None  # token_text's anchor: (id, its text), or () when "a" encodes to nothing
 
     # ---- construction -------------------------------------------------------------------------------------------
 
@@ -178,19 +180,18 @@ class Tokenizer:
         " there", where decoding it alone strips the space. Decodes ``[anchor, token_id]`` and drops the anchor's
         text (the anchor: the token of "a"); a token with an incomplete UTF-8 character gives U+FFFD, as in vLLM's
         log-probabilities. Cached per id."""
-        cache = self.__dict__.setdefault("_token_texts", {})
-        text = cache.get(token_id)
+        text = self._token_texts.get(token_id)
         if text is None:
-            anchor = self.__dict__.get("_text_anchor")
+            anchor = self._text_anchor
             if anchor is None:
                 ids = self.encode("a", add_special_tokens=False)
-                anchor = self.__dict__["_text_anchor"] = (ids[-1], self.decode(ids[-1:], False)) if ids else ()
+                anchor = self._text_anchor = (ids[-1], self.decode(ids[-1:], False)) if ids else ()
             text = self.decode([token_id], skip_special_tokens=False)
             if anchor:
                 both = self.decode([anchor[0], token_id], skip_special_tokens=False)
                 if anchor[1] and both.startswith(anchor[1]):
                     text = both[len(anchor[1]):]
-            cache[token_id] = text
+            self._token_texts[token_id] = text
         return text
 
     # ---- chat ---------------------------------------------------------------------------------------------------

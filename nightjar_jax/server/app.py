@@ -272,6 +272,16 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             raise APIError(400, "this model has no tokenizer")
         return engine.tokenizer
 
+    def render_chat(messages: list, add_generation_prompt: bool) -> str:
+        """Chat messages through the model's template (what /v1/chat/completions and /tokenize both encode)."""
+        rendered = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+        try:
+            return need_tokenizer().apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+        except APIError:
+            raise
+        except Exception as exc:  # no template, or the template rejected the messages
+            raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from None
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         """vLLM's endpoint: a prompt's (or chat messages') token ids, their count and the context length."""
@@ -280,14 +290,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         check_model(req.model)
         req.check()
         tok = need_tokenizer()
-        if req.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            try:
-                text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-            except Exception as exc:  # no template, or the template rejected the messages
-                raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from None
-        else:
-            text = req.prompt
+        text = req.prompt if req.messages is None else render_chat(req.messages, req.add_generation_prompt)
         ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
@@ -399,11 +402,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         req.check_unsupported()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = make_params(req, check_max_tokens(req.requested_max_tokens(), param))
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
-        try:
-            prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-        except Exception as exc:  # no template, or the template rejected the messages
-            raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from None
+        prompt = render_chat(req.messages, req.add_generation_prompt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await add_group([prompt], params, req.n, rid)
         size, now = req.n, int(time.time())
