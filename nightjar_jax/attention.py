@@ -11,7 +11,9 @@ head_dim]``, one layer's K/V pools ``[num_kv_heads, num_pages, page_size, head_d
 bit patterns: ``nightjar_jax.models.llama.kv_storage_dtype``; the CPU kernel reads them as they are), block tables,
 context lengths that include the ``q_len`` new tokens, and query ``i`` at position ``context_len - q_len + i``; an
 optional tree mask (speculative token trees) narrows what each query sees among the last keys (every implementation
-takes it).
+takes it). An optional extension pool (``k_ext``/``v_ext``, elastic memory: ``nightjar_jax.memory``) holds the
+pages whose ids are ``num_pages`` and up: the CPU kernel reads it in place, the others read the batch's pages
+gathered from both pools.
 """
 
 from __future__ import annotations
@@ -55,26 +57,35 @@ def paged_attention(
     impl: str = "auto",
     tree_mask: jax.Array | None = None,  # [q_len, M] bool: a speculative token tree (reference.py)
     layer: int | None = None,  # the pools hold every layer, [L, ...] (models.llama.StackedKV): attend over this one
+    k_ext: jax.Array | None = None,  # an extension pool (elastic memory): page ids from num_pages on address it
+    v_ext: jax.Array | None = None,
 ) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim]
     impl = resolve_impl(impl)
-    if layer is not None:
-        if impl == "cpu":  # the kernel reads the layer's pools in place
-            from kernels_pallas.paged_attention.cpu import paged_attention_cpu
+    if impl == "cpu":  # the kernel reads the pools in place: one layer of stacked pools, and the extension's
+        from kernels_pallas.paged_attention.cpu import paged_attention_cpu
 
-            return paged_attention_cpu(q, k_pages, v_pages, block_tables, context_lens, scale=scale,
-                                       tree_mask=tree_mask, layer=layer)
+        return paged_attention_cpu(q, k_pages, v_pages, block_tables, context_lens, scale=scale,
+                                   tree_mask=tree_mask, layer=layer, k_ext=k_ext, v_ext=v_ext)
+    if layer is not None:
         k_pages, v_pages = k_pages[layer], v_pages[layer]
-    if k_pages.dtype == jnp.uint16 and impl != "cpu":  # bfloat16 pools held as bit patterns (llama.kv_storage_dtype)
+        if k_ext is not None:
+            k_ext, v_ext = k_ext[layer], v_ext[layer]
+    if k_ext is not None:
+        # The Pallas kernels and the reference read one pool: gather the batch's pages from the base pool and the
+        # extension into one [KVH, S * W, page, dim] (what the reference gathers anyway; for the Pallas kernels a
+        # copy of the pages the batch reads, paid only while an extension is attached).
+        from nightjar_jax.models.llama import split_take
+
+        num_seqs, width = block_tables.shape
+        k_pages, v_pages = (split_take(lambda p, ids: p[:, ids], pool, ext, block_tables.reshape(-1), lead=1)
+                            for pool, ext in ((k_pages, k_ext), (v_pages, v_ext)))
+        block_tables = jnp.arange(num_seqs * width, dtype=jnp.int32).reshape(num_seqs, width)
+    if k_pages.dtype == jnp.uint16:  # bfloat16 pools held as bit patterns (llama.kv_storage_dtype)
         k_pages = jax.lax.bitcast_convert_type(k_pages, jnp.bfloat16)
         v_pages = jax.lax.bitcast_convert_type(v_pages, jnp.bfloat16)
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, block_tables, context_lens, scale=scale,
                                          tree_mask=tree_mask)
-    if impl == "cpu":
-        from kernels_pallas.paged_attention.cpu import paged_attention_cpu
-
-        return paged_attention_cpu(q, k_pages, v_pages, block_tables, context_lens, scale=scale,
-                                   tree_mask=tree_mask)
     from kernels_pallas.paged_attention import paged_attention as pallas_paged_attention
 
     return pallas_paged_attention(

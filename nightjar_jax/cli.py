@@ -15,6 +15,7 @@ from typing import Any
 
 from nightjar_jax.config import (
     ATTENTION_IMPLS,
+    DRAFT_OFFLOAD,
     DTYPES,
     KV_CACHE_DTYPES,
     LINEAR_IMPLS,
@@ -31,7 +32,8 @@ from nightjar_jax.config import (
 STARTUP_ERRORS = (ValueError, FileNotFoundError)
 
 _CHOICES = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "attention_impl": ATTENTION_IMPLS,
-            "linear_impl": LINEAR_IMPLS, "weight_format": WEIGHT_FORMATS, "kv_cache_dtype": KV_CACHE_DTYPES}
+            "linear_impl": LINEAR_IMPLS, "weight_format": WEIGHT_FORMATS, "kv_cache_dtype": KV_CACHE_DTYPES,
+            "draft_offload": DRAFT_OFFLOAD}
 _HELP = {
     "model": "a preset name (e.g. stories260k), a local folder / GGUF file, or a Hugging Face repo id",
     "tokenizer": "tokenizer folder or file (default: the model's own)",
@@ -50,6 +52,13 @@ _HELP = {
     "num_pages": "KV pages (overrides --kv-cache-bytes)",
     "kv_cache_dtype": "KV pools' dtype: auto (the model's), or bfloat16 under a float32 model (opt-in, lossy: K/V "
                       "rounded when written; twice the tokens per byte, half the bytes attention reads)",
+    "draft_offload": "elastic memory: auto moves the draft's weights to host memory when KV pages stay short and "
+                     "gives its device bytes to the KV cache (an extension pool) until the load falls; off keeps it",
+    "offload_low_watermark": "memory pressure: fewer free KV pages than this fraction of the pool (or a request "
+                             "waiting for pages)",
+    "reload_high_watermark": "the draft comes back when no request waits and free pages exceed the extension plus "
+                             "this fraction of the pool",
+    "offload_persist_steps": "steps in a row a condition must hold before the draft moves",
     "compilation_cache_dir": "JAX persistent compilation cache folder ('' disables)",
     "weight_format": "CPU kernel weights: compact (GGUF Q4_1 / Q8_0 and bfloat16 values in those layouts, the same "
                      "results from a fifth to a half of the bytes), auto (compact plus float32 for products of more "

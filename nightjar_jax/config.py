@@ -22,6 +22,7 @@ LINEAR_IMPLS = ("auto", "cpu", "xla")  # nightjar_jax/linear.py
 WEIGHT_FORMATS = ("auto", "compact", "f32", "w4a8")  # how the CPU kernel holds linear weights (linear.py pack_state)
 LOAD_FORMATS = ("auto", "hf", "safetensors", "gguf", "llama2c", "orbax", "dummy")
 KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: each model's own dtype
+DRAFT_OFFLOAD = ("off", "auto")  # elastic memory: never move the draft, or offload / reload it by load
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -184,6 +185,13 @@ class CacheConfig:
     num_pages: int | None = None
     kv_cache_bytes: int = 256 * 2**20
     kv_cache_dtype: str = "auto"
+    # Elastic memory (Nightjar's offload, nightjar_jax/memory): "auto" moves the draft's weights to host memory
+    # when KV pages stay short for offload_persist_steps steps and turns the device bytes it held (weights and
+    # pools) into an extension KV pool for the target; they come back when the load falls. "off": the draft stays.
+    draft_offload: str = "off"
+    offload_low_watermark: float = 0.05  # pressure: fewer free base pages than this fraction (or a blocked queue)
+    reload_high_watermark: float = 0.25  # reload: no queue and free pages >= the extension + this fraction of base
+    offload_persist_steps: int = 8  # steps a condition must hold before the move
 
     def __post_init__(self) -> None:
         _check_int("page_size", self.page_size, 1, 1024)
@@ -191,6 +199,11 @@ class CacheConfig:
             _check_int("num_pages", self.num_pages, 2)
         _check_int("kv_cache_bytes", self.kv_cache_bytes, 1)
         resolve_kv_dtype(self.kv_cache_dtype, "float32")  # validates
+        _check(self.draft_offload in DRAFT_OFFLOAD, "draft_offload", self.draft_offload, f"one of {DRAFT_OFFLOAD}")
+        for name in ("offload_low_watermark", "reload_high_watermark"):
+            value = getattr(self, name)
+            _check(isinstance(value, int | float) and 0 <= value < 1, name, value, "a fraction in [0, 1)")
+        _check_int("offload_persist_steps", self.offload_persist_steps, 1)
 
     def kv_dtype(self, model_dtype: str) -> str:
         """The pools' dtype for a model of ``model_dtype``."""

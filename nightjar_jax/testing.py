@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from kernels_pallas.paged_attention.reference import tree_visible
 from nightjar_jax.config import ModelConfig
 from nightjar_jax.engine.runner import ModelHandle
-from nightjar_jax.models.llama import BatchMetadata
+from nightjar_jax.models.llama import BatchMetadata, split_take, write_split_kv_pages
 
 
 def fake_next_token(prefix: list[int], vocab_size: int, perturb: int = 0) -> int:
@@ -46,7 +46,9 @@ def fake_model(
     )
 
     def hidden_fn(state, tokens, kv_cache, md: BatchMetadata):
-        (k_pages, v_pages), = kv_cache  # [1, num_pages, page_size, 2]
+        (pools,) = kv_cache  # (k, v) [1, num_pages, page_size, 2], and an extension (k_ext, v_ext) if attached
+        k_pages, v_pages = pools[:2]
+        k_ext = pools[2] if len(pools) == 4 else None
         num_seqs, q_len = tokens.shape
         page_size = k_pages.shape[2]
         positions = md.context_lens[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]
@@ -55,15 +57,17 @@ def fake_model(
                                                         axis=1), 0)
         slots = jnp.where(valid, positions % page_size, 0)
         value = jnp.stack([tokens.astype(jnp.float32), jnp.ones_like(tokens, jnp.float32)], axis=-1)
-        k_pages = k_pages.at[0, page_ids, slots].set(value)
-        keys = k_pages[0][md.block_tables].reshape(num_seqs, -1, 2)  # [S, max_pages * page_size, 2]
+        k_pages, k_ext = write_split_kv_pages(k_pages, k_ext, page_ids, slots, value[None])
+        keys = split_take(lambda p, ids: p[0][ids], k_pages, k_ext, md.block_tables, lead=0)
+        keys = keys.reshape(num_seqs, -1, 2)  # [S, max_pages * page_size, 2]
         key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)
         mask = (key_pos[None, None, :] <= positions[:, :, None]) & (positions >= 0)[:, :, None]  # [S, Q, K]
         if md.tree_mask is not None:  # a tree node sees the committed tokens and its ancestors
             mask &= tree_visible(md.tree_mask, key_pos, md.context_lens)
         total = jnp.sum(jnp.where(mask, keys[:, None, :, 0], 0.0), axis=-1)
         count = jnp.sum(jnp.where(mask, keys[:, None, :, 1], 0.0), axis=-1)
-        return jnp.stack([total, count], axis=-1), ((k_pages, v_pages),)
+        pools = (k_pages, v_pages) if k_ext is None else (k_pages, v_pages, k_ext, pools[3])
+        return jnp.stack([total, count], axis=-1), (pools,)
 
     def logits_fn(state, hidden):
         total = hidden[..., 0].astype(jnp.int32)

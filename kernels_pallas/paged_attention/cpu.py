@@ -60,13 +60,16 @@ def paged_attention_cpu(
     scale: float,
     tree_mask: jax.Array | None = None,  # [q_len, M] bool (reference.py: speculative token trees)
     layer: int | None = None,  # the pools are every layer's [L, KVH, pages, page, dim]: attend over this one
+    k_ext: jax.Array | None = None,  # an extension pool, shaped as k_pages but for its page count: page ids from
+    v_ext: jax.Array | None = None,  # k_pages' page count on address it (elastic memory)
 ) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim], dtype of q
     """The reference's contract as a CPU custom call: K and V pools of one dtype (float32 or bfloat16) and one
     shape, or ``uint16`` pools holding bfloat16 bit patterns (how the engine holds bfloat16 pools on CPU:
     ``nightjar_jax.models.llama.kv_storage_dtype``). A float32 q over bfloat16 pools (``kv_cache_dtype="bfloat16"``
     under a float32 model) stays float32, and so does the result; any other q is cast to the pools' dtype (as the
     Pallas wrapper does) and the result back to q's dtype. With ``layer``, the pools are stacked over the layers
-    (``nightjar_jax.models.llama.StackedKV``) and the kernel reads that layer's in place."""
+    (``nightjar_jax.models.llama.StackedKV``) and the kernel reads that layer's in place. ``k_ext``/``v_ext``: an
+    extension pool after the base pool (same layout, dtype and layers; its own page count), read in place too."""
     if not available():
         raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {unavailable_reason()}")
     dtype = jnp.dtype(k_pages.dtype)
@@ -79,6 +82,12 @@ def paged_attention_cpu(
     if k_pages.ndim != 4 + stacked or v_pages.shape != k_pages.shape:
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must both be "
                          f"{'[layers, KVH, pages, page, dim]' if stacked else '[KVH, pages, page, dim]'}")
+    if k_ext is None:  # no extension: an empty one
+        k_ext = v_ext = jnp.zeros((*k_pages.shape[:-3], 0, *k_pages.shape[-2:]), dtype)
+    ext_shape = (*k_pages.shape[:-3], k_ext.shape[-3], *k_pages.shape[-2:]) if k_ext.ndim == k_pages.ndim else None
+    if k_ext.shape != ext_shape or v_ext is None or v_ext.shape != k_ext.shape or {k_ext.dtype, v_ext.dtype} != {dtype}:
+        raise ValueError(f"the extension pools k_ext {k_ext.shape} / v_ext {None if v_ext is None else v_ext.shape} "
+                         f"must match k_pages {k_pages.shape} ({dtype}) in every dimension but the pages")
     if stacked and not 0 <= layer < k_pages.shape[0]:
         raise ValueError(f"layer {layer} of pools stacked over {k_pages.shape[0]} layers")
     kvh, dim = k_pages.shape[stacked], k_pages.shape[-1]
@@ -97,7 +106,8 @@ def paged_attention_cpu(
         q_dtype, target = dtype, TARGETS[dtype]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q_dtype), vmap_method="sequential")
     out = call(
-        q.astype(q_dtype), k_pages, v_pages, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),
-        tree_mask.astype(jnp.uint8), scale=np.float32(scale), layer=np.int64(-1 if layer is None else layer),
+        q.astype(q_dtype), k_pages, v_pages, k_ext, v_ext, block_tables.astype(jnp.int32),
+        context_lens.astype(jnp.int32), tree_mask.astype(jnp.uint8), scale=np.float32(scale),
+        layer=np.int64(-1 if layer is None else layer),
     )
     return out.astype(q.dtype)

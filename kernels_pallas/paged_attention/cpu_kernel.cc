@@ -164,7 +164,14 @@ inline bool Visible(int64_t key, int64_t pos, const uint8_t* tree_row, int64_t w
 
 struct Dims {
   int64_t S, Q, H, D, KVH, NP, PS, W, G, M;  // M: tree-mask window (0: none)
+  int64_t NE;  // pages of the extension pool (elastic memory): page ids NP .. NP + NE - 1 address it
 };
+
+// Page `page` of KV head h: ids below NP in the base pool, the rest in the extension pool.
+template <typename T>
+inline const T* PageAt(const T* pool, const T* ext, const Dims& n, int64_t h, int64_t page) {
+  return page < n.NP ? pool + (h * n.NP + page) * n.PS * n.D : ext + (h * n.NE + (page - n.NP)) * n.PS * n.D;
+}
 
 // Keys are split at fixed positions into chunks of whole pages (about kChunkKeys keys): one work item per (sequence,
 // KV head, block of query rows, chunk), so a long context spreads over every thread even at batch 1 (with 3 KV heads
@@ -195,7 +202,7 @@ inline int64_t BlockKeys(const Dims& n, int64_t ctx, int64_t r1) {
 // Rows r0 .. r1 of (sequence s, KV head h) over the keys of chunk c. With `part` null (the block's keys fit one
 // chunk) it writes the rows' outputs, acc / sum; else each row's partial (merged by MergeChunks).
 template <typename TQ, typename T>  // TQ: q and out, T: the pools (float, or bfloat16 bits)
-void AttendChunk(const TQ* q, const T* k, const T* v, const int32_t* bt, const int32_t* cl, const uint8_t* tm,
+void AttendChunk(const TQ* q, const T* k, const T* v, const T* ke, const T* ve, const int32_t* bt, const int32_t* cl, const uint8_t* tm,
                  TQ* out, const Dims& n, float scale, int64_t s, int64_t h, int64_t r0, int64_t r1, int64_t c,
                  int64_t chunk_keys, const Partial* part, std::vector<float>& scratch, std::atomic<bool>& bad_page) {
   const int64_t R = r1 - r0, D = n.D, G = n.G;
@@ -225,21 +232,21 @@ void AttendChunk(const TQ* q, const T* k, const T* v, const int32_t* bt, const i
   // pass 1: scores (each key row read once for the block), page by page (chunks start on a page)
   for (int64_t key0 = key_lo, lp = key_lo / n.PS; key0 < key_hi; key0 += n.PS, ++lp) {
     const int32_t page = bt[s * n.W + lp];
-    if (page < 0 || page >= n.NP) {
+    if (page < 0 || page >= n.NP + n.NE) {
       bad_page.store(true, std::memory_order_relaxed);
       return;
     }
-    const T* base = k + (h * n.NP + page) * n.PS * D;
+    const T* base = PageAt(k, ke, n, h, page);
     const int64_t nk = std::min<int64_t>(n.PS, key_hi - key0);
     // Pages are scattered, so the hardware prefetcher restarts at each one: fetch the next key page, and this
     // page's values (read again in pass 3, from L2), while this page's scores are computed.
     const int64_t page_bytes = nk * D * static_cast<int64_t>(sizeof(T));
-    const char* vpage = reinterpret_cast<const char*>(v + (h * n.NP + page) * n.PS * D);
+    const char* vpage = reinterpret_cast<const char*>(PageAt(v, ve, n, h, page));
     for (int64_t off = 0; off < page_bytes; off += 64) __builtin_prefetch(vpage + off, 0, 2);
     if (key0 + n.PS < key_hi) {
       const int32_t next = bt[s * n.W + lp + 1];
-      if (next >= 0 && next < n.NP) {
-        const char* kn = reinterpret_cast<const char*>(k + (h * n.NP + next) * n.PS * D);
+      if (next >= 0 && next < n.NP + n.NE) {
+        const char* kn = reinterpret_cast<const char*>(PageAt(k, ke, n, h, next));
         for (int64_t off = 0; off < n.PS * D * static_cast<int64_t>(sizeof(T)); off += 64) {
           __builtin_prefetch(kn + off, 0, 2);
         }
@@ -309,7 +316,7 @@ void AttendChunk(const TQ* q, const T* k, const T* v, const int32_t* bt, const i
   }
   // pass 3: weighted sum of value rows (each read once for the block)
   for (int64_t key0 = key_lo, lp = key_lo / n.PS; key0 < key_hi; key0 += n.PS, ++lp) {
-    const T* base = v + (h * n.NP + bt[s * n.W + lp]) * n.PS * D;
+    const T* base = PageAt(v, ve, n, h, bt[s * n.W + lp]);
     const int64_t nk = std::min<int64_t>(n.PS, key_hi - key0);
     const float* vp = PageRows(base, pagebuf, nk * D);
     for (int64_t g0 = 0; g0 < R; g0 += kRowGroup) {
@@ -386,7 +393,8 @@ void MergeChunks(const Partial& part, int64_t chunks, T* dst, int64_t row) {
 // float32 model, q kept at full precision)
 template <ffi::DataType DQ, ffi::DataType DK>
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DQ> q, ffi::Buffer<DK> k_pages,
-                              ffi::Buffer<DK> v_pages, ffi::Buffer<ffi::S32> block_tables,
+                              ffi::Buffer<DK> v_pages, ffi::Buffer<DK> k_ext, ffi::Buffer<DK> v_ext,
+                              ffi::Buffer<ffi::S32> block_tables,
                               ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::U8> tree_mask,
                               ffi::ResultBuffer<DQ> out, float scale, int64_t layer) {
   using TQ = ffi::NativeType<DQ>;
@@ -397,6 +405,20 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DQ> q, ffi::Buff
   auto bd = block_tables.dimensions();
   const T* kp = k_pages.typed_data();
   const T* vp = v_pages.typed_data();
+  // the extension pool: the base pools' layout with its own page count (NE = 0: none)
+  auto ed = k_ext.dimensions();
+  if (ed.size() != kd.size() || v_ext.dimensions().size() != kd.size()) {
+    return ffi::Error::InvalidArgument("paged attention: the extension pools must have the base pools' rank");
+  }
+  const int64_t NE = ed[ed.size() - 3];
+  for (size_t i = 0; i < kd.size(); ++i) {
+    if ((i != kd.size() - 3 && ed[i] != kd[i]) || v_ext.dimensions()[i] != ed[i]) {
+      return ffi::Error::InvalidArgument("paged attention: the extension pools must match the base pools in every "
+                                         "dimension but the pages");
+    }
+  }
+  const T* kep = k_ext.typed_data();
+  const T* vep = v_ext.typed_data();
   if (layer >= 0) {  // one layer of pools stacked over the layers [L, KVH, NP, PS, D] (the engine's stacked cache)
     if (kd.size() != 5 || vd.size() != 5 || vd[0] != kd[0] || layer >= kd[0]) {
       return ffi::Error::InvalidArgument("paged attention: layer " + std::to_string(layer) +
@@ -407,6 +429,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DQ> q, ffi::Buff
     const int64_t per_layer = kd[0] * kd[1] * kd[2] * kd[3];
     kp += layer * per_layer;
     vp += layer * per_layer;
+    if (NE > 0) {
+      kep += layer * kd[0] * NE * kd[2] * kd[3];
+      vep += layer * kd[0] * NE * kd[2] * kd[3];
+    }
   } else if (layer != -1) {
     return ffi::Error::InvalidArgument("paged attention: layer must be -1 (one layer's pools) or >= 0");
   }
@@ -414,7 +440,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DQ> q, ffi::Buff
     return ffi::Error::InvalidArgument("paged attention: expected q [S,Q,H,D], pools [KVH,NP,PS,D], "
                                        "block tables [S,W], context lengths [S]");
   }
-  Dims n{qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], bd[1], 0, 0};
+  Dims n{qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], bd[1], 0, 0, NE};
   auto td = tree_mask.dimensions();
   if (td.size() != 2 || (td[1] != 0 && (td[0] != n.Q || td[1] < n.Q))) {
     return ffi::Error::InvalidArgument("paged attention: tree mask must be [Q, M >= Q] (M = 0: none)");
@@ -488,7 +514,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DQ> q, ffi::Buff
          const Item& e = items[it];
          const bool split = block_chunks(e.s, e.b) > 1;
          const Partial part = part_of(e.s, e.h);
-         AttendChunk<TQ, T>(qp, kp, vp, btp, cl, tmp, op, n, scale, e.s, e.h, e.b * kRowBlock,
+         AttendChunk<TQ, T>(qp, kp, vp, kep, vep, btp, cl, tmp, op, n, scale, e.s, e.h, e.b * kRowBlock,
                         std::min(rows, (e.b + 1) * kRowBlock), e.c, chunk_keys, split ? &part : nullptr, scratch,
                         *bad);
        }},
@@ -507,7 +533,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DQ> q, ffi::Buff
   }
   nightjar::ParallelPhases(pool, phases);
   if (bad_page.load()) {
-    return ffi::Error::InvalidArgument("paged attention: a block-table entry is outside [0, num_pages)");
+    return ffi::Error::InvalidArgument("paged attention: a block-table entry is outside [0, num_pages + extension pages)");
   }
   return ffi::Error::Success();
 }
@@ -518,6 +544,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<DQ> q, ffi::Buff
   ffi::Ffi::Bind()                                    \
       .Ctx<ffi::ThreadPool>()                         \
       .Arg<ffi::Buffer<DQ>>()                         \
+      .Arg<ffi::Buffer<DK>>()                         \
+      .Arg<ffi::Buffer<DK>>()                         \
       .Arg<ffi::Buffer<DK>>()                         \
       .Arg<ffi::Buffer<DK>>()                         \
       .Arg<ffi::Buffer<ffi::S32>>()                   \

@@ -25,6 +25,7 @@ from nightjar_jax.engine.request import FinishReason, Request
 from nightjar_jax.engine.runner import DecodeResult, ModelHandle, ModelRunner
 from nightjar_jax.engine.sampling_params import SamplingParams
 from nightjar_jax.engine.scheduler import ScheduledBatch, Scheduler
+from nightjar_jax.memory import ElasticPolicy, MemoryAction, PoolState
 from nightjar_jax.spec.tree import load_tree_order
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,13 @@ class EngineStats:
     last_step_seconds: float = 0.0
     last_batch_size: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+    # elastic memory (CacheConfig.draft_offload): the draft's moves, and the extension pool while it is offloaded
+    draft_offloaded: bool = False
+    num_draft_offloads: int = 0
+    num_draft_reloads: int = 0
+    extension_pages: int = 0
+    num_migrated_pages: int = 0  # live extension pages copied into the base pool at reloads
+    offload_seconds: float = 0.0  # the moves' time (offloads + reloads, the page migration included)
     step_log: list[dict] = field(default_factory=list)  # per decode step (kept only when record_steps)
 
     @property
@@ -141,6 +149,10 @@ class LLMEngine:
         )
         self.gamma_max = gamma_max
         self.planner = self._make_planner()
+        self.memory: ElasticPolicy | None = None  # elastic memory (draft offload); None: off or no draft
+        if config.cache.draft_offload == "auto" and draft is not None:
+            self.memory = ElasticPolicy(config.cache.offload_low_watermark, config.cache.reload_high_watermark,
+                                        config.cache.offload_persist_steps)
         self.stats = EngineStats(accepted_per_position=[0] * gamma_max, drafted_per_position=[0] * gamma_max)
         self.record_steps = record_steps
         self.requests: dict[str, Request] = {}
@@ -344,7 +356,8 @@ class LLMEngine:
             # presence / frequency penalties and min_tokens' bans depend on every token before a position, which a
             # speculative step's later positions would not see: such batches decode plainly (the planner neither
             # chooses nor observes those steps)
-            plain_only = any(r.plain_steps_only for r in self.scheduler.running)
+            plain_only = (any(r.plain_steps_only for r in self.scheduler.running)
+                          or not self.runner.draft_on_device)  # (offloaded: γ = 0 until it is back)
             gamma = 0 if plain_only else self._select_gamma()
             boosted = not plain_only and self._lookup_boost(gamma)
             # a boosted step verifies a copied chain: γ_max positions ahead, not the tree's nodes
@@ -366,9 +379,62 @@ class LLMEngine:
                     delivered += len(r.output_token_ids) - before
                 self._record_decode(batch, result, time.perf_counter() - t0, delivered, compiled,
                                     observe=not (boosted or plain_only))
+        if self.memory is not None:
+            self._manage_memory(preempted=bool(batch.kind == "decode" and batch.preempted))
         self.stats.num_steps += 1
         self.stats.last_step_seconds = time.perf_counter() - t0
         return [o for o in outputs if o is not None]
+
+    # ---- elastic memory -----------------------------------------------------------------------------------------
+    def _manage_memory(self, preempted: bool) -> None:
+        """After a step: let the policy count it, and make the move it asks for (nightjar_jax/memory/elastic.py)."""
+        alloc, sched = self.allocator, self.scheduler
+        head = sched.waiting[0] if sched.waiting else None
+        blocked = (head is not None and len(sched.running) < sched.config.max_num_seqs
+                   and not alloc.can_allocate(alloc.pages_for(head.num_tokens + 1) - len(head.block_table)))
+        action = self.memory.observe(PoolState(alloc.num_free, alloc.num_pages - 1, alloc.num_extension,
+                                               len(sched.waiting), blocked, preempted, len(sched.running)))
+        if action is MemoryAction.OFFLOAD:
+            self._offload_draft()
+        elif action is MemoryAction.RELOAD:
+            self._reload_draft()
+
+    def _offload_draft(self) -> None:
+        """Draft weights to host memory, its pools released, and an extension KV pool of the bytes they held."""
+        t0 = time.perf_counter()
+        freed = self.runner.offload_draft()
+        pages = freed // self.runner.target_page_bytes()
+        if pages:
+            self.runner.attach_extension(pages)
+            self.allocator.attach_extension(pages)
+        self.memory.moved(MemoryAction.OFFLOAD)
+        s = self.stats
+        s.draft_offloaded, s.extension_pages = True, pages
+        s.num_draft_offloads += 1
+        s.offload_seconds += time.perf_counter() - t0
+        logger.info("draft offloaded to host memory: %d device bytes freed, extension pool of %d KV pages "
+                    "(%d free of %d)", freed, pages, self.allocator.num_free, self.allocator.num_usable)
+
+    def _reload_draft(self) -> None:
+        """Live extension pages migrate into free base pages, the extension goes, and the draft comes back; every
+        request's draft KV is then caught up before its next speculative step."""
+        t0 = time.perf_counter()
+        moved = 0
+        if self.allocator.num_extension:
+            holders = [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.block_table]
+            src, dst = self.allocator.detach_extension([r.block_table for r in holders])
+            self.runner.detach_extension(src, dst)
+            moved = len(src)
+        self.runner.reload_draft()
+        for r in self.scheduler.running:
+            r.num_draft_computed = 0
+        self.memory.moved(MemoryAction.RELOAD)
+        s = self.stats
+        s.draft_offloaded, s.extension_pages = False, 0
+        s.num_draft_reloads += 1
+        s.num_migrated_pages += moved
+        s.offload_seconds += time.perf_counter() - t0
+        logger.info("draft back on the device: %d live extension pages migrated into the base pool", moved)
 
     def _select_gamma(self) -> int:
         batch_size = self.scheduler.num_decoding()

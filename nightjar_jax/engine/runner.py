@@ -52,10 +52,15 @@ from nightjar_jax.models.llama import (
     KVCache,
     StackedKV,
     allocate_kv_cache,
+    attach_kv_extension,
+    detach_kv_extension,
+    kv_extension_pages,
     kv_page_size,
     make_model_fns,
     position_pages,
     read_previous_features,
+    split_page_ids,
+    split_take,
     write_feature_pages,
 )
 from nightjar_jax.spec.lookup import NgramIndex
@@ -194,6 +199,27 @@ class ModelHandle:
 
         return jax.tree.unflatten(self._layer_treedef,
                                   [leaves[k] if i < 0 else LayerView(leaves[k], i) for k, i in self._plan])
+
+    def move_to(self, memory_kind: str, keep: frozenset[int] = frozenset()) -> int:
+        """Move the weights to ``memory_kind`` (``device``, or a host kind such as ``pinned_host``) with
+        ``jax.device_put``, wait, and delete the old copies at once (except arrays whose ``id`` is in ``keep``:
+        shared with another model). Returns the bytes moved. The structure is unchanged, so the compiled steps
+        take the moved weights as they are (once they are back on the device)."""
+        leaves = self.leaves()
+        moved = tuple(jax.device_put(x, x.sharding.with_memory_kind(memory_kind)) if isinstance(x, jax.Array) else x
+                      for x in leaves)
+        jax.block_until_ready(moved)
+        seen: set[int] = set()
+        nbytes = 0
+        for x in leaves:
+            if isinstance(x, jax.Array) and id(x) not in seen:
+                seen.add(id(x))
+                nbytes += x.nbytes
+                if id(x) not in keep:
+                    x.delete()
+        self.state = jax.tree.unflatten(self.treedef, moved)
+        self._flat = None
+        return nbytes
 
     def embedding(self) -> jax.Array:
         """The token embedding table ``[vocab, hidden]`` (a feature draft embeds its tokens with the target's)."""
@@ -372,27 +398,98 @@ class ModelRunner:
         )
         # a model whose weights are stacked over its layers has its K/V pools stacked too (StackedKV: 2 donated
         # arrays per step instead of 2 per layer)
+        self.kv_cache_dtype = kv_cache_dtype
         self.kv: KVCache = allocate_kv_cache(target.config, num_pages, page_size,
                                              resolve_kv_dtype(kv_cache_dtype, target.config.dtype),
                                              stacked=target.stacked)
-        self.draft_kv: KVCache | None = (
-            allocate_kv_cache(draft.config, num_pages, page_size, resolve_kv_dtype(kv_cache_dtype, draft.config.dtype),
-                              stacked=draft.stacked)
-            if draft is not None else None
-        )
         # A feature draft (EAGLE) reads the target's final hidden state at the previous position: the target's
         # passes write them into this per-token pool, paged like the KV cache (same block tables).
         self.feature_draft = draft is not None and draft.config.feature_size is not None
+        if self.feature_draft and draft.config.feature_size != target.config.hidden_size:
+            raise ValueError(
+                f"feature draft {draft.config.name} reads {draft.config.feature_size}-wide features but the "
+                f"target {target.config.name} has hidden size {target.config.hidden_size}"
+            )
+        self.draft_kv: KVCache | None = None
         self.features: jax.Array | None = None
-        if self.feature_draft:
-            if draft.config.feature_size != target.config.hidden_size:
-                raise ValueError(
-                    f"feature draft {draft.config.name} reads {draft.config.feature_size}-wide features but the "
-                    f"target {target.config.name} has hidden size {target.config.hidden_size}"
-                )
-            self.features = jnp.zeros((num_pages, page_size, target.config.hidden_size),
-                                      jnp.dtype(target.config.dtype))
+        self.draft_on_device = draft is not None  # False while the draft is offloaded (offload_draft)
+        if draft is not None:
+            self._allocate_draft_pools()
         self._build_jitted()
+
+    def _allocate_draft_pools(self) -> None:
+        """The draft's K/V pools, and a feature draft's feature pool (the draft's device memory besides its weights:
+        released and rebuilt with it)."""
+        draft = self.draft
+        self.draft_kv = allocate_kv_cache(draft.config, self.num_pages, self.page_size,
+                                          resolve_kv_dtype(self.kv_cache_dtype, draft.config.dtype),
+                                          stacked=draft.stacked)
+        if self.feature_draft:
+            self.features = jnp.zeros((self.num_pages, self.page_size, self.target.config.hidden_size),
+                                      jnp.dtype(self.target.config.dtype))
+
+    # ---- elastic memory (nightjar_jax.memory decides; these make the moves) ----------------------------------------
+    def target_page_bytes(self) -> int:
+        """Device bytes of one page of the target's K/V pools (every layer, K and V)."""
+        return sum(a.nbytes for a in jax.tree.leaves(self.kv)) // (self.num_pages + kv_extension_pages(self.kv))
+
+    def device_bytes(self) -> dict[str, int]:
+        """The engine's device arrays by part: what the memory budget counts (on CPU "device" is the host's memory
+        kind ``device``; weights offloaded to a host memory kind are not counted)."""
+        def on_device(tree) -> int:
+            return sum(a.nbytes for a in jax.tree.leaves(tree)
+                       if isinstance(a, jax.Array) and a.sharding.memory_kind in (None, "device"))
+
+        return {
+            "target_weights": on_device(self.target.leaves()),
+            "target_kv": on_device(self.kv),
+            "draft_weights": on_device(self.draft.leaves()) if self.draft is not None else 0,
+            "draft_pools": on_device((self.draft_kv, self.features)),
+        }
+
+    def offload_draft(self) -> int:
+        """Move the draft's weights to host memory (``pinned_host`` where the device has it) and release its pools.
+        Returns the device bytes freed (weights + pools). Until :meth:`reload_draft` only γ = 0 steps may run."""
+        if not self.draft_on_device:
+            raise RuntimeError("the draft is already offloaded")
+        kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+        host = "pinned_host" if "pinned_host" in kinds else "unpinned_host"
+        shared = frozenset(id(x) for x in self.target.leaves())  # (a draft sharing the target's arrays keeps them)
+        freed = self.draft.move_to(host, keep=shared)
+        pools = [a for a in jax.tree.leaves((self.draft_kv, self.features)) if isinstance(a, jax.Array)]
+        self.draft_kv = self.features = None
+        for a in pools:
+            freed += a.nbytes
+            a.delete()
+        self.draft_on_device = False
+        return freed
+
+    def attach_extension(self, num_pages: int) -> None:
+        """Zeroed extension K/V pools of ``num_pages`` pages after the base pool (page ids ``num_pages ..``)."""
+        self.kv = attach_kv_extension(self.kv, num_pages)
+
+    def detach_extension(self, src: list[int], dst: list[int]) -> None:
+        """Copy the extension pages ``src`` (global page ids) into the base pages ``dst`` (every layer, K and V; the
+        pools donated), then free the extension."""
+        if src:
+            size = next_power_of_two(len(src))  # few variants: padding copies page 0 of the extension to page 0
+            s = np.zeros(size, np.int32)
+            d = np.zeros(size, np.int32)
+            s[: len(src)] = np.asarray(src) - self.num_pages
+            d[: len(dst)] = dst
+            self.kv = self._migrate_pages(self.kv, s, d)
+        self.kv, arrays = detach_kv_extension(self.kv)
+        for a in arrays:
+            a.delete()
+
+    def reload_draft(self) -> None:
+        """Bring the draft's weights back to the device and rebuild its pools (zeroed: every request's draft KV must
+        be caught up, and a feature draft's features before now are zeros, which only lowers its acceptance)."""
+        if self.draft_on_device:
+            raise RuntimeError("the draft is on the device")
+        self.draft.move_to("device")
+        self._allocate_draft_pools()
+        self.draft_on_device = True
 
     def lookahead(self, gamma: int) -> int:
         """Speculative positions a decode step at ``gamma`` writes past the committed tokens (γ, or the tree's
@@ -431,6 +528,15 @@ class ModelRunner:
 
         self._forward_sample = jax.jit(forward_sample, donate_argnums=(1, 2), static_argnums=(8,),
                                        static_argnames=("num_logprobs", "num_prompt_logprobs"))
+
+        def migrate_pages(kv, src, dst):
+            """Base pages ``dst`` [n] := extension pages ``src`` [n] (ids within the extension), every layer."""
+            if isinstance(kv, StackedKV):
+                return StackedKV(kv.k.at[:, :, dst].set(kv.k_ext[:, :, src]),
+                                 kv.v.at[:, :, dst].set(kv.v_ext[:, :, src]), kv.k_ext, kv.v_ext)
+            return tuple((k.at[:, dst].set(ke[:, src]), v.at[:, dst].set(ve[:, src]), ke, ve) for k, v, ke, ve in kv)
+
+        self._migrate_pages = jax.jit(migrate_pages, donate_argnums=(0,))
 
         if self.draft is None:
             return
@@ -607,10 +713,25 @@ class ModelRunner:
             (padding rows: page 0)."""
             sp, so = position_pages(block_tables, src, real[:, None] & (src >= 0), kv_page_size(kv))
             dp, do = position_pages(block_tables, dst, real[:, None] & (dst >= 0), kv_page_size(kv))
+
+            def move(p, ext, lead):  # p [..lead.., pages, page, dim] and its extension (None: none)
+                pre = (slice(None),) * lead
+                rows = split_take(lambda a, ids: a[(*pre, ids, so)], p, ext, sp, lead)
+                if ext is None:
+                    return p.at[(*pre, dp, do)].set(rows), None
+                db, de = split_page_ids(dp, p.shape[-3], ext.shape[-3])
+                return p.at[(*pre, db, do)].set(rows, mode="drop"), ext.at[(*pre, de, do)].set(rows, mode="drop")
+
             if isinstance(kv, StackedKV):  # every layer at once
-                moved = StackedKV(*(p.at[:, :, dp, do].set(p[:, :, sp, so]) for p in kv))
+                (k, ke), (v, ve) = move(kv.k, kv.k_ext, 2), move(kv.v, kv.v_ext, 2)
+                moved = StackedKV(k, v, ke, ve)
             else:
-                moved = tuple((k.at[:, dp, do].set(k[:, sp, so]), v.at[:, dp, do].set(v[:, sp, so])) for k, v in kv)
+                moved = []
+                for layer in kv:
+                    ext = layer[2:] or (None, None)
+                    (k, ke), (v, ve) = move(layer[0], ext[0], 1), move(layer[1], ext[1], 1)
+                    moved.append((k, v) if ke is None else (k, v, ke, ve))
+                moved = tuple(moved)
             if feats is not None:
                 feats = feats.at[dp, do].set(feats[sp, so])
             return moved, feats
@@ -735,6 +856,8 @@ class ModelRunner:
                                 verify_seconds=time.perf_counter() - t0, logprobs=logprobs)
         if gamma > self.gamma_max:
             raise ValueError(f"gamma={gamma} exceeds the compiled maximum {self.gamma_max}")
+        if not self.draft_on_device:
+            raise RuntimeError(f"a decode step at gamma={gamma} needs the draft, which is offloaded to host memory")
 
         looked_up = self._lookup_drafts(requests, gamma) if self.lookup is not None else None
         # Every row greedy and copying all γ drafts: the draft model does not run this step (its catch-up and first

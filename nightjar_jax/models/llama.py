@@ -49,10 +49,13 @@ class StackedKV(NamedTuple):
 
     k: jax.Array
     v: jax.Array
+    # an extension pool (elastic memory, ``nightjar_jax.memory``): page ids from ``k.shape[2]`` on address these
+    k_ext: jax.Array | None = None  # [num_layers, num_kv_heads, extension_pages, page_size, head_dim]
+    v_ext: jax.Array | None = None
 
 
-# per layer: (k_pages, v_pages); or StackedKV
-KVCache = tuple[tuple[jax.Array, jax.Array], ...] | StackedKV
+# per layer: (k_pages, v_pages), or (k_pages, v_pages, k_ext, v_ext) with an extension pool; or StackedKV
+KVCache = tuple[tuple[jax.Array, ...], ...] | StackedKV
 
 
 class LayerKV(NamedTuple):
@@ -61,6 +64,56 @@ class LayerKV(NamedTuple):
     k: jax.Array  # [L, KVH, pages, page, dim]
     v: jax.Array
     layer: int
+    k_ext: jax.Array | None = None  # [L, KVH, extension pages, page, dim] (StackedKV.k_ext)
+    v_ext: jax.Array | None = None
+
+
+def split_take(take, pool: jax.Array, ext: jax.Array | None, ids: jax.Array, lead: int) -> jax.Array:
+    """``take(pool, ids)`` where ``ids`` are page ids of a base pool (``< base``, its page count) and of an extension
+    pool after it (``ext``; None: no extension). ``take(p, i)`` indexes the page axis of ``p`` with ``i``; the
+    result holds ``ids``' dimensions after ``lead`` others (to place the choice of pool)."""
+    if ext is None:
+        return take(pool, ids)
+    base = pool.shape[-3]
+    in_base = ids < base
+    a = take(pool, jnp.where(in_base, ids, 0))
+    b = take(ext, jnp.where(in_base, 0, ids - base))
+    return jnp.where(in_base.reshape((1,) * lead + in_base.shape + (1,) * (a.ndim - lead - in_base.ndim)), a, b)
+
+
+def split_page_ids(page_ids: jax.Array, base: int, extension: int) -> tuple[jax.Array, jax.Array]:
+    """Page ids as ids into the base pool and into the extension; an id of the other pool maps one past that pool's
+    last page, where a ``mode="drop"`` scatter drops it."""
+    in_base = page_ids < base
+    return jnp.where(in_base, page_ids, base), jnp.where(in_base, extension, page_ids - base)
+
+
+def kv_extension_pages(kv_cache: KVCache) -> int:
+    """Pages of the extension pool attached to ``kv_cache`` (0: none)."""
+    ext = kv_cache.k_ext if isinstance(kv_cache, StackedKV) else (kv_cache[0][2] if len(kv_cache[0]) == 4 else None)
+    return 0 if ext is None else ext.shape[-3]
+
+
+def attach_kv_extension(kv_cache: KVCache, num_pages: int) -> KVCache:
+    """``kv_cache`` with zeroed extension pools of ``num_pages`` pages (page ids ``base ..`` address them)."""
+    if kv_extension_pages(kv_cache):
+        raise RuntimeError("the K/V cache already has an extension pool")
+
+    def zeros(pool):
+        shape = list(pool.shape)
+        shape[-3] = num_pages
+        return jnp.zeros(shape, pool.dtype)
+
+    if isinstance(kv_cache, StackedKV):
+        return StackedKV(kv_cache.k, kv_cache.v, zeros(kv_cache.k), zeros(kv_cache.v))
+    return tuple((k, v, zeros(k), zeros(v)) for k, v in kv_cache)
+
+
+def detach_kv_extension(kv_cache: KVCache) -> tuple[KVCache, list[jax.Array]]:
+    """The base pools alone, and the extension's arrays (for the caller to delete)."""
+    if isinstance(kv_cache, StackedKV):
+        return StackedKV(kv_cache.k, kv_cache.v), [a for a in (kv_cache.k_ext, kv_cache.v_ext) if a is not None]
+    return tuple(layer[:2] for layer in kv_cache), [a for layer in kv_cache for a in layer[2:]]
 
 
 def kv_page_size(kv_cache: KVCache) -> int:
@@ -185,13 +238,15 @@ class Attention(nnx.Module):
         q = apply_rope(q, rope_pos, inv_freq)
         k = apply_rope(k, rope_pos, inv_freq)
 
-        layer = kv.layer if isinstance(kv, LayerKV) else None  # a layer of stacked pools, or one layer's
-        k_pages, v_pages = kv[0], kv[1]
+        if isinstance(kv, LayerKV):  # a layer of stacked pools
+            layer, k_pages, v_pages, k_ext, v_ext = kv.layer, kv.k, kv.v, kv.k_ext, kv.v_ext
+        else:  # one layer's pools: (k, v) or, with an extension pool, (k, v, k_ext, v_ext)
+            layer, (k_pages, v_pages), (k_ext, v_ext) = None, kv[:2], (kv[2:] or (None, None))
         page_size = k_pages.shape[-2]
         page_ids, slots, _ = page_slots(md, q_len, page_size)  # padding writes land on the reserved page 0
         # [num_kv_heads, num_seqs, q_len, head_dim] scattered into [num_kv_heads, num_pages, page_size, head_dim]
-        k_pages = write_kv_pages(k_pages, page_ids, slots, k.transpose(2, 0, 1, 3), layer=layer)
-        v_pages = write_kv_pages(v_pages, page_ids, slots, v.transpose(2, 0, 1, 3), layer=layer)
+        k_pages, k_ext = write_split_kv_pages(k_pages, k_ext, page_ids, slots, k.transpose(2, 0, 1, 3), layer=layer)
+        v_pages, v_ext = write_split_kv_pages(v_pages, v_ext, page_ids, slots, v.transpose(2, 0, 1, 3), layer=layer)
 
         out = paged_attention(
             q,
@@ -203,8 +258,13 @@ class Attention(nnx.Module):
             impl=self.attention_impl,
             tree_mask=md.tree_mask,
             layer=layer,
+            k_ext=k_ext,
+            v_ext=v_ext,
         )
-        new_kv = (k_pages, v_pages) if layer is None else LayerKV(k_pages, v_pages, layer)
+        if layer is not None:
+            new_kv = LayerKV(k_pages, v_pages, layer, k_ext, v_ext)
+        else:
+            new_kv = (k_pages, v_pages) if k_ext is None else (k_pages, v_pages, k_ext, v_ext)
         return out.reshape(num_seqs, q_len, self.num_heads * self.head_dim), new_kv
 
 
@@ -324,10 +384,10 @@ class Llama(nnx.Module):
             raise ValueError(f"the K/V cache has {len(kv_cache)} layers; {self.config.name} has {len(layers)}")
         for i, layer in enumerate(layers):
             next_layer = layers[i + 1] if i + 1 < len(layers) else None
-            kv = LayerKV(kv_cache.k, kv_cache.v, i) if stacked else kv_cache[i]
+            kv = LayerKV(kv_cache.k, kv_cache.v, i, kv_cache.k_ext, kv_cache.v_ext) if stacked else kv_cache[i]
             x, kv, qkv = layer.forward(x, positions, inv_freq, kv, md, qkv=qkv, next_layer=next_layer)
             if stacked:  # the next layer writes into the pools this one wrote
-                kv_cache = StackedKV(kv.k, kv.v)
+                kv_cache = StackedKV(kv.k, kv.v, kv.k_ext, kv.v_ext)
             else:
                 new_cache.append(kv)
         return self.norm(x), kv_cache if stacked else tuple(new_cache)
@@ -403,18 +463,29 @@ def kv_values(pages: jax.Array) -> jax.Array:
 
 
 def write_kv_pages(pages: jax.Array, page_ids: jax.Array, slots: jax.Array, values: jax.Array,
-                   layer: int | None = None) -> jax.Array:
+                   layer: int | None = None, mode: str | None = None) -> jax.Array:
     """``pages [KVH, num_pages, page_size, D]`` with ``values [KVH, num_seqs, q_len, D]`` (rounded to the pool's
     dtype) at ``(page_ids, slots) [num_seqs, q_len]``, in place (the pools are donated); a ``uint16`` pool gets the
     values' bfloat16 bit patterns. With ``layer``, ``pages`` holds every layer (``[L, KVH, ...]``, :class:`StackedKV`)
-    and that layer's are written."""
+    and that layer's are written. ``mode="drop"``: writes to a page id past the pool's last are dropped."""
     if pages.dtype == jnp.uint16:
         values = jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
     values = values.astype(pages.dtype)
     if layer is None:
-        return pages.at[:, page_ids, slots].set(values)
+        return pages.at[:, page_ids, slots].set(values, mode=mode)
     # the layer index and the (page, slot) arrays sit apart: numpy's rule puts the indexed dimensions first
-    return pages.at[layer, :, page_ids, slots].set(values.transpose(1, 2, 0, 3))
+    return pages.at[layer, :, page_ids, slots].set(values.transpose(1, 2, 0, 3), mode=mode)
+
+
+def write_split_kv_pages(pages: jax.Array, ext: jax.Array | None, page_ids: jax.Array, slots: jax.Array,
+                         values: jax.Array, layer: int | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """:func:`write_kv_pages` over a base pool and its extension (None: no extension): each page id's values go to
+    the pool that holds it."""
+    if ext is None:
+        return write_kv_pages(pages, page_ids, slots, values, layer), None
+    in_base, in_ext = split_page_ids(page_ids, pages.shape[-3], ext.shape[-3])
+    return (write_kv_pages(pages, in_base, slots, values, layer, mode="drop"),
+            write_kv_pages(ext, in_ext, slots, values, layer, mode="drop"))
 
 
 def write_feature_pages(pool: jax.Array, values: jax.Array, md: BatchMetadata) -> jax.Array:

@@ -67,10 +67,12 @@ class _EngineCollector:
                       stats.num_lookup_steps)
         yield counter("nightjar_spec_lookup_accepted_tokens", "Draft tokens accepted in those sequence-steps",
                       stats.num_lookup_accepted)
-        # No draft offloading exists yet: the draft always stays on the device.
-        yield gauge("nightjar_draft_offloaded", "1 while the draft model is offloaded from the device", 0)
-        yield counter("nightjar_draft_offloads", "Draft model offloads", getattr(stats, "num_draft_offloads", 0))
-        yield counter("nightjar_draft_reloads", "Draft model reloads", getattr(stats, "num_draft_reloads", 0))
+        yield gauge("nightjar_draft_offloaded", "1 while the draft model is offloaded to host memory (--draft-offload "
+                    "auto)", int(stats.draft_offloaded))
+        yield gauge("nightjar_kv_extension_pages", "KV pages of the extension pool the offloaded draft's bytes hold",
+                    stats.extension_pages)
+        yield counter("nightjar_draft_offloads", "Draft model offloads", stats.num_draft_offloads)
+        yield counter("nightjar_draft_reloads", "Draft model reloads", stats.num_draft_reloads)
         yield counter(
             "nightjar_planner_switches", "Changes of γ chosen by the planner", getattr(e.planner, "num_switches", 0)
         )

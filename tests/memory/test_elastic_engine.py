@@ -1,0 +1,135 @@
+"""Elastic memory through the engine (fake model of known logits): under KV pressure the draft goes to host memory
+and its device bytes become an extension KV pool; when the load falls live extension pages migrate back and the
+draft returns. Outputs equal plain greedy decoding, no page leaks, and the device bytes never exceed the start's."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from nightjar_jax.config import ConfigError
+from nightjar_jax.testing import fake_greedy_continuation
+from tests.engine.helpers import VOCAB, fake_engine, greedy
+
+PROMPTS = [[(7 * i + j) % VOCAB for j in range(6 + i % 5)] for i in range(10)]
+
+
+def run_watching(engine, prompts, lengths):
+    ids = [engine.add_request(p, greedy(n)) for p, n in zip(prompts, lengths, strict=True)]
+    start = sum(engine.runner.device_bytes().values())
+    peak, ext_used, offloaded_steps, done = start, 0, 0, {}
+    speculated_after_reload = False
+    while engine.has_unfinished_requests():
+        steps_before, was_offloaded = engine.stats.num_decode_steps, engine.stats.draft_offloaded
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        peak = max(peak, sum(engine.runner.device_bytes().values()))
+        ext_used = max(ext_used, engine.allocator.extension_pages_used())
+        offloaded_steps += engine.stats.draft_offloaded
+        if was_offloaded:  # (a move happens after the step it follows)
+            assert engine.stats.num_decode_steps == steps_before or engine.stats.last_gamma == 0
+        elif engine.stats.num_draft_reloads and engine.stats.num_decode_steps > steps_before:
+            speculated_after_reload |= engine.stats.last_gamma > 0
+    assert engine.num_free_pages == engine.num_total_pages
+    return [done[i] for i in ids], start, peak, ext_used, offloaded_steps, speculated_after_reload
+
+
+def test_offload_extends_the_pool_and_reload_migrates_it_back():
+    engine = fake_engine(draft=True, num_pages=20, max_num_seqs=6, num_speculative_tokens=3, draft_offload="auto",
+                         offload_persist_steps=2, reload_high_watermark=0.0, prompt_lookup_max=0)
+    assert engine.runner.draft_on_device
+    # two long requests, then a burst: the long ones grow into extension pages and still run as the pool empties
+    lengths = [60, 60] + [12] * 8
+    outs, start, peak, ext_used, offloaded_steps, resumed = run_watching(engine, PROMPTS, lengths)
+    for p, o, n in zip(PROMPTS, outs, lengths, strict=True):
+        assert o == fake_greedy_continuation(p, n, VOCAB)
+    s = engine.stats
+    assert s.num_draft_offloads >= 1 and s.num_draft_reloads >= 1
+    assert offloaded_steps > 0 and ext_used > 0  # requests ran on extension pages
+    assert s.num_migrated_pages > 0  # live extension pages moved into the base pool at the reload
+    assert peak <= start  # the extension never held more than the draft gave back
+    assert engine.runner.draft_on_device and not s.draft_offloaded and engine.allocator.num_extension == 0
+    assert resumed and s.num_catchup_tokens > 0  # after the reload the draft caught up and speculated again
+
+
+def test_offload_moves_real_weights_to_host_memory():
+    engine = fake_engine(draft=True, draft_offload="auto")
+    engine.runner.draft.state = {"w": jax.numpy.ones((64, 64))}  # the fake draft has no weights: give it some
+    engine.runner.draft.treedef = jax.tree.structure(engine.runner.draft.state)
+    before = engine.runner.device_bytes()
+    assert before["draft_weights"] == 64 * 64 * 4
+    freed = engine.runner.offload_draft()
+    assert freed == before["draft_weights"] + before["draft_pools"]
+    (w,) = engine.runner.draft.leaves()
+    assert w.sharding.memory_kind in ("pinned_host", "unpinned_host")
+    assert engine.runner.device_bytes()["draft_weights"] == 0 and engine.runner.device_bytes()["draft_pools"] == 0
+    with pytest.raises(RuntimeError, match="offloaded"):
+        engine.runner.offload_draft()
+    engine.runner.reload_draft()
+    (w,) = engine.runner.draft.leaves()
+    assert w.sharding.memory_kind == "device" and float(w.sum()) == 64 * 64
+    assert engine.runner.device_bytes() == before
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(draft_offload="always"), "draft_offload"),
+    (dict(offload_low_watermark=1.5), "offload_low_watermark"),
+    (dict(offload_persist_steps=0), "offload_persist_steps"),
+])
+def test_bad_offload_settings_are_rejected(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        fake_engine(draft=True, **kwargs)
+
+
+def test_real_model_greedy_sd_across_offload_and_reload_equals_ar():
+    """stories260K with a layer-skip draft on a pool too small for the batch: the draft goes to host memory, the
+    target's stacked pools gain an extension that the CPU kernel reads in place, and after the reload (live pages
+    migrated) speculation resumes; every output equals plain greedy decoding."""
+    from nightjar_jax import LLM, SamplingParams
+
+    prompts = ["Once upon a time", "The cat sat on the mat and", "Lily had a red ball. One day", "Tom was sad because"]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (40, 12, 12, 12)] * 2
+    common = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_pages=9, page_size=8)
+    ar = [o.outputs[0].token_ids for o in LLM("stories260k", **common).generate(prompts * 2, params)]
+    sd = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, planner="static",
+             draft_offload="auto", offload_persist_steps=2, reload_high_watermark=0.0, **common)
+    engine = sd.engine
+    assert engine.runner.target.stacked == engine.runner.draft.stacked  # (stacked wherever the CPU kernels build)
+    outs = [o.outputs[0].token_ids for o in sd.generate(prompts * 2, params)]
+    assert outs == ar
+    s = engine.stats
+    assert s.num_draft_offloads >= 1 and s.num_draft_reloads >= 1 and s.num_accepted_tokens > 0
+    assert engine.runner.draft_on_device and engine.num_free_pages == engine.num_total_pages == 8
+
+
+def test_stacked_pools_offload_and_reload_equal_ar():
+    """The same with weights and K/V pools stacked over the layers (``StackedKV``, where the CPU kernels build): the
+    extension is stacked too, the kernel reads its layer in place, and the migration copies every layer's pages."""
+    from kernels_pallas.linear import cpu
+    from nightjar_jax import LLM, SamplingParams
+    from nightjar_jax.models.llama import StackedKV
+
+    if not cpu.packing_supported():
+        pytest.skip("stacked weights are held where the CPU linear kernel takes packed weights")
+    prompts = [[5, 17, 33, 2, 9], [101, 7, 7, 7, 44, 13, 250], [300, 12], [9, 9, 8], [77, 1, 2, 3], [42]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 40, 10, 10, 10, 10)]
+    common = dict(load_format="dummy", seed=3, max_model_len=128, max_num_seqs=6, num_pages=9, page_size=8)
+    ar = [o.outputs[0].token_ids for o in LLM("tiny-gqa", **common).generate(prompts, params)]
+    sd = LLM("tiny-gqa", draft_model="tiny-mha", num_speculative_tokens=3, planner="static", draft_offload="auto",
+             offload_persist_steps=2, reload_high_watermark=0.0, **common)
+    engine = sd.engine
+    assert isinstance(engine.runner.kv, StackedKV)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    done, ext_seen = {}, False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        if engine.allocator.extension_pages_used():
+            ext_seen = True
+            assert engine.runner.kv.k_ext is not None and engine.runner.kv.k_ext.shape[0] == engine.runner.kv.k.shape[0]
+    assert [done[i] for i in ids] == ar
+    s = engine.stats
+    assert ext_seen and s.num_draft_offloads >= 1 and s.num_draft_reloads >= 1 and s.num_migrated_pages > 0
+    assert engine.runner.kv.k_ext is None and engine.num_free_pages == engine.num_total_pages == 8
