@@ -134,6 +134,17 @@ class LLMEngine:
                                  target.config.max_position_embeddings)
         num_pages = self._num_pages()
         self.allocator = PageAllocator(num_pages, config.cache.page_size)
+        pool_tokens = self.allocator.num_usable * config.cache.page_size
+        if pool_tokens < self.max_model_len:
+            # A request can never hold more tokens than the (base) pool: past it, it would be preempted and then never
+            # admitted again (the engine spun forever). As vLLM sizes max_model_len to what the cache holds, a request
+            # here ends with finish reason "length" when it fills the pool.
+            logger.warning("the KV pool holds %d tokens, fewer than max_model_len %d: requests end (finish reason "
+                           "'length') at %d tokens; raise kv_cache_bytes / num_pages for longer ones", pool_tokens,
+                           self.max_model_len, pool_tokens)
+            self.max_model_len = pool_tokens
+        self.context_limit = min(sched.max_model_len or target.config.max_position_embeddings,
+                                 target.config.max_position_embeddings)  # (before the pool's cap: for messages)
         self.scheduler = Scheduler(sched, self.allocator, self.max_model_len)
         gamma_max = config.spec.num_speculative_tokens if draft is not None else 0
         self.runner = ModelRunner(
@@ -266,15 +277,15 @@ class LLMEngine:
         bad = [t for t in ids if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab)]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}): got {bad[:5]}")
-        if len(ids) >= self.max_model_len:
+        if len(ids) >= self.context_limit:
             raise ValueError(
-                f"the prompt has {len(ids)} tokens, the context limit is {self.max_model_len} "
+                f"the prompt has {len(ids)} tokens, the context limit is {self.context_limit} "
                 f"(prompt + at least one generated token must fit)"
             )
-        if self.allocator.pages_for(len(ids) + 1) > self.allocator.num_usable:
+        if len(ids) >= self.max_model_len:  # (capped at what the base pool holds)
             raise ValueError(
-                f"the prompt has {len(ids)} tokens but the whole KV pool holds "
-                f"{self.allocator.num_usable * self.allocator.page_size}: it can never be scheduled"
+                f"the prompt has {len(ids)} tokens but the whole KV pool holds {self.max_model_len}: it can never be "
+                f"scheduled (prompt + at least one generated token must fit)"
             )
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}): got {max(params.logit_bias)}")

@@ -105,6 +105,28 @@ def test_prompt_larger_than_pool_is_rejected():
         eng.add_request(list(range(1, 20)), greedy(2))
 
 
+@pytest.mark.parametrize("draft", [False, True], ids=["ar", "spec"])
+def test_a_request_that_fills_the_pool_ends_with_length(draft):
+    """A pool smaller than max_model_len caps the context at what the pool holds: a request growing past it used to
+    be preempted and then never admitted again (the engine stepped forever); it now ends with "length" there."""
+    eng = fake_engine(draft=draft, num_pages=4, max_model_len=256, num_speculative_tokens=3)  # 3 pages = 12 tokens
+    assert eng.max_model_len == 12
+    prompt = [3, 1, 4, 1, 5]
+    eng.add_request(prompt, greedy(30), request_id="long")
+    eng.add_request([2, 7], greedy(2), request_id="short")
+    done = {}
+    for _ in range(500):
+        if not eng.has_unfinished_requests():
+            break
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    assert not eng.has_unfinished_requests()
+    assert done["long"].finish_reason == "length" and done["long"].token_ids == expected(prompt, 12 - len(prompt))
+    assert done["short"].token_ids == expected([2, 7], 2)
+    assert eng.num_free_pages == eng.num_total_pages
+
+
 def test_bad_sampling_values_raise_with_field_names():
     from nightjar_jax.engine.sampling_params import SamplingParams
 
