@@ -6,7 +6,9 @@
 #   2. the engine end to end on the device: AR decode of SmolLM2-135M and llama-7b shapes at batch 1 and 64 against
 #      the weights' floor, and the step cost per γ of llama-7b + llama-68m (scripts/device_check_engine.py);
 #   3. the tests that exercise the accelerator path, run on it: the compiled kernel bodies (incl. tree masks),
-#      continuous batching through a real model, speculative decoding and token trees (greedy SD == AR).
+#      continuous batching through a real model, speculative decoding and token trees (greedy SD == AR);
+#   4. elastic memory on the device: the draft's weights to pinned host memory and back, an extension KV pool read
+#      by the Pallas path, greedy SD across offload / reload == AR (tests/memory, tests/kernels/test_extension_pool.py).
 # Limits from the first run (2026-12-04): the kernel and tree tests reached ~85% in 150 s, the engine tests took
 # 66 s. Each part has its own time limit; a failing part does not stop the next. Logs and JSON go to $OUT (else
 # results/). Usage on the device tool: `bash scripts/device_check_all.sh`.
@@ -35,3 +37,6 @@ echo "pytest (kernels, trees) exit $?"; grep -E "FAILED|ERROR|passed|failed" "$o
 JAX_PLATFORMS=cuda,cpu timeout 80 python3 -m pytest -v -p no:cacheprovider -rfE --tb=short \
     tests/engine/test_engine_real.py > "$out_dir/pytest_gpu_engine.log" 2>&1
 echo "pytest (engine) exit $?"; grep -E "FAILED|ERROR|passed|failed" "$out_dir/pytest_gpu_engine.log" | tail -20
+JAX_PLATFORMS=cuda,cpu timeout 90 python3 -m pytest -v -p no:cacheprovider -rfE --tb=short \
+    tests/memory tests/kernels/test_extension_pool.py > "$out_dir/pytest_gpu_memory.log" 2>&1
+echo "pytest (elastic memory) exit $?"; grep -E "FAILED|ERROR|passed|failed" "$out_dir/pytest_gpu_memory.log" | tail -20

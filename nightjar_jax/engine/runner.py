@@ -100,6 +100,12 @@ def bucket_for(n: int, buckets: list[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def commit_to_device(tree):
+    """``tree``'s arrays committed to the default device (the same buffers: ``jax.device_put`` to the device they
+    are on copies nothing)."""
+    return jax.device_put(tree, jax.devices()[0])
+
+
 @dataclass
 class ModelHandle:
     """A model split for jit: config, graph definition and flat state (weights on device)."""
@@ -113,6 +119,7 @@ class ModelHandle:
         if self.fns is None:
             self.fns = make_model_fns(self.graphdef)
         self._flat: tuple[object, tuple] | None = None  # (the state object the leaves came from, leaves)
+        self._home: list | None = None  # the leaves' device shardings while they are offloaded (move_to)
         self._embed_index: int | None = None  # position of the embedding table among the leaves
         self.treedef = jax.tree.structure(self.state)
         # stack_layers: for each leaf of the model's own state, (index among the leaves, layer or -1), and that
@@ -200,14 +207,25 @@ class ModelHandle:
         return jax.tree.unflatten(self._layer_treedef,
                                   [leaves[k] if i < 0 else LayerView(leaves[k], i) for k, i in self._plan])
 
+    def commit(self) -> None:
+        """Commit the weights to the default device (no copy). A jitted step's compiled variants are keyed on
+        whether their inputs are committed, and weights that come back from host memory are: committing them from
+        the start keeps every step on the variants compiled (or warmed up) before an offload."""
+        self.state = commit_to_device(self.state)
+        self._flat = None
+
     def move_to(self, memory_kind: str, keep: frozenset[int] = frozenset()) -> int:
         """Move the weights to ``memory_kind`` (``device``, or a host kind such as ``pinned_host``) with
         ``jax.device_put``, wait, and delete the old copies at once (except arrays whose ``id`` is in ``keep``:
         shared with another model). Returns the bytes moved. The structure is unchanged, so the compiled steps
         take the moved weights as they are (once they are back on the device)."""
         leaves = self.leaves()
-        moved = tuple(jax.device_put(x, x.sharding.with_memory_kind(memory_kind)) if isinstance(x, jax.Array) else x
-                      for x in leaves)
+        if memory_kind == "device" and self._home is not None:  # back where they were (the same shardings: the
+            targets = self._home  # compiled steps keep their cache keys)
+        else:
+            self._home = [x.sharding if isinstance(x, jax.Array) else None for x in leaves]
+            targets = [None if sh is None else sh.with_memory_kind(memory_kind) for sh in self._home]
+        moved = tuple(x if sh is None else jax.device_put(x, sh) for x, sh in zip(leaves, targets, strict=True))
         jax.block_until_ready(moved)
         seen: set[int] = set()
         nbytes = 0
@@ -399,9 +417,14 @@ class ModelRunner:
         # a model whose weights are stacked over its layers has its K/V pools stacked too (StackedKV: 2 donated
         # arrays per step instead of 2 per layer)
         self.kv_cache_dtype = kv_cache_dtype
-        self.kv: KVCache = allocate_kv_cache(target.config, num_pages, page_size,
-                                             resolve_kv_dtype(kv_cache_dtype, target.config.dtype),
-                                             stacked=target.stacked)
+        # every device array committed (ModelHandle.commit): the same compiled variants before and after a draft
+        # offload / reload, whose moves commit what they move
+        target.commit()
+        if draft is not None:
+            draft.commit()
+        self.kv: KVCache = commit_to_device(allocate_kv_cache(target.config, num_pages, page_size,
+                                                              resolve_kv_dtype(kv_cache_dtype, target.config.dtype),
+                                                              stacked=target.stacked))
         # A feature draft (EAGLE) reads the target's final hidden state at the previous position: the target's
         # passes write them into this per-token pool, paged like the KV cache (same block tables).
         self.feature_draft = draft is not None and draft.config.feature_size is not None
@@ -421,12 +444,13 @@ class ModelRunner:
         """The draft's K/V pools, and a feature draft's feature pool (the draft's device memory besides its weights:
         released and rebuilt with it)."""
         draft = self.draft
-        self.draft_kv = allocate_kv_cache(draft.config, self.num_pages, self.page_size,
-                                          resolve_kv_dtype(self.kv_cache_dtype, draft.config.dtype),
-                                          stacked=draft.stacked)
+        self.draft_kv = commit_to_device(allocate_kv_cache(draft.config, self.num_pages, self.page_size,
+                                                           resolve_kv_dtype(self.kv_cache_dtype, draft.config.dtype),
+                                                           stacked=draft.stacked))
         if self.feature_draft:
-            self.features = jnp.zeros((self.num_pages, self.page_size, self.target.config.hidden_size),
-                                      jnp.dtype(self.target.config.dtype))
+            self.features = commit_to_device(jnp.zeros((self.num_pages, self.page_size,
+                                                        self.target.config.hidden_size),
+                                                       jnp.dtype(self.target.config.dtype)))
 
     # ---- elastic memory (nightjar_jax.memory decides; these make the moves) ----------------------------------------
     def target_page_bytes(self) -> int:
@@ -466,7 +490,7 @@ class ModelRunner:
 
     def attach_extension(self, num_pages: int) -> None:
         """Zeroed extension K/V pools of ``num_pages`` pages after the base pool (page ids ``num_pages ..``)."""
-        self.kv = attach_kv_extension(self.kv, num_pages)
+        self.kv = commit_to_device(attach_kv_extension(self.kv, num_pages))
 
     def detach_extension(self, src: list[int], dst: list[int]) -> None:
         """Copy the extension pages ``src`` (global page ids) into the base pages ``dst`` (every layer, K and V; the

@@ -101,6 +101,11 @@ def test_real_model_greedy_sd_across_offload_and_reload_equals_ar():
     s = engine.stats
     assert s.num_draft_offloads >= 1 and s.num_draft_reloads >= 1 and s.num_accepted_tokens > 0
     assert engine.runner.draft_on_device and engine.num_free_pages == engine.num_total_pages == 8
+    # the same burst again: the same moves, and no step compiles (the pools, the weights and what comes back from
+    # host memory are all committed to the device, so the variants' cache keys do not change with a move)
+    compiled, offloads = engine.runner.compiled_cache_sizes(), s.num_draft_offloads
+    assert [o.outputs[0].token_ids for o in sd.generate(prompts * 2, params)] == ar
+    assert s.num_draft_offloads > offloads and engine.runner.compiled_cache_sizes() == compiled
 
 
 def test_stacked_pools_offload_and_reload_equal_ar():
@@ -110,8 +115,8 @@ def test_stacked_pools_offload_and_reload_equal_ar():
     from nightjar_jax import LLM, SamplingParams
     from nightjar_jax.models.llama import StackedKV
 
-    if not cpu.packing_supported():
-        pytest.skip("stacked weights are held where the CPU linear kernel takes packed weights")
+    if jax.default_backend() != "cpu" or not cpu.packing_supported():
+        pytest.skip("stacked weights are held on the CPU backend where the CPU linear kernel takes packed weights")
     prompts = [[5, 17, 33, 2, 9], [101, 7, 7, 7, 44, 13, 250], [300, 12], [9, 9, 8], [77, 1, 2, 3], [42]]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 40, 10, 10, 10, 10)]
     common = dict(load_format="dummy", seed=3, max_model_len=128, max_num_seqs=6, num_pages=9, page_size=8)
