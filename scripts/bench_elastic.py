@@ -4,14 +4,15 @@ too small for the burst, one engine per mode in one run (greedy: their outputs m
 With ``auto`` the engine moves the draft's weights to host memory once requests wait for pages, turns the device
 bytes the draft held into extension KV pages (more requests run at once; speculation pauses), and brings the draft
 back when the queue has drained. Per mode: wall seconds, output tokens/s and its ratio to ``off`` (from the same
-round), preemptions, the most requests running at once, the mean decode batch, decode steps at γ > 0, the moves
-(offloads, reloads, extension pages, pages migrated, seconds spent moving) and the device bytes at the start and
-at the peak. Each mode runs ``--rounds`` bursts after one warm-up burst (which compiles the variants, the extended
-layout's included); the modes alternate round by round so they share this shared machine's minutes.
+round; also over the steps that compiled nothing, since the planner's exploration meets new variants late),
+preemptions, the most requests running at once, the mean decode batch, decode steps at γ > 0, the moves (offloads,
+reloads, extension pages, pages migrated, seconds spent moving) and the device bytes at the start and at the peak.
+Each mode runs ``--rounds`` bursts after ``--warmup-rounds`` (which compile the variants, the extended layout's
+included); the modes alternate round by round so they share this shared machine's minutes.
 
     python scripts/bench_elastic.py --out results/bench_elastic.json
     python scripts/bench_elastic.py --model stories260k --draft stories260k@skip=2 --num-prompts 8 --max-tokens 24 \\
-        --kv-cache-bytes 64KiB --rounds 1 --out /tmp/elastic.json   # smoke
+        --prompt-len 32 --kv-cache-bytes 160KiB --warmup-rounds 1 --rounds 1 --out /tmp/elastic.json   # smoke
 """
 
 from __future__ import annotations
@@ -47,15 +48,21 @@ def burst(llm, prompts: list[list[int]], max_tokens: int) -> dict:
                   spec_steps=sum(n for g, n in s.decode_steps_per_gamma.items() if g > 0))
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start_bytes = sum(engine.runner.device_bytes().values())
+    compiled = engine.runner.num_compiled()
     t0 = time.perf_counter()
     ids = [engine.add_request({"prompt_token_ids": p}, sp) for p in prompts]
     done: dict[str, list[int]] = {}
     most_running, batch_sizes, peak_bytes, most_extension = 0, [], start_bytes, 0
+    steady_tokens, steady_seconds = 0, 0.0  # over the steps that compiled nothing
     while engine.has_unfinished_requests():
-        decode_steps = s.num_decode_steps
+        decode_steps, generated, before_step = s.num_decode_steps, s.num_generated_tokens, engine.runner.num_compiled()
+        t_step = time.perf_counter()
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
+        if engine.runner.num_compiled() == before_step:
+            steady_seconds += time.perf_counter() - t_step
+            steady_tokens += s.num_generated_tokens - generated
         most_running = max(most_running, len(engine.scheduler.running))
         if s.num_decode_steps > decode_steps:
             batch_sizes.append(s.last_batch_size)
@@ -67,6 +74,7 @@ def burst(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     tokens = sum(len(done[i]) for i in ids)
     return {
         "seconds": seconds, "output_tokens": tokens, "tokens_per_second": tokens / seconds,
+        "steady_tokens_per_second": steady_tokens / steady_seconds if steady_seconds else 0.0,
         "preemptions": s.num_preemptions - before["preemptions"], "most_running": most_running,
         "mean_decode_batch": statistics.fmean(batch_sizes) if batch_sizes else 0.0,
         "spec_decode_steps": sum(n for g, n in s.decode_steps_per_gamma.items() if g > 0) - before["spec_steps"],
@@ -75,6 +83,7 @@ def burst(llm, prompts: list[list[int]], max_tokens: int) -> dict:
         "extension_pages": most_extension, "migrated_pages": s.num_migrated_pages - before["migrated"],
         "move_seconds": s.offload_seconds - before["move_seconds"],
         "device_bytes_start": start_bytes, "device_bytes_peak": peak_bytes,
+        "compiled": engine.runner.num_compiled() - compiled,  # step variants compiled during the burst
         "outputs": [done[i] for i in ids],
     }
 
@@ -89,7 +98,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-bytes", type=parse_bytes, default=parse_bytes("24MiB"))
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--persist-steps", type=int, default=4, help="--offload-persist-steps")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup-rounds", type=int, default=2, help="bursts per mode first, not kept (they compile)")
     ap.add_argument("--dataset", default=DEFAULT_DATASET)
     ap.add_argument("--out", default="results/bench_elastic.json")
     args = ap.parse_args()
@@ -105,12 +115,13 @@ def main() -> None:
     prompts, source = make_prompt_ids(tok, load_prompt_texts(args.dataset), args.num_prompts, args.prompt_len,
                                       engine.target.config.vocab_size, chat=chat)
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
-    for r in range(args.rounds + 1):  # round 0 compiles (the extended layout's variants too) and is not kept
+    for r in range(args.warmup_rounds + args.rounds):  # the first compile (the extended layout's variants too)
         for mode in MODES:
             result = burst(llms[mode], prompts, args.max_tokens)
-            print(f"round {r} {mode}: {result['tokens_per_second']:.1f} tok/s, most running {result['most_running']}, "
-                  f"offloads {result['offloads']}", flush=True)
-            if r:
+            print(f"round {r} {mode}: {result['tokens_per_second']:.1f} tok/s (steps that compiled nothing: "
+                  f"{result['steady_tokens_per_second']:.1f}), most running {result['most_running']}, "
+                  f"offloads {result['offloads']}, variants compiled {result['compiled']}", flush=True)
+            if r >= args.warmup_rounds:
                 runs[mode].append(result)
     for a, b in zip(runs["off"], runs["auto"], strict=True):
         if a["outputs"] != b["outputs"]:
@@ -119,15 +130,17 @@ def main() -> None:
     for mode in MODES:
         rs = runs[mode]
         summary[mode] = {k: statistics.median(x[k] for x in rs) for k in rs[0] if k != "outputs"}
-        summary[mode]["ratio_vs_off"] = statistics.median(
-            x["tokens_per_second"] / o["tokens_per_second"] for x, o in zip(rs, runs["off"], strict=True))
+        for key in ("tokens_per_second", "steady_tokens_per_second"):
+            summary[mode][key.replace("tokens_per_second", "ratio_vs_off")] = statistics.median(
+                x[key] / o[key] for x, o in zip(rs, runs["off"], strict=True))
     cfg = engine.runner
     print(f"\n{args.model} + {engine.draft.config.name}, {args.num_prompts} prompts ({source}) x {args.max_tokens} "
           f"tokens, KV budget {args.kv_cache_bytes / 2**20:.0f} MiB = {cfg.num_pages - 1} pages of "
           f"{cfg.page_size} tokens; medians of {args.rounds} round(s)")
-    cols = ["tokens_per_second", "ratio_vs_off", "most_running", "mean_decode_batch", "preemptions",
+    cols = ["tokens_per_second", "ratio_vs_off", "steady_tokens_per_second", "steady_ratio_vs_off", "most_running",
+            "mean_decode_batch", "preemptions",
             "spec_decode_steps", "decode_steps", "offloads", "reloads", "extension_pages", "migrated_pages",
-            "move_seconds"]
+            "move_seconds", "compiled"]
     print("| mode | " + " | ".join(cols) + " |")
     print("|---|" + "---:|" * len(cols))
     for mode in MODES:

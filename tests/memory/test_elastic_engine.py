@@ -138,3 +138,29 @@ def test_stacked_pools_offload_and_reload_equal_ar():
     s = engine.stats
     assert ext_seen and s.num_draft_offloads >= 1 and s.num_draft_reloads >= 1 and s.num_migrated_pages > 0
     assert engine.runner.kv.k_ext is None and engine.num_free_pages == engine.num_total_pages == 8
+
+
+def test_metrics_show_the_offloaded_draft_and_the_extension():
+    from prometheus_client import generate_latest
+
+    from nightjar_jax.server.metrics import ServerMetrics
+
+    engine = fake_engine(draft=True, draft_offload="auto")
+    metrics = ServerMetrics(engine)
+
+    def scrape() -> dict[str, float]:
+        lines = generate_latest(metrics.registry).decode().splitlines()
+        return {line.split()[0]: float(line.split()[1]) for line in lines if line and not line.startswith("#")}
+
+    before = scrape()
+    assert before["nightjar_draft_offloaded"] == 0 and before["nightjar_kv_extension_pages"] == 0
+    engine._offload_draft()
+    m = scrape()
+    ext = engine.allocator.num_extension
+    assert ext > 0 and m["nightjar_draft_offloaded"] == 1 and m["nightjar_kv_extension_pages"] == ext
+    assert m["nightjar_draft_offloads_total"] == 1
+    assert m["nightjar_kv_pages_total"] == before["nightjar_kv_pages_total"] + ext
+    engine._reload_draft()
+    m = scrape()
+    assert m["nightjar_draft_offloaded"] == 0 and m["nightjar_draft_reloads_total"] == 1
+    assert m["nightjar_kv_pages_total"] == before["nightjar_kv_pages_total"] == m["nightjar_kv_pages_free"]
