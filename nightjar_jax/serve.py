@@ -113,10 +113,12 @@ def load_engine(args: argparse.Namespace):
             t0 = time.perf_counter()
             if args.warmup == "full":
                 runner = engine.runner
-                total = (len(runner.shapes.decode_buckets) * 2 * (engine.gamma_max + 1)
+                # (with --draft-offload auto, also the γ = 0 variants over the pools with an extension)
+                total = (len(runner.shapes.decode_buckets) * 2 * (engine.gamma_max + 1 + (engine.memory is not None))
                          * len(runner.warmup_widths()))
                 with tqdm(total=total, desc="compiling decode variants", unit="variant", file=sys.stderr) as inner:
                     runner.warmup(progress=lambda: inner.update(1))
+                    engine.warmup_elastic(progress=lambda: inner.update(1))
             engine.add_request(
                 [engine.tokenizer.bos_token_id or 1] if engine.tokenizer else [1],
                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),

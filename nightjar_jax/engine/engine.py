@@ -410,6 +410,19 @@ class LLMEngine:
         elif action is MemoryAction.RELOAD:
             self._reload_draft()
 
+    def warmup_elastic(self, progress=None) -> list[tuple]:
+        """Compile the decode variants of the extended layout (γ = 0 over the pools with an extension: what every
+        decode step runs while the draft is offloaded) before traffic, by offloading the draft, warming those up on
+        padding-only batches and reloading it (idle: nothing to migrate). A no-op without elastic memory. Returns
+        the variant keys compiled (``ModelRunner.warmup``); the server's ``--warmup full`` calls it."""
+        if self.memory is None or self.has_unfinished_requests():
+            return []
+        self._offload_draft()
+        try:
+            return self.runner.warmup(gammas=[0], progress=progress)
+        finally:
+            self._reload_draft()
+
     def _offload_draft(self) -> None:
         """Draft weights to host memory, its pools released, and an extension KV pool of the bytes they held."""
         t0 = time.perf_counter()

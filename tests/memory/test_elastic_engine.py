@@ -53,6 +53,30 @@ def test_offload_extends_the_pool_and_reload_migrates_it_back():
     assert resumed and s.num_catchup_tokens > 0  # after the reload the draft caught up and speculated again
 
 
+def test_warmup_covers_the_extended_layout():
+    """After ``runner.warmup()`` and ``engine.warmup_elastic()`` no decode step compiles, offloaded or not."""
+    engine = fake_engine(draft=True, num_pages=20, max_num_seqs=6, num_speculative_tokens=3, draft_offload="auto",
+                         offload_persist_steps=2, reload_high_watermark=0.0, prompt_lookup_max=0)
+    engine.runner.warmup(sampled=False)
+    keys = engine.warmup_elastic()
+    assert keys and all(k[0] == "forward_sample" for k in keys)
+    assert engine.runner.draft_on_device and engine.allocator.num_extension == 0
+    assert engine.stats.num_draft_offloads == engine.stats.num_draft_reloads == 1
+    for p, n in zip(PROMPTS, [60, 60] + [12] * 8, strict=True):
+        engine.add_request(p, greedy(n))
+    offloaded_decode_steps = 0
+    while engine.has_unfinished_requests():
+        before, decode_steps = engine.runner.compiled_cache_sizes(), engine.stats.num_decode_steps
+        offloaded = engine.stats.draft_offloaded
+        engine.step()
+        if engine.stats.num_decode_steps > decode_steps:
+            grown = {k for k, v in engine.runner.compiled_cache_sizes().items() if v != before[k]}
+            # a decode step compiles nothing but the draft's catch-up (draft_fill: not warmed up in any layout)
+            assert grown <= {"draft_fill"}, grown
+            offloaded_decode_steps += offloaded
+    assert engine.stats.num_draft_offloads >= 2 and offloaded_decode_steps > 0  # the burst offloaded again
+
+
 def test_offload_moves_real_weights_to_host_memory():
     engine = fake_engine(draft=True, draft_offload="auto")
     engine.runner.draft.state = {"w": jax.numpy.ones((64, 64))}  # the fake draft has no weights: give it some

@@ -84,3 +84,35 @@ def test_server_with_token_trees():
         assert srv.metrics()["nightjar_kv_pages_free"] == m["nightjar_kv_pages_total"]
     finally:
         assert srv.stop() == 0
+
+
+def test_server_with_draft_offload_serves_a_burst():
+    """``--draft-offload auto`` with ``--warmup full`` (which warms the extended layout too): a burst on a pool too
+    small for it offloads the draft, every request gets plain greedy's text, and the draft is back afterwards."""
+    import concurrent.futures
+
+    from nightjar_jax import LLM, SamplingParams
+
+    prompts = ["Once upon a time", "The cat sat on the mat and", "Lily had a red ball. One day", "Tom was sad because",
+               "The sun was"]
+    plain = LLM("stories260k", max_model_len=128, num_pages=64, draft_model=None)
+    want = [o.outputs[0].text for o in plain.generate(prompts, SamplingParams(temperature=0, max_tokens=24))]
+    srv = ServerProcess(["--draft-model", "stories260k", "--num-speculative-tokens", "1", "--planner", "static",
+                         "--max-model-len", "128", "--max-num-seqs", "4", "--num-pages", "9", "--page-size", "8",
+                         "--draft-offload", "auto", "--offload-persist-steps", "2", "--warmup", "full"])
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+        def ask(prompt: str) -> str:
+            out = client.completions.create(model="stories260k", prompt=prompt, max_tokens=24, temperature=0)
+            return out.choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(ask, prompts))
+        assert got == want
+        m = srv.metrics()
+        assert m["nightjar_draft_offloads_total"] >= 1 and m["nightjar_draft_reloads_total"] >= 1
+        assert m["nightjar_draft_offloaded"] == 0 and m["nightjar_kv_extension_pages"] == 0
+        assert m["nightjar_kv_pages_free"] == m["nightjar_kv_pages_total"] == 8
+    finally:
+        assert srv.stop() == 0, srv.logs()
