@@ -137,11 +137,12 @@ class LLMEngine:
         pool_tokens = self.allocator.num_usable * config.cache.page_size
         if pool_tokens < self.max_model_len:
             # A request can never hold more tokens than the (base) pool: past it, it would be preempted and then never
-            # admitted again (the engine spun forever). As vLLM sizes max_model_len to what the cache holds, a request
-            # here ends with finish reason "length" when it fills the pool.
-            logger.warning("the KV pool holds %d tokens, fewer than max_model_len %d: requests end (finish reason "
-                           "'length') at %d tokens; raise kv_cache_bytes / num_pages for longer ones", pool_tokens,
-                           self.max_model_len, pool_tokens)
+            # admitted again (the engine spun forever). vLLM refuses to start here; the pool is sized by bytes by
+            # default (often below a model's 8K context), so the context is capped instead: a request ends with
+            # finish reason "length" when it fills the pool.
+            logger.info("the KV pool holds %d tokens, fewer than max_model_len %d: requests end (finish reason "
+                        "'length') at %d tokens; raise kv_cache_bytes / num_pages for longer ones", pool_tokens,
+                        self.max_model_len, pool_tokens)
             self.max_model_len = pool_tokens
         self.context_limit = min(sched.max_model_len or target.config.max_position_embeddings,
                                  target.config.max_position_embeddings)  # (before the pool's cap: for messages)
@@ -162,8 +163,13 @@ class LLMEngine:
         self.planner = self._make_planner()
         self.memory: ElasticPolicy | None = None  # elastic memory (draft offload); None: off or no draft
         if config.cache.draft_offload == "auto" and draft is not None:
-            self.memory = ElasticPolicy(config.cache.offload_low_watermark, config.cache.reload_high_watermark,
-                                        config.cache.offload_persist_steps)
+            if self.runner.draft_device_bytes() < self.runner.target_page_bytes():
+                logger.warning("draft_offload=auto is off: the draft's %d device bytes would not make one KV page "
+                               "of the target (%d bytes)", self.runner.draft_device_bytes(),
+                               self.runner.target_page_bytes())
+            else:
+                self.memory = ElasticPolicy(config.cache.offload_low_watermark, config.cache.reload_high_watermark,
+                                            config.cache.offload_persist_steps)
         self.stats = EngineStats(accepted_per_position=[0] * gamma_max, drafted_per_position=[0] * gamma_max)
         self.record_steps = record_steps
         self.requests: dict[str, Request] = {}
@@ -331,6 +337,8 @@ class LLMEngine:
         if req is None or req.is_finished:
             return None
         self._finish(req, FinishReason.ABORT)
+        if self.memory is not None and not self.runner.draft_on_device and not self.has_unfinished_requests():
+            self._reload_draft()  # idle now (an idle engine takes no step that would bring the draft back)
         return self._make_output(req, [])
 
     def has_unfinished_requests(self) -> bool:
@@ -415,7 +423,7 @@ class LLMEngine:
         decode step runs while the draft is offloaded) before traffic, by offloading the draft, warming those up on
         padding-only batches and reloading it (idle: nothing to migrate). A no-op without elastic memory. Returns
         the variant keys compiled (``ModelRunner.warmup``); the server's ``--warmup full`` calls it."""
-        if self.memory is None or self.has_unfinished_requests():
+        if self.memory is None or self.has_unfinished_requests() or not self.runner.draft_on_device:
             return []
         self._offload_draft()
         try:

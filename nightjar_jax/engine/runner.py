@@ -216,25 +216,27 @@ class ModelHandle:
 
     def move_to(self, memory_kind: str, keep: frozenset[int] = frozenset()) -> int:
         """Move the weights to ``memory_kind`` (``device``, or a host kind such as ``pinned_host``) with
-        ``jax.device_put``, wait, and delete the old copies at once (except arrays whose ``id`` is in ``keep``:
-        shared with another model). Returns the bytes moved. The structure is unchanged, so the compiled steps
-        take the moved weights as they are (once they are back on the device)."""
+        ``jax.device_put``, wait, and delete the old copies at once. Arrays whose ``id`` is in ``keep`` (shared with
+        another model) stay where they are. Returns the bytes moved. The structure is unchanged, so the compiled
+        steps take the moved weights as they are (once they are back on the device)."""
         leaves = self.leaves()
         if memory_kind == "device" and self._home is not None:  # back where they were (the same shardings: the
-            targets = self._home  # compiled steps keep their cache keys)
+            # compiled steps keep their cache keys); arrays that stayed (kept) are left alone
+            targets = [None if sh is None or x.sharding.memory_kind == sh.memory_kind else sh
+                       for x, sh in zip(leaves, self._home, strict=True)]
         else:
             self._home = [x.sharding if isinstance(x, jax.Array) else None for x in leaves]
-            targets = [None if sh is None else sh.with_memory_kind(memory_kind) for sh in self._home]
+            targets = [None if sh is None or id(x) in keep else sh.with_memory_kind(memory_kind)
+                       for x, sh in zip(leaves, self._home, strict=True)]
         moved = tuple(x if sh is None else jax.device_put(x, sh) for x, sh in zip(leaves, targets, strict=True))
         jax.block_until_ready(moved)
         seen: set[int] = set()
         nbytes = 0
-        for x in leaves:
-            if isinstance(x, jax.Array) and id(x) not in seen:
+        for x, y in zip(leaves, moved, strict=True):
+            if isinstance(x, jax.Array) and x is not y and id(x) not in seen:
                 seen.add(id(x))
                 nbytes += x.nbytes
-                if id(x) not in keep:
-                    x.delete()
+                x.delete()
         self.state = jax.tree.unflatten(self.treedef, moved)
         self._flat = None
         return nbytes
@@ -470,6 +472,15 @@ class ModelRunner:
             "draft_weights": on_device(self.draft.leaves()) if self.draft is not None else 0,
             "draft_pools": on_device((self.draft_kv, self.features)),
         }
+
+    def draft_device_bytes(self) -> int:
+        """What offloading the draft frees: its weights and pools on the device (shared arrays excepted)."""
+        if self.draft is None or not self.draft_on_device:
+            return 0
+        shared = {id(x) for x in self.target.leaves()}
+        weights = sum(x.nbytes for x in {id(x): x for x in self.draft.leaves()
+                                          if isinstance(x, jax.Array) and id(x) not in shared}.values())
+        return weights + self.device_bytes()["draft_pools"]
 
     def offload_draft(self) -> int:
         """Move the draft's weights to host memory (``pinned_host`` where the device has it) and release its pools.

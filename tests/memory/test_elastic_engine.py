@@ -96,6 +96,36 @@ def test_offload_moves_real_weights_to_host_memory():
     assert engine.runner.device_bytes() == before
 
 
+def test_aborting_every_request_while_offloaded_brings_the_draft_back():
+    engine = fake_engine(draft=True, num_pages=20, max_num_seqs=6, num_speculative_tokens=3, draft_offload="auto",
+                         offload_persist_steps=2)
+    ids = [engine.add_request(p, greedy(40)) for p in PROMPTS]
+    while not engine.allocator.extension_pages_used():  # until requests hold extension pages
+        engine.step()
+    assert engine.stats.draft_offloaded and engine.has_unfinished_requests()
+    for i in ids:
+        engine.abort_request(i)
+    assert engine.runner.draft_on_device and engine.allocator.num_extension == 0
+    assert engine.stats.num_draft_reloads == 1 and engine.num_free_pages == engine.num_total_pages
+
+
+def test_arrays_shared_with_the_target_stay_on_the_device():
+    engine = fake_engine(draft=True, draft_offload="auto")
+    runner = engine.runner
+    shared, own = jax.numpy.ones((8, 8)), jax.numpy.ones((16, 16))
+    for handle, state in ((runner.target, {"s": shared}), (runner.draft, {"s": shared, "own": own})):
+        handle.state, handle.treedef = state, jax.tree.structure(state)
+    pools = runner.device_bytes()["draft_pools"]
+    assert runner.draft_device_bytes() == own.nbytes + pools
+    assert runner.offload_draft() == own.nbytes + pools
+    kinds = {x.shape: x.sharding.memory_kind for x in runner.draft.leaves()}
+    assert kinds[(8, 8)] == "device" and kinds[(16, 16)] in ("pinned_host", "unpinned_host")
+    assert not shared.is_deleted() and own.is_deleted()
+    runner.reload_draft()
+    assert any(x is shared for x in runner.draft.leaves()) and not shared.is_deleted()
+    assert {x.sharding.memory_kind for x in runner.draft.leaves()} == {"device"}
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(draft_offload="always"), "draft_offload"),
     (dict(offload_low_watermark=1.5), "offload_low_watermark"),
