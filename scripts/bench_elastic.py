@@ -11,6 +11,7 @@ Each mode runs ``--rounds`` bursts after ``--warmup-rounds`` (which compile the 
 included); the modes alternate round by round so they share this shared machine's minutes.
 
     python scripts/bench_elastic.py --out results/bench_elastic.json
+    python scripts/bench_elastic.py --warmup --out results/bench_elastic_warm.json   # decode variants compiled first
     python scripts/bench_elastic.py --model stories260k --draft stories260k@skip=2 --num-prompts 8 --max-tokens 24 \\
         --prompt-len 32 --kv-cache-bytes 160KiB --warmup-rounds 1 --rounds 1 --out /tmp/elastic.json   # smoke
 """
@@ -100,6 +101,9 @@ def main() -> None:
     ap.add_argument("--persist-steps", type=int, default=4, help="--offload-persist-steps")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup-rounds", type=int, default=2, help="bursts per mode first, not kept (they compile)")
+    ap.add_argument("--warmup", action="store_true",
+                    help="compile every greedy decode variant first (ModelRunner.warmup, and for auto "
+                         "LLMEngine.warmup_elastic: the extended layout's), as the server's --warmup full does")
     ap.add_argument("--dataset", default=DEFAULT_DATASET)
     ap.add_argument("--out", default="results/bench_elastic.json")
     args = ap.parse_args()
@@ -109,6 +113,10 @@ def main() -> None:
     common = dict(draft_model=args.draft, kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.prompt_len + args.max_tokens + 16, offload_persist_steps=args.persist_steps)
     llms = {mode: LLM(args.model, draft_offload=mode, **common) for mode in MODES}
+    if args.warmup:
+        for llm in llms.values():
+            llm.engine.runner.warmup(sampled=False)
+            llm.engine.warmup_elastic()
     engine = llms["off"].engine
     tok = engine.tokenizer
     chat = tok is not None and getattr(tok, "chat_template", None) is not None
