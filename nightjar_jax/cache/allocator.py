@@ -37,10 +37,6 @@ class PageAllocator:
         """Pages a sequence can get now (all but the reserved page 0, the extension's included)."""
         return self.num_pages - 1 + self.num_extension
 
-    @property
-    def num_free_base(self) -> int:
-        return sum(1 for p in self._free if p < self.num_pages)
-
     def extension_pages_used(self) -> int:
         return sum(1 for p in self._used if p >= self.num_pages)
 

@@ -63,11 +63,10 @@ class EngineStats:
     last_step_seconds: float = 0.0
     last_batch_size: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
-    # elastic memory (CacheConfig.draft_offload): the draft's moves, and the extension pool while it is offloaded
-    draft_offloaded: bool = False
+    # elastic memory (CacheConfig.draft_offload): the draft's moves (whether it is away now:
+    # LLMEngine.draft_offloaded; the extension's pages: allocator.num_extension)
     num_draft_offloads: int = 0
     num_draft_reloads: int = 0
-    extension_pages: int = 0
     num_migrated_pages: int = 0  # live extension pages copied into the base pool at reloads
     offload_seconds: float = 0.0  # the moves' time (offloads + reloads, the page migration included)
     step_log: list[dict] = field(default_factory=list)  # per decode step (kept only when record_steps)
@@ -130,8 +129,10 @@ class LLMEngine:
                            "in float32 (XLA:CPU emulates bf16 dots; the CPU kernels take float32): pass "
                            "dtype='float32' (--dtype float32) on CPU", target.config.name)
         sched = config.scheduler
-        self.max_model_len = min(sched.max_model_len or target.config.max_position_embeddings,
+        # the context limit asked for (or the model's), and below it what the base pool can hold
+        self.context_limit = min(sched.max_model_len or target.config.max_position_embeddings,
                                  target.config.max_position_embeddings)
+        self.max_model_len = self.context_limit
         num_pages = self._num_pages()
         self.allocator = PageAllocator(num_pages, config.cache.page_size)
         pool_tokens = self.allocator.num_usable * config.cache.page_size
@@ -144,8 +145,6 @@ class LLMEngine:
                         "'length') at %d tokens; raise kv_cache_bytes / num_pages for longer ones", pool_tokens,
                         self.max_model_len, pool_tokens)
             self.max_model_len = pool_tokens
-        self.context_limit = min(sched.max_model_len or target.config.max_position_embeddings,
-                                 target.config.max_position_embeddings)  # (before the pool's cap: for messages)
         self.scheduler = Scheduler(sched, self.allocator, self.max_model_len)
         gamma_max = config.spec.num_speculative_tokens if draft is not None else 0
         self.runner = ModelRunner(
@@ -344,6 +343,11 @@ class LLMEngine:
             self._reload_draft()  # idle now (an idle engine takes no step that would bring the draft back)
         return self._make_output(req, [])
 
+    @property
+    def draft_offloaded(self) -> bool:
+        """Whether the draft is in host memory now (elastic memory)."""
+        return self.draft is not None and not self.runner.draft_on_device
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -413,7 +417,7 @@ class LLMEngine:
         alloc, sched = self.allocator, self.scheduler
         head = sched.waiting[0] if sched.waiting else None
         blocked = (head is not None and len(sched.running) < sched.config.max_num_seqs
-                   and not alloc.can_allocate(alloc.pages_for(head.num_tokens + 1) - len(head.block_table)))
+                   and not alloc.can_allocate(sched.pages_to_admit(head)))
         action = self.memory.observe(PoolState(alloc.num_free, alloc.num_pages - 1, alloc.num_extension,
                                                len(sched.waiting), blocked, preempted, len(sched.running)))
         if action is MemoryAction.OFFLOAD:
@@ -444,7 +448,6 @@ class LLMEngine:
             self.allocator.attach_extension(pages)
         self.memory.moved(MemoryAction.OFFLOAD)
         s = self.stats
-        s.draft_offloaded, s.extension_pages = True, pages
         s.num_draft_offloads += 1
         s.offload_seconds += time.perf_counter() - t0
         logger.info("draft offloaded to host memory: %d device bytes freed, extension pool of %d KV pages "
@@ -465,7 +468,6 @@ class LLMEngine:
             r.num_draft_computed = 0
         self.memory.moved(MemoryAction.RELOAD)
         s = self.stats
-        s.draft_offloaded, s.extension_pages = False, 0
         s.num_draft_reloads += 1
         s.num_migrated_pages += moved
         s.offload_seconds += time.perf_counter() - t0

@@ -110,8 +110,12 @@ class Scheduler:
             return None
         return ScheduledBatch("prefill", requests, chunks)
 
+    def pages_to_admit(self, r: Request) -> int:
+        """Pages admitting ``r`` takes: its whole remaining prompt plus one token."""
+        return self.allocator.pages_for(r.num_tokens + 1) - len(r.block_table)
+
     def _admit(self, r: Request) -> bool:
-        needed = self.allocator.pages_for(r.num_tokens + 1) - len(r.block_table)
+        needed = self.pages_to_admit(r)
         if not self.allocator.can_allocate(needed):
             return False
         self.waiting.popleft()

@@ -68,9 +68,9 @@ class _EngineCollector:
         yield counter("nightjar_spec_lookup_accepted_tokens", "Draft tokens accepted in those sequence-steps",
                       stats.num_lookup_accepted)
         yield gauge("nightjar_draft_offloaded", "1 while the draft model is offloaded to host memory (--draft-offload "
-                    "auto)", int(stats.draft_offloaded))
+                    "auto)", int(e.draft_offloaded))
         yield gauge("nightjar_kv_extension_pages", "KV pages of the extension pool the offloaded draft's bytes hold",
-                    stats.extension_pages)
+                    e.allocator.num_extension)
         yield counter("nightjar_draft_offloads", "Draft model offloads", stats.num_draft_offloads)
         yield counter("nightjar_draft_reloads", "Draft model reloads", stats.num_draft_reloads)
         yield counter(

@@ -20,13 +20,13 @@ def run_watching(engine, prompts, lengths):
     peak, ext_used, offloaded_steps, done = start, 0, 0, {}
     speculated_after_reload = False
     while engine.has_unfinished_requests():
-        steps_before, was_offloaded = engine.stats.num_decode_steps, engine.stats.draft_offloaded
+        steps_before, was_offloaded = engine.stats.num_decode_steps, engine.draft_offloaded
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
         peak = max(peak, sum(engine.runner.device_bytes().values()))
         ext_used = max(ext_used, engine.allocator.extension_pages_used())
-        offloaded_steps += engine.stats.draft_offloaded
+        offloaded_steps += engine.draft_offloaded
         if was_offloaded:  # (a move happens after the step it follows)
             assert engine.stats.num_decode_steps == steps_before or engine.stats.last_gamma == 0
         elif engine.stats.num_draft_reloads and engine.stats.num_decode_steps > steps_before:
@@ -49,7 +49,7 @@ def test_offload_extends_the_pool_and_reload_migrates_it_back():
     assert offloaded_steps > 0 and ext_used > 0  # requests ran on extension pages
     assert s.num_migrated_pages > 0  # live extension pages moved into the base pool at the reload
     assert peak <= start  # the extension never held more than the draft gave back
-    assert engine.runner.draft_on_device and not s.draft_offloaded and engine.allocator.num_extension == 0
+    assert engine.runner.draft_on_device and not engine.draft_offloaded and engine.allocator.num_extension == 0
     assert resumed and s.num_catchup_tokens > 0  # after the reload the draft caught up and speculated again
 
 
@@ -67,7 +67,7 @@ def test_warmup_covers_the_extended_layout():
     offloaded_decode_steps = 0
     while engine.has_unfinished_requests():
         before, decode_steps = engine.runner.compiled_cache_sizes(), engine.stats.num_decode_steps
-        offloaded = engine.stats.draft_offloaded
+        offloaded = engine.draft_offloaded
         engine.step()
         if engine.stats.num_decode_steps > decode_steps:
             grown = {k for k, v in engine.runner.compiled_cache_sizes().items() if v != before[k]}
@@ -102,7 +102,7 @@ def test_aborting_every_request_while_offloaded_brings_the_draft_back():
     ids = [engine.add_request(p, greedy(40)) for p in PROMPTS]
     while not engine.allocator.extension_pages_used():  # until requests hold extension pages
         engine.step()
-    assert engine.stats.draft_offloaded and engine.has_unfinished_requests()
+    assert engine.draft_offloaded and engine.has_unfinished_requests()
     for i in ids:
         engine.abort_request(i)
     assert engine.runner.draft_on_device and engine.allocator.num_extension == 0
