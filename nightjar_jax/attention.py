@@ -12,8 +12,8 @@ bit patterns: ``nightjar_jax.models.llama.kv_storage_dtype``; the CPU kernel rea
 context lengths that include the ``q_len`` new tokens, and query ``i`` at position ``context_len - q_len + i``; an
 optional tree mask (speculative token trees) narrows what each query sees among the last keys (every implementation
 takes it). An optional extension pool (``k_ext``/``v_ext``, elastic memory: ``nightjar_jax.memory``) holds the
-pages whose ids are ``num_pages`` and up: the CPU kernel reads it in place, the others read the batch's pages
-gathered from both pools.
+pages whose ids are ``num_pages`` and up: the CPU and Pallas kernels read it in place, the reference reads the
+batch's pages gathered from both pools.
 """
 
 from __future__ import annotations
@@ -70,19 +70,19 @@ def paged_attention(
         k_pages, v_pages = k_pages[layer], v_pages[layer]
         if k_ext is not None:
             k_ext, v_ext = k_ext[layer], v_ext[layer]
-    if k_ext is not None:
-        # The Pallas kernels and the reference read one pool: gather the batch's pages from the base pool and the
-        # extension into one [KVH, S * W, page, dim] (what the reference gathers anyway; for the Pallas kernels a
-        # copy of the pages the batch reads, paid only while an extension is attached).
+    if k_ext is not None and impl == "reference":
+        # The reference reads one pool: gather the batch's pages from the base pool and the extension into one
+        # [KVH, S * W, page, dim] (what it gathers anyway).
         from nightjar_jax.models.llama import split_take
 
         num_seqs, width = block_tables.shape
         k_pages, v_pages = (split_take(lambda p, ids: p[:, ids], pool, ext, block_tables.reshape(-1), lead=1)
                             for pool, ext in ((k_pages, k_ext), (v_pages, v_ext)))
         block_tables = jnp.arange(num_seqs * width, dtype=jnp.int32).reshape(num_seqs, width)
+        k_ext = v_ext = None
     if k_pages.dtype == jnp.uint16:  # bfloat16 pools held as bit patterns (llama.kv_storage_dtype)
-        k_pages = jax.lax.bitcast_convert_type(k_pages, jnp.bfloat16)
-        v_pages = jax.lax.bitcast_convert_type(v_pages, jnp.bfloat16)
+        k_pages, v_pages, k_ext, v_ext = (None if p is None else jax.lax.bitcast_convert_type(p, jnp.bfloat16)
+                                          for p in (k_pages, v_pages, k_ext, v_ext))
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, block_tables, context_lens, scale=scale,
                                          tree_mask=tree_mask)
@@ -97,4 +97,6 @@ def paged_attention(
         scale=scale,
         interpret=jax.default_backend() not in ("gpu", "tpu"),
         tree_mask=tree_mask,
+        k_ext=k_ext,
+        v_ext=v_ext,
     )

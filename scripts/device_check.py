@@ -5,7 +5,8 @@ and llama-3-8b (GQA 32/8) head shapes, bf16, page size 16 / 32, batch 1..64, con
 a batch), it checks ``paged_attention`` (GPU body, compiled) against ``paged_attention_reference`` on a pool whose
 unwritten slots are NaN, times both, and for q_len 1 also times ``jax.experimental.pallas.ops.gpu.paged_attention``.
 Where ``num_splits=0`` (keys split across programs, the count chosen from the grid's size) would split, that
-variant is checked and timed too (``split_us`` / its split count).
+variant is checked and timed too (``split_us`` / its split count). So is every case with the pool cut in two, the
+upper half as an extension pool (elastic memory: the kernel reads each page from the pool holding it; ``ext_us``).
 
 Timing: one jitted executable runs the kernel ``calls_per_run`` times on distinct q slices (one dispatch, nothing
 to CSE or hoist); the time of a call is the median over ``runs`` runs after warm-up, divided by
@@ -209,6 +210,15 @@ def run_case(case: Case, *, interpret: bool, calls_per_run: int, runs: int, copy
         row["split_ok"] = not bool(jnp.isnan(split_out).any()) and row["split_max_abs_err"] <= TOLERANCE[case.dtype]
         row["ok"] = row["ok"] and row["split_ok"]
         row["split_s"] = time_call(split, q, rest, calls_per_run=calls_per_run, runs=runs)
+    # the same pages as a base pool and an extension pool after it (elastic memory), read in place
+    half = k_pages.shape[1] // 2
+    ext_rest = (k_pages[:, :half], v_pages[:, :half], block_tables, context_lens)
+    ext_kernel = functools.partial(kernel, k_ext=k_pages[:, half:], v_ext=v_pages[:, half:])
+    ext_out = jax.jit(ext_kernel)(q, *ext_rest).astype(jnp.float32)
+    row["ext_max_abs_err"] = float(jnp.max(jnp.abs(ext_out - expected)))
+    row["ext_ok"] = not bool(jnp.isnan(ext_out).any()) and row["ext_max_abs_err"] <= TOLERANCE[case.dtype]
+    row["ok"] = row["ok"] and row["ext_ok"]
+    row["ext_s"] = time_call(ext_kernel, q, ext_rest, calls_per_run=calls_per_run, runs=runs)
     if case.q_len == 1:
         try:
             ops = jax.jit(functools.partial(pallas_ops_decode, interpret=interpret))
@@ -229,7 +239,7 @@ def print_table(rows: list[dict], label: str, copy_bw: float) -> None:
     print(f"\n== paged attention device check: {label} | copy bandwidth {copy_bw / 1e9:.1f} GB/s ==")
     header = (
         f"{'case':24} {'ok':>3} {'max_err':>8} {'kernel_us':>10} {'GB/s':>8} {'bw_frac':>7} {'TFLOP/s':>7} "
-        f"{'ref_us':>9} {'ops_us':>9} {'ops_frac':>8} {'split_us':>12}"
+        f"{'ref_us':>9} {'ops_us':>9} {'ops_frac':>8} {'split_us':>12} {'ext_us':>9}"
     )
     print(header)
     for row in rows:
@@ -243,7 +253,8 @@ def print_table(rows: list[dict], label: str, copy_bw: float) -> None:
         print(
             f"{row['name']:24} {'yes' if row['ok'] else 'NO':>3} {row['max_abs_err']:8.1e} "
             f"{row['kernel_s'] * 1e6:10.1f} {row['kernel_GBps']:8.1f} {row['kernel_bw_fraction']:7.2f} "
-            f"{row['kernel_TFLOPs']:7.2f} {row['reference_s'] * 1e6:9.1f} {ops_us} {ops_frac} {split_us}"
+            f"{row['kernel_TFLOPs']:7.2f} {row['reference_s'] * 1e6:9.1f} {ops_us} {ops_frac} {split_us} "
+            f"{row['ext_s'] * 1e6:9.1f}"
         )
 
 

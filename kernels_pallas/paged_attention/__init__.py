@@ -90,6 +90,22 @@ def _validate(q, k_pages, v_pages, block_tables, context_lens, scale) -> None:
         raise ValueError(f"scale must be a Python float (it is baked into the kernel), got {type(scale).__name__}")
 
 
+def _validate_extension(k_pages, k_ext, v_ext) -> None:
+    if (k_ext is None) != (v_ext is None):
+        raise ValueError("k_ext and v_ext come together (an extension pool holds both), got one of them")
+    if k_ext is None:
+        return
+    for name, ext in (("k_ext", k_ext), ("v_ext", v_ext)):
+        if ext.ndim != 4 or ext.shape[0] != k_pages.shape[0] or ext.shape[2:] != k_pages.shape[2:]:
+            raise ValueError(f"{name} must be [num_kv_heads, num_ext_pages, page_size, head_dim] = "
+                             f"[{k_pages.shape[0]}, *, {k_pages.shape[2]}, {k_pages.shape[3]}] like k_pages, "
+                             f"got shape {ext.shape}")
+        if ext.dtype != k_pages.dtype:
+            raise ValueError(f"{name} dtype {ext.dtype} must equal the pools' {k_pages.dtype}")
+    if v_ext.shape != k_ext.shape:
+        raise ValueError(f"v_ext shape {v_ext.shape} must equal k_ext shape {k_ext.shape}")
+
+
 def _validate_tuning(tuning: dict, defaults: dict, backend: str, page_size: int, head_dim: int, compiled: bool):
     unknown = set(tuning) - set(defaults)
     if unknown:
@@ -127,6 +143,8 @@ def paged_attention(
     backend: str = "auto",
     interpret: bool | None = None,
     tree_mask: jax.Array | None = None,  # [q_len, M] bool: a speculative token tree (reference.py)
+    k_ext: jax.Array | None = None,  # [num_kv_heads, num_ext_pages, page_size, head_dim]: an extension pool
+    v_ext: jax.Array | None = None,
     **tuning: int,
 ) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim], dtype of q
     """Paged multi-query causal attention with GQA; same contract as ``paged_attention_reference``, tree mask
@@ -138,11 +156,14 @@ def paged_attention(
     backend: "gpu" (Pallas Triton body), "tpu" (Mosaic TPU body) or "auto" (TPU body on TPU, GPU body elsewhere).
     interpret: None -> interpret exactly when running on CPU. With backend="tpu", ``interpret=True`` uses the TPU
       interpreter (``pltpu.InterpretParams()``), which models SMEM scalar prefetch and the page DMAs.
+    k_ext, v_ext: an extension pool (elastic memory): block-table ids from ``num_pages`` on address its pages. Both
+      bodies read each page in place from the pool that holds it (``kernel_gpu.py``, ``kernel_tpu.py``).
     tuning: ``GPU_TUNING_DEFAULTS`` / ``TPU_TUNING_DEFAULTS`` keys (pages_per_block, block_rows; GPU also
       num_warps, num_stages, and num_splits: key ranges per (sequence, KV head, q block) merged afterwards, 1 = no
       split, 0 = chosen from the grid's size; see ``kernel_gpu.py``).
     """
     _validate(q, k_pages, v_pages, block_tables, context_lens, scale)
+    _validate_extension(k_pages, k_ext, v_ext)
     if tree_mask is not None:
         check_tree_mask(tree_mask, q.shape[1])
         if tree_mask.dtype != jnp.bool_:
@@ -160,7 +181,7 @@ def paged_attention(
     if backend == "gpu":
         params = _validate_tuning(tuning, GPU_TUNING_DEFAULTS, backend, page_size, head_dim, not interpret)
         out = paged_attention_gpu(
-            q, k_pages, v_pages, block_tables, context_lens, tree_mask, scale=float(scale),
+            q, k_pages, v_pages, block_tables, context_lens, tree_mask, k_ext, v_ext, scale=float(scale),
             interpret=bool(interpret), **params
         )
         return out.astype(out_dtype)
@@ -171,7 +192,7 @@ def paged_attention(
 
         tpu_interpret = pltpu.InterpretParams()
     out = paged_attention_tpu(
-        q, k_pages, v_pages, block_tables, context_lens, tree_mask, scale=float(scale), interpret=tpu_interpret,
-        **params
+        q, k_pages, v_pages, block_tables, context_lens, tree_mask, k_ext, v_ext, scale=float(scale),
+        interpret=tpu_interpret, **params
     )
     return out.astype(out_dtype)

@@ -11,6 +11,11 @@ running sum (float32), and :func:`combine_splits` merges the ranges in order. A 
 programs on a GPU of 132 multiprocessors) then spreads one long context over many programs. Off by default (1):
 on an H200 the unsplit body was 4.5x XLA's time for GQA decode at batch 1 and 4096 keys, and the split body has
 not been timed on a GPU yet (``scripts/device_check.py`` times both).
+
+Extension pool (elastic memory, ``nightjar_jax.memory``): page ids from the base pool's page count on address a
+second pool. The body then takes both pools of its KV head and reads each page from the pool that holds it with
+two masked loads (``plgpu.load``): a lane masked off issues no memory access, so the bytes read are the pages'
+own, as from one pool, and nothing is copied.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ def _paged_attention_gpu_kernel(
     q_ref,  # [block_rows, head_dim]
     k_pages_ref,  # [num_pages, page_size, head_dim] (this KV head's pool)
     v_pages_ref,  # [num_pages, page_size, head_dim]
-    *refs,  # tree word refs ([block_rows, 1] int32 each; none without a tree), then the outputs: out_ref
+    *refs,  # with an extension: k_ext_ref, v_ext_ref ([num_ext_pages, page_size, head_dim]); tree word refs
+    # ([block_rows, 1] int32 each; none without a tree), then the outputs: out_ref
     # [block_rows, head_dim]; split (iters_per_split > 0): acc_ref [block_rows, head_dim] f32, max_ref and sum_ref
     # [block_rows, 1] f32
     blocking: QueryBlocking,
@@ -67,8 +73,10 @@ def _paged_attention_gpu_kernel(
     scale: float,
     tree_window: int,  # M of the tree mask (0: no tree)
     iters_per_split: int,  # loop iterations per split (0: no split)
+    extension: bool,  # k_ext_ref and v_ext_ref follow v_pages_ref
 ):
     num_outputs = 3 if iters_per_split else 1
+    ext_refs, refs = (refs[:2], refs[2:]) if extension else ((None, None), refs)
     word_refs, out_refs = refs[:-num_outputs], refs[-num_outputs:]
     q_block = pl.program_id(2)
     block_rows, head_dim = q_ref.shape
@@ -87,8 +95,8 @@ def _paged_attention_gpu_kernel(
     def body(iteration, carry):
         acc, row_max, row_sum = carry
         page_ids = block_tables_ref[pl.ds(iteration * pages_per_block, pages_per_block)]  # [pages_per_block]
-        k = k_pages_ref[page_ids].reshape(block_k, head_dim)
-        v = v_pages_ref[page_ids].reshape(block_k, head_dim)
+        k = _load_pages(k_pages_ref, ext_refs[0], page_ids).reshape(block_k, head_dim)
+        v = _load_pages(v_pages_ref, ext_refs[1], page_ids).reshape(block_k, head_dim)
         start = iteration * block_k
         key_pos_row = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         key_pos_col = start + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
@@ -112,6 +120,28 @@ def _paged_attention_gpu_kernel(
     acc_ref[...] = acc
     max_ref[...] = row_max
     sum_ref[...] = row_sum
+
+
+def _load_pages(pool_ref, ext_ref, page_ids: jax.Array) -> jax.Array:
+    """The pages ``page_ids`` (``[n]``) of a KV head, ``[n, page_size, head_dim]``: gathered from ``pool_ref``, or
+    with an extension pool (``ext_ref``, ids from the pool's page count on) by two masked loads, each touching only
+    the pages its pool holds. ``plgpu.load`` takes an index array per axis (the interpreter takes no mix of arrays
+    and slices in a masked load), so the slots and columns are iotas broadcast against the page ids."""
+    if ext_ref is None:
+        return pool_ref[page_ids]
+    if plgpu is None:  # pragma: no cover
+        raise RuntimeError("reading an extension pool needs jax.experimental.pallas.triton (masked loads), which "
+                           "this jax build lacks")
+    base = pool_ref.shape[0]
+    shape = (page_ids.shape[0], *pool_ref.shape[1:])
+    slot = lax.broadcasted_iota(jnp.int32, shape, 1)
+    col = lax.broadcasted_iota(jnp.int32, shape, 2)
+    in_base = jnp.broadcast_to((page_ids < base)[:, None, None], shape)
+    ids = page_ids[:, None, None]
+    zero = jnp.zeros((), pool_ref.dtype)
+    from_base = plgpu.load(pool_ref.at[jnp.where(in_base, ids, 0), slot, col], mask=in_base, other=zero)
+    from_ext = plgpu.load(ext_ref.at[jnp.where(in_base, 0, ids - base), slot, col], mask=~in_base, other=zero)
+    return jnp.where(in_base, from_base, from_ext)
 
 
 def auto_num_splits(num_programs: int, max_iterations: int, target: int = SPLIT_TARGET_PROGRAMS) -> int:
@@ -160,6 +190,8 @@ def paged_attention_gpu(
     block_tables: jax.Array,  # [num_seqs, max_pages_per_seq] int32
     context_lens: jax.Array,  # [num_seqs] int32
     tree_mask: jax.Array | None = None,  # [q_len, M] bool (reference.py: speculative token trees)
+    k_ext: jax.Array | None = None,  # [num_kv_heads, num_ext_pages, page_size, head_dim]: page ids num_pages..
+    v_ext: jax.Array | None = None,
     *,
     scale: float,
     interpret: bool,
@@ -172,7 +204,7 @@ def paged_attention_gpu(
     """Paged attention with the GPU body; inputs are assumed validated by ``paged_attention``. ``num_splits``: key
     ranges per (sequence, KV head, q block) (module doc); 0 picks :func:`auto_num_splits` from the grid's size."""
     num_seqs, q_len, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
     blocking = QueryBlocking.choose(q_len, num_q_heads // num_kv_heads, block_rows)
     q_folded = fold_queries(q, num_kv_heads, blocking)  # [num_seqs, num_kv_heads, num_q_blocks * rows, head_dim]
     block_tables = pad_block_tables(block_tables, pages_per_block)
@@ -184,24 +216,28 @@ def paged_attention_gpu(
     iters_per_split, splits = split_plan(num_seqs, num_kv_heads, blocking, padded_pages_per_seq // pages_per_block,
                                          num_splits)
 
+    extension = k_ext is not None
     kernel = functools.partial(
         _paged_attention_gpu_kernel, blocking=blocking, pages_per_block=pages_per_block, scale=scale,
         tree_window=0 if tree_mask is None else tree_mask.shape[1], iters_per_split=iters_per_split,
+        extension=extension,
     )
     compiler_params = None
     if plgpu is not None:
         compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    pools = (k_pages, v_pages, k_ext, v_ext) if extension else (k_pages, v_pages)
     in_specs = [
         pl.BlockSpec((None, padded_pages_per_seq), lambda s, h, b, *_: (s, 0)),
         pl.BlockSpec((None, 1), lambda s, h, b, *_: (s, 0)),
         pl.BlockSpec((rows, 1), lambda s, h, b, *_: (b, 0)),
         pl.BlockSpec((None, None, rows, head_dim), lambda s, h, b, *_: (s, h, b, 0)),
-        pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, b, *_: (h, 0, 0, 0)),
-        pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, b, *_: (h, 0, 0, 0)),
+        *[pl.BlockSpec((None, pool.shape[1], page_size, head_dim), lambda s, h, b, *_: (h, 0, 0, 0))
+          for pool in pools],
         *[pl.BlockSpec((rows, 1), lambda s, h, b, *_: (b, 0)) for _ in words],
     ]
-    name = f"paged_attention_gpu_rows{rows}_ppb{pages_per_block}" + ("_tree" if words else "")
-    args = (block_tables, context_lens.reshape(num_seqs, 1), row_query_index, q_folded, k_pages, v_pages, *words)
+    name = (f"paged_attention_gpu_rows{rows}_ppb{pages_per_block}" + ("_tree" if words else "")
+            + ("_ext" if extension else ""))
+    args = (block_tables, context_lens.reshape(num_seqs, 1), row_query_index, q_folded, *pools, *words)
     if not iters_per_split:
         out = pl.pallas_call(
             kernel,

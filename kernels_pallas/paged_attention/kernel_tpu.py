@@ -6,6 +6,12 @@ and the output block is written on the last step. The gather is done by the pipe
 each passed ``pages_per_block`` times, and input ``j``'s index_map reads the page id of logical page
 ``step * pages_per_block + j`` from the prefetched block table (in SMEM). Past the last page a q block can see,
 the index_map repeats that last page, so the pipeline issues no new DMA, and the body skips the step.
+
+Extension pool (elastic memory, ``nightjar_jax.memory``): page ids from the base pool's page count on address a
+second pool. Each of the ``pages_per_block`` K and V inputs then comes in twice, once per pool; the index_maps send
+a page's DMA to the pool that holds it and park the other pool's input on its page 0, which the pipeline fetches
+again only when the parked index changes (a sequence that alternates between the pools: at most one more page DMA
+per page), and the body reads the input of the page's pool (the page id is in SMEM).
 """
 
 from __future__ import annotations
@@ -47,18 +53,21 @@ def _paged_attention_tpu_kernel(
     row_query_index_ref,  # VMEM [block_rows, 1] int32
     q_ref,  # VMEM [block_rows, head_dim]
     *refs,  # tree word refs (VMEM [block_rows, 1] int32 each; none without a tree), k page refs x pages_per_block,
-    # v page refs x pages_per_block, out_ref, acc, row_max, row_sum scratch
+    # v page refs x pages_per_block (with an extension: then the extension's k and v page refs, as many), out_ref,
+    # acc, row_max, row_sum scratch
     blocking: QueryBlocking,
     pages_per_block: int,
     scale: float,
     num_tree_words: int,
     tree_window: int,  # M of the tree mask (0: no tree)
+    base_pages: int,  # pages of the base pool; 0: no extension pool
+    padded_pages_per_seq: int,
 ):
-    del block_tables_ref  # used by the index_maps only
     word_refs, refs = refs[:num_tree_words], refs[num_tree_words:]
-    k_refs = refs[:pages_per_block]  # each VMEM [page_size, head_dim]
-    v_refs = refs[pages_per_block : 2 * pages_per_block]
-    out_ref, acc_ref, row_max_ref, row_sum_ref = refs[2 * pages_per_block :]
+    num_page_refs = 4 * pages_per_block if base_pages else 2 * pages_per_block
+    page_refs, (out_ref, acc_ref, row_max_ref, row_sum_ref) = refs[:num_page_refs], refs[num_page_refs:]
+    k_refs = page_refs[:pages_per_block]  # each VMEM [page_size, head_dim]
+    v_refs = page_refs[pages_per_block : 2 * pages_per_block]
     seq, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     page_size = k_refs[0].shape[0]
 
@@ -77,6 +86,11 @@ def _paged_attention_tpu_kernel(
 
         @pl.when(logical_page < num_pages)
         def _attend(j=j, logical_page=logical_page):
+            k, v = k_refs[j][...], v_refs[j][...]
+            if base_pages:  # the page's pool: its input holds it (the other input is parked, see the module doc)
+                in_base = block_tables_ref[seq * padded_pages_per_seq + logical_page] < base_pages
+                k = jnp.where(in_base, k, page_refs[2 * pages_per_block + j][...])
+                v = jnp.where(in_base, v, page_refs[3 * pages_per_block + j][...])
             start = logical_page * page_size
             key_pos_row = start + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
             key_pos_col = start + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
@@ -86,8 +100,8 @@ def _paged_attention_tpu_kernel(
                 visible = tree_visible(words, key_pos_row, context_len - tree_window)
             acc, row_max, row_sum = online_softmax_step(
                 q_ref[...],
-                k_refs[j][...],
-                v_refs[j][...],
+                k,
+                v,
                 key_pos_row,
                 key_pos_col,
                 query_pos,
@@ -107,15 +121,22 @@ def _paged_attention_tpu_kernel(
         out_ref[...] = normalise(acc_ref[...], row_sum_ref[...]).astype(out_ref.dtype)
 
 
-def _page_index_map(j, *, blocking, pages_per_block, page_size, padded_pages_per_seq):
-    """index_map of the ``j``-th K (or V) input: the physical page of logical page ``step * ppb + j``."""
+def _page_index_map(j, *, blocking, pages_per_block, page_size, padded_pages_per_seq, pool=None, base_pages=0):
+    """index_map of the ``j``-th K (or V) input: the physical page of logical page ``step * ppb + j``. With an
+    extension pool (``base_pages`` > 0) ``pool`` says which input this is ("base" or "ext"): its page index in that
+    pool, page 0 when the other pool holds the page."""
 
     def index_map(seq, kv_head, q_block, step, block_tables_ref, context_lens_ref):
         num_keys = num_keys_needed(context_lens_ref[seq], q_block, blocking)
         last_page = jnp.maximum(lax.div(num_keys + page_size - 1, page_size) - 1, 0)
         # Past the last visible page, repeat it: same block index as the previous step -> no new DMA.
         logical_page = jnp.minimum(step * pages_per_block + j, last_page)
-        return kv_head, block_tables_ref[seq * padded_pages_per_seq + logical_page], 0, 0
+        page = block_tables_ref[seq * padded_pages_per_seq + logical_page]
+        if pool == "base":
+            page = jnp.where(page < base_pages, page, 0)
+        elif pool == "ext":
+            page = jnp.where(page < base_pages, 0, page - base_pages)
+        return kv_head, page, 0, 0
 
     return index_map
 
@@ -128,6 +149,8 @@ def paged_attention_tpu(
     block_tables: jax.Array,  # [num_seqs, max_pages_per_seq] int32
     context_lens: jax.Array,  # [num_seqs] int32
     tree_mask: jax.Array | None = None,  # [q_len, M] bool (reference.py: speculative token trees)
+    k_ext: jax.Array | None = None,  # [num_kv_heads, num_ext_pages, page_size, head_dim]: page ids num_pages..
+    v_ext: jax.Array | None = None,
     *,
     scale: float,
     interpret: bool | object,
@@ -142,7 +165,8 @@ def paged_attention_tpu(
     if pltpu is None:  # pragma: no cover
         raise RuntimeError("jax.experimental.pallas.tpu is not available in this jax build")
     num_seqs, q_len, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    base_pages = 0 if k_ext is None else num_pages
     blocking = QueryBlocking.choose(q_len, num_q_heads // num_kv_heads, block_rows)
     q_folded = fold_queries(q, num_kv_heads, blocking)  # [num_seqs, num_kv_heads, num_q_blocks * rows, head_dim]
     block_tables = pad_block_tables(block_tables, pages_per_block)
@@ -151,19 +175,32 @@ def paged_attention_tpu(
     rows = blocking.block_rows
     words = () if tree_mask is None else tree_words(tree_mask, blocking)
 
-    page_specs = [
-        pl.BlockSpec(
-            (None, None, page_size, head_dim),
-            _page_index_map(
-                j,
-                blocking=blocking,
-                pages_per_block=pages_per_block,
-                page_size=page_size,
-                padded_pages_per_seq=padded_pages_per_seq,
-            ),
-        )
-        for j in range(pages_per_block)
-    ]
+    def page_specs(pool=None):
+        return [
+            pl.BlockSpec(
+                (None, None, page_size, head_dim),
+                _page_index_map(
+                    j,
+                    blocking=blocking,
+                    pages_per_block=pages_per_block,
+                    page_size=page_size,
+                    padded_pages_per_seq=padded_pages_per_seq,
+                    pool=pool,
+                    base_pages=base_pages,
+                ),
+            )
+            for j in range(pages_per_block)
+        ]
+
+    if base_pages:
+        base_specs, ext_specs = page_specs("base"), page_specs("ext")
+        all_page_specs = [*base_specs, *base_specs, *ext_specs, *ext_specs]
+        pools = ([k_pages] * pages_per_block + [v_pages] * pages_per_block + [k_ext] * pages_per_block
+                 + [v_ext] * pages_per_block)
+    else:
+        specs = page_specs()
+        all_page_specs = [*specs, *specs]
+        pools = [k_pages] * pages_per_block + [v_pages] * pages_per_block
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(num_seqs, num_kv_heads, blocking.num_q_blocks, padded_pages_per_seq // pages_per_block),
@@ -171,8 +208,7 @@ def paged_attention_tpu(
             pl.BlockSpec((rows, 1), lambda s, h, b, p, *_: (b, 0)),
             pl.BlockSpec((None, None, rows, head_dim), lambda s, h, b, p, *_: (s, h, b, 0)),
             *[pl.BlockSpec((rows, 1), lambda s, h, b, p, *_: (b, 0)) for _ in words],
-            *page_specs,
-            *page_specs,
+            *all_page_specs,
         ],
         out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda s, h, b, p, *_: (s, h, b, 0)),
         scratch_shapes=[
@@ -184,6 +220,7 @@ def paged_attention_tpu(
     kernel = functools.partial(
         _paged_attention_tpu_kernel, blocking=blocking, pages_per_block=pages_per_block, scale=scale,
         num_tree_words=len(words), tree_window=0 if tree_mask is None else tree_mask.shape[1],
+        base_pages=base_pages, padded_pages_per_seq=padded_pages_per_seq,
     )
     out = pl.pallas_call(
         kernel,
@@ -191,14 +228,14 @@ def paged_attention_tpu(
         out_shape=jax.ShapeDtypeStruct(q_folded.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
-        name=f"paged_attention_tpu_rows{rows}_ppb{pages_per_block}" + ("_tree" if words else ""),
+        name=(f"paged_attention_tpu_rows{rows}_ppb{pages_per_block}" + ("_tree" if words else "")
+              + ("_ext" if base_pages else "")),
     )(
         block_tables.reshape(-1),
         context_lens,
         row_query_index,
         q_folded,
         *words,
-        *([k_pages] * pages_per_block),
-        *([v_pages] * pages_per_block),
+        *pools,
     )
     return unfold_outputs(out, blocking)

@@ -150,10 +150,9 @@ class LLMEngine:
         self.runner = ModelRunner(
             target, draft, num_pages=num_pages, page_size=config.cache.page_size, max_model_len=self.max_model_len,
             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-            # the reference gathers the whole block table, and so does the Pallas path while an extension pool is
-            # attached (elastic memory): widths bucketed to the batch's longest sequence keep that gather in proportion
-            gamma_max=gamma_max, bucket_pages=(resolve_impl(config.attention_impl) == "reference" or (
-                resolve_impl(config.attention_impl) == "pallas" and config.cache.draft_offload == "auto")),
+            # the reference gathers the whole block table: widths bucketed to the batch's longest sequence keep that
+            # gather in proportion (the kernels read only the pages a context covers, from either pool)
+            gamma_max=gamma_max, bucket_pages=resolve_impl(config.attention_impl) == "reference",
             tree_nodes=config.spec.spec_tree_nodes, tree_min_gamma=config.spec.spec_tree_min_gamma, tree_order=(
                 None if config.spec.spec_tree_file is None else load_tree_order(config.spec.spec_tree_file)
             ),

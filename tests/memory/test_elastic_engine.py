@@ -35,6 +35,22 @@ def run_watching(engine, prompts, lengths):
     return [done[i] for i in ids], start, peak, ext_used, offloaded_steps, speculated_after_reload
 
 
+def run_stepping(engine, prompts, params, on_extension=None):
+    """Step ``engine`` through the requests; returns their token ids in order and whether any step ran with live
+    extension pages (``on_extension()`` is called after each such step)."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    done, ext_seen = {}, False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        if engine.allocator.extension_pages_used():
+            ext_seen = True
+            if on_extension is not None:
+                on_extension()
+    return [done[i] for i in ids], ext_seen
+
+
 def test_offload_extends_the_pool_and_reload_migrates_it_back():
     engine = fake_engine(draft=True, num_pages=20, max_num_seqs=6, num_speculative_tokens=3, draft_offload="auto",
                          offload_persist_steps=2, reload_high_watermark=0.0, prompt_lookup_max=0)
@@ -162,6 +178,27 @@ def test_real_model_greedy_sd_across_offload_and_reload_equals_ar():
     assert s.num_draft_offloads > offloads and engine.runner.compiled_cache_sizes() == compiled
 
 
+def test_pallas_attention_reads_the_extension_in_place():
+    """The same burst with the Pallas kernels (interpreted here): requests run on extension pages, which the kernel
+    reads in place at the fixed block-table width (no gather, no width buckets), and every output equals plain
+    greedy decoding."""
+    from nightjar_jax import LLM, SamplingParams
+
+    prompts = ["Once upon a time", "The cat sat on the mat and", "Lily had a red ball. One day", "Tom was sad because"]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (40, 12, 12, 12)]
+    common = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, num_pages=9, page_size=8)
+    ar = [o.outputs[0].token_ids for o in LLM("stories260k", **common).generate(prompts, params)]
+    sd = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, planner="static",
+             draft_offload="auto", offload_persist_steps=2, reload_high_watermark=0.0, attention_impl="pallas",
+             **common)
+    engine = sd.engine
+    assert len(engine.runner.shapes.page_buckets) == 1  # one width: the kernels stop at each context
+    outs, ext_seen = run_stepping(engine, prompts, params)
+    assert outs == ar
+    assert ext_seen and engine.stats.num_draft_reloads >= 1
+    assert engine.num_free_pages == engine.num_total_pages
+
+
 def test_stacked_pools_offload_and_reload_equal_ar():
     """The same with weights and K/V pools stacked over the layers (``StackedKV``, where the CPU kernels build): the
     extension is stacked too, the kernel reads its layer in place, and the migration copies every layer's pages."""
@@ -179,16 +216,12 @@ def test_stacked_pools_offload_and_reload_equal_ar():
              offload_persist_steps=2, reload_high_watermark=0.0, **common)
     engine = sd.engine
     assert isinstance(engine.runner.kv, StackedKV)
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    done, ext_seen = {}, False
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        if engine.allocator.extension_pages_used():
-            ext_seen = True
-            assert engine.runner.kv.k_ext is not None and engine.runner.kv.k_ext.shape[0] == engine.runner.kv.k.shape[0]
-    assert [done[i] for i in ids] == ar
+
+    def stacked_extension():
+        assert engine.runner.kv.k_ext is not None and engine.runner.kv.k_ext.shape[0] == engine.runner.kv.k.shape[0]
+
+    outs, ext_seen = run_stepping(engine, prompts, params, on_extension=stacked_extension)
+    assert outs == ar
     s = engine.stats
     assert ext_seen and s.num_draft_offloads >= 1 and s.num_draft_reloads >= 1 and s.num_migrated_pages > 0
     assert engine.runner.kv.k_ext is None and engine.num_free_pages == engine.num_total_pages == 8
