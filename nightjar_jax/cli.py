@@ -54,8 +54,8 @@ _HELP = {
                       "rounded when written; twice the tokens per byte, half the bytes attention reads)",
     "draft_offload": "elastic memory: auto moves the draft's weights to host memory when KV pages stay short and "
                      "gives its device bytes to the KV cache (an extension pool) until the load falls; off keeps it",
-    "offload_low_watermark": "memory pressure: fewer free KV pages than this fraction of the pool (or a request "
-                             "waiting for pages)",
+    "offload_low_watermark": "memory pressure: fewer free KV pages than this fraction of the pool while the planner "
+                             "chose γ = 0 (or, whatever it chose, a request waiting for pages or a preemption)",
     "reload_high_watermark": "the draft comes back when no request waits and free pages exceed the extension plus "
                              "this fraction of the pool",
     "offload_persist_steps": "steps in a row a condition must hold before the draft moves",

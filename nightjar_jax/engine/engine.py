@@ -163,6 +163,7 @@ class LLMEngine:
         self.gamma_max = gamma_max
         self.planner = self._make_planner()
         self.memory: ElasticPolicy | None = None  # elastic memory (draft offload); None: off or no draft
+        self._planner_speculates = False  # the planner chose γ > 0 for the last decode step it was asked about
         if config.cache.draft_offload == "auto" and draft is not None:
             if self.runner.draft_device_bytes() < self.runner.target_page_bytes():
                 logger.warning("draft_offload=auto is off: the draft's %d device bytes would not make one KV page "
@@ -384,6 +385,8 @@ class LLMEngine:
             plain_only = (any(r.plain_steps_only for r in self.scheduler.running)
                           or not self.runner.draft_on_device)  # (offloaded: γ = 0 until it is back)
             gamma = 0 if plain_only else self._select_gamma()
+            if not plain_only:
+                self._planner_speculates = gamma > 0  # (read by the memory policy: it offloads when SD is off)
             boosted = not plain_only and self._lookup_boost(gamma)
             # a boosted step verifies a copied chain: γ_max positions ahead, not the tree's nodes
             gamma, lookahead = (self.gamma_max, self.gamma_max) if boosted else (gamma, self.runner.lookahead(gamma))
@@ -418,7 +421,8 @@ class LLMEngine:
         blocked = (head is not None and len(sched.running) < sched.config.max_num_seqs
                    and not alloc.can_allocate(sched.pages_to_admit(head)))
         action = self.memory.observe(PoolState(alloc.num_free, alloc.num_pages - 1, alloc.num_extension,
-                                               len(sched.waiting), blocked, preempted, len(sched.running)))
+                                               len(sched.waiting), blocked, preempted, len(sched.running),
+                                               speculating=self._planner_speculates))
         if action is MemoryAction.OFFLOAD:
             self._offload_draft()
         elif action is MemoryAction.RELOAD:

@@ -10,8 +10,10 @@ catches up on the tokens it missed before the planner may choose γ > 0 again.
 States: ``DEVICE`` -> (offload) -> ``HOST`` -> (reload) -> ``DEVICE``; each move happens between two engine steps
 (the transient OFFLOADING / RELOADING states of ``docs/architecture.md`` last inside that one call).
 
-- Pressure: a request waits that the pool cannot admit (its pages are missing, not a sequence slot), a step
-  preempted a request, or fewer than ``low_watermark`` of the base pages are free.
+- Pressure: load forces speculation off (a request waits that the pool cannot admit: its pages are missing, not a
+  sequence slot; or a step preempted a request), or speculation is off by the planner's choice (its last decode
+  step's γ was 0) and fewer than ``low_watermark`` of the base pages are free. A full pool alone does not move a
+  draft the planner still finds worth running (DESIGN.md: offload "when SD is off").
 - Offload after ``persist_steps`` consecutive steps under pressure.
 - Reload after ``persist_steps`` consecutive steps with no waiting request and at least the extension's pages plus
   ``high_watermark`` of the base pages free (so the live extension pages fit in the base pool with room to spare),
@@ -46,6 +48,7 @@ class PoolState:
     blocked_on_pages: bool  # the head of the waiting queue cannot be admitted for lack of pages
     preempted: bool  # this step preempted a request
     num_running: int = 0  # admitted requests (0 and none waiting: the engine is idle)
+    speculating: bool = False  # the planner chose γ > 0 for the last decode step
 
 
 class ElasticPolicy:
@@ -63,7 +66,8 @@ class ElasticPolicy:
         self._streak = 0
 
     def under_pressure(self, s: PoolState) -> bool:
-        return s.blocked_on_pages or s.preempted or s.free_pages < self.low_watermark * s.base_pages
+        forced = s.blocked_on_pages or s.preempted
+        return forced or (not s.speculating and s.free_pages < self.low_watermark * s.base_pages)
 
     def calm(self, s: PoolState) -> bool:
         return s.num_waiting == 0 and s.free_pages >= s.extension_pages + self.high_watermark * s.base_pages

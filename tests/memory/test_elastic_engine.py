@@ -69,6 +69,20 @@ def test_offload_extends_the_pool_and_reload_migrates_it_back():
     assert resumed and s.num_catchup_tokens > 0  # after the reload the draft caught up and speculated again
 
 
+@pytest.mark.parametrize("planner, offloads", [("static", False), ("ar", True)])
+def test_a_full_pool_offloads_only_when_the_planner_stopped_speculating(planner, offloads):
+    """Two requests that fit a pool kept under the low watermark (nothing waits, nothing is preempted): a planner
+    still choosing γ > 0 keeps its draft on the device; one choosing γ = 0 has it moved (DESIGN.md: offload when
+    SD is off). Outputs equal plain greedy decoding either way."""
+    engine = fake_engine(draft=True, num_pages=20, max_num_seqs=2, num_speculative_tokens=3, draft_offload="auto",
+                         offload_persist_steps=2, offload_low_watermark=0.9, prompt_lookup_max=0, planner=planner)
+    outs, *_ = run_watching(engine, PROMPTS[:2], [20, 20])
+    for p, o in zip(PROMPTS[:2], outs, strict=True):
+        assert o == fake_greedy_continuation(p, 20, VOCAB)
+    assert engine.stats.num_preemptions == 0
+    assert (engine.stats.num_draft_offloads > 0) is offloads
+
+
 def test_warmup_covers_the_extended_layout():
     """After ``runner.warmup()`` and ``engine.warmup_elastic()`` no decode step compiles, offloaded or not."""
     engine = fake_engine(draft=True, num_pages=20, max_num_seqs=6, num_speculative_tokens=3, draft_offload="auto",

@@ -11,8 +11,9 @@ from nightjar_jax.cache.allocator import OutOfPagesError, PageAllocator
 from nightjar_jax.memory import DraftPlacement, ElasticPolicy, MemoryAction, PoolState
 
 
-def state(free=50, base=100, ext=0, waiting=0, blocked=False, preempted=False, num_running=3) -> PoolState:
-    return PoolState(free, base, ext, waiting, blocked, preempted, num_running)
+def state(free=50, base=100, ext=0, waiting=0, blocked=False, preempted=False, num_running=3,
+          speculating=False) -> PoolState:
+    return PoolState(free, base, ext, waiting, blocked, preempted, num_running, speculating)
 
 
 def test_offload_after_persisting_pressure_and_reload_after_persisting_calm():
@@ -31,6 +32,19 @@ def test_offload_after_persisting_pressure_and_reload_after_persisting_calm():
     assert policy.observe(state(free=80, ext=40)) is MemoryAction.RELOAD
     policy.moved(MemoryAction.RELOAD)
     assert policy.placement is DraftPlacement.DEVICE
+
+
+def test_a_full_pool_moves_the_draft_only_when_sd_is_off():
+    """DESIGN.md: offload when SD is off, by the planner's choice (γ = 0) or because load forces it. Few free pages
+    alone do not move a draft the planner still runs; a blocked or preempted request does."""
+    policy = ElasticPolicy(low_watermark=0.05, persist_steps=2)
+    for _ in range(5):
+        assert policy.observe(state(free=1, speculating=True)) is None
+    assert policy.observe(state(free=1, speculating=False)) is None
+    assert policy.observe(state(free=1, speculating=False)) is MemoryAction.OFFLOAD
+    policy = ElasticPolicy(low_watermark=0.05, persist_steps=2)
+    assert policy.observe(state(free=1, speculating=True, blocked=True)) is None
+    assert policy.observe(state(free=30, speculating=True, preempted=True)) is MemoryAction.OFFLOAD
 
 
 def test_an_idle_engine_reloads_at_once():
