@@ -60,7 +60,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="request",
         choices=["none", "request", "full"],
         help="before serving: nothing, one tiny request (default), or also compile every decode variant "
-        "(batch bucket x γ x greedy/sampled) so no request waits on a compile",
+        "(batch bucket x γ x greedy/sampled), the prefill chunks (rows x chunk length, up to 4x the token budget "
+        "padded) and the draft's catch-up, so requests do not wait on a compile (log-probability variants still "
+        "compile on first use)",
     )
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -112,13 +114,10 @@ def load_engine(args: argparse.Namespace):
             bar.set_postfix_str("compiling (warm-up request)")
             t0 = time.perf_counter()
             if args.warmup == "full":
-                runner = engine.runner
-                # (with --draft-offload auto, also the γ = 0 variants over the pools with an extension)
-                total = (len(runner.shapes.decode_buckets) * 2 * (engine.gamma_max + 1 + (engine.memory is not None))
-                         * len(runner.warmup_widths()))
-                with tqdm(total=total, desc="compiling decode variants", unit="variant", file=sys.stderr) as inner:
-                    runner.warmup(progress=lambda: inner.update(1))
-                    engine.warmup_elastic(progress=lambda: inner.update(1))
+                # decode, prefill chunks, the draft's catch-up; with --draft-offload auto, the extended layout's too
+                with tqdm(total=engine.warmup_ticks(), desc="compiling step variants", unit="shape",
+                          file=sys.stderr) as inner:
+                    engine.warmup(progress=lambda: inner.update(1))
             engine.add_request(
                 [engine.tokenizer.bos_token_id or 1] if engine.tokenizer else [1],
                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),

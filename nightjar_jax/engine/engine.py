@@ -428,16 +428,41 @@ class LLMEngine:
         elif action is MemoryAction.RELOAD:
             self._reload_draft()
 
-    def warmup_elastic(self, progress=None) -> list[tuple]:
-        """Compile the decode variants of the extended layout (γ = 0 over the pools with an extension: what every
-        decode step runs while the draft is offloaded) before traffic, by offloading the draft, warming those up on
-        padding-only batches and reloading it (idle: nothing to migrate). A no-op without elastic memory. Returns
-        the variant keys compiled (``ModelRunner.warmup``); the server's ``--warmup full`` calls it."""
+    def warmup(self, sampled: bool = True, prefill: bool = True, progress=None) -> list[tuple]:
+        """Compile before traffic, on padding-only batches: every decode variant (``ModelRunner.warmup``), with
+        ``prefill`` the prefill chunks and the draft's catch-up (``ModelRunner.warmup_prefill``), and with elastic
+        memory the same over the extended layout (:meth:`warmup_elastic`). ``progress()`` is called
+        :meth:`warmup_ticks` times. Returns the variant keys compiled; the server's ``--warmup full`` calls it."""
+        keys = self.runner.warmup(sampled=sampled, progress=progress)
+        if prefill:
+            keys += self.runner.warmup_prefill(sampled=sampled, progress=progress)
+        return keys + self.warmup_elastic(sampled=sampled, prefill=prefill, progress=progress)
+
+    def warmup_ticks(self, sampled: bool = True, prefill: bool = True) -> int:
+        """How many times :meth:`warmup` calls its ``progress`` (for a progress bar's total)."""
+        runner = self.runner
+        widths = len(runner.warmup_widths())
+        modes = 2 if sampled else 1
+        gammas = self.gamma_max + 1 if self.draft is not None else 1
+        elastic = self.memory is not None and runner.draft_on_device
+        ticks = len(runner.shapes.decode_buckets) * widths * modes * (gammas + elastic)
+        if prefill:  # (while offloaded for warmup_elastic: the target's chunks only)
+            ticks += runner.warmup_prefill_ticks() + elastic * len(runner.warmup_prefill_shapes()) * widths
+        return ticks
+
+    def warmup_elastic(self, sampled: bool = True, prefill: bool = False, progress=None) -> list[tuple]:
+        """Compile the variants of the extended layout (γ = 0 decode steps over the pools with an extension: what
+        every decode step runs while the draft is offloaded; with ``prefill`` also the prefill chunks over them)
+        before traffic, by offloading the draft, warming those up on padding-only batches and reloading it (idle:
+        nothing to migrate). A no-op without elastic memory. Returns the variant keys compiled."""
         if self.memory is None or self.has_unfinished_requests() or not self.runner.draft_on_device:
             return []
         self._offload_draft()
         try:
-            return self.runner.warmup(gammas=[0], progress=progress)
+            keys = self.runner.warmup(gammas=[0], sampled=sampled, progress=progress)
+            if prefill:
+                keys += self.runner.warmup_prefill(sampled=sampled, progress=progress)
+            return keys
         finally:
             self._reload_draft()
 

@@ -947,7 +947,9 @@ class ModelRunner:
             for i, prop in enumerate(looked_up):
                 drafts[i, : len(prop)] = prop  # a shorter match keeps the draft's tokens after it (rarely accepted)
                 copied[i, : len(prop)] = True
-            draft_tokens = drafts
+            # placed as the draft's own tokens were (committed to the device): jit keys its executables on that, so
+            # a host array here would compile a second verify variant that no warm-up builds
+            draft_tokens = drafts if skip_draft else jax.device_put(drafts, draft_tokens.sharding)
         t2 = time.perf_counter()
         drafted = gamma if tree is None else tree.num_nodes
         verify_lens = np.where(n > 0, n + drafted, 0).astype(np.int32)
@@ -1098,14 +1100,6 @@ class ModelRunner:
                             out.block_until_ready()
                             keys += [("propose_tree", num_rows, gamma, width),
                                      ("verify_tree", num_rows, gamma, width, all_greedy)]
-                            if self.lookup is not None and all_greedy:  # steps that copy every row's γ drafts
-                                out, _, self.kv, self.features, _ = self._verify(
-                                    self.target.leaves(), self.kv, self.features, zeros,
-                                    np.zeros((num_rows, gamma), np.int32), None, np.ones((num_rows, gamma), bool),
-                                    bt, zeros, st, True,
-                                )
-                                out.block_until_ready()
-                                keys.append(("verify", num_rows, gamma, width, True))
                         else:
                             first = np.zeros((num_rows, self.first_step_width(gamma)), np.int32)
                             tokens, probs, self.draft_kv = self._propose(
@@ -1119,8 +1113,73 @@ class ModelRunner:
                             out.block_until_ready()
                             keys += [("propose", num_rows, gamma, width, all_greedy),
                                      ("verify", num_rows, gamma, width, all_greedy)]
+                        if gamma and self.lookup is not None and all_greedy:
+                            # steps that copy every row's γ drafts: no draft pass, host tokens, no probabilities
+                            out, _, self.kv, self.features, _ = self._verify(
+                                self.target.leaves(), self.kv, self.features, zeros,
+                                np.zeros((num_rows, gamma), np.int32), None, np.ones((num_rows, gamma), bool),
+                                bt, zeros, st, True,
+                            )
+                            out.block_until_ready()
+                            keys.append(("verify", num_rows, gamma, width, "copied"))
                         if progress is not None:
                             progress()
+        return keys
+
+    def warmup_prefill_shapes(self, max_padded_tokens: int | None = None) -> list[tuple[int, int]]:
+        """``(rows, chunk length)`` buckets whose prefill chunks :meth:`warmup_prefill` compiles: every pair whose
+        padded tokens are at most ``max_padded_tokens`` (default: 4x the step's token budget, since a prefill batch's
+        rows and longest chunk each round up to at most twice what they hold; a pair past it needs one long chunk
+        beside many short ones, and compiles on first use)."""
+        limit = 4 * self.shapes.prefill_len_buckets[-1] if max_padded_tokens is None else max_padded_tokens
+        return [pair for pair in self.catch_up_shapes() if pair[0] * pair[1] <= limit]
+
+    def catch_up_shapes(self) -> list[tuple[int, int]]:
+        """``(rows, chunk length)`` buckets of the draft's catch-up (:meth:`catch_up_draft`): every pair, since each
+        row takes up to a whole chunk of the token budget."""
+        shapes = self.shapes
+        return [(rows, length) for rows in shapes.prefill_seq_buckets for length in shapes.prefill_len_buckets]
+
+    def warmup_prefill_ticks(self, max_context: int | None = None) -> int:
+        """How many times :meth:`warmup_prefill` calls its ``progress``."""
+        draft = self.draft is not None and self.draft_on_device
+        shapes = self.catch_up_shapes() if draft else self.warmup_prefill_shapes()
+        return len(shapes) * len(self.warmup_widths(max_context))
+
+    def warmup_prefill(self, sampled: bool = True, max_context: int | None = None, progress=None) -> list[tuple]:
+        """Compile the prefill-chunk variants (``forward_sample[S, T, W]``, greedy and sampled, for the shapes of
+        :meth:`warmup_prefill_shapes`; the log-probability variants still compile on first use) and, while the
+        draft is on the device, its catch-up (``draft_fill[S, T, W]``, :meth:`catch_up_shapes`), for every width up
+        to ``max_context``, by running them on padding-only batches as :meth:`warmup` does (every write lands on
+        page 0). ``progress()`` is called once per shape and width. Returns the keys compiled.
+
+        What it costs: each variant compiles once (the persistent compilation cache keeps them across starts) and
+        runs once over its padded tokens; on an accelerator those runs take milliseconds, on a 2-core CPU the
+        largest SmolLM2 chunks take seconds each."""
+        modes = [True, False] if sampled else [True]
+        draft = self.draft is not None and self.draft_on_device
+        target_shapes = set(self.warmup_prefill_shapes())
+        keys: list[tuple] = []
+        for num_rows, q_len in self.catch_up_shapes() if draft else sorted(target_shapes):
+            zeros = np.zeros(num_rows, np.int32)
+            tokens = np.zeros((num_rows, q_len), np.int32)
+            st = self._sampling_tensors([], num_rows)
+            for width in self.warmup_widths(max_context):
+                bt = np.zeros((num_rows, width), np.int32)
+                for all_greedy in modes if (num_rows, q_len) in target_shapes else []:
+                    out, self.kv, self.features, _ = self._forward_sample(
+                        self.target.leaves(), self.kv, self.features, tokens, bt, zeros, zeros, st, all_greedy,
+                    )
+                    out.block_until_ready()
+                    keys.append(("forward_sample", num_rows, q_len, width, all_greedy))
+                if draft:
+                    self.draft_kv = self._draft_fill(
+                        self.draft.leaves(), self.draft_kv, self.features, self._embed(), tokens, bt, zeros, zeros,
+                    )
+                    jax.block_until_ready(self.draft_kv)
+                    keys.append(("draft_fill", num_rows, q_len, width))
+                if progress is not None:
+                    progress()
         return keys
 
     def num_compiled(self) -> int:

@@ -137,6 +137,44 @@ def test_bad_sampling_values_raise_with_field_names():
             SamplingParams(**kwargs)
 
 
+def test_full_warmup_covers_prefill_chunks_and_the_draft_catch_up():
+    """``LLMEngine.warmup()``: decode variants, prefill chunks (rows x chunk buckets up to 4x the token budget
+    padded) and the draft's catch-up (every pair); then prompts of many lengths, arriving while others decode, at
+    random γ (catch-ups after γ = 0 steps), compile nothing."""
+    import random
+
+    eng = fake_engine(draft=True, num_speculative_tokens=2, max_num_seqs=4, max_num_batched_tokens=16)
+    runner = eng.runner
+    assert runner.shapes.prefill_seq_buckets == [1, 2, 4] and runner.shapes.prefill_len_buckets == [8, 16]
+    assert runner.warmup_prefill_shapes() == [(1, 8), (1, 16), (2, 8), (2, 16), (4, 8), (4, 16)]  # all <= 64
+    assert runner.warmup_prefill_shapes(max_padded_tokens=32) == [(1, 8), (1, 16), (2, 8), (2, 16), (4, 8)]
+    ticks = []
+    keys = eng.warmup(progress=lambda: ticks.append(1))
+    assert len(ticks) == eng.warmup_ticks()
+    assert sum(k[0] == "forward_sample" and k[2] > 1 for k in keys) == 6 * 2  # chunks, greedy and sampled
+    assert sum(k[0] == "draft_fill" for k in keys) == 6
+    assert eng.num_free_pages == eng.num_total_pages
+    compiled = runner.num_compiled()
+    rng = random.Random(1)
+    eng._select_gamma = lambda: rng.randint(0, 2)
+    prompts = [[(3 * i + j) % VOCAB for j in range(1 + 5 * i)] for i in range(8)]  # 1 .. 36 tokens
+    for i, p in enumerate(prompts[:3]):
+        eng.add_request(p, greedy(10), request_id=str(i))
+    done = {}
+    for step in range(10_000):
+        if step == 3:
+            for i, p in enumerate(prompts[3:], start=3):
+                eng.add_request(p, greedy(10), request_id=str(i))
+        if not eng.has_unfinished_requests():
+            break
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        assert runner.num_compiled() == compiled, runner.compiled_cache_sizes()
+    assert done == {str(i): expected(p, 10) for i, p in enumerate(prompts)}
+    assert eng.stats.num_catchup_tokens > 0 and eng.num_free_pages == eng.num_total_pages
+
+
 @pytest.mark.parametrize("impl", ["reference", "auto"])
 def test_warmup_compiles_every_decode_variant_so_decoding_compiles_nothing(impl):
     from nightjar_jax.attention import resolve_impl
@@ -149,8 +187,9 @@ def test_warmup_compiles_every_decode_variant_so_decoding_compiles_nothing(impl)
     else:
         widths = [runner.shapes.max_pages_per_seq]  # kernels read only up to the context: one full-width table
     assert runner.shapes.page_buckets[: len(widths)] == widths
-    # batch sizes x widths x greedy/sampled x (AR + propose/verify per γ)
-    assert len(keys) == len(runner.shapes.decode_buckets) * len(widths) * 2 * (1 + 2 * 2)
+    # batch sizes x widths x (greedy/sampled x (AR + propose/verify per γ) + greedy verifies of copied drafts per γ:
+    # lookup's steps that skip the draft)
+    assert len(keys) == len(runner.shapes.decode_buckets) * len(widths) * (2 * (1 + 2 * 2) + 2)
     assert eng.num_free_pages == eng.num_total_pages
     sizes = runner.compiled_cache_sizes()
     # decoding at any batch size / γ after warmup: prompts of one token skip prefill entirely

@@ -80,7 +80,6 @@ def test_writes_land_in_the_pool_holding_the_page():
     ("gpu", {}),
     ("gpu", {"pages_per_block": 2, "num_splits": 3}),  # flash-decoding ranges over both pools
     ("tpu", {}),
-    ("tpu", {"pages_per_block": 1}),
 ])
 def test_pallas_bodies_read_the_extension_in_place(case, backend, tuning):
     """Both bodies, interpreted, on the split pools give what they give on the one pool, bit for bit; a tree step

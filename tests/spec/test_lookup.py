@@ -237,7 +237,7 @@ def test_trees_carry_a_copy_branch_and_steps_that_copy_every_row_verify_a_chain(
     assert outs[0].outputs[0].token_ids == want and len(outs[1].outputs[0].token_ids) == 40
     rows = [(s["accepted"][0], s["lookup"][0]) for s in eng.stats.step_log if s["tree_nodes"] and s["batch_size"] == 2]
     assert any(copied for _, copied in rows)  # its tree steps carried a copy branch (distribution: test_tree.py)
-    after = runner.compiled_cache_sizes()  # (prefill and catch-up shapes are not warmed)
+    after = runner.compiled_cache_sizes()  # (runner.warmup: decode only; prefill and catch-up: warmup_prefill)
     assert {k: after[k] for k in ("verify", "propose_tree", "verify_tree")} == {
         k: sizes[k] for k in ("verify", "propose_tree", "verify_tree")}
     assert eng.num_free_pages == eng.num_total_pages

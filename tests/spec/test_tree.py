@@ -376,7 +376,7 @@ def test_warmup_compiles_the_tree_variants_so_greedy_decoding_compiles_nothing()
     keys = runner.warmup(max_context=16)
     # trees replace the chain; a greedy chain verify stays for steps where every row copies its drafts (lookup)
     assert {k[0] for k in keys} == {"forward_sample", "propose_tree", "verify_tree", "verify"}
-    assert {k[-1] for k in keys if k[0] == "verify"} == {True}
+    assert {k[-1] for k in keys if k[0] == "verify"} == {"copied"}
     assert {k[-1] for k in keys if k[0] == "verify_tree"} == {True, False}  # greedy and sampled variants
     sizes = runner.compiled_cache_sizes()
     assert eng.num_free_pages == eng.num_total_pages
@@ -389,7 +389,7 @@ def test_warmup_compiles_the_tree_variants_so_greedy_decoding_compiles_nothing()
     done = run_all(eng)
     assert done["0"] == _expected([7], 8) and len(done["1"]) == 8
     after = runner.compiled_cache_sizes()
-    for name in ("forward_sample", "propose_tree", "verify_tree", "verify"):  # draft_fill: catch-up, not warmed
+    for name in ("forward_sample", "propose_tree", "verify_tree", "verify"):  # draft_fill: catch-up, warmup_prefill
         assert after[name] == sizes[name], name
 
 
