@@ -113,9 +113,13 @@ def main() -> None:
     common = dict(draft_model=args.draft, kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.prompt_len + args.max_tokens + 16, offload_persist_steps=args.persist_steps)
     llms = {mode: LLM(args.model, draft_offload=mode, **common) for mode in MODES}
+    warmup = {}
     if args.warmup:
-        for llm in llms.values():
-            llm.engine.warmup(sampled=False)
+        for mode, llm in llms.items():
+            t0 = time.perf_counter()
+            keys = llm.engine.warmup(sampled=False)
+            warmup[mode] = {"seconds": time.perf_counter() - t0, "variants": len(keys)}
+            print(f"warm-up {mode}: {len(keys)} variants in {warmup[mode]['seconds']:.0f} s", flush=True)
     engine = llms["off"].engine
     tok = engine.tokenizer
     chat = tok is not None and getattr(tok, "chat_template", None) is not None
@@ -156,7 +160,8 @@ def main() -> None:
         print(f"{mode}: device bytes start {summary[mode]['device_bytes_start'] / 2**20:.1f} MiB, "
               f"peak {summary[mode]['device_bytes_peak'] / 2**20:.1f} MiB")
     write_json(args.out, {"machine": machine_note(), "args": vars(args), "prompt_source": source,
-                          "num_pages": cfg.num_pages, "page_size": cfg.page_size, "summary": summary,
+                          "num_pages": cfg.num_pages, "page_size": cfg.page_size, "warmup": warmup,
+                          "summary": summary,
                           "runs": {m: [{k: v for k, v in x.items() if k != "outputs"} for x in runs[m]]
                                    for m in MODES}})
     print(f"wrote {args.out}")

@@ -4,7 +4,8 @@
 #   1. the paged attention kernel compiled (Triton) at llama-7b / llama-3-8b shapes: against the reference, time,
 #      bandwidth (scripts/device_check.py, budget 60 s);
 #   2. the engine end to end on the device: AR decode of SmolLM2-135M and llama-7b shapes at batch 1 and 64 against
-#      the weights' floor, and the step cost per γ of llama-7b + llama-68m (scripts/device_check_engine.py);
+#      the weights' floor, the step cost per γ of llama-7b + llama-68m, and on that engine the draft's offload and
+#      reload times and a decode on extension pages (scripts/device_check_engine.py);
 #   3. the tests that exercise the accelerator path, run on it: the compiled kernel bodies (incl. tree masks),
 #      continuous batching through a real model, speculative decoding and token trees (greedy SD == AR);
 #   4. elastic memory on the device: the draft's weights to pinned host memory and back, an extension KV pool read
@@ -25,7 +26,7 @@ timeout 90 python3 scripts/device_check.py --budget-s 60 --out "$out_dir/device_
     > "$out_dir/attention.log" 2>&1
 echo "attention check exit $?"; tail -25 "$out_dir/attention.log"
 
-timeout 210 python3 scripts/device_check_engine.py --budget-s 150 --batch-sizes 1,64 --gammas 0,2,4 \
+timeout 240 python3 scripts/device_check_engine.py --budget-s 150 --batch-sizes 1,64 --gammas 0,2,4 \
     --out "$out_dir/device_check_engine.json" > "$out_dir/engine.log" 2>&1
 echo "engine check exit $?"; grep -v "^ *File\|^    " "$out_dir/engine.log" | tail -30
 

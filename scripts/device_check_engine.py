@@ -16,6 +16,12 @@ If the engine fails with the Pallas kernel, the error is recorded and the model 
 per step and the step time (draft + verify, from the step log) is reported per batch size and γ, relative to γ = 0.
 Acceptance of random weights means nothing (near zero), so tokens per step are not reported as a result.
 
+Then, on the same engine, elastic memory (``elastic`` section, unless ``--no-elastic``): the draft's weights go to
+host memory and its bytes become an extension KV pool (``LLMEngine._offload_draft``, timed, with the bytes moved);
+every free base page is held so that a batch-1 γ = 0 workload runs on extension pages (the attention kernel
+reading the extension in place: on a GPU the Pallas body's masked loads), its step time is compared with the γ = 0
+row above; then the draft comes back (timed: the engine reloads it itself once idle) and one γ = max step runs.
+
 ``--smoke``: tiny presets on whatever backend is present (CPU here), to check the script runs.
 Prints tables; writes JSON (``--out``). Sections past ``--budget-s`` are recorded as skipped.
 
@@ -58,6 +64,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--bandwidth-mib", type=int, default=2048)
     p.add_argument("--budget-s", type=float, default=200.0, help="skip sections that would start after this")
+    p.add_argument("--no-elastic", action="store_true", help="skip the elastic memory section")
     p.add_argument("--smoke", action="store_true", help="tiny presets, small batches (for CPU)")
     p.add_argument("--out", default="results/device_check_engine.json")
     args = p.parse_args()
@@ -125,7 +132,7 @@ def ar_section(model: str, args, bw_gbs: float, impl: str) -> dict:
             "floor_ms": floor_ms, "rows": rows}
 
 
-def spec_section(target: str, draft: str, args) -> dict:
+def spec_section(target: str, draft: str, args, keep: dict | None = None) -> dict:
     gammas = _ints(args.gammas)
     batch_sizes = _ints(args.spec_batch_sizes)
     llm = _llm(target, args, max(batch_sizes), gamma_max=max(gammas), draft_model=draft,
@@ -148,7 +155,57 @@ def spec_section(target: str, draft: str, args) -> dict:
             rows.append(row)
             print(f"  {target}+{draft} batch {b:3d} γ={g}: step {step_ms:8.3f} ms (draft {row['draft_ms']:.3f}, "
                   f"verify {row['verify_ms']:.3f}) = {row['vs_gamma0'] or 1:.2f}x γ=0", flush=True)
+    if keep is not None:
+        keep["llm"] = llm
     return {"target": target, "draft": draft, "rows": rows}
+
+
+def elastic_section(llm, args) -> dict:
+    """The draft's moves and a decode on extension pages, on the spec section's engine (module doc)."""
+    from nightjar_jax.memory import ElasticPolicy
+
+    engine = llm.engine
+    runner, alloc = engine.runner, engine.allocator
+    gamma_max = engine.gamma_max
+    engine.memory = ElasticPolicy(persist_steps=1_000_000)  # moves by hand below, and the idle reload
+    draft_bytes = runner.draft_device_bytes()
+    t0 = time.perf_counter()
+    engine._offload_draft()
+    offload_s = time.perf_counter() - t0
+    ext_pages = alloc.num_extension
+    out = {"draft_bytes": draft_bytes, "offload_s": offload_s, "offload_gbs": draft_bytes / offload_s / 1e9,
+           "extension_pages": ext_pages, "base_pages": alloc.num_pages - 1}
+    print(f"  offload: {draft_bytes / 2**20:.1f} MiB of draft in {1e3 * offload_s:.1f} ms "
+          f"({out['offload_gbs']:.1f} GB/s) -> {ext_pages} extension pages beside {out['base_pages']}", flush=True)
+    held = alloc.allocate(alloc.num_free - ext_pages)  # the base pool's free pages: the workload's go to the extension
+    prompts = _prompts(engine.target.config.vocab_size, 1, args.prompt_len, seed=7)
+    need = -(-(args.prompt_len + args.output_len + gamma_max + 2) // runner.page_size)
+    if need > ext_pages:
+        alloc.free(held)
+        engine._reload_draft()
+        return {**out, "skipped_decode": f"a batch-1 request needs {need} pages, the extension has {ext_pages}"}
+    runs = []
+    for attempt in range(2):  # the first run compiles the extended layout's variants; the second is timed
+        if attempt:
+            engine._offload_draft()
+            held = alloc.allocate(alloc.num_free - alloc.num_extension)
+        reloads, seconds = engine.stats.num_draft_reloads, engine.stats.offload_seconds
+        runs.append(run_decode_workload(llm, prompts, args.output_len, gamma=0))
+        alloc.free(held)  # (the engine reloaded the draft when it went idle: nothing was left to migrate)
+        if engine.draft_offloaded or engine.stats.num_draft_reloads != reloads + 1:
+            raise RuntimeError("the engine did not bring the draft back when it went idle")
+    ext_run = runs[-1]
+    out.update(reload_s=engine.stats.offload_seconds - seconds,
+               ext_step_ms=1e3 * ext_run.decode_seconds / max(ext_run.num_decode_steps, 1),
+               ext_gamma_steps=ext_run.gamma_steps)
+    spec = run_decode_workload(llm, prompts, args.output_len, gamma=gamma_max)  # speculation resumes
+    out.update(spec_after_reload_gamma_steps=spec.gamma_steps,
+               spec_after_reload_step_ms=1e3 * spec.decode_seconds / max(spec.num_decode_steps, 1))
+    engine.memory = None
+    print(f"  decode on extension pages: {out['ext_step_ms']:.3f} ms a step (γ steps {ext_run.gamma_steps}); reload "
+          f"{1e3 * out['reload_s']:.1f} ms; then γ={gamma_max}: {out['spec_after_reload_step_ms']:.3f} ms a step "
+          f"({spec.gamma_steps})", flush=True)
+    return out
 
 
 def main() -> None:
@@ -187,7 +244,10 @@ def main() -> None:
             run(f"ar {model} (reference attention)", lambda m=model: ar_section(m, args, bw["jax_gbs"], "reference"))
     if args.spec:
         target, draft = args.spec.split("+")
-        run(f"spec {args.spec}", lambda: spec_section(target, draft, args))
+        kept: dict = {}
+        out = run(f"spec {args.spec}", lambda: spec_section(target, draft, args, keep=kept))
+        if not args.no_elastic and out is not None and "llm" in kept:
+            run(f"elastic {args.spec}", lambda: elastic_section(kept["llm"], args))
     result["total_s"] = time.perf_counter() - started
     write_json(args.out, result)
     print(json.dumps({"sections": [(s["name"], "error" in s, "skipped" in s) for s in result["sections"]]}))

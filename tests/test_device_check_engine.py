@@ -18,9 +18,14 @@ def test_device_check_engine_smoke_writes_each_section(tmp_path):
     result = json.loads(out.read_text())
     assert result["bandwidth"]["jax_gbs"] > 0
     names = [s["name"] for s in result["sections"]]
-    assert names == ["ar tiny-gqa", "spec tiny-gqa+tiny-mha"], result["sections"]
+    assert names == ["ar tiny-gqa", "spec tiny-gqa+tiny-mha", "elastic tiny-gqa+tiny-mha"], result["sections"]
     assert not any("error" in s or "skipped" in s for s in result["sections"]), result["sections"]
-    ar, spec = result["sections"]
+    ar, spec, elastic = result["sections"]
+    # the draft's bytes became extension pages, a γ = 0 request ran on them, the draft came back and speculated
+    assert elastic["draft_bytes"] > 0 and elastic["extension_pages"] > 0 and elastic["offload_s"] > 0
+    assert elastic["reload_s"] > 0 and elastic["ext_step_ms"] > 0 and "skipped_decode" not in elastic
+    assert {int(g) for g in elastic["ext_gamma_steps"]} == {0}
+    assert {int(g) for g in elastic["spec_after_reload_gamma_steps"]} == {4}
     assert [r["batch_size"] for r in ar["rows"]] == [1, 2]
     assert all(r["tpot_ms"] > 0 and r["tokens_per_s"] > 0 for r in ar["rows"])
     assert all(0 < r["forward_call_ms"] and r["host_ms"] > -r["forward_call_ms"] for r in ar["rows"])
