@@ -11,7 +11,7 @@ Each mode runs ``--rounds`` bursts after ``--warmup-rounds`` (which compile the 
 included); the modes alternate round by round so they share this shared machine's minutes.
 
     python scripts/bench_elastic.py --out results/bench_elastic.json
-    python scripts/bench_elastic.py --warmup --out results/bench_elastic_warm.json   # step variants compiled first
+    python scripts/bench_elastic.py --warmup --out results/bench_elastic_warm.json   # decode variants compiled first
     python scripts/bench_elastic.py --model stories260k --draft stories260k@skip=2 --num-prompts 8 --max-tokens 24 \\
         --prompt-len 32 --kv-cache-bytes 160KiB --warmup-rounds 1 --rounds 1 --out /tmp/elastic.json   # smoke
 """
@@ -102,8 +102,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup-rounds", type=int, default=2, help="bursts per mode first, not kept (they compile)")
     ap.add_argument("--warmup", action="store_true",
-                    help="compile every greedy step variant first (LLMEngine.warmup: decode, prefill chunks, the "
-                         "draft's catch-up, and for auto the extended layout's), as the server's --warmup full does")
+                    help="compile every greedy decode variant first (LLMEngine.warmup without prefill chunks: for auto "
+                         "the extended layout's too)")
     ap.add_argument("--dataset", default=DEFAULT_DATASET)
     ap.add_argument("--out", default="results/bench_elastic.json")
     args = ap.parse_args()
@@ -117,7 +117,9 @@ def main() -> None:
     if args.warmup:
         for mode, llm in llms.items():
             t0 = time.perf_counter()
-            keys = llm.engine.warmup(sampled=False)
+            # decode variants only: with prefill chunks too, two SmolLM2 engines' variants in one process pass
+            # Linux's default vm.max_map_count (~250 memory maps a variant on the CPU backend; runner.maps_short)
+            keys = llm.engine.warmup(sampled=False, prefill=False)
             warmup[mode] = {"seconds": time.perf_counter() - t0, "variants": len(keys)}
             print(f"warm-up {mode}: {len(keys)} variants in {warmup[mode]['seconds']:.0f} s", flush=True)
     engine = llms["off"].engine

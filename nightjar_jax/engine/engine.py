@@ -164,6 +164,8 @@ class LLMEngine:
         self.planner = self._make_planner()
         self.memory: ElasticPolicy | None = None  # elastic memory (draft offload); None: off or no draft
         self._planner_speculates = False  # the planner chose γ > 0 for the last decode step it was asked about
+        self._num_compiled_seen = 0  # runner.num_compiled() at the last memory-map check
+        self._maps_warned = False
         if config.cache.draft_offload == "auto" and draft is not None:
             if self.runner.draft_device_bytes() < self.runner.target_page_bytes():
                 logger.warning("draft_offload=auto is off: the draft's %d device bytes would not make one KV page "
@@ -409,9 +411,23 @@ class LLMEngine:
                                     observe=not (boosted or plain_only))
         if self.memory is not None:
             self._manage_memory(preempted=bool(batch.kind == "decode" and batch.preempted))
+        self._check_maps_after_compiles()
         self.stats.num_steps += 1
         self.stats.last_step_seconds = time.perf_counter() - t0
         return [o for o in outputs if o is not None]
+
+    def _check_maps_after_compiles(self) -> None:
+        """After a step that compiled a variant: warn once when the process runs short of memory maps (CPU backend:
+        ``ModelRunner.maps_short``), before a later compile kills it."""
+        compiled = self.runner.num_compiled()
+        if compiled == self._num_compiled_seen:
+            return
+        self._num_compiled_seen = compiled
+        if not self._maps_warned:
+            short = self.runner.maps_short()
+            if short:
+                self._maps_warned = True
+                logger.warning("%d step variants compiled so far: %s", compiled, short)
 
     # ---- elastic memory -----------------------------------------------------------------------------------------
     def _manage_memory(self, preempted: bool) -> None:
@@ -434,8 +450,10 @@ class LLMEngine:
         memory the same over the extended layout (:meth:`warmup_elastic`). ``progress()`` is called
         :meth:`warmup_ticks` times. Returns the variant keys compiled; the server's ``--warmup full`` calls it."""
         keys = self.runner.warmup(sampled=sampled, progress=progress)
-        if prefill:
+        if prefill and not self.runner.warmup_stopped:
             keys += self.runner.warmup_prefill(sampled=sampled, progress=progress)
+        if self.runner.warmup_stopped:  # (short of memory maps: warned; the rest compiles on first use)
+            return keys
         return keys + self.warmup_elastic(sampled=sampled, prefill=prefill, progress=progress)
 
     def warmup_ticks(self, sampled: bool = True, prefill: bool = True) -> int:
@@ -460,7 +478,7 @@ class LLMEngine:
         self._offload_draft()
         try:
             keys = self.runner.warmup(gammas=[0], sampled=sampled, progress=progress)
-            if prefill:
+            if prefill and not self.runner.warmup_stopped:
                 keys += self.runner.warmup_prefill(sampled=sampled, progress=progress)
             return keys
         finally:

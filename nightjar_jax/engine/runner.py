@@ -75,6 +75,25 @@ from nightjar_jax.spec.tree import SpecTree, tree_for, with_copy_branch
 
 logger = logging.getLogger(__name__)
 
+# Compiling stops (warm-up) or warns (a step that compiled) past this share of vm.max_map_count (ModelRunner.maps_short)
+MAP_HEADROOM = 0.8
+
+
+class _MapsShort(Exception):
+    """A warm-up stops: the process is short of memory maps (``ModelRunner.maps_short``)."""
+
+
+def memory_map_usage() -> tuple[int, int] | None:
+    """``(memory maps this process holds, vm.max_map_count)`` on Linux; None where /proc does not say."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            used = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return used, limit
+
 SALT_SAMPLE = 0  # AR sampling of the next token
 SALT_VERIFY = 1  # rejection sampling uniforms / resampling
 SALT_DRAFT = 16  # draft sampling at draft position i uses SALT_DRAFT + i
@@ -438,6 +457,7 @@ class ModelRunner:
         self.draft_kv: KVCache | None = None
         self.features: jax.Array | None = None
         self.draft_on_device = draft is not None  # False while the draft is offloaded (offload_draft)
+        self.warmup_stopped: str | None = None  # why a warm-up stopped early (maps_short), None if none did
         if draft is not None:
             self._allocate_draft_pools()
         self._build_jitted()
@@ -1067,12 +1087,48 @@ class ModelRunner:
         """Compile the decode variants ahead of time by running them on padding-only batches (every write lands
         on the reserved page 0, so no real state changes): every batch bucket, γ, greedy/sampled mode and
         block-table width up to the one covering ``max_context`` tokens (default: ``max_model_len``).
-        Returns the variant keys compiled."""
+        Returns the variant keys compiled. Stops early, with a warning, when the process runs short of memory
+        maps (:meth:`maps_short`; ``self.warmup_stopped`` then says why)."""
+        keys: list[tuple] = []
+        return self._stopping_when_maps_short(keys, self._warmup_decode, keys, batch_sizes, gammas, sampled,
+                                              max_context, progress)
+
+    def _stopping_when_maps_short(self, keys: list[tuple], fn, *args) -> list[tuple]:
+        try:
+            fn(*args)
+        except _MapsShort as stop:
+            self.warmup_stopped = str(stop)
+            logger.warning("warm-up stopped after %d variants: %s", len(keys), stop)
+        return keys
+
+    def _tick(self, progress) -> None:
+        """One warm-up shape done: report it, and stop the warm-up if memory maps run short."""
+        if progress is not None:
+            progress()
+        short = self.maps_short()
+        if short:
+            raise _MapsShort(short)
+
+    def maps_short(self) -> str | None:
+        """Why compiling more variants is unsafe, or None. On the CPU backend XLA maps every kernel of a compiled
+        executable into memory separately (~250 maps for a SmolLM2 step variant), and once a process holds
+        ``vm.max_map_count`` maps (65530 by default on Linux) the next compile fails with "LLVM compilation error:
+        Cannot allocate memory" and the process dies. Past ``MAP_HEADROOM`` of the limit this says so."""
+        if jax.default_backend() != "cpu":
+            return None
+        usage = memory_map_usage()
+        if usage is None or usage[0] < MAP_HEADROOM * usage[1]:
+            return None
+        return (f"{usage[0]} of this process's {usage[1]} memory maps (vm.max_map_count) are in use, ~250 per "
+                f"compiled step variant on the CPU backend, and a compile past the limit kills the process: raise "
+                f"it (sysctl -w vm.max_map_count=262144) or compile fewer variants (fewer --max-num-seqs / "
+                f"--max-num-batched-tokens buckets, --warmup request)")
+
+    def _warmup_decode(self, keys, batch_sizes, gammas, sampled, max_context, progress) -> None:
         sizes = batch_sizes or self.shapes.decode_buckets
         gammas = list(range(self.gamma_max + 1)) if gammas is None else gammas
         modes = [True, False] if sampled else [True]
         widths = self.warmup_widths(max_context)
-        keys: list[tuple] = []
         for num_rows in sizes:
             zeros = np.zeros(num_rows, np.int32)
             st = self._sampling_tensors([], num_rows)
@@ -1122,9 +1178,7 @@ class ModelRunner:
                             )
                             out.block_until_ready()
                             keys.append(("verify", num_rows, gamma, width, "copied"))
-                        if progress is not None:
-                            progress()
-        return keys
+                        self._tick(progress)
 
     def warmup_prefill_shapes(self, max_padded_tokens: int | None = None) -> list[tuple[int, int]]:
         """``(rows, chunk length)`` buckets whose prefill chunks :meth:`warmup_prefill` compiles: every pair whose
@@ -1155,11 +1209,14 @@ class ModelRunner:
 
         What it costs: each variant compiles once (the persistent compilation cache keeps them across starts) and
         runs once over its padded tokens; on an accelerator those runs take milliseconds, on a 2-core CPU the
-        largest SmolLM2 chunks take seconds each."""
+        largest SmolLM2 chunks take seconds each. Stops early as :meth:`warmup` does."""
+        keys: list[tuple] = []
+        return self._stopping_when_maps_short(keys, self._warmup_prefill, keys, sampled, max_context, progress)
+
+    def _warmup_prefill(self, keys, sampled, max_context, progress) -> None:
         modes = [True, False] if sampled else [True]
         draft = self.draft is not None and self.draft_on_device
         target_shapes = set(self.warmup_prefill_shapes())
-        keys: list[tuple] = []
         for num_rows, q_len in self.catch_up_shapes() if draft else sorted(target_shapes):
             zeros = np.zeros(num_rows, np.int32)
             tokens = np.zeros((num_rows, q_len), np.int32)
@@ -1178,9 +1235,7 @@ class ModelRunner:
                     )
                     jax.block_until_ready(self.draft_kv)
                     keys.append(("draft_fill", num_rows, q_len, width))
-                if progress is not None:
-                    progress()
-        return keys
+                self._tick(progress)
 
     def num_compiled(self) -> int:
         """Executables compiled (or loaded from the persistent cache) so far, over every step function: a step that

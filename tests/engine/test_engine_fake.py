@@ -175,6 +175,40 @@ def test_full_warmup_covers_prefill_chunks_and_the_draft_catch_up():
     assert eng.stats.num_catchup_tokens > 0 and eng.num_free_pages == eng.num_total_pages
 
 
+def test_warmup_stops_before_the_process_runs_out_of_memory_maps(monkeypatch, caplog):
+    """On the CPU backend every compiled variant maps ~250 memory regions and a compile past vm.max_map_count kills
+    the process: a warm-up that finds the maps short stops with a warning that says how to fix it, and a step that
+    compiles warns once."""
+    import logging
+
+    import jax
+
+    from nightjar_jax.engine import runner as runner_module
+
+    real = runner_module.memory_map_usage()
+    if jax.default_backend() != "cpu" or real is None:
+        pytest.skip("memory maps are counted on the CPU backend, from Linux's /proc")
+    assert 0 < real[0] < real[1]
+    eng = fake_engine(draft=True, num_speculative_tokens=2, max_num_seqs=2)
+    usage = {"used": 0}
+    monkeypatch.setattr(runner_module, "memory_map_usage", lambda: (usage["used"], 100))
+    assert eng.runner.maps_short() is None
+    usage["used"] = 80
+    with caplog.at_level(logging.WARNING):
+        keys = eng.warmup()
+    assert 0 < len(keys) < 10  # the first shape's variants, then it stopped
+    assert "vm.max_map_count" in eng.runner.warmup_stopped and "sysctl -w vm.max_map_count" in caplog.text
+    assert not any(k[0] == "draft_fill" for k in keys)  # prefill and the rest were not started
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        eng.add_request([3, 4, 5], greedy(4))
+        run_all(eng)  # compiles the prefill chunk: one warning
+        eng.add_request([3, 4, 5, 6, 7, 8, 9, 10, 11], greedy(4))
+        run_all(eng)
+    assert caplog.text.count("memory maps") == 1
+    assert eng.num_free_pages == eng.num_total_pages
+
+
 @pytest.mark.parametrize("impl", ["reference", "auto"])
 def test_warmup_compiles_every_decode_variant_so_decoding_compiles_nothing(impl):
     from nightjar_jax.attention import resolve_impl
