@@ -449,6 +449,7 @@ class LLMEngine:
         ``prefill`` the prefill chunks and the draft's catch-up (``ModelRunner.warmup_prefill``), and with elastic
         memory the same over the extended layout (:meth:`warmup_elastic`). ``progress()`` is called
         :meth:`warmup_ticks` times. Returns the variant keys compiled; the server's ``--warmup full`` calls it."""
+        self.runner.warmup_stopped = None
         keys = self.runner.warmup(sampled=sampled, progress=progress)
         if prefill and not self.runner.warmup_stopped:
             keys += self.runner.warmup_prefill(sampled=sampled, progress=progress)
