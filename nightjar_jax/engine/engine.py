@@ -22,7 +22,7 @@ from nightjar_jax.cache.allocator import PageAllocator
 from nightjar_jax.config import EngineConfig, dtype_bytes
 from nightjar_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nightjar_jax.engine.request import FinishReason, Request
-from nightjar_jax.engine.runner import DecodeResult, ModelHandle, ModelRunner
+from nightjar_jax.engine.runner import EVICT_MAP_SHARE, DecodeResult, ModelHandle, ModelRunner
 from nightjar_jax.engine.sampling_params import SamplingParams
 from nightjar_jax.engine.scheduler import ScheduledBatch, Scheduler
 from nightjar_jax.memory import ElasticPolicy, MemoryAction, PoolState
@@ -55,6 +55,7 @@ class EngineStats:
     num_lookup_accepted: int = 0
     num_preemptions: int = 0
     num_compiling_decode_steps: int = 0  # decode steps that compiled (or loaded) a variant: not shown to the planner
+    num_compile_evictions: int = 0  # times every compiled variant was dropped, the process short of memory maps
     num_catchup_tokens: int = 0
     catchup_seconds: float = 0.0
     last_gamma: int = 0
@@ -165,7 +166,6 @@ class LLMEngine:
         self.memory: ElasticPolicy | None = None  # elastic memory (draft offload); None: off or no draft
         self._planner_speculates = False  # the planner chose γ > 0 for the last decode step it was asked about
         self._num_compiled_seen = 0  # runner.num_compiled() at the last memory-map check
-        self._maps_warned = False
         if config.cache.draft_offload == "auto" and draft is not None:
             if self.runner.draft_device_bytes() < self.runner.target_page_bytes():
                 logger.warning("draft_offload=auto is off: the draft's %d device bytes would not make one KV page "
@@ -417,17 +417,18 @@ class LLMEngine:
         return [o for o in outputs if o is not None]
 
     def _check_maps_after_compiles(self) -> None:
-        """After a step that compiled a variant: warn once when the process runs short of memory maps (CPU backend:
-        ``ModelRunner.maps_short``), before a later compile kills it."""
+        """After a step that compiled a variant: when the process runs short of memory maps (CPU backend:
+        ``ModelRunner.maps_short``), drop the compiled variants before a later compile kills the process; those in
+        use come back on their next step (from the persistent compilation cache where it holds them)."""
         compiled = self.runner.num_compiled()
         if compiled == self._num_compiled_seen:
             return
-        self._num_compiled_seen = compiled
-        if not self._maps_warned:
-            short = self.runner.maps_short()
-            if short:
-                self._maps_warned = True
-                logger.warning("%d step variants compiled so far: %s", compiled, short)
+        short = self.runner.maps_short(EVICT_MAP_SHARE)
+        if short:
+            dropped = self.runner.evict_compiled()
+            self.stats.num_compile_evictions += 1
+            logger.warning("dropped all %d compiled step variants (they compile again on use): %s", dropped, short)
+        self._num_compiled_seen = self.runner.num_compiled()
 
     # ---- elastic memory -----------------------------------------------------------------------------------------
     def _manage_memory(self, preempted: bool) -> None:

@@ -75,8 +75,10 @@ from nightjar_jax.spec.tree import SpecTree, tree_for, with_copy_branch
 
 logger = logging.getLogger(__name__)
 
-# Compiling stops (warm-up) or warns (a step that compiled) past this share of vm.max_map_count (ModelRunner.maps_short)
-MAP_HEADROOM = 0.8
+# Shares of vm.max_map_count (ModelRunner.maps_short): a warm-up stops past the first (leaving room for variants
+# compiled on first use), and a step that compiled drops every compiled variant past the second (LLMEngine)
+WARMUP_MAP_SHARE = 0.6
+EVICT_MAP_SHARE = 0.85
 
 
 class _MapsShort(Exception):
@@ -1105,19 +1107,19 @@ class ModelRunner:
         """One warm-up shape done: report it, and stop the warm-up if memory maps run short."""
         if progress is not None:
             progress()
-        short = self.maps_short()
+        short = self.maps_short(WARMUP_MAP_SHARE)
         if short:
             raise _MapsShort(short)
 
-    def maps_short(self) -> str | None:
+    def maps_short(self, share: float) -> str | None:
         """Why compiling more variants is unsafe, or None. On the CPU backend XLA maps every kernel of a compiled
         executable into memory separately (~250 maps for a SmolLM2 step variant), and once a process holds
         ``vm.max_map_count`` maps (65530 by default on Linux) the next compile fails with "LLVM compilation error:
-        Cannot allocate memory" and the process dies. Past ``MAP_HEADROOM`` of the limit this says so."""
+        Cannot allocate memory" and the process dies. Past ``share`` of the limit this says so."""
         if jax.default_backend() != "cpu":
             return None
         usage = memory_map_usage()
-        if usage is None or usage[0] < MAP_HEADROOM * usage[1]:
+        if usage is None or usage[0] < share * usage[1]:
             return None
         return (f"{usage[0]} of this process's {usage[1]} memory maps (vm.max_map_count) are in use, ~250 per "
                 f"compiled step variant on the CPU backend, and a compile past the limit kills the process: raise "
@@ -1246,6 +1248,16 @@ class ModelRunner:
     def compiled_cache_sizes(self) -> dict[str, int]:
         """Number of compiled executables per step function (grows only when a new variant compiles)."""
         return {name: f._cache_size() for name, f in self._step_fns().items()}
+
+    def evict_compiled(self) -> int:
+        """Drop every compiled step variant (after the device work in flight is done); returns how many. They compile
+        again on their next use, from JAX's persistent compilation cache where it holds them (~0.3 s a SmolLM2
+        variant here against ~2 s to compile). The memory maps they held are freed (``maps_short``)."""
+        jax.block_until_ready((self.kv, self.features, self.draft_kv))
+        dropped = self.num_compiled()
+        for fn in (*self._step_fns().values(), self._migrate_pages):
+            fn.clear_cache()
+        return dropped
 
     def _step_fns(self) -> dict:
         fns = {"forward_sample": self._forward_sample}

@@ -116,5 +116,6 @@ def test_server_with_draft_offload_serves_a_burst():
         assert m["nightjar_draft_offloaded"] == 0 and m["nightjar_kv_extension_pages"] == 0
         assert m["nightjar_kv_pages_free"] == m["nightjar_kv_pages_total"] == 8
         assert m["nightjar_decode_steps_compiling_total"] == 0  # the full warm-up built every step of the burst
+        assert m["nightjar_compile_evictions_total"] == 0
     finally:
         assert srv.stop() == 0, srv.logs()
