@@ -99,7 +99,7 @@ def test_server_with_draft_offload_serves_a_burst():
     want = [o.outputs[0].text for o in plain.generate(prompts, SamplingParams(temperature=0, max_tokens=24))]
     srv = ServerProcess(["--draft-model", "stories260k", "--num-speculative-tokens", "1", "--planner", "static",
                          "--max-model-len", "128", "--max-num-seqs", "4", "--num-pages", "9", "--page-size", "8",
-                         "--max-num-batched-tokens", "32",  # (fewer prefill chunk shapes for the full warm-up)
+                         "--max-num-batched-tokens", "16",  # (fewer prefill chunk shapes for the full warm-up)
                          "--draft-offload", "auto", "--offload-persist-steps", "2", "--warmup", "full"])
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
