@@ -451,12 +451,18 @@ class LLMEngine:
         memory the same over the extended layout (:meth:`warmup_elastic`). ``progress()`` is called
         :meth:`warmup_ticks` times. Returns the variant keys compiled; the server's ``--warmup full`` calls it."""
         self.runner.warmup_stopped = None
-        keys = self.runner.warmup(sampled=sampled, progress=progress)
-        if prefill and not self.runner.warmup_stopped:
-            keys += self.runner.warmup_prefill(sampled=sampled, progress=progress)
+        keys = self._warmup_layout(None, sampled, prefill, progress)
         if self.runner.warmup_stopped:  # (short of memory maps: warned; the rest compiles on first use)
             return keys
         return keys + self.warmup_elastic(sampled=sampled, prefill=prefill, progress=progress)
+
+    def _warmup_layout(self, gammas: list[int] | None, sampled: bool, prefill: bool, progress) -> list[tuple]:
+        """The decode variants at ``gammas`` (None: every γ) over the pools as they are now, then, with
+        ``prefill`` and unless memory maps ran short, the prefill chunks (and the catch-up, draft on the device)."""
+        keys = self.runner.warmup(gammas=gammas, sampled=sampled, progress=progress)
+        if prefill and not self.runner.warmup_stopped:
+            keys += self.runner.warmup_prefill(sampled=sampled, progress=progress)
+        return keys
 
     def warmup_ticks(self, sampled: bool = True, prefill: bool = True) -> int:
         """How many times :meth:`warmup` calls its ``progress`` (for a progress bar's total)."""
@@ -479,10 +485,7 @@ class LLMEngine:
             return []
         self._offload_draft()
         try:
-            keys = self.runner.warmup(gammas=[0], sampled=sampled, progress=progress)
-            if prefill and not self.runner.warmup_stopped:
-                keys += self.runner.warmup_prefill(sampled=sampled, progress=progress)
-            return keys
+            return self._warmup_layout([0], sampled, prefill, progress)
         finally:
             self._reload_draft()
 

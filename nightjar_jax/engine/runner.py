@@ -499,10 +499,14 @@ class ModelRunner:
         """What offloading the draft frees: its weights and pools on the device (shared arrays excepted)."""
         if self.draft is None or not self.draft_on_device:
             return 0
-        shared = {id(x) for x in self.target.leaves()}
+        shared = self._shared_with_target()
         weights = sum(x.nbytes for x in {id(x): x for x in self.draft.leaves()
                                           if isinstance(x, jax.Array) and id(x) not in shared}.values())
         return weights + self.device_bytes()["draft_pools"]
+
+    def _shared_with_target(self) -> frozenset[int]:
+        """``id``s of the target's weight arrays (a draft that shares them, e.g. a layer-skip draft, keeps them)."""
+        return frozenset(id(x) for x in self.target.leaves())
 
     def offload_draft(self) -> int:
         """Move the draft's weights to host memory (``pinned_host`` where the device has it) and release its pools.
@@ -511,8 +515,7 @@ class ModelRunner:
             raise RuntimeError("the draft is already offloaded")
         kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
         host = "pinned_host" if "pinned_host" in kinds else "unpinned_host"
-        shared = frozenset(id(x) for x in self.target.leaves())  # (a draft sharing the target's arrays keeps them)
-        freed = self.draft.move_to(host, keep=shared)
+        freed = self.draft.move_to(host, keep=self._shared_with_target())  # (arrays shared with the target stay)
         pools = [a for a in jax.tree.leaves((self.draft_kv, self.features)) if isinstance(a, jax.Array)]
         self.draft_kv = self.features = None
         for a in pools:
@@ -1091,13 +1094,15 @@ class ModelRunner:
         block-table width up to the one covering ``max_context`` tokens (default: ``max_model_len``).
         Returns the variant keys compiled. Stops early, with a warning, when the process runs short of memory
         maps (:meth:`maps_short`; ``self.warmup_stopped`` then says why)."""
-        keys: list[tuple] = []
-        return self._stopping_when_maps_short(keys, self._warmup_decode, keys, batch_sizes, gammas, sampled,
-                                              max_context, progress)
+        return self._stopping_when_maps_short(self._warmup_decode, batch_sizes, gammas, sampled, max_context,
+                                              progress)
 
-    def _stopping_when_maps_short(self, keys: list[tuple], fn, *args) -> list[tuple]:
+    def _stopping_when_maps_short(self, fn, *args) -> list[tuple]:
+        """``fn(keys, *args)``, which appends the variant keys it compiles to ``keys``; returns them, also when it
+        stopped because memory maps ran short."""
+        keys: list[tuple] = []
         try:
-            fn(*args)
+            fn(keys, *args)
         except _MapsShort as stop:
             self.warmup_stopped = str(stop)
             logger.warning("warm-up stopped after %d variants: %s", len(keys), stop)
@@ -1212,8 +1217,7 @@ class ModelRunner:
         What it costs: each variant compiles once (the persistent compilation cache keeps them across starts) and
         runs once over its padded tokens; on an accelerator those runs take milliseconds, on a 2-core CPU the
         largest SmolLM2 chunks take seconds each. Stops early as :meth:`warmup` does."""
-        keys: list[tuple] = []
-        return self._stopping_when_maps_short(keys, self._warmup_prefill, keys, sampled, max_context, progress)
+        return self._stopping_when_maps_short(self._warmup_prefill, sampled, max_context, progress)
 
     def _warmup_prefill(self, keys, sampled, max_context, progress) -> None:
         modes = [True, False] if sampled else [True]
