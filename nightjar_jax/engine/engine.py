@@ -313,7 +313,8 @@ class LLMEngine:
         if self.tokenizer is not None:
             from nightjar_jax.models.tokenizer import IncrementalDetokenizer
 
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                                     prompt_ids=req.prompt_token_ids)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.stats.num_prompt_tokens += len(ids)

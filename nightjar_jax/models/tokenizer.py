@@ -284,15 +284,22 @@ class IncrementalDetokenizer:
     Decodes a small window ``ids[prefix_offset:]`` and diffs it against ``ids[prefix_offset:read_offset]`` (the
     vLLM scheme), so leading-space stripping and byte fallback behave as in a full decode. Text ending in U+FFFD
     (an incomplete UTF-8 character) is held back until the character is complete.
+
+    ``prompt_ids``: the window starts on the prompt's last :data:`PROMPT_CONTEXT` ids (read, never emitted), so the
+    first generated token reads as it does after the prompt: a SentencePiece ``▁upon`` after "Once" streams
+    " upon", where decoded alone its leading space would be stripped.
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True):
+    PROMPT_CONTEXT = 5  # (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True,
+                 prompt_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
+        self.ids: list[int] = [int(t) for t in prompt_ids[-self.PROMPT_CONTEXT:]] if prompt_ids else []
         self.text = ""
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = len(self.ids)
 
     def add(self, token_ids: Sequence[int]) -> str:
         self.ids.extend(int(t) for t in token_ids)

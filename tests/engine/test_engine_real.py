@@ -31,6 +31,19 @@ def test_golden_greedy_text(llm):
     assert text.startswith(", there was a little girl named Lily. She loved to play outside in the park.")
 
 
+def test_completion_text_reads_as_it_does_after_the_prompt(llm):
+    """The text of a completion is the full decode less the prompt's: a SentencePiece first token keeps its leading
+    space (decoded alone, "▁upon" after "Once" would lose it)."""
+    tok = llm.engine.tokenizer
+    outs = llm.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        full = tok.decode(out.prompt_token_ids + out.outputs[0].token_ids)
+        assert full.startswith(prompt)
+        assert out.outputs[0].text == full[len(prompt):]
+    out = llm.generate([{"prompt_token_ids": [1, 403]}], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert out.outputs[0].text == " upon a time"  # "Once" + " upon a time"
+
+
 def test_staggered_submission_equals_alone(llm, alone):
     engine = llm.engine
     ids, done = [], {}

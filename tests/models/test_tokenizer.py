@@ -97,6 +97,21 @@ def test_incremental_detokenizer_byte_fallback(stories):
     assert "😀" in deltas  # the emoji's 4 byte tokens come out as one complete character
 
 
+def test_incremental_detokenizer_reads_after_the_prompt(stories):
+    """Started on the prompt's last ids, the first generated token streams as it reads after the prompt (its
+    SentencePiece leading space kept); the prompt's own text is never emitted."""
+    ids = stories.encode("Once upon a time")
+    assert _stream(stories, ids[2:]) == ["upon", " a", " time"]  # alone: the first token's space is stripped
+    detok = IncrementalDetokenizer(stories, prompt_ids=ids[:2])
+    assert [detok.add([i]) for i in ids[2:]] == [" upon", " a", " time"]
+    assert detok.text == stories.decode(ids)[len("Once"):]
+    long_prompt = stories.encode("The cat sat on the mat. Once")  # only the last few prompt ids are kept
+    detok = IncrementalDetokenizer(stories, prompt_ids=long_prompt)
+    assert len(detok.ids) == IncrementalDetokenizer.PROMPT_CONTEXT
+    assert detok.add(ids[2:]) == " upon a time"
+    assert IncrementalDetokenizer(stories, prompt_ids=[1]).add(ids[1:]) == "Once upon a time"  # after BOS alone
+
+
 @needs_smollm
 def test_incremental_detokenizer_byte_level(smollm):
     text = "Paris 🇫🇷 est la capitale — 東京は日本の首都です 🎉"
