@@ -23,7 +23,7 @@ from nightjar_jax.config import EngineConfig, dtype_bytes
 from nightjar_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nightjar_jax.engine.request import FinishReason, Request
 from nightjar_jax.engine.runner import EVICT_MAP_SHARE, DecodeResult, ModelHandle, ModelRunner
-from nightjar_jax.engine.sampling_params import SamplingParams
+from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams
 from nightjar_jax.engine.scheduler import ScheduledBatch, Scheduler
 from nightjar_jax.memory import ElasticPolicy, MemoryAction, PoolState
 from nightjar_jax.spec.tree import load_tree_order
@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 # has at most this many rows (batch x (γ_max + 1)): batch 1 at γ_max = 4, where the verify streams the weights
 # (see LLMEngine._lookup_boost).
 LOOKUP_AR_BOOST_MAX_ROWS = 5
+
+
+def _prompt_error(message: str) -> InvalidRequestError:
+    return InvalidRequestError(message, "prompt")
 
 
 @dataclass
@@ -279,30 +283,32 @@ class LLMEngine:
         """Validate and queue a request; returns its id. Raises ``ValueError`` (nothing queued) on bad input."""
         params = sampling_params or SamplingParams()
         if params.n != 1:
-            raise ValueError("LLMEngine.add_request takes n=1; LLM.generate and the server fan n out")
+            raise InvalidRequestError("LLMEngine.add_request takes n=1; LLM.generate and the server fan n out", "n")
         text, ids = self._tokenize(prompt)
         vocab = self.target.config.vocab_size
         if not ids:
-            raise ValueError("the prompt is empty: at least one token is required")
+            raise _prompt_error("the prompt is empty: at least one token is required")
         bad = [t for t in ids if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab)]
         if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}): got {bad[:5]}")
+            raise _prompt_error(f"prompt token ids must be integers in [0, {vocab}): got {bad[:5]}")
         if len(ids) >= self.context_limit:
-            raise ValueError(
+            raise _prompt_error(
                 f"the prompt has {len(ids)} tokens, the context limit is {self.context_limit} "
                 f"(prompt + at least one generated token must fit)"
             )
         if len(ids) >= self.max_model_len:  # (capped at what the base pool holds)
-            raise ValueError(
+            raise _prompt_error(
                 f"the prompt has {len(ids)} tokens but the whole KV pool holds {self.max_model_len}: it can never be "
                 f"scheduled (prompt + at least one generated token must fit)"
             )
         if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}): got {max(params.logit_bias)}")
+            raise InvalidRequestError(
+                f"logit_bias token ids must be in [0, {vocab}): got {max(params.logit_bias)}", "logit_bias"
+            )
         if request_id is None:
             request_id = str(next(self._ids))
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         req = Request(request_id, [int(t) for t in ids], params, seed, prompt=text)
         if params.min_tokens:
@@ -327,14 +333,14 @@ class LLMEngine:
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                raise _prompt_error("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
+                raise _prompt_error("this model has no tokenizer: pass prompt token ids instead of text")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise _prompt_error(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish a request at once with reason ``abort``; its pages are freed immediately."""

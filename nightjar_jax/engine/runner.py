@@ -824,16 +824,17 @@ class ModelRunner:
         min_p = np.zeros(num_rows, np.float32)
         seeds = np.zeros(num_rows, np.uint32)
         steps = np.zeros(num_rows, np.int32)
+        vocab = self.target.config.vocab_size
         for i, r in enumerate(requests):
             sp = r.sampling
-            temperature[i], top_k[i], top_p[i], min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+            # (top_k >= V keeps every token, as 0 does: clamped, any Python int fits the int32 column)
+            temperature[i], top_k[i], top_p[i], min_p[i] = sp.temperature, min(sp.top_k, vocab), sp.top_p, sp.min_p
             seeds[i] = r.seed % 2**32
             steps[i] = len(r.output_token_ids)
         bias_ids = bias_values = None
         biases = [_row_bias(r) for r in requests]
         widest = max((len(b) for b in biases), default=0)
         if any(r.output_counts for r in requests):  # penalties: one dense [S, V] bias (a shape that never grows)
-            vocab = self.target.config.vocab_size
             dense = np.zeros((num_rows, vocab), np.float32)
             for i, r in enumerate(requests):
                 for token, value in biases[i].items():

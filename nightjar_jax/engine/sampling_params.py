@@ -10,11 +10,27 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (OpenAI's API takes up to 300)
 
 
+class InvalidRequestError(ValueError):
+    """A request's input that the engine cannot serve; ``field`` names the parameter at fault (``"prompt"``,
+    ``"top_p"``, ...) so a server can point at it."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters (an error message quotes what was sent, not all of it)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 4] + " ..."
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's completion.
 
-    ``temperature == 0`` is greedy. ``top_k`` 0 or -1 means off, ``top_p`` 1 means off, ``min_p`` 0 means off.
+    ``temperature == 0`` is greedy. ``top_k`` 0 or -1 (or at least the vocabulary size) means off, ``top_p`` 1
+    means off, ``min_p`` 0 means off.
     ``seed`` makes sampling reproducible per request, independent of what else is in the batch.
     ``stop`` strings end the completion (the stop string itself is not included in the text);
     ``stop_token_ids`` end it with the token included in ``token_ids`` but not in the text.
@@ -86,7 +102,9 @@ class SamplingParams:
         ]
         for ok, name, allowed in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: allowed {allowed}")
+                raise InvalidRequestError(
+                    f"SamplingParams.{name}={short_repr(getattr(self, name))} is invalid: allowed {allowed}", name
+                )
 
     @property
     def has_penalties(self) -> bool:

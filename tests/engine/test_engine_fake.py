@@ -93,8 +93,9 @@ def test_stop_conditions_eos_stop_ids_max_tokens_and_context_limit():
 def test_bad_requests_are_rejected_alone(prompt, params, match):
     eng = fake_engine(max_model_len=256)
     eng.add_request(PROMPTS[0], greedy(5), request_id="good")
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as info:
         eng.add_request(prompt, params)
+    assert info.value.field == "prompt"  # (a server answers with the parameter at fault)
     assert run_all(eng) == {"good": expected(PROMPTS[0], 5)}
     assert eng.num_free_pages == eng.num_total_pages
 
@@ -133,8 +134,29 @@ def test_bad_sampling_values_raise_with_field_names():
     for kwargs, field in [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
                           ({"top_p": 0}, "top_p"), ({"top_k": -3}, "top_k"), ({"min_p": 1.5}, "min_p"),
                           ({"n": 0}, "n")]:
-        with pytest.raises(ValueError, match=field):
+        with pytest.raises(ValueError, match=field) as info:
             SamplingParams(**kwargs)
+        assert info.value.field == field
+    with pytest.raises(ValueError, match=r"logit_bias=\{0: 1000, 1: 1000, .* \.\.\. is invalid") as info:
+        SamplingParams(logit_bias={i: 1000 for i in range(2000)})  # (the message quotes the start of what was sent)
+    assert len(str(info.value)) < 250
+
+
+def test_top_k_past_int32_samples_as_top_k_off():
+    """top_k at or past the vocabulary keeps every token; 2**31 and more used to overflow the int32 sampling column
+    and fail the whole batch's step."""
+    from nightjar_jax.engine.sampling_params import SamplingParams
+
+    eng = fake_engine(max_model_len=256)
+    runs = {}
+    for top_k in (0, VOCAB, 2**31, 2**40):
+        params = SamplingParams(temperature=1.0, top_k=top_k, seed=11, max_tokens=8)
+        eng.add_request(PROMPTS[1], params, request_id=f"k{top_k}")
+        eng.add_request(PROMPTS[0], greedy(5), request_id=f"good{top_k}")
+        runs.update(run_all(eng))
+    assert runs["k0"] == runs[f"k{VOCAB}"] == runs[f"k{2**31}"] == runs[f"k{2**40}"]
+    assert all(runs[f"good{k}"] == expected(PROMPTS[0], 5) for k in (0, VOCAB, 2**31, 2**40))
+    assert eng.num_free_pages == eng.num_total_pages
 
 
 def test_full_warmup_covers_prefill_chunks_and_the_draft_catch_up():
