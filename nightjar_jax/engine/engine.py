@@ -284,7 +284,7 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise InvalidRequestError("LLMEngine.add_request takes n=1; LLM.generate and the server fan n out", "n")
-        text, ids = self._tokenize(prompt)
+        text, ids = self.tokenize_prompt(prompt)
         vocab = self.target.config.vocab_size
         if not ids:
             raise _prompt_error("the prompt is empty: at least one token is required")
@@ -326,7 +326,9 @@ class LLMEngine:
         self.stats.num_prompt_tokens += len(ids)
         return request_id
 
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """A prompt (text, token ids, or ``{"prompt": ..., "prompt_token_ids": ...}``) as ``(text, ids)``: the ids
+        :meth:`add_request` would queue (a server that checks lengths first passes them back as the dict)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])

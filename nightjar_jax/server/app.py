@@ -4,12 +4,15 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``
 events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 
 Every error is answered in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
-input (malformed JSON, invalid UTF-8, wrong types, unknown fields, bad values, prompts longer than the context),
-401 for a missing / wrong API key, 404 for an unknown model or route, 413 for a body over the size limit.
+input (malformed JSON, invalid UTF-8 or Unicode, wrong types, unknown fields, bad values, prompts longer than the
+context, a prompt plus an explicit ``max_tokens`` past it), with ``param`` naming the field at fault; 401 for a
+missing / wrong API key, 404 for an unknown model or route, 413 for a body over the size limit; 500 when the engine
+failed while serving the request (a streamed response, already under way, ends with an ``{"error": ...}`` event
+before ``[DONE]``).
 
 One HTTP request becomes one **group** of engine requests (``len(prompts) * n`` members); choice ``i`` of the
-response is member ``i`` (prompt ``i // n``, sample ``i % n``, seeded ``seed + i % n`` when a seed is given). When
-the client goes away the whole group is aborted, which frees its KV pages at once.
+response is member ``i`` (prompt ``i // n``, sample ``i % n``, seeded ``(seed + i % n) mod 2**63`` when a seed is
+given). When the client goes away the whole group is aborted, which frees its KV pages at once.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from nightjar_jax.engine.outputs import RequestOutput
-from nightjar_jax.engine.sampling_params import SamplingParams
+from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, short_repr
 from nightjar_jax.server.async_engine import AsyncEngine, GroupStream
 from nightjar_jax.server.metrics import ServerMetrics
 from nightjar_jax.server.protocol import (
@@ -61,6 +65,72 @@ class ServerSettings:
 
 class _ClientGone(Exception):
     pass
+
+
+# Pydantic's tags for the members of a union field (``prompt``, ``stop``, a message's ``content``), as the error
+# message lists what is allowed.
+_TYPE_NAMES = {
+    "str": "a string",
+    "list[str]": "a list of strings",
+    "list[int]": "a list of token ids (integers)",
+    "list[list[int]]": "a list of token-id lists",
+    "list[TextPart]": "a list of text parts ({\"type\": \"text\", \"text\": ...})",
+    "int": "an integer",
+    "float": "a number",
+    "bool": "a boolean",
+}
+
+
+def _is_type_tag(item: Any) -> bool:
+    return isinstance(item, str) and (item in _TYPE_NAMES or "[" in item or item[:1].isupper())
+
+
+def _field_path(loc: tuple | list) -> str:
+    """``("messages", 0, "content")`` as ``messages[0].content``."""
+    out = ""
+    for item in loc:
+        out += f"[{item}]" if isinstance(item, int) else (f".{item}" if out else str(item))
+    return out
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first error of a request body's validation, naming the field; a union field (e.g. ``prompt``) lists the
+    types it takes instead of pydantic's error per member type."""
+    errors = exc.errors()
+    first = errors[0]
+    loc = tuple(first["loc"])
+    k = next((i for i, item in enumerate(loc) if _is_type_tag(item)), None)
+    if k is None:
+        path = _field_path(loc)
+        got = f" (got {short_repr(first['input'])})" if path else ""
+        return APIError(400, f"'{path}': {first['msg']}{got}" if path else first["msg"], param=path or None)
+    prefix = loc[:k]
+    tags = list(dict.fromkeys(e["loc"][k] for e in errors if tuple(e["loc"][:k]) == prefix and len(e["loc"]) > k))
+    whole = next((e["input"] for e in errors if tuple(e["loc"]) == (*prefix, tags[0])), first["input"])
+    path = _field_path(prefix)
+    allowed = ", ".join(_TYPE_NAMES.get(t, t) for t in tags)
+    return APIError(400, f"'{path}' must be one of: {allowed}; got {short_repr(whole)}", param=path)
+
+
+def find_surrogate(value: Any, path: str = "") -> str | None:
+    """The path of the first string (key or value) in parsed JSON holding a lone UTF-16 surrogate (``"\\ud800"``
+    escapes parse into one; no text can be encoded with it), or None."""
+    if isinstance(value, str):
+        return path if any("\ud800" <= ch <= "\udfff" for ch in value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            sub = f"{path}.{key}" if path else str(key)
+            if find_surrogate(key) is not None:
+                return sub
+            hit = find_surrogate(item, sub)
+            if hit is not None:
+                return hit
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            hit = find_surrogate(item, f"{path}[{i}]")
+            if hit is not None:
+                return hit
+    return None
 
 
 def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
@@ -98,6 +168,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code)
 
+    @app.exception_handler(_ClientGone)
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: Exception):  # nobody reads the answer: no log, no traceback
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):  # pragma: no cover - a bug, but keep the shape
         logger.exception("unhandled error")
@@ -109,7 +184,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), settings.api_key):
+        # (as bytes: a header's raw bytes arrive latin-1 decoded, and compare_digest takes str only when ASCII)
+        sent = token.strip().encode("latin-1", "replace")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(sent, settings.api_key.encode("utf-8")):
             raise APIError(
                 401,
                 "invalid or missing API key (send 'Authorization: Bearer <key>')",
@@ -142,16 +219,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             raise APIError(400, f"the request body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
-        try:
-            text.encode("utf-8")  # rejects lone surrogates smuggled in as \ud800 escapes
-        except UnicodeEncodeError:
-            raise APIError(400, "the request contains invalid Unicode (a lone surrogate escape)") from None
+        bad = find_surrogate(data)  # a "\ud800" escape parses into a string no tokenizer can take
+        if bad is not None:
+            raise APIError(400, f"'{bad}' holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): text must be "
+                                f"valid Unicode (a surrogate pair, or the character itself)", param=bad)
         try:
             return model.model_validate(data)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"])
-            raise APIError(400, f"{loc}: {err['msg']}" if loc else err["msg"], param=loc or None) from None
+            raise validation_error(exc) from None
 
     def check_model(name: str | None) -> str:
         if name is not None and name not in model_names:
@@ -174,25 +249,67 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     def token_text(token: int) -> str:
         return engine.tokenizer.token_text(token)
 
-    def make_params(req, max_tokens: int | None) -> SamplingParams:
+    def make_params(req, max_tokens: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:
+        """The engine's sampling parameters; a bad value is a 400 naming the API's field (``top_logprobs`` for the
+        chat API's per-token count, ``logprobs`` for the prompt's, ...)."""
         try:
             return req.sampling_params(max_tokens)
+        except InvalidRequestError as exc:
+            chat = isinstance(req, ChatCompletionRequest)
+            names = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs" if chat else "logprobs",
+                     "prompt_logprobs": "logprobs"}
+            name = names.get(exc.field, exc.field)
+            raise APIError(400, str(exc).replace(f"SamplingParams.{exc.field}", f"'{name}'"), param=name) from None
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
-    async def add_group(prompts: list[Any], params: SamplingParams, n: int, request_id: str) -> GroupStream:
+    def tokenized(prompts: list[Any], max_tokens: int | None, max_tokens_param: str | None) -> list[Any]:
+        """Each prompt as ``{"prompt", "prompt_token_ids"}`` (tokenized here, once); with an explicit ``max_tokens``
+        (``max_tokens_param`` names it), a prompt whose length plus it passes the context length is a 400 (vLLM's
+        rule) instead of a completion cut short. (A prompt alone too long is the engine's 400.)"""
+        out = []
+        for prompt in prompts:
+            try:
+                text, ids = engine.tokenize_prompt(prompt)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="prompt") from None
+            limit = engine.max_model_len
+            if max_tokens_param is not None and max_tokens is not None and len(ids) < limit < len(ids) + max_tokens:
+                raise APIError(
+                    400,
+                    f"the prompt has {len(ids)} tokens and '{max_tokens_param}' asks for {max_tokens} more: "
+                    f"{len(ids) + max_tokens} is past the context length {limit}; ask for at most "
+                    f"{limit - len(ids)}, or leave '{max_tokens_param}' out to generate up to the context length",
+                    param=max_tokens_param,
+                )
+            out.append({"prompt": text, "prompt_token_ids": ids} if text is not None else ids)
+        return out
+
+    async def add_group(prompts: list[Any], params: SamplingParams, n: int, request_id: str,
+                        max_tokens_param: str | None = None) -> GroupStream:
+        """Queue ``prompts`` x ``n`` members; ``max_tokens_param``: the field that set ``params.max_tokens``
+        explicitly (None: a default), checked against each prompt's length."""
+        prompts = await asyncio.to_thread(tokenized, prompts, params.max_tokens, max_tokens_param)
         members, member_params = [], []
         for prompt in prompts:
             for j in range(n):
                 members.append(prompt)
-                seed = None if params.seed is None else params.seed + j
+                seed = None if params.seed is None else (params.seed + j) % 2**63
                 member_params.append(dataclasses.replace(params, seed=seed) if n > 1 else params)
         try:
             return await async_engine.add(members, member_params, request_id=request_id)
         except ValueError as exc:
-            raise APIError(400, str(exc), param="prompt") from None
+            raise APIError(400, str(exc), param=getattr(exc, "field", None) or "prompt") from None
         except RuntimeError as exc:
             raise APIError(503, str(exc), type="server_error") from None
+
+    def engine_failure(outs: list[RequestOutput]) -> APIError | None:
+        """A 500 when the engine failed while serving any of ``outs`` (finish reason "error")."""
+        failed = next((o for o in outs if o is not None and o.outputs[0].finish_reason == "error"), None)
+        if failed is None:
+            return None
+        return APIError(500, f"the engine failed while serving this request: {failed.error or 'unknown error'}",
+                        type="internal_error")
 
     async def collect(stream: GroupStream, request: Request, size: int) -> list[RequestOutput]:
         """Wait for every member to finish; aborts the group if the client disconnects."""
@@ -243,6 +360,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             for frame in first or []:
                 yield sse(frame)
             async for index, out in stream:
+                failure = engine_failure([out])
+                if failure is not None:  # (the response is under way: the error goes as an event)
+                    finals[index] = out
+                    yield sse(failure.body())
+                    continue
                 body = chunk(index, out)
                 if body is not None:
                     if continuous_usage:
@@ -332,7 +454,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                            param="echo")
         params = make_params(req, check_max_tokens(req.engine_max_tokens(), "max_tokens"))
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = await add_group(prompts, params, req.n, rid)
+        explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None and not req.prompt_only
+        stream = await add_group(prompts, params, req.n, rid, max_tokens_param="max_tokens" if explicit else None)
         size, now = len(prompts) * req.n, int(time.time())
         base = {"id": rid, "object": "text_completion", "created": now, "model": model}
 
@@ -380,6 +503,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             outs = await collect(stream, request, size)
         except _ClientGone:
             return Response(status_code=499)
+        failure = engine_failure(outs)
+        if failure is not None:
+            raise failure
         choices = []
         for i, o in enumerate(outs):
             comp = o.outputs[0]
@@ -401,10 +527,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         model = check_model(req.model)
         req.check_unsupported()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = make_params(req, check_max_tokens(req.requested_max_tokens(), param))
+        params = make_params(req, check_max_tokens(req.requested_max_tokens(), param), param)
         prompt = render_chat(req.messages, req.add_generation_prompt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await add_group([prompt], params, req.n, rid)
+        explicit = req.requested_max_tokens() is not None
+        stream = await add_group([prompt], params, req.n, rid, max_tokens_param=param if explicit else None)
         size, now = req.n, int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model}
 
@@ -449,6 +576,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             outs = await collect(stream, request, size)
         except _ClientGone:
             return Response(status_code=499)
+        failure = engine_failure(outs)
+        if failure is not None:
+            raise failure
         choices = [
             {
                 "index": i,

@@ -9,11 +9,12 @@ OpenAI shapes (see ``app.py``); completions' ``echo`` prepends the prompt (and i
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nightjar_jax.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from nightjar_jax.engine.sampling_params import MAX_LOGPROBS, SamplingParams, short_repr
 
 
 class APIError(Exception):
@@ -85,6 +86,9 @@ class _SamplingFields(_Strict):
             raise APIError(400, "'stop' strings must be non-empty", param="stop")
         if isinstance(self.stop, str) and not self.stop:
             raise APIError(400, "'stop' must be a non-empty string", param="stop")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "'stream_options' applies to streamed responses only: set 'stream': true or leave "
+                                "it out", param="stream_options")
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         kwargs: dict[str, Any] = dict(
@@ -113,11 +117,11 @@ class _SamplingFields(_Strict):
         """``logit_bias`` with its keys (token ids as JSON strings) as integers."""
         if not self.logit_bias:
             return None
-        try:
-            return {int(k): v for k, v in self.logit_bias.items()}
-        except ValueError:
-            raise APIError(400, "'logit_bias' keys must be token ids (integers as strings)",
-                           param="logit_bias") from None
+        bad = [k for k in self.logit_bias if not re.fullmatch(r"-?[0-9]+", k)]  # (int() would take "5_0", " 5 ")
+        if bad:
+            raise APIError(400, f"'logit_bias' keys must be token ids written as decimal integers (\"50\"): got "
+                                f"{short_repr(bad[0])}", param="logit_bias")
+        return {int(k): v for k, v in self.logit_bias.items()}
 
     def num_logprobs(self) -> int | None:
         """The top log-probabilities each generated token carries (None: none asked)."""

@@ -367,11 +367,98 @@ def test_bad_input(server, name, path, body, raw, status):
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
 
 
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+# (name, path, body, raw body, the 400's param, a piece of its message): each names the field and what it takes
+FIELD_CASES = [
+    ("surrogate in prompt", "/v1/completions", None, b'{"prompt": "a\\ud800", "max_tokens": 2}', "prompt",
+     "lone UTF-16 surrogate"),
+    ("surrogate in model", "/v1/completions", None, b'{"prompt": "a", "model": "\\udfff"}', "model", "valid Unicode"),
+    ("surrogate in stop", "/v1/completions", None, b'{"prompt": "a", "stop": ["x", "\\ud800"]}', "stop[1]",
+     "surrogate"),
+    ("surrogate in chat", "/v1/chat/completions", None,
+     b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content", "surrogate"),
+    ("surrogate to tokenize", "/tokenize", None, b'{"prompt": "\\ud800"}', "prompt", "surrogate"),
+    ("prompt a number", "/v1/completions", {**GOOD, "prompt": 5}, None, "prompt",
+     "must be one of: a string, a list of strings, a list of token ids"),
+    ("prompt ids and text mixed", "/v1/completions", {**GOOD, "prompt": [1, "a"]}, None, "prompt", "got [1, 'a']"),
+    ("chat content a number", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, None,
+     "messages[0].content", "a list of text parts"),
+    ("wrong type names the value", "/v1/completions", {**GOOD, "max_tokens": "many"}, None, "max_tokens",
+     "(got 'many')"),
+    ("penalty names the API field", "/v1/completions", {**GOOD, "presence_penalty": 3}, None, "presence_penalty",
+     "'presence_penalty'=3.0 is invalid: allowed a float in [-2, 2]"),
+    ("min_tokens over max_tokens", "/v1/completions", {**GOOD, "min_tokens": 20}, None, "min_tokens",
+     "at most max_tokens"),
+    ("chat min_tokens over max_completion_tokens", "/v1/chat/completions",
+     {**CHAT, "max_completion_tokens": 2, "min_tokens": 5}, None, "min_tokens", "'min_tokens'=5"),
+    ("logit_bias past the vocabulary", "/v1/completions", {**GOOD, "logit_bias": {"100000": 1}}, None, "logit_bias",
+     "[0, 512)"),
+    ("logit_bias key with underscores", "/v1/completions", {**GOOD, "logit_bias": {"5_0": 1}}, None, "logit_bias",
+     "decimal integers"),
+    ("logit_bias key padded", "/v1/completions", {**GOOD, "logit_bias": {" 5 ": 1}}, None, "logit_bias",
+     "decimal integers"),
+    ("logit_bias too many", "/v1/completions", {**GOOD, "logit_bias": {str(i): 1 for i in range(1100)}}, None,
+     "logit_bias", "at most 1024"),
+    ("stream_options without stream", "/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, None,
+     "stream_options", "'stream': true"),
+    ("prompt plus max_tokens past the context", "/v1/completions", {**GOOD, "max_tokens": MAX_MODEL_LEN - 1}, None,
+     "max_tokens", f"the prompt has 2 tokens and 'max_tokens' asks for {MAX_MODEL_LEN - 1} more"),
+    ("chat prompt plus max_completion_tokens past the context", "/v1/chat/completions",
+     {**CHAT, "max_completion_tokens": MAX_MODEL_LEN - 3}, None, "max_completion_tokens", "past the context length"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,raw,param,fragment", FIELD_CASES, ids=[c[0] for c in FIELD_CASES])
+def test_bad_input_names_the_field_and_what_it_takes(server, name, path, body, raw, param, fragment):
+    resp = post(server, path, body, raw=raw)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and fragment in err["message"], err
+    assert len(err["message"]) < 400  # (quotes the start of what was sent, never all of it)
+
+
+def test_values_at_their_limits_are_served(client, server):
+    """Values that used to fail a request (or its whole batch): top_k past int32 is top-k off; a seed at the top of
+    its range with n > 1 wraps for the later choices; a prompt plus max_tokens exactly at the context is served."""
+    def text(**kw):
+        out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, **kw)
+        return [c.text for c in out.choices]
+
+    assert text(temperature=1.0, seed=5, extra_body={"top_k": 2**40}) == text(temperature=1.0, seed=5)
+    wrapped = text(temperature=1.0, seed=2**63 - 1, n=2)
+    assert wrapped[1] == text(temperature=1.0, seed=0)[0]
+    out = client.completions.create(model=MODEL, prompt=[1, 403], max_tokens=MAX_MODEL_LEN - 2, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == MAX_MODEL_LEN - 2
+    # without an explicit max_tokens a long prompt still gets what fits (completions' default 16 is a default)
+    long_prompt = [1] + [403] * (MAX_MODEL_LEN - 6)
+    out = client.completions.create(model=MODEL, prompt=long_prompt, temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 5
+    _wait_pages_free(server)
+
+
+def test_a_client_gone_mid_body_is_not_an_error(server):
+    """A client that closes its connection before sending the whole body: nobody to answer, nothing logged as an
+    unhandled error, and the server serves on."""
+    import socket
+
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {API_KEY}\r\nContent-Length: 100\r\n\r\n".encode() + b'{"prompt"')
+    assert post(server, "/v1/completions", GOOD).status_code == 200
+    time.sleep(0.5)
+    assert "unhandled error" not in server.logs() and "ClientDisconnect" not in server.logs()
+
+
 def test_auth(server):
     assert post(server, "/v1/completions", GOOD, key=None).status_code == 401
     resp = post(server, "/v1/completions", GOOD, key="wrong")
     assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(server.url + "/v1/models").status_code == 401
+    for key in ("s\u00e9kret", "\u00ff"):  # not ASCII: still a 401 (compare_digest refuses non-ASCII str)
+        raw_key = {"Authorization": b"Bearer " + key.encode("utf-8")}
+        assert post(server, "/v1/completions", GOOD, key=None, headers=raw_key).status_code == 401
     assert httpx.get(server.url + "/health").status_code == 200
     assert post(server, "/v1/completions", GOOD).status_code == 200
 

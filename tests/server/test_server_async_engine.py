@@ -129,3 +129,46 @@ def test_stop_aborts_in_flight(engine):
 
     with pytest.raises(RuntimeError, match="shutting down"):
         asyncio.run(after())
+
+
+def test_http_answers_a_failed_step_with_500_and_a_stream_with_an_error_event(engine, monkeypatch):
+    """Requests the engine failed on are not answered 200 with finish reason "error": a whole response is a 500
+    naming the failure, a stream under way ends with an OpenAI-shaped error event before [DONE]; the server serves on
+    and frees every page."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from nightjar_jax.server.app import ServerSettings, build_app
+
+    real_step = engine.step
+    calls = {"n": 0, "fail_at": 2}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == calls["fail_at"]:
+            raise RuntimeError("device on fire")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", flaky_step)
+    body = {"prompt": [7, 8], "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    with TestClient(build_app(AsyncEngine(engine), ServerSettings("fake"))) as client:
+        resp = client.post("/v1/completions", json=body)
+        assert resp.status_code == 500, resp.text
+        err = resp.json()["error"]
+        assert err["type"] == "internal_error" and "device on fire" in err["message"]
+
+        calls.update(n=0, fail_at=4)
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+            assert resp.status_code == 200
+            events = [line.removeprefix("data: ") for line in resp.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "internal_error" and "device on fire" in error["message"]
+
+        calls.update(n=0, fail_at=-1)
+        ok = client.post("/v1/completions", json=body)
+        assert ok.status_code == 200
+        assert ok.json()["choices"][0]["text"] == ""  # (the fake model has no tokenizer)
+        assert ok.json()["usage"]["completion_tokens"] == 20
+    assert engine.num_free_pages == engine.num_total_pages
