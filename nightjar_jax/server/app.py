@@ -93,6 +93,15 @@ def _field_path(loc: tuple | list) -> str:
     return out
 
 
+def _as_sent(value: Any, limit: int = 80) -> str:
+    """A value of the request body as JSON (``true``, ``null``), cut to ``limit`` characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return short_repr(value, limit)
+    return text if len(text) <= limit else text[: limit - 4] + " ..."
+
+
 def validation_error(exc: ValidationError) -> APIError:
     """The first error of a request body's validation, naming the field; a union field (e.g. ``prompt``) lists the
     types it takes instead of pydantic's error per member type."""
@@ -102,14 +111,14 @@ def validation_error(exc: ValidationError) -> APIError:
     k = next((i for i, item in enumerate(loc) if _is_type_tag(item)), None)
     if k is None:
         path = _field_path(loc)
-        got = f" (got {short_repr(first['input'])})" if path else ""
+        got = f" (got {_as_sent(first['input'])})" if path else ""
         return APIError(400, f"'{path}': {first['msg']}{got}" if path else first["msg"], param=path or None)
     prefix = loc[:k]
     tags = list(dict.fromkeys(e["loc"][k] for e in errors if tuple(e["loc"][:k]) == prefix and len(e["loc"]) > k))
     whole = next((e["input"] for e in errors if tuple(e["loc"]) == (*prefix, tags[0])), first["input"])
     path = _field_path(prefix)
     allowed = ", ".join(_TYPE_NAMES.get(t, t) for t in tags)
-    return APIError(400, f"'{path}' must be one of: {allowed}; got {short_repr(whole)}", param=path)
+    return APIError(400, f"'{path}' must be one of: {allowed}; got {_as_sent(whole)}", param=path)
 
 
 def find_surrogate(value: Any, path: str = "") -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from nightjar_jax.engine.sampling_params import MAX_LOGPROBS, SamplingParams, short_repr
 
@@ -36,6 +36,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# A token id is a JSON integer: not true / false or "5" (lax parsing would read them as 1 / 0 / 5).
+TokenId = StrictInt
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -53,7 +57,7 @@ class _SamplingFields(_Strict):
     min_p: float | None = Field(default=None, ge=0, lt=1)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     n: int = Field(default=1, ge=1, le=128)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -142,7 +146,7 @@ class _SamplingFields(_Strict):
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
-PromptField = str | list[str] | list[int] | list[list[int]]
+PromptField = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
 class CompletionRequest(_SamplingFields):
@@ -264,7 +268,7 @@ class DetokenizeRequest(_Strict):
     """vLLM's ``POST /detokenize``."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def _token_text(lp: Any, token: int) -> str:
