@@ -264,3 +264,10 @@ def test_warmup_compiles_every_decode_variant_so_decoding_compiles_nothing(impl)
     after = runner.compiled_cache_sizes()
     assert after["forward_sample"] == sizes["forward_sample"]
     assert after["propose"] == sizes["propose"] and after["verify"] == sizes["verify"]
+
+
+def test_unknown_planner_is_an_error_without_a_draft_too():
+    """With no draft there is nothing to plan (every step is γ = 0), but a misspelt planner used to be ignored."""
+    with pytest.raises(ValueError, match="unknown planner 'bogus'; known planners: .*nightjar"):
+        fake_engine(planner="bogus")
+    assert fake_engine(planner="nightjar").planner.name == "ar"
