@@ -40,7 +40,9 @@ class LLM:
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. ``n > 1`` fans a prompt out into
-        ``n`` sequences (seeds ``seed + i`` when seeded) returned as ``outputs[0..n-1]``."""
+        ``n`` sequences (seeds ``(seed + i) mod 2**63`` when seeded) returned as ``outputs[0..n-1]``. If a step raises
+        (or the call is interrupted), this call's unfinished requests are aborted (their pages freed) before the
+        exception propagates."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -67,14 +69,21 @@ class LLM:
             raise
         finals: dict[str, RequestOutput] = {}
         bar = _progress(len(children), use_tqdm)
-        while len(finals) < len(children):
-            for out in engine.step():
-                if out.finished and out.request_id in children:
-                    finals[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while len(finals) < len(children):
+                for out in engine.step():
+                    if out.finished and out.request_id in children:
+                        finals[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:  # a failed step, or Ctrl-C in a notebook: the next call must not inherit these requests
+            for rid in children:
+                if rid not in finals:
+                    engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         results: list[RequestOutput | None] = [None] * len(prompts)
         for rid, (i, j) in sorted(children.items(), key=lambda kv: kv[1]):
             out = finals[rid]
@@ -121,7 +130,7 @@ def _child_params(sp: SamplingParams, index: int) -> SamplingParams:
         return sp
     import dataclasses
 
-    return dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + index)
+    return dataclasses.replace(sp, n=1, seed=None if sp.seed is None else (sp.seed + index) % 2**63)
 
 
 def _progress(total: int, use_tqdm: bool | None):

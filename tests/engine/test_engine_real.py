@@ -80,6 +80,27 @@ def test_n_completions(llm):
     out = llm.generate([PROMPTS[0]], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=7))[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    top = llm.generate([PROMPTS[0]], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=2**63 - 1))[0]
+    wrapped = llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, max_tokens=8, seed=0))[0]
+    assert top.outputs[1].token_ids == wrapped.outputs[0].token_ids  # seed + 1 wraps to 0 (it used to raise)
+
+
+def test_a_failed_or_interrupted_generate_leaves_no_request_behind(llm, monkeypatch):
+    engine = llm.engine
+    real_step, calls = engine.step, {"n": 0}
+
+    def interrupted_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, GREEDY)
+    assert not engine.has_unfinished_requests() and engine.num_free_pages == engine.num_total_pages
+    monkeypatch.setattr(engine, "step", real_step)
+    assert llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].finish_reason == "length"
 
 
 def test_speculative_decoding_with_layer_skip_draft_equals_ar(llm, alone):
