@@ -458,23 +458,25 @@ class ModelRunner:
             )
         self.draft_kv: KVCache | None = None
         self.features: jax.Array | None = None
+        # while the draft is offloaded: the feature pool in host memory and its device sharding (offload_draft)
+        self._features_away: tuple[jax.Array, jax.sharding.Sharding] | None = None
         self.draft_on_device = draft is not None  # False while the draft is offloaded (offload_draft)
         self.warmup_stopped: str | None = None  # why a warm-up stopped early (maps_short), None if none did
         if draft is not None:
             self._allocate_draft_pools()
         self._build_jitted()
 
-    def _allocate_draft_pools(self) -> None:
-        """The draft's K/V pools, and a feature draft's feature pool (the draft's device memory besides its weights:
-        released and rebuilt with it)."""
+    def _allocate_draft_pools(self, features: jax.Array | None = None) -> None:
+        """The draft's K/V pools, and a feature draft's feature pool (``features``: the pool brought back, else
+        zeros): the draft's device memory besides its weights, released and rebuilt with it."""
         draft = self.draft
         self.draft_kv = commit_to_device(allocate_kv_cache(draft.config, self.num_pages, self.page_size,
                                                            resolve_kv_dtype(self.kv_cache_dtype, draft.config.dtype),
                                                            stacked=draft.stacked))
         if self.feature_draft:
-            self.features = commit_to_device(jnp.zeros((self.num_pages, self.page_size,
-                                                        self.target.config.hidden_size),
-                                                       jnp.dtype(self.target.config.dtype)))
+            self.features = features if features is not None else commit_to_device(
+                jnp.zeros((self.num_pages, self.page_size, self.target.config.hidden_size),
+                          jnp.dtype(self.target.config.dtype)))
 
     # ---- elastic memory (nightjar_jax.memory decides; these make the moves) ----------------------------------------
     def target_page_bytes(self) -> int:
@@ -509,13 +511,24 @@ class ModelRunner:
         return frozenset(id(x) for x in self.target.leaves())
 
     def offload_draft(self) -> int:
-        """Move the draft's weights to host memory (``pinned_host`` where the device has it) and release its pools.
-        Returns the device bytes freed (weights + pools). Until :meth:`reload_draft` only γ = 0 steps may run."""
+        """Move the draft's weights, and a feature draft's feature pool, to host memory (``pinned_host`` where the
+        device has it) and release its K/V pools. Returns the device bytes freed (weights + pools). Until
+        :meth:`reload_draft` only γ = 0 steps may run.
+
+        The feature pool goes to host memory rather than away: the target's features of every context computed so
+        far come back with the draft, which catches its K/V up from them as it would have computed it (the
+        positions decoded while it was away have none: their slots hold zeros or an earlier page owner's, which
+        only lowers acceptance there)."""
         if not self.draft_on_device:
             raise RuntimeError("the draft is already offloaded")
         kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
         host = "pinned_host" if "pinned_host" in kinds else "unpinned_host"
         freed = self.draft.move_to(host, keep=self._shared_with_target())  # (arrays shared with the target stay)
+        if self.features is not None:
+            home = self.features.sharding
+            away = jax.device_put(self.features, home.with_memory_kind(host))
+            jax.block_until_ready(away)
+            self._features_away = (away, home)
         pools = [a for a in jax.tree.leaves((self.draft_kv, self.features)) if isinstance(a, jax.Array)]
         self.draft_kv = self.features = None
         for a in pools:
@@ -543,12 +556,19 @@ class ModelRunner:
             a.delete()
 
     def reload_draft(self) -> None:
-        """Bring the draft's weights back to the device and rebuild its pools (zeroed: every request's draft KV must
-        be caught up, and a feature draft's features before now are zeros, which only lowers its acceptance)."""
+        """Bring the draft's weights and a feature draft's feature pool back to the device and rebuild its K/V pools
+        (zeroed: every request's draft K/V must be caught up)."""
         if self.draft_on_device:
             raise RuntimeError("the draft is on the device")
         self.draft.move_to("device")
-        self._allocate_draft_pools()
+        features = None
+        if self._features_away is not None:
+            away, home = self._features_away
+            features = jax.device_put(away, home)  # (the sharding it left: the compiled steps keep their keys)
+            jax.block_until_ready(features)
+            away.delete()
+            self._features_away = None
+        self._allocate_draft_pools(features)
         self.draft_on_device = True
 
     def lookahead(self, gamma: int) -> int:

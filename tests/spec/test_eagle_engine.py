@@ -45,11 +45,11 @@ def setup():
     return eagle, tcfg, tparams, dcfg, {k: jnp.asarray(v) for k, v in dparams.items()}, head_ids, target, draft
 
 
-def _engine(target, draft, tree_nodes: int = 0, prompt_lookup_max: int = 0) -> LLMEngine:
+def _engine(target, draft, tree_nodes: int = 0, prompt_lookup_max: int = 0, **kwargs) -> LLMEngine:
     cfg = make_engine_config(model=TINY, page_size=4, num_pages=96, max_num_seqs=2, max_num_batched_tokens=16,
                              compilation_cache_dir=None, planner=f"static:{GAMMA}" if draft else "static",
                              num_speculative_tokens=GAMMA, max_model_len=96, spec_tree_nodes=tree_nodes,
-                             prompt_lookup_max=prompt_lookup_max)
+                             prompt_lookup_max=prompt_lookup_max, **kwargs)
     return LLMEngine(cfg, target=target, draft=draft)
 
 
@@ -146,6 +146,29 @@ def test_feature_draft_after_steps_without_it_matches_training_forward(setup) ->
     assert _check_proposals(setup, engine, _engine(target, None)) >= 10
     assert 0 < len(proposes) < step["n"]  # the draft skipped the forced steps
     assert engine.stats.num_lookup_steps == sum(1 for x in range(1, step["n"] + 1) if x % 2)
+
+
+def test_feature_draft_after_an_offload_and_reload_matches_training_forward(setup) -> None:
+    """Elastic memory: the feature pool goes to host memory with the draft's weights and comes back with them, so
+    after a reload the draft catches up from the target's true features and proposes what the training forward does
+    (with the pool rebuilt as zeros, as before, its proposals after the reload differed)."""
+    *_, target, draft = setup
+    engine = _engine(target, draft, draft_offload="auto")
+    real_step, steps = engine.step, {"n": 0}
+    runner = engine.runner
+
+    def moving_step():
+        steps["n"] += 1
+        if steps["n"] % 4 == 3:  # between steps, mid-request: away and back (no step ran without the draft)
+            engine._offload_draft()
+            assert runner.features is None and runner.device_bytes()["draft_pools"] == 0
+            engine._reload_draft()
+        return real_step()
+
+    engine.step = moving_step
+    assert _check_proposals(setup, engine, _engine(target, None)) >= 20
+    assert engine.stats.num_draft_offloads == engine.stats.num_draft_reloads >= 4
+    assert runner.features.sharding.memory_kind in (None, "device")
 
 
 def test_feature_draft_tree_equals_ar(setup) -> None:
