@@ -13,7 +13,9 @@ Vocabulary
 - **request key**: the PRNG key of one request at one generation step,
   ``fold_in(fold_in(key(seed), step), salt)``. It depends only on the request's seed, how many tokens it has
   generated, and a salt naming the use (plain sampling, verification, drafting), never on the batch slot or on
-  the other requests in the batch. That is what makes a seeded request reproducible under continuous batching.
+  the other requests in the batch. That is what makes a seeded request reproducible under continuous batching,
+  given the same γ at each step: a plain step (``SALT_SAMPLE``) and a speculative one (``SALT_VERIFY`` /
+  ``SALT_DRAFT``) draw the same distribution from different streams.
 
 JIT notes: every function here is traceable with static shapes; the sampling parameters are arrays, so changing
 them never recompiles. Top-k/top-p find their thresholds by bisection (64 passes over the logits, no sort) and

@@ -109,3 +109,26 @@ def test_context_limit_clips_speculation():
     done = run_all(eng)
     assert done == {"a": expected(PROMPTS[0], 8), "b": expected(PROMPTS[2], 9)}
     assert eng.num_free_pages == eng.num_total_pages
+
+
+def test_a_seeded_request_is_reproducible_for_the_same_speculation_decisions():
+    """A seeded sampled request gives the same tokens alone or batched with others when every step runs at the same
+    γ; at another γ it draws other tokens from the same distribution (plain and speculative steps sample from
+    different random streams; README, ``seed``)."""
+    from nightjar_jax.engine.sampling_params import SamplingParams
+
+    seeded = SamplingParams(temperature=3.0, seed=1234, max_tokens=24)
+
+    def run(gamma, others):
+        engine = fake_engine(draft=True, num_speculative_tokens=GAMMA_MAX)
+        force_gamma(engine, lambda: gamma)
+        rid = engine.add_request([3, 1, 4, 1, 5, 9, 2, 6], seeded)
+        for i, prompt in enumerate(others):
+            engine.add_request(prompt, greedy(30), request_id=f"other-{i}")
+        out = run_all(engine)[rid]
+        assert engine.num_free_pages == engine.num_total_pages
+        return out
+
+    alone = run(3, [])
+    assert run(3, PROMPTS[:3]) == alone  # (γ = 0 alone vs batched: tests/engine/test_engine_real.py)
+    assert run(0, []) != alone  # (with temperature 3 over 97 tokens a match would be a coincidence)
