@@ -20,8 +20,9 @@ Decoding with Speculative Sampling", Alg. 2. Greedy rows (temperature 0) use the
 ``argmax``: accept while ``d_i == argmax p_i``, then commit ``argmax`` at the first mismatch (or the bonus).
 
 Randomness: the uniform ``u_i`` and the draw at position i come from ``fold_in(fold_in(k, i), 0)`` and
-``fold_in(fold_in(k, i), 1)`` with ``k = request_keys(st, salt)``, so results depend on the request's seed and
-step only, not on γ's padding or the batch.
+``fold_in(fold_in(k, i), 1)`` with ``k = request_keys(st, salt)``, so results depend on the request's seed, step
+and γ only, not on γ's padding or the batch (a plain step samples from another stream: a seeded request repeats
+its tokens for the same γ at each step, see ``SamplingParams``).
 
 Worked example (γ = 3, greedy): drafts [5, 7, 2], target argmax per position [5, 7, 9, 4] -> d_0 and d_1 match,
 d_2 does not: num_accepted = 2, output = [5, 7, 9, -1] (three committed tokens).
