@@ -257,13 +257,13 @@ class LLMEngine:
         return max(2, cache.kv_cache_bytes // (per_token * cache.page_size))
 
     def _make_planner(self):
-        from nightjar_jax.planner import known_planners, make_planner
+        from nightjar_jax.planner import make_planner
+        from nightjar_jax.planner.base import planner_class
 
         spec = self.config.spec
         name = spec.planner
         if self.gamma_max == 0:  # (nothing to plan, but a misspelt planner is still an error, not ignored)
-            if name.partition(":")[0] not in known_planners():
-                raise ValueError(f"unknown planner {name!r}; known planners: {', '.join(known_planners())}")
+            planner_class(name)
             name = "ar"
         elif name == "static":
             name = f"static:{self.gamma_max}"

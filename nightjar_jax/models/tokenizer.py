@@ -296,7 +296,7 @@ class IncrementalDetokenizer:
                  prompt_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = [int(t) for t in prompt_ids[-self.PROMPT_CONTEXT:]] if prompt_ids else []
+        self.ids: list[int] = [int(t) for t in list(prompt_ids)[-self.PROMPT_CONTEXT:]]
         self.text = ""
         self._prefix_offset = 0
         self._read_offset = len(self.ids)

@@ -266,6 +266,14 @@ def known_planners() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def planner_class(name: str) -> type[Planner]:
+    """The registered class of a planner spec (``name`` or ``name:ARG``); ValueError naming the known ones."""
+    cls = _REGISTRY.get(name.partition(":")[0])
+    if cls is None:
+        raise ValueError(f"unknown planner {name!r}; known planners: {', '.join(known_planners())}")
+    return cls
+
+
 def make_planner(
     name: str, gamma_max: int, *, decision_log: str | Path | DecisionLogger | None = None, **options: Any
 ) -> Planner:
@@ -280,9 +288,7 @@ def make_planner(
     if isinstance(gamma_max, bool) or not isinstance(gamma_max, int) or gamma_max < 0:
         raise ValueError(f"gamma_max must be an int >= 0, got {gamma_max!r}")
     base, _, argument = name.partition(":")
-    cls = _REGISTRY.get(base)
-    if cls is None:
-        raise ValueError(f"unknown planner {name!r}; known planners: {', '.join(known_planners())}")
+    cls = planner_class(name)
     if argument:
         options = {**cls._options_from_spec_argument(argument, gamma_max), **options}
     field_names = {f.name for f in dataclasses.fields(cls.Options)}

@@ -508,10 +508,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 stream_events(stream, size, req.n, chunk, req.include_usage, continuous_usage=req.continuous_usage),
                 media_type="text/event-stream",
             )
-        try:
-            outs = await collect(stream, request, size)
-        except _ClientGone:
-            return Response(status_code=499)
+        outs = await collect(stream, request, size)  # (a client gone: _ClientGone, answered 499 by its handler)
         failure = engine_failure(outs)
         if failure is not None:
             raise failure
@@ -581,10 +578,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                               continuous_usage=req.continuous_usage),
                 media_type="text/event-stream",
             )
-        try:
-            outs = await collect(stream, request, size)
-        except _ClientGone:
-            return Response(status_code=499)
+        outs = await collect(stream, request, size)  # (a client gone: _ClientGone, answered 499 by its handler)
         failure = engine_failure(outs)
         if failure is not None:
             raise failure
