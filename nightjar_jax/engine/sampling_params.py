@@ -21,7 +21,11 @@ class InvalidRequestError(ValueError):
 
 def short_repr(value: object, limit: int = 80) -> str:
     """``repr(value)`` cut to ``limit`` characters (an error message quotes what was sent, not all of it)."""
-    text = repr(value)
+    return clip(repr(value), limit)
+
+
+def clip(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters, ending in " ..." when cut."""
     return text if len(text) <= limit else text[: limit - 4] + " ..."
 
 

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from nightjar_jax.engine.outputs import RequestOutput
-from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, short_repr
+from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, clip, short_repr
 from nightjar_jax.server.async_engine import AsyncEngine, GroupStream
 from nightjar_jax.server.metrics import ServerMetrics
 from nightjar_jax.server.protocol import (
@@ -96,10 +96,9 @@ def _field_path(loc: tuple | list) -> str:
 def _as_sent(value: Any, limit: int = 80) -> str:
     """A value of the request body as JSON (``true``, ``null``), cut to ``limit`` characters."""
     try:
-        text = json.dumps(value, ensure_ascii=False)
+        return clip(json.dumps(value, ensure_ascii=False), limit)
     except (TypeError, ValueError):
         return short_repr(value, limit)
-    return text if len(text) <= limit else text[: limit - 4] + " ..."
 
 
 def validation_error(exc: ValidationError) -> APIError:
