@@ -60,6 +60,8 @@ _HELP = {
                              "this fraction of the pool",
     "offload_persist_steps": "steps in a row a condition must hold before the draft moves",
     "compilation_cache_dir": "JAX persistent compilation cache folder ('' disables)",
+    "enable_prefix_caching": "prefix caching: a request whose first tokens fill the same KV pages as an earlier or "
+                             "running request's shares those pages instead of computing them again",
     "weight_format": "CPU kernel weights: compact (GGUF Q4_1 / Q8_0 and bfloat16 values in those layouts, the same "
                      "results from a fifth to a half of the bytes), auto (compact plus float32 for products of more "
                      "than 8 rows), f32, w4a8 (opt-in, lossy: Q4_1 weights times int8-quantized activations, "
@@ -116,6 +118,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             kwargs["type"] = parse_bytes
         if name in _CHOICES:
             kwargs["choices"] = _CHOICES[name]
+        if kind is bool:  # --flag / --no-flag
+            del kwargs["type"]
+            kwargs["action"] = argparse.BooleanOptionalAction
         help_text = _HELP.get(name, name.replace("_", " "))
         kwargs["help"] = f"{help_text} (default: {defaults.get(name)!r})"
         group.add_argument("--" + name.replace("_", "-"), **kwargs)

@@ -192,9 +192,15 @@ class CacheConfig:
     offload_low_watermark: float = 0.05  # pressure: fewer free base pages than this fraction (or a blocked queue)
     reload_high_watermark: float = 0.25  # reload: no queue and free pages >= the extension + this fraction of base
     offload_persist_steps: int = 8  # steps a condition must hold before the move
+    # Prefix caching (vLLM's --enable-prefix-caching): a request whose first tokens fill the same pages as an
+    # earlier or running request's shares those pages' K/V instead of computing them (nightjar_jax/cache,
+    # engine/scheduler.py). Off by default here (vLLM turns it on).
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         _check_int("page_size", self.page_size, 1, 1024)
+        _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", self.enable_prefix_caching,
+               "true or false")
         if self.num_pages is not None:
             _check_int("num_pages", self.num_pages, 2)
         _check_int("kv_cache_bytes", self.kv_cache_bytes, 1)

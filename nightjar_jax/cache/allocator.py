@@ -8,9 +8,34 @@ Vocabulary
 - base and extension: ids ``0 .. num_pages - 1`` address the pool the engine starts with; while the draft model is
   offloaded (``nightjar_jax/memory``) an extension pool adds ids ``num_pages .. num_pages + extension - 1``.
   Base pages are handed out first, so the extension holds as little as possible when it is detached.
+- prefix caching (opt-in, ``CacheConfig.enable_prefix_caching``; the scheduler drives it): a page full of computed
+  tokens can be registered under the hash of every token up to its end (``page_hashes``). Pages are reference
+  counted: a registered page is shared by every request whose tokens start with the same pages, and when the last
+  holder frees it, it stays "cached free": counted in ``num_free`` and handed out only after the plain free pages
+  (least recently freed first, its hash dropped then), so a later request with that prefix can still take it.
 """
 
 from __future__ import annotations
+
+import collections
+import hashlib
+from collections.abc import Sequence
+
+
+def page_hashes(token_ids: Sequence[int], page_size: int, start: list[bytes] | None = None,
+                upto: int | None = None) -> list[bytes]:
+    """Chained hashes of the full pages of ``token_ids``: page ``j``'s hash covers every token of pages ``0 .. j``
+    (a 16-byte BLAKE2b of the previous page's hash and its own tokens). ``start``: hashes already computed for the
+    first pages (extended in place and returned); ``upto``: hash at most this many pages."""
+    out = [] if start is None else start
+    full = len(token_ids) // page_size if upto is None else min(upto, len(token_ids) // page_size)
+    prev = out[-1] if out else b""
+    for j in range(len(out), full):
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(b"".join(int(t).to_bytes(4, "little") for t in token_ids[j * page_size:(j + 1) * page_size]))
+        prev = h.digest()
+        out.append(prev)
+    return out
 
 
 class OutOfPagesError(RuntimeError):
@@ -18,7 +43,8 @@ class OutOfPagesError(RuntimeError):
 
 
 class PageAllocator:
-    """A LIFO free list of page ids ``1 .. num_pages - 1`` (page 0 reserved), plus an optional extension range."""
+    """A LIFO free list of page ids ``1 .. num_pages - 1`` (page 0 reserved), plus an optional extension range, and
+    the pages registered for prefix caching (reference counted; see the module's docstring)."""
 
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 2:
@@ -29,8 +55,12 @@ class PageAllocator:
         self.page_size = page_size
         # Reversed so that pop() hands out low ids first: easier to read in tests and logs.
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}  # page in use -> how many block tables hold it (more than 1: shared)
         self.num_extension = 0  # pages of the attached extension (ids num_pages ..); 0: none
+        # prefix caching: hash -> registered page and back; registered pages nobody holds, least recently freed first
+        self._cached: dict[bytes, int] = {}
+        self._page_hash: dict[int, bytes] = {}
+        self._cached_free: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     @property
     def num_usable(self) -> int:
@@ -38,7 +68,7 @@ class PageAllocator:
         return self.num_pages - 1 + self.num_extension
 
     def extension_pages_used(self) -> int:
-        return sum(1 for p in self._used if p >= self.num_pages)
+        return sum(1 for p in self._refs if p >= self.num_pages)
 
     def attach_extension(self, num_pages: int) -> None:
         """Add ids ``self.num_pages .. self.num_pages + num_pages - 1`` (an extension pool now addresses them). They
@@ -52,58 +82,158 @@ class PageAllocator:
 
     def detach_extension(self, block_tables: list[list[int]]) -> tuple[list[int], list[int]]:
         """Take the extension's ids back: every live extension page in ``block_tables`` (the block tables of all
-        sequences holding pages, rewritten in place) moves to a free base page. Returns the moves ``(src, dst)``:
-        the caller copies those pages' contents from the extension pool into the base pool before it frees the
-        extension. Raises (changing nothing) when the free base pages cannot take the live extension pages."""
+        sequences holding pages, rewritten in place; a page shared by several tables moves once) moves to a free base
+        page, and cached free extension pages are forgotten. Returns the moves ``(src, dst)``: the caller copies those
+        pages' contents from the extension pool into the base pool before it frees the extension. Raises (changing
+        nothing) when the free base pages cannot take the live extension pages."""
         if not self.num_extension:
             raise RuntimeError("no extension is attached")
-        live = sorted(p for p in self._used if p >= self.num_pages)
-        listed = sorted(p for table in block_tables for p in table if p >= self.num_pages)
-        if listed != live:
-            raise ValueError(f"the block tables hold extension pages {listed}, the allocator has {live} in use: "
-                             "every sequence holding pages must be given (a page would leak or be copied twice)")
+        live = sorted(p for p in self._refs if p >= self.num_pages)
+        listed = collections.Counter(p for table in block_tables for p in table if p >= self.num_pages)
+        if sorted(listed) != live or any(listed[p] != self._refs[p] for p in live):
+            raise ValueError(f"the block tables hold extension pages {sorted(listed.elements())}, the allocator has "
+                             f"{sorted(p for p in live for _ in range(self._refs[p]))} in use: every sequence holding "
+                             "pages must be given (a page would leak or be copied twice)")
         base_free = [p for p in self._free if p < self.num_pages]
-        if len(live) > len(base_free):
-            raise OutOfPagesError(f"{len(live)} live extension pages do not fit in {len(base_free)} free base pages")
+        base_cached = sum(1 for p in self._cached_free if p < self.num_pages)
+        if len(live) > len(base_free) + base_cached:
+            raise OutOfPagesError(f"{len(live)} live extension pages do not fit in {len(base_free) + base_cached} "
+                                  "free base pages")
+        for p in [p for p in self._cached_free if p >= self.num_pages]:  # (their contents go with the extension)
+            del self._cached_free[p]
+            self._forget(p)
         self._free = base_free  # (LIFO order kept: pop() still hands out low ids first)
-        src: list[int] = []
-        dst: list[int] = []
+        moves: dict[int, int] = {}
+        for p in live:
+            q = self._take()
+            self._refs[q] = self._refs.pop(p)
+            h = self._page_hash.pop(p, None)
+            if h is not None:  # a shared prefix page: registered under its new id
+                self._page_hash[q] = h
+                self._cached[h] = q
+            moves[p] = q
         for table in block_tables:
             for j, p in enumerate(table):
-                if p >= self.num_pages:
-                    q = self._free.pop()
-                    self._used.remove(p)
-                    self._used.add(q)
-                    table[j] = q
-                    src.append(p)
-                    dst.append(q)
+                if p in moves:
+                    table[j] = moves[p]
         self.num_extension = 0
-        return src, dst
+        return list(moves), list(moves.values())
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages that can be handed out: the plain free ones and the cached free ones (prefix caching)."""
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free pages still registered for prefix caching (handed out after the plain free ones)."""
+        return len(self._cached_free)
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.page_size)
 
     def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= len(self._free)
+        return num_pages <= self.num_free
+
+    def _take(self) -> int:
+        """A free page: a plain free one first, else the least recently freed cached one (its hash forgotten)."""
+        if self._free:
+            return self._free.pop()
+        p, _ = self._cached_free.popitem(last=False)
+        self._forget(p)
+        return p
+
+    def _forget(self, page: int) -> None:
+        h = self._page_hash.pop(page, None)
+        if h is not None:
+            del self._cached[h]
 
     def allocate(self, num_pages: int) -> list[int]:
-        if num_pages > len(self._free):
-            raise OutOfPagesError(f"requested {num_pages} pages, only {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(num_pages)]
-        self._used.update(pages)
+        if num_pages > self.num_free:
+            raise OutOfPagesError(f"requested {num_pages} pages, only {self.num_free} free")
+        pages = [self._take() for _ in range(num_pages)]
+        for p in pages:
+            self._refs[p] = 1
         return pages
 
     def free(self, pages: list[int]) -> None:
+        """Drop one hold on each page. A page nobody holds goes back: to the free list, or, registered, to the
+        cached free pages (a block table's later pages ahead of its first ones, to be handed out before them)."""
+        cached: list[int] = []
         for p in pages:
-            if p not in self._used:
+            refs = self._refs.get(p)
+            if refs is None:
                 raise ValueError(f"page {p} is not allocated (double free or foreign page)")
-            self._used.remove(p)
-            if p >= self.num_pages:  # an extension page: under the base pages (handed out last)
+            if refs > 1:
+                self._refs[p] = refs - 1
+                continue
+            del self._refs[p]
+            if p in self._page_hash:
+                cached.append(p)
+            elif p >= self.num_pages:  # an extension page: under the base pages (handed out last)
                 self._free.insert(0, p)
             else:
                 self._free.append(p)
+        for p in reversed(cached):  # a prefix's later pages are handed out before its first ones
+            self._cached_free[p] = None
+
+    # ---- prefix caching ---------------------------------------------------------------------------------------------
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """The registered pages of the longest run of ``hashes`` from the first (held or cached free)."""
+        pages: list[int] = []
+        for h in hashes:
+            p = self._cached.get(h)
+            if p is None:
+                break
+            pages.append(p)
+        return pages
+
+    def num_unheld(self, pages: Sequence[int]) -> int:
+        """How many of ``pages`` (from :meth:`lookup`) nobody holds: sharing them takes that many free pages."""
+        return sum(1 for p in pages if p not in self._refs)
+
+    def share(self, pages: Sequence[int]) -> None:
+        """Take one more hold on each of ``pages`` (registered pages from :meth:`lookup`)."""
+        for p in pages:
+            if p not in self._page_hash:
+                raise ValueError(f"page {p} is not registered: only cached pages can be shared")
+            if p in self._refs:
+                self._refs[p] += 1
+            else:
+                del self._cached_free[p]
+                self._refs[p] = 1
+
+    def register(self, page: int, h: bytes) -> None:
+        """Register a held page, full of computed tokens, under its hash (a no-op when the hash or the page is
+        registered already: two requests that computed the same prefix side by side keep one copy cached)."""
+        if page not in self._refs:
+            raise ValueError(f"page {page} is not allocated: only a held page can be registered")
+        if h in self._cached or page in self._page_hash:
+            return
+        self._cached[h] = page
+        self._page_hash[page] = h
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every registered page (held ones stay held, cached free ones become plain free pages); returns
+        how many pages were registered."""
+        n = len(self._page_hash)
+        self._free[:0] = sorted((p for p in self._cached_free if p >= self.num_pages), reverse=True)
+        self._free.extend(sorted((p for p in self._cached_free if p < self.num_pages), reverse=True))
+        self._cached_free.clear()
+        self._cached.clear()
+        self._page_hash.clear()
+        return n
+
+    def check(self) -> None:
+        """Raise if the bookkeeping is inconsistent (tests): every usable page exactly once among free, cached free
+        and held; the hash maps each other's inverse."""
+        usable = set(range(1, self.num_pages)) | set(range(self.num_pages, self.num_pages + self.num_extension))
+        parts = [set(self._free), set(self._cached_free), set(self._refs)]
+        if sum(map(len, parts)) != len(usable) or set().union(*parts) != usable or len(self._free) != len(parts[0]):
+            raise AssertionError(f"pages lost or counted twice: free {sorted(parts[0])}, cached free "
+                                 f"{sorted(parts[1])}, held {sorted(parts[2])}")
+        if {p: h for h, p in self._cached.items()} != self._page_hash:
+            raise AssertionError("the prefix cache's hash -> page and page -> hash maps disagree")
+        if not set(self._cached_free) <= set(self._page_hash):
+            raise AssertionError("a cached free page is not registered")

@@ -58,6 +58,10 @@ class EngineStats:
     num_lookup_steps: int = 0
     num_lookup_accepted: int = 0
     num_preemptions: int = 0
+    # prefix caching (CacheConfig.enable_prefix_caching): tokens of the requests admitted with a lookup, and of those
+    # the tokens whose K/V were found cached (vLLM's prefix_cache_queries / prefix_cache_hits)
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
     num_compiling_decode_steps: int = 0  # decode steps that compiled (or loaded) a variant: not shown to the planner
     num_compile_evictions: int = 0  # times every compiled variant was dropped, the process short of memory maps
     num_catchup_tokens: int = 0
@@ -150,7 +154,8 @@ class LLMEngine:
                         "'length') at %d tokens; raise kv_cache_bytes / num_pages for longer ones", pool_tokens,
                         self.max_model_len, pool_tokens)
             self.max_model_len = pool_tokens
-        self.scheduler = Scheduler(sched, self.allocator, self.max_model_len)
+        self.scheduler = Scheduler(sched, self.allocator, self.max_model_len,
+                                   prefix_caching=config.cache.enable_prefix_caching)
         gamma_max = config.spec.num_speculative_tokens if draft is not None else 0
         self.runner = ModelRunner(
             target, draft, num_pages=num_pages, page_size=config.cache.page_size, max_model_len=self.max_model_len,
@@ -356,6 +361,13 @@ class LLMEngine:
             self._reload_draft()  # idle now (an idle engine takes no step that would bring the draft back)
         return self._make_output(req, [])
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``): later requests compute their prompts whole
+        until pages are registered again. Running requests keep their pages. Returns the pages forgotten."""
+        for r in self.scheduler.running:  # (their pages computed so far are not registered again; later ones are)
+            r.num_registered_pages = min(r.num_computed, r.num_tokens) // self.allocator.page_size
+        return self.allocator.reset_prefix_cache()
+
     @property
     def draft_offloaded(self) -> bool:
         """Whether the draft is in host memory now (elastic memory)."""
@@ -388,6 +400,7 @@ class LLMEngine:
                 if r.first_scheduled_time is None:
                     r.first_scheduled_time = now
                 r.num_computed += n
+                self.scheduler.cache_computed(r)
                 if r.num_computed == r.num_tokens:  # the chunk reached the end: the sampled token is real
                     outputs.append(self._append(r, [int(tok)], now, logprobs[i] if logprobs else None))
             self.stats.num_prefill_steps += 1
@@ -418,11 +431,14 @@ class LLMEngine:
                     before = len(r.output_token_ids)
                     outputs.append(self._append(r, toks, now, result.logprobs[i] if result.logprobs else None))
                     delivered += len(r.output_token_ids) - before
+                    self.scheduler.cache_computed(r)  # (after the append: the pages hash the tokens committed)
                 self._record_decode(batch, result, time.perf_counter() - t0, delivered, compiled,
                                     observe=not (boosted or plain_only))
         if self.memory is not None:
             self._manage_memory(preempted=bool(batch.kind == "decode" and batch.preempted))
         self._check_maps_after_compiles()
+        self.stats.num_prefix_cache_queries = self.scheduler.num_prefix_queries
+        self.stats.num_prefix_cache_hits = self.scheduler.num_prefix_hits
         self.stats.num_steps += 1
         self.stats.last_step_seconds = time.perf_counter() - t0
         return [o for o in outputs if o is not None]
@@ -704,4 +720,5 @@ class LLMEngine:
         if r.is_finished:
             self.requests.pop(r.request_id, None)
         return RequestOutput(r.request_id, r.prompt, list(r.prompt_token_ids), [comp], r.is_finished, metrics,
-                             r.error, prompt_logprobs=r.prompt_logprobs_snapshot())
+                             r.error, prompt_logprobs=r.prompt_logprobs_snapshot(),
+                             num_cached_tokens=r.num_cached_tokens)

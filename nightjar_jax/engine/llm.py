@@ -32,6 +32,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (``enable_prefix_caching``); returns the pages forgotten."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -76,3 +76,5 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: one {token id: Logprob} per prompt token (None for the first, which nothing
     # predicts), as vLLM; complete once the prompt's prefill is done (every output after the first token)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # prefix caching: the prompt tokens whose K/V its first admission found cached (0 with it off), as vLLM's
+    num_cached_tokens: int = 0

@@ -11,6 +11,11 @@ start as soon as they can, and a per-step token budget chunks long prompts so de
 - Decode: every fully prefilled running request processes its last token (plus ``lookahead`` speculative
   positions, γ). Pages for those positions are reserved first; when the pool runs dry the most recently admitted
   request is preempted (its pages freed, the request requeued at the front of the waiting queue to be recomputed).
+- Prefix caching (opt-in): a request admitted with nothing computed takes, shared, the cached pages of the longest
+  run of its full pages that an earlier or running request computed (the same tokens from the first), up to but not
+  including its last token (whose logits sample the next one), and starts its prefill after them. Pages full of
+  computed tokens are registered after every step and when a request leaves or is preempted
+  (``nightjar_jax/cache/allocator.py``). Requests asking for prompt log-probabilities compute their whole prompt.
 - Nothing is dropped: every request leaves through :meth:`finish` with a finish reason, and its pages go back.
 """
 
@@ -20,7 +25,7 @@ import collections
 import logging
 from dataclasses import dataclass
 
-from nightjar_jax.cache.allocator import PageAllocator
+from nightjar_jax.cache.allocator import PageAllocator, page_hashes
 from nightjar_jax.config import SchedulerConfig
 from nightjar_jax.engine.request import FinishReason, Request, RequestStatus
 
@@ -43,13 +48,18 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, max_model_len: int,
+                 prefix_caching: bool = False):
         self.config = config
         self.allocator = allocator
         self.max_model_len = max_model_len
+        self.prefix_caching = prefix_caching
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order; the last one is preempted first
         self.num_preemptions = 0
+        # prefix caching: tokens of the requests admitted with a lookup, and of those the cached pages covered
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
 
     # ---- queues ---------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -111,18 +121,55 @@ class Scheduler:
         return ScheduledBatch("prefill", requests, chunks)
 
     def pages_to_admit(self, r: Request) -> int:
-        """Pages admitting ``r`` takes: its whole remaining prompt plus one token."""
-        return self.allocator.pages_for(r.num_tokens + 1) - len(r.block_table)
+        """Free pages admitting ``r`` takes: its whole remaining prompt plus one token, less the cached pages it
+        would share (those nobody holds still take a free page each)."""
+        hits = self._cached_prefix(r)
+        return (self.allocator.pages_for(r.num_tokens + 1) - len(r.block_table) - len(hits)
+                + self.allocator.num_unheld(hits))
+
+    def _cached_prefix(self, r: Request) -> list[int]:
+        """The cached pages ``r`` would start with (prefix caching on, nothing computed, no prompt log-probabilities
+        asked for): the longest run of its full pages registered, its last token left to compute."""
+        if not self.prefix_caching or r.block_table or r.num_computed or r.sampling.prompt_logprobs is not None:
+            return []
+        usable = (r.num_tokens - 1) // self.allocator.page_size
+        return self.allocator.lookup(page_hashes(r.all_token_ids, self.allocator.page_size, r.page_hashes,
+                                                 upto=usable)[:usable])
 
     def _admit(self, r: Request) -> bool:
-        needed = self.pages_to_admit(r)
-        if not self.allocator.can_allocate(needed):
+        hits = self._cached_prefix(r)
+        needed = self.allocator.pages_for(r.num_tokens + 1) - len(r.block_table) - len(hits)
+        if not self.allocator.can_allocate(needed + self.allocator.num_unheld(hits)):
             return False
         self.waiting.popleft()
+        if self.prefix_caching and not r.block_table and r.sampling.prompt_logprobs is None:
+            self.num_prefix_queries += r.num_tokens
+            self.num_prefix_hits += len(hits) * self.allocator.page_size
+            if r.num_preemptions == 0:
+                r.num_cached_tokens = len(hits) * self.allocator.page_size
+        if hits:
+            self.allocator.share(hits)
+            r.block_table.extend(hits)
+            r.num_registered_pages = len(hits)
+            r.num_computed = len(hits) * self.allocator.page_size
+            r.num_draft_computed = 0  # (the draft's K/V in shared pages may be missing: it catches up over them)
         r.block_table.extend(self.allocator.allocate(needed))
         r.status = RequestStatus.RUNNING
         self.running.append(r)
         return True
+
+    def cache_computed(self, r: Request) -> None:
+        """Register ``r``'s pages that are full of computed tokens (prefix caching on; a no-op otherwise)."""
+        if not self.prefix_caching or not r.block_table:
+            return
+        page_size = self.allocator.page_size
+        full = min(r.num_computed, r.num_tokens) // page_size
+        if full <= r.num_registered_pages:
+            return
+        hashes = page_hashes(r.all_token_ids, page_size, r.page_hashes, upto=full)
+        for j in range(r.num_registered_pages, full):
+            self.allocator.register(r.block_table[j], hashes[j])
+        r.num_registered_pages = full
 
     def schedule_decode(self, lookahead: int) -> ScheduledBatch | None:
         preempted: list[Request] = []
@@ -154,7 +201,7 @@ class Scheduler:
 
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
-        self._free_pages(r)
+        self._free_pages(r)  # (its computed pages stay cached: its recompute may find them)
         r.num_computed = 0
         r.num_draft_computed = 0
         r.num_preemptions += 1
@@ -165,5 +212,7 @@ class Scheduler:
 
     def _free_pages(self, r: Request) -> None:
         if r.block_table:
+            self.cache_computed(r)
             self.allocator.free(r.block_table)
             r.block_table = []
+            r.num_registered_pages = 0

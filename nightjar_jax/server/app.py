@@ -345,14 +345,17 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             stream.abort()  # no-op once finished; frees the pages on disconnect or cancellation
         return finals  # type: ignore[return-value]
 
-    def usage(outs: list[RequestOutput], n: int, generated: bool = True) -> dict[str, int]:
+    def usage(outs: list[RequestOutput], n: int, generated: bool = True) -> dict[str, Any]:
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outs[::n])
         completion_tokens = sum(len(o.outputs[0].token_ids) for o in outs) if generated else 0
-        return {
+        body: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         }
+        if engine.config.cache.enable_prefix_caching:  # (OpenAI's field: prompt tokens whose K/V were cached)
+            body["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in outs[::n])}
+        return body
 
     def sse(data: dict[str, Any]) -> str:
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"

@@ -2,8 +2,8 @@
 
 Latency histograms and the per-finish-reason counter are fed by the engine thread as outputs finish
 (``ServerMetrics.on_output``); the gauges and engine counters (pages, queue lengths, γ, decode steps per γ, a tree's
-nodes, drafted / accepted tokens overall, per draft position and from n-gram lookup, planner switches) are read from
-the engine at scrape time by :class:`_EngineCollector`.
+nodes, drafted / accepted tokens overall, per draft position and from n-gram lookup, planner switches, prefix cache
+queries and hits) are read from the engine at scrape time by :class:`_EngineCollector`.
 """
 
 from __future__ import annotations
@@ -79,6 +79,13 @@ class _EngineCollector:
             "nightjar_planner_switches", "Changes of γ chosen by the planner", getattr(e.planner, "num_switches", 0)
         )
         yield counter("nightjar_preemptions", "Requests preempted for KV space", stats.num_preemptions)
+        yield counter("nightjar_prefix_cache_queries", "Prompt tokens of the requests admitted with a prefix cache "
+                      "lookup (--enable-prefix-caching; a recompute after a preemption looks up again)",
+                      stats.num_prefix_cache_queries)
+        yield counter("nightjar_prefix_cache_hits", "Of those, the tokens whose K/V were found cached",
+                      stats.num_prefix_cache_hits)
+        yield gauge("nightjar_kv_pages_cached", "Free KV pages still holding a cached prefix (counted free: handed "
+                    "out after the others)", e.allocator.num_cached_free)
         yield counter("nightjar_prompt_tokens", "Prompt tokens accepted", stats.num_prompt_tokens)
         yield counter("nightjar_generation_tokens", "Tokens generated", stats.num_generated_tokens)
 

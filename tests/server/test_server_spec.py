@@ -24,10 +24,30 @@ def spec_server():
             "4",
             "--num-pages",
             "33",
+            "--enable-prefix-caching",
         ]
     )
     yield srv
     srv.stop()
+
+
+def test_prefix_caching_reports_cached_prompt_tokens(spec_server):
+    """``--enable-prefix-caching``: a prompt whose first pages an earlier request computed gets the same text, and
+    its usage and the metrics count the cached tokens (whole 16-token pages, its last token computed)."""
+    client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    opening = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
+    first = client.completions.create(model="stories260k", prompt=opening, max_tokens=8, temperature=0)
+    assert first.usage.prompt_tokens > 16 and first.usage.prompt_tokens_details.cached_tokens == 0
+    before = spec_server.metrics()
+    again = client.completions.create(model="stories260k", prompt=opening, max_tokens=8, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == (first.usage.prompt_tokens - 1) // 16 * 16 > 0
+    m = spec_server.metrics()
+    assert m["nightjar_prefix_cache_hits_total"] - before["nightjar_prefix_cache_hits_total"] == cached
+    assert m["nightjar_prefix_cache_queries_total"] - before["nightjar_prefix_cache_queries_total"] == \
+        first.usage.prompt_tokens
+    assert m["nightjar_kv_pages_cached"] >= cached // 16 and m["nightjar_kv_pages_free"] == m["nightjar_kv_pages_total"]
 
 
 def test_speculative_server_metrics(spec_server):
