@@ -29,6 +29,14 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any):
         self.engine = LLMEngine(make_engine_config(model=model, **kwargs))
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an engine built elsewhere, e.g. ``LLMEngine(config, target=other.engine.target, tokenizer=...)``:
+        a second engine (another draft, planner or pool) over a target already loaded, without loading it again."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

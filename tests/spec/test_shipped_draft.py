@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from nightjar_jax import LLM, SamplingParams
+from nightjar_jax.config import make_engine_config
+from nightjar_jax.engine.engine import LLMEngine
 from nightjar_jax.models.loader import ASSETS_DIR, load_checkpoint, resolve_source
 from nightjar_jax.models.presets import default_draft_for, get_preset
 
@@ -63,21 +65,33 @@ def test_default_pair() -> None:
     assert default_draft_for(TARGET) == DEFAULT_DRAFT
 
 
+def with_target(ar: LLM, **kwargs) -> LLM:
+    """An engine over ``ar``'s loaded target (SmolLM2 takes ~15 s to load and pack): the draft and the rest from
+    ``kwargs``, loaded as ``LLM(TARGET, **kwargs)`` would."""
+    config = make_engine_config(model=TARGET, **KWARGS, **kwargs)
+    return LLM.from_engine(LLMEngine(config, target=ar.engine.target, tokenizer=ar.engine.tokenizer))
+
+
 @pytest.fixture(scope="module")
-def ar_outputs(target_available):
-    """The target's greedy tokens alone, for the chat-templated prompts."""
+def ar_llm(target_available) -> LLM:
     ar = LLM(TARGET, draft_model=None, **KWARGS)  # explicit: plain AR even if a default draft is configured
     assert ar.engine.tokenizer.vocab_size == 49152
-    tok = ar.get_tokenizer()
+    return ar
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(ar_llm):
+    """The target's greedy tokens alone, for the chat-templated prompts."""
+    tok = ar_llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
-    return prompts, [o.outputs[0].token_ids for o in ar.generate(prompts, GREEDY)]
+    return prompts, [o.outputs[0].token_ids for o in ar_llm.generate(prompts, GREEDY)]
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_shipped_draft_greedy_sd_equals_ar(name: str, ar_outputs) -> None:
+def test_shipped_draft_greedy_sd_equals_ar(name: str, ar_llm, ar_outputs) -> None:
     prompts, want = ar_outputs
-    sd = LLM(TARGET, draft_model=str(ASSETS_DIR / "drafts" / name), num_speculative_tokens=4, planner="static:4",
-             **KWARGS)
+    sd = with_target(ar_llm, draft_model=str(ASSETS_DIR / "drafts" / name), num_speculative_tokens=4,
+                     planner="static:4")
     assert sd.engine.draft.config.vocab_size == sd.engine.target.config.vocab_size
     got = [o.outputs[0].token_ids for o in sd.generate(prompts, GREEDY)]
     assert got == want
@@ -121,7 +135,6 @@ def test_w4a8_greedy_sd_equals_ar(ar_outputs) -> None:
     params = SamplingParams(temperature=0, max_tokens=40)
     ar = LLM(TARGET, draft_model=None, weight_format="w4a8", **KWARGS)
     want = [o.outputs[0].token_ids for o in ar.generate(prompts, params)]
-    del ar
-    sd = LLM(TARGET, num_speculative_tokens=4, planner="static:4", weight_format="w4a8", **KWARGS)
+    sd = with_target(ar, num_speculative_tokens=4, planner="static:4", weight_format="w4a8")  # (the default draft)
     assert [o.outputs[0].token_ids for o in sd.generate(prompts, params)] == want
     assert sd.engine.stats.num_drafted_tokens > 0
