@@ -192,10 +192,10 @@ class CacheConfig:
     offload_low_watermark: float = 0.05  # pressure: fewer free base pages than this fraction (or a blocked queue)
     reload_high_watermark: float = 0.25  # reload: no queue and free pages >= the extension + this fraction of base
     offload_persist_steps: int = 8  # steps a condition must hold before the move
-    # Prefix caching (vLLM's --enable-prefix-caching): a request whose first tokens fill the same pages as an
-    # earlier or running request's shares those pages' K/V instead of computing them (nightjar_jax/cache,
-    # engine/scheduler.py). Off by default here (vLLM turns it on).
-    enable_prefix_caching: bool = False
+    # Prefix caching (vLLM's --enable-prefix-caching, on by default there too): a request whose first tokens fill the
+    # same pages as an earlier or running request's shares those pages' K/V instead of computing them
+    # (nightjar_jax/cache, engine/scheduler.py). False: every request computes its whole prompt.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check_int("page_size", self.page_size, 1, 1024)

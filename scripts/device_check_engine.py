@@ -177,7 +177,10 @@ def elastic_section(llm, args) -> dict:
            "extension_pages": ext_pages, "base_pages": alloc.num_pages - 1}
     print(f"  offload: {draft_bytes / 2**20:.1f} MiB of draft in {1e3 * offload_s:.1f} ms "
           f"({out['offload_gbs']:.1f} GB/s) -> {ext_pages} extension pages beside {out['base_pages']}", flush=True)
-    held = alloc.allocate(alloc.num_free - ext_pages)  # the base pool's free pages: the workload's go to the extension
+    # the base pool's free pages held, so the workload's go to the extension (cached pages forgotten first: the
+    # allocator hands out a cached base page only after the extension's free pages)
+    engine.reset_prefix_cache()
+    held = alloc.allocate(alloc.num_free - ext_pages)
     prompts = _prompts(engine.target.config.vocab_size, 1, args.prompt_len, seed=7)
     need = -(-(args.prompt_len + args.output_len + gamma_max + 2) // runner.page_size)
     if need > ext_pages:
@@ -188,6 +191,7 @@ def elastic_section(llm, args) -> dict:
     for attempt in range(2):  # the first run compiles the extended layout's variants; the second is timed
         if attempt:
             engine._offload_draft()
+            engine.reset_prefix_cache()
             held = alloc.allocate(alloc.num_free - alloc.num_extension)
         reloads, seconds = engine.stats.num_draft_reloads, engine.stats.offload_seconds
         runs.append(run_decode_workload(llm, prompts, args.output_len, gamma=0))

@@ -7,9 +7,10 @@ Vocabulary
 - block table: a sequence's list of page ids; logical page ``j`` holds positions ``j*page_size .. (j+1)*page_size-1``.
 - base and extension: ids ``0 .. num_pages - 1`` address the pool the engine starts with; while the draft model is
   offloaded (``nightjar_jax/memory``) an extension pool adds ids ``num_pages .. num_pages + extension - 1``.
-  Base pages are handed out first, so the extension holds as little as possible when it is detached.
-- prefix caching (opt-in, ``CacheConfig.enable_prefix_caching``; the scheduler drives it): a page full of computed
-  tokens can be registered under the hash of every token up to its end (``page_hashes``). Pages are reference
+  Free base pages are handed out first, so the extension holds as little as possible when it is detached (a cached
+  free base page, below, only after the extension's free pages: its prefix is kept rather than a migration saved).
+- prefix caching (``CacheConfig.enable_prefix_caching``, on by default; the scheduler drives it): a page full of
+  computed tokens can be registered under the hash of every token up to its end (``page_hashes``). Pages are reference
   counted: a registered page is shared by every request whose tokens start with the same pages, and when the last
   holder frees it, it stays "cached free": counted in ``num_free`` and handed out only after the plain free pages
   (least recently freed first, its hash dropped then), so a later request with that prefix can still take it.

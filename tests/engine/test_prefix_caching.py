@@ -148,7 +148,8 @@ def first_pages(alloc: PageAllocator, r: Request) -> list[int]:
 # ---- the engine (fake model) ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("draft", [False, True], ids=["ar", "spec"])
 def test_engine_outputs_equal_without_caching_with_hits_and_preemptions(draft: bool):
-    want = [o.token_ids for o in generate_outputs(fake_engine(draft=draft), PROMPTS, [greedy(12)] * len(PROMPTS))]
+    uncached = fake_engine(draft=draft, enable_prefix_caching=False)
+    want = [o.token_ids for o in generate_outputs(uncached, PROMPTS, [greedy(12)] * len(PROMPTS))]
     engine = fake_engine(draft=draft, enable_prefix_caching=True)
     first = generate_outputs(engine, PROMPTS[:1], [greedy(12)])  # the shared prefix computed once
     assert first[0].token_ids == want[0] and engine.stats.num_prefix_cache_hits == 0
@@ -172,19 +173,20 @@ def test_engine_outputs_equal_without_caching_with_hits_and_preemptions(draft: b
     engine.allocator.check()
 
 
-def test_off_by_default_and_the_flags():
+def test_on_by_default_off_by_flag():
+    import argparse
+
     from nightjar_jax.cli import add_engine_args, engine_config_from_args
     from nightjar_jax.config import ConfigError, make_engine_config
 
-    engine = fake_engine()
-    generate_outputs(engine, PROMPTS[:1] * 2, [greedy(4)] * 2)
+    engine = fake_engine(enable_prefix_caching=False)
+    generate_outputs(engine, PROMPTS[:1], [greedy(4)])
+    generate_outputs(engine, PROMPTS[:1], [greedy(4)])
     assert engine.stats.num_prefix_cache_hits == 0 and engine.allocator.num_cached_free == 0
-    import argparse
-
     parser = add_engine_args(argparse.ArgumentParser())
+    assert engine_config_from_args(parser.parse_args([])).cache.enable_prefix_caching  # (as vLLM)
     assert engine_config_from_args(parser.parse_args(["--enable-prefix-caching"])).cache.enable_prefix_caching
     assert not engine_config_from_args(parser.parse_args(["--no-enable-prefix-caching"])).cache.enable_prefix_caching
-    assert not engine_config_from_args(parser.parse_args([])).cache.enable_prefix_caching
     with pytest.raises(ConfigError, match="enable_prefix_caching"):
         make_engine_config(enable_prefix_caching="yes")
 
@@ -195,7 +197,7 @@ def test_elastic_memory_with_shared_pages_on_the_extension():
     burst = [[int(t) for t in RNG.integers(1, VOCAB, 6 + i % 5)] for i in range(8)]
     late = [SHARED + [int(t) for t in RNG.integers(1, VOCAB, 1 + i)] for i in range(4)]
     params = [greedy(n) for n in [40, 40] + [12] * 6] + [greedy(24)] * 4
-    want = [o.token_ids for o in generate_outputs(fake_engine(), burst + late, params)]
+    want = [o.token_ids for o in generate_outputs(fake_engine(enable_prefix_caching=False), burst + late, params)]
     engine = fake_engine(draft=True, num_pages=24, max_num_seqs=6, num_speculative_tokens=3, draft_offload="auto",
                          offload_persist_steps=2, reload_high_watermark=0.0, prompt_lookup_max=0,
                          enable_prefix_caching=True)
