@@ -38,15 +38,18 @@ SYSTEM = (
 
 
 def run(llm, prompts: list, params, interval: int) -> dict:
-    """Add the prompts one every ``interval`` steps and step to the end; returns counts, TTFTs and wall seconds."""
+    """Add the prompts one every ``interval`` steps (0: all at once) and step to the end; returns counts, TTFTs and
+    wall seconds."""
     engine = llm.engine
     stats = engine.stats
     hits0, queries0 = stats.num_prefix_cache_hits, stats.num_prefix_cache_queries
     done, step, added = {}, 0, []
     t0 = time.perf_counter()
     while len(added) < len(prompts) or engine.has_unfinished_requests():
-        if len(added) < len(prompts) and step % interval == 0:
+        while len(added) < len(prompts) and (interval == 0 or step % interval == 0):
             added.append(engine.add_request(prompts[len(added)], params))
+            if interval:
+                break
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
@@ -70,7 +73,8 @@ def main() -> None:
     p.add_argument("--dataset", default=DATASET, help="JSONL of {'turns': [...]} (first turns are the questions)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--interval-steps", type=int, default=4, help="a new request every this many engine steps")
+    p.add_argument("--interval-steps", type=int, default=4, help="a new request every this many engine steps (0: "
+                   "all at once, a burst)")
     p.add_argument("--repeats", type=int, default=2, help="off / on pairs, alternating")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--system-chars", type=int, default=len(SYSTEM), help="cut the system prompt to this many "
@@ -110,7 +114,8 @@ def main() -> None:
         return statistics.median(r[key] for r in rows[mode])
 
     print(f"\n{args.model} (draft {args.draft}), {args.num_prompts} chat requests sharing a "
-          f"{len(tok.encode(system)) if tok else '?'}-token system prompt, one every {args.interval_steps} steps, "
+          f"{len(tok.encode(system)) if tok else '?'}-token system prompt, "
+          f"{f'one every {args.interval_steps} steps' if args.interval_steps else 'all at once'}, "
           f"{args.max_tokens} greedy tokens each, page size {args.page_size}; medians of {args.repeats}\n")
     print("| cache | prompt tokens | computed | hits | mean TTFT (s) | wall (s) |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -11,11 +11,12 @@ start as soon as they can, and a per-step token budget chunks long prompts so de
 - Decode: every fully prefilled running request processes its last token (plus ``lookahead`` speculative
   positions, γ). Pages for those positions are reserved first; when the pool runs dry the most recently admitted
   request is preempted (its pages freed, the request requeued at the front of the waiting queue to be recomputed).
-- Prefix caching (opt-in): a request admitted with nothing computed takes, shared, the cached pages of the longest
-  run of its full pages that an earlier or running request computed (the same tokens from the first), up to but not
-  including its last token (whose logits sample the next one), and starts its prefill after them. Pages full of
+- Prefix caching (on by default): a request admitted with nothing computed takes, shared, the cached pages of the
+  longest run of its full pages that an earlier or running request computed (the same tokens from the first), up to
+  but not including its last token (whose logits sample the next one), and starts its prefill after them. Pages full of
   computed tokens are registered after every step and when a request leaves or is preempted
-  (``nightjar_jax/cache/allocator.py``). Requests asking for prompt log-probabilities compute their whole prompt.
+  (``nightjar_jax/cache/allocator.py``). A request whose next page a running request is still prefilling waits
+  for it (``_awaits_prefix``). Requests asking for prompt log-probabilities compute their whole prompt.
 - Nothing is dropped: every request leaves through :meth:`finish` with a finish reason, and its pages go back.
 """
 
@@ -110,7 +111,7 @@ class Scheduler:
                 if not self._admit(r):
                     break
                 continue
-            if not self._admit(r):
+            if self._awaits_prefix(r) or not self._admit(r):
                 break
             chunk = min(r.num_tokens - r.num_computed, budget)
             requests.append(r)
@@ -127,14 +128,28 @@ class Scheduler:
         return (self.allocator.pages_for(r.num_tokens + 1) - len(r.block_table) - len(hits)
                 + self.allocator.num_unheld(hits))
 
-    def _cached_prefix(self, r: Request) -> list[int]:
-        """The cached pages ``r`` would start with (prefix caching on, nothing computed, no prompt log-probabilities
-        asked for): the longest run of its full pages registered, its last token left to compute."""
+    def _prefix_hashes(self, r: Request) -> list[bytes]:
+        """The hashes of the full pages ``r`` may find cached (prefix caching on, nothing computed, no prompt
+        log-probabilities asked for; else none): every full page but one that would hold its last token."""
         if not self.prefix_caching or r.block_table or r.num_computed or r.sampling.prompt_logprobs is not None:
             return []
         usable = (r.num_tokens - 1) // self.allocator.page_size
-        return self.allocator.lookup(page_hashes(r.all_token_ids, self.allocator.page_size, r.page_hashes,
-                                                 upto=usable)[:usable])
+        return page_hashes(r.all_token_ids, self.allocator.page_size, r.page_hashes, upto=usable)[:usable]
+
+    def _cached_prefix(self, r: Request) -> list[int]:
+        """The cached pages ``r`` would start with: the longest run of its full pages registered."""
+        return self.allocator.lookup(self._prefix_hashes(r))
+
+    def _awaits_prefix(self, r: Request) -> bool:
+        """Prefix caching: whether the first page ``r`` would compute is one a running request is still prefilling
+        (same tokens from the first): ``r`` waits to share it (admission stops, first come first served) instead of
+        computing it beside it. A burst of requests behind one system prompt, or a request's ``n`` choices, computes
+        the prefix once; the running request's own chunks come first in every prefill step, so the wait ends."""
+        hashes = self._prefix_hashes(r)
+        hits = len(self.allocator.lookup(hashes))
+        if hits == len(hashes):
+            return False
+        return any(hashes[hits] in q.page_hashes[q.num_registered_pages:] for q in self.running if q.is_prefilling)
 
     def _admit(self, r: Request) -> bool:
         hits = self._cached_prefix(r)

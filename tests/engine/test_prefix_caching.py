@@ -173,6 +173,26 @@ def test_engine_outputs_equal_without_caching_with_hits_and_preemptions(draft: b
     engine.allocator.check()
 
 
+def test_a_burst_behind_one_prefix_computes_it_once():
+    """Requests added together whose first pages are the same: the first computes them, the others wait for them
+    (admission stops while a running request is still prefilling the page they would compute next) and share them."""
+    uncached = fake_engine(enable_prefix_caching=False)
+    want = [o.token_ids for o in generate_outputs(uncached, PROMPTS[:4], [greedy(8)] * 4)]
+    engine = fake_engine(max_num_batched_tokens=8)  # (on by default; the first prompt takes two prefill steps)
+    ids = [engine.add_request(p, greedy(8)) for p in PROMPTS[:4]]
+    done, admitted = {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        admitted.append(len(engine.scheduler.running))
+    assert [done[i].outputs[0].token_ids for i in ids] == want
+    assert [done[i].num_cached_tokens for i in ids] == [0, 12, 12, 12]
+    assert admitted[:2] == [1, 1] and max(admitted) == 4  # alone until its 3 shared pages were computed
+    assert engine.num_free_pages == engine.num_total_pages
+    engine.allocator.check()
+
+
 def test_on_by_default_off_by_flag():
     import argparse
 
