@@ -252,7 +252,7 @@ def test_elastic_memory_with_shared_pages_on_the_extension():
 def test_real_model_speculation_and_lookup_equal_the_uncached_run():
     """stories260K drafting for itself with n-gram lookup on, small pages: the tokens of the same requests with the
     cache off (same engine, same compiled steps) and on, where each request after the first finds the story's
-    opening cached; sampled requests too (their seeds fix their draws)."""
+    opening cached; sampled requests too (their seeds fix their draws; the pool never preempts)."""
     from nightjar_jax import LLM
 
     llm = LLM("stories260k", draft_model="stories260k", num_speculative_tokens=3, planner="static", page_size=4,
@@ -272,6 +272,9 @@ def test_real_model_speculation_and_lookup_equal_the_uncached_run():
     hits = llm.engine.stats.num_prefix_cache_hits
     assert run() == want
     assert llm.engine.stats.num_prefix_cache_hits > hits
+    # (the seeded rows repeat for the same speculation decisions: a preemption, which the cache may cause or spare,
+    # would make a recompute draw a token plainly where the other run drew it speculatively)
+    assert llm.engine.stats.num_preemptions == 0
     assert llm.engine.num_free_pages == llm.engine.num_total_pages
     llm.engine.allocator.check()
 
