@@ -3,8 +3,9 @@
 Vocabulary
 - tokens: ``prompt_token_ids + output_token_ids``; ``num_tokens`` counts both.
 - computed: tokens whose K/V are in the target's cache. A step processes tokens ``[num_computed, num_tokens)``
-  and, when it reaches ``num_tokens``, samples the next token. A fresh prompt is "prefilled"; a request with only
-  its last sampled token unprocessed is "decoding" (``num_computed == num_tokens - 1``).
+  and, when it reaches ``num_tokens``, samples the next token. A fresh prompt is "prefilled" up to and including its
+  last token (a one-token prompt excepted); a request with output and only its last token unprocessed is "decoding"
+  (``num_computed == num_tokens - 1``).
 - draft computed: the same for the draft model's cache; it lags behind while γ = 0 and is caught up before the
   next speculative step.
 - preemption (by recompute): pages are freed, ``num_computed`` resets to 0, and the request is prefilled again
@@ -100,8 +101,13 @@ class Request:
 
     @property
     def is_prefilling(self) -> bool:
-        """True while more than the last token remains to be processed."""
-        return self.num_computed < self.num_tokens - 1
+        """True while more than the last token remains to be processed, or, before its first token, once its prompt
+        is partly computed: a prompt whose chunks stopped one token short finishes in a prefill step, so its first
+        token is a prefill step's draw whatever chunks the budget gave it (left to a decode step, possibly
+        speculative, a seeded request's draws depended on how other requests shared the budget). A one-token prompt
+        is decoding from the start."""
+        return self.num_computed < self.num_tokens - 1 or (not self.output_token_ids
+                                                            and 0 < self.num_computed < self.num_tokens)
 
     @property
     def under_min_tokens(self) -> bool:

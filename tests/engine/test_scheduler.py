@@ -48,6 +48,27 @@ def test_fcfs_admission_and_chunked_prefill_budget():
     assert [r.request_id for r in batch.requests] == ["b", "c"] and batch.num_new_tokens == [3, 3]
 
 
+def test_a_fresh_prompts_last_token_is_prefilled_whatever_its_chunks():
+    """A chunk that leaves a fresh prompt one token short does not hand that token to a decode step: the first
+    token is always sampled by a prefill step, so a seeded request's draws do not depend on how other requests
+    shared the budget (a decode step may be speculative). With output, the last token is a decode step's."""
+    sched, _ = make(budget=8)
+    a, b = req("a", 2), req("b", 7)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [2, 6]  # b's chunk leaves its last prompt token
+    a.num_computed, b.num_computed = 2, 6
+    a.output_token_ids.append(9)  # a's first token came with its chunk
+    assert b.is_prefilling and not a.is_prefilling and sched.num_decoding() == 1
+    batch = sched.schedule()
+    assert batch.kind == "prefill" and batch.requests == [b] and batch.num_new_tokens == [1]
+    b.num_computed = 7
+    b.output_token_ids.append(9)
+    assert not b.is_prefilling and sched.schedule().kind == "decode"
+    assert not req("c", 1).is_prefilling  # a one-token prompt decodes from the start (the same in every batch)
+
+
 def test_admission_waits_for_pages_and_slots():
     sched, alloc = make(num_pages=5, page_size=4, max_num_seqs=1, budget=64)
     a, b = req("a", 8), req("b", 2)
