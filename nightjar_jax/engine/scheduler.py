@@ -124,14 +124,25 @@ class Scheduler:
     def pages_to_admit(self, r: Request) -> int:
         """Free pages admitting ``r`` takes: its whole remaining prompt plus one token, less the cached pages it
         would share (those nobody holds still take a free page each)."""
+        hits, new = self._admission(r)
+        return new + self.allocator.num_unheld(hits)
+
+    def _admission(self, r: Request) -> tuple[list[int], int]:
+        """What admitting ``r`` takes: the cached pages it would share, and the new pages for the rest of its
+        tokens plus one."""
         hits = self._cached_prefix(r)
-        return (self.allocator.pages_for(r.num_tokens + 1) - len(r.block_table) - len(hits)
-                + self.allocator.num_unheld(hits))
+        return hits, self.allocator.pages_for(r.num_tokens + 1) - len(r.block_table) - len(hits)
+
+    def _looks_up(self, r: Request) -> bool:
+        """Whether ``r`` may start with cached pages: prefix caching on, nothing computed, no prompt
+        log-probabilities asked for (they need every prompt position's logits)."""
+        return (self.prefix_caching and not r.block_table and not r.num_computed
+                and r.sampling.prompt_logprobs is None)
 
     def _prefix_hashes(self, r: Request) -> list[bytes]:
-        """The hashes of the full pages ``r`` may find cached (prefix caching on, nothing computed, no prompt
-        log-probabilities asked for; else none): every full page but one that would hold its last token."""
-        if not self.prefix_caching or r.block_table or r.num_computed or r.sampling.prompt_logprobs is not None:
+        """The hashes of the full pages ``r`` may find cached (none unless :meth:`_looks_up`): every full page but
+        one that would hold its last token."""
+        if not self._looks_up(r):
             return []
         usable = (r.num_tokens - 1) // self.allocator.page_size
         return page_hashes(r.all_token_ids, self.allocator.page_size, r.page_hashes, upto=usable)[:usable]
@@ -152,12 +163,11 @@ class Scheduler:
         return any(hashes[hits] in q.page_hashes[q.num_registered_pages:] for q in self.running if q.is_prefilling)
 
     def _admit(self, r: Request) -> bool:
-        hits = self._cached_prefix(r)
-        needed = self.allocator.pages_for(r.num_tokens + 1) - len(r.block_table) - len(hits)
+        hits, needed = self._admission(r)
         if not self.allocator.can_allocate(needed + self.allocator.num_unheld(hits)):
             return False
         self.waiting.popleft()
-        if self.prefix_caching and not r.block_table and r.sampling.prompt_logprobs is None:
+        if self._looks_up(r):
             self.num_prefix_queries += r.num_tokens
             self.num_prefix_hits += len(hits) * self.allocator.page_size
             if r.num_preemptions == 0:
