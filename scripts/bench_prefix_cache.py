@@ -42,7 +42,9 @@ def run(llm, prompts: list, params, interval: int) -> dict:
     wall seconds."""
     engine = llm.engine
     stats = engine.stats
-    hits0, queries0 = stats.num_prefix_cache_hits, stats.num_prefix_cache_queries
+    hits0, queries0, draft_hits0 = (stats.num_prefix_cache_hits, stats.num_prefix_cache_queries,
+                                    getattr(stats, "num_prefix_cache_draft_hits", 0))
+    catchup0, catchup_s0 = stats.num_catchup_tokens, stats.catchup_seconds
     done, step, added = {}, 0, []
     t0 = time.perf_counter()
     while len(added) < len(prompts) or engine.has_unfinished_requests():
@@ -62,6 +64,9 @@ def run(llm, prompts: list, params, interval: int) -> dict:
     return {"wall_seconds": wall, "steps": step, "prompt_tokens": prompt_tokens,
             "prompt_tokens_computed": prompt_tokens - hits, "cache_hits": hits,
             "cache_queries": stats.num_prefix_cache_queries - queries0,
+            "cache_draft_hits": getattr(stats, "num_prefix_cache_draft_hits", 0) - draft_hits0,
+            "draft_catchup_tokens": stats.num_catchup_tokens - catchup0,
+            "draft_catchup_seconds": stats.catchup_seconds - catchup_s0,
             "mean_ttft_seconds": statistics.fmean(o.metrics.first_token_time - o.metrics.arrival_time for o in outs),
             "outputs": [o.outputs[0].token_ids for o in outs]}
 
@@ -79,6 +84,8 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--system-chars", type=int, default=len(SYSTEM), help="cut the system prompt to this many "
                    "characters (stories260K's small vocabulary makes it ~600 tokens whole)")
+    p.add_argument("--system-repeats", type=int, default=1, help="the system prompt this many times over (a longer "
+                   "shared prefix)")
     p.add_argument("--out", default="results/bench_prefix_cache.json")
     args = p.parse_args()
     from nightjar_jax import LLM, SamplingParams
@@ -86,7 +93,7 @@ def main() -> None:
     llm = LLM(args.model, draft_model=args.draft, page_size=args.page_size, max_num_seqs=8,
               enable_prefix_caching=True)
     tok = llm.engine.tokenizer
-    system = SYSTEM[: args.system_chars]
+    system = "\n\n".join([SYSTEM[: args.system_chars]] * args.system_repeats)
     texts = load_prompt_texts(args.dataset) or ["Once upon a time", "The cat sat on the mat and"]
     texts = (texts * args.num_prompts)[: args.num_prompts]
     if tok is not None and tok.chat_template is not None:
@@ -117,11 +124,12 @@ def main() -> None:
           f"{len(tok.encode(system)) if tok else '?'}-token system prompt, "
           f"{f'one every {args.interval_steps} steps' if args.interval_steps else 'all at once'}, "
           f"{args.max_tokens} greedy tokens each, page size {args.page_size}; medians of {args.repeats}\n")
-    print("| cache | prompt tokens | computed | hits | mean TTFT (s) | wall (s) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| cache | prompt tokens | computed | hits | draft catch-up tokens (s) | mean TTFT (s) | wall (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for mode in ("off", "on"):
         print(f"| {mode} | {median(mode, 'prompt_tokens'):.0f} | {median(mode, 'prompt_tokens_computed'):.0f} | "
-              f"{median(mode, 'cache_hits'):.0f} | {median(mode, 'mean_ttft_seconds'):.3f} | "
+              f"{median(mode, 'cache_hits'):.0f} | {median(mode, 'draft_catchup_tokens'):.0f} "
+              f"({median(mode, 'draft_catchup_seconds'):.2f}) | {median(mode, 'mean_ttft_seconds'):.3f} | "
               f"{median(mode, 'wall_seconds'):.2f} |")
     ratios = {key: median("on", key) / median("off", key)
               for key in ("prompt_tokens_computed", "mean_ttft_seconds", "wall_seconds")}

@@ -14,6 +14,10 @@ Vocabulary
   counted: a registered page is shared by every request whose tokens start with the same pages, and when the last
   holder frees it, it stays "cached free": counted in ``num_free`` and handed out only after the plain free pages
   (least recently freed first, its hash dropped then), so a later request with that prefix can still take it.
+- the draft's K/V (speculative decoding): the draft's pool is addressed by the same page ids, so a registered page
+  can hold the draft's K/V of its tokens too. The scheduler marks such pages (``mark_draft``) once a holder's draft
+  has run over them; a request that finds them cached skips the draft's catch-up over them (``draft_prefix``). The
+  marks go with the page's hash, and all at once when the draft's pool is released (``forget_draft``).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class PageAllocator:
         self._cached: dict[bytes, int] = {}
         self._page_hash: dict[int, bytes] = {}
         self._cached_free: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._draft: set[int] = set()  # registered pages whose draft K/V are computed too
 
     @property
     def num_usable(self) -> int:
@@ -109,6 +114,7 @@ class PageAllocator:
             q = self._take()
             self._refs[q] = self._refs.pop(p)
             h = self._page_hash.pop(p, None)
+            self._draft.discard(p)  # (no draft pool while an extension exists: nothing to carry)
             if h is not None:  # a shared prefix page: registered under its new id
                 self._page_hash[q] = h
                 self._cached[h] = q
@@ -149,6 +155,7 @@ class PageAllocator:
         h = self._page_hash.pop(page, None)
         if h is not None:
             del self._cached[h]
+        self._draft.discard(page)
 
     def allocate(self, num_pages: int) -> list[int]:
         if num_pages > self.num_free:
@@ -215,6 +222,27 @@ class PageAllocator:
         self._cached[h] = page
         self._page_hash[page] = h
 
+    def mark_draft(self, pages: Sequence[int]) -> None:
+        """Record that the draft's K/V of ``pages`` (held pages, full of computed tokens) are computed; pages not
+        registered are skipped (another page holds their hash, or the cache was reset)."""
+        self._draft.update(p for p in pages if p in self._page_hash)
+
+    def draft_prefix(self, pages: Sequence[int]) -> int:
+        """How many of ``pages`` (from :meth:`lookup`), from the first, hold the draft's K/V too."""
+        for i, p in enumerate(pages):
+            if p not in self._draft:
+                return i
+        return len(pages)
+
+    @property
+    def num_draft_pages(self) -> int:
+        """Registered pages marked as holding the draft's K/V."""
+        return len(self._draft)
+
+    def forget_draft(self) -> None:
+        """The draft's K/V pool is gone (elastic memory offloaded the draft): no page holds its K/V."""
+        self._draft.clear()
+
     def reset_prefix_cache(self) -> int:
         """Forget every registered page (held ones stay held, cached free ones become plain free pages); returns
         how many pages were registered."""
@@ -224,6 +252,7 @@ class PageAllocator:
         self._cached_free.clear()
         self._cached.clear()
         self._page_hash.clear()
+        self._draft.clear()
         return n
 
     def check(self) -> None:
@@ -238,3 +267,6 @@ class PageAllocator:
             raise AssertionError("the prefix cache's hash -> page and page -> hash maps disagree")
         if not set(self._cached_free) <= set(self._page_hash):
             raise AssertionError("a cached free page is not registered")
+        if not self._draft <= set(self._page_hash):
+            raise AssertionError(f"pages {sorted(self._draft - set(self._page_hash))} are marked as holding the "
+                                 "draft's K/V but not registered")

@@ -62,6 +62,7 @@ class EngineStats:
     # the tokens whose K/V were found cached (vLLM's prefix_cache_queries / prefix_cache_hits)
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
+    num_prefix_cache_draft_hits: int = 0  # of the hits, tokens whose draft K/V were cached too (no catch-up)
     num_compiling_decode_steps: int = 0  # decode steps that compiled (or loaded) a variant: not shown to the planner
     num_compile_evictions: int = 0  # times every compiled variant was dropped, the process short of memory maps
     num_catchup_tokens: int = 0
@@ -439,6 +440,7 @@ class LLMEngine:
         self._check_maps_after_compiles()
         self.stats.num_prefix_cache_queries = self.scheduler.num_prefix_queries
         self.stats.num_prefix_cache_hits = self.scheduler.num_prefix_hits
+        self.stats.num_prefix_cache_draft_hits = self.scheduler.num_prefix_draft_hits
         self.stats.num_steps += 1
         self.stats.last_step_seconds = time.perf_counter() - t0
         return [o for o in outputs if o is not None]
@@ -520,6 +522,9 @@ class LLMEngine:
         """Draft weights to host memory, its pools released, and an extension KV pool of the bytes they held."""
         t0 = time.perf_counter()
         freed = self.runner.offload_draft()
+        self.allocator.forget_draft()  # (its K/V pool went: no cached page holds the draft's K/V now)
+        for r in (*self.scheduler.running, *self.scheduler.waiting):
+            r.num_draft_computed = r.num_draft_cached_pages = 0
         pages = freed // self.runner.target_page_bytes()
         if pages:
             self.runner.attach_extension(pages)

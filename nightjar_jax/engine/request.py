@@ -69,9 +69,11 @@ class Request:
     output_counts: dict[int, int] | None = field(default=None, repr=False)  # token -> times generated (penalties)
     stop_ids: tuple[int, ...] = ()  # the ids that would end it (EOS unless ignore_eos, stop_token_ids): min_tokens
     # prefix caching (engine/scheduler.py): the chained hashes of its full pages so far (computed as needed), how
-    # many of its pages are registered, and the prompt tokens its first admission found cached
+    # many of its pages are registered, how many of those are marked as holding the draft's K/V too (its first
+    # pages), and the prompt tokens its first admission found cached
     page_hashes: list[bytes] = field(default_factory=list, repr=False)
     num_registered_pages: int = 0
+    num_draft_cached_pages: int = 0
     num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:

@@ -16,7 +16,9 @@ start as soon as they can, and a per-step token budget chunks long prompts so de
   but not including its last token (whose logits sample the next one), and starts its prefill after them. Pages full of
   computed tokens are registered after every step and when a request leaves or is preempted
   (``nightjar_jax/cache/allocator.py``). A request whose next page a running request is still prefilling waits
-  for it (``_awaits_prefix``). Requests asking for prompt log-probabilities compute their whole prompt.
+  for it (``_awaits_prefix``). Requests asking for prompt log-probabilities compute their whole prompt. With a
+  draft, registered pages the draft has run over are marked as holding its K/V too, and a hit starts the draft
+  after the leading run of such pages (``Request.num_draft_computed``) instead of catching it up from the first.
 - Nothing is dropped: every request leaves through :meth:`finish` with a finish reason, and its pages go back.
 """
 
@@ -58,9 +60,11 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order; the last one is preempted first
         self.num_preemptions = 0
-        # prefix caching: tokens of the requests admitted with a lookup, and of those the cached pages covered
+        # prefix caching: tokens of the requests admitted with a lookup, of those the cached pages covered, and of
+        # those the pages' draft K/V covered too
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        self.num_prefix_draft_hits = 0
 
     # ---- queues ---------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -177,24 +181,31 @@ class Scheduler:
             r.block_table.extend(hits)
             r.num_registered_pages = len(hits)
             r.num_computed = len(hits) * self.allocator.page_size
-            r.num_draft_computed = 0  # (the draft's K/V in shared pages may be missing: it catches up over them)
+            # the draft's K/V: the leading hits that hold them are its; it catches up over the rest
+            r.num_draft_cached_pages = self.allocator.draft_prefix(hits)
+            r.num_draft_computed = r.num_draft_cached_pages * self.allocator.page_size
+            self.num_prefix_draft_hits += r.num_draft_computed
         r.block_table.extend(self.allocator.allocate(needed))
         r.status = RequestStatus.RUNNING
         self.running.append(r)
         return True
 
     def cache_computed(self, r: Request) -> None:
-        """Register ``r``'s pages that are full of computed tokens (prefix caching on; a no-op otherwise)."""
+        """Register ``r``'s pages that are full of computed tokens, and mark those its draft has run over as holding
+        the draft's K/V (prefix caching on; a no-op otherwise)."""
         if not self.prefix_caching or not r.block_table:
             return
         page_size = self.allocator.page_size
         full = min(r.num_computed, r.num_tokens) // page_size
-        if full <= r.num_registered_pages:
-            return
-        hashes = page_hashes(r.all_token_ids, page_size, r.page_hashes, upto=full)
-        for j in range(r.num_registered_pages, full):
-            self.allocator.register(r.block_table[j], hashes[j])
-        r.num_registered_pages = full
+        if full > r.num_registered_pages:
+            hashes = page_hashes(r.all_token_ids, page_size, r.page_hashes, upto=full)
+            for j in range(r.num_registered_pages, full):
+                self.allocator.register(r.block_table[j], hashes[j])
+            r.num_registered_pages = full
+        drafted = min(r.num_registered_pages, r.num_draft_computed // page_size)
+        if drafted > r.num_draft_cached_pages:
+            self.allocator.mark_draft(r.block_table[r.num_draft_cached_pages:drafted])
+            r.num_draft_cached_pages = drafted
 
     def schedule_decode(self, lookahead: int) -> ScheduledBatch | None:
         preempted: list[Request] = []
@@ -241,3 +252,4 @@ class Scheduler:
             self.allocator.free(r.block_table)
             r.block_table = []
             r.num_registered_pages = 0
+            r.num_draft_cached_pages = 0

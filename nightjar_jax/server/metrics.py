@@ -84,6 +84,8 @@ class _EngineCollector:
                       stats.num_prefix_cache_queries)
         yield counter("nightjar_prefix_cache_hits", "Of those, the tokens whose K/V were found cached",
                       stats.num_prefix_cache_hits)
+        yield counter("nightjar_prefix_cache_draft_hits", "Of the hits, the tokens whose draft K/V were found cached "
+                      "too (the draft skips its catch-up over them)", stats.num_prefix_cache_draft_hits)
         yield gauge("nightjar_kv_pages_cached", "Free KV pages still holding a cached prefix (counted free: handed "
                     "out after the others)", e.allocator.num_cached_free)
         yield counter("nightjar_prompt_tokens", "Prompt tokens accepted", stats.num_prompt_tokens)

@@ -89,6 +89,33 @@ def test_detach_extension_moves_a_shared_page_once_and_forgets_cached_extension_
     alloc.check()
 
 
+def test_draft_marks_go_with_the_pages_hash():
+    """A registered page can be marked as holding the draft's K/V too; the mark goes when its hash does (eviction,
+    reset) and all marks go when the draft's pool does."""
+    alloc = PageAllocator(6, 4)  # ids 1-5
+    hashes = page_hashes(list(range(1, 13)), 4)
+    pages = alloc.allocate(3)
+    alloc.register(pages[0], hashes[0])
+    alloc.register(pages[1], hashes[1])
+    alloc.mark_draft([pages[1]])
+    assert alloc.draft_prefix(alloc.lookup(hashes)) == 0  # (a leading run: page 0's draft K/V are missing)
+    alloc.mark_draft(pages)  # the third page is not registered: not marked
+    alloc.check()
+    assert alloc.lookup(hashes) == pages[:2] and alloc.draft_prefix(pages[:2]) == 2
+    alloc.free(pages)  # cached free: the marks stay with the pages
+    assert alloc.draft_prefix(alloc.lookup(hashes)) == 2
+    taken = alloc.allocate(4)  # the 3 plain free pages, then the least recently freed cached one (page 2's)
+    assert pages[1] in taken and alloc.lookup(hashes) == pages[:1] and alloc.draft_prefix(pages[:1]) == 1
+    alloc.check()
+    alloc.forget_draft()  # (the draft was offloaded: its pool is gone)
+    assert alloc.draft_prefix(pages[:1]) == 0
+    alloc.mark_draft(pages[:1])
+    alloc.reset_prefix_cache()
+    alloc.check()
+    alloc.register(pages[2], hashes[0])
+    assert alloc.draft_prefix(alloc.lookup(hashes)) == 0  # (registered again: its draft K/V not known)
+
+
 # ---- scheduler (no JAX) -------------------------------------------------------------------------------------------
 def _request(i: int, ids: list[int], **kw) -> Request:
     return Request(str(i), list(ids), SamplingParams(temperature=0, max_tokens=4, **kw), seed=0)
@@ -119,6 +146,37 @@ def test_admission_shares_the_cached_prefix_and_leaves_the_last_token_to_compute
     for r in (first, same, exact, logprobs):
         sched.finish(r, FinishReason.STOP)
     assert alloc.num_free == 15
+    alloc.check()
+
+
+def test_a_hit_starts_the_draft_after_the_pages_holding_its_kv():
+    """Pages registered after the draft ran over them are marked; a later request that finds them cached starts
+    its draft after them (no catch-up over them), and after the leading marked pages only."""
+    alloc = PageAllocator(32, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), alloc, 64, prefix_caching=True)
+    first = _request(0, list(range(1, 18)))  # 17 tokens: 4 full pages
+    sched.add(first)
+    sched.schedule_prefill()
+    first.num_computed = 17
+    sched.cache_computed(first)
+    assert first.num_registered_pages == 4 and alloc.draft_prefix(first.block_table[:4]) == 0
+    first.num_draft_computed = 10  # the draft's catch-up ran over 10 tokens: pages 0 and 1
+    sched.cache_computed(first)
+    assert first.num_draft_cached_pages == 2 and alloc.draft_prefix(first.block_table[:4]) == 2
+    second = _request(1, list(range(1, 18)) + [40])
+    sched.add(second)
+    sched.schedule_prefill()
+    assert second.num_computed == 16 and second.num_draft_computed == 8 and second.num_draft_cached_pages == 2
+    assert sched.num_prefix_hits == 16 and sched.num_prefix_draft_hits == 8
+    second.num_computed = 18
+    second.num_draft_computed = 17  # its draft caught up: it marks the shared pages 2 and 3
+    sched.cache_computed(second)
+    assert alloc.draft_prefix(first.block_table[:4]) == 4
+    sched._preempt(second)  # (its pages freed: its marks start over with its next admission)
+    assert second.num_draft_computed == 0 and second.num_draft_cached_pages == 0
+    for r in (first, second):
+        sched.finish(r, FinishReason.STOP)
+    assert alloc.num_free == 31
     alloc.check()
 
 
@@ -213,7 +271,8 @@ def test_on_by_default_off_by_flag():
 
 def test_elastic_memory_with_shared_pages_on_the_extension():
     """A burst offloads the draft; requests that arrive then compute a prefix on extension pages and share it, and
-    the shared pages migrate back (each once) when the draft returns; the outputs equal plain greedy decoding."""
+    the shared pages migrate back (each once) when the draft returns; the outputs equal plain greedy decoding. No
+    page is marked as holding the draft's K/V while the draft's pool is away."""
     burst = [[int(t) for t in RNG.integers(1, VOCAB, 6 + i % 5)] for i in range(8)]
     late = [SHARED + [int(t) for t in RNG.integers(1, VOCAB, 1 + i)] for i in range(4)]
     params = [greedy(n) for n in [40, 40] + [12] * 6] + [greedy(24)] * 4
@@ -237,6 +296,7 @@ def test_elastic_memory_with_shared_pages_on_the_extension():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
         engine.allocator.check()
+        assert not (engine.draft_offloaded and engine.allocator.num_draft_pages)
         if pending and engine.allocator.extension_pages_used():  # the late ones, one at a time, on the extension
             if len(pending) == len(late) or engine.stats.num_prefix_cache_queries:
                 ids.append(engine.add_request(*pending.pop(0)))
@@ -252,7 +312,9 @@ def test_elastic_memory_with_shared_pages_on_the_extension():
 def test_real_model_speculation_and_lookup_equal_the_uncached_run():
     """stories260K drafting for itself with n-gram lookup on, small pages: the tokens of the same requests with the
     cache off (same engine, same compiled steps) and on, where each request after the first finds the story's
-    opening cached; sampled requests too (their seeds fix their draws; the pool never preempts)."""
+    opening cached; sampled requests too (their seeds fix their draws; the pool never preempts). The draft's K/V
+    come from the cache too: it skips its catch-up over the opening and accepts exactly as many tokens as when it
+    ran over it."""
     from nightjar_jax import LLM
 
     llm = LLM("stories260k", draft_model="stories260k", num_speculative_tokens=3, planner="static", page_size=4,
@@ -262,16 +324,27 @@ def test_real_model_speculation_and_lookup_equal_the_uncached_run():
     params = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.8, seed=5, max_tokens=24)]
     sched = llm.engine.scheduler
 
+    stats = llm.engine.stats
+
     def run():
-        return [[o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] for sp in params]
+        before = (stats.num_accepted_tokens, stats.num_drafted_tokens, stats.num_catchup_tokens)
+        tokens = [[o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] for sp in params]
+        after = (stats.num_accepted_tokens, stats.num_drafted_tokens, stats.num_catchup_tokens)
+        return tokens, [b - a for a, b in zip(before, after, strict=True)]
 
     sched.prefix_caching = False
-    want = run()
+    want, (accepted, drafted, catchup) = run()
     sched.prefix_caching = True
-    llm.generate(prompts[:1], params[0], use_tqdm=False)  # the opening computed and cached
-    hits = llm.engine.stats.num_prefix_cache_hits
-    assert run() == want
-    assert llm.engine.stats.num_prefix_cache_hits > hits
+    llm.generate(prompts[:1], params[0], use_tqdm=False)  # the opening computed and cached, the draft's K/V too
+    hits, draft_hits = stats.num_prefix_cache_hits, stats.num_prefix_cache_draft_hits
+    alloc = llm.engine.allocator
+    opened = alloc.lookup(page_hashes(llm.engine.tokenizer.encode(prompts[0]), 4))
+    assert draft_hits == 0 and len(opened) > 5 and alloc.draft_prefix(opened) > 5
+    got, (accepted_cached, drafted_cached, catchup_cached) = run()
+    assert got == want
+    assert (accepted_cached, drafted_cached) == (accepted, drafted) and accepted > 0
+    assert stats.num_prefix_cache_hits > hits and stats.num_prefix_cache_draft_hits > draft_hits
+    assert catchup_cached <= catchup - (stats.num_prefix_cache_draft_hits - draft_hits)
     # (the seeded rows repeat for the same speculation decisions: a preemption, which the cache may cause or spare,
     # would make a recompute draw a token plainly where the other run drew it speculatively)
     assert llm.engine.stats.num_preemptions == 0

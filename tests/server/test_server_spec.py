@@ -33,7 +33,8 @@ def spec_server():
 
 def test_prefix_caching_reports_cached_prompt_tokens(spec_server):
     """``--enable-prefix-caching``: a prompt whose first pages an earlier request computed gets the same text, and
-    its usage and the metrics count the cached tokens (whole 16-token pages, its last token computed)."""
+    its usage and the metrics count the cached tokens (whole 16-token pages, its last token computed), the draft's
+    K/V included."""
     client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
     opening = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
     first = client.completions.create(model="stories260k", prompt=opening, max_tokens=8, temperature=0)
@@ -45,6 +46,8 @@ def test_prefix_caching_reports_cached_prompt_tokens(spec_server):
     assert cached == (first.usage.prompt_tokens - 1) // 16 * 16 > 0
     m = spec_server.metrics()
     assert m["nightjar_prefix_cache_hits_total"] - before["nightjar_prefix_cache_hits_total"] == cached
+    # the first request's draft ran over its whole prompt: the hit pages hold the draft's K/V too
+    assert m["nightjar_prefix_cache_draft_hits_total"] - before["nightjar_prefix_cache_draft_hits_total"] == cached
     assert m["nightjar_prefix_cache_queries_total"] - before["nightjar_prefix_cache_queries_total"] == \
         first.usage.prompt_tokens
     assert m["nightjar_kv_pages_cached"] >= cached // 16 and m["nightjar_kv_pages_free"] == m["nightjar_kv_pages_total"]
