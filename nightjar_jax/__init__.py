@@ -1,8 +1,8 @@
 """nightjar-jax: a pure-JAX LLM serving engine with load-adaptive speculative decoding.
 
 Public API (imported lazily, so ``import nightjar_jax.planner`` stays JAX-free):
-``LLM``, ``SamplingParams``, ``EngineConfig``, ``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``,
-``SpecConfig``, ``LLMEngine``, ``RequestOutput``, ``CompletionOutput``, ``make_planner``.
+``LLM``, ``SamplingParams``, ``StructuredOutputs``, ``EngineConfig``, ``ModelConfig``, ``CacheConfig``,
+``SchedulerConfig``, ``SpecConfig``, ``LLMEngine``, ``RequestOutput``, ``CompletionOutput``, ``make_planner``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ _EXPORTS = {
     "LLM": "nightjar_jax.engine.llm",
     "LLMEngine": "nightjar_jax.engine.engine",
     "SamplingParams": "nightjar_jax.engine.sampling_params",
+    "StructuredOutputs": "nightjar_jax.engine.sampling_params",
     "RequestOutput": "nightjar_jax.engine.outputs",
     "CompletionOutput": "nightjar_jax.engine.outputs",
     "EngineConfig": "nightjar_jax.config",

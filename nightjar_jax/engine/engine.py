@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -188,6 +189,8 @@ class LLMEngine:
         self.record_steps = record_steps
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
+        self._grammars = None  # structured outputs' GrammarBackend, built on first use
+        self._grammars_lock = threading.Lock()
         self._ids = itertools.count()
         self._prev_gamma = 0
         self._eos_ids = frozenset(target.config.eos_token_ids) | frozenset(
@@ -317,8 +320,10 @@ class LLMEngine:
             request_id = str(next(self._ids))
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        grammar = None if params.structured_outputs is None else self.grammar_backend().matcher(
+            params.structured_outputs)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
-        req = Request(request_id, [int(t) for t in ids], params, seed, prompt=text)
+        req = Request(request_id, [int(t) for t in ids], params, seed, prompt=text, grammar=grammar)
         if params.min_tokens:
             stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_ids)
             req.stop_ids = tuple(sorted(t for t in stop if t < vocab))  # (an id past the vocabulary never comes)
@@ -351,6 +356,19 @@ class LLMEngine:
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
         raise _prompt_error(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def grammar_backend(self):
+        """Structured outputs' compiler for this engine's vocabulary, built on the first call (seconds: xgrammar reads
+        the vocabulary; the server calls it off the engine's thread before it queues the first such request)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("structured outputs need a tokenizer: this model has none",
+                                              "structured_outputs")
+                from nightjar_jax.engine.structured import GrammarBackend
+
+                self._grammars = GrammarBackend(self.tokenizer, self.target.config.vocab_size)
+            return self._grammars
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish a request at once with reason ``abort``; its pages are freed immediately."""
@@ -654,7 +672,15 @@ class LLMEngine:
                 r.first_token_time = now
             reason: FinishReason | None = None
             text_ids = [tok]
+            if r.grammar is not None and not r.grammar.accept(tok):  # (its mask allowed only what it accepts)
+                r.error = (f"the structured output's constraint did not allow token {tok}: the output so far is "
+                           "kept, the request ended")
+                self._detokenize(r, [], final=True)
+                self._finish(r, FinishReason.ERROR)
+                break
             if (tok in sp.stop_token_ids or tok in eos) and len(r.output_token_ids) > sp.min_tokens:
+                reason, r.stop_reason, text_ids = FinishReason.STOP, tok, []
+            elif r.grammar is not None and r.grammar.is_terminated:  # (complete; ended by an EOS under ignore_eos)
                 reason, r.stop_reason, text_ids = FinishReason.STOP, tok, []
             elif (sp.max_tokens is not None and len(r.output_token_ids) >= sp.max_tokens) or (
                 r.num_tokens >= self.max_model_len

@@ -67,6 +67,7 @@ class Request:
     prompt_logprobs: list | None = field(default=None, repr=False)
     cumulative_logprob: float | None = None  # the output tokens' log-probabilities summed (when asked for)
     output_counts: dict[int, int] | None = field(default=None, repr=False)  # token -> times generated (penalties)
+    grammar: object | None = field(default=None, repr=False)  # structured outputs: its RequestGrammar (matcher)
     stop_ids: tuple[int, ...] = ()  # the ids that would end it (EOS unless ignore_eos, stop_token_ids): min_tokens
     # prefix caching (engine/scheduler.py): the chained hashes of its full pages so far (computed as needed), how
     # many of its pages are registered, how many of those are marked as holding the draft's K/V too (its first
@@ -118,8 +119,9 @@ class Request:
 
     @property
     def plain_steps_only(self) -> bool:
-        """Its logits at a position depend on the tokens before it (penalties, min_tokens): no speculative steps."""
-        return self.sampling.has_penalties or self.under_min_tokens
+        """Its logits at a position depend on the tokens before it (penalties, min_tokens, a structured output's
+        constraint): no speculative steps."""
+        return self.sampling.has_penalties or self.under_min_tokens or self.grammar is not None
 
     def prompt_logprobs_snapshot(self) -> list | None:
         """``prompt_logprobs`` for an output: a copy while the prefill may still fill it, then the list itself, shared

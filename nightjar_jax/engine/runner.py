@@ -854,7 +854,8 @@ class ModelRunner:
         bias_ids = bias_values = None
         biases = [_row_bias(r) for r in requests]
         widest = max((len(b) for b in biases), default=0)
-        if any(r.output_counts for r in requests):  # penalties: one dense [S, V] bias (a shape that never grows)
+        # penalties and structured outputs' constraints: one dense [S, V] bias (a shape that never grows)
+        if any(r.output_counts or r.grammar is not None for r in requests):
             dense = np.zeros((num_rows, vocab), np.float32)
             for i, r in enumerate(requests):
                 for token, value in biases[i].items():
@@ -862,6 +863,8 @@ class ModelRunner:
                 sp = r.sampling
                 for token, count in (r.output_counts or {}).items():
                     dense[i, token] -= sp.presence_penalty + sp.frequency_penalty * count
+                if r.grammar is not None:  # only the tokens its constraint allows next
+                    dense[i, ~r.grammar.allowed()] = BANNED
             return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, None, dense)
         if widest:  # a static width per batch: powers of two from 8 (a few variants, compiled on first use)
             width = max(8, next_power_of_two(widest))

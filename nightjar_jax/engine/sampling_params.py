@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # The most top log-probabilities a request may ask for per token (vLLM's default ``max_logprobs``; OpenAI's chat API
 # allows 20 ``top_logprobs``).
@@ -27,6 +28,62 @@ def short_repr(value: object, limit: int = 80) -> str:
 def clip(text: str, limit: int = 80) -> str:
     """``text`` cut to ``limit`` characters, ending in " ..." when cut."""
     return text if len(text) <= limit else text[: limit - 4] + " ..."
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one constraint (vLLM's names): ``json`` a JSON schema (a dict or its JSON text), ``json_object`` any
+    JSON object, ``regex`` a regular expression the whole output matches, ``choice`` one of these strings exactly,
+    ``grammar`` an EBNF grammar (xgrammar's GBNF dialect, ``root ::= ...``)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise InvalidRequestError(
+                f"structured outputs take exactly one of {', '.join(STRUCTURED_KINDS)}; got "
+                f"{', '.join(set_) if set_ else 'none'}", "structured_outputs")
+        checks = {
+            "json": isinstance(self.json, (dict, str)) and (not isinstance(self.json, bool)),
+            "json_object": self.json_object is True,
+            "regex": isinstance(self.regex, str) and bool(self.regex),
+            "choice": isinstance(self.choice, (list, tuple)) and bool(self.choice)
+            and all(isinstance(c, str) and c for c in self.choice),
+            "grammar": isinstance(self.grammar, str) and bool(self.grammar.strip()),
+        }
+        allowed = {"json": "a JSON schema (an object, or its JSON text)", "json_object": "true",
+                   "regex": "a non-empty regular expression", "choice": "a non-empty list of non-empty strings",
+                   "grammar": "a non-empty EBNF grammar"}
+        kind = set_[0]
+        if not checks[kind]:
+            raise InvalidRequestError(f"structured outputs: {kind}={clip(repr(getattr(self, kind)))} is invalid: "
+                                      f"allowed {allowed[kind]}", "structured_outputs")
+        if kind == "choice":
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any]) -> StructuredOutputs:
+        """From a request body's ``structured_outputs`` object (vLLM's), unknown keys refused."""
+        if not isinstance(spec, dict):
+            raise InvalidRequestError("structured_outputs must be an object with one of "
+                                      f"{', '.join(STRUCTURED_KINDS)}", "structured_outputs")
+        unknown = sorted(set(spec) - set(STRUCTURED_KINDS))
+        if unknown:
+            raise InvalidRequestError(f"structured_outputs has unknown keys {unknown}: allowed "
+                                      f"{', '.join(STRUCTURED_KINDS)}", "structured_outputs")
+        return cls(**{k: v for k, v in spec.items() if v is not None})
 
 
 @dataclass
@@ -70,6 +127,9 @@ class SamplingParams:
     # vLLM's: EOS and stop_token_ids cannot be generated, and stop strings do not end the text, before this many
     # tokens (a batch holding a request under it decodes without speculation, as with penalties)
     min_tokens: int = 0
+    # a constraint on the output (JSON schema, JSON object, regex, choice, grammar; nightjar_jax/engine/structured.py;
+    # a dict is read as vLLM's structured_outputs object): a batch holding such a request decodes without speculation
+    structured_outputs: StructuredOutputs | dict | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -79,6 +139,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs.from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise InvalidRequestError(f"SamplingParams.structured_outputs={short_repr(self.structured_outputs)} is "
+                                      "invalid: allowed None, a StructuredOutputs or a dict", "structured_outputs")
         checks = [
             (isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1"),
             (_is_number(self.temperature) and 0 <= self.temperature <= 100, "temperature", "a float in [0, 100]"),

@@ -298,6 +298,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         """Queue ``prompts`` x ``n`` members; ``max_tokens_param``: the field that set ``params.max_tokens``
         explicitly (None: a default), checked against each prompt's length."""
         prompts = await asyncio.to_thread(tokenized, prompts, params.max_tokens, max_tokens_param)
+        if params.structured_outputs is not None:  # (its first call takes seconds: not on the engine's thread)
+            try:
+                await asyncio.to_thread(engine.grammar_backend)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="structured_outputs") from None
         members, member_params = [], []
         for prompt in prompts:
             for j in range(n):

@@ -68,6 +68,14 @@ class _SamplingFields(_Strict):
     presence_penalty: float | None = 0.0  # [-2, 2] (SamplingParams checks): a batch holding one decodes plainly
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
+    # Structured outputs (nightjar_jax/engine/structured.py): OpenAI's response_format, vLLM's structured_outputs
+    # object, or vLLM's older guided_* fields; at most one of them per request.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Accepted at their neutral values only (see unsupported).
     user: str | None = None
     best_of: int | None = None
@@ -110,12 +118,42 @@ class _SamplingFields(_Strict):
             min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
+            structured_outputs=self.structured(),
         )
         for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
         return SamplingParams(**kwargs)
+
+    def structured(self) -> dict[str, Any] | None:
+        """The request's output constraint as vLLM's ``structured_outputs`` object (None: unconstrained), from
+        whichever of ``response_format``, ``structured_outputs`` and ``guided_*`` it set."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type") if isinstance(fmt, dict) else None
+            if kind == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise APIError(400, "'response_format' of type 'json_schema' needs 'json_schema': {'name': ..., "
+                                        "'schema': {...}} with the schema an object", param="response_format")
+                given.append(("response_format", {"json": schema}))
+            elif kind != "text":
+                raise APIError(400, f"'response_format' type {short_repr(kind)} is not supported: allowed 'text', "
+                                    "'json_object', 'json_schema'", param="response_format")
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", self.structured_outputs))
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        given += [(f"guided_{k}", {k: v}) for k, v in guided.items() if v is not None]
+        if len(given) > 1:
+            raise APIError(400, f"set one output constraint, not {len(given)}: {', '.join(n for n, _ in given)}",
+                           param=given[1][0])
+        return given[0][1] if given else None
 
     def token_bias(self) -> dict[int, float] | None:
         """``logit_bias`` with its keys (token ids as JSON strings) as integers."""
@@ -227,15 +265,12 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
     def unsupported(self) -> list[tuple[str, bool]]:
-        fmt = (self.response_format or {}).get("type", "text")
         return super().unsupported() + [
             ("tools", bool(self.tools)),
             ("tool_choice", self.tool_choice not in (None, "none", "auto")),
-            ("response_format", fmt != "text"),
         ]
 
     def check_unsupported(self) -> None:

@@ -53,6 +53,50 @@ def test_prefix_caching_reports_cached_prompt_tokens(spec_server):
     assert m["nightjar_kv_pages_cached"] >= cached // 16 and m["nightjar_kv_pages_free"] == m["nightjar_kv_pages_total"]
 
 
+def test_structured_outputs_through_the_api(spec_server):
+    """``response_format`` (json_schema, json_object), vLLM's ``structured_outputs`` and ``guided_*``: the text
+    satisfies the constraint (a batch holding one decodes plainly, beside speculating requests); a bad or doubled
+    constraint is a 400 naming its field, and the server serves on."""
+    import json
+    import re
+
+    import httpx
+
+    client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9,
+                                                                                "minimum": 0}},
+              "required": ["ok", "n"], "additionalProperties": False}
+
+    def complete(**body):
+        return client.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=32,
+                                         temperature=0, extra_body=body).choices[0]
+
+    got = complete(response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert got.finish_reason == "stop" and set(json.loads(got.text)) == {"ok", "n"}
+    assert complete(response_format={"type": "json_object"}).text.startswith("{")
+    assert complete(structured_outputs={"choice": ["yes", "no"]}).text in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{3}", complete(guided_regex="[0-9]{3}").text)
+    assert complete(guided_choice=["red", "blue"], n=2).text in ("red", "blue")
+
+    def error(**body) -> dict:
+        r = httpx.post(spec_server.url + "/v1/completions", json={"model": "stories260k", "prompt": "Hi", **body},
+                       timeout=60)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    e = error(response_format={"type": "json_object"}, guided_regex="[0-9]")
+    assert e["param"] == "guided_regex" and "one output constraint, not 2" in e["message"]
+    e = error(response_format={"type": "xml"})
+    assert e["param"] == "response_format" and "allowed 'text', 'json_object', 'json_schema'" in e["message"]
+    e = error(response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    assert e["param"] == "response_format" and "'schema'" in e["message"]
+    e = error(structured_outputs={"regex": "(unclosed"})
+    assert e["param"] == "structured_outputs" and "the regex constraint does not compile" in e["message"]
+    e = error(structured_outputs={"regex": "a", "choice": ["b"]})
+    assert e["param"] == "structured_outputs" and "exactly one of" in e["message"]
+    assert complete().text  # (and the server serves on)
+
+
 def test_speculative_server_metrics(spec_server):
     client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
     before = spec_server.metrics()
@@ -142,3 +186,4 @@ def test_server_with_draft_offload_serves_a_burst():
         assert m["nightjar_compile_evictions_total"] == 0
     finally:
         assert srv.stop() == 0, srv.logs()
+

@@ -1,0 +1,144 @@
+"""What a structured output's constraint costs: the same chat requests unconstrained and under each kind of
+constraint (JSON schema, any JSON object, regex), one engine, plain decoding (a batch holding a constrained request
+decodes plainly, so speculation would only blur the comparison), alternating ``--repeats`` times. Prints decode
+tokens/s per mode with its ratio to the unconstrained one in the same run, the host time of the constraint per
+token (the matcher's mask and its advance, replayed over the generated tokens), and the share of outputs that
+parse, and writes JSON.
+
+    python scripts/bench_structured.py --out results/bench_structured.json                  # SmolLM2-135M
+    python scripts/bench_structured.py --model stories260k --num-prompts 2 --max-tokens 8 --out /tmp/so.json  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from nightjar_jax.bench.common import load_prompt_texts, machine_note, write_json  # noqa: E402
+
+DATASET = "/work/shared/datasets/mt_bench/vicuna_bench_question.jsonl"
+SCHEMA = {
+    "type": "object",
+    "properties": {"topic": {"type": "string", "maxLength": 40}, "answer": {"type": "string", "maxLength": 400},
+                   "confidence": {"type": "number"}},
+    "required": ["topic", "answer", "confidence"],
+    "additionalProperties": False,
+}
+INSTRUCTION = " Answer in JSON with the keys topic, answer and confidence."
+
+
+def modes():
+    from nightjar_jax import StructuredOutputs
+
+    return {"none": None, "json schema": StructuredOutputs(json=SCHEMA),
+            "json object": StructuredOutputs(json_object=True),
+            "regex": StructuredOutputs(regex=r"[A-Z][a-z ,]{20,300}\.")}
+
+
+def run(llm, prompts: list, params, batch: int) -> dict:
+    """Generate in groups of ``batch`` requests; returns tokens, wall seconds and outputs."""
+    t0 = time.perf_counter()
+    outs = []
+    for i in range(0, len(prompts), batch):
+        outs += llm.generate(prompts[i:i + batch], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    engine = llm.engine
+    assert engine.num_free_pages == engine.num_total_pages
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"wall_seconds": wall, "tokens": tokens, "tokens_per_second": tokens / wall,
+            "outputs": [o.outputs[0] for o in outs]}
+
+
+def constraint_host_seconds(llm, spec, outputs) -> float:
+    """Seconds per token of the constraint's host work (mask + advance), replayed over ``outputs``' tokens."""
+    backend = llm.engine.grammar_backend()
+    total, count = 0.0, 0
+    for out in outputs:
+        grammar = backend.matcher(spec)
+        t0 = time.perf_counter()
+        for tok in out.token_ids:
+            allowed = grammar.allowed()
+            assert allowed[tok]
+            grammar.accept(tok)
+        total += time.perf_counter() - t0
+        count += len(out.token_ids)
+    return total / max(count, 1)
+
+
+def parses(kind: str, text: str) -> bool:
+    if kind.startswith("json"):
+        try:
+            return isinstance(json.loads(text), dict)
+        except ValueError:
+            return False
+    return True
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dataset", default=DATASET, help="JSONL of {'turns': [...]} (first turns are the questions)")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", default="results/bench_structured.json")
+    args = p.parse_args()
+    from nightjar_jax import LLM, SamplingParams
+
+    # (no prefix caching: every run prefills the same chunks, so the warm-up compiled every shape they take)
+    llm = LLM(args.model, draft_model="none", max_num_seqs=8, enable_prefix_caching=False)
+    tok = llm.engine.tokenizer
+    texts = load_prompt_texts(args.dataset) or ["Once upon a time", "The cat sat on the mat and"]
+    texts = (texts * args.num_prompts)[: args.num_prompts]
+    if tok.chat_template is not None:
+        prompts = [tok.apply_chat_template([{"role": "user", "content": t + INSTRUCTION}]) for t in texts]
+    else:
+        prompts = [t + INSTRUCTION for t in texts]
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    specs = modes()
+    params = {m: SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=s)
+              for m, s in specs.items()}
+    for b in batches:  # warm-up: every mode's step variants (the dense-bias one compiles on first use)
+        for m in specs:
+            run(llm, prompts, params[m], b)
+    rows: dict[tuple[int, str], list[dict]] = {(b, m): [] for b in batches for m in specs}
+    for _ in range(args.repeats):
+        for b in batches:
+            for m in specs:
+                rows[(b, m)].append(run(llm, prompts, params[m], b))
+    host = {m: constraint_host_seconds(llm, s, rows[(batches[0], m)][0]["outputs"])
+            for m, s in specs.items() if s is not None}
+
+    print(f"\n{args.model}, {args.num_prompts} chat requests, greedy, up to {args.max_tokens} tokens, plain decoding; "
+          f"medians of {args.repeats}\n")
+    print("| batch | constraint | tokens | tok/s | x none | constraint host ms / token | finished | parse |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    table = []
+    for b in batches:
+        base = statistics.median(r["tokens_per_second"] for r in rows[(b, "none")])
+        for m in specs:
+            rs = rows[(b, m)]
+            tps = statistics.median(r["tokens_per_second"] for r in rs)
+            outs = rs[0]["outputs"]
+            stop = sum(o.finish_reason == "stop" for o in outs)
+            ok = sum(parses(m, o.text) for o in outs)
+            ms = host.get(m)
+            print(f"| {b} | {m} | {rs[0]['tokens']} | {tps:.1f} | {tps / base:.2f} | "
+                  f"{'-' if ms is None else f'{ms * 1e3:.3f}'} | {stop}/{len(outs)} | {ok}/{len(outs)} |")
+            table.append({"batch": b, "constraint": m, "tokens": rs[0]["tokens"], "tokens_per_second": tps,
+                          "ratio_to_none": tps / base, "constraint_host_seconds_per_token": ms,
+                          "finished": stop, "parsed": ok, "runs": [r["tokens_per_second"] for r in rs]})
+    for m in specs:
+        print(f"\n{m}: {rows[(batches[0], m)][0]['outputs'][0].text[:200]!r}")
+    write_json(args.out, {"machine": machine_note(), "args": vars(args), "rows": table})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Structured outputs (``SamplingParams.structured_outputs``): the constraint's validation without JAX, then
+stories260K through the engine (a draft drafting for itself, so speculation is on for the unconstrained requests):
+every constrained output satisfies its constraint, greedy and sampled, prefill and decode, through preemptions;
+bad constraints are a clear error for that request only."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputs
+
+pytest.importorskip("xgrammar")  # (the `structured` extra; the `test` extra installs it)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "name": {"type": "string", "maxLength": 12}},
+    "required": ["ok", "n", "name"],
+    "additionalProperties": False,
+}
+
+
+# ---- the constraint's validation (no JAX) ---------------------------------------------------------------------------
+def test_exactly_one_valid_constraint():
+    assert StructuredOutputs(regex="[a-z]+").kind == "regex"
+    assert StructuredOutputs(choice=["a", "b"]).choice == ("a", "b")
+    with pytest.raises(InvalidRequestError, match="exactly one of json, json_object, regex, choice, grammar; got none"):
+        StructuredOutputs()
+    with pytest.raises(InvalidRequestError, match="got json, regex"):
+        StructuredOutputs(json={"type": "object"}, regex="x")
+    with pytest.raises(InvalidRequestError, match="choice=.* allowed a non-empty list of non-empty strings"):
+        StructuredOutputs(choice=["a", ""])
+    with pytest.raises(InvalidRequestError, match="unknown keys \\['pattern'\\]"):
+        StructuredOutputs.from_dict({"pattern": "x"})
+    sp = SamplingParams(structured_outputs={"choice": ["yes", "no"]})  # (vLLM's object, as a dict)
+    assert sp.structured_outputs == StructuredOutputs(choice=("yes", "no"))
+    with pytest.raises(InvalidRequestError, match="structured_outputs=.* allowed None, a StructuredOutputs or a dict"):
+        SamplingParams(structured_outputs="json")
+
+
+# ---- the engine (stories260K) ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm():
+    from nightjar_jax import LLM
+
+    # a pool that preempts when four long requests run together (test_preemption...)
+    return LLM("stories260k", draft_model="stories260k", num_speculative_tokens=3, planner="static", page_size=4,
+               max_model_len=256, max_num_seqs=4, num_pages=48)
+
+
+def _generate(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
+    return [o.outputs[0] for o in outs]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_every_kind_of_constraint_holds(llm, temperature):
+    cases = [
+        (StructuredOutputs(choice=["yes", "no", "maybe not"]), lambda t: t in ("yes", "no", "maybe not")),
+        (StructuredOutputs(regex=r"(red|blue) [0-9]{2}!"), lambda t: re.fullmatch(r"(red|blue) [0-9]{2}!", t)),
+        (StructuredOutputs(json=SCHEMA), lambda t: set(json.loads(t)) == {"ok", "n", "name"}
+         and isinstance(json.loads(t)["ok"], bool) and 0 <= json.loads(t)["n"] <= 99),
+        (StructuredOutputs(grammar='root ::= "Lily is " ("happy" | "sad") "."'),
+         lambda t: t in ("Lily is happy.", "Lily is sad.")),
+    ]
+    prompts = ["Once upon a time", "The little dog"]
+    for spec, holds in cases:
+        params = SamplingParams(temperature=temperature, seed=3, max_tokens=48, structured_outputs=spec)
+        for out in _generate(llm, prompts, params):
+            assert out.finish_reason == "stop" and holds(out.text), (spec, out.text)
+    # any JSON object: stories260K writes a story into its first key; it starts as an object does
+    out = _generate(llm, prompts[:1], SamplingParams(temperature=temperature, max_tokens=16,
+                                                     structured_outputs=StructuredOutputs(json_object=True)))[0]
+    assert out.text.startswith('{"')
+
+
+def test_constrained_and_plain_requests_share_batches(llm):
+    """A batch holding a constrained request decodes without speculation; the plain requests beside it get the tokens
+    they get alone, and speculate again once it leaves."""
+    plain = SamplingParams(temperature=0, max_tokens=40)
+    alone = [o.token_ids for o in _generate(llm, ["Once upon a time", "The little dog"], plain)]
+    stats = llm.engine.stats
+    before = dict(stats.decode_steps_per_gamma)
+    choice = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputs(choice=["yes", "no"]))
+    outs = _generate(llm, ["Once upon a time", "Is it sunny?", "The little dog"], [plain, choice, plain])
+    assert [outs[0].token_ids, outs[2].token_ids] == alone and outs[1].text in ("yes", "no")
+    steps = {g: n - before.get(g, 0) for g, n in stats.decode_steps_per_gamma.items()}
+    assert steps.get(0, 0) >= 1 and steps.get(3, 0) >= 1  # plain while it ran, speculative after
+
+
+def test_preemption_keeps_the_constraint(llm):
+    """Four long constrained requests in a pool that holds three: preempted ones recompute and go on under their
+    constraint from where they were (their matchers keep their state); the tokens are those of each run alone."""
+    spec = StructuredOutputs(regex=r"[a-z ]{150,200}\.")
+    params = SamplingParams(temperature=0, max_tokens=160, structured_outputs=spec)
+    prompts = ["Once upon a time", "The little dog", "Lily saw a big", "Tom and his mom"]
+    alone = [_generate(llm, [p], params)[0] for p in prompts]
+    before = llm.engine.stats.num_preemptions
+    together = _generate(llm, prompts, params)
+    assert llm.engine.stats.num_preemptions > before
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert all(re.fullmatch(r"[a-z ]{150,200}\.", o.text) for o in together)
+
+
+def test_ignore_eos_still_ends_a_complete_output(llm):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                            structured_outputs=StructuredOutputs(choice=["yes", "no"]))
+    out = _generate(llm, ["Is it sunny?"], params)[0]
+    assert out.finish_reason == "stop" and out.text in ("yes", "no")
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"regex": "(unclosed"}, "the regex constraint does not compile"),
+    ({"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "the json constraint does not compile"),
+    ({"json": "{not json"}, "the json constraint does not compile"),
+    ({"grammar": "root ::= missing_rule"}, "the grammar constraint does not compile"),
+])
+def test_a_bad_constraint_is_that_requests_error_only(llm, spec, message):
+    engine = llm.engine
+    with pytest.raises(InvalidRequestError, match=message) as err:
+        engine.add_request("Once upon a time", SamplingParams(max_tokens=4, structured_outputs=spec))
+    assert err.value.field == "structured_outputs"
+    assert not engine.has_unfinished_requests() and engine.num_free_pages == engine.num_total_pages
+    assert _generate(llm, ["Once upon a time"], SamplingParams(temperature=0, max_tokens=4))[0].text
