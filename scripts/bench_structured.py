@@ -1,9 +1,10 @@
 """What a structured output's constraint costs: the same chat requests unconstrained and under each kind of
 constraint (JSON schema, any JSON object, regex), one engine, plain decoding (a batch holding a constrained request
-decodes plainly, so speculation would only blur the comparison), alternating ``--repeats`` times. Prints decode
-tokens/s per mode with its ratio to the unconstrained one in the same run, the host time of the constraint per
-token (the matcher's mask and its advance, replayed over the generated tokens), and the share of outputs that
-parse, and writes JSON.
+decodes plainly, so speculation would only blur the comparison), alternating ``--repeats`` times. Prints tokens/s
+and the mean inter-token latency per mode with the latter's ratio to the unconstrained one in the same run (tokens/s
+also moves with the outputs' lengths, which the constraints change; the ITL holds decode steps only), the host time
+of the constraint per token (the matcher's mask and its advance, replayed over the generated tokens), and the share
+of outputs that finish and parse, and writes JSON.
 
     python scripts/bench_structured.py --out results/bench_structured.json                  # SmolLM2-135M
     python scripts/bench_structured.py --model stories260k --num-prompts 2 --max-tokens 8 --out /tmp/so.json  # smoke
@@ -51,7 +52,9 @@ def run(llm, prompts: list, params, batch: int) -> dict:
     engine = llm.engine
     assert engine.num_free_pages == engine.num_total_pages
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    itls = [x for o in outs for x in o.metrics.itls()]  # decode steps only: output lengths do not weigh in
     return {"wall_seconds": wall, "tokens": tokens, "tokens_per_second": tokens / wall,
+            "mean_itl_seconds": statistics.fmean(itls) if itls else float("nan"),
             "outputs": [o.outputs[0] for o in outs]}
 
 
@@ -118,23 +121,26 @@ def main() -> None:
 
     print(f"\n{args.model}, {args.num_prompts} chat requests, greedy, up to {args.max_tokens} tokens, plain decoding; "
           f"medians of {args.repeats}\n")
-    print("| batch | constraint | tokens | tok/s | x none | constraint host ms / token | finished | parse |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| batch | constraint | tokens | tok/s | mean ITL (ms) | ITL x none | constraint host ms / token | "
+          "finished | parse |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     table = []
     for b in batches:
-        base = statistics.median(r["tokens_per_second"] for r in rows[(b, "none")])
+        base = statistics.median(r["mean_itl_seconds"] for r in rows[(b, "none")])
         for m in specs:
             rs = rows[(b, m)]
             tps = statistics.median(r["tokens_per_second"] for r in rs)
+            itl = statistics.median(r["mean_itl_seconds"] for r in rs)
             outs = rs[0]["outputs"]
             stop = sum(o.finish_reason == "stop" for o in outs)
             ok = sum(parses(m, o.text) for o in outs)
             ms = host.get(m)
-            print(f"| {b} | {m} | {rs[0]['tokens']} | {tps:.1f} | {tps / base:.2f} | "
+            print(f"| {b} | {m} | {rs[0]['tokens']} | {tps:.1f} | {itl * 1e3:.2f} | {itl / base:.2f} | "
                   f"{'-' if ms is None else f'{ms * 1e3:.3f}'} | {stop}/{len(outs)} | {ok}/{len(outs)} |")
             table.append({"batch": b, "constraint": m, "tokens": rs[0]["tokens"], "tokens_per_second": tps,
-                          "ratio_to_none": tps / base, "constraint_host_seconds_per_token": ms,
-                          "finished": stop, "parsed": ok, "runs": [r["tokens_per_second"] for r in rs]})
+                          "mean_itl_seconds": itl, "itl_ratio_to_none": itl / base,
+                          "constraint_host_seconds_per_token": ms, "finished": stop, "parsed": ok,
+                          "runs": [{k: r[k] for k in ("tokens_per_second", "mean_itl_seconds")} for r in rs]})
     for m in specs:
         print(f"\n{m}: {rows[(batches[0], m)][0]['outputs'][0].text[:200]!r}")
     write_json(args.out, {"machine": machine_note(), "args": vars(args), "rows": table})
