@@ -196,10 +196,10 @@ class Tokenizer:
 
     # ---- chat ---------------------------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> str:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, tools: list[dict] | None = None) -> str:
         """Render ``messages`` with the model's chat template, or ``chat_template`` when given (jinja2, sandboxed like
-        transformers)."""
+        transformers); ``tools`` (OpenAI's function definitions) for templates that render them."""
         template = chat_template if chat_template is not None else self.chat_template
         if not template:
             raise ValueError(f"{self.source}: this tokenizer has no chat template; use a plain-text prompt instead "
@@ -227,6 +227,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=token_str(self.bos_token_id),
             eos_token=token_str(eos),
+            tools=tools,
         )
 
     def __repr__(self) -> str:

@@ -410,11 +410,16 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             raise APIError(400, "this model has no tokenizer")
         return engine.tokenizer
 
-    def render_chat(messages: list, add_generation_prompt: bool) -> str:
-        """Chat messages through the model's template (what /v1/chat/completions and /tokenize both encode)."""
-        rendered = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+    def render_chat(messages: list, add_generation_prompt: bool, tools: list | None = None) -> str:
+        """Chat messages through the model's template (what /v1/chat/completions and /tokenize both encode); a
+        template that renders tools (``tools``) or a conversation's tool calls and results gets them."""
+        extra = ("name", "tool_calls", "tool_call_id")
+        rendered = [{"role": m.role, "content": m.text(),
+                     **{k: v for k in extra if (v := getattr(m, k, None) or (m.model_extra or {}).get(k))}}
+                    for m in messages]
         try:
-            return need_tokenizer().apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+            return need_tokenizer().apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
+                                                        tools=tools)
         except APIError:
             raise
         except Exception as exc:  # no template, or the template rejected the messages
@@ -533,6 +538,23 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                             "logprobs": None if lps is None else completion_logprobs(ids, lps, 0, token_text)[0]})
         return {**base, "choices": choices, "usage": usage(outs, req.n, generated=not req.prompt_only)}
 
+    def answer(call: tuple[str, list], text: str, finish: str | None) -> tuple[dict, str | None]:
+        """A tool-call answer's message fields and finish reason, from its constrained text: a named function's
+        arguments are the text (cut short when ``max_tokens`` cut it, as vLLM); ``required`` calls parse from the JSON
+        array, and a text cut before it closes comes back as content."""
+        mode, tools = call
+        if mode == "named":
+            calls = [(tools[0]["name"], text)]
+        else:
+            try:
+                calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+            except ValueError:
+                return {"content": text}, finish
+            finish = "tool_calls" if finish == "stop" else finish
+        return {"content": None, "tool_calls": [
+            {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+             "function": {"name": name, "arguments": arguments}} for name, arguments in calls]}, finish
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         authorize(request)
@@ -541,7 +563,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         req.check_unsupported()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = make_params(req, check_max_tokens(req.requested_max_tokens(), param), param)
-        prompt = render_chat(req.messages, req.add_generation_prompt)
+        call = req.tool_call()  # (validated by make_params: its constraint is the output's)
+        prompt = render_chat(req.messages, req.add_generation_prompt,
+                             tools=[{"type": "function", "function": t} for t in req.tools] if req.tools else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         explicit = req.requested_max_tokens() is not None
         stream = await add_group([prompt], params, req.n, rid, max_tokens_param=param if explicit else None)
@@ -556,14 +580,19 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 if out is None:
                     return dict(base)
                 comp = out.outputs[0]
-                if not comp.delta_text and not comp.finished:
+                if not comp.finished and (call is not None or not comp.delta_text):
                     return None  # (its tokens' log-probabilities go with the next chunk that is sent)
                 delta = {"content": comp.delta_text} if comp.delta_text else {}
+                finish = comp.finish_reason
+                if call is not None:  # a tool call: sent whole when the arguments are complete
+                    delta, finish = answer(call, comp.text, finish)
+                    if "tool_calls" in delta:
+                        delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
                 logprobs = None
                 if comp.logprobs is not None:
                     start, sent[index] = sent[index], len(comp.token_ids)
                     logprobs = chat_logprobs(comp.token_ids[start:], comp.logprobs[start:], num_top)
-                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": comp.finish_reason}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 return {**base, "choices": [choice]}
 
             first = [
@@ -589,16 +618,18 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         failure = engine_failure(outs)
         if failure is not None:
             raise failure
-        choices = [
-            {
+        choices = []
+        for i, o in enumerate(outs):
+            message, finish = {"content": o.outputs[0].text}, o.outputs[0].finish_reason
+            if call is not None:
+                message, finish = answer(call, o.outputs[0].text, finish)
+            choices.append({
                 "index": i,
-                "message": {"role": "assistant", "content": o.outputs[0].text},
+                "message": {"role": "assistant", **message},
                 "logprobs": None if o.outputs[0].logprobs is None
                 else chat_logprobs(o.outputs[0].token_ids, o.outputs[0].logprobs, num_top),
-                "finish_reason": o.outputs[0].finish_reason,
-            }
-            for i, o in enumerate(outs)
-        ]
+                "finish_reason": finish,
+            })
         return {**base, "object": "chat.completion", "choices": choices, "usage": usage(outs, req.n)}
 
     return app

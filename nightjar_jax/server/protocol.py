@@ -268,10 +268,64 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
     def unsupported(self) -> list[tuple[str, bool]]:
-        return super().unsupported() + [
-            ("tools", bool(self.tools)),
-            ("tool_choice", self.tool_choice not in (None, "none", "auto")),
-        ]
+        return super().unsupported()
+
+    def tool_call(self) -> tuple[str, list[dict[str, Any]]] | None:
+        """How the answer calls tools: ``("named", [tool])`` (``tool_choice`` names a function: the output is its
+        arguments), ``("required", tools)`` (a JSON array of ``{"name", "parameters"}``, at least one, at most one
+        with ``parallel_tool_calls`` false), or None (no
+        tools, or ``tool_choice`` "none"). ``tools`` with ``tool_choice`` "auto" (OpenAI's default when tools are
+        given) would need a parser of this model's own tool-call format, which this server lacks: a 400."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none"):
+                raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+            return None
+        tools = []
+        for i, tool in enumerate(self.tools):
+            fn = tool.get("function") if tool.get("type") == "function" else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            params = fn.get("parameters", {"type": "object", "properties": {}}) if isinstance(fn, dict) else None
+            if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name) and isinstance(params, dict)):
+                raise APIError(400, f"'tools'[{i}] must be {{'type': 'function', 'function': {{'name': <1-64 "
+                                    f"letters, digits, '_', '.' or '-'>, 'parameters': <a JSON schema object, "
+                                    f"optional>}}}}", param="tools")
+            tools.append({"name": name, "parameters": params})
+        choice = self.tool_choice if self.tool_choice is not None else "auto"
+        if choice == "none":
+            return None
+        if choice == "required":
+            return "required", tools
+        if choice == "auto":
+            raise APIError(400, "'tool_choice' 'auto' (the default with 'tools') needs a parser of this model's "
+                                "tool-call format, which this server does not have: set 'required', name a function "
+                                "({'type': 'function', 'function': {'name': ...}}) or 'none'", param="tool_choice")
+        fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        named = [t for t in tools if t["name"] == name]
+        if not named:
+            known = ", ".join(t["name"] for t in tools)
+            raise APIError(400, f"'tool_choice' must be 'none', 'auto', 'required' or {{'type': 'function', "
+                                f"'function': {{'name': <one of the tools: {known}>}}}}; got {short_repr(choice)}",
+                           param="tool_choice")
+        return "named", named
+
+    def structured(self) -> dict[str, Any] | None:
+        """The output constraint: a tool call's (:meth:`tool_call`), or the one the sampling fields set."""
+        other = super().structured()
+        call = self.tool_call()
+        if call is None:
+            return other
+        if other is not None:
+            raise APIError(400, "set one output constraint, not 2: a tool call (tool_choice) and "
+                                "response_format / structured_outputs / guided_*", param="tool_choice")
+        mode, tools = call
+        if mode == "named":
+            return {"json": tools[0]["parameters"]}
+        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]},
+                                                  "parameters": t["parameters"]},
+                  "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+        one = {"maxItems": 1} if self.parallel_tool_calls is False else {}  # (OpenAI's: one call at most)
+        return {"json": {"type": "array", "minItems": 1, **one, "items": {"anyOf": calls}}}
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

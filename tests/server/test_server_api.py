@@ -264,6 +264,38 @@ def test_logprobs_completions_and_chat(client):
     assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).choices[0].logprobs is None
 
 
+def test_tool_calls(client):
+    """``tool_choice`` naming a function: its arguments, constrained to its parameters' schema, as a tool call;
+    ``required``: calls of the tools (one with ``parallel_tool_calls`` false); streamed, the calls come whole in the
+    last chunk; ``none``: text."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model=MODEL, messages=messages, tools=[WEATHER, CLOCK], max_tokens=64, temperature=0)
+    named = client.chat.completions.create(**kw, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "days"} and 1 <= args["days"] <= 7 and len(args["city"]) <= 12
+    # (stories260K, unbounded, keeps adding calls: parallel_tool_calls false makes it one)
+    required = client.chat.completions.create(**{**kw, "max_tokens": 128}, tool_choice="required",
+                                              parallel_tool_calls=False).choices[0]
+    assert required.finish_reason == "tool_calls" and len(required.message.tool_calls) == 1
+    for call in required.message.tool_calls:
+        assert call.function.name in ("get_weather", "get_time")
+        assert set(json.loads(call.function.arguments)) == ({"city", "days"} if call.function.name == "get_weather"
+                                                            else {"zone"})
+    chunks = list(client.chat.completions.create(
+        **kw, tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = [c for d in deltas for c in d.tool_calls or []]
+    assert len(streamed) == 1 and streamed[0].index == 0 and streamed[0].function.name == "get_weather"
+    assert streamed[0].function.arguments == choice.message.tool_calls[0].function.arguments
+    assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "stop"
+    plain = client.chat.completions.create(**{**kw, "max_tokens": 4}, tool_choice="none").choices[0].message
+    assert plain.content and not plain.tool_calls
+
+
 def test_echo_scores_the_prompt_as_generation_scored_it(client, server):
     """``echo`` with ``logprobs`` (how lm-evaluation-harness scores continuations): the prompt's text and tokens come
     first, the first token with null values, and the generated token scores as the same prompt's generation scored
@@ -368,6 +400,14 @@ def test_bad_input(server, name, path, body, raw, status):
 
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city over the next days",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
 # (name, path, body, raw body, the 400's param, a piece of its message): each names the field and what it takes
 FIELD_CASES = [
     ("surrogate in prompt", "/v1/completions", None, b'{"prompt": "a\\ud800", "max_tokens": 2}', "prompt",
@@ -408,6 +448,19 @@ FIELD_CASES = [
      "max_tokens", f"the prompt has 2 tokens and 'max_tokens' asks for {MAX_MODEL_LEN - 1} more"),
     ("chat prompt plus max_completion_tokens past the context", "/v1/chat/completions",
      {**CHAT, "max_completion_tokens": MAX_MODEL_LEN - 3}, None, "max_completion_tokens", "past the context length"),
+    ("tools with tool_choice auto", "/v1/chat/completions", {**CHAT, "tools": [WEATHER]}, None, "tool_choice",
+     "needs a parser of this model's tool-call format"),
+    ("tool_choice names no tool", "/v1/chat/completions",
+     {**CHAT, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "fly"}}}, None,
+     "tool_choice", "one of the tools: get_weather"),
+    ("tool without a name", "/v1/chat/completions",
+     {**CHAT, "tools": [{"type": "function", "function": {"parameters": {}}}], "tool_choice": "required"}, None,
+     "tools", "'tools'[0] must be {'type': 'function'"),
+    ("tool_choice without tools", "/v1/chat/completions", {**CHAT, "tool_choice": "required"}, None, "tool_choice",
+     "needs 'tools'"),
+    ("tool call and response_format", "/v1/chat/completions",
+     {**CHAT, "tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, None,
+     "tool_choice", "one output constraint"),
 ]
 
 
