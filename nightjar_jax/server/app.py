@@ -564,8 +564,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = make_params(req, check_max_tokens(req.requested_max_tokens(), param), param)
         call = req.tool_call()  # (validated by make_params: its constraint is the output's)
-        prompt = render_chat(req.messages, req.add_generation_prompt,
-                             tools=[{"type": "function", "function": t} for t in req.tools] if req.tools else None)
+        prompt = render_chat(req.messages, req.add_generation_prompt, tools=req.tools or None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         explicit = req.requested_max_tokens() is not None
         stream = await add_group([prompt], params, req.n, rid, max_tokens_param=param if explicit else None)

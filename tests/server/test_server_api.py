@@ -15,7 +15,8 @@ from server_process import ServerProcess
 
 API_KEY = "test-key"
 MODEL = "tiny-stories"
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+CHAT_TEMPLATE = ("{% if tools %}tools: {{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}\n"
+                 "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
 NUM_PAGES = 257  # 256 usable pages of 16 tokens: 64 concurrent requests of <= 64 tokens fit
 MAX_MODEL_LEN = 256
 
@@ -264,7 +265,7 @@ def test_logprobs_completions_and_chat(client):
     assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).choices[0].logprobs is None
 
 
-def test_tool_calls(client):
+def test_tool_calls(client, server):
     """``tool_choice`` naming a function: its arguments, constrained to its parameters' schema, as a tool call;
     ``required``: calls of the tools (one with ``parallel_tool_calls`` false); streamed, the calls come whole in the
     last chunk; ``none``: text."""
@@ -292,8 +293,11 @@ def test_tool_calls(client):
     assert len(streamed) == 1 and streamed[0].index == 0 and streamed[0].function.name == "get_weather"
     assert streamed[0].function.arguments == choice.message.tool_calls[0].function.arguments
     assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "stop"
-    plain = client.chat.completions.create(**{**kw, "max_tokens": 4}, tool_choice="none").choices[0].message
-    assert plain.content and not plain.tool_calls
+    plain = client.chat.completions.create(**{**kw, "max_tokens": 4}, tool_choice="none")
+    assert plain.choices[0].message.content and not plain.choices[0].message.tool_calls
+    # the template rendered the tools (their names before the messages)
+    rendered = "tools: get_weather, get_time\nuser: What is the weather in Paris?\nassistant:"
+    assert plain.usage.prompt_tokens == post(server, "/tokenize", {"prompt": rendered}).json()["count"]
 
 
 def test_echo_scores_the_prompt_as_generation_scored_it(client, server):
