@@ -144,6 +144,10 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise InvalidRequestError(f"SamplingParams.structured_outputs={short_repr(self.structured_outputs)} is "
                                       "invalid: allowed None, a StructuredOutputs or a dict", "structured_outputs")
+        if self.structured_outputs is not None and self.min_tokens:  # (a complete output allows only EOS)
+            raise InvalidRequestError(f"SamplingParams.min_tokens={short_repr(self.min_tokens)} is invalid with "
+                                      "structured_outputs: allowed 0 (the constraint decides where the output ends)",
+                                      "min_tokens")
         checks = [
             (isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1"),
             (_is_number(self.temperature) and 0 <= self.temperature <= 100, "temperature", "a float in [0, 100]"),

@@ -39,6 +39,8 @@ def test_exactly_one_valid_constraint():
     assert sp.structured_outputs == StructuredOutputs(choice=("yes", "no"))
     with pytest.raises(InvalidRequestError, match="structured_outputs=.* allowed None, a StructuredOutputs or a dict"):
         SamplingParams(structured_outputs="json")
+    with pytest.raises(InvalidRequestError, match="min_tokens=3 is invalid with structured_outputs: allowed 0"):
+        SamplingParams(min_tokens=3, structured_outputs={"regex": "[a-z]+"})
 
 
 # ---- the engine (stories260K) ---------------------------------------------------------------------------------------
