@@ -309,18 +309,63 @@ def test_elastic_memory_with_shared_pages_on_the_extension():
 
 
 # ---- the engine (stories260K) ---------------------------------------------------------------------------------------
-def test_real_model_speculation_and_lookup_equal_the_uncached_run():
+OPENING = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    """stories260K drafting for itself with n-gram lookup on, small pages."""
+    from nightjar_jax import LLM
+
+    return LLM("stories260k", draft_model="stories260k", num_speculative_tokens=3, planner="static", page_size=4,
+               max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, num_pages=96,
+               enable_prefix_caching=True)
+
+
+def _pool_pages(kv, pages: list[int]) -> np.ndarray:
+    """K and V of base pages ``pages``: ``[2, layers, kv heads, len(pages), page size, head dim]``."""
+    from nightjar_jax.models.llama import StackedKV
+
+    idx = np.asarray(pages, np.int32)
+    if isinstance(kv, StackedKV):
+        return np.stack([np.asarray(kv.k[:, :, idx]), np.asarray(kv.v[:, :, idx])])
+    return np.stack([np.stack([np.asarray(layer[i][:, idx]) for layer in kv]) for i in (0, 1)])
+
+
+def test_marked_pages_hold_the_drafts_kv(spec_llm):
+    """The draft is the target here, so a page marked as holding the draft's K/V must hold the target's K/V in the
+    draft's pool too. Checked after every step while requests sharing an opening arrive one after the other: a page
+    marked before the draft ran over it (its pool still zero, or an earlier owner's) would differ."""
+    engine = spec_llm.engine
+    engine.reset_prefix_cache()
+    alloc, runner = engine.allocator, engine.runner
+    prompts = [OPENING + end for end in ("One day", "Her mom said", "She saw a big", "Lily had a red ball.")]
+    pending = list(prompts)
+    checked, step = set(), 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 6 == 0:
+            engine.add_request(pending.pop(0), SamplingParams(temperature=0, max_tokens=16))
+        engine.step()
+        step += 1
+        marked = sorted(alloc._draft)
+        if marked:
+            target, draft = _pool_pages(runner.kv, marked), _pool_pages(runner.draft_kv, marked)
+            np.testing.assert_allclose(draft, target, rtol=2e-3, atol=2e-3 * max(1.0, float(np.abs(target).max())))
+            checked.update(marked)
+    assert len(checked) > 10 and engine.stats.num_prefix_cache_draft_hits > 0
+    assert engine.num_free_pages == engine.num_total_pages
+    alloc.check()
+
+
+def test_real_model_speculation_and_lookup_equal_the_uncached_run(spec_llm):
     """stories260K drafting for itself with n-gram lookup on, small pages: the tokens of the same requests with the
     cache off (same engine, same compiled steps) and on, where each request after the first finds the story's
     opening cached; sampled requests too (their seeds fix their draws; the pool never preempts). The draft's K/V
     come from the cache too: it skips its catch-up over the opening and accepts exactly as many tokens as when it
     ran over it."""
-    from nightjar_jax import LLM
-
-    llm = LLM("stories260k", draft_model="stories260k", num_speculative_tokens=3, planner="static", page_size=4,
-              max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, num_pages=96, enable_prefix_caching=True)
-    opening = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
-    prompts = [opening + end for end in ("One day", "Her mom said", "She saw a big", "Lily had a red ball.")]
+    llm = spec_llm
+    llm.reset_prefix_cache()
+    prompts = [OPENING + end for end in ("One day", "Her mom said", "She saw a big", "Lily had a red ball.")]
     params = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.8, seed=5, max_tokens=24)]
     sched = llm.engine.scheduler
 
@@ -335,11 +380,12 @@ def test_real_model_speculation_and_lookup_equal_the_uncached_run():
     sched.prefix_caching = False
     want, (accepted, drafted, catchup) = run()
     sched.prefix_caching = True
+    earlier = stats.num_prefix_cache_draft_hits
     llm.generate(prompts[:1], params[0], use_tqdm=False)  # the opening computed and cached, the draft's K/V too
     hits, draft_hits = stats.num_prefix_cache_hits, stats.num_prefix_cache_draft_hits
     alloc = llm.engine.allocator
     opened = alloc.lookup(page_hashes(llm.engine.tokenizer.encode(prompts[0]), 4))
-    assert draft_hits == 0 and len(opened) > 5 and alloc.draft_prefix(opened) > 5
+    assert draft_hits == earlier and len(opened) > 5 and alloc.draft_prefix(opened) > 5
     got, (accepted_cached, drafted_cached, catchup_cached) = run()
     assert got == want
     assert (accepted_cached, drafted_cached) == (accepted, drafted) and accepted > 0
