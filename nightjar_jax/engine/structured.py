@@ -14,17 +14,15 @@ once the matcher accepts one (``ignore_eos`` included).
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 import numpy as np
 
 from nightjar_jax.engine.sampling_params import InvalidRequestError, StructuredOutputs, clip
 
-logger = logging.getLogger(__name__)
 
 class RequestGrammar:
-    """One request's matcher: which tokens may come next, and the tokens it committed."""
+    """One request's matcher, advanced with each token it commits: which tokens may come next."""
 
     def __init__(self, matcher: Any, vocab_size: int, xgr: Any):
         self._matcher = matcher

@@ -548,7 +548,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         else:
             try:
                 calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
-            except ValueError:
+            except (ValueError, TypeError, KeyError):  # (cut short, or by a stop string, before the array closed)
                 return {"content": text}, finish
             finish = "tool_calls" if finish == "stop" else finish
         return {"content": None, "tool_calls": [
