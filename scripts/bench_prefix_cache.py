@@ -43,7 +43,7 @@ def run(llm, prompts: list, params, interval: int) -> dict:
     engine = llm.engine
     stats = engine.stats
     hits0, queries0, draft_hits0 = (stats.num_prefix_cache_hits, stats.num_prefix_cache_queries,
-                                    getattr(stats, "num_prefix_cache_draft_hits", 0))
+                                    stats.num_prefix_cache_draft_hits)
     catchup0, catchup_s0 = stats.num_catchup_tokens, stats.catchup_seconds
     done, step, added = {}, 0, []
     t0 = time.perf_counter()
@@ -64,7 +64,7 @@ def run(llm, prompts: list, params, interval: int) -> dict:
     return {"wall_seconds": wall, "steps": step, "prompt_tokens": prompt_tokens,
             "prompt_tokens_computed": prompt_tokens - hits, "cache_hits": hits,
             "cache_queries": stats.num_prefix_cache_queries - queries0,
-            "cache_draft_hits": getattr(stats, "num_prefix_cache_draft_hits", 0) - draft_hits0,
+            "cache_draft_hits": stats.num_prefix_cache_draft_hits - draft_hits0,
             "draft_catchup_tokens": stats.num_catchup_tokens - catchup0,
             "draft_catchup_seconds": stats.catchup_seconds - catchup_s0,
             "mean_ttft_seconds": statistics.fmean(o.metrics.first_token_time - o.metrics.arrival_time for o in outs),

@@ -556,7 +556,8 @@ class LLMEngine:
 
     def _reload_draft(self) -> None:
         """Live extension pages migrate into free base pages, the extension goes, and the draft comes back; every
-        request's draft KV is then caught up before its next speculative step."""
+        request's draft KV is then caught up before its next speculative step (the offload set every
+        ``num_draft_computed`` to 0, and nothing advances it while the draft is away)."""
         t0 = time.perf_counter()
         moved = 0
         if self.allocator.num_extension:
@@ -565,8 +566,6 @@ class LLMEngine:
             self.runner.detach_extension(src, dst)
             moved = len(src)
         self.runner.reload_draft()
-        for r in self.scheduler.running:
-            r.num_draft_computed = 0
         self.memory.moved(MemoryAction.RELOAD)
         s = self.stats
         s.num_draft_reloads += 1

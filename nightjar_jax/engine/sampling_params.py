@@ -52,7 +52,7 @@ class StructuredOutputs:
                 f"structured outputs take exactly one of {', '.join(STRUCTURED_KINDS)}; got "
                 f"{', '.join(set_) if set_ else 'none'}", "structured_outputs")
         checks = {
-            "json": isinstance(self.json, (dict, str)) and (not isinstance(self.json, bool)),
+            "json": isinstance(self.json, (dict, str)),
             "json_object": self.json_object is True,
             "regex": isinstance(self.regex, str) and bool(self.regex),
             "choice": isinstance(self.choice, (list, tuple)) and bool(self.choice)

@@ -267,9 +267,6 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
-    def unsupported(self) -> list[tuple[str, bool]]:
-        return super().unsupported()
-
     def tool_call(self) -> tuple[str, list[dict[str, Any]]] | None:
         """How the answer calls tools: ``("named", [tool])`` (``tool_choice`` names a function: the output is its
         arguments), ``("required", tools)`` (a JSON array of ``{"name", "parameters"}``, at least one, at most one
