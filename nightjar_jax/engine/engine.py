@@ -424,10 +424,11 @@ class LLMEngine:
                     outputs.append(self._append(r, [int(tok)], now, logprobs[i] if logprobs else None))
             self.stats.num_prefill_steps += 1
         else:
-            # presence / frequency penalties and min_tokens' bans depend on every token before a position, which a
-            # speculative step's later positions would not see: such batches decode plainly (the planner neither
-            # chooses nor observes those steps)
-            plain_only = (any(r.plain_steps_only for r in self.scheduler.running)
+            # presence / frequency penalties, min_tokens' bans and a structured output's mask depend on every token
+            # before a position, which a speculative step's later positions would not see: such a request accepts
+            # no draft (SamplingTensors.max_accept) while the rest of its batch speculates; a batch of such requests
+            # alone decodes plainly (the planner neither chooses nor observes those steps)
+            plain_only = (all(r.accepts_no_drafts for r in self.scheduler.running)
                           or not self.runner.draft_on_device)  # (offloaded: γ = 0 until it is back)
             gamma = 0 if plain_only else self._select_gamma()
             if not plain_only:
@@ -616,11 +617,15 @@ class LLMEngine:
         if result.gamma > 0:
             s.num_drafted_tokens += result.num_drafted
             s.num_accepted_tokens += sum(result.num_accepted)
+            # rows that could not accept drafts (plain_rows) count in no acceptance stat
+            speculated = [not p for p in result.plain_rows or [False] * len(result.num_accepted)]
             if result.lookup is not None:
-                s.num_lookup_steps += sum(result.lookup)
+                s.num_lookup_steps += sum(c and sp for c, sp in zip(result.lookup, speculated, strict=True))
                 s.num_lookup_accepted += sum(k for k, copied in zip(result.num_accepted, result.lookup, strict=True)
                                              if copied)
-            for k in result.num_accepted:
+            for k, sp in zip(result.num_accepted, speculated, strict=True):
+                if not sp:
+                    continue
                 for i in range(result.gamma):
                     s.drafted_per_position[i] += 1
                     s.accepted_per_position[i] += int(i < k)
@@ -639,7 +644,7 @@ class LLMEngine:
                 gamma=result.gamma, batch_size=batch.num_seqs, committed=committed, seconds=seconds,
                 draft_seconds=result.draft_seconds, verify_seconds=result.verify_seconds,
                 catchup_seconds=result.catchup_seconds, accepted=list(result.num_accepted), lookup=result.lookup,
-                tree_nodes=result.tree_nodes, compiled=compiled,
+                tree_nodes=result.tree_nodes, compiled=compiled, plain_rows=result.plain_rows,
             ))
 
     def _count_preemptions(self, batch: ScheduledBatch) -> None:

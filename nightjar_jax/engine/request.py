@@ -118,9 +118,10 @@ class Request:
         return len(self.output_token_ids) < self.sampling.min_tokens
 
     @property
-    def plain_steps_only(self) -> bool:
+    def accepts_no_drafts(self) -> bool:
         """Its logits at a position depend on the tokens before it (penalties, min_tokens, a structured output's
-        constraint): no speculative steps."""
+        constraint), which a drafted position's bias would not see: it accepts no draft (``SamplingTensors.
+        max_accept`` 0) and commits one token per step, speculative or plain."""
         return self.sampling.has_penalties or self.under_min_tokens or self.grammar is not None
 
     def prompt_logprobs_snapshot(self) -> list | None:

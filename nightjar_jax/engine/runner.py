@@ -36,6 +36,7 @@ from nightjar_jax.config import ModelConfig, resolve_kv_dtype
 from nightjar_jax.engine.outputs import Logprob, SampleLogprobs
 from nightjar_jax.engine.request import Request
 from nightjar_jax.engine.sampler import (
+    NO_ACCEPT_LIMIT,
     SamplingTensors,
     TokenLogprobs,
     apply_logit_bias,
@@ -65,6 +66,7 @@ from nightjar_jax.models.llama import (
 )
 from nightjar_jax.spec.lookup import NgramIndex
 from nightjar_jax.spec.rejection import (
+    as_plain_steps,
     draft_sample,
     greedy_verify,
     rejection_sample,
@@ -281,7 +283,7 @@ class DecodeResult:
 
     committed: list[list[int]]  # tokens to append (1 .. γ + 1 each)
     gamma: int
-    num_drafted: int  # γ * num_seqs
+    num_drafted: int  # γ (or the tree's nodes) x the requests that may accept drafts
     num_accepted: list[int]  # accepted draft tokens per request
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0  # target pass + sampling (the whole step when γ = 0)
@@ -289,6 +291,9 @@ class DecodeResult:
     catchup_tokens: int = 0
     tree_nodes: int = 0  # drafted nodes per request when the step verified a token tree (0: a chain)
     lookup: list[bool] | None = None  # per request: its drafts came from n-gram lookup (None: no lookup this step)
+    # per request: it accepted no draft by rule (``Request.accepts_no_drafts``: it committed one token, as in a plain
+    # step), not counted in the drafts; None when every request of a speculative step could accept drafts
+    plain_rows: list[bool] | None = None
     # per request, per committed token: its log-probabilities (the requests that asked; None for the others, and
     # None throughout when no request of the batch asked)
     logprobs: list[SampleLogprobs | None] | None = None
@@ -693,12 +698,13 @@ class ModelRunner:
             raw = t_logits(state, hidden)  # [S, γ + 1, V]
             logits = apply_logit_bias(raw, st)
             if all_greedy:
-                out, num_accepted = greedy_verify(draft_tokens, logits)
+                out, num_accepted = greedy_verify(draft_tokens, logits, st.max_accept)
             else:
                 target_probs = processed_probs(logits, st)
                 point_mass = jax.nn.one_hot(draft_tokens, draft_probs.shape[-1], dtype=draft_probs.dtype)
                 draft_probs = jnp.where(copied[..., None], point_mass, draft_probs)
                 out, num_accepted = rejection_sample(draft_tokens, draft_probs, target_probs, st, salt=SALT_VERIFY)
+                out = as_plain_steps(out, logits[:, 0], st)
             # out[:, j] (j <= num_accepted) is the target's token after position j, under logits[:, j]
             lp = None if num_logprobs is None else token_logprobs(raw, out, num_logprobs)
             return out, num_accepted, kv, feats, lp
@@ -773,10 +779,13 @@ class ModelRunner:
             if tree.copy_depth:
                 copy_nodes = np.asarray([tree.level_starts[d] for d in range(1, tree.copy_depth + 1)])
                 valid = valid.at[:, copy_nodes].set(valid[:, copy_nodes] & copy_valid)
+            if st.max_accept is not None:  # no node deeper than a row may accept
+                valid = valid & (jnp.asarray(tree.depth_of)[None, :] <= st.max_accept[:, None])
             if all_greedy:
                 out, num_accepted, path = tree_greedy_verify(tokens, argmax(logits), valid, tree)
             else:
                 out, num_accepted, path = tree_rejection_sample(tokens, logits, valid, tree, st)
+                out = as_plain_steps(out, logits[:, 0], st)
             depth = jnp.arange(1, tree.depth + 1)[None, :]
             keep = depth <= num_accepted[:, None]
             src = jnp.where(keep, n[:, None] - 1 + path[:, 1:], n[:, None] - 1 + depth)  # [S, depth]
@@ -844,6 +853,10 @@ class ModelRunner:
         min_p = np.zeros(num_rows, np.float32)
         seeds = np.zeros(num_rows, np.uint32)
         steps = np.zeros(num_rows, np.int32)
+        # a row whose logits depend on the tokens before them accepts no draft: it commits one token per step, as
+        # a plain step would, while the rest of a speculative batch goes on speculating (always an array: one
+        # structure, so no step variant more)
+        max_accept = np.full(num_rows, NO_ACCEPT_LIMIT, np.int32)
         vocab = self.target.config.vocab_size
         for i, r in enumerate(requests):
             sp = r.sampling
@@ -851,6 +864,8 @@ class ModelRunner:
             temperature[i], top_k[i], top_p[i], min_p[i] = sp.temperature, min(sp.top_k, vocab), sp.top_p, sp.min_p
             seeds[i] = r.seed % 2**32
             steps[i] = len(r.output_token_ids)
+            if r.accepts_no_drafts:
+                max_accept[i] = 0
         bias_ids = bias_values = None
         biases = [_row_bias(r) for r in requests]
         widest = max((len(b) for b in biases), default=0)
@@ -865,14 +880,14 @@ class ModelRunner:
                     dense[i, token] -= sp.presence_penalty + sp.frequency_penalty * count
                 if r.grammar is not None:  # only the tokens its constraint allows next
                     dense[i, ~r.grammar.allowed()] = BANNED
-            return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, None, dense)
+            return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, None, dense, max_accept)
         if widest:  # a static width per batch: powers of two from 8 (a few variants, compiled on first use)
             width = max(8, next_power_of_two(widest))
             bias_ids, bias_values = np.zeros((num_rows, width), np.int32), np.zeros((num_rows, width), np.float32)
             for i, bias in enumerate(biases):
                 for j, (token, value) in enumerate(bias.items()):
                     bias_ids[i, j], bias_values[i, j] = token, value
-        return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, bias_ids, bias_values)
+        return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, bias_ids, bias_values, max_accept)
 
     # ---- steps --------------------------------------------------------------------------------------------------
     def execute_prefill(self, batch: ScheduledBatch) -> PrefillResult:
@@ -1028,12 +1043,13 @@ class ModelRunner:
                 continue
             chain_kept = 0 if (self.feature_draft or tree is not None or copied[i, 0]) else min(k, gamma - 1)
             r.num_draft_computed = int(n[i]) + chain_kept
+        plain = [r.accepts_no_drafts for r in requests]
         return DecodeResult(
-            committed, gamma, drafted * len(requests), accepted,
+            committed, gamma, drafted * (len(requests) - sum(plain)), accepted,
             draft_seconds=t2 - t1, verify_seconds=t3 - t2, catchup_seconds=t1 - t0, catchup_tokens=catchup_tokens,
             tree_nodes=0 if tree is None else tree.num_nodes,
             lookup=None if looked_up is None else [bool(p) for p in looked_up],
-            logprobs=host_logprobs(lp, requests, committed),
+            logprobs=host_logprobs(lp, requests, committed), plain_rows=plain if any(plain) else None,
         )
 
     def lookup_covers(self, requests: list[Request], gamma: int) -> bool:

@@ -36,6 +36,8 @@ SALT_SAMPLE = 0  # plain (autoregressive) sampling
 SALT_VERIFY = 1  # rejection sampling in the verify pass
 SALT_DRAFT = 2  # the draft proposer's samples
 
+NO_ACCEPT_LIMIT = 2**30  # SamplingTensors.max_accept of a row that may accept every draft
+
 
 def argmax(x: jax.Array) -> jax.Array:
     """``jnp.argmax(x, axis=-1)`` as int32: x [..., V] -> [..., V-less] int32 (ties: the lowest index, as
@@ -95,6 +97,11 @@ class SamplingTensors(NamedTuple):
     # values a dense [B, V] float32 bias; see apply_logit_bias
     bias_ids: jax.Array | None = None
     bias_values: jax.Array | None = None
+    # [B] int32: the most drafts each row may accept in a speculative step (None: no limit). The engine sets 0 for a
+    # row whose logits at a position depend on the tokens before it (penalties, min_tokens, a structured output's
+    # constraint: ``Request.accepts_no_drafts``), which then commits one token per step, as a plain step would, while
+    # the rest of its batch speculates; ``NO_ACCEPT_LIMIT`` for the others
+    max_accept: jax.Array | None = None
 
     @classmethod
     def create(

@@ -5,10 +5,10 @@ A grammar backend (xgrammar, optional: ``pip install 'nightjar-jax[structured]'`
 the tokenizer's vocabulary once per engine and constraint (its compiler caches them); each request gets its own
 matcher, advanced with every token it commits. Before each step the runner asks the matcher which tokens may come
 next (:meth:`RequestGrammar.allowed`) and bans the others in that row's dense logit bias (the penalties' path,
-``ModelRunner._sampling_tensors``), so greedy and sampled rows, prefill and decode, draw only allowed tokens. A
-batch holding such a request decodes without speculation (a verify would need the mask at every drafted position),
-as with penalties. When the grammar is complete only the end-of-sequence tokens are allowed, and the request ends
-once the matcher accepts one (``ignore_eos`` included).
+``ModelRunner._sampling_tensors``), so greedy and sampled rows, prefill and decode, draw only allowed tokens. Such
+a request accepts no draft (the mask holds for the next position alone; ``Request.accepts_no_drafts``), as with
+penalties, while the rest of its batch speculates. When the grammar is complete only the end-of-sequence tokens are
+allowed, and the request ends once the matcher accepts one (``ignore_eos`` included).
 """
 
 from __future__ import annotations

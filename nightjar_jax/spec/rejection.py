@@ -8,7 +8,9 @@ Vocabulary (one verify step of one request)
   (position i predicts the token after the prefix plus ``d_0 .. d_{i-1}``), with the *same* sampling parameters
   as the draft. The output is distributed exactly as sampling from ``p`` token by token.
 - **accepted**: ``d_i`` is accepted while ``u_i < p_i(d_i) / q_i(d_i)``, ``u_i ~ U[0, 1)``. ``num_accepted`` is
-  the length of the accepted prefix, in [0, γ].
+  the length of the accepted prefix, in [0, γ], and at most the row's ``SamplingTensors.max_accept`` when set: a
+  row limited to k accepts no draft past k, and its final token is then a draw from ``p_k`` itself (the bonus rule:
+  no draft was tried there), so its output stays distributed as ``p``.
 - **recovered token**: at the first rejection i, a draw from the residual ``norm(max(p_i - q_i, 0))``.
 - **bonus token**: when all γ drafts are accepted, a free draw from ``p_γ``.
 - **committed tokens**: ``output[:num_accepted + 1]`` — the accepted drafts, then the recovered or bonus token.
@@ -41,11 +43,13 @@ import numpy as np
 
 from nightjar_jax.engine.sampler import (
     SALT_DRAFT,
+    SALT_SAMPLE,
     SALT_VERIFY,
     SamplingTensors,
     argmax,
     processed_probs,
     request_keys,
+    sample,
     sample_from_probs,
 )
 
@@ -73,16 +77,26 @@ def _commit(draft_tokens: jax.Array, accepted: jax.Array, final_token: jax.Array
     return output.astype(jnp.int32), num_accepted
 
 
-def greedy_verify(draft_tokens: jax.Array, target_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _within_limit(accepted: jax.Array, max_accept: jax.Array | None) -> jax.Array:
+    """accepted [B, γ] bool with the drafts past each row's ``max_accept`` [B] (None: no limit) not accepted."""
+    if max_accept is None:
+        return accepted
+    return accepted & (jnp.arange(accepted.shape[1])[None, :] < max_accept[:, None])
+
+
+def greedy_verify(
+    draft_tokens: jax.Array, target_logits: jax.Array, max_accept: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Verification when every row is greedy; needs no probability tensors.
 
-    draft_tokens: [B, γ] int32; target_logits: [B, γ + 1, V] f32.
+    draft_tokens: [B, γ] int32; target_logits: [B, γ + 1, V] f32; max_accept: [B] int32 the most drafts a row may
+    accept (``SamplingTensors.max_accept``; None: all).
     Returns output_tokens [B, γ + 1] int32 (the target's argmax chain up to num_accepted, then -1) and
     num_accepted [B] int32 in [0, γ].
     """
     draft_tokens = draft_tokens.astype(jnp.int32)
     target_argmax = argmax(target_logits)  # [B, γ + 1] int32
-    accepted = draft_tokens == target_argmax[:, :-1]  # [B, γ] bool
+    accepted = _within_limit(draft_tokens == target_argmax[:, :-1], max_accept)  # [B, γ] bool
     return _commit(draft_tokens, accepted, target_argmax)
 
 
@@ -129,17 +143,22 @@ def rejection_sample(
     target_argmax = argmax(target_probs)  # [B, γ + 1] int32
     greedy_accept = draft_tokens == target_argmax[:, :gamma]  # [B, γ] bool
     accepted = jnp.where(greedy[:, None], greedy_accept, sampled_accept)  # [B, γ] bool
+    accepted = _within_limit(accepted, st.max_accept)
     num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)  # [B] int32
 
     # Only one final draw per row is ever used, so gather its position first and draw over [B, V], not
-    # [B, γ + 1, V]. At position γ (all accepted) there is no q: the residual with q = 0 is p itself (bonus).
+    # [B, γ + 1, V]. At position γ (all accepted) there is no q: the residual with q = 0 is p itself (bonus); so
+    # at a row's max_accept, where the draft after it was never tried.
     rows = jnp.arange(batch)
     p_final = target_probs[rows, num_accepted]  # [B, V] f32
     if gamma == 0:  # static: nothing drafted, the bonus token alone
         q_final = jnp.zeros_like(p_final)  # [B, V] f32
     else:
+        rejected = num_accepted < gamma  # [B] bool: the draft at num_accepted was tried and rejected
+        if st.max_accept is not None:
+            rejected = rejected & (num_accepted < st.max_accept)
         q_final = jnp.where(
-            (num_accepted < gamma)[:, None], draft_probs[rows, jnp.minimum(num_accepted, gamma - 1)], 0.0
+            rejected[:, None], draft_probs[rows, jnp.minimum(num_accepted, gamma - 1)], 0.0
         )  # [B, V] f32
     final_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(position_keys[rows, num_accepted])  # [B] key
     drawn = sample_from_probs(_residual_probs(p_final, q_final), final_keys)  # [B] int32
@@ -157,6 +176,18 @@ def draft_sample(logits: jax.Array, st: SamplingTensors, salt: int = SALT_DRAFT)
     drawn = sample_from_probs(probs, request_keys(st, salt))  # [B] int32
     token = jnp.where(st.temperature == 0, argmax(logits), drawn)  # [B] int32
     return token, probs
+
+
+def as_plain_steps(out: jax.Array, first_logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """out [B, 1 + ...] with each sampled row whose ``max_accept`` is 0 (it commits one token) given the token a
+    plain step would draw from ``first_logits`` [B, V] (the biased logits after the last committed token): the same
+    distribution, but the plain step's random stream (SALT_SAMPLE), so a seeded request's tokens do not depend on
+    whether the rest of its batch speculated. Greedy rows (their argmax already) and the others are unchanged."""
+    if st.max_accept is None:
+        return out
+    plain = (st.max_accept == 0) & (st.temperature > 0)  # [B] bool
+    token = jax.lax.cond(jnp.any(plain), lambda x: sample(x, st, SALT_SAMPLE), lambda x: out[:, 0], first_logits)
+    return out.at[:, 0].set(jnp.where(plain, token, out[:, 0]))
 
 
 def tree_greedy_verify(tokens: jax.Array, target_argmax: jax.Array, valid: jax.Array, tree) -> tuple[jax.Array, ...]:

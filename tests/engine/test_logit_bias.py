@@ -113,6 +113,36 @@ def test_presence_and_frequency_penalties_lower_generated_tokens_and_turn_specul
     assert eng.stats.num_drafted_tokens > 0
 
 
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_penalized_requests_accept_no_draft_while_their_batch_speculates(kind):
+    """Penalized requests (greedy, and sampled with a seed) beside greedy ones: the steps they share speculate, the
+    penalized rows accept no draft and commit one token each (the sampled one drawn as a plain step draws it, so its
+    tokens are those it gets alone, where every step is plain), the greedy rows accept drafts; every request gets its
+    reference tokens, and the drafts counted are the speculating rows' alone."""
+    kwargs = {"chain": dict(num_speculative_tokens=3),
+              "tree": dict(runner_up=True, num_speculative_tokens=3, spec_tree_nodes=8)}[kind]
+    eng = fake_engine(draft=True, **kwargs)
+    sampled = SamplingParams(temperature=8.0, seed=5, max_tokens=12, presence_penalty=0.5)  # (nearly uniform)
+    alone = generate_outputs(eng, [PROMPTS[1]], [sampled])[0].token_ids
+    assert eng.stats.num_drafted_tokens == 0  # (a batch of penalized requests alone decodes plainly)
+    eng.record_steps = True
+    params = [greedy(12), greedy(12, logit_bias={42: 11.5}, frequency_penalty=0.5), greedy(12), sampled]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[1]]
+    outs = generate_outputs(eng, prompts, params)
+    assert outs[0].token_ids == fake_greedy_continuation(PROMPTS[0], 12, VOCAB)
+    assert outs[1].token_ids == _penalized_greedy(PROMPTS[1], 12, {42: 11.5}, 0.0, 0.5)
+    assert outs[2].token_ids == fake_greedy_continuation(PROMPTS[2], 12, VOCAB)
+    assert outs[3].token_ids == alone
+    shared = [s for s in eng.stats.step_log if s["gamma"] > 0 and s["plain_rows"] is not None]
+    assert shared and all(s["gamma"] == 3 and (s["tree_nodes"] > 0) == (kind == "tree") for s in shared)
+    for s in shared:  # rows 1 and 3 while all four run
+        assert all(k == 0 for k, plain in zip(s["accepted"], s["plain_rows"], strict=True) if plain)
+    assert any(s["plain_rows"] == [False, True, False, True] and sum(s["accepted"]) > 0 for s in shared)
+    drafted = sum((s["tree_nodes"] or s["gamma"]) * (s["batch_size"] - sum(s["plain_rows"] or []))
+                  for s in eng.stats.step_log if s["gamma"] > 0)
+    assert eng.stats.num_drafted_tokens == drafted > 0
+
+
 @pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
 def test_penalties_outside_their_range_are_clear_errors(field):
     with pytest.raises(ValueError, match=rf"{field}=2.5 is invalid: allowed a float in \[-2, 2\]"):
@@ -138,8 +168,8 @@ def _min_tokens_greedy(prompt: list[int], eos: int, stop_ids: set[int], min_toke
 @pytest.mark.parametrize("kind", ["ar", "chain"])
 def test_min_tokens_bans_stop_ids_until_reached(kind):
     """EOS is the model's third token: with min_tokens 6 it is banned for six tokens (the model's runner-up, id 0
-    here, comes instead), then the request runs until EOS comes back or max_tokens; speculation is off while a request
-    is under min_tokens and on again after."""
+    here, comes instead), then the request runs until EOS comes back or max_tokens; a request accepts no draft while
+    it is under min_tokens, and drafts again after."""
     cont = fake_greedy_continuation(PROMPTS[0], 12, VOCAB)
     eos = cont[2]
     kwargs = {"ar": {}, "chain": dict(draft=True, num_speculative_tokens=3)}[kind]

@@ -152,6 +152,14 @@ def test_rejection_sample_greedy_rows_match_greedy_verify() -> None:
     np.testing.assert_array_equal(num_accepted, [3, 0, 0, 2])
 
 
+def test_greedy_verify_accepts_no_draft_past_max_accept() -> None:
+    draft_tokens, target_logits, _ = _greedy_case()
+    output, num_accepted = _greedy_verify(draft_tokens, target_logits, np.array([1, 3, 0, 2], np.int32))
+    np.testing.assert_array_equal(num_accepted, [1, 0, 0, 2])
+    # the final token sits at the limit: the target's argmax there (7 after the accepted 5)
+    np.testing.assert_array_equal(output, [[5, 7, -1, -1], [5, -1, -1, -1], [5, -1, -1, -1], [5, 7, 9, -1]])
+
+
 # ------------------------------------------------------------------------------------------- distribution
 
 
@@ -169,6 +177,22 @@ def test_first_committed_token_is_distributed_as_target(experiment: Experiment) 
 def test_second_committed_token_given_acceptance_is_distributed_as_target(experiment: Experiment) -> None:
     output, num_accepted = experiment.run()
     assert experiment.second_token_p_value(output, num_accepted) > MIN_P_VALUE
+
+
+@pytest.mark.parametrize("limit", [0, 1])
+def test_a_row_limited_to_k_drafts_stays_distributed_as_target(experiment: Experiment, limit: int) -> None:
+    """``max_accept`` k: no draft past k is accepted, and the token at k is drawn from p_k itself (no draft was
+    tried there), not from the residual: the committed tokens stay distributed as the target's. The residual there
+    would fail these tests (q differs from p here: the first test's check)."""
+    st = experiment.st._replace(max_accept=jnp.full(NUM_ROWS, limit, jnp.int32))
+    output, num_accepted = _rejection_sample(experiment.draft_tokens, experiment.draft_probs, experiment.target_probs,
+                                             st)
+    output, num_accepted = np.asarray(output), np.asarray(num_accepted)
+    assert (num_accepted <= limit).all() and (num_accepted == limit).mean() > 0.2
+    assert (output[:, limit + 1 :] == PAD_TOKEN).all()
+    assert experiment.first_token_p_value(output) > MIN_P_VALUE
+    if limit == 1:
+        assert experiment.second_token_p_value(output, num_accepted) > MIN_P_VALUE
 
 
 def test_negative_control_accepting_with_p_only_fails(experiment: Experiment) -> None:
