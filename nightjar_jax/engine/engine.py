@@ -424,10 +424,9 @@ class LLMEngine:
                     outputs.append(self._append(r, [int(tok)], now, logprobs[i] if logprobs else None))
             self.stats.num_prefill_steps += 1
         else:
-            # presence / frequency penalties, min_tokens' bans and a structured output's mask depend on every token
-            # before a position, which a speculative step's later positions would not see: such a request accepts
-            # no draft (SamplingTensors.max_accept) while the rest of its batch speculates; a batch of such requests
-            # alone decodes plainly (the planner neither chooses nor observes those steps)
+            # a structured output's mask holds for the next position alone: such a request accepts no draft
+            # (Request.draft_limit, SamplingTensors.max_accept) while the rest of its batch speculates; a batch of
+            # such requests alone decodes plainly (the planner neither chooses nor observes those steps)
             plain_only = (all(r.accepts_no_drafts for r in self.scheduler.running)
                           or not self.runner.draft_on_device)  # (offloaded: γ = 0 until it is back)
             gamma = 0 if plain_only else self._select_gamma()

@@ -118,11 +118,23 @@ class Request:
         return len(self.output_token_ids) < self.sampling.min_tokens
 
     @property
+    def draft_limit(self) -> int | None:
+        """The most drafts a speculative step may accept for it (``SamplingTensors.max_accept``; None: no limit),
+        where its bias at a drafted position depends on the drafts before it. A structured output's mask holds for
+        the next position alone: 0 (one token per step, speculative or plain). Under ``min_tokens`` its stop ids are
+        banned at every position of the step: the drafts that keep each committed token under it, ``min_tokens -
+        len(output) - 1``. (Presence / frequency penalties need no limit: the verify adds the drafts before each
+        position to the counts, ``sampler.penalize_drafts``.)"""
+        if self.grammar is not None:
+            return 0
+        if self.under_min_tokens:
+            return self.sampling.min_tokens - len(self.output_token_ids) - 1
+        return None
+
+    @property
     def accepts_no_drafts(self) -> bool:
-        """Its logits at a position depend on the tokens before it (penalties, min_tokens, a structured output's
-        constraint), which a drafted position's bias would not see: it accepts no draft (``SamplingTensors.
-        max_accept`` 0) and commits one token per step, speculative or plain."""
-        return self.sampling.has_penalties or self.under_min_tokens or self.grammar is not None
+        """A speculative step accepts none of its drafts (``draft_limit`` 0)."""
+        return self.draft_limit == 0
 
     def prompt_logprobs_snapshot(self) -> list | None:
         """``prompt_logprobs`` for an output: a copy while the prefill may still fill it, then the list itself, shared

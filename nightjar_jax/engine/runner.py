@@ -37,11 +37,13 @@ from nightjar_jax.engine.outputs import Logprob, SampleLogprobs
 from nightjar_jax.engine.request import Request
 from nightjar_jax.engine.sampler import (
     NO_ACCEPT_LIMIT,
+    Penalties,
     SamplingTensors,
     TokenLogprobs,
     apply_logit_bias,
     argmax,
     logprobs_bucket,
+    penalize_drafts,
     processed_probs,
     sample,
     token_logprobs,
@@ -73,7 +75,7 @@ from nightjar_jax.spec.rejection import (
     tree_greedy_verify,
     tree_rejection_sample,
 )
-from nightjar_jax.spec.tree import SpecTree, tree_for, with_copy_branch
+from nightjar_jax.spec.tree import SpecTree, chain_prefixes, tree_for, with_copy_branch
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +293,7 @@ class DecodeResult:
     catchup_tokens: int = 0
     tree_nodes: int = 0  # drafted nodes per request when the step verified a token tree (0: a chain)
     lookup: list[bool] | None = None  # per request: its drafts came from n-gram lookup (None: no lookup this step)
-    # per request: it accepted no draft by rule (``Request.accepts_no_drafts``: it committed one token, as in a plain
+    # per request: it accepted no draft by rule (``Request.accepts_no_drafts``: it committed one token, as a plain
     # step), not counted in the drafts; None when every request of a speculative step could accept drafts
     plain_rows: list[bool] | None = None
     # per request, per committed token: its log-probabilities (the requests that asked; None for the others, and
@@ -696,7 +698,7 @@ class ModelRunner:
             if feats is not None:  # only the accepted positions' are read later; the rest are overwritten first
                 feats = write_feature_pages(feats, hidden, md)
             raw = t_logits(state, hidden)  # [S, γ + 1, V]
-            logits = apply_logit_bias(raw, st)
+            logits = penalize_drafts(apply_logit_bias(raw, st), tokens, chain_prefixes(tokens.shape[1]), st)
             if all_greedy:
                 out, num_accepted = greedy_verify(draft_tokens, logits, st.max_accept)
             else:
@@ -709,7 +711,7 @@ class ModelRunner:
             lp = None if num_logprobs is None else token_logprobs(raw, out, num_logprobs)
             return out, num_accepted, kv, feats, lp
 
-        def propose_tree(leaves, kv, feats, embed, tokens, first_lens, block_tables, context_lens, copy_tokens,
+        def propose_tree(leaves, kv, feats, embed, tokens, first_lens, block_tables, context_lens, copy_tokens, st,
                          gamma):
             """Greedy drafts for the static tree at ``gamma`` -> node tokens [S, N] in tree order. The first step is
             ``propose``'s (the committed tokens the draft has not run, ending at the root, slot n - 1); then one
@@ -717,7 +719,8 @@ class ModelRunner:
             n - 1 + depth, seeing the committed tokens and its ancestors (tree mask), fed its parent's output
             feature (a feature draft). A node's children are its parent's top-ranked draft tokens; the copy
             branch's nodes (``tree.copy_depth`` of them, first in their levels) take ``copy_tokens`` [S, copy
-            depth] (n-gram lookup's, from the host) instead."""
+            depth] (n-gram lookup's, from the host) instead. The ranks are those of the draft's logits with each
+            row's bias (``st``: its logit_bias, and penalties over the committed tokens)."""
             tree = self.trees[gamma]
             state = self.draft.unflatten(leaves)
             real = (context_lens > 0).astype(jnp.int32)
@@ -736,7 +739,8 @@ class ModelRunner:
                     # the draft's head runs only over the nodes of the level above that have ranked children
                     # (60 nodes: 25 head rows per step instead of 47)
                     expanded, parent_row = np.unique(parents[ranked], return_inverse=True)
-                    top = top_k_ids(d_logits(state, outs[:, expanded]), tree.top_k(d - 1))  # [S, |expanded|, k]
+                    logits = apply_logit_bias(d_logits(state, outs[:, expanded]), st)
+                    top = top_k_ids(logits, tree.top_k(d - 1))  # [S, |expanded|, k]
                     toks.append(top[:, parent_row, tree.rank[level.start + ranked]].astype(jnp.int32))
                 toks = jnp.concatenate(toks, axis=1)  # [S, |level|]
                 node_tokens.append(toks)
@@ -772,7 +776,7 @@ class ModelRunner:
             if feats is not None:
                 feats = write_feature_pages(feats, hidden, md)
             raw = t_logits(state, hidden)  # [S, N + 1, V]
-            logits = apply_logit_bias(raw, st)
+            logits = penalize_drafts(apply_logit_bias(raw, st), tokens, tree.prefixes, st)
             n = context_lens - num_nodes  # committed tokens
             slots = n[:, None] - 1 + jnp.arange(num_nodes + 1)[None, :]
             valid = slots < self.max_model_len
@@ -825,7 +829,7 @@ class ModelRunner:
                 feats = feats.at[dp, do].set(feats[sp, so])
             return moved, feats
 
-        self._propose_tree = jax.jit(propose_tree, donate_argnums=(1,), static_argnums=(9,))
+        self._propose_tree = jax.jit(propose_tree, donate_argnums=(1,), static_argnums=(10,))
         self._verify_tree = jax.jit(verify_tree, donate_argnums=(1, 2), static_argnums=(9, 10),
                                     static_argnames=("num_logprobs",))
         self._draft_fill = jax.jit(draft_fill, donate_argnums=(1,))
@@ -853,9 +857,9 @@ class ModelRunner:
         min_p = np.zeros(num_rows, np.float32)
         seeds = np.zeros(num_rows, np.uint32)
         steps = np.zeros(num_rows, np.int32)
-        # a row whose logits depend on the tokens before them accepts no draft: it commits one token per step, as
-        # a plain step would, while the rest of a speculative batch goes on speculating (always an array: one
-        # structure, so no step variant more)
+        # the drafts a row may accept (Request.draft_limit): a structured output's none, so it commits one token per
+        # step, as a plain step would, while the rest of a speculative batch goes on speculating (always an array:
+        # one structure, so no step variant more)
         max_accept = np.full(num_rows, NO_ACCEPT_LIMIT, np.int32)
         vocab = self.target.config.vocab_size
         for i, r in enumerate(requests):
@@ -864,23 +868,31 @@ class ModelRunner:
             temperature[i], top_k[i], top_p[i], min_p[i] = sp.temperature, min(sp.top_k, vocab), sp.top_p, sp.min_p
             seeds[i] = r.seed % 2**32
             steps[i] = len(r.output_token_ids)
-            if r.accepts_no_drafts:
-                max_accept[i] = 0
+            if r.draft_limit is not None:
+                max_accept[i] = r.draft_limit
         bias_ids = bias_values = None
         biases = [_row_bias(r) for r in requests]
         widest = max((len(b) for b in biases), default=0)
-        # penalties and structured outputs' constraints: one dense [S, V] bias (a shape that never grows)
-        if any(r.output_counts or r.grammar is not None for r in requests):
+        # penalties and structured outputs' constraints: one dense [S, V] bias (a shape that never grows); with
+        # penalties, their counts too, which a verify extends with each position's drafts (penalize_drafts)
+        if any(r.sampling.has_penalties or r.grammar is not None for r in requests):
             dense = np.zeros((num_rows, vocab), np.float32)
+            penalties = None
+            if any(r.sampling.has_penalties for r in requests):
+                penalties = Penalties(np.zeros(num_rows, np.float32), np.zeros(num_rows, np.float32),
+                                      np.zeros((num_rows, vocab), np.int32))
             for i, r in enumerate(requests):
                 for token, value in biases[i].items():
                     dense[i, token] += value
                 sp = r.sampling
                 for token, count in (r.output_counts or {}).items():
                     dense[i, token] -= sp.presence_penalty + sp.frequency_penalty * count
+                    penalties.counts[i, token] = count
+                if penalties is not None:
+                    penalties.presence[i], penalties.frequency[i] = sp.presence_penalty, sp.frequency_penalty
                 if r.grammar is not None:  # only the tokens its constraint allows next
                     dense[i, ~r.grammar.allowed()] = BANNED
-            return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, None, dense, max_accept)
+            return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, None, dense, max_accept, penalties)
         if widest:  # a static width per batch: powers of two from 8 (a few variants, compiled on first use)
             width = max(8, next_power_of_two(widest))
             bias_ids, bias_values = np.zeros((num_rows, width), np.int32), np.zeros((num_rows, width), np.float32)
@@ -996,7 +1008,7 @@ class ModelRunner:
                 copy_valid[i, : len(prop)] = True
             draft_tokens, self.draft_kv = self._propose_tree(
                 self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, first_lens, bt, n,
-                copy_tokens, gamma,
+                copy_tokens, st, gamma,
             )
         else:
             draft_tokens, draft_probs, self.draft_kv = self._propose(
@@ -1194,7 +1206,7 @@ class ModelRunner:
                             no_copy = np.zeros((num_rows, self.trees[gamma].copy_depth), np.int32)
                             tokens, self.draft_kv = self._propose_tree(
                                 self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, zeros, bt,
-                                zeros, no_copy, gamma,
+                                zeros, no_copy, st, gamma,
                             )
                             out, _, self.kv, self.features, _ = self._verify_tree(
                                 self.target.leaves(), self.kv, self.features, zeros, tokens, no_copy.astype(bool), bt,

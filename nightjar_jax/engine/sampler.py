@@ -83,6 +83,16 @@ def top_k_ids(x: jax.Array, k: int) -> jax.Array:
     return jnp.stack(out, axis=-1)
 
 
+class Penalties(NamedTuple):
+    """Presence / frequency penalties of a batch's rows (0 where a row has none), for the drafted positions of a
+    speculative step: the dense bias (``SamplingTensors.bias_values``) holds them for the committed tokens alone, and
+    :func:`penalize_drafts` adds the drafts before each position."""
+
+    presence: jax.Array  # [B] float32
+    frequency: jax.Array  # [B] float32
+    counts: jax.Array  # [B, V] int32: times each token was generated (the counts the dense bias was built from)
+
+
 class SamplingTensors(NamedTuple):
     """Per-request sampling parameters for one batch, on device. Padding rows should be greedy."""
 
@@ -97,11 +107,12 @@ class SamplingTensors(NamedTuple):
     # values a dense [B, V] float32 bias; see apply_logit_bias
     bias_ids: jax.Array | None = None
     bias_values: jax.Array | None = None
-    # [B] int32: the most drafts each row may accept in a speculative step (None: no limit). The engine sets 0 for a
-    # row whose logits at a position depend on the tokens before it (penalties, min_tokens, a structured output's
-    # constraint: ``Request.accepts_no_drafts``), which then commits one token per step, as a plain step would, while
-    # the rest of its batch speculates; ``NO_ACCEPT_LIMIT`` for the others
+    # [B] int32: the most drafts each row may accept in a speculative step (None: no limit). The engine sets
+    # ``Request.draft_limit``: 0 for a structured output's row (its mask holds for the next position alone), which
+    # then commits one token per step, as a plain step would, while the rest of its batch speculates; under
+    # min_tokens the drafts that keep it under; ``NO_ACCEPT_LIMIT`` for the others
     max_accept: jax.Array | None = None
+    penalties: Penalties | None = None  # with the dense bias when a row has presence / frequency penalties
 
     @classmethod
     def create(
@@ -148,6 +159,35 @@ def apply_logit_bias(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     biased = jax.vmap(lambda row, i, v: row.at[i].add(v))(
         logits.reshape(-1, vocab), ids.reshape(-1, width), values.reshape(-1, width))
     return biased.reshape(logits.shape)
+
+
+def penalize_drafts(logits: jax.Array, tokens: jax.Array, prefix: np.ndarray, st: SamplingTensors) -> jax.Array:
+    """A verify's biased logits [B, P, V] with presence / frequency penalties for the drafted tokens before each
+    position (None ``st.penalties``: unchanged). tokens [B, K]: the step's input tokens (the last committed one, then
+    the drafts or tree nodes); prefix [P, K] bool (static): the drafted tokens in position p's prefix (a chain's
+    position j: drafts 0 .. j - 1; a tree node's: its ancestors and itself, the root excluded).
+
+    The dense bias already holds ``-(presence * [c > 0] + frequency * c)`` for a token generated c times; a token
+    that occurs m >= 1 times in a position's prefix moves to ``c + m`` there: ``- frequency * m`` more, and
+    ``- presence`` more when c == 0. Each distinct token is adjusted once per position (at its first occurrence in
+    the prefix)."""
+    pen = st.penalties
+    if pen is None:
+        return logits
+    batch, num_positions = logits.shape[:2]
+    prior = jnp.asarray(prefix, jnp.float32)  # [P, K]
+    same = (tokens[:, :, None] == tokens[:, None, :]).astype(jnp.float32)  # [B, K, K]
+    times = jnp.einsum("pa,bak->bpk", prior, same)  # [B, P, K]: occurrences of token k's id in p's prefix
+    earlier = jnp.asarray(np.tril(np.ones((tokens.shape[1],) * 2, np.float32), -1))  # [K, K]: a < k
+    before = jnp.einsum("pa,bak,ak->bpk", prior, same, earlier)  # [B, P, K]: of them, before k
+    first = jnp.asarray(prefix)[None] & (before == 0)  # [B, P, K]: k in the prefix, its id's first occurrence
+    counts = jnp.take_along_axis(pen.counts, tokens, axis=1)  # [B, K]
+    delta = -(pen.frequency[:, None, None] * times
+              + pen.presence[:, None, None] * (counts[:, None, :] == 0).astype(jnp.float32))  # [B, P, K]
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None, None], delta.shape)
+    positions = jnp.broadcast_to(jnp.arange(num_positions)[None, :, None], delta.shape)
+    ids = jnp.broadcast_to(tokens[:, None, :], delta.shape)
+    return logits.at[rows, positions, ids].add(jnp.where(first, delta, 0.0).astype(logits.dtype))
 
 
 def _fold_to_uint32(seeds: int | np.ndarray | list) -> np.ndarray:

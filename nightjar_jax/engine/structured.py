@@ -6,8 +6,8 @@ the tokenizer's vocabulary once per engine and constraint (its compiler caches t
 matcher, advanced with every token it commits. Before each step the runner asks the matcher which tokens may come
 next (:meth:`RequestGrammar.allowed`) and bans the others in that row's dense logit bias (the penalties' path,
 ``ModelRunner._sampling_tensors``), so greedy and sampled rows, prefill and decode, draw only allowed tokens. Such
-a request accepts no draft (the mask holds for the next position alone; ``Request.accepts_no_drafts``), as with
-penalties, while the rest of its batch speculates. When the grammar is complete only the end-of-sequence tokens are
+a request accepts no draft (the mask holds for the next position alone; ``Request.draft_limit``) and commits one
+token per step, while the rest of its batch speculates. When the grammar is complete only the end-of-sequence tokens are
 allowed, and the request ends once the matcher accepts one (``ignore_eos`` included).
 """
 

@@ -65,7 +65,7 @@ class _SamplingFields(_Strict):
     min_tokens: int = Field(default=0, ge=0)  # vLLM's: no stop (EOS, stop ids, stop strings) before this many tokens
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    presence_penalty: float | None = 0.0  # [-2, 2] (SamplingParams checks): such a request accepts no draft
+    presence_penalty: float | None = 0.0  # [-2, 2] (SamplingParams checks); speculative steps count drafts
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     # Structured outputs (nightjar_jax/engine/structured.py): OpenAI's response_format, vLLM's structured_outputs

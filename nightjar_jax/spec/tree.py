@@ -52,6 +52,14 @@ class SpecTree:
         return len(self.paths)
 
     @property
+    def prefixes(self) -> np.ndarray:
+        """[N + 1, N + 1] bool: the drafted nodes each node's token follows (its ancestors and itself, not the
+        root: ``sampler.penalize_drafts``)."""
+        prefix = self.ancestors.copy()
+        prefix[:, 0] = False
+        return prefix
+
+    @property
     def depth(self) -> int:
         return len(self.level_starts) - 2
 
@@ -125,6 +133,14 @@ def make_tree(paths) -> SpecTree:
     for j, k in enumerate(kids):
         children[j, : len(k)] = k
     return SpecTree(tuple(ordered), parent, depth_of, rank, ancestors, path_nodes, tuple(starts), children)
+
+
+def chain_prefixes(num_tokens: int) -> np.ndarray:
+    """A chain's :attr:`SpecTree.prefixes`: [K, K] bool for the last committed token and K - 1 drafts, position j
+    following drafts 1 .. j."""
+    prefix = np.tril(np.ones((num_tokens, num_tokens), bool))
+    prefix[:, 0] = False
+    return prefix
 
 
 def chain_paths(gamma: int) -> list[tuple[int, ...]]:

@@ -87,60 +87,61 @@ def _penalized_greedy(prompt: list[int], n: int, bias: dict[int, float], presenc
     return seq[len(prompt):]
 
 
-def test_presence_and_frequency_penalties_lower_generated_tokens_and_turn_speculation_off():
+@pytest.mark.parametrize("kind", ["ar", "chain", "tree"])
+def test_presence_and_frequency_penalties_lower_generated_tokens(kind):
     """Token 42 biased to 11.5 beats the model's 10 until penalties bring it down: presence 1 + frequency 1 per time
     leaves it at 9.5 after once (the model's token wins), at 11.5 - 1 - 1 x 1 = 9.5; with frequency 0.5 alone it wins
-    three times (11.5, 11.0, 10.5, then 10.0 ties the model's token and the lower id wins). A batch holding a
-    penalized request decodes without speculation; the others keep their exact tokens and speculate again after."""
-    eng = fake_engine(draft=True, num_speculative_tokens=3)
-    cases = [(1.0, 1.0), (0.0, 0.5), (-2.0, 0.0)]
+    three times (11.5, 11.0, 10.5, then 10.0 ties the model's token and the lower id wins). Speculative steps count
+    the drafts before each position (the draft proposes 42 at every position of a step from the committed counts
+    alone): penalized requests accept drafts and get the exact tokens, beside unpenalized ones that keep theirs."""
+    kwargs = {"ar": {}, "chain": dict(draft=True, num_speculative_tokens=3),
+              "tree": dict(draft=True, runner_up=True, num_speculative_tokens=3, spec_tree_nodes=8)}[kind]
+    eng = fake_engine(**kwargs)
+    cases = [(1.0, 1.0), (0.0, 0.5), (-2.0, 0.0), (0.0, 0.0)]
     params = [greedy(10, logit_bias={42: 11.5}, presence_penalty=p, frequency_penalty=f) for p, f in cases]
-    outs = generate_outputs(eng, PROMPTS, params)
-    for out, prompt, (p, f) in zip(outs, PROMPTS, cases, strict=True):
+    prompts = [*PROMPTS, [20, 21]]
+    outs = generate_outputs(eng, prompts, params)
+    for out, prompt, (p, f) in zip(outs, prompts, cases, strict=True):
         assert out.token_ids == _penalized_greedy(prompt, 10, {42: 11.5}, p, f), (p, f)
     assert outs[0].token_ids.count(42) == 1 and outs[2].token_ids == [42] * 10  # (a negative penalty rewards)
-    assert eng.stats.num_drafted_tokens == 0 and eng.stats.decode_steps_per_gamma.keys() == {0}
+    assert outs[1].token_ids[:3] == [42] * 3 and outs[1].token_ids[3] != 42
+    if kind != "ar":
+        assert eng.stats.num_accepted_tokens > 0 and 0 not in eng.stats.decode_steps_per_gamma
     # preemption keeps the counts (the request keeps them; a recompute appends no output again)
-    small = fake_engine(num_pages=13, max_num_seqs=5)
+    small = fake_engine(num_pages=13, max_num_seqs=5, **kwargs)
     prompts = [[i + 1, i + 2, i + 3] for i in range(5)]
     p = [greedy(20, logit_bias={42: 11.5}, frequency_penalty=0.5)] * 5
     got = generate_outputs(small, prompts, p)
     assert small.stats.num_preemptions > 0
     assert [o.token_ids for o in got] == [_penalized_greedy(q, 20, {42: 11.5}, 0.0, 0.5) for q in prompts]
-    # unpenalized requests afterwards speculate again
-    plain = generate_outputs(eng, PROMPTS, [greedy(10)] * 3)
-    assert [o.token_ids for o in plain] == [fake_greedy_continuation(q, 10, VOCAB) for q in PROMPTS]
-    assert eng.stats.num_drafted_tokens > 0
 
 
 @pytest.mark.parametrize("kind", ["chain", "tree"])
-def test_penalized_requests_accept_no_draft_while_their_batch_speculates(kind):
-    """Penalized requests (greedy, and sampled with a seed) beside greedy ones: the steps they share speculate, the
-    penalized rows accept no draft and commit one token each (the sampled one drawn as a plain step draws it, so its
-    tokens are those it gets alone, where every step is plain), the greedy rows accept drafts; every request gets its
-    reference tokens, and the drafts counted are the speculating rows' alone."""
+def test_min_tokens_limits_the_drafts_a_step_accepts(kind):
+    """Under min_tokens a request's stop ids are banned at every position of a step, so it accepts only the drafts
+    that keep it under (``Request.draft_limit``): with a draft that always agrees, EOS (the fifth token) and a stop id
+    (the fourth) still come right after min_tokens 3. A request one token short accepts none (limit 0) while its
+    batch speculates: a sampled one draws that token as a plain step does, so it equals the token it gets alone,
+    where that step is plain."""
     kwargs = {"chain": dict(num_speculative_tokens=3),
               "tree": dict(runner_up=True, num_speculative_tokens=3, spec_tree_nodes=8)}[kind]
-    eng = fake_engine(draft=True, **kwargs)
-    sampled = SamplingParams(temperature=8.0, seed=5, max_tokens=12, presence_penalty=0.5)  # (nearly uniform)
+    eos = fake_greedy_continuation([5, 6, 7], 5, VOCAB)[4]
+    eng = fake_engine(draft=True, perturb=0, eos=eos, **kwargs)
+    sampled = SamplingParams(temperature=8.0, seed=5, max_tokens=6, min_tokens=2)  # (nearly uniform)
     alone = generate_outputs(eng, [PROMPTS[1]], [sampled])[0].token_ids
-    assert eng.stats.num_drafted_tokens == 0  # (a batch of penalized requests alone decodes plainly)
     eng.record_steps = True
-    params = [greedy(12), greedy(12, logit_bias={42: 11.5}, frequency_penalty=0.5), greedy(12), sampled]
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[1]]
-    outs = generate_outputs(eng, prompts, params)
-    assert outs[0].token_ids == fake_greedy_continuation(PROMPTS[0], 12, VOCAB)
-    assert outs[1].token_ids == _penalized_greedy(PROMPTS[1], 12, {42: 11.5}, 0.0, 0.5)
-    assert outs[2].token_ids == fake_greedy_continuation(PROMPTS[2], 12, VOCAB)
-    assert outs[3].token_ids == alone
-    shared = [s for s in eng.stats.step_log if s["gamma"] > 0 and s["plain_rows"] is not None]
-    assert shared and all(s["gamma"] == 3 and (s["tree_nodes"] > 0) == (kind == "tree") for s in shared)
-    for s in shared:  # rows 1 and 3 while all four run
-        assert all(k == 0 for k, plain in zip(s["accepted"], s["plain_rows"], strict=True) if plain)
-    assert any(s["plain_rows"] == [False, True, False, True] and sum(s["accepted"]) > 0 for s in shared)
-    drafted = sum((s["tree_nodes"] or s["gamma"]) * (s["batch_size"] - sum(s["plain_rows"] or []))
-                  for s in eng.stats.step_log if s["gamma"] > 0)
-    assert eng.stats.num_drafted_tokens == drafted > 0
+    stop = fake_greedy_continuation([3], 4, VOCAB)[3]
+    params = [greedy(12, min_tokens=3), greedy(12, min_tokens=3, stop_token_ids=[stop]), greedy(12), sampled]
+    outs = generate_outputs(eng, [[5, 6, 7], [3], [20, 21], PROMPTS[1]], params)
+    assert outs[0].token_ids == fake_greedy_continuation([5, 6, 7], 5, VOCAB) and outs[0].finish_reason == "stop"
+    assert outs[1].token_ids == fake_greedy_continuation([3], 4, VOCAB) and outs[1].finish_reason == "stop"
+    assert outs[2].token_ids == fake_greedy_continuation([20, 21], 12, VOCAB)
+    assert outs[3].token_ids[:2] == alone[:2]
+    # the first decode step: one token each (prefilled), but none yet for the one-token prompt [3] (it decodes from
+    # the start): the sampled request accepts no draft, the min_tokens-3 ones 3 - 1 - 1 and 3 - 0 - 1
+    first = eng.stats.step_log[0]
+    assert first["gamma"] == 3 and first["plain_rows"] == [False, False, False, True]
+    assert first["accepted"] == [1, 2, 3, 0]
 
 
 @pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from scipy import stats
 
 from nightjar_jax.engine.sampler import (
+    Penalties,
     SamplingTensors,
     _top_k_top_p_threshold,
     _top_k_top_p_threshold_by_sort,
     argmax,
+    penalize_drafts,
     processed_probs,
     request_keys,
     sample,
@@ -213,3 +216,42 @@ def test_jit_compiles_once_across_parameter_values() -> None:
     assert len(num_traces) == 1
     if hasattr(jitted, "_cache_size"):  # private, present in jax 0.10 / 0.11
         assert jitted._cache_size() == 1
+
+
+def _penalty(counts: np.ndarray, presence: float, frequency: float) -> np.ndarray:
+    return -(presence * (counts > 0) + frequency * counts)
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_penalize_drafts_counts_the_drafts_before_each_position(shape) -> None:
+    """Against numpy: at each position the penalties are those of the committed counts plus the drafted tokens in
+    its prefix (repeated ones included), for a chain and a token tree whose branches repeat tokens."""
+    from nightjar_jax.spec.tree import chain_prefixes, make_tree
+
+    rng = np.random.default_rng(0)
+    vocab, batch = 6, 4
+    if shape == "chain":
+        prefix = chain_prefixes(5)
+    else:
+        prefix = make_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]).prefixes
+    num = prefix.shape[0]
+    tokens = rng.integers(0, 3, (batch, num)).astype(np.int32)  # (3 of 6 ids: many repeats)
+    counts = rng.integers(0, 3, (batch, vocab)).astype(np.int32)
+    presence = np.array([0.0, 1.5, -0.5, 0.7], np.float32)
+    frequency = np.array([0.0, 0.25, 1.0, -0.3], np.float32)
+    raw = rng.standard_normal((batch, num, vocab)).astype(np.float32)
+    committed = np.stack([_penalty(counts[b], presence[b], frequency[b]) for b in range(batch)])  # [B, V]
+    st = SamplingTensors.create(batch)._replace(
+        bias_values=committed, penalties=Penalties(presence, frequency, counts))
+    penalize = jax.jit(lambda logits, tokens, st: penalize_drafts(logits, tokens, prefix, st))
+    got = np.asarray(penalize(raw + committed[:, None], tokens, st))
+    want = raw.copy()
+    for b in range(batch):
+        for p in range(num):
+            seen = counts[b] + np.bincount(tokens[b][prefix[p]], minlength=vocab)
+            want[b, p] += _penalty(seen, presence[b], frequency[b])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert not np.allclose(want, raw + committed[:, None])  # (the drafts moved some penalties)
+    # no penalties in the batch: unchanged
+    np.testing.assert_array_equal(penalize_drafts(raw, tokens, prefix, st._replace(penalties=None)), raw)
+

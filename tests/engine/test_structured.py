@@ -82,13 +82,14 @@ def test_every_kind_of_constraint_holds(llm, temperature):
 
 def test_constrained_and_plain_requests_share_batches(llm):
     """In a speculative step a constrained request accepts no draft (its mask holds for the next position alone) and
-    commits one token under its constraint, while the plain requests beside it accept drafts; they get the tokens
-    they get alone."""
+    commits one token under its constraint, while the plain requests beside it accept drafts; every request gets the
+    tokens it gets alone (a sampled constrained one draws each token as a plain step does)."""
     plain = SamplingParams(temperature=0, max_tokens=40)
     alone = [o.token_ids for o in _generate(llm, ["Once upon a time", "The little dog"], plain)]
     choice = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputs(choice=["yes", "no"]))
     spec = StructuredOutputs(regex=r"[a-z ]{20,30}\.")
     pattern = SamplingParams(temperature=1.0, seed=2, max_tokens=40, structured_outputs=spec)
+    pattern_alone = _generate(llm, ["Lily saw a big"], pattern)[0].token_ids  # (a batch of its own: plain steps)
     engine, log = llm.engine, llm.engine.stats.step_log
     engine.record_steps, start = True, len(log)
     try:
@@ -98,6 +99,7 @@ def test_constrained_and_plain_requests_share_batches(llm):
         engine.record_steps = False
     assert [outs[0].token_ids, outs[2].token_ids] == alone and outs[1].text in ("yes", "no")
     assert re.fullmatch(r"[a-z ]{20,30}\.", outs[3].text)
+    assert outs[3].token_ids == pattern_alone  # (drawn as plain steps draw, beside speculating requests too)
     shared = [s for s in log[start:] if s["gamma"] == 3 and s["plain_rows"] == [False, True, False, True]]
     assert shared and sum(sum(s["accepted"]) for s in shared) > 0
     assert all(s["accepted"][1] == s["accepted"][3] == 0 for s in shared)

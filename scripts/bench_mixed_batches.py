@@ -1,0 +1,125 @@
+"""Speculation beside requests whose bias at a position depends on the tokens before it. Presence / frequency
+penalties: a verify counts the drafts before each position (``sampler.penalize_drafts``), so penalized requests
+speculate. Structured outputs: such a request accepts no draft and commits one token per step while the rest of
+its batch speculates. (Before, a batch holding either decoded plainly for as long as that request ran.)
+
+One batch of chat requests (greedy, MT-Bench questions) per mix, through a speculative engine at a fixed γ and
+through a plain engine over the same target (what such a batch ran before), alternating ``--repeats`` times.
+Prints per mix and engine: decode steps, tokens per decode step, drafts accepted per speculating row and step, and
+decode tokens/s with its ratio to the plain engine's in the same run; writes JSON.
+
+    python scripts/bench_mixed_batches.py --out results/bench_mixed_batches.json                 # SmolLM2-135M
+    python scripts/bench_mixed_batches.py --model stories260k --draft-model stories260k --num-prompts 2 \\
+        --max-tokens 8 --out /tmp/mixed.json                                                       # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from nightjar_jax.bench.common import load_prompt_texts, machine_note, write_json  # noqa: E402
+
+DATASET = "/work/shared/datasets/mt_bench/vicuna_bench_question.jsonl"
+SCHEMA = {
+    "type": "object",
+    "properties": {"topic": {"type": "string", "maxLength": 40}, "answer": {"type": "string", "maxLength": 400}},
+    "required": ["topic", "answer"],
+    "additionalProperties": False,
+}
+
+
+def mixes(num: int, structured: bool) -> dict[str, list[dict]]:
+    """Mix name -> each request's extra sampling fields: a quarter of the batch (at least one), or all of it."""
+    some = max(1, num // 4)
+    penalty = {"presence_penalty": 0.5, "frequency_penalty": 0.5}
+    out = {"none": [{}] * num, f"penalties {some}/{num}": [penalty] * some + [{}] * (num - some),
+           f"penalties {num}/{num}": [penalty] * num}
+    if structured:
+        from nightjar_jax import StructuredOutputs
+
+        out[f"json schema {some}/{num}"] = ([{"structured_outputs": StructuredOutputs(json=SCHEMA)}] * some
+                                            + [{}] * (num - some))
+    return out
+
+
+def run(llm, prompts: list, params: list) -> dict:
+    """One batch to completion; the engine's decode steps (its step log) and drafts over it."""
+    engine = llm.engine
+    stats = engine.stats
+    engine.record_steps = True
+    stats.step_log.clear()
+    drafted, accepted = stats.num_drafted_tokens, stats.num_accepted_tokens
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert engine.num_free_pages == engine.num_total_pages
+    steps = [s for s in stats.step_log if not s["compiled"]]
+    committed = sum(s["committed"] for s in steps)
+    seconds = sum(s["seconds"] for s in steps)
+    gamma = max((s["gamma"] for s in steps), default=0)
+    row_steps = (stats.num_drafted_tokens - drafted) / gamma if gamma else 0
+    return {"decode_steps": len(steps), "committed": committed, "tokens_per_step": committed / max(len(steps), 1),
+            "accepted_per_row_step": (stats.num_accepted_tokens - accepted) / row_steps if row_steps else 0.0,
+            "decode_tokens_per_second": committed / seconds if seconds else float("nan"),
+            "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "compiled_steps": len(stats.step_log) - len(steps), "texts": [o.outputs[0].text for o in outs]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--draft-model", default=None, help="the speculative engine's draft (default: the model's own)")
+    p.add_argument("--gamma", type=int, default=3, help="the speculative engine's fixed γ")
+    p.add_argument("--dataset", default=DATASET, help="JSONL of {'turns': [...]} (first turns are the questions)")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--no-structured", action="store_true", help="leave out the structured-output mix (no xgrammar)")
+    p.add_argument("--out", default="results/bench_mixed_batches.json")
+    args = p.parse_args()
+    from nightjar_jax import LLM, SamplingParams
+
+    common = dict(max_num_seqs=args.num_prompts, enable_prefix_caching=False)
+    draft = {} if args.draft_model is None else {"draft_model": args.draft_model}
+    engines = {"speculative": LLM(args.model, planner="static", num_speculative_tokens=args.gamma, **draft, **common),
+               "plain": LLM(args.model, draft_model="none", **common)}
+    tok = engines["plain"].engine.tokenizer
+    texts = load_prompt_texts(args.dataset) or ["Once upon a time", "The cat sat on the mat and"]
+    texts = (texts * args.num_prompts)[: args.num_prompts]
+    prompts = ([tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+               if tok.chat_template is not None else texts)
+    params = {m: [SamplingParams(temperature=0, max_tokens=args.max_tokens, **extra) for extra in fields]
+              for m, fields in mixes(args.num_prompts, not args.no_structured).items()}
+    for llm in engines.values():  # warm-up: every mix's step variants (the dense-bias ones compile on first use)
+        for m in params:
+            run(llm, prompts, params[m])
+    rows: dict[tuple[str, str], list[dict]] = {(m, e): [] for m in params for e in engines}
+    for _ in range(args.repeats):
+        for m in params:
+            for e, llm in engines.items():
+                rows[(m, e)].append(run(llm, prompts, params[m]))
+
+    print(f"\n{args.model}, {args.num_prompts} chat requests at once, greedy, up to {args.max_tokens} tokens; "
+          f"speculative: γ = {args.gamma}; medians of {args.repeats}\n")
+    print("| mix | engine | tokens | decode steps | tokens / step | accepted / row-step | decode tok/s | x plain |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    table = []
+    for m in params:
+        base = statistics.median(r["decode_tokens_per_second"] for r in rows[(m, "plain")])
+        for e in engines:
+            rs = rows[(m, e)]
+            tps = statistics.median(r["decode_tokens_per_second"] for r in rs)
+            first = rs[0]
+            print(f"| {m} | {e} | {first['tokens']} | {first['decode_steps']} | {first['tokens_per_step']:.2f} | "
+                  f"{first['accepted_per_row_step']:.2f} | {tps:.1f} | {tps / base:.2f} |")
+            table.append({"mix": m, "engine": e, "tokens_per_second_ratio_to_plain": tps / base,
+                          "decode_tokens_per_second": tps, **{k: v for k, v in first.items() if k != "texts"},
+                          "runs": [r["decode_tokens_per_second"] for r in rs]})
+    write_json(args.out, {"machine": machine_note(), "args": vars(args), "rows": table})
+
+
+if __name__ == "__main__":
+    main()
