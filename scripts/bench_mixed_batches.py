@@ -1,7 +1,7 @@
 """Speculation beside requests whose bias at a position depends on the tokens before it. Presence / frequency
-penalties: a verify counts the drafts before each position (``sampler.penalize_drafts``), so penalized requests
-speculate. Structured outputs: such a request accepts no draft and commits one token per step while the rest of
-its batch speculates. (Before, a batch holding either decoded plainly for as long as that request ran.)
+penalties: a verify counts the drafts before each position (``sampler.penalize_drafts``). Structured outputs: a
+chain step walks the drafts through the constraint and verifies them under its mask at each position. So both kinds
+speculate. (Before, a batch holding either decoded plainly for as long as that request ran.)
 
 One batch of chat requests (greedy, MT-Bench questions) per mix, through a speculative engine at a fixed γ and
 through a plain engine over the same target (what such a batch ran before), alternating ``--repeats`` times.
@@ -42,8 +42,9 @@ def mixes(num: int, structured: bool) -> dict[str, list[dict]]:
     if structured:
         from nightjar_jax import StructuredOutputs
 
-        out[f"json schema {some}/{num}"] = ([{"structured_outputs": StructuredOutputs(json=SCHEMA)}] * some
-                                            + [{}] * (num - some))
+        schema = {"structured_outputs": StructuredOutputs(json=SCHEMA)}
+        out[f"json schema {some}/{num}"] = [schema] * some + [{}] * (num - some)
+        out[f"json schema {num}/{num}"] = [schema] * num
     return out
 
 

@@ -1,6 +1,6 @@
 """What a structured output's constraint costs: the same chat requests unconstrained and under each kind of
-constraint (JSON schema, any JSON object, regex), one engine, plain decoding (a constrained request accepts no
-draft, so speculation would only blur the comparison), alternating ``--repeats`` times. Prints tokens/s
+constraint (JSON schema, any JSON object, regex), one engine, plain decoding (speculation would blur the comparison
+with its acceptance, which the constraint changes), alternating ``--repeats`` times. Prints tokens/s
 and the mean inter-token latency per mode with the latter's ratio to the unconstrained one in the same run (tokens/s
 also moves with the outputs' lengths, which the constraints change; the ITL holds decode steps only), the host time
 of the constraint per token (the matcher's mask and its advance, replayed over the generated tokens), and the share

@@ -424,10 +424,11 @@ class LLMEngine:
                     outputs.append(self._append(r, [int(tok)], now, logprobs[i] if logprobs else None))
             self.stats.num_prefill_steps += 1
         else:
-            # a structured output's mask holds for the next position alone: such a request accepts no draft
-            # (Request.draft_limit, SamplingTensors.max_accept) while the rest of its batch speculates; a batch of
-            # such requests alone decodes plainly (the planner neither chooses nor observes those steps)
-            plain_only = (all(r.accepts_no_drafts for r in self.scheduler.running)
+            # a batch of requests that accept no draft decodes plainly (the planner neither chooses nor observes
+            # those steps): one token short of min_tokens, or a structured output when token trees are configured
+            # (a tree step does not walk its drafts through the constraint; a chain step does)
+            plain_only = (all(r.accepts_no_drafts and (r.grammar is None or bool(self.runner.trees))
+                              for r in self.scheduler.running)
                           or not self.runner.draft_on_device)  # (offloaded: γ = 0 until it is back)
             gamma = 0 if plain_only else self._select_gamma()
             if not plain_only:

@@ -121,7 +121,8 @@ class Request:
     def draft_limit(self) -> int | None:
         """The most drafts a speculative step may accept for it (``SamplingTensors.max_accept``; None: no limit),
         where its bias at a drafted position depends on the drafts before it. A structured output's mask holds for
-        the next position alone: 0 (one token per step, speculative or plain). Under ``min_tokens`` its stop ids are
+        the next position alone: 0 (one token per step) in a tree step; a chain step walks its drafts through the
+        constraint instead (``ModelRunner._walk_constraints``). Under ``min_tokens`` its stop ids are
         banned at every position of the step: the drafts that keep each committed token under it, ``min_tokens -
         len(output) - 1``. (Presence / frequency penalties need no limit: the verify adds the drafts before each
         position to the counts, ``sampler.penalize_drafts``.)"""

@@ -36,10 +36,12 @@ from nightjar_jax.config import ModelConfig, resolve_kv_dtype
 from nightjar_jax.engine.outputs import Logprob, SampleLogprobs
 from nightjar_jax.engine.request import Request
 from nightjar_jax.engine.sampler import (
+    BANNED,
     NO_ACCEPT_LIMIT,
     Penalties,
     SamplingTensors,
     TokenLogprobs,
+    apply_allowed,
     apply_logit_bias,
     argmax,
     logprobs_bucket,
@@ -372,7 +374,6 @@ def _position_logprobs(token: int, logprob: float, rank: int, top_ids: np.ndarra
     return entry
 
 
-BANNED = -1e30  # the bias that keeps a token from being generated (exp(-1e30 - max) = 0; no inf - inf)
 
 
 def _row_bias(r: Request) -> dict[int, float]:
@@ -699,6 +700,7 @@ class ModelRunner:
                 feats = write_feature_pages(feats, hidden, md)
             raw = t_logits(state, hidden)  # [S, γ + 1, V]
             logits = penalize_drafts(apply_logit_bias(raw, st), tokens, chain_prefixes(tokens.shape[1]), st)
+            logits = apply_allowed(logits, st)
             if all_greedy:
                 out, num_accepted = greedy_verify(draft_tokens, logits, st.max_accept)
             else:
@@ -850,7 +852,9 @@ class ModelRunner:
             bt[i, : len(r.block_table)] = r.block_table
         return bt
 
-    def _sampling_tensors(self, requests: list[Request], num_rows: int) -> SamplingTensors:
+    def _sampling_tensors(self, requests: list[Request], num_rows: int, grammar_masks: bool = True) -> SamplingTensors:
+        """The batch's sampling tensors. ``grammar_masks``: a structured output's next-token mask in its dense bias
+        (else a chain step applies one per position after its drafts are known: :meth:`_walk_constraints`)."""
         temperature = np.zeros(num_rows, np.float32)
         top_k = np.zeros(num_rows, np.int32)
         top_p = np.ones(num_rows, np.float32)
@@ -890,7 +894,7 @@ class ModelRunner:
                     penalties.counts[i, token] = count
                 if penalties is not None:
                     penalties.presence[i], penalties.frequency[i] = sp.presence_penalty, sp.frequency_penalty
-                if r.grammar is not None:  # only the tokens its constraint allows next
+                if r.grammar is not None and grammar_masks:  # only the tokens its constraint allows next
                     dense[i, ~r.grammar.allowed()] = BANNED
             return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, None, dense, max_accept, penalties)
         if widest:  # a static width per batch: powers of two from 8 (a few variants, compiled on first use)
@@ -900,6 +904,20 @@ class ModelRunner:
                 for j, (token, value) in enumerate(bias.items()):
                     bias_ids[i, j], bias_values[i, j] = token, value
         return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, bias_ids, bias_values, max_accept)
+
+    def _walk_constraints(self, requests: list[Request], drafts: np.ndarray, st: SamplingTensors,
+                          gamma: int) -> SamplingTensors:
+        """``st`` for a chain verify with structured outputs: each such row's allowed tokens at every position
+        (``RequestGrammar.walk`` over its drafts ``drafts`` [S, γ]) and, as its ``max_accept``, the drafts its
+        constraint accepts (a position after the first it refuses has no mask: the row may not reach it)."""
+        allowed = np.ones((drafts.shape[0], gamma + 1, self.target.config.vocab_size), bool)
+        max_accept = np.array(st.max_accept)
+        for i, r in enumerate(requests):
+            if r.grammar is not None:
+                masks = r.grammar.walk(drafts[i, :gamma])
+                allowed[i, : len(masks)] = masks
+                max_accept[i] = len(masks) - 1  # (its draft_limit, 0, is for tree steps; no min_tokens beside)
+        return st._replace(max_accept=max_accept, allowed=allowed)
 
     # ---- steps --------------------------------------------------------------------------------------------------
     def execute_prefill(self, batch: ScheduledBatch) -> PrefillResult:
@@ -985,7 +1003,10 @@ class ModelRunner:
         t1 = time.perf_counter()
 
         all_greedy = all(r.sampling.greedy for r in requests)
-        st = self._sampling_tensors(requests, num_rows)
+        # a chain step walks a structured output's drafts through its constraint (a tree step: such a row accepts
+        # no draft); its draft proposes without the mask, which holds for the next position alone
+        walk = tree is None and any(r.grammar is not None for r in requests)
+        st = self._sampling_tensors(requests, num_rows, grammar_masks=not walk)
         bt = self._block_tables(requests, num_rows, lookahead=gamma if tree is None else tree.num_nodes)
         first = np.zeros((num_rows, width), np.int32)  # right-aligned tokens the draft has not run yet
         first_lens = np.zeros(num_rows, np.int32)
@@ -1026,6 +1047,8 @@ class ModelRunner:
             # placed as the draft's own tokens were (committed to the device): jit keys its executables on that, so
             # a host array here would compile a second verify variant that no warm-up builds
             draft_tokens = drafts if skip_draft else jax.device_put(drafts, draft_tokens.sharding)
+        if walk:
+            st = self._walk_constraints(requests, np.asarray(draft_tokens), st, gamma)
         t2 = time.perf_counter()
         drafted = gamma if tree is None else tree.num_nodes
         verify_lens = np.where(n > 0, n + drafted, 0).astype(np.int32)
@@ -1055,7 +1078,7 @@ class ModelRunner:
                 continue
             chain_kept = 0 if (self.feature_draft or tree is not None or copied[i, 0]) else min(k, gamma - 1)
             r.num_draft_computed = int(n[i]) + chain_kept
-        plain = [r.accepts_no_drafts for r in requests]
+        plain = [r.accepts_no_drafts and not (walk and r.grammar is not None) for r in requests]
         return DecodeResult(
             committed, gamma, drafted * (len(requests) - sum(plain)), accepted,
             draft_seconds=t2 - t1, verify_seconds=t3 - t2, catchup_seconds=t1 - t0, catchup_tokens=catchup_tokens,

@@ -37,6 +37,7 @@ SALT_VERIFY = 1  # rejection sampling in the verify pass
 SALT_DRAFT = 2  # the draft proposer's samples
 
 NO_ACCEPT_LIMIT = 2**30  # SamplingTensors.max_accept of a row that may accept every draft
+BANNED = -1e30  # the bias that keeps a token from being generated (exp(-1e30 - max) = 0; no inf - inf)
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -108,11 +109,14 @@ class SamplingTensors(NamedTuple):
     bias_ids: jax.Array | None = None
     bias_values: jax.Array | None = None
     # [B] int32: the most drafts each row may accept in a speculative step (None: no limit). The engine sets
-    # ``Request.draft_limit``: 0 for a structured output's row (its mask holds for the next position alone), which
-    # then commits one token per step, as a plain step would, while the rest of its batch speculates; under
-    # min_tokens the drafts that keep it under; ``NO_ACCEPT_LIMIT`` for the others
+    # ``Request.draft_limit`` (under min_tokens, the drafts that keep it under; a structured output's row 0, which
+    # then commits one token per step, as a plain step would, while the rest of its batch speculates) or, in a chain
+    # step that walks a structured output's drafts, the drafts its constraint accepts; ``NO_ACCEPT_LIMIT`` else
     max_accept: jax.Array | None = None
     penalties: Penalties | None = None  # with the dense bias when a row has presence / frequency penalties
+    # [B, P, V] bool: the tokens each row may take at each of a verify's P positions (None: all; a chain step's
+    # structured outputs, ``RequestGrammar.walk``), applied after the bias: apply_allowed
+    allowed: jax.Array | None = None
 
     @classmethod
     def create(
@@ -159,6 +163,13 @@ def apply_logit_bias(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     biased = jax.vmap(lambda row, i, v: row.at[i].add(v))(
         logits.reshape(-1, vocab), ids.reshape(-1, width), values.reshape(-1, width))
     return biased.reshape(logits.shape)
+
+
+def apply_allowed(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """logits [B, P, V] with the tokens ``st.allowed`` [B, P, V] does not allow banned (None: unchanged)."""
+    if st.allowed is None:
+        return logits
+    return jnp.where(st.allowed, logits, jnp.asarray(BANNED, logits.dtype))
 
 
 def penalize_drafts(logits: jax.Array, tokens: jax.Array, prefix: np.ndarray, st: SamplingTensors) -> jax.Array:

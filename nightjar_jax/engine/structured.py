@@ -5,9 +5,11 @@ A grammar backend (xgrammar, optional: ``pip install 'nightjar-jax[structured]'`
 the tokenizer's vocabulary once per engine and constraint (its compiler caches them); each request gets its own
 matcher, advanced with every token it commits. Before each step the runner asks the matcher which tokens may come
 next (:meth:`RequestGrammar.allowed`) and bans the others in that row's dense logit bias (the penalties' path,
-``ModelRunner._sampling_tensors``), so greedy and sampled rows, prefill and decode, draw only allowed tokens. Such
-a request accepts no draft (the mask holds for the next position alone; ``Request.draft_limit``) and commits one
-token per step, while the rest of its batch speculates. When the grammar is complete only the end-of-sequence tokens are
+``ModelRunner._sampling_tensors``), so greedy and sampled rows, prefill and decode, draw only allowed tokens. A
+chain step of speculative decoding walks the row's drafts through the matcher (:meth:`RequestGrammar.walk`: the
+mask at each position, up to the first draft it refuses, then rolled back) and verifies them under those masks
+(``ModelRunner._walk_constraints``, ``SamplingTensors.allowed``); a tree step does not, and the row accepts no draft
+there (``Request.draft_limit``). When the grammar is complete only the end-of-sequence tokens are
 allowed, and the request ends once the matcher accepts one (``ignore_eos`` included).
 """
 
@@ -34,6 +36,25 @@ class RequestGrammar:
         self._matcher.fill_next_token_bitmask(self._bitmask)
         bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")
         return bits[: self._vocab_size].astype(bool)
+
+    def walk(self, drafts) -> np.ndarray:
+        """bool ``[k + 1, vocab_size]``: the tokens the constraint allows at each position of a speculative step,
+        the next one first, then after each draft it accepts, up to the first draft it refuses (k of them accepted:
+        the row may accept no more); after a draft that completes it (an end-of-sequence token) every token, for the
+        position the engine drops. The matcher is rolled back to where it was."""
+        masks = [self.allowed()]
+        accepted = 0
+        for token in drafts:
+            if not self._matcher.accept_token(int(token)):
+                break
+            accepted += 1
+            if self._matcher.is_terminated():
+                masks.append(np.ones(self._vocab_size, bool))
+                break
+            masks.append(self.allowed())
+        if accepted:
+            self._matcher.rollback(accepted)
+        return np.stack(masks)
 
     def accept(self, token: int) -> bool:
         """Advance past ``token``; False (state unchanged) when the constraint does not allow it."""

@@ -81,15 +81,15 @@ def test_every_kind_of_constraint_holds(llm, temperature):
 
 
 def test_constrained_and_plain_requests_share_batches(llm):
-    """In a speculative step a constrained request accepts no draft (its mask holds for the next position alone) and
-    commits one token under its constraint, while the plain requests beside it accept drafts; every request gets the
-    tokens it gets alone (a sampled constrained one draws each token as a plain step does)."""
+    """A chain step walks a constrained row's drafts through its constraint (the mask at each position, up to the
+    first draft it refuses), so constrained requests speculate beside plain ones; every request gets the tokens it
+    gets alone."""
     plain = SamplingParams(temperature=0, max_tokens=40)
     alone = [o.token_ids for o in _generate(llm, ["Once upon a time", "The little dog"], plain)]
     choice = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputs(choice=["yes", "no"]))
     spec = StructuredOutputs(regex=r"[a-z ]{20,30}\.")
     pattern = SamplingParams(temperature=1.0, seed=2, max_tokens=40, structured_outputs=spec)
-    pattern_alone = _generate(llm, ["Lily saw a big"], pattern)[0].token_ids  # (a batch of its own: plain steps)
+    pattern_alone = _generate(llm, ["Lily saw a big"], pattern)[0].token_ids
     engine, log = llm.engine, llm.engine.stats.step_log
     engine.record_steps, start = True, len(log)
     try:
@@ -99,10 +99,52 @@ def test_constrained_and_plain_requests_share_batches(llm):
         engine.record_steps = False
     assert [outs[0].token_ids, outs[2].token_ids] == alone and outs[1].text in ("yes", "no")
     assert re.fullmatch(r"[a-z ]{20,30}\.", outs[3].text)
-    assert outs[3].token_ids == pattern_alone  # (drawn as plain steps draw, beside speculating requests too)
-    shared = [s for s in log[start:] if s["gamma"] == 3 and s["plain_rows"] == [False, True, False, True]]
-    assert shared and sum(sum(s["accepted"]) for s in shared) > 0
-    assert all(s["accepted"][1] == s["accepted"][3] == 0 for s in shared)
+    assert outs[3].token_ids == pattern_alone  # (the same speculation decisions: a static γ)
+    steps = [s for s in log[start:] if s["gamma"] == 3]
+    assert steps and all(s["plain_rows"] is None for s in steps)  # (every row may accept drafts)
+    assert sum(s["accepted"][3] for s in steps if len(s["accepted"]) == 4) > 0
+
+
+GREEDY_CASES = [StructuredOutputs(choice=["yes", "no", "maybe not"]), StructuredOutputs(regex=r"[a-z ,]{30,60}\."),
+                StructuredOutputs(json=SCHEMA), StructuredOutputs(grammar='root ::= "Lily is " ("happy" | "sad") "."')]
+
+
+@pytest.fixture(scope="module")
+def plain_llm():
+    from nightjar_jax import LLM
+
+    return LLM("stories260k", draft_model="none", page_size=4, max_model_len=256, max_num_seqs=4)
+
+
+def test_greedy_constrained_speculation_equals_plain_decoding(llm, plain_llm):
+    """Greedy constrained requests give the tokens of plain decoding, every kind, four at once; their chain steps
+    accepted drafts (the mask at each position is the constraint's after the drafts before it: a mask of the next
+    position alone at every position would refuse most of them, or let banned tokens through)."""
+    prompts = ["Once upon a time", "The little dog", "Lily saw a big", "Tom and his mom"]
+    params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=spec) for spec in GREEDY_CASES]
+    want = [o.token_ids for o in _generate(plain_llm, prompts, params)]
+    stats = llm.engine.stats
+    accepted = stats.num_accepted_tokens
+    assert [o.token_ids for o in _generate(llm, prompts, params)] == want
+    assert stats.num_accepted_tokens - accepted > 10
+
+
+def test_tree_steps_accept_no_draft_for_a_constrained_row(plain_llm):
+    """With token trees configured a constrained row accepts no draft in a tree step (one token per step, under
+    its mask), beside a plain request that speculates; greedy tokens equal plain decoding's."""
+    from nightjar_jax import LLM
+
+    tree = LLM("stories260k", draft_model="stories260k", num_speculative_tokens=3, spec_tree_nodes=6,
+               planner="static", page_size=4, max_model_len=256, max_num_seqs=4)
+    prompts = ["Once upon a time", "The little dog"]
+    params = [SamplingParams(temperature=0, max_tokens=32, structured_outputs=GREEDY_CASES[1]),
+              SamplingParams(temperature=0, max_tokens=32)]
+    want = [o.token_ids for o in _generate(plain_llm, prompts, params)]
+    tree.engine.record_steps = True
+    assert [o.token_ids for o in _generate(tree, prompts, params)] == want
+    steps = [s for s in tree.engine.stats.step_log if s["tree_nodes"] and len(s["accepted"]) == 2]
+    assert steps and all(s["plain_rows"] == [True, False] and s["accepted"][0] == 0 for s in steps)
+    assert sum(s["accepted"][1] for s in steps) > 0
 
 
 def test_preemption_keeps_the_constraint(llm):

@@ -55,7 +55,7 @@ def test_prefix_caching_reports_cached_prompt_tokens(spec_server):
 
 def test_structured_outputs_through_the_api(spec_server):
     """``response_format`` (json_schema, json_object), vLLM's ``structured_outputs`` and ``guided_*``: the text
-    satisfies the constraint (it accepts no draft, beside speculating requests); a bad or doubled
+    satisfies the constraint (speculating, beside other requests); a bad or doubled
     constraint is a 400 naming its field, and the server serves on."""
     import json
     import re
