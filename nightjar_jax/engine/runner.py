@@ -647,7 +647,8 @@ class ModelRunner:
             them; a token draft re-runs the last two, W = 2); context_lens [S] = committed tokens n.
 
             A feature draft's first step reads the target's stored features; each later step is fed the draft's
-            own output for the previous position (the target has not run there yet)."""
+            own output for the previous position (the target has not run there yet). ``st.allowed`` [S, 1, V]
+            (structured outputs' next-token masks; None: none) bans tokens at the first drafted position only."""
             state = self.draft.unflatten(leaves)
             num_seqs = tokens.shape[0]
             vocab = self.draft.config.vocab_size
@@ -657,6 +658,8 @@ class ModelRunner:
                 md = BatchMetadata(block_tables, context_lens + i * real, q_lens)
                 hidden, kv = d_hidden(state, tok_in, kv, md, **extra)
                 logits = apply_logit_bias(d_logits(state, hidden[:, -1]), st)  # [S, V]
+                if isinstance(i, int) and i == 0 and st.allowed is not None:  # (the first step: before the loop)
+                    logits = apply_allowed(logits[:, None], st)[:, 0]
                 feature = hidden[:, -1:] if feats is not None else None
                 if all_greedy:
                     return argmax(logits), None, kv, feature
@@ -1007,6 +1010,13 @@ class ModelRunner:
         # no draft); its draft proposes without the mask, which holds for the next position alone
         walk = tree is None and any(r.grammar is not None for r in requests)
         st = self._sampling_tensors(requests, num_rows, grammar_masks=not walk)
+        draft_st = st
+        if walk:  # the draft's first proposal under the constraint's next-token mask
+            first_masks = np.ones((num_rows, 1, self.target.config.vocab_size), bool)
+            for i, r in enumerate(requests):
+                if r.grammar is not None:
+                    first_masks[i, 0] = r.grammar.allowed()
+            draft_st = st._replace(allowed=first_masks)
         bt = self._block_tables(requests, num_rows, lookahead=gamma if tree is None else tree.num_nodes)
         first = np.zeros((num_rows, width), np.int32)  # right-aligned tokens the draft has not run yet
         first_lens = np.zeros(num_rows, np.int32)
@@ -1033,8 +1043,8 @@ class ModelRunner:
             )
         else:
             draft_tokens, draft_probs, self.draft_kv = self._propose(
-                self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, first_lens, bt, n, st, gamma,
-                all_greedy,
+                self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, first_lens, bt, n, draft_st,
+                gamma, all_greedy,
             )
         if not skip_draft:
             draft_tokens.block_until_ready()

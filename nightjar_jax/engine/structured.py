@@ -6,11 +6,11 @@ the tokenizer's vocabulary once per engine and constraint (its compiler caches t
 matcher, advanced with every token it commits. Before each step the runner asks the matcher which tokens may come
 next (:meth:`RequestGrammar.allowed`) and bans the others in that row's dense logit bias (the penalties' path,
 ``ModelRunner._sampling_tensors``), so greedy and sampled rows, prefill and decode, draw only allowed tokens. A
-chain step of speculative decoding walks the row's drafts through the matcher (:meth:`RequestGrammar.walk`: the
-mask at each position, up to the first draft it refuses, then rolled back) and verifies them under those masks
-(``ModelRunner._walk_constraints``, ``SamplingTensors.allowed``); a tree step does not, and the row accepts no draft
-there (``Request.draft_limit``). When the grammar is complete only the end-of-sequence tokens are
-allowed, and the request ends once the matcher accepts one (``ignore_eos`` included).
+chain step of speculative decoding proposes the row's first draft under the mask, walks its drafts through the
+matcher (:meth:`RequestGrammar.walk`: the mask at each position, up to the first draft it refuses, then rolled
+back) and verifies them under those masks (``ModelRunner._walk_constraints``, ``SamplingTensors.allowed``); a tree
+step does not, and the row accepts no draft there (``Request.draft_limit``). When the grammar is complete only the
+end-of-sequence tokens are allowed, and the request ends once the matcher accepts one (``ignore_eos`` included).
 """
 
 from __future__ import annotations
