@@ -911,15 +911,18 @@ class ModelRunner:
     def _walk_constraints(self, requests: list[Request], drafts: np.ndarray, st: SamplingTensors,
                           gamma: int) -> SamplingTensors:
         """``st`` for a chain verify with structured outputs: each such row's allowed tokens at every position
-        (``RequestGrammar.walk`` over its drafts ``drafts`` [S, γ]) and, as its ``max_accept``, the drafts its
-        constraint accepts (a position after the first it refuses has no mask: the row may not reach it)."""
+        (``RequestGrammar.walk`` over its drafts ``drafts`` [S, γ]), and no limit on the drafts it accepts. The
+        first draft the constraint refuses is banned by its position's mask, so the verify rejects it and draws
+        from the residual, as rejection sampling must; the positions after it (all tokens allowed: no mask) are
+        never reached. (A limit at that draft would draw from the target's distribution instead of the residual:
+        biased, since whether the limit applies depends on the sampled draft.)"""
         allowed = np.ones((drafts.shape[0], gamma + 1, self.target.config.vocab_size), bool)
         max_accept = np.array(st.max_accept)
         for i, r in enumerate(requests):
             if r.grammar is not None:
                 masks = r.grammar.walk(drafts[i, :gamma])
                 allowed[i, : len(masks)] = masks
-                max_accept[i] = len(masks) - 1  # (its draft_limit, 0, is for tree steps; no min_tokens beside)
+                max_accept[i] = NO_ACCEPT_LIMIT  # (its draft_limit, 0, is for tree steps; no min_tokens beside)
         return st._replace(max_accept=max_accept, allowed=allowed)
 
     # ---- steps --------------------------------------------------------------------------------------------------

@@ -39,13 +39,15 @@ class RequestGrammar:
 
     def walk(self, drafts) -> np.ndarray:
         """bool ``[k + 1, vocab_size]``: the tokens the constraint allows at each position of a speculative step,
-        the next one first, then after each draft it accepts, up to the first draft it refuses (k of them accepted:
-        the row may accept no more); after a draft that completes it (an end-of-sequence token) every token, for the
-        position the engine drops. The matcher is rolled back to where it was."""
+        the next one first, then after each draft it accepts, up to the first draft it refuses (k of them accepted;
+        that draft is not allowed in the last mask, so a verify rejects it); after a draft that completes it (an
+        end-of-sequence token) every token, for positions the engine drops. The matcher is rolled back to where it
+        was."""
         masks = [self.allowed()]
         accepted = 0
         for token in drafts:
             if not self._matcher.accept_token(int(token)):
+                masks[-1][int(token)] = False  # (the mask says so already; the verify's rejection relies on it)
                 break
             accepted += 1
             if self._matcher.is_terminated():

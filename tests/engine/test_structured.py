@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 
 from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputs
@@ -181,3 +182,62 @@ def test_a_bad_constraint_is_that_requests_error_only(llm, spec, message):
     assert err.value.field == "structured_outputs"
     assert not engine.has_unfinished_requests() and engine.num_free_pages == engine.num_total_pages
     assert _generate(llm, ["Once upon a time"], SamplingParams(temperature=0, max_tokens=4))[0].text
+
+
+def test_sampled_constrained_speculation_is_distributed_as_plain_decoding():
+    """A sampled constrained request under chain speculation, with a draft that differs from the target: its second
+    token (after a forced " was": " a", " very" or " ") is distributed as plain decoding's (chi-square over 3000
+    seeds). A helper's version of this test, run before the draft proposed its first token under the mask, caught
+    a bias from a limit on the row's drafts that depended on them (p = 4e-10); with that mask the draft is not
+    refused at this position, so ``test_the_walk_bans_a_refused_draft_and_limits_nothing`` and test_rejection's
+    ``test_a_constraint_that_refuses_drafts_is_lossless_through_its_mask_alone`` pin that fix."""
+    from scipy.stats import chi2_contingency
+
+    from nightjar_jax import LLM
+
+    opts = dict(planner="static", page_size=4, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256)
+    plain = LLM("stories260k", draft_model="none", **opts)
+    spec = LLM("stories260k", draft_model="stories260k@layers=2", num_speculative_tokens=3, prompt_lookup_max=0,
+               **opts)
+    tok = plain.engine.tokenizer
+    was, a, very = 286, 261, 399
+    constraint = StructuredOutputs(regex=" was(" + "|".join(re.escape(tok.token_text(t)) for t in (a, very)) + ")")
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=2, structured_outputs=constraint)
+              for s in range(3000)]
+    counts = []
+    for llm in (plain, spec):
+        outs = _generate(llm, ["The little dog"] * len(params), params)
+        second = [o.token_ids[1] for o in outs if o.token_ids[0] == was and len(o.token_ids) > 1]
+        assert len(second) > 2500
+        counts.append([second.count(t) for t in sorted(set(second))])
+    assert len(counts[0]) == len(counts[1]) >= 3
+    assert spec.engine.stats.num_drafted_tokens > spec.engine.stats.num_accepted_tokens > 0
+    assert chi2_contingency(np.array(counts))[1] > 1e-3
+
+
+def test_the_walk_bans_a_refused_draft_and_limits_nothing(llm):
+    """``RequestGrammar.walk``: a mask per position up to the first draft the constraint refuses (banned there), the
+    matcher rolled back after. ``ModelRunner._walk_constraints`` gives the row no limit on its accepted drafts: the
+    verify rejects the refused draft through its mask, into the residual (``test_rejection``'s
+    ``test_a_constraint_that_refuses_drafts_is_lossless_through_its_mask_alone`` shows why a limit there biases)."""
+    from nightjar_jax.engine.request import Request
+    from nightjar_jax.engine.sampler import NO_ACCEPT_LIMIT
+
+    spec = StructuredOutputs(choice=["yes", "no"])
+    probe = llm.engine.grammar_backend().matcher(spec)
+    first = probe.allowed()
+    ok = int(np.flatnonzero(first)[0])
+    assert probe.accept(ok)
+    second = probe.allowed()
+    refused = int(np.flatnonzero(~second)[0])
+    request = Request("walk", [1, 2, 3], SamplingParams(structured_outputs=spec), 0,
+                      grammar=llm.engine.grammar_backend().matcher(spec))
+    masks = request.grammar.walk([ok, refused, ok])
+    assert masks.shape == (2, len(first)) and (masks[0] == first).all() and (masks[1] == second).all()
+    assert (request.grammar.allowed() == first).all()  # (rolled back)
+    runner = llm.engine.runner
+    st = runner._sampling_tensors([request], 2, grammar_masks=False)
+    assert list(st.max_accept) == [0, NO_ACCEPT_LIMIT]  # (a constrained row's limit in a tree step: none drafted)
+    walked = runner._walk_constraints([request], np.array([[ok, refused, ok], [0, 0, 0]], np.int32), st, 3)
+    assert list(walked.max_accept) == [NO_ACCEPT_LIMIT] * 2
+    assert (walked.allowed[0, :2] == masks).all() and walked.allowed[0, 2:].all() and walked.allowed[1].all()

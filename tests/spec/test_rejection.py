@@ -227,6 +227,29 @@ def test_copied_draft_token_as_a_point_mass_is_lossless(experiment: Experiment) 
     assert experiment.first_token_p_value(output) < BROKEN_MAX_P_VALUE
 
 
+def test_a_constraint_that_refuses_drafts_is_lossless_through_its_mask_alone(experiment: Experiment) -> None:
+    """A structured output's position 0 allows half the vocabulary (the target's p there masked and renormalised);
+    the draft's q does not know it. Verified under the mask alone, a refused draft has p = 0 and is rejected into the
+    residual: the first token is distributed as the masked p. Limiting the row's accepted drafts at a refused draft
+    (0 when d_0 is refused: a limit that depends on the sampled draft) draws from p there instead of the residual:
+    biased, and caught (the runner's ``_walk_constraints`` once did so)."""
+    allowed = np.arange(VOCAB) % 2 == 0
+    masked = np.asarray(experiment.target_probs).copy()
+    masked[:, 0] *= allowed
+    masked[:, 0] /= masked[:, 0].sum(axis=-1, keepdims=True)
+    p_0 = masked[0, 0]
+    refused = ~allowed[np.asarray(experiment.draft_tokens[:, 0])]
+    assert 0.2 < refused.mean() < 0.8
+    run = lambda st: np.asarray(_rejection_sample(experiment.draft_tokens, experiment.draft_probs,  # noqa: E731
+                                                  jnp.asarray(masked), st)[0])
+    output = run(experiment.st)
+    assert allowed[output[:, 0]].all()
+    assert _chi_square_p_value(np.bincount(output[:, 0], minlength=VOCAB), p_0) > MIN_P_VALUE
+    limited = experiment.st._replace(max_accept=jnp.asarray(np.where(refused, 0, 2**30), jnp.int32))
+    output = run(limited)
+    assert _chi_square_p_value(np.bincount(output[:, 0], minlength=VOCAB), p_0) < BROKEN_MAX_P_VALUE
+
+
 def test_acceptance_rate_and_mean_accepted_length(experiment: Experiment) -> None:
     _, num_accepted = experiment.run()
     alpha_0 = np.minimum(experiment.p_0, experiment.q_0).sum()  # P(d_0 accepted)
