@@ -1,7 +1,7 @@
-"""Speculation beside requests whose bias at a position depends on the tokens before it. Presence / frequency
-penalties: a verify counts the drafts before each position (``sampler.penalize_drafts``). Structured outputs: a
-chain step walks the drafts through the constraint and verifies them under its mask at each position. So both kinds
-speculate. (Before, a batch holding either decoded plainly for as long as that request ran.)
+"""Speculation beside requests whose bias at a position depends on the tokens before it. Presence / frequency /
+repetition penalties: a verify counts the drafts before each position (``sampler.apply_penalties``). Structured
+outputs: a chain step walks the drafts through the constraint and verifies them under its mask at each position.
+So both kinds speculate. (Before, a batch holding either decoded plainly for as long as that request ran.)
 
 One batch of chat requests (greedy, MT-Bench questions) per mix, through a speculative engine at a fixed γ and
 through a plain engine over the same target (what such a batch ran before), alternating ``--repeats`` times.
@@ -38,7 +38,7 @@ def mixes(num: int, structured: bool) -> dict[str, list[dict]]:
     some = max(1, num // 4)
     penalty = {"presence_penalty": 0.5, "frequency_penalty": 0.5}
     out = {"none": [{}] * num, f"penalties {some}/{num}": [penalty] * some + [{}] * (num - some),
-           f"penalties {num}/{num}": [penalty] * num}
+           f"penalties {num}/{num}": [penalty] * num, f"repetition {num}/{num}": [{"repetition_penalty": 1.2}] * num}
     if structured:
         from nightjar_jax import StructuredOutputs
 

@@ -125,7 +125,7 @@ class Request:
         constraint instead (``ModelRunner._walk_constraints``). Under ``min_tokens`` its stop ids are
         banned at every position of the step: the drafts that keep each committed token under it, ``min_tokens -
         len(output) - 1``. (Presence / frequency penalties need no limit: the verify adds the drafts before each
-        position to the counts, ``sampler.penalize_drafts``.)"""
+        position to the counts, ``sampler.apply_penalties``.)"""
         if self.grammar is not None:
             return 0
         if self.under_min_tokens:

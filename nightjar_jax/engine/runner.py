@@ -43,9 +43,9 @@ from nightjar_jax.engine.sampler import (
     TokenLogprobs,
     apply_allowed,
     apply_logit_bias,
+    apply_penalties,
     argmax,
     logprobs_bucket,
-    penalize_drafts,
     processed_probs,
     sample,
     token_logprobs,
@@ -606,7 +606,7 @@ class ModelRunner:
             if num_prompt_logprobs is not None:  # every position's logits (T x the head's cost): opt-in
                 plp = prompt_token_logprobs(lambda h: t_logits(state, h), hidden, prompt_targets, num_prompt_logprobs)
             raw = t_logits(state, hidden[:, -1])  # [S, V] f32
-            logits = apply_logit_bias(raw, st)
+            logits = apply_penalties(apply_logit_bias(raw, st)[:, None], st)[:, 0]
             if all_greedy:
                 next_tokens = argmax(logits)
             else:
@@ -657,7 +657,7 @@ class ModelRunner:
             def draft_step(i, tok_in, q_lens, kv, extra):
                 md = BatchMetadata(block_tables, context_lens + i * real, q_lens)
                 hidden, kv = d_hidden(state, tok_in, kv, md, **extra)
-                logits = apply_logit_bias(d_logits(state, hidden[:, -1]), st)  # [S, V]
+                logits = apply_penalties(apply_logit_bias(d_logits(state, hidden[:, -1]), st)[:, None], st)[:, 0]
                 if isinstance(i, int) and i == 0 and st.allowed is not None:  # (the first step: before the loop)
                     logits = apply_allowed(logits[:, None], st)[:, 0]
                 feature = hidden[:, -1:] if feats is not None else None
@@ -702,7 +702,7 @@ class ModelRunner:
             if feats is not None:  # only the accepted positions' are read later; the rest are overwritten first
                 feats = write_feature_pages(feats, hidden, md)
             raw = t_logits(state, hidden)  # [S, γ + 1, V]
-            logits = penalize_drafts(apply_logit_bias(raw, st), tokens, chain_prefixes(tokens.shape[1]), st)
+            logits = apply_penalties(apply_logit_bias(raw, st), st, tokens, chain_prefixes(tokens.shape[1]))
             logits = apply_allowed(logits, st)
             if all_greedy:
                 out, num_accepted = greedy_verify(draft_tokens, logits, st.max_accept)
@@ -744,7 +744,7 @@ class ModelRunner:
                     # the draft's head runs only over the nodes of the level above that have ranked children
                     # (60 nodes: 25 head rows per step instead of 47)
                     expanded, parent_row = np.unique(parents[ranked], return_inverse=True)
-                    logits = apply_logit_bias(d_logits(state, outs[:, expanded]), st)
+                    logits = apply_penalties(apply_logit_bias(d_logits(state, outs[:, expanded]), st), st)
                     top = top_k_ids(logits, tree.top_k(d - 1))  # [S, |expanded|, k]
                     toks.append(top[:, parent_row, tree.rank[level.start + ranked]].astype(jnp.int32))
                 toks = jnp.concatenate(toks, axis=1)  # [S, |level|]
@@ -781,7 +781,7 @@ class ModelRunner:
             if feats is not None:
                 feats = write_feature_pages(feats, hidden, md)
             raw = t_logits(state, hidden)  # [S, N + 1, V]
-            logits = penalize_drafts(apply_logit_bias(raw, st), tokens, tree.prefixes, st)
+            logits = apply_penalties(apply_logit_bias(raw, st), st, tokens, tree.prefixes)
             n = context_lens - num_nodes  # committed tokens
             slots = n[:, None] - 1 + jnp.arange(num_nodes + 1)[None, :]
             valid = slots < self.max_model_len
@@ -880,23 +880,28 @@ class ModelRunner:
         bias_ids = bias_values = None
         biases = [_row_bias(r) for r in requests]
         widest = max((len(b) for b in biases), default=0)
-        # penalties and structured outputs' constraints: one dense [S, V] bias (a shape that never grows); with
-        # penalties, their counts too, which a verify extends with each position's drafts (penalize_drafts)
-        if any(r.sampling.has_penalties or r.grammar is not None for r in requests):
+        # penalties: each row's factors and counts, applied on the device (apply_penalties, which a verify extends
+        # with each position's drafts)
+        penalties = None
+        if any(r.sampling.has_penalties for r in requests):
+            penalties = Penalties(np.zeros(num_rows, np.float32), np.zeros(num_rows, np.float32),
+                                  np.ones(num_rows, np.float32), np.zeros((num_rows, vocab), np.int32),
+                                  np.zeros((num_rows, vocab), bool))
+            for i, r in enumerate(requests):
+                sp = r.sampling
+                if sp.has_penalties:
+                    penalties.presence[i], penalties.frequency[i] = sp.presence_penalty, sp.frequency_penalty
+                    penalties.repetition[i] = sp.repetition_penalty
+                    if r.output_counts:
+                        penalties.counts[i, list(r.output_counts)] = list(r.output_counts.values())
+                    if sp.repetition_penalty != 1:
+                        penalties.prompt[i, r.prompt_token_ids] = True
+        # structured outputs' constraints: one dense [S, V] bias (a shape that never grows), the logit biases in it
+        if any(r.grammar is not None for r in requests):
             dense = np.zeros((num_rows, vocab), np.float32)
-            penalties = None
-            if any(r.sampling.has_penalties for r in requests):
-                penalties = Penalties(np.zeros(num_rows, np.float32), np.zeros(num_rows, np.float32),
-                                      np.zeros((num_rows, vocab), np.int32))
             for i, r in enumerate(requests):
                 for token, value in biases[i].items():
                     dense[i, token] += value
-                sp = r.sampling
-                for token, count in (r.output_counts or {}).items():
-                    dense[i, token] -= sp.presence_penalty + sp.frequency_penalty * count
-                    penalties.counts[i, token] = count
-                if penalties is not None:
-                    penalties.presence[i], penalties.frequency[i] = sp.presence_penalty, sp.frequency_penalty
                 if r.grammar is not None and grammar_masks:  # only the tokens its constraint allows next
                     dense[i, ~r.grammar.allowed()] = BANNED
             return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, None, dense, max_accept, penalties)
@@ -906,7 +911,8 @@ class ModelRunner:
             for i, bias in enumerate(biases):
                 for j, (token, value) in enumerate(bias.items()):
                     bias_ids[i, j], bias_values[i, j] = token, value
-        return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, bias_ids, bias_values, max_accept)
+        return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, bias_ids, bias_values, max_accept,
+                               penalties)
 
     def _walk_constraints(self, requests: list[Request], drafts: np.ndarray, st: SamplingTensors,
                           gamma: int) -> SamplingTensors:

@@ -85,13 +85,15 @@ def top_k_ids(x: jax.Array, k: int) -> jax.Array:
 
 
 class Penalties(NamedTuple):
-    """Presence / frequency penalties of a batch's rows (0 where a row has none), for the drafted positions of a
-    speculative step: the dense bias (``SamplingTensors.bias_values``) holds them for the committed tokens alone, and
-    :func:`penalize_drafts` adds the drafts before each position."""
+    """Presence / frequency / repetition penalties of a batch's rows (neutral where a row has none), applied on the
+    device by :func:`apply_penalties` at every position a step scores, with a speculative step's drafts before each
+    position counted as generated."""
 
-    presence: jax.Array  # [B] float32
-    frequency: jax.Array  # [B] float32
-    counts: jax.Array  # [B, V] int32: times each token was generated (the counts the dense bias was built from)
+    presence: jax.Array  # [B] float32 (0: off)
+    frequency: jax.Array  # [B] float32 (0: off)
+    repetition: jax.Array  # [B] float32 (1: off)
+    counts: jax.Array  # [B, V] int32: times each token was generated
+    prompt: jax.Array  # [B, V] bool: the tokens of the prompt (the repetition penalty's, with the generated ones)
 
 
 class SamplingTensors(NamedTuple):
@@ -113,7 +115,7 @@ class SamplingTensors(NamedTuple):
     # then commits one token per step, as a plain step would, while the rest of its batch speculates) or, in a chain
     # step that walks a structured output's drafts, the drafts its constraint accepts; ``NO_ACCEPT_LIMIT`` else
     max_accept: jax.Array | None = None
-    penalties: Penalties | None = None  # with the dense bias when a row has presence / frequency penalties
+    penalties: Penalties | None = None  # when a row has presence / frequency / repetition penalties
     # [B, P, V] bool: the tokens each row may take at each of a verify's P positions (None: all; a chain step's
     # structured outputs, ``RequestGrammar.walk``), applied after the bias: apply_allowed
     allowed: jax.Array | None = None
@@ -172,33 +174,32 @@ def apply_allowed(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     return jnp.where(st.allowed, logits, jnp.asarray(BANNED, logits.dtype))
 
 
-def penalize_drafts(logits: jax.Array, tokens: jax.Array, prefix: np.ndarray, st: SamplingTensors) -> jax.Array:
-    """A verify's biased logits [B, P, V] with presence / frequency penalties for the drafted tokens before each
-    position (None ``st.penalties``: unchanged). tokens [B, K]: the step's input tokens (the last committed one, then
-    the drafts or tree nodes); prefix [P, K] bool (static): the drafted tokens in position p's prefix (a chain's
-    position j: drafts 0 .. j - 1; a tree node's: its ancestors and itself, the root excluded).
+def apply_penalties(logits: jax.Array, st: SamplingTensors, tokens: jax.Array | None = None,
+                    prefix: np.ndarray | None = None) -> jax.Array:
+    """logits [B, P, V] (after the logit bias) with each row's penalties (None ``st.penalties``: unchanged), vLLM's
+    order: the repetition penalty (a token of the prompt or generated: its logit divided by it when positive,
+    multiplied when negative), then ``- frequency * count - presence * [count > 0]`` over the generated tokens.
 
-    The dense bias already holds ``-(presence * [c > 0] + frequency * c)`` for a token generated c times; a token
-    that occurs m >= 1 times in a position's prefix moves to ``c + m`` there: ``- frequency * m`` more, and
-    ``- presence`` more when c == 0. Each distinct token is adjusted once per position (at its first occurrence in
-    the prefix)."""
+    A verify's positions follow drafts: ``tokens`` [B, K] (its input: the last committed token, then the drafts or
+    tree nodes) and ``prefix`` [P, K] bool (static; the drafted tokens in position p's prefix: a chain's position j
+    follows drafts 0 .. j - 1, ``spec.tree.chain_prefixes``; a tree node its ancestors and itself,
+    ``SpecTree.prefixes``) add those to the counts. Without them every position sees the committed tokens alone
+    (a plain step's one position, a prefill's last, the draft's proposals)."""
     pen = st.penalties
     if pen is None:
         return logits
     batch, num_positions = logits.shape[:2]
-    prior = jnp.asarray(prefix, jnp.float32)  # [P, K]
-    same = (tokens[:, :, None] == tokens[:, None, :]).astype(jnp.float32)  # [B, K, K]
-    times = jnp.einsum("pa,bak->bpk", prior, same)  # [B, P, K]: occurrences of token k's id in p's prefix
-    earlier = jnp.asarray(np.tril(np.ones((tokens.shape[1],) * 2, np.float32), -1))  # [K, K]: a < k
-    before = jnp.einsum("pa,bak,ak->bpk", prior, same, earlier)  # [B, P, K]: of them, before k
-    first = jnp.asarray(prefix)[None] & (before == 0)  # [B, P, K]: k in the prefix, its id's first occurrence
-    counts = jnp.take_along_axis(pen.counts, tokens, axis=1)  # [B, K]
-    delta = -(pen.frequency[:, None, None] * times
-              + pen.presence[:, None, None] * (counts[:, None, :] == 0).astype(jnp.float32))  # [B, P, K]
-    rows = jnp.broadcast_to(jnp.arange(batch)[:, None, None], delta.shape)
-    positions = jnp.broadcast_to(jnp.arange(num_positions)[None, :, None], delta.shape)
-    ids = jnp.broadcast_to(tokens[:, None, :], delta.shape)
-    return logits.at[rows, positions, ids].add(jnp.where(first, delta, 0.0).astype(logits.dtype))
+    counts = jnp.broadcast_to(pen.counts[:, None, :].astype(jnp.float32), logits.shape)  # [B, P, V]
+    if tokens is not None:
+        occurs = jnp.broadcast_to(jnp.asarray(prefix, jnp.float32)[None], (batch, *prefix.shape))  # [B, P, K]
+        rows = jnp.broadcast_to(jnp.arange(batch)[:, None, None], occurs.shape)
+        positions = jnp.broadcast_to(jnp.arange(num_positions)[None, :, None], occurs.shape)
+        ids = jnp.broadcast_to(tokens[:, None, :], occurs.shape)
+        counts = counts.at[rows, positions, ids].add(occurs)
+    seen = pen.prompt[:, None, :] | (counts > 0)
+    r = pen.repetition[:, None, None].astype(logits.dtype)
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+    return logits - pen.frequency[:, None, None] * counts - pen.presence[:, None, None] * (counts > 0)
 
 
 def _fold_to_uint32(seeds: int | np.ndarray | list) -> np.ndarray:

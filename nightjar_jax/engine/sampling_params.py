@@ -123,14 +123,17 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100), greedy rows included
     # OpenAI's: subtracted from the logit of every token already generated (presence: once; frequency: per time),
-    # in [-2, 2]; a batch holding such a request decodes without speculation
+    # in [-2, 2]; speculative steps count the drafts before each position too (sampler.apply_penalties)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's (HF's): the logit of every token in the prompt or already generated is divided by it when positive and
+    # multiplied by it when negative, before presence / frequency; > 0, 1 = off, > 1 discourages repeats
+    repetition_penalty: float = 1.0
     # vLLM's: EOS and stop_token_ids cannot be generated, and stop strings do not end the text, before this many
-    # tokens (a batch holding a request under it decodes without speculation, as with penalties)
+    # tokens (a speculative step accepts only the drafts that keep it under)
     min_tokens: int = 0
     # a constraint on the output (JSON schema, JSON object, regex, choice, grammar; nightjar_jax/engine/structured.py;
-    # a dict is read as vLLM's structured_outputs object): a batch holding such a request decodes without speculation
+    # a dict is read as vLLM's structured_outputs object); chain steps verify its drafts under its mask
     structured_outputs: StructuredOutputs | dict | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
@@ -172,6 +175,8 @@ class SamplingParams:
              "a float in [-2, 2]"),
             (_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
              "a float in [-2, 2]"),
+            (_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100, "repetition_penalty",
+             "a float in (0, 100] (1: off)"),
             (self.logit_bias is None or (isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS
                                          and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                  and _is_number(v) and -100 <= v <= 100
@@ -186,7 +191,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty)
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:

@@ -67,6 +67,7 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     presence_penalty: float | None = 0.0  # [-2, 2] (SamplingParams checks); speculative steps count drafts
     frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = None  # vLLM's: (0, 100], 1 (or none) = off; over prompt and output tokens
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     # Structured outputs (nightjar_jax/engine/structured.py): OpenAI's response_format, vLLM's structured_outputs
     # object, or vLLM's older guided_* fields; at most one of them per request.
@@ -118,6 +119,7 @@ class _SamplingFields(_Strict):
             min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             structured_outputs=self.structured(),
         )
         for name in ("temperature", "top_p", "top_k", "min_p"):

@@ -54,7 +54,7 @@ class SpecTree:
     @property
     def prefixes(self) -> np.ndarray:
         """[N + 1, N + 1] bool: the drafted nodes each node's token follows (its ancestors and itself, not the
-        root: ``sampler.penalize_drafts``)."""
+        root: ``sampler.apply_penalties``)."""
         prefix = self.ancestors.copy()
         prefix[:, 0] = False
         return prefix

@@ -116,6 +116,40 @@ def test_presence_and_frequency_penalties_lower_generated_tokens(kind):
     assert [o.token_ids for o in got] == [_penalized_greedy(q, 20, {42: 11.5}, 0.0, 0.5) for q in prompts]
 
 
+def _repetition_greedy(prompt: list[int], n: int, bias: dict[int, float], repetition: float) -> list[int]:
+    """vLLM's repetition penalty on the fake model: a token of the prompt or already generated has its score divided
+    by it when positive, multiplied when negative."""
+    from nightjar_jax.testing import fake_next_token
+
+    seq = list(prompt)
+    for _ in range(n):
+        scores = {t: bias.get(t, 0.0) for t in range(VOCAB)}
+        scores[fake_next_token(seq, VOCAB)] += 10.0
+        scores = {t: (s / repetition if s > 0 else s * repetition) if t in seq else s for t, s in scores.items()}
+        best = max(scores.values())
+        seq.append(min(t for t, s in scores.items() if s == best))
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("kind", ["ar", "chain", "tree"])
+def test_repetition_penalty_over_prompt_and_output(kind):
+    """The model's token scores 10 and token 42 8 (a bias): with repetition 2 a model token already in the prompt or
+    the output falls to 5 and 42 wins, until 42 itself is seen (4); a penalty below 1 rewards repeats; -3 on a
+    token seen goes to -6. Speculative steps count the drafts before each position as seen."""
+    kwargs = {"ar": {}, "chain": dict(draft=True, num_speculative_tokens=3),
+              "tree": dict(draft=True, runner_up=True, num_speculative_tokens=3, spec_tree_nodes=8)}[kind]
+    eng = fake_engine(**kwargs)
+    cases = [({42: 8.0}, 2.0), ({42: 8.0}, 0.5), ({}, 1.5), ({7: -3.0, 42: 8.0}, 1.3)]
+    prompts = [[11, 12, 13, 14, 15], [5, 6, 7], [3], [20, 21, 42]]
+    params = [greedy(12, logit_bias=bias, repetition_penalty=r) for bias, r in cases]
+    outs = generate_outputs(eng, prompts, params)
+    for out, prompt, (bias, r) in zip(outs, prompts, cases, strict=True):
+        assert out.token_ids == _repetition_greedy(prompt, 12, bias, r), (bias, r)
+    assert 42 in outs[0].token_ids and outs[0].token_ids != fake_greedy_continuation(prompts[0], 12, VOCAB)
+    if kind != "ar":
+        assert eng.stats.num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 def test_min_tokens_limits_the_drafts_a_step_accepts(kind):
     """Under min_tokens a request's stop ids are banned at every position of a step, so it accepts only the drafts
@@ -148,6 +182,9 @@ def test_min_tokens_limits_the_drafts_a_step_accepts(kind):
 def test_penalties_outside_their_range_are_clear_errors(field):
     with pytest.raises(ValueError, match=rf"{field}=2.5 is invalid: allowed a float in \[-2, 2\]"):
         SamplingParams(**{field: 2.5})
+    for bad in (0, -1.0, 101.0, True):
+        with pytest.raises(ValueError, match=r"repetition_penalty=.* is invalid: allowed a float in \(0, 100\]"):
+            SamplingParams(repetition_penalty=bad)
 
 
 def _min_tokens_greedy(prompt: list[int], eos: int, stop_ids: set[int], min_tokens: int, max_tokens: int):

@@ -16,8 +16,8 @@ from nightjar_jax.engine.sampler import (
     SamplingTensors,
     _top_k_top_p_threshold,
     _top_k_top_p_threshold_by_sort,
+    apply_penalties,
     argmax,
-    penalize_drafts,
     processed_probs,
     request_keys,
     sample,
@@ -218,40 +218,47 @@ def test_jit_compiles_once_across_parameter_values() -> None:
         assert jitted._cache_size() == 1
 
 
-def _penalty(counts: np.ndarray, presence: float, frequency: float) -> np.ndarray:
-    return -(presence * (counts > 0) + frequency * counts)
+def _penalized(logits: np.ndarray, counts: np.ndarray, prompt: np.ndarray, presence: float, frequency: float,
+               repetition: float) -> np.ndarray:
+    """vLLM's order over one position's logits [V]: repetition (prompt or generated tokens), then the others."""
+    seen = prompt | (counts > 0)
+    out = np.where(seen, np.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return out - frequency * counts - presence * (counts > 0)
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_penalize_drafts_counts_the_drafts_before_each_position(shape) -> None:
-    """Against numpy: at each position the penalties are those of the committed counts plus the drafted tokens in
-    its prefix (repeated ones included), for a chain and a token tree whose branches repeat tokens."""
+@pytest.mark.parametrize("shape", ["plain", "chain", "tree"])
+def test_apply_penalties_counts_the_drafts_before_each_position(shape) -> None:
+    """Against numpy: at each position the penalties are those of the generated tokens plus the drafted tokens in its
+    prefix (repeated ones included), the repetition penalty over the prompt's tokens too; for one position (a plain
+    step), a chain and a token tree whose branches repeat tokens."""
     from nightjar_jax.spec.tree import chain_prefixes, make_tree
 
     rng = np.random.default_rng(0)
     vocab, batch = 6, 4
-    if shape == "chain":
-        prefix = chain_prefixes(5)
-    else:
-        prefix = make_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]).prefixes
-    num = prefix.shape[0]
+    prefix = {"plain": None, "chain": chain_prefixes(5),
+              "tree": make_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]).prefixes}[shape]
+    num = 1 if prefix is None else prefix.shape[0]
     tokens = rng.integers(0, 3, (batch, num)).astype(np.int32)  # (3 of 6 ids: many repeats)
     counts = rng.integers(0, 3, (batch, vocab)).astype(np.int32)
+    prompt = rng.random((batch, vocab)) < 0.3
     presence = np.array([0.0, 1.5, -0.5, 0.7], np.float32)
     frequency = np.array([0.0, 0.25, 1.0, -0.3], np.float32)
-    raw = rng.standard_normal((batch, num, vocab)).astype(np.float32)
-    committed = np.stack([_penalty(counts[b], presence[b], frequency[b]) for b in range(batch)])  # [B, V]
+    repetition = np.array([1.0, 1.3, 0.8, 2.0], np.float32)
+    raw = rng.standard_normal((batch, num, vocab)).astype(np.float32) * 3
     st = SamplingTensors.create(batch)._replace(
-        bias_values=committed, penalties=Penalties(presence, frequency, counts))
-    penalize = jax.jit(lambda logits, tokens, st: penalize_drafts(logits, tokens, prefix, st))
-    got = np.asarray(penalize(raw + committed[:, None], tokens, st))
+        penalties=Penalties(presence, frequency, repetition, counts, prompt))
+    penalize = jax.jit(lambda logits, tokens, st: apply_penalties(logits, st, None if prefix is None else tokens,
+                                                                  prefix))
+    got = np.asarray(penalize(raw, tokens, st))
     want = raw.copy()
     for b in range(batch):
         for p in range(num):
-            seen = counts[b] + np.bincount(tokens[b][prefix[p]], minlength=vocab)
-            want[b, p] += _penalty(seen, presence[b], frequency[b])
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
-    assert not np.allclose(want, raw + committed[:, None])  # (the drafts moved some penalties)
+            seen = counts[b] + (0 if prefix is None else np.bincount(tokens[b][prefix[p]], minlength=vocab))
+            want[b, p] = _penalized(raw[b, p], seen, prompt[b], presence[b], frequency[b], repetition[b])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    if prefix is not None:  # (the drafts moved some penalties)
+        committed = np.stack([[_penalized(raw[b, p], counts[b], prompt[b], presence[b], frequency[b],
+                                          repetition[b]) for p in range(num)] for b in range(batch)])
+        assert not np.allclose(want, committed)
     # no penalties in the batch: unchanged
-    np.testing.assert_array_equal(penalize_drafts(raw, tokens, prefix, st._replace(penalties=None)), raw)
-
+    np.testing.assert_array_equal(apply_penalties(raw, st._replace(penalties=None)), raw)

@@ -142,6 +142,10 @@ def test_penalties_are_served(client):
     assert again == plain and penalized.usage.completion_tokens == 48
     prefix = ", there was a little girl named Lily. She loved to play outside in the park"
     assert plain.startswith(prefix + ".") and text.startswith(prefix + " with her friends")
+    # vLLM's repetition_penalty (an extra field): 1 is off; 1.5 over prompt and output steers the text elsewhere
+    assert client.completions.create(**kw, extra_body={"repetition_penalty": 1.0}).choices[0].text == plain
+    repeated = client.completions.create(**kw, extra_body={"repetition_penalty": 1.5})
+    assert repeated.usage.completion_tokens == 48 and repeated.choices[0].text != plain
 
 
 def test_chat_completion(client):
@@ -436,6 +440,8 @@ FIELD_CASES = [
      "'presence_penalty'=3.0 is invalid: allowed a float in [-2, 2]"),
     ("min_tokens over max_tokens", "/v1/completions", {**GOOD, "min_tokens": 20}, None, "min_tokens",
      "at most max_tokens"),
+    ("repetition penalty 0", "/v1/completions", {**GOOD, "repetition_penalty": 0}, None, "repetition_penalty",
+     "'repetition_penalty'=0.0 is invalid: allowed a float in (0, 100] (1: off)"),
     ("chat min_tokens over max_completion_tokens", "/v1/chat/completions",
      {**CHAT, "max_completion_tokens": 2, "min_tokens": 5}, None, "min_tokens", "'min_tokens'=5"),
     ("logit_bias past the vocabulary", "/v1/completions", {**GOOD, "logit_bias": {"100000": 1}}, None, "logit_bias",
