@@ -124,8 +124,8 @@ class Request:
         the next position alone: 0 (one token per step) in a tree step; a chain step walks its drafts through the
         constraint instead (``ModelRunner._walk_constraints``). Under ``min_tokens`` its stop ids are
         banned at every position of the step: the drafts that keep each committed token under it, ``min_tokens -
-        len(output) - 1``. (Presence / frequency penalties need no limit: the verify adds the drafts before each
-        position to the counts, ``sampler.apply_penalties``.)"""
+        len(output) - 1``. (Penalties need no limit: the verify adds the drafts before each position to the counts,
+        ``sampler.apply_penalties``.)"""
         if self.grammar is not None:
             return 0
         if self.under_min_tokens:

@@ -864,9 +864,9 @@ class ModelRunner:
         min_p = np.zeros(num_rows, np.float32)
         seeds = np.zeros(num_rows, np.uint32)
         steps = np.zeros(num_rows, np.int32)
-        # the drafts a row may accept (Request.draft_limit): a structured output's none, so it commits one token per
-        # step, as a plain step would, while the rest of a speculative batch goes on speculating (always an array:
-        # one structure, so no step variant more)
+        # the drafts a row may accept (Request.draft_limit): under min_tokens those that keep it under; a structured
+        # output's none in a tree step (a chain step's walk lifts it), so it commits one token per step, as a plain
+        # step would, while the rest of the batch speculates (always an array: one structure, no step variant more)
         max_accept = np.full(num_rows, NO_ACCEPT_LIMIT, np.int32)
         vocab = self.target.config.vocab_size
         for i, r in enumerate(requests):
@@ -1016,7 +1016,7 @@ class ModelRunner:
 
         all_greedy = all(r.sampling.greedy for r in requests)
         # a chain step walks a structured output's drafts through its constraint (a tree step: such a row accepts
-        # no draft); its draft proposes without the mask, which holds for the next position alone
+        # no draft); its draft proposes the first under the constraint's mask and the rest without one
         walk = tree is None and any(r.grammar is not None for r in requests)
         st = self._sampling_tensors(requests, num_rows, grammar_masks=not walk)
         draft_st = st

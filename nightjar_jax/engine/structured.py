@@ -4,8 +4,8 @@ or an EBNF grammar (vLLM's ``StructuredOutputsParams``; the OpenAI API's ``respo
 A grammar backend (xgrammar, optional: ``pip install 'nightjar-jax[structured]'``) compiles the constraint against
 the tokenizer's vocabulary once per engine and constraint (its compiler caches them); each request gets its own
 matcher, advanced with every token it commits. Before each step the runner asks the matcher which tokens may come
-next (:meth:`RequestGrammar.allowed`) and bans the others in that row's dense logit bias (the penalties' path,
-``ModelRunner._sampling_tensors``), so greedy and sampled rows, prefill and decode, draw only allowed tokens. A
+next (:meth:`RequestGrammar.allowed`) and bans the others in that row's dense logit bias
+(``ModelRunner._sampling_tensors``), so greedy and sampled rows, prefill and decode, draw only allowed tokens. A
 chain step of speculative decoding proposes the row's first draft under the mask, walks its drafts through the
 matcher (:meth:`RequestGrammar.walk`: the mask at each position, up to the first draft it refuses, then rolled
 back) and verifies them under those masks (``ModelRunner._walk_constraints``, ``SamplingTensors.allowed``); a tree
