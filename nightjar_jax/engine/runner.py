@@ -38,6 +38,8 @@ from nightjar_jax.engine.request import Request
 from nightjar_jax.engine.sampler import (
     BANNED,
     NO_ACCEPT_LIMIT,
+    SALT_SAMPLE,
+    SALT_VERIFY,
     Penalties,
     SamplingTensors,
     TokenLogprobs,
@@ -102,8 +104,8 @@ def memory_map_usage() -> tuple[int, int] | None:
         return None
     return used, limit
 
-SALT_SAMPLE = 0  # AR sampling of the next token
-SALT_VERIFY = 1  # rejection sampling uniforms / resampling
+# (SALT_SAMPLE and SALT_VERIFY: sampler's; a row without drafts in a verify draws with SALT_SAMPLE as a plain step
+# does, rejection.as_plain_steps)
 SALT_DRAFT = 16  # draft sampling at draft position i uses SALT_DRAFT + i
 
 
@@ -914,19 +916,20 @@ class ModelRunner:
         return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, bias_ids, bias_values, max_accept,
                                penalties)
 
-    def _walk_constraints(self, requests: list[Request], drafts: np.ndarray, st: SamplingTensors,
-                          gamma: int) -> SamplingTensors:
+    def _walk_constraints(self, requests: list[Request], drafts: np.ndarray, st: SamplingTensors, gamma: int,
+                          first_masks: np.ndarray | None = None) -> SamplingTensors:
         """``st`` for a chain verify with structured outputs: each such row's allowed tokens at every position
         (``RequestGrammar.walk`` over its drafts ``drafts`` [S, γ]), and no limit on the drafts it accepts. The
         first draft the constraint refuses is banned by its position's mask, so the verify rejects it and draws
         from the residual, as rejection sampling must; the positions after it (all tokens allowed: no mask) are
         never reached. (A limit at that draft would draw from the target's distribution instead of the residual:
-        biased, since whether the limit applies depends on the sampled draft.)"""
+        biased, since whether the limit applies depends on the sampled draft.) ``first_masks`` [S, 1, V]: the
+        next-token masks the draft proposed under, reused (None: asked of the matchers again)."""
         allowed = np.ones((drafts.shape[0], gamma + 1, self.target.config.vocab_size), bool)
         max_accept = np.array(st.max_accept)
         for i, r in enumerate(requests):
             if r.grammar is not None:
-                masks = r.grammar.walk(drafts[i, :gamma])
+                masks = r.grammar.walk(drafts[i, :gamma], None if first_masks is None else first_masks[i, 0])
                 allowed[i, : len(masks)] = masks
                 max_accept[i] = NO_ACCEPT_LIMIT  # (its draft_limit, 0, is for tree steps; no min_tokens beside)
         return st._replace(max_accept=max_accept, allowed=allowed)
@@ -1019,7 +1022,7 @@ class ModelRunner:
         # no draft); its draft proposes the first under the constraint's mask and the rest without one
         walk = tree is None and any(r.grammar is not None for r in requests)
         st = self._sampling_tensors(requests, num_rows, grammar_masks=not walk)
-        draft_st = st
+        draft_st, first_masks = st, None
         if walk:  # the draft's first proposal under the constraint's next-token mask
             first_masks = np.ones((num_rows, 1, self.target.config.vocab_size), bool)
             for i, r in enumerate(requests):
@@ -1067,7 +1070,7 @@ class ModelRunner:
             # a host array here would compile a second verify variant that no warm-up builds
             draft_tokens = drafts if skip_draft else jax.device_put(drafts, draft_tokens.sharding)
         if walk:
-            st = self._walk_constraints(requests, np.asarray(draft_tokens), st, gamma)
+            st = self._walk_constraints(requests, np.asarray(draft_tokens), st, gamma, first_masks)
         t2 = time.perf_counter()
         drafted = gamma if tree is None else tree.num_nodes
         verify_lens = np.where(n > 0, n + drafted, 0).astype(np.int32)

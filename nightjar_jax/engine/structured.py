@@ -37,13 +37,13 @@ class RequestGrammar:
         bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")
         return bits[: self._vocab_size].astype(bool)
 
-    def walk(self, drafts) -> np.ndarray:
+    def walk(self, drafts, first: np.ndarray | None = None) -> np.ndarray:
         """bool ``[k + 1, vocab_size]``: the tokens the constraint allows at each position of a speculative step,
         the next one first, then after each draft it accepts, up to the first draft it refuses (k of them accepted;
         that draft is not allowed in the last mask, so a verify rejects it); after a draft that completes it (an
         end-of-sequence token) every token, for positions the engine drops. The matcher is rolled back to where it
-        was."""
-        masks = [self.allowed()]
+        was. ``first``: :meth:`allowed` now, when the caller has it already (it is copied)."""
+        masks = [self.allowed() if first is None else first.copy()]
         accepted = 0
         for token in drafts:
             if not self._matcher.accept_token(int(token)):
