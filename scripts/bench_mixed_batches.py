@@ -1,7 +1,8 @@
 """Speculation beside requests whose bias at a position depends on the tokens before it. Presence / frequency /
 repetition penalties: a verify counts the drafts before each position (``sampler.apply_penalties``). Structured
-outputs: a chain step walks the drafts through the constraint and verifies them under its mask at each position.
-So both kinds speculate. (Before, a batch holding either decoded plainly for as long as that request ran.)
+outputs: a speculative step walks the drafts (a chain's, or each branch of a token tree's) through the constraint
+and verifies them under its mask at each position. So both kinds speculate. (Before, a batch holding either
+decoded plainly for as long as that request ran.)
 
 One batch of chat requests (greedy, MT-Bench questions) per mix, through a speculative engine at a fixed γ and
 through a plain engine over the same target (what such a batch ran before), alternating ``--repeats`` times.
@@ -11,6 +12,7 @@ decode tokens/s with its ratio to the plain engine's in the same run; writes JSO
     python scripts/bench_mixed_batches.py --out results/bench_mixed_batches.json                 # SmolLM2-135M
     python scripts/bench_mixed_batches.py --model stories260k --draft-model stories260k --num-prompts 2 \\
         --max-tokens 8 --out /tmp/mixed.json                                                       # smoke
+    python scripts/bench_mixed_batches.py --gamma 4 --spec-tree-nodes 16 --out results/bench_mixed_batches_tree.json
 """
 
 from __future__ import annotations
@@ -54,14 +56,14 @@ def run(llm, prompts: list, params: list) -> dict:
     stats = engine.stats
     engine.record_steps = True
     stats.step_log.clear()
-    drafted, accepted = stats.num_drafted_tokens, stats.num_accepted_tokens
+    accepted = stats.num_accepted_tokens
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert engine.num_free_pages == engine.num_total_pages
     steps = [s for s in stats.step_log if not s["compiled"]]
     committed = sum(s["committed"] for s in steps)
     seconds = sum(s["seconds"] for s in steps)
-    gamma = max((s["gamma"] for s in steps), default=0)
-    row_steps = (stats.num_drafted_tokens - drafted) / gamma if gamma else 0
+    # rows that speculated, per step (chain or tree; not those that accepted no draft by rule)
+    row_steps = sum(len(s["accepted"]) - sum(s.get("plain_rows") or []) for s in stats.step_log if s["gamma"])
     return {"decode_steps": len(steps), "committed": committed, "tokens_per_step": committed / max(len(steps), 1),
             "accepted_per_row_step": (stats.num_accepted_tokens - accepted) / row_steps if row_steps else 0.0,
             "decode_tokens_per_second": committed / seconds if seconds else float("nan"),
@@ -74,6 +76,8 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--draft-model", default=None, help="the speculative engine's draft (default: the model's own)")
     p.add_argument("--gamma", type=int, default=3, help="the speculative engine's fixed γ")
+    p.add_argument("--spec-tree-nodes", type=int, default=0,
+                   help="the speculative engine's token tree at γ (0: chains; with n-gram lookup, a copy branch too)")
     p.add_argument("--dataset", default=DATASET, help="JSONL of {'turns': [...]} (first turns are the questions)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -85,7 +89,8 @@ def main() -> None:
 
     common = dict(max_num_seqs=args.num_prompts, enable_prefix_caching=False)
     draft = {} if args.draft_model is None else {"draft_model": args.draft_model}
-    engines = {"speculative": LLM(args.model, planner="static", num_speculative_tokens=args.gamma, **draft, **common),
+    engines = {"speculative": LLM(args.model, planner="static", num_speculative_tokens=args.gamma,
+                                  spec_tree_nodes=args.spec_tree_nodes, **draft, **common),
                "plain": LLM(args.model, draft_model="none", **common)}
     tok = engines["plain"].engine.tokenizer
     texts = load_prompt_texts(args.dataset) or ["Once upon a time", "The cat sat on the mat and"]
@@ -103,8 +108,9 @@ def main() -> None:
             for e, llm in engines.items():
                 rows[(m, e)].append(run(llm, prompts, params[m]))
 
+    shape = f"a {args.spec_tree_nodes}-node tree" if args.spec_tree_nodes else "a chain"
     print(f"\n{args.model}, {args.num_prompts} chat requests at once, greedy, up to {args.max_tokens} tokens; "
-          f"speculative: γ = {args.gamma}; medians of {args.repeats}\n")
+          f"speculative: γ = {args.gamma}, {shape}; medians of {args.repeats}\n")
     print("| mix | engine | tokens | decode steps | tokens / step | accepted / row-step | decode tok/s | x plain |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     table = []

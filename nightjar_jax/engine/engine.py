@@ -425,10 +425,8 @@ class LLMEngine:
             self.stats.num_prefill_steps += 1
         else:
             # a batch of requests that accept no draft decodes plainly (the planner neither chooses nor observes
-            # those steps): one token short of min_tokens, or a structured output when token trees are configured
-            # (a tree step does not walk its drafts through the constraint; a chain step does)
-            plain_only = (all(r.accepts_no_drafts and (r.grammar is None or bool(self.runner.trees))
-                              for r in self.scheduler.running)
+            # those steps): each one token short of min_tokens
+            plain_only = (all(r.accepts_no_drafts for r in self.scheduler.running)
                           or not self.runner.draft_on_device)  # (offloaded: γ = 0 until it is back)
             gamma = 0 if plain_only else self._select_gamma()
             if not plain_only:

@@ -120,14 +120,11 @@ class Request:
     @property
     def draft_limit(self) -> int | None:
         """The most drafts a speculative step may accept for it (``SamplingTensors.max_accept``; None: no limit),
-        where its bias at a drafted position depends on the drafts before it. A structured output's mask holds for
-        the next position alone: 0 (one token per step) in a tree step; a chain step walks its drafts through the
-        constraint instead (``ModelRunner._walk_constraints``). Under ``min_tokens`` its stop ids are
-        banned at every position of the step: the drafts that keep each committed token under it, ``min_tokens -
-        len(output) - 1``. (Penalties need no limit: the verify adds the drafts before each position to the counts,
-        ``sampler.apply_penalties``.)"""
-        if self.grammar is not None:
-            return 0
+        where its bias at a drafted position depends on the drafts before it in a way the verify does not follow.
+        Under ``min_tokens`` its stop ids are banned at every position of the step: the drafts that keep each
+        committed token under it, ``min_tokens - len(output) - 1``. (Penalties need no limit: the verify adds the
+        drafts before each position to the counts, ``sampler.apply_penalties``; nor do structured outputs: each
+        step walks the drafts through the constraint for a mask per position, ``ModelRunner._walk_constraints``.)"""
         if self.under_min_tokens:
             return self.sampling.min_tokens - len(self.output_token_ids) - 1
         return None

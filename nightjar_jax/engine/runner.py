@@ -727,7 +727,8 @@ class ModelRunner:
             feature (a feature draft). A node's children are its parent's top-ranked draft tokens; the copy
             branch's nodes (``tree.copy_depth`` of them, first in their levels) take ``copy_tokens`` [S, copy
             depth] (n-gram lookup's, from the host) instead. The ranks are those of the draft's logits with each
-            row's bias (``st``: its logit_bias, and penalties over the committed tokens)."""
+            row's bias (``st``: its logit_bias, and penalties over the committed tokens; ``st.allowed`` [S, 1, V],
+            structured outputs' next-token masks, for the root's candidates)."""
             tree = self.trees[gamma]
             state = self.draft.unflatten(leaves)
             real = (context_lens > 0).astype(jnp.int32)
@@ -747,6 +748,8 @@ class ModelRunner:
                     # (60 nodes: 25 head rows per step instead of 47)
                     expanded, parent_row = np.unique(parents[ranked], return_inverse=True)
                     logits = apply_penalties(apply_logit_bias(d_logits(state, outs[:, expanded]), st), st)
+                    if d == 1:  # (the root's candidates: under structured outputs' next-token masks, if any)
+                        logits = apply_allowed(logits, st)
                     top = top_k_ids(logits, tree.top_k(d - 1))  # [S, |expanded|, k]
                     toks.append(top[:, parent_row, tree.rank[level.start + ranked]].astype(jnp.int32))
                 toks = jnp.concatenate(toks, axis=1)  # [S, |level|]
@@ -768,7 +771,8 @@ class ModelRunner:
             (greedy: the deepest agreeing branch; sampled: recursive rejection sampling down the tree, lossless), then
             the accepted branch's K/V (and features) moved from the nodes' slots n - 1 + i to positions
             n .. n + k - 1. ``copy_valid`` [S, copy depth]: the copy branch's nodes a row may accept (it copied a
-            token there)."""
+            token there). ``st.allowed`` [S, N + 1, V] (None: none): structured outputs' masks, node i's row for
+            the token after its branch (``RequestGrammar.walk``)."""
             tree = self.trees[gamma]
             num_nodes = tree.num_nodes
             state = self.target.unflatten(leaves)
@@ -783,7 +787,7 @@ class ModelRunner:
             if feats is not None:
                 feats = write_feature_pages(feats, hidden, md)
             raw = t_logits(state, hidden)  # [S, N + 1, V]
-            logits = apply_penalties(apply_logit_bias(raw, st), st, tokens, tree.prefixes)
+            logits = apply_allowed(apply_penalties(apply_logit_bias(raw, st), st, tokens, tree.prefixes), st)
             n = context_lens - num_nodes  # committed tokens
             slots = n[:, None] - 1 + jnp.arange(num_nodes + 1)[None, :]
             valid = slots < self.max_model_len
@@ -859,16 +863,15 @@ class ModelRunner:
 
     def _sampling_tensors(self, requests: list[Request], num_rows: int, grammar_masks: bool = True) -> SamplingTensors:
         """The batch's sampling tensors. ``grammar_masks``: a structured output's next-token mask in its dense bias
-        (else a chain step applies one per position after its drafts are known: :meth:`_walk_constraints`)."""
+        (else a speculative step applies one per position after its drafts are known: :meth:`_walk_constraints`)."""
         temperature = np.zeros(num_rows, np.float32)
         top_k = np.zeros(num_rows, np.int32)
         top_p = np.ones(num_rows, np.float32)
         min_p = np.zeros(num_rows, np.float32)
         seeds = np.zeros(num_rows, np.uint32)
         steps = np.zeros(num_rows, np.int32)
-        # the drafts a row may accept (Request.draft_limit): under min_tokens those that keep it under; a structured
-        # output's none in a tree step (a chain step's walk lifts it), so it commits one token per step, as a plain
-        # step would, while the rest of the batch speculates (always an array: one structure, no step variant more)
+        # the drafts a row may accept (Request.draft_limit): under min_tokens those that keep it under (always an
+        # array: one structure, no step variant more)
         max_accept = np.full(num_rows, NO_ACCEPT_LIMIT, np.int32)
         vocab = self.target.config.vocab_size
         for i, r in enumerate(requests):
@@ -916,23 +919,21 @@ class ModelRunner:
         return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, bias_ids, bias_values, max_accept,
                                penalties)
 
-    def _walk_constraints(self, requests: list[Request], drafts: np.ndarray, st: SamplingTensors, gamma: int,
-                          first_masks: np.ndarray | None = None) -> SamplingTensors:
-        """``st`` for a chain verify with structured outputs: each such row's allowed tokens at every position
-        (``RequestGrammar.walk`` over its drafts ``drafts`` [S, γ]), and no limit on the drafts it accepts. The
-        first draft the constraint refuses is banned by its position's mask, so the verify rejects it and draws
-        from the residual, as rejection sampling must; the positions after it (all tokens allowed: no mask) are
-        never reached. (A limit at that draft would draw from the target's distribution instead of the residual:
-        biased, since whether the limit applies depends on the sampled draft.) ``first_masks`` [S, 1, V]: the
-        next-token masks the draft proposed under, reused (None: asked of the matchers again)."""
-        allowed = np.ones((drafts.shape[0], gamma + 1, self.target.config.vocab_size), bool)
-        max_accept = np.array(st.max_accept)
+    def _walk_constraints(self, requests: list[Request], drafts: np.ndarray, st: SamplingTensors,
+                          tree: SpecTree | None, first_masks: np.ndarray) -> SamplingTensors:
+        """``st`` for a verify with structured outputs: each such row's allowed tokens at every position
+        (``RequestGrammar.walk`` over its drafts ``drafts`` [S, γ], or over its tree's node tokens [S, N] along
+        ``tree``'s branches). The first draft of a branch the constraint refuses is banned by its parent's mask, so
+        the verify rejects it and draws from the residual, as rejection sampling must; what follows it (all tokens
+        allowed: no mask) is never reached. No limit on the row's accepted drafts: one at that draft would draw
+        from the target's distribution instead of the residual, biased, since whether it applies depends on the
+        sampled draft. ``first_masks`` [S, 1, V]: the next-token masks the draft proposed under, reused."""
+        allowed = np.ones((drafts.shape[0], drafts.shape[1] + 1, self.target.config.vocab_size), bool)
+        children = None if tree is None else tree.children
         for i, r in enumerate(requests):
             if r.grammar is not None:
-                masks = r.grammar.walk(drafts[i, :gamma], None if first_masks is None else first_masks[i, 0])
-                allowed[i, : len(masks)] = masks
-                max_accept[i] = NO_ACCEPT_LIMIT  # (its draft_limit, 0, is for tree steps; no min_tokens beside)
-        return st._replace(max_accept=max_accept, allowed=allowed)
+                allowed[i] = r.grammar.walk(drafts[i], first_masks[i, 0], children)
+        return st._replace(allowed=allowed)
 
     # ---- steps --------------------------------------------------------------------------------------------------
     def execute_prefill(self, batch: ScheduledBatch) -> PrefillResult:
@@ -1018,9 +1019,10 @@ class ModelRunner:
         t1 = time.perf_counter()
 
         all_greedy = all(r.sampling.greedy for r in requests)
-        # a chain step walks a structured output's drafts through its constraint (a tree step: such a row accepts
-        # no draft); its draft proposes the first under the constraint's mask and the rest without one
-        walk = tree is None and any(r.grammar is not None for r in requests)
+        # a step walks a structured output's drafts (a chain's, or a tree's branches) through its constraint; its
+        # draft proposes the first token (a tree: the root's candidates) under the constraint's mask, the rest
+        # without one
+        walk = any(r.grammar is not None for r in requests)
         st = self._sampling_tensors(requests, num_rows, grammar_masks=not walk)
         draft_st, first_masks = st, None
         if walk:  # the draft's first proposal under the constraint's next-token mask
@@ -1051,7 +1053,7 @@ class ModelRunner:
                 copy_valid[i, : len(prop)] = True
             draft_tokens, self.draft_kv = self._propose_tree(
                 self.draft.leaves(), self.draft_kv, self.features, self._embed(), first, first_lens, bt, n,
-                copy_tokens, st, gamma,
+                copy_tokens, draft_st, gamma,
             )
         else:
             draft_tokens, draft_probs, self.draft_kv = self._propose(
@@ -1070,7 +1072,7 @@ class ModelRunner:
             # a host array here would compile a second verify variant that no warm-up builds
             draft_tokens = drafts if skip_draft else jax.device_put(drafts, draft_tokens.sharding)
         if walk:
-            st = self._walk_constraints(requests, np.asarray(draft_tokens), st, gamma, first_masks)
+            st = self._walk_constraints(requests, np.asarray(draft_tokens), st, tree, first_masks)
         t2 = time.perf_counter()
         drafted = gamma if tree is None else tree.num_nodes
         verify_lens = np.where(n > 0, n + drafted, 0).astype(np.int32)
@@ -1100,7 +1102,7 @@ class ModelRunner:
                 continue
             chain_kept = 0 if (self.feature_draft or tree is not None or copied[i, 0]) else min(k, gamma - 1)
             r.num_draft_computed = int(n[i]) + chain_kept
-        plain = [r.accepts_no_drafts and not (walk and r.grammar is not None) for r in requests]
+        plain = [r.accepts_no_drafts for r in requests]
         return DecodeResult(
             committed, gamma, drafted * (len(requests) - sum(plain)), accepted,
             draft_seconds=t2 - t1, verify_seconds=t3 - t2, catchup_seconds=t1 - t0, catchup_tokens=catchup_tokens,

@@ -111,13 +111,13 @@ class SamplingTensors(NamedTuple):
     bias_ids: jax.Array | None = None
     bias_values: jax.Array | None = None
     # [B] int32: the most drafts each row may accept in a speculative step (None: no limit). The engine sets
-    # ``Request.draft_limit``: under min_tokens, the drafts that keep it under; a structured output's row 0 in a tree
-    # step, which then commits one token, as a plain step would, while the rest of its batch speculates (a limit that
-    # never depends on the drafts: one that did would bias sampled rows); ``NO_ACCEPT_LIMIT`` else
+    # ``Request.draft_limit``: under min_tokens, the drafts that keep it under (a limit that never depends on the
+    # drafts: one that did would bias sampled rows); ``NO_ACCEPT_LIMIT`` else
     max_accept: jax.Array | None = None
     penalties: Penalties | None = None  # when a row has presence / frequency / repetition penalties
-    # [B, P, V] bool: the tokens each row may take at each of a verify's P positions (None: all; a chain step's
-    # structured outputs, ``RequestGrammar.walk``), applied after the bias: apply_allowed
+    # [B, P, V] bool: the tokens each row may take at each of a verify's P positions (None: all; structured
+    # outputs', ``RequestGrammar.walk``: a chain's positions, or a tree's nodes), applied after the bias:
+    # apply_allowed
     allowed: jax.Array | None = None
 
     @classmethod

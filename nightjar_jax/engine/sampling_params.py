@@ -96,7 +96,7 @@ class SamplingParams:
     speculation decisions: plain steps and speculative steps (rejection sampling) draw from the same distribution
     with different random streams, so a seeded request whose steps ran at other γ (the planner follows the load)
     samples other, equally distributed, tokens (as in vLLM). A step that may accept none of a request's drafts (the
-    last token under ``min_tokens``, a structured output in a tree step) draws its token as a plain step would.
+    last token under ``min_tokens``) draws its token as a plain step would.
     ``stop`` strings end the completion (the stop string itself is not included in the text);
     ``stop_token_ids`` end it with the token included in ``token_ids`` but not in the text.
     ``logprobs`` (None: off) returns, for every generated token, its log-probability and those of the ``logprobs``

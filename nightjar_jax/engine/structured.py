@@ -6,10 +6,10 @@ the tokenizer's vocabulary once per engine and constraint (its compiler caches t
 matcher, advanced with every token it commits. Before each step the runner asks the matcher which tokens may come
 next (:meth:`RequestGrammar.allowed`) and bans the others in that row's dense logit bias
 (``ModelRunner._sampling_tensors``), so greedy and sampled rows, prefill and decode, draw only allowed tokens. A
-chain step of speculative decoding proposes the row's first draft under the mask, walks its drafts through the
-matcher (:meth:`RequestGrammar.walk`: the mask at each position, up to the first draft it refuses, then rolled
-back) and verifies them under those masks (``ModelRunner._walk_constraints``, ``SamplingTensors.allowed``); a tree
-step does not, and the row accepts no draft there (``Request.draft_limit``). When the grammar is complete only the
+speculative step proposes the row's first draft (a token tree: the root's candidates) under the mask, walks its
+drafts through the matcher (:meth:`RequestGrammar.walk`: the mask at each position, a chain's or each tree node's
+along its branch, up to the first draft of a branch it refuses, then rolled back) and verifies them under those
+masks (``ModelRunner._walk_constraints``, ``SamplingTensors.allowed``). When the grammar is complete only the
 end-of-sequence tokens are allowed, and the request ends once the matcher accepts one (``ignore_eos`` included).
 """
 
@@ -37,26 +37,39 @@ class RequestGrammar:
         bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")
         return bits[: self._vocab_size].astype(bool)
 
-    def walk(self, drafts, first: np.ndarray | None = None) -> np.ndarray:
-        """bool ``[k + 1, vocab_size]``: the tokens the constraint allows at each position of a speculative step,
-        the next one first, then after each draft it accepts, up to the first draft it refuses (k of them accepted;
-        that draft is not allowed in the last mask, so a verify rejects it); after a draft that completes it (an
-        end-of-sequence token) every token, for positions the engine drops. The matcher is rolled back to where it
-        was. ``first``: :meth:`allowed` now, when the caller has it already (it is copied)."""
-        masks = [self.allowed() if first is None else first.copy()]
-        accepted = 0
-        for token in drafts:
-            if not self._matcher.accept_token(int(token)):
-                masks[-1][int(token)] = False  # (the mask says so already; the verify's rejection relies on it)
-                break
-            accepted += 1
-            if self._matcher.is_terminated():
-                masks.append(np.ones(self._vocab_size, bool))
-                break
-            masks.append(self.allowed())
-        if accepted:
-            self._matcher.rollback(accepted)
-        return np.stack(masks)
+    def walk(self, drafts, first: np.ndarray | None = None, children: np.ndarray | None = None) -> np.ndarray:
+        """bool ``[k + 1, vocab_size]``: the tokens the constraint allows at each position of a speculative step.
+
+        ``drafts`` [k]: a chain's drafts, or a token tree's node tokens in tree order (node ``i`` is ``drafts[i -
+        1]``; ``children`` [k + 1, c]: ``SpecTree.children``, each node's children, -1 padded; None: a chain, node
+        ``i``'s one child is ``i + 1``). Row 0 is the mask for the token after the last committed one (the root);
+        row ``i`` the mask after node ``i``'s branch, for its children, when the constraint accepts every token of
+        that branch. A node whose token the constraint refuses is banned in its parent's row, so a verify rejects
+        it (greedy or by rejection sampling, into the residual), and neither it nor its descendants are reached:
+        their rows allow every token, as do those after a node that completes the constraint (an end-of-sequence
+        token: the engine drops what follows). The matcher ends where it began (each accepted token rolled back).
+        ``first``: :meth:`allowed` now, when the caller has it already (it is copied)."""
+        tokens = [int(t) for t in drafts]
+        masks = np.ones((len(tokens) + 1, self._vocab_size), bool)
+        masks[0] = self.allowed() if first is None else first
+        matcher = self._matcher
+
+        def visit(node: int) -> None:  # the matcher has accepted the branch root .. node
+            kids = ([node + 1] if node < len(tokens) else []) if children is None else children[node]
+            for child in kids:
+                if child < 0:
+                    break
+                token = tokens[child - 1]
+                if not masks[node, token] or not matcher.accept_token(token):
+                    masks[node, token] = False  # (the mask says so already; the verify's rejection relies on it)
+                    continue
+                if not matcher.is_terminated():
+                    masks[child] = self.allowed()
+                    visit(child)
+                matcher.rollback(1)
+
+        visit(0)
+        return masks
 
     def accept(self, token: int) -> bool:
         """Advance past ``token``; False (state unchanged) when the constraint does not allow it."""

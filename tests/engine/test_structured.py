@@ -130,22 +130,28 @@ def test_greedy_constrained_speculation_equals_plain_decoding(llm, plain_llm):
     assert stats.num_accepted_tokens - accepted > 10
 
 
-def test_tree_steps_accept_no_draft_for_a_constrained_row(plain_llm):
-    """With token trees configured a constrained row accepts no draft in a tree step (one token per step, under
-    its mask), beside a plain request that speculates; greedy tokens equal plain decoding's."""
+def test_tree_steps_walk_a_constrained_rows_branches(plain_llm):
+    """With token trees configured (a copy branch too: n-gram lookup on) constrained rows speculate in tree steps,
+    beside a plain request: greedy tokens equal plain decoding's, every kind, and the constrained rows accept
+    drafts there (each node's mask is the constraint's after its branch: the mask of the next position alone would
+    refuse most of them, or let banned tokens through)."""
     from nightjar_jax import LLM
 
     tree = LLM("stories260k", draft_model="stories260k", num_speculative_tokens=3, spec_tree_nodes=6,
                planner="static", page_size=4, max_model_len=256, max_num_seqs=4)
-    prompts = ["Once upon a time", "The little dog"]
-    params = [SamplingParams(temperature=0, max_tokens=32, structured_outputs=GREEDY_CASES[1]),
-              SamplingParams(temperature=0, max_tokens=32)]
-    want = [o.token_ids for o in _generate(plain_llm, prompts, params)]
-    tree.engine.record_steps = True
-    assert [o.token_ids for o in _generate(tree, prompts, params)] == want
-    steps = [s for s in tree.engine.stats.step_log if s["tree_nodes"] and len(s["accepted"]) == 2]
-    assert steps and all(s["plain_rows"] == [True, False] and s["accepted"][0] == 0 for s in steps)
-    assert sum(s["accepted"][1] for s in steps) > 0
+    prompts = ["Once upon a time", "The little dog", "Lily saw a big", "Tom and his mom"]
+    for cases in (GREEDY_CASES[1:], GREEDY_CASES[:1]):  # (the choice ends in one step: apart)
+        params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec) for spec in cases]
+        params.append(SamplingParams(temperature=0, max_tokens=40))
+        want = [o.token_ids for o in _generate(plain_llm, prompts[: len(params)], params)]
+        tree.engine.record_steps = True
+        tree.engine.stats.step_log.clear()
+        assert [o.token_ids for o in _generate(tree, prompts[: len(params)], params)] == want
+        # the steps with every row (each row's index its request's); before, the constrained rows accepted 0 there
+        steps = [s for s in tree.engine.stats.step_log if s["tree_nodes"] and len(s["accepted"]) == len(params)]
+        assert steps and not any(s.get("plain_rows") for s in steps)
+        if len(cases) > 1:
+            assert sum(sum(s["accepted"][:-1]) for s in steps) >= 2 * len(steps)  # (chains: about the same)
 
 
 def test_preemption_keeps_the_constraint(llm):
@@ -233,11 +239,46 @@ def test_the_walk_bans_a_refused_draft_and_limits_nothing(llm):
     request = Request("walk", [1, 2, 3], SamplingParams(structured_outputs=spec), 0,
                       grammar=llm.engine.grammar_backend().matcher(spec))
     masks = request.grammar.walk([ok, refused, ok])
-    assert masks.shape == (2, len(first)) and (masks[0] == first).all() and (masks[1] == second).all()
+    assert masks.shape == (4, len(first)) and (masks[0] == first).all() and (masks[1] == second).all()
+    assert not masks[1, refused] and masks[2:].all()  # (after the refused draft: unreached, every token)
     assert (request.grammar.allowed() == first).all()  # (rolled back)
     runner = llm.engine.runner
     st = runner._sampling_tensors([request], 2, grammar_masks=False)
-    assert list(st.max_accept) == [0, NO_ACCEPT_LIMIT]  # (a constrained row's limit in a tree step: none drafted)
-    walked = runner._walk_constraints([request], np.array([[ok, refused, ok], [0, 0, 0]], np.int32), st, 3)
+    assert list(st.max_accept) == [NO_ACCEPT_LIMIT] * 2
+    first_masks = np.ones((2, 1, len(first)), bool)
+    first_masks[0, 0] = first
+    walked = runner._walk_constraints([request], np.array([[ok, refused, ok], [0, 0, 0]], np.int32), st, None,
+                                      first_masks)
     assert list(walked.max_accept) == [NO_ACCEPT_LIMIT] * 2
-    assert (walked.allowed[0, :2] == masks).all() and walked.allowed[0, 2:].all() and walked.allowed[1].all()
+    assert (walked.allowed[0] == masks).all() and walked.allowed[1].all()
+
+
+def test_the_walk_follows_each_branch_of_a_tree(llm):
+    """``RequestGrammar.walk`` over a token tree: node i's mask is the constraint's after its branch (root .. i); a
+    node the constraint refuses is banned in its parent's mask, and it and its descendants allow every token
+    (unreached); the matcher is rolled back. A chain's walk is the same over its one branch."""
+    from nightjar_jax.spec.tree import make_tree
+
+    spec = StructuredOutputs(regex=r"[a-z]{2,5} [a-z]+\.")
+    backend = llm.engine.grammar_backend()
+
+    def after(tokens):  # the constraint's mask after ``tokens``, from a fresh matcher
+        grammar = backend.matcher(spec)
+        assert all(grammar.accept(t) for t in tokens)
+        return grammar.allowed()
+
+    root = after([])
+    t1, t1b = (int(t) for t in np.flatnonzero(root)[:2])
+    refused = int(np.flatnonzero(~root)[0])
+    t2, r2 = int(np.flatnonzero(after([t1]))[0]), int(np.flatnonzero(~after([t1]))[0])
+    # node 1 = t1, 2 = refused, 3 = t1b; under 1: 4 = t2, 5 = r2 (refused there); under the refused 2: 6
+    tree = make_tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)])
+    grammar = backend.matcher(spec)
+    masks = grammar.walk([t1, refused, t1b, t2, r2, t1], None, tree.children)
+    assert masks.shape == (7, len(root)) and (grammar.allowed() == root).all()  # (rolled back)
+    assert (masks[0] == root).all() and not masks[0, refused]
+    assert (masks[1] == after([t1])).all() and not masks[1, r2]
+    assert (masks[3] == after([t1b])).all() and (masks[4] == after([t1, t2])).all()
+    assert masks[2].all() and masks[5].all() and masks[6].all()  # (refused, or under a refused node: unreached)
+    chain = grammar.walk([t1, t2, refused])  # a chain: one branch
+    assert (chain[:3] == np.stack([root, after([t1]), after([t1, t2])])).all()

@@ -441,6 +441,35 @@ def test_tree_rejection_sample_commits_tokens_distributed_as_the_target():
     assert abs((k >= 1).mean() - probs[0][node_tok[[1, 2, 3]]].sum()) < 0.015
 
 
+def test_tree_rejection_sample_under_a_mask_never_accepts_a_banned_node():
+    """A structured output's masks in a tree step (``RequestGrammar.walk``): the target's logits banned where the
+    constraint refuses, node 1's token among them at the root. Recursive rejection sampling rejects node 1 (p = 0)
+    into the residual, never accepts it, and commits tokens distributed as the masked target (chi-square, with a
+    negative control: the unmasked target)."""
+    from nightjar_jax.engine.sampler import BANNED
+    from nightjar_jax.spec.rejection import tree_rejection_sample
+
+    tree, probs, node_tok, tokens, _, st = _tree_sampling_case()
+    vocab = probs.shape[1]
+    allowed = np.ones(probs.shape, bool)
+    allowed[0, ::2] = False  # half the vocabulary at the root,
+    allowed[0, node_tok[1]] = False  # node 1's token among it,
+    allowed[0, node_tok[[2, 3]]] = True  # its siblings' not
+    allowed[2, node_tok[6]] = False  # and node 6's under node 2
+    masked = np.where(allowed, probs, 0)
+    masked /= masked.sum(axis=-1, keepdims=True)
+    logits = np.where(allowed, np.log(probs), BANNED).astype(np.float32)
+    target = jnp.asarray(np.broadcast_to(logits, (tokens.shape[0],) + logits.shape))
+    out, k, path = (np.asarray(x) for x in jax.jit(lambda *a: tree_rejection_sample(*a, tree, st))(
+        tokens, target, jnp.ones(tokens.shape, bool)))
+    assert not np.isin(path, [1, 6]).any() and allowed[0, out[:, 0]].all()
+    assert _chi_square_p_value(np.bincount(out[:, 0], minlength=vocab), masked[0]) > 1e-3
+    assert _chi_square_p_value(np.bincount(out[:, 0], minlength=vocab), probs[0]) < 1e-6  # (negative control)
+    rows = out[:, 0] == node_tok[2]
+    assert (path[rows, 1] == 2).all() and allowed[2, out[rows, 1]].all()
+    assert _chi_square_p_value(np.bincount(out[rows, 1], minlength=vocab), masked[2]) > 1e-3
+
+
 def test_a_copy_branch_duplicating_a_draft_node_stays_lossless():
     """The copy branch (n-gram lookup's tokens, tried first among the root's children) may repeat a draft
     candidate's token: recursive rejection sampling still commits tokens distributed as the target (the duplicate
