@@ -60,18 +60,20 @@ def _generate(llm, prompts, params):
     return [o.outputs[0] for o in outs]
 
 
+HOLD_CASES = [  # (a constraint, a check that its output holds)
+    (StructuredOutputs(choice=["yes", "no", "maybe not"]), lambda t: t in ("yes", "no", "maybe not")),
+    (StructuredOutputs(regex=r"(red|blue) [0-9]{2}!"), lambda t: re.fullmatch(r"(red|blue) [0-9]{2}!", t)),
+    (StructuredOutputs(json=SCHEMA), lambda t: set(json.loads(t)) == {"ok", "n", "name"}
+     and isinstance(json.loads(t)["ok"], bool) and 0 <= json.loads(t)["n"] <= 99),
+    (StructuredOutputs(grammar='root ::= "Lily is " ("happy" | "sad") "."'),
+     lambda t: t in ("Lily is happy.", "Lily is sad.")),
+]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_every_kind_of_constraint_holds(llm, temperature):
-    cases = [
-        (StructuredOutputs(choice=["yes", "no", "maybe not"]), lambda t: t in ("yes", "no", "maybe not")),
-        (StructuredOutputs(regex=r"(red|blue) [0-9]{2}!"), lambda t: re.fullmatch(r"(red|blue) [0-9]{2}!", t)),
-        (StructuredOutputs(json=SCHEMA), lambda t: set(json.loads(t)) == {"ok", "n", "name"}
-         and isinstance(json.loads(t)["ok"], bool) and 0 <= json.loads(t)["n"] <= 99),
-        (StructuredOutputs(grammar='root ::= "Lily is " ("happy" | "sad") "."'),
-         lambda t: t in ("Lily is happy.", "Lily is sad.")),
-    ]
     prompts = ["Once upon a time", "The little dog"]
-    for spec, holds in cases:
+    for spec, holds in HOLD_CASES:
         params = SamplingParams(temperature=temperature, seed=3, max_tokens=48, structured_outputs=spec)
         for out in _generate(llm, prompts, params):
             assert out.finish_reason == "stop" and holds(out.text), (spec, out.text)
@@ -132,9 +134,9 @@ def test_greedy_constrained_speculation_equals_plain_decoding(llm, plain_llm):
 
 def test_tree_steps_walk_a_constrained_rows_branches(plain_llm):
     """With token trees configured (a copy branch too: n-gram lookup on) constrained rows speculate in tree steps,
-    beside a plain request: greedy tokens equal plain decoding's, every kind, and the constrained rows accept
-    drafts there (each node's mask is the constraint's after its branch: the mask of the next position alone would
-    refuse most of them, or let banned tokens through)."""
+    beside a plain request: greedy tokens equal plain decoding's, every kind, sampled outputs hold, and the
+    constrained rows accept drafts there (each node's mask is the constraint's after its branch: the mask of the
+    next position alone would refuse most of them, or let banned tokens through)."""
     from nightjar_jax import LLM
 
     tree = LLM("stories260k", draft_model="stories260k", num_speculative_tokens=3, spec_tree_nodes=6,
@@ -152,6 +154,11 @@ def test_tree_steps_walk_a_constrained_rows_branches(plain_llm):
         assert steps and not any(s.get("plain_rows") for s in steps)
         if len(cases) > 1:
             assert sum(sum(s["accepted"][:-1]) for s in steps) >= 2 * len(steps)  # (chains: about the same)
+    # sampled: every kind holds, its rows in tree steps beside each other and a sampled plain request
+    params = [SamplingParams(temperature=1.0, seed=5, max_tokens=48, structured_outputs=spec) for spec, _ in HOLD_CASES]
+    outs = _generate(tree, [*prompts, "Once upon a time"], [*params, SamplingParams(temperature=1.0, max_tokens=32)])
+    for (spec, holds), out in zip(HOLD_CASES, outs, strict=False):
+        assert out.finish_reason == "stop" and holds(out.text), (spec, out.text)
 
 
 def test_preemption_keeps_the_constraint(llm):
