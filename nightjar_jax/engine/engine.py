@@ -193,6 +193,10 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._ids = itertools.count()
         self._prev_gamma = 0
+        # seconds of draft reloads the memory policy made while requests were in the engine, not yet charged to the
+        # planner: the next switch from γ = 0 to γ > 0 pays them (DESIGN.md, "Planner": the switch cost includes a
+        # reload when the draft was on host)
+        self._uncharged_reload_seconds = 0.0
         self._eos_ids = frozenset(target.config.eos_token_ids) | frozenset(
             getattr(tokenizer, "eos_token_ids", ()) or ()
         )
@@ -489,7 +493,9 @@ class LLMEngine:
         if action is MemoryAction.OFFLOAD:
             self._offload_draft()
         elif action is MemoryAction.RELOAD:
-            self._reload_draft()
+            seconds = self._reload_draft()
+            if self.has_unfinished_requests():  # (requests waited on it; an idle engine's reload delays nobody)
+                self._uncharged_reload_seconds += seconds
 
     def warmup(self, sampled: bool = True, prefill: bool = True, progress=None) -> list[tuple]:
         """Compile before traffic, on padding-only batches: every decode variant (``ModelRunner.warmup``), with
@@ -553,10 +559,10 @@ class LLMEngine:
         logger.info("draft offloaded to host memory: %d device bytes freed, extension pool of %d KV pages "
                     "(%d free of %d)", freed, pages, self.allocator.num_free, self.allocator.num_usable)
 
-    def _reload_draft(self) -> None:
+    def _reload_draft(self) -> float:
         """Live extension pages migrate into free base pages, the extension goes, and the draft comes back; every
         request's draft KV is then caught up before its next speculative step (the offload set every
-        ``num_draft_computed`` to 0, and nothing advances it while the draft is away)."""
+        ``num_draft_computed`` to 0, and nothing advances it while the draft is away). Returns its seconds."""
         t0 = time.perf_counter()
         moved = 0
         if self.allocator.num_extension:
@@ -569,8 +575,10 @@ class LLMEngine:
         s = self.stats
         s.num_draft_reloads += 1
         s.num_migrated_pages += moved
-        s.offload_seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        s.offload_seconds += seconds
         logger.info("draft back on the device: %d live extension pages migrated into the base pool", moved)
+        return seconds
 
     def _select_gamma(self) -> int:
         batch_size = self.scheduler.num_decoding()
@@ -629,7 +637,11 @@ class LLMEngine:
                     s.accepted_per_position[i] += int(i < k)
             s.num_catchup_tokens += result.catchup_tokens
             s.catchup_seconds += result.catchup_seconds
-        switch = result.catchup_seconds if (self._prev_gamma == 0 and result.gamma > 0) else 0.0
+        switch = 0.0
+        if self._prev_gamma == 0 and result.gamma > 0:  # a switch: the catch-up, and the reload before it, if any
+            switch = result.catchup_seconds + self._uncharged_reload_seconds
+            seconds += self._uncharged_reload_seconds  # (the reload ran between steps: outside the step's time)
+            self._uncharged_reload_seconds = 0.0  # (charged to this switch, observed or not, as its catch-up is)
         if compiled:
             s.num_compiling_decode_steps += 1
         if self.draft is not None and not compiled and observe:

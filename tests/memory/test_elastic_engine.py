@@ -69,6 +69,34 @@ def test_offload_extends_the_pool_and_reload_migrates_it_back():
     assert resumed and s.num_catchup_tokens > 0  # after the reload the draft caught up and speculated again
 
 
+def test_the_first_switch_after_a_reload_pays_for_it(monkeypatch):
+    """DESIGN.md, "Planner": a reload the memory policy makes while requests run is charged to the next switch from
+    γ = 0 to γ > 0, as switch seconds inside the step's seconds the planner observes; each reload once."""
+    import time
+
+    engine = fake_engine(draft=True, num_pages=20, max_num_seqs=6, num_speculative_tokens=3, draft_offload="auto",
+                         offload_persist_steps=2, reload_high_watermark=0.0, prompt_lookup_max=0, planner="static")
+    real_reload = engine.runner.reload_draft
+    monkeypatch.setattr(engine.runner, "reload_draft", lambda: (time.sleep(0.2), real_reload())[1])
+    seen = []
+    real_observe = engine.planner.observe
+    monkeypatch.setattr(engine.planner, "observe", lambda gamma, batch_size, num_tokens, seconds, switch_seconds=0.0:
+                        (seen.append((gamma, seconds, switch_seconds, engine.stats.num_draft_reloads)),
+                         real_observe(gamma, batch_size, num_tokens, seconds, switch_seconds=switch_seconds))[1])
+    lengths = [60, 60] + [12] * 8
+    outs, *_ = run_watching(engine, PROMPTS, lengths)
+    for p, o, n in zip(PROMPTS, outs, lengths, strict=True):
+        assert o == fake_greedy_continuation(p, n, VOCAB)
+    reloads = engine.stats.num_draft_reloads
+    assert reloads >= 2
+    # each reload (0.2 s here) is charged to the switch after it, once: never two in one switch, none before
+    # the first; a switch the planner does not see (its step compiled a variant) takes its reload with it
+    charged = [(sec, sw) for _, sec, sw, _ in seen if sw >= 0.2]
+    assert 1 <= len(charged) <= reloads and all(sec >= sw and sw < 0.4 for sec, sw in charged)
+    assert all(sw < 0.2 for _, _, sw, n in seen if n == 0)
+    assert engine._uncharged_reload_seconds == 0.0  # (the last reload's switch came, or it was made idle)
+
+
 @pytest.mark.parametrize("planner, offloads", [("static", False), ("ar", True)])
 def test_a_full_pool_offloads_only_when_the_planner_stopped_speculating(planner, offloads):
     """Two requests that fit a pool kept under the low watermark (nothing waits, nothing is preempted): a planner
