@@ -61,8 +61,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=["none", "request", "full"],
         help="before serving: nothing, one tiny request (default), or also compile every decode variant "
         "(batch bucket x γ x greedy/sampled), the prefill chunks (rows x chunk length, up to 4x the token budget "
-        "padded) and the draft's catch-up, so requests do not wait on a compile (log-probability variants still "
-        "compile on first use)",
+        "padded) and the draft's catch-up, so requests do not wait on a compile (the variants of log-probabilities, "
+        "logit_bias, penalties and structured outputs still compile on first use, per batch bucket)",
     )
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
