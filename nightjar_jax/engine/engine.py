@@ -637,17 +637,18 @@ class LLMEngine:
                     s.accepted_per_position[i] += int(i < k)
             s.num_catchup_tokens += result.catchup_tokens
             s.catchup_seconds += result.catchup_seconds
-        switch = 0.0
+        switch, observed = 0.0, seconds
         if self._prev_gamma == 0 and result.gamma > 0:  # a switch: the catch-up, and the reload before it, if any
             switch = result.catchup_seconds + self._uncharged_reload_seconds
-            seconds += self._uncharged_reload_seconds  # (the reload ran between steps: outside the step's time)
+            observed += self._uncharged_reload_seconds  # (the reload ran between steps: outside the step's time)
             self._uncharged_reload_seconds = 0.0  # (charged to this switch, observed or not, as its catch-up is)
         if compiled:
             s.num_compiling_decode_steps += 1
         if self.draft is not None and not compiled and observe:
             # A step that compiled a variant (the first of its shape without a full warm-up) timed the compiler,
             # seconds where its arm takes milliseconds: the planner would shun that γ for it, so it does not see it.
-            self.planner.observe(result.gamma, batch.num_seqs, committed, seconds, switch_seconds=min(switch, seconds))
+            self.planner.observe(result.gamma, batch.num_seqs, committed, observed,
+                                 switch_seconds=min(switch, observed))
         self._prev_gamma = result.gamma
         if self.record_steps:
             s.step_log.append(dict(
