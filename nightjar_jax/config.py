@@ -86,6 +86,10 @@ class ModelConfig:
     # hidden state (this width) where the target has run, else the draft's own output; it has no embedding table of
     # its own (the target's is passed in). None: a plain token-input model.
     feature_size: int | None = None
+    # A feature draft with fused features (EAGLE-3): f above is then fuse([rms(r_1), .., rms(r_k), h]) where r_i is
+    # the target's residual stream after each of these layer counts (RMS-normalised, no weight) and h its final
+    # hidden state; ``fuse`` is the draft's [(k + 1) * feature_size -> feature_size] matrix. None: h alone.
+    feature_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -132,6 +136,13 @@ class ModelConfig:
                 self.feature_size,
                 "None when tie_word_embeddings is true (a feature draft has no embedding table to tie its head to)",
             )
+        if self.feature_layers is not None:
+            layers = tuple(self.feature_layers)
+            object.__setattr__(self, "feature_layers", layers)
+            _check(self.feature_size is not None, "feature_layers", layers, "None for a model without feature_size")
+            _check(len(layers) > 0 and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in layers)
+                   and list(layers) == sorted(set(layers)), "feature_layers", layers,
+                   "a non-empty increasing tuple of layer counts >= 1 (the target's layers before its last)")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -145,7 +156,9 @@ class ModelConfig:
         per_layer = attn + 3 * d * f + 2 * d
         head = 0 if self.tie_word_embeddings else (self.head_vocab_size or v) * d
         if self.feature_size is not None:  # fc([embedding, feature]) instead of an embedding table
-            return 2 * self.feature_size * d + self.num_layers * per_layer + d + head
+            fs = self.feature_size
+            fuse = 0 if self.feature_layers is None else (len(self.feature_layers) + 1) * fs * fs
+            return 2 * fs * d + fuse + self.num_layers * per_layer + d + head
         return v * d + self.num_layers * per_layer + d + head
 
     def kv_bytes_per_token(self, kv_dtype: str | None = None) -> int:

@@ -362,11 +362,15 @@ def qkv_projections(cfg: Any, params: dict[str, Any], prefix: str, x: Any, posit
     return q, k, v
 
 
-def causal_forward(cfg: Any, params: dict[str, Any], tokens: Any, *, return_hidden: bool = False) -> Any:
+def causal_forward(cfg: Any, params: dict[str, Any], tokens: Any, *, return_hidden: bool = False,
+                   hidden_layers: tuple[int, ...] = ()) -> Any:
     """Plain (cache-free) causal forward over HF-named params: tokens [B, T] int32 -> logits [B, T, V] float32.
 
     The same math as :class:`nightjar_jax.models.llama.Llama` (rotate-half RoPE, RMSNorm in float32, SwiGLU, GQA,
     tied head), so trained weights load into the paged model unchanged; ``export`` checks the logits agree.
+    ``return_hidden``: the final normed hidden state [B, T, D] instead of logits; with ``hidden_layers`` (layer
+    counts ``1 .. num_layers - 1``) the residual stream after each of those layers comes first, concatenated on the
+    last axis: [B, T, (len(hidden_layers) + 1) * D] (fused features, EAGLE-3).
     """
     import jax
     import jax.numpy as jnp
@@ -383,7 +387,13 @@ def causal_forward(cfg: Any, params: dict[str, Any], tokens: Any, *, return_hidd
     causal = jnp.tril(jnp.ones((t, t), bool))
     emb = params["model.embed_tokens.weight"]
     x = emb[tokens]  # [B, T, D]
+    bad = [n for n in hidden_layers if not 1 <= n < cfg.num_layers]
+    if bad:
+        raise ValueError(f"hidden_layers {bad}: a layer count in 1..{cfg.num_layers - 1} (the final state comes last)")
+    taken = []
     for i in range(cfg.num_layers):
+        if i in hidden_layers:
+            taken.append(x)
         p = f"model.layers.{i}."
         h = norm(x, params[p + "input_layernorm.weight"])
         q, k, v = qkv_projections(cfg, params, p, h, positions, inv_freq)
@@ -396,6 +406,8 @@ def causal_forward(cfg: Any, params: dict[str, Any], tokens: Any, *, return_hidd
         gate = h @ params[p + "mlp.gate_proj.weight"].T
         x = x + (jax.nn.silu(gate) * (h @ params[p + "mlp.up_proj.weight"].T)) @ params[p + "mlp.down_proj.weight"].T
     x = norm(x, params["model.norm.weight"])
+    if hidden_layers:
+        return jnp.concatenate([*taken, x], axis=-1)
     return x if return_hidden else x @ head_weight(params).T  # [B, T, D] or [B, T, V or head rows]
 
 
@@ -548,17 +560,30 @@ def cmd_features(args: argparse.Namespace) -> None:
     """The target's final (normed) hidden state at every position of the training rows, for a feature draft
     (``distill_eagle.py train``: the draft reads the target's hidden state at position p - 1 with token p). One
     ``part-NNNNN.npz`` per ``--rows-per-part`` rows (a resume point): ``keys``, ``counts`` (= row lengths) and
-    ``feats`` [positions, hidden] float16, rows in :func:`load_rows` order."""
+    ``feats`` [positions, hidden] float16, rows in :func:`load_rows` order. ``--layers 3,15`` also stores the
+    residual stream after those layers, first: ``feats`` [positions, 3 * hidden] (EAGLE-3's fused features), and
+    the folder's ``layers.json`` names them (every part of a folder has the same layers)."""
     import jax
     import jax.numpy as jnp
 
     out = Path(args.out)
     rows = load_rows(args.data)
     cfg, params = target_params()
+    layers = tuple(int(v) for v in args.layers.split(",")) if args.layers else ()
+    try:
+        causal_forward(cfg, params, jnp.zeros((1, 1), jnp.int32), hidden_layers=layers)
+    except ValueError as e:
+        raise SystemExit(f"--layers {args.layers}: {e}") from None
+    spec = out / "layers.json"
+    if spec.exists() and tuple(json.loads(spec.read_text())) != layers:
+        raise SystemExit(f"--layers {args.layers or '(none)'}: {out} holds features of layers "
+                         f"{json.loads(spec.read_text())}; use another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    spec.write_text(json.dumps(list(layers)) + "\n")
 
     @jax.jit
     def hidden(p: dict[str, Any], tok: Any) -> Any:
-        return causal_forward(cfg, p, tok, return_hidden=True).astype(jnp.float16)
+        return causal_forward(cfg, p, tok, return_hidden=True, hidden_layers=layers).astype(jnp.float16)
 
     for part, chunk, bar in target_parts(rows, out, args.rows_per_part, "features"):
         got: dict[int, np.ndarray] = {}
@@ -1061,6 +1086,9 @@ def main() -> None:
         tp.set_defaults(fn=fn)
         if name == "teacher":
             tp.add_argument("--top-k", type=int, default=16)
+        else:
+            tp.add_argument("--layers", default="",
+                            help="also the residual stream after these layer counts, e.g. 3,15 (EAGLE-3 fusion)")
     e = sub.add_parser("export", help="write the bf16 checkpoint to the assets folder and check the paged forward")
     e.add_argument("--workdir", required=True)
     e.add_argument("--out", default=str(ASSET_DIR))

@@ -75,6 +75,13 @@ def load_features(path: Path, rows: list[dict[str, Any]]) -> dict[str, np.ndarra
     return out
 
 
+def feature_layers(path: Path) -> list[int]:
+    """The layer counts whose residual stream a features folder holds before the final state (its
+    ``layers.json``; none: the final state only)."""
+    spec = path / "layers.json"
+    return json.loads(spec.read_text()) if spec.exists() else []
+
+
 def make_batches(rows, feats, tokens_per_batch: int, prompt_weight: float, seed: int) -> list[tuple]:
     """Shuffled length-bucketed batches: tokens [B, T] int32, h [B, T, H] float16, weights [B, T] float32
     (slot p's label is x[p + 1]: weight 1 for a response token, ``prompt_weight`` for a prompt token, 0 on
@@ -106,10 +113,13 @@ def make_batches(rows, feats, tokens_per_batch: int, prompt_weight: float, seed:
 # ---- model -------------------------------------------------------------------------------------------------------
 
 
-def eagle_config(target_cfg: Any, intermediate: int, head_vocab: int, num_layers: int = 1) -> Any:
+def eagle_config(target_cfg: Any, intermediate: int, head_vocab: int, num_layers: int = 1,
+                 layers: tuple[int, ...] = ()) -> Any:
     """``num_layers`` decoder layers at the target's width and head layout, a subset head; ``feature_size`` marks a
-    feature draft (its forward takes the target's hidden states and embedding table)."""
+    feature draft (its forward takes the target's hidden states and embedding table), ``layers`` a fused one
+    (``feature_layers``: it also reads the target's residual stream after those layers)."""
     return target_cfg.replace(
+        feature_layers=tuple(layers) or None,
         num_layers=num_layers,
         intermediate_size=intermediate,
         tie_word_embeddings=False,
@@ -153,9 +163,25 @@ def init_params(cfg: Any, seed: int, head_rows: np.ndarray, zero_out_layers: int
     }
 
 
+def fuse_features(cfg: Any, params: dict[str, Any], h: Any) -> Any:
+    """The draft's view of the target's features: ``h`` itself [..., H], or with fused features (``fuse.weight``
+    [H, k * H]; ``features --layers``) ``fuse([rms(l_1), .., rms(l_(k-1)), h_final])``: each earlier layer's
+    residual stream RMS-normalised (no weight), the final normed state as it is (EAGLE-3's fusion)."""
+    import jax
+    import jax.numpy as jnp
+
+    if "fuse.weight" not in params:
+        return h
+    d = cfg.hidden_size
+    parts = [h[..., i * d : (i + 1) * d] for i in range(h.shape[-1] // d)]
+    parts = [x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps) for x in parts[:-1]]
+    return jnp.concatenate([*parts, h[..., -d:]], axis=-1) @ params["fuse.weight"].T
+
+
 def ttt_forward(cfg: Any, params: dict[str, Any], emb: Any, h: Any, depths: int) -> list[Any]:
     """The unrolled chain (module docstring): emb [B, T, H] (the target's embedding of x), h [B, T, H] (the
-    target's features) -> per depth ``j = 1..depths`` the draft's output features [B, T, H] at every slot."""
+    target's features; [B, T, k * H] fused, see :func:`fuse_features`) -> per depth ``j = 1..depths`` the draft's
+    output features [B, T, H] at every slot."""
     import jax
     import jax.numpy as jnp
 
@@ -175,7 +201,7 @@ def ttt_forward(cfg: Any, params: dict[str, Any], emb: Any, h: Any, depths: int)
     slot = jnp.arange(t)
     keys: list[list[tuple[Any, Any]]] = [[] for _ in range(cfg.num_layers)]  # per layer, per depth: (k, v)
     outs = []
-    feat_in = shift(h, 1)
+    feat_in = shift(fuse_features(cfg, params, h), 1)
     for j in range(1, depths + 1):
         x = jnp.concatenate([emb, feat_in], axis=-1) @ params["fc.weight"].T
         for layer in range(cfg.num_layers):
@@ -224,11 +250,15 @@ def cmd_train(args: argparse.Namespace) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt = load_checkpoint(dd.TARGET)
     tcfg = ckpt.config
-    cfg = eagle_config(tcfg, args.intermediate, args.head_vocab, args.num_layers)
-    (workdir / "draft_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     table = np.asarray(ckpt.state_dict["model.embed_tokens.weight"], np.float32)  # [V, H], tied head
     rows = dd.load_rows(args.data)
     feats = load_features(Path(args.features), rows)
+    layers = feature_layers(Path(args.features))
+    if args.final_only and layers:  # a control run: the same rows and order, the final state alone
+        feats = {k: v[:, -tcfg.hidden_size :] for k, v in feats.items()}
+        layers = []
+    cfg = eagle_config(tcfg, args.intermediate, args.head_vocab, args.num_layers, tuple(layers))
+    (workdir / "draft_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     val_ids = set(sorted({r["id"] for r in rows})[:: max(1, args.val_every)])
     train_rows = [r for r in rows if r["id"] not in val_ids]
     val_rows = [r for r in rows if r["id"] in val_ids and r["kind"] == "greedy"]
@@ -261,8 +291,14 @@ def cmd_train(args: argparse.Namespace) -> None:
             raise SystemExit(f"--init-from {args.init_from}: it has {init_layers} layers, --num-layers is "
                              f"{cfg.num_layers} (a draft can grow from a shallower one, not shrink)")
     params = init_params(cfg, args.seed, table[head_ids], zero_out_layers=init_layers)
+    if layers:  # fused features: fuse starts as [0, .., 0, I] (the final state passes through, as without fusion)
+        d = cfg.hidden_size
+        zeros = np.zeros((d, len(layers) * d), np.float32)
+        params["fuse.weight"] = np.concatenate([zeros, np.eye(d, dtype=np.float32)], axis=1)
     if args.init_from:  # its layers 0..init_layers-1; deeper layers start as no-ops (zero output projections)
         grown = {k for k in params if k.startswith("model.layers.") and int(k.split(".")[2]) >= init_layers}
+        if "fuse.weight" not in z:  # a draft without fusion: it starts as that draft (fuse passes the final state)
+            grown |= {"fuse.weight"} & set(params)
         bad = sorted(k for k in set(params) - grown if k not in z or z[k].shape != params[k].shape)
         if bad or set(z) - set(params):
             raise SystemExit(f"--init-from {args.init_from} does not fit this draft (--intermediate "
@@ -273,7 +309,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     params = {k: jnp.asarray(v) for k, v in params.items()}
     table_dev = jnp.asarray(table)
     teacher_head = jnp.asarray(table[head_ids])  # the target's head rows for the subset: its logits from h
-    h_scale = float(np.sqrt(np.mean(np.square(feats[dd.row_key(train_rows[0])].astype(np.float32)))))
+    d_model = cfg.hidden_size
+    h_scale = float(np.sqrt(np.mean(np.square(feats[dd.row_key(train_rows[0])][:, -d_model:].astype(np.float32)))))
     logger.info("feature RMS %.3f", h_scale)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(args.warmup, args.steps // 2), args.steps,
                                                   args.lr * 0.05)
@@ -290,8 +327,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     opt_state = tx.init(params)
 
     def loss_fn(p, tok, h, wts):
-        hf = h.astype(jnp.float32)
-        outs = ttt_forward(cfg, p, table_dev[tok], hf, args.depths)
+        outs = ttt_forward(cfg, p, table_dev[tok], h.astype(jnp.float32), args.depths)
+        hf = h[..., -d_model:].astype(jnp.float32)  # the final normed state: the teacher and the regression's target
         t_logp = jax.nn.log_softmax(hf @ teacher_head.T, axis=-1)  # target's distribution over the subset
         t_prob = jnp.exp(t_logp)
         t_top = jnp.argmax(t_logp, axis=-1)
@@ -396,6 +433,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     z = np.load(workdir / f"{args.params}_params.npz")
     params = {k: jnp.asarray(z[k]) for k in z.files}
     head_ids = np.load(workdir / "head_token_ids.npy")
+    layers = cfg.feature_layers or ()
     tcfg, tparams = dd.target_params()
     result = json.loads(Path(args.reference).read_text())
     tok = dd.target_tokenizer()
@@ -403,7 +441,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
 
     @jax.jit
     def preds_for(tokens):
-        h = dd.causal_forward(tcfg, tparams, tokens, return_hidden=True)
+        h = dd.causal_forward(tcfg, tparams, tokens, return_hidden=True, hidden_layers=layers)
         outs = ttt_forward(cfg, params, tparams["model.embed_tokens.weight"][tokens], h, args.gamma)
         return jnp.stack([jnp.asarray(head_ids)[jnp.argmax(o @ params["lm_head.weight"].T, axis=-1)] for o in outs])
 
@@ -455,7 +493,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     tokens = np.asarray([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411]],
                         np.int32) % cfg.vocab_size  # a SmolLM2 chat opening (any ids for other targets)
     t = tokens.shape[1]
-    h = dd.causal_forward(tcfg, tparams, jnp.asarray(tokens), return_hidden=True)  # [1, T, H]
+    h = dd.causal_forward(tcfg, tparams, jnp.asarray(tokens), return_hidden=True,
+                          hidden_layers=cfg.feature_layers or ())  # [1, T, H] ([1, T, (k + 1) * H] fused)
     emb = tparams["model.embed_tokens.weight"]
     shipped = {k: jnp.asarray(np.asarray(v, np.float32)) for k, v in bf16.items() if k != HEAD_TOKEN_IDS}
     ref = np.asarray(ttt_forward(cfg, shipped, emb[jnp.asarray(tokens)], h, 1)[0] @ shipped["lm_head.weight"].T)
@@ -497,6 +536,8 @@ def main() -> None:
     t.add_argument("--eval-every", type=int, default=100)
     t.add_argument("--max-minutes", type=float, default=0.0)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--final-only", action="store_true",
+                   help="read only the final state where the features hold more layers (a control for fusion)")
     t.set_defaults(fn=cmd_train)
     s = sub.add_parser("simulate", help="offline held-out greedy acceptance (replayed decode steps)")
     s.add_argument("--workdir", required=True)

@@ -115,7 +115,9 @@ class DraftRanker:
             return jnp.stack([o @ p["lm_head.weight"].T for o in outs])  # [depths, B, T, head]
 
         self._logits = logits
-        self._hidden = jax.jit(lambda t: dd.causal_forward(self.tcfg, self.tparams, t, return_hidden=True))
+        layers = self.cfg.feature_layers or ()  # a fused draft reads more of the target's layers
+        self._hidden = jax.jit(lambda t: dd.causal_forward(self.tcfg, self.tparams, t, return_hidden=True,
+                                                           hidden_layers=layers))
 
     def ranks(self, seq: np.ndarray, start: int, h: np.ndarray | None = None) -> np.ndarray:
         """``[depths, len(seq)]``: at slot ``p`` the rank of ``seq[p + 1]`` in the depth-``j`` logits (slots from

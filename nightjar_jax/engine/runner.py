@@ -466,6 +466,15 @@ class ModelRunner:
                 f"feature draft {draft.config.name} reads {draft.config.feature_size}-wide features but the "
                 f"target {target.config.name} has hidden size {target.config.hidden_size}"
             )
+        # a fused feature draft (EAGLE-3) also reads the target's residual stream after these layers: the pool holds
+        # them before the final state, (k + 1) x as wide
+        self.feature_layers: tuple[int, ...] = (draft.config.feature_layers or ()) if self.feature_draft else ()
+        if self.feature_layers and self.feature_layers[-1] >= target.config.num_layers:
+            raise ValueError(
+                f"feature draft {draft.config.name} reads the target's residual stream after layers "
+                f"{list(self.feature_layers)}, but target {target.config.name} has {target.config.num_layers} layers "
+                f"(each must be below it)"
+            )
         self.draft_kv: KVCache | None = None
         self.features: jax.Array | None = None
         # while the draft is offloaded: the feature pool in host memory and its device sharding (offload_draft)
@@ -485,7 +494,8 @@ class ModelRunner:
                                                            stacked=draft.stacked))
         if self.feature_draft:
             self.features = features if features is not None else commit_to_device(
-                jnp.zeros((self.num_pages, self.page_size, self.target.config.hidden_size),
+                jnp.zeros((self.num_pages, self.page_size,
+                           (len(self.feature_layers) + 1) * self.target.config.hidden_size),
                           jnp.dtype(self.target.config.dtype)))
 
     # ---- elastic memory (nightjar_jax.memory decides; these make the moves) ----------------------------------------
@@ -592,6 +602,17 @@ class ModelRunner:
     # ---- jitted step functions --------------------------------------------------------------------------------
     def _build_jitted(self) -> None:
         t_hidden, t_logits = self.target.fns
+        width = self.target.config.hidden_size
+        fused = {"hidden_layers": self.feature_layers} if self.feature_layers else {}
+
+        def target_pass(state, tokens, kv, md, feats):
+            """The target's final hidden states [S, T, H] and K/V; with a feature pool, its features written there
+            (a fused draft's: the residual stream after ``feature_layers`` too)."""
+            if feats is None:
+                hidden, kv = t_hidden(state, tokens, kv, md)
+                return hidden, kv, feats
+            hidden, kv = t_hidden(state, tokens, kv, md, **fused)
+            return hidden[..., -width:], kv, write_feature_pages(feats, hidden, md)
 
         def forward_sample(leaves, kv, feats, tokens, block_tables, context_lens, query_lens, st, all_greedy,
                            num_logprobs=None, prompt_targets=None, num_prompt_logprobs=None):
@@ -601,9 +622,7 @@ class ModelRunner:
             scored under the logits at that position."""
             state = self.target.unflatten(leaves)
             md = BatchMetadata(block_tables, context_lens, query_lens)
-            hidden, kv = t_hidden(state, tokens, kv, md)
-            if feats is not None:
-                feats = write_feature_pages(feats, hidden, md)
+            hidden, kv, feats = target_pass(state, tokens, kv, md, feats)
             plp = None
             if num_prompt_logprobs is not None:  # every position's logits (T x the head's cost): opt-in
                 plp = prompt_token_logprobs(lambda h: t_logits(state, h), hidden, prompt_targets, num_prompt_logprobs)
@@ -700,9 +719,8 @@ class ModelRunner:
             tokens = jnp.concatenate([last_tokens[:, None], draft_tokens], axis=1)  # [S, γ + 1]
             query_lens = jnp.where(context_lens > 0, tokens.shape[1], 0).astype(jnp.int32)
             md = BatchMetadata(block_tables, context_lens, query_lens)
-            hidden, kv = t_hidden(state, tokens, kv, md)
-            if feats is not None:  # only the accepted positions' are read later; the rest are overwritten first
-                feats = write_feature_pages(feats, hidden, md)
+            # (features: only the accepted positions' are read later; the rest are overwritten first)
+            hidden, kv, feats = target_pass(state, tokens, kv, md, feats)
             raw = t_logits(state, hidden)  # [S, γ + 1, V]
             logits = apply_penalties(apply_logit_bias(raw, st), st, tokens, chain_prefixes(tokens.shape[1]))
             logits = apply_allowed(logits, st)
@@ -783,9 +801,7 @@ class ModelRunner:
                 tree_mask=jnp.asarray(tree.ancestors),
                 rope_offsets=jnp.asarray(np.arange(num_nodes + 1) - tree.depth_of, jnp.int32),
             )
-            hidden, kv = t_hidden(state, tokens, kv, md)
-            if feats is not None:
-                feats = write_feature_pages(feats, hidden, md)
+            hidden, kv, feats = target_pass(state, tokens, kv, md, feats)
             raw = t_logits(state, hidden)  # [S, N + 1, V]
             logits = apply_allowed(apply_penalties(apply_logit_bias(raw, st), st, tokens, tree.prefixes), st)
             n = context_lens - num_nodes  # committed tokens

@@ -345,6 +345,9 @@ class Llama(nnx.Module):
         else:  # a feature draft: fc([the target's embedding of x, feature]); no table of its own
             self.embed_tokens = None
             self.fc = _linear(2 * cfg.feature_size, cfg.hidden_size, dtype, rngs)
+        # fused features (EAGLE-3, ``ModelConfig.feature_layers``): the target's layers mixed into one feature
+        self.fuse = None if cfg.feature_layers is None else _linear(
+            (len(cfg.feature_layers) + 1) * cfg.feature_size, cfg.feature_size, dtype, rngs)
         self.layers = nnx.List([DecoderLayer(cfg, rngs, attention_impl, linear_impl) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         head_vocab = cfg.head_vocab_size or cfg.vocab_size
@@ -362,14 +365,26 @@ class Llama(nnx.Module):
         md: BatchMetadata,
         features: jax.Array | None = None,  # feature draft: [num_seqs, q_len, feature_size], f[p - 1] at slot p
         embed_table: jax.Array | None = None,  # feature draft: the target's [vocab, feature_size] embedding
+        hidden_layers: tuple[int, ...] = (),  # a fused draft's target: also the residual stream after these layers
     ) -> tuple[jax.Array, KVCache]:  # hidden [num_seqs, q_len, hidden], updated cache
+        """Final hidden states and the updated cache. With ``hidden_layers`` (layer counts ``1 .. num_layers - 1``)
+        the hidden states are ``[num_seqs, q_len, (len(hidden_layers) + 1) * hidden]``: the residual stream after
+        each of those layers, then the final state (a fused feature draft's input, ``ModelConfig.feature_layers``).
+        A fused draft's ``features`` are either that wide (the target's, mixed by ``fuse``) or ``feature_size``
+        wide (its own outputs, in later draft steps)."""
         positions, _ = slot_positions(md, tokens.shape[1])
+        bad = [n for n in hidden_layers if not 1 <= n < len(self.layers)]
+        if bad:
+            raise ValueError(f"hidden_layers {bad}: layer counts in 1..{len(self.layers) - 1} "
+                             f"({self.config.name} has {len(self.layers)} layers; the final state comes last)")
         if self.fc is None:
             x = embed(self.embed_tokens.embedding[...], tokens)
         else:
             if features is None or embed_table is None:
                 raise ValueError(f"{self.config.name} is a feature draft: pass features= and embed_table=")
             dtype = compute_dtype(self.fc.kernel[...])  # float32 for a compact (bfloat16-panel) kernel's float32 values
+            if features.shape[-1] != self.config.feature_size:
+                features = self._fuse(features.astype(dtype))
             inputs = jnp.concatenate([embed(embed_table, tokens).astype(dtype), features.astype(dtype)], axis=-1)
             x = linear(inputs, self.fc.kernel[...], impl=self.linear_impl)
         inv_freq = self.inv_freq[...]
@@ -382,7 +397,10 @@ class Llama(nnx.Module):
                              f"{self.config.name} has {len(layers)}")
         if not stacked and len(kv_cache) != len(layers):
             raise ValueError(f"the K/V cache has {len(kv_cache)} layers; {self.config.name} has {len(layers)}")
+        taken = []
         for i, layer in enumerate(layers):
+            if i in hidden_layers:
+                taken.append(x)
             next_layer = layers[i + 1] if i + 1 < len(layers) else None
             kv = LayerKV(kv_cache.k, kv_cache.v, i, kv_cache.k_ext, kv_cache.v_ext) if stacked else kv_cache[i]
             x, kv, qkv = layer.forward(x, positions, inv_freq, kv, md, qkv=qkv, next_layer=next_layer)
@@ -390,7 +408,27 @@ class Llama(nnx.Module):
                 kv_cache = StackedKV(kv.k, kv.v, kv.k_ext, kv.v_ext)
             else:
                 new_cache.append(kv)
-        return self.norm(x), kv_cache if stacked else tuple(new_cache)
+        hidden = self.norm(x)
+        if hidden_layers:
+            hidden = jnp.concatenate([*(t.astype(hidden.dtype) for t in taken), hidden], axis=-1)
+        return hidden, kv_cache if stacked else tuple(new_cache)
+
+    def _fuse(self, features: jax.Array) -> jax.Array:
+        """The target's fused features ``[..., (k + 1) * F]`` -> ``[..., F]``: each earlier layer's residual stream
+        RMS-normalised (float32, no weight), the final state as it is, then ``fuse`` (EAGLE-3's fusion)."""
+        f = self.config.feature_size
+        k = len(self.config.feature_layers or ())
+        if self.fuse is None or features.shape[-1] != (k + 1) * f:
+            raise ValueError(f"{self.config.name} reads {f}-wide features"
+                             + (f" or {(k + 1) * f}-wide fused ones" if self.fuse is not None else "")
+                             + f", got {features.shape[-1]}")
+        parts = []
+        for i in range(k):
+            r = features[..., i * f : (i + 1) * f].astype(jnp.float32)
+            r = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + self.config.rms_norm_eps)
+            parts.append(r.astype(features.dtype))
+        x = jnp.concatenate([*parts, features[..., k * f :]], axis=-1)
+        return linear(x, self.fuse.kernel[...], impl=self.linear_impl)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """LM head in the model dtype with float32 output. hidden ``[..., hidden]`` -> ``[..., vocab]``."""
@@ -536,6 +574,8 @@ def hf_param_map(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], bool]]:
         m["model.embed_tokens.weight"] = (("embed_tokens", "embedding"), False)
     else:
         m["fc.weight"] = (("fc", "kernel"), True)
+    if cfg.feature_layers is not None:
+        m["fuse.weight"] = (("fuse", "kernel"), True)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):

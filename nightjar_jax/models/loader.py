@@ -205,7 +205,7 @@ def load_checkpoint(
 
 def _check_matches_preset(got: ModelConfig, want: ModelConfig, source: str) -> None:
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-            "tie_word_embeddings", "head_vocab_size", "feature_size")
+            "tie_word_embeddings", "head_vocab_size", "feature_size", "feature_layers")
     diff = {k: (getattr(got, k), getattr(want, k)) for k in keys if getattr(got, k) != getattr(want, k)}
     if diff:
         raise ValueError(f"{source}: checkpoint does not match preset {want.name} (got, preset): {diff}")

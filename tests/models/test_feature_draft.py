@@ -66,3 +66,40 @@ def test_missing_inputs_and_mismatched_target_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="reads 16-wide features but the target t has hidden size 32"):
         ModelRunner(target, ModelHandle(DRAFT, graphdef, state), num_pages=4, page_size=4, max_model_len=16,
                     max_num_seqs=1, max_num_batched_tokens=8, gamma_max=2)
+
+
+def test_fused_features_config_param_map_and_errors() -> None:
+    """``feature_layers`` (EAGLE-3's fused features): checked values, the ``fuse`` matrix in the parameter map and
+    count, the target's ``hidden_layers`` output, and clear errors for a wrong width or layer."""
+    fused = DRAFT.replace(feature_layers=[2, 5])
+    assert fused.feature_layers == (2, 5)  # a JSON list becomes a tuple
+    for bad in ((), (0,), (3, 2), (2, 2), (True,)):
+        with pytest.raises(ValueError, match="feature_layers"):
+            DRAFT.replace(feature_layers=bad)
+    with pytest.raises(ValueError, match="feature_layers"):
+        TARGET.replace(feature_layers=(1,))  # not a feature draft
+    assert hf_param_map(fused)["fuse.weight"] == (("fuse", "kernel"), True)
+    assert "fuse.weight" not in hf_param_map(DRAFT)
+    assert fused.num_params() == DRAFT.num_params() + 3 * 16 * 16
+
+    target_cfg = TARGET.replace(num_layers=3)
+    tg, ts = random_state(target_cfg)
+    t_hidden, _ = make_model_fns(tg)
+    md = BatchMetadata(jnp.asarray([[1]], jnp.int32), jnp.asarray([2], jnp.int32), jnp.asarray([2], jnp.int32))
+    tokens = jnp.asarray([[3, 4]], jnp.int32)
+    final, _ = t_hidden(ts, tokens, allocate_kv_cache(target_cfg, 2, 4), md)
+    wide, _ = t_hidden(ts, tokens, allocate_kv_cache(target_cfg, 2, 4), md, hidden_layers=(1, 2))
+    assert wide.shape == (1, 2, 3 * 16)
+    np.testing.assert_array_equal(np.asarray(wide[..., -16:]), np.asarray(final))
+    with pytest.raises(ValueError, match=r"hidden_layers \[3\]: layer counts in 1\.\.2"):
+        t_hidden(ts, tokens, allocate_kv_cache(target_cfg, 2, 4), md, hidden_layers=(3,))
+
+    fused = DRAFT.replace(feature_layers=(1, 2))
+    graphdef, state = random_state(fused)
+    d_hidden, _ = make_model_fns(graphdef)
+    embed = jnp.zeros((64, 16))
+    for width in (16, 48):  # its own outputs, or the target's three layers
+        d_hidden(state, tokens, allocate_kv_cache(fused, 2, 4), md, features=jnp.ones((1, 2, width)),
+                 embed_table=embed)
+    with pytest.raises(ValueError, match="reads 16-wide features or 48-wide fused ones, got 32"):
+        d_hidden(state, tokens, allocate_kv_cache(fused, 2, 4), md, features=jnp.ones((1, 2, 32)), embed_table=embed)

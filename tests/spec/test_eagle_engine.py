@@ -26,23 +26,40 @@ TINY = "stories260k"
 GAMMA = 3
 
 
-@pytest.fixture(scope="module")
-def setup():
+FUSED_LAYERS = (1, 3)  # stories260K has 5 layers
+
+
+def _setup(layers: tuple[int, ...] = ()):
     eagle = load_script("distill_eagle.py", "distill_eagle_e")
     tckpt = load_checkpoint(TINY)
     tcfg = tckpt.config
     tparams = {k: jnp.asarray(np.asarray(v, np.float32)) for k, v in tckpt.state_dict.items()}
     head_ids = np.arange(0, tcfg.vocab_size, 2, dtype=np.int32)  # a subset head: the even ids
-    dcfg = eagle.eagle_config(tcfg, 96, len(head_ids))
+    dcfg = eagle.eagle_config(tcfg, 96, len(head_ids), layers=layers)
     rng = np.random.default_rng(1)
     table = np.asarray(tckpt.state_dict["model.embed_tokens.weight"], np.float32)
     dparams = eagle.init_params(dcfg, 0, table[head_ids])
+    if layers:  # a random mix of every layer (not the identity on the final state that training starts from)
+        d = tcfg.hidden_size
+        dparams["fuse.weight"] = (rng.standard_normal((d, (len(layers) + 1) * d)) / np.sqrt(d)).astype(np.float32)
     dparams = {k: v + 0.05 * rng.standard_normal(v.shape).astype(np.float32) for k, v in dparams.items()}
     graphdef, state = state_from_hf(dcfg, dparams | {HEAD_TOKEN_IDS: head_ids}, source="test draft")
     draft = ModelHandle(dcfg, graphdef, state)
     _, tgraph, tstate = load_model(TINY)
     target = ModelHandle(tcfg, tgraph, tstate)
     return eagle, tcfg, tparams, dcfg, {k: jnp.asarray(v) for k, v in dparams.items()}, head_ids, target, draft
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return _setup()
+
+
+@pytest.fixture(scope="module")
+def fused_setup():
+    """The same with fused features (EAGLE-3, ``ModelConfig.feature_layers``): the draft also reads the target's
+    residual stream after layers 1 and 3, mixed by its ``fuse`` matrix."""
+    return _setup(FUSED_LAYERS)
 
 
 def _engine(target, draft, tree_nodes: int = 0, prompt_lookup_max: int = 0, **kwargs) -> LLMEngine:
@@ -83,17 +100,23 @@ def _check_proposals(setup, engine: LLMEngine, ar_engine: LLMEngine) -> int:
 
     engine.runner._propose = capture
 
+    # the training forward, one depth, over the target's embedding of ``tokens``; slots up to the chain's start read
+    # the target's (fused) features, later ones the draft's outputs, so the fusion is applied up front
+    unfused = {k: v for k, v in dparams.items() if k != "fuse.weight"}
+
     @jax.jit
-    def depth1(tokens, shifted):  # the training forward, one depth, over the target's embedding of ``tokens``
+    def depth1(tokens, shifted):
         emb = tparams["model.embed_tokens.weight"][tokens][None]
-        return eagle.ttt_forward(dcfg, dparams, emb, shifted, 1)[0][0]
+        return eagle.ttt_forward(dcfg, unfused, emb, shifted, 1)[0][0]
     checked = 0
     for prompt in PROMPTS:
         calls.clear()
         sd = _run(engine, prompt)
         assert sd == _run(ar_engine, prompt)  # lossless
         seq = np.asarray(prompt + sd, np.int32)
-        h = np.asarray(dd.causal_forward(tcfg, tparams, jnp.asarray(seq[None]), return_hidden=True))[0]
+        h = dd.causal_forward(tcfg, tparams, jnp.asarray(seq[None]), return_hidden=True,
+                              hidden_layers=dcfg.feature_layers or ())
+        h = np.asarray(eagle.fuse_features(dcfg, dparams, h))[0]  # [T, H] (as it is without fusion)
         length = len(seq) + GAMMA + 1
         for n, drafts in calls:
             c = n - 1  # the chain starts at the last committed token, with the target's feature of c - 1
@@ -120,6 +143,18 @@ def _check_proposals(setup, engine: LLMEngine, ar_engine: LLMEngine) -> int:
 def test_feature_draft_proposals_match_training_forward(setup) -> None:
     *_, target, draft = setup
     assert _check_proposals(setup, _engine(target, draft), _engine(target, None)) >= 20
+
+
+def test_fused_feature_draft_proposals_match_training_forward(fused_setup) -> None:
+    """The target's passes store its residual stream after the draft's ``feature_layers`` beside its final state
+    (a pool 3x as wide); the draft mixes them (``Llama._fuse``) where it reads the target's features and reads its
+    own outputs in later steps, as training's ``fuse_features`` and ``ttt_forward`` do."""
+    *_, dcfg, _, _, target, draft = fused_setup
+    engine = _engine(target, draft)
+    assert engine.runner.features.shape[-1] == (len(FUSED_LAYERS) + 1) * dcfg.feature_size
+    assert _check_proposals(fused_setup, engine, _engine(target, None)) >= 20
+    with pytest.raises(ValueError, match=r"after layers \[1, 5\].* has 5 layers"):
+        _engine(target, ModelHandle(dcfg.replace(feature_layers=(1, 5)), draft.graphdef, draft.state))
 
 
 def test_feature_draft_after_steps_without_it_matches_training_forward(setup) -> None:
@@ -171,10 +206,11 @@ def test_feature_draft_after_an_offload_and_reload_matches_training_forward(setu
     assert runner.features.sharding.memory_kind in (None, "device")
 
 
-def test_feature_draft_tree_equals_ar(setup) -> None:
+@pytest.mark.parametrize("which", ["setup", "fused_setup"])
+def test_feature_draft_tree_equals_ar(which, request) -> None:
     """Tree steps (nightjar_jax/spec/tree.py) with the feature draft: each node is fed its parent's output feature
     and sees only its ancestors; greedy SD == AR, and the tree accepts at least what the chain does."""
-    *_, target, draft = setup
+    *_, target, draft = request.getfixturevalue(which)
     ar_engine = _engine(target, None)
     accepted = {}
     for nodes in (0, 12):
@@ -197,7 +233,8 @@ def _capturing(fn, name: str, shapes: dict):
     return call
 
 
-def test_packed_decode_steps_stay_on_the_kernel(setup) -> None:
+@pytest.mark.parametrize("which", ["setup", "fused_setup"])
+def test_packed_decode_steps_stay_on_the_kernel(which, request) -> None:
     """With the draft packed for the CPU kernel as the shipped one is (bfloat16 panels: ``pack_state`` on
     bfloat16-valued weights), no compiled step that runs the draft (chain or tree) runs an XLA dot: every product
     stays on the kernel. A product that leaves it takes an unpacked float32 copy of its weight on every call (the
@@ -210,7 +247,7 @@ def test_packed_decode_steps_stay_on_the_kernel(setup) -> None:
     if not cpu.packing_supported():
         pytest.skip(f"packed weights need the CPU linear kernel built with AVX-512 or AVX2 + FMA "
                     f"(available: {cpu.available()})")
-    *_, target, draft = setup
+    *_, target, draft = request.getfixturevalue(which)
     bf16_valued = jax.tree.map(lambda w: w.astype(jnp.bfloat16).astype(w.dtype) if w.dtype == jnp.float32 else w,
                                draft.state)
     packed = ModelHandle(draft.config, draft.graphdef, pack_state(bf16_valued, "auto"))

@@ -112,7 +112,7 @@ def test_features_rerun_adds_only_new_rows(tiny, tmp_path) -> None:
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     first.write_text(lines[0] + "\n", encoding="utf-8")
     second.write_text(lines[1] + "\n", encoding="utf-8")
-    args = dict(tokens_per_batch=128, rows_per_part=1)
+    args = dict(tokens_per_batch=128, rows_per_part=1, layers="")
     dd.cmd_features(argparse.Namespace(data=[str(first)], out=str(tmp_path / "inc"), **args))
     before = (tmp_path / "inc" / "part-00000.npz").stat().st_mtime_ns
     dd.cmd_features(argparse.Namespace(data=[str(first), str(second)], out=str(tmp_path / "inc"), **args))
@@ -131,7 +131,7 @@ def test_features_train_export_serve(tiny, tmp_path) -> None:
     eagle, data, prompts, greedy = tiny
     dd = eagle.dd
     dd.cmd_features(argparse.Namespace(data=[str(data)], out=str(tmp_path / "feats"), tokens_per_batch=128,
-                                       rows_per_part=1))
+                                       rows_per_part=1, layers=""))
     rows = dd.load_rows([str(data)])
     feats = eagle.load_features(tmp_path / "feats", rows)
     from nightjar_jax.models.loader import load_checkpoint
@@ -146,7 +146,7 @@ def test_features_train_export_serve(tiny, tmp_path) -> None:
     train_args = dict(data=[str(data)], features=str(tmp_path / "feats"), workdir=str(wd), init_from="",
                       num_layers=1, intermediate=64, head_vocab=128, freeze_head=True, depths=2, depth_decay=0.8,
                       reg_weight=1.0, steps=30, tokens_per_batch=256, lr=3e-3, warmup=5, weight_decay=0.0, clip=1.0,
-                      prompt_weight=0.2, val_every=1000, eval_every=10, max_minutes=0.0, seed=0)
+                      prompt_weight=0.2, val_every=1000, eval_every=10, max_minutes=0.0, seed=0, final_only=False)
     eagle.cmd_train(argparse.Namespace(**train_args))
     log = [json.loads(x) for x in (wd / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == 30 and all(len(r["top1_per_depth"]) == 2 for r in log)
@@ -159,7 +159,7 @@ def test_features_train_export_serve(tiny, tmp_path) -> None:
     other.write_text(json.dumps(dict(first_row, id="z")) + "\n" + json.dumps(dict(second_row, id="a")) + "\n",
                      encoding="utf-8")
     dd.cmd_features(argparse.Namespace(data=[str(other)], out=str(tmp_path / "feats"), tokens_per_batch=128,
-                                       rows_per_part=1))  # only the two renamed rows run
+                                       rows_per_part=1, layers=""))  # only the two renamed rows run
     # ... and may grow a layer (``--num-layers 2``), but not lose one
     cont = dict(train_args, data=[str(other)], workdir=str(tmp_path / "wd_cont"),
                 init_from=str(wd / "last_params.npz"), steps=3, num_layers=2)
@@ -187,4 +187,72 @@ def test_features_train_export_serve(tiny, tmp_path) -> None:
     assert llm.engine.stats.num_drafted_tokens > 0
     sampled = llm.generate(prompts, SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in sampled] == [30, 30]  # sampled SD (rejection sampling) runs too
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
+
+
+def test_fused_features_train_export_serve(tiny, tmp_path) -> None:
+    """EAGLE-3's fused features: ``features --layers 1,3`` stores the target's residual stream after layers 1 and 3
+    before its final state; a fused draft grown from an unfused one starts as it (``fuse`` passes the final state
+    through) and learns to mix all three; ``--final-only`` trains the control on the same folder; the export's
+    paged forward is checked, and the engine serves it losslessly."""
+    eagle, data, prompts, greedy = tiny
+    dd = eagle.dd
+    feat_args = dict(data=[str(data)], tokens_per_batch=128, rows_per_part=1)
+    dd.cmd_features(argparse.Namespace(out=str(tmp_path / "plain"), layers="", **feat_args))
+    dd.cmd_features(argparse.Namespace(out=str(tmp_path / "fused"), layers="1,3", **feat_args))
+    rows = dd.load_rows([str(data)])
+    plain = eagle.load_features(tmp_path / "plain", rows)
+    fused = eagle.load_features(tmp_path / "fused", rows)
+    width = plain[dd.row_key(rows[0])].shape[1]
+    for r in rows:  # [after layer 1, after layer 3, final]: the final state is the unfused folder's
+        f = fused[dd.row_key(r)]
+        assert f.shape == (len(r["tokens"]), 3 * width)
+        np.testing.assert_array_equal(f[:, -width:], plain[dd.row_key(r)])
+        assert not np.array_equal(f[:, :width], f[:, width : 2 * width])
+    with pytest.raises(SystemExit, match=r"--layers 0,3: .*1\.\.4"):  # stories260K has 5 layers
+        dd.cmd_features(argparse.Namespace(out=str(tmp_path / "bad"), layers="0,3", **feat_args))
+    with pytest.raises(SystemExit, match="holds features of layers"):  # one folder, one set of layers
+        dd.cmd_features(argparse.Namespace(out=str(tmp_path / "fused"), layers="2", **feat_args))
+
+    train_args = dict(data=[str(data)], features=str(tmp_path / "fused"), workdir=str(tmp_path / "ctl"),
+                      init_from="", num_layers=1, intermediate=64, head_vocab=128, freeze_head=True, depths=2,
+                      depth_decay=0.8, reg_weight=1.0, steps=10, tokens_per_batch=256, lr=3e-3, warmup=2,
+                      weight_decay=0.0, clip=1.0, prompt_weight=0.2, val_every=1000, eval_every=5, max_minutes=0.0,
+                      seed=0, final_only=True)
+    eagle.cmd_train(argparse.Namespace(**train_args))  # the control: the final state alone
+    ctl = dict(np.load(tmp_path / "ctl" / "last_params.npz"))
+    assert "fuse.weight" not in ctl
+    assert json.loads((tmp_path / "ctl" / "draft_config.json").read_text())["feature_layers"] is None
+
+    from nightjar_jax.config import ModelConfig as Cfg
+
+    wd = tmp_path / "wd"
+    eagle.cmd_train(argparse.Namespace(**dict(train_args, workdir=str(wd), final_only=False, steps=10,
+                                              init_from=str(tmp_path / "ctl" / "last_params.npz"))))
+    cfg = Cfg(**json.loads((wd / "draft_config.json").read_text()))
+    assert cfg.feature_layers == (1, 3)
+    # before training, the grown draft is the control: fuse = [0, 0, I]
+    start = eagle.init_params(cfg, 0, ctl["lm_head.weight"]) | ctl
+    start["fuse.weight"] = np.concatenate([np.zeros((width, 2 * width), np.float32), np.eye(width, dtype=np.float32)],
+                                          axis=1)  # (what train sets before it loads --init-from's weights)
+    r = rows[0]
+    h = jnp.asarray(fused[dd.row_key(r)][None].astype(np.float32))
+    table = eagle.dd.target_params()[1]["model.embed_tokens.weight"]
+    emb = table[jnp.asarray(r["tokens"])][None]
+    a = eagle.ttt_forward(cfg.replace(feature_layers=None), {k: jnp.asarray(v) for k, v in ctl.items()}, emb,
+                          h[..., -width:], 2)
+    b = eagle.ttt_forward(cfg, {k: jnp.asarray(v) for k, v in start.items()}, emb, h, 2)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+    trained = np.load(wd / "last_params.npz")["fuse.weight"]
+    assert np.abs(trained[:, : 2 * width]).max() > 1e-3  # it learned to read the earlier layers
+
+    out = tmp_path / "export"
+    eagle.cmd_export(argparse.Namespace(workdir=str(wd), out=str(out), params="last", dtype="float32"))
+    llm = LLM(TINY, draft_model=str(out), num_speculative_tokens=3, planner="static:3", max_num_seqs=2,
+              max_model_len=128, max_num_batched_tokens=128)
+    assert llm.engine.runner.feature_layers == (1, 3)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert [list(o.outputs[0].token_ids) for o in outs] == greedy
+    assert llm.engine.stats.num_drafted_tokens > 0
     assert llm.engine.num_free_pages == llm.engine.num_total_pages
