@@ -18,6 +18,10 @@ Vocabulary
   the greedy decode steps, which is what the engine measures.
 - loss per depth: cross-entropy against the target's distribution over the subset head's ids (computed from the
   stored features through the target's own head rows) plus a smooth-L1 regression of the output onto ``h[p]``.
+- fused features (EAGLE-3): with a features folder made by ``features --layers 3,15``, ``f`` where the target has
+  run is ``fuse([rms(r_3), rms(r_15), h])`` (the residual stream after those layers, RMS-normalised, and the final
+  state; :func:`fuse_features`, the engine's ``Llama._fuse``); ``fuse`` starts as ``[0, 0, I]``, so a fused draft
+  ``--init-from`` an unfused one starts as it. ``--final-only`` trains on the same folder without fusion (a control).
 - depth of the draft: ``--num-layers`` decoder layers after ``fc`` (default one, as EAGLE). ``--init-from`` a
   shallower run grows it: the loaded layers keep their weights and each new layer starts with zero output
   projections, so training starts from the shallower draft's exact predictions and adds capacity from there.
