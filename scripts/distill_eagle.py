@@ -423,6 +423,21 @@ def replay_accepted(preds: np.ndarray, tokens: np.ndarray, num_prompt: int, gamm
     return steps, accepted
 
 
+def load_reference(path: Path) -> dict[str, Any]:
+    """An ``eval_draft.py`` result whose ``sd_outputs`` (lossless speculative outputs: the target's greedy
+    responses) the offline replays score; a clear error when there is none."""
+    how = f"run `python scripts/eval_draft.py --out {path}` first (its sd_outputs are the target's greedy responses)"
+    if not path.is_file():
+        raise SystemExit(f"--reference {path}: no such file; {how}")
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SystemExit(f"--reference {path}: not JSON ({e}); {how}") from None
+    if not isinstance(result, dict) or not isinstance(result.get("sd_outputs"), dict) or not result["sd_outputs"]:
+        raise SystemExit(f"--reference {path}: no sd_outputs in it; {how}")
+    return result
+
+
 def cmd_simulate(args: argparse.Namespace) -> None:
     """Held-out acceptance, greedy, without the engine: the held-out prompts' target-greedy responses from an
     ``eval_draft.py`` result (lossless SD output = the target's greedy output), the target's features over them,
@@ -432,6 +447,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
 
     from nightjar_jax.config import ModelConfig
 
+    result = load_reference(Path(args.reference))  # (before the models load: a missing file fails at once)
     workdir = Path(args.workdir)
     cfg = ModelConfig(**json.loads((workdir / "draft_config.json").read_text()))
     z = np.load(workdir / f"{args.params}_params.npz")
@@ -439,7 +455,6 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     head_ids = np.load(workdir / "head_token_ids.npy")
     layers = cfg.feature_layers or ()
     tcfg, tparams = dd.target_params()
-    result = json.loads(Path(args.reference).read_text())
     tok = dd.target_tokenizer()
     prompts = {p["id"]: dd.chat_ids(tok, p["text"]) for p in dd.load_prompts("heldout")}
 
@@ -546,7 +561,7 @@ def main() -> None:
     s = sub.add_parser("simulate", help="offline held-out greedy acceptance (replayed decode steps)")
     s.add_argument("--workdir", required=True)
     s.add_argument("--params", choices=("best", "last"), default="best")
-    s.add_argument("--reference", default="results/eval_draft_v4.json",
+    s.add_argument("--reference", default="results/eval_draft.json",
                    help="an eval_draft.py result: its sd_outputs are the target's greedy responses")
     s.add_argument("--gamma", type=int, default=4)
     s.add_argument("--out", default="")

@@ -172,8 +172,8 @@ def cmd_fit(args: argparse.Namespace) -> None:
 def cmd_replay(args: argparse.Namespace) -> None:
     from nightjar_jax.spec.tree import tree_for
 
+    result = de.load_reference(Path(args.reference))  # (before the models load: a missing file fails at once)
     ranker = DraftRanker(Path(args.workdir), args.params, args.gamma)
-    result = json.loads(Path(args.reference).read_text())
     tok = dd.target_tokenizer()
     prompts = {p["id"]: dd.chat_ids(tok, p["text"]) for p in dd.load_prompts("heldout")}
     records = []

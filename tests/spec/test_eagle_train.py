@@ -256,3 +256,20 @@ def test_fused_features_train_export_serve(tiny, tmp_path) -> None:
     assert [list(o.outputs[0].token_ids) for o in outs] == greedy
     assert llm.engine.stats.num_drafted_tokens > 0
     assert llm.engine.num_free_pages == llm.engine.num_total_pages
+
+
+def test_offline_replays_say_what_reference_they_need(eagle, tmp_path) -> None:
+    """``simulate`` (and ``fit_spec_tree.py replay``) score an ``eval_draft.py`` result's outputs: a missing,
+    unreadable or output-less file is a clear error naming the command that makes one, before any model loads."""
+    cases = {"missing.json": None, "bad.json": "{not json", "empty.json": json.dumps({"sd_outputs": {}}),
+             "other.json": json.dumps({"mean_accepted_length": 1.7})}
+    for name, text in cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text, encoding="utf-8")
+        with pytest.raises(SystemExit, match=r"--reference .*run `python scripts/eval_draft.py --out "):
+            eagle.cmd_simulate(argparse.Namespace(workdir=str(tmp_path / "no_workdir"), params="last",
+                                                  reference=str(path), gamma=4, out=""))
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"sd_outputs": {"mt_bench/81": [1, 2]}}), encoding="utf-8")
+    assert eagle.load_reference(good)["sd_outputs"] == {"mt_bench/81": [1, 2]}
