@@ -569,15 +569,18 @@ def cmd_features(args: argparse.Namespace) -> None:
     out = Path(args.out)
     rows = load_rows(args.data)
     cfg, params = target_params()
-    layers = tuple(int(v) for v in args.layers.split(",")) if args.layers else ()
     try:
+        layers = tuple(int(v) for v in args.layers.split(",")) if args.layers else ()
+        if list(layers) != sorted(set(layers)):
+            raise ValueError("increasing layer counts, each once")
         causal_forward(cfg, params, jnp.zeros((1, 1), jnp.int32), hidden_layers=layers)
     except ValueError as e:
-        raise SystemExit(f"--layers {args.layers}: {e}") from None
+        raise SystemExit(f"--layers {args.layers}: {e} (e.g. 3,15: comma-separated, increasing)") from None
     spec = out / "layers.json"
-    if spec.exists() and tuple(json.loads(spec.read_text())) != layers:
-        raise SystemExit(f"--layers {args.layers or '(none)'}: {out} holds features of layers "
-                         f"{json.loads(spec.read_text())}; use another --out")
+    held = json.loads(spec.read_text()) if spec.exists() else [] if any(out.glob("part-*.npz")) else None
+    if held is not None and tuple(held) != layers:  # (parts without layers.json hold the final state alone)
+        raise SystemExit(f"--layers {args.layers or '(none)'}: {out} holds features of layers {held or '(none)'}; "
+                         "use another --out")
     out.mkdir(parents=True, exist_ok=True)
     spec.write_text(json.dumps(list(layers)) + "\n")
 

@@ -211,8 +211,14 @@ def test_fused_features_train_export_serve(tiny, tmp_path) -> None:
         assert not np.array_equal(f[:, :width], f[:, width : 2 * width])
     with pytest.raises(SystemExit, match=r"--layers 0,3: .*1\.\.4"):  # stories260K has 5 layers
         dd.cmd_features(argparse.Namespace(out=str(tmp_path / "bad"), layers="0,3", **feat_args))
+    for bad in ("3,1", "1,x", "2,2"):
+        with pytest.raises(SystemExit, match=f"--layers {bad}: .*comma-separated, increasing"):
+            dd.cmd_features(argparse.Namespace(out=str(tmp_path / "bad"), layers=bad, **feat_args))
     with pytest.raises(SystemExit, match="holds features of layers"):  # one folder, one set of layers
         dd.cmd_features(argparse.Namespace(out=str(tmp_path / "fused"), layers="2", **feat_args))
+    (tmp_path / "plain" / "layers.json").unlink()  # a folder made before --layers existed: the final state alone
+    with pytest.raises(SystemExit, match=r"holds features of layers \(none\)"):
+        dd.cmd_features(argparse.Namespace(out=str(tmp_path / "plain"), layers="1,3", **feat_args))
 
     train_args = dict(data=[str(data)], features=str(tmp_path / "fused"), workdir=str(tmp_path / "ctl"),
                       init_from="", num_layers=1, intermediate=64, head_vocab=128, freeze_head=True, depths=2,
