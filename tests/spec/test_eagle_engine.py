@@ -4,7 +4,8 @@ On the tiny stories260K model as target and a random one-layer feature draft: gr
 plain decoding, and every draft token the engine proposes equals the one the training forward of
 ``scripts/distill_eagle.py`` computes from the target's features at the same step (so the paged feature pool, the
 first step over the not-yet-run tokens and the fed-back features in later steps are wired as trained). With the
-draft packed as the shipped one is (bfloat16 panels), no compiled decode step runs an XLA dot.
+draft packed as the shipped one is (bfloat16 panels), no compiled decode step runs an XLA dot. The same holds for a
+draft with fused features (EAGLE-3: it also reads the target's residual stream after layers 1 and 3).
 """
 
 from __future__ import annotations
