@@ -145,6 +145,14 @@ class ModelConfig:
                    "a non-empty increasing tuple of layer counts >= 1 (the target's layers before its last)")
 
     @property
+    def feature_pool_width(self) -> int | None:
+        """A feature draft's per-token width in the engine's feature pool: the target's final state, and for a fused
+        draft its residual stream after each of ``feature_layers`` too. None for a model without ``feature_size``."""
+        if self.feature_size is None:
+            return None
+        return (len(self.feature_layers or ()) + 1) * self.feature_size
+
+    @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 

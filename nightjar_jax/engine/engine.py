@@ -265,9 +265,8 @@ class LLMEngine:
         per_token = self.target.config.kv_bytes_per_token(cache.kv_dtype(self.target.config.dtype))
         if self.draft is not None:
             per_token += self.draft.config.kv_bytes_per_token(cache.kv_dtype(self.draft.config.dtype))
-            if self.draft.config.feature_size is not None:  # the target's hidden state per token, for the draft
-                width = len(self.draft.config.feature_layers or ()) + 1  # (a fused draft: more of its layers)
-                per_token += width * self.target.config.hidden_size * dtype_bytes(self.target.config.dtype)
+            if self.draft.config.feature_size is not None:  # the target's hidden state(s) per token, for the draft
+                per_token += self.draft.config.feature_pool_width * dtype_bytes(self.target.config.dtype)
         return max(2, cache.kv_cache_bytes // (per_token * cache.page_size))
 
     def _make_planner(self):

@@ -494,8 +494,7 @@ class ModelRunner:
                                                            stacked=draft.stacked))
         if self.feature_draft:
             self.features = features if features is not None else commit_to_device(
-                jnp.zeros((self.num_pages, self.page_size,
-                           (len(self.feature_layers) + 1) * self.target.config.hidden_size),
+                jnp.zeros((self.num_pages, self.page_size, self.draft.config.feature_pool_width),
                           jnp.dtype(self.target.config.dtype)))
 
     # ---- elastic memory (nightjar_jax.memory decides; these make the moves) ----------------------------------------
@@ -612,7 +611,8 @@ class ModelRunner:
                 hidden, kv = t_hidden(state, tokens, kv, md)
                 return hidden, kv, feats
             hidden, kv = t_hidden(state, tokens, kv, md, **fused)
-            return hidden[..., -width:], kv, write_feature_pages(feats, hidden, md)
+            feats = write_feature_pages(feats, hidden, md)
+            return (hidden[..., -width:] if fused else hidden), kv, feats
 
         def forward_sample(leaves, kv, feats, tokens, block_tables, context_lens, query_lens, st, all_greedy,
                            num_logprobs=None, prompt_targets=None, num_prompt_logprobs=None):

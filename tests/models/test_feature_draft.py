@@ -81,6 +81,7 @@ def test_fused_features_config_param_map_and_errors() -> None:
     assert hf_param_map(fused)["fuse.weight"] == (("fuse", "kernel"), True)
     assert "fuse.weight" not in hf_param_map(DRAFT)
     assert fused.num_params() == DRAFT.num_params() + 3 * 16 * 16
+    assert (fused.feature_pool_width, DRAFT.feature_pool_width, TARGET.feature_pool_width) == (48, 16, None)
 
     target_cfg = TARGET.replace(num_layers=3)
     tg, ts = random_state(target_cfg)

@@ -250,6 +250,13 @@ def test_fused_features_train_export_serve(tiny, tmp_path) -> None:
     b = eagle.ttt_forward(cfg, {k: jnp.asarray(v) for k, v in start.items()}, emb, h, 2)
     for x, y in zip(a, b, strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+    # and train's own start is that: one step at learning rate 0 leaves every weight where train put it
+    eagle.cmd_train(argparse.Namespace(**dict(train_args, workdir=str(tmp_path / "wd0"), final_only=False, steps=1,
+                                              lr=0.0, init_from=str(tmp_path / "ctl" / "last_params.npz"))))
+    untrained = dict(np.load(tmp_path / "wd0" / "last_params.npz"))
+    assert untrained.keys() == start.keys()
+    for k, v in untrained.items():
+        np.testing.assert_array_equal(v, start[k], err_msg=k)
     trained = np.load(wd / "last_params.npz")["fuse.weight"]
     assert np.abs(trained[:, : 2 * width]).max() > 1e-3  # it learned to read the earlier layers
 
