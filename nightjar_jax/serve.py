@@ -47,6 +47,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="a jinja chat template, or a path to a file holding one (overrides the tokenizer's)",
     )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="answer tool_choice 'auto' (OpenAI's default when a request has tools): the model writes freely and "
+        "--tool-call-parser finds its calls; without it such requests get a 400, as in vLLM",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="the tool-call format the model writes, for --enable-auto-tool-choice (default: hermes, i.e. "
+        "<tool_call>{...}</tool_call> blocks, as Hermes, Qwen and SmolLM2 write them)",
+    )
     group.add_argument("--max-body-bytes", type=_bounded(int, "max-body-bytes", 1), default=1 << 20,
                        help="request body limit (default: 1 MiB)")
     group.add_argument(
@@ -73,6 +85,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(parser)
     add_server_args(parser)
     return parser
+
+
+def tool_call_parser(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """The parser for tool_choice "auto" (None: refused); a parser without --enable-auto-tool-choice is a usage
+    error rather than a flag that silently does nothing."""
+    if not args.enable_auto_tool_choice:
+        if args.tool_call_parser is not None:
+            parser.error("--tool-call-parser takes effect with --enable-auto-tool-choice: add it, or drop the parser")
+        return None
+    from nightjar_jax.server.tool_parsers import TOOL_CALL_PARSERS  # (the server package imports fastapi: not
+    # before a usage error or --help)
+
+    name = args.tool_call_parser or "hermes"
+    if name not in TOOL_CALL_PARSERS:
+        parser.error(f"--tool-call-parser must be one of: {', '.join(TOOL_CALL_PARSERS)}; got {name!r}")
+    return name
 
 
 def load_chat_template(spec: str) -> str:
@@ -157,7 +185,9 @@ class _Server:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    tool_parser = tool_call_parser(args, parser)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -176,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         served_model_name=args.served_model_name or engine.config.model,
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
+        tool_call_parser=tool_parser,
     )
     app = build_app(AsyncEngine(engine), settings)
     config = uvicorn.Config(

@@ -117,10 +117,13 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them, each
         rendered with the model's chat template (or ``chat_template``), then generated as :meth:`generate` does; one
-        output per conversation."""
+        output per conversation. ``tools`` (OpenAI function definitions) go to templates that render them (the
+        calls a model writes can be read with ``nightjar_jax.server.tool_parsers.parse``); an assistant turn may
+        carry ``tool_calls`` with ``content`` None."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: chat needs one to render the conversation")
@@ -130,10 +133,13 @@ class LLM:
             raise ValueError("chat needs at least one conversation of at least one message")
         for conversation in conversations:
             for m in conversation:
-                if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
-                    raise ValueError(f"each message must be a dict with a 'role' and a string 'content': got {m!r}")
+                if not isinstance(m, dict) or "role" not in m or not (
+                        isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls"))):
+                    raise ValueError(f"each message must be a dict with a 'role' and a string 'content' (or None "
+                                     f"beside 'tool_calls'): got {m!r}")
+        conversations = [[{**m, "content": m["content"] or ""} for m in c] for c in conversations]
         prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template) for c in conversations]
+                                                 chat_template=chat_template, tools=tools) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 

@@ -23,14 +23,47 @@ import tokenizers
 logger = logging.getLogger(__name__)
 
 # SmolLM2-Instruct's template (ChatML with its default system prompt), used when a tokenizer carries ChatML tokens
-# and SmolLM's special-token set but no template of its own (the GGUF tokenizer.json built from metadata).
+# and SmolLM's special-token set but no template of its own (the GGUF tokenizer.json built from metadata). With
+# ``tools`` (OpenAI function definitions) the system turn lists them and asks for calls in the form SmolLM2 was
+# tuned on, a JSON list between <tool_call> tags (what tool_choice "auto"'s hermes parser reads); an assistant turn's
+# ``tool_calls`` render in that form and tool results as a user turn in <tool_response> tags. Without tools (and
+# tool turns) it renders exactly as SmolLM2's own template.
+_SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+_SMOLLM2_TOOLS = (
+    "\n\nYou can call the functions defined here:\n<tools>' + (tools | map(attribute='function') | list | tojson) + "
+    "'</tools>\nTo call functions, reply with only a JSON list of the calls between tool_call tags, in this form:\n"
+    "<tool_call>[{\"name\": \"function_name\", \"arguments\": {\"argument\": \"value\"}}]</tool_call>\n"
+    "If no function fits the question, say so."
+)
+_SMOLLM2_TURN = (
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\n' }}{% if message['content'] %}{{ message['content'] + '\n' }}{% endif %}"
+    "{{ '<tool_call>[' }}{% for call in message['tool_calls'] %}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{{ '{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' + (fn['arguments'] if fn['arguments'] is string "
+    "else (fn['arguments'] or {}) | tojson) + '}' }}{% if not loop.last %}{{ ', ' }}{% endif %}{% endfor %}"
+    "{{ ']</tool_call><|im_end|>\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
+)
 SMOLLM2_CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' + (messages[0]['content'] if messages[0]['role'] == 'system' else "
+    f"'{_SMOLLM2_SYSTEM}') + '{_SMOLLM2_TOOLS}<|im_end|>\n' }}}}"
+    "{% for message in messages %}{% if not (loop.first and message['role'] == 'system') %}"
+    f"{_SMOLLM2_TURN}"
+    "{% endif %}{% endfor %}"
+    "{% else %}"
     "{% for message in messages %}"
     "{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    f"{{{{ '<|im_start|>system\n{_SMOLLM2_SYSTEM}<|im_end|>\n' }}}}"
     "{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    f"{_SMOLLM2_TURN}"
     "{% endfor %}"
+    "{% endif %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 CHATML_CHAT_TEMPLATE = (
@@ -212,6 +245,9 @@ class Tokenizer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
+        # transformers' tojson (jinja's own escapes <, >, & and ' for HTML, which a prompt must not see)
+        env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: \
+            json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
         vocab_inv = {v: k for k, v in self.get_vocab().items()} if self.backend is not None else None
 
         def token_str(i: int | None) -> str:

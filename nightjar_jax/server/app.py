@@ -38,6 +38,7 @@ from starlette.requests import ClientDisconnect
 
 from nightjar_jax.engine.outputs import RequestOutput
 from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, clip, short_repr
+from nightjar_jax.server import tool_parsers
 from nightjar_jax.server.async_engine import AsyncEngine, GroupStream
 from nightjar_jax.server.metrics import ServerMetrics
 from nightjar_jax.server.protocol import (
@@ -61,6 +62,7 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     disconnect_poll_seconds: float = 0.5  # how often a non-streaming request checks that its client is still there
+    tool_call_parser: str | None = None  # tool_choice "auto" reads calls with it (tool_parsers.py); None: a 400
 
 
 class _ClientGone(Exception):
@@ -433,7 +435,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         check_model(req.model)
         req.check()
         tok = need_tokenizer()
-        text = req.prompt if req.messages is None else render_chat(req.messages, req.add_generation_prompt)
+        text = req.prompt if req.messages is None else render_chat(req.messages, req.add_generation_prompt,
+                                                                   tools=req.tools or None)
         ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
@@ -538,11 +541,21 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                             "logprobs": None if lps is None else completion_logprobs(ids, lps, 0, token_text)[0]})
         return {**base, "choices": choices, "usage": usage(outs, req.n, generated=not req.prompt_only)}
 
-    def answer(call: tuple[str, list], text: str, finish: str | None) -> tuple[dict, str | None]:
-        """A tool-call answer's message fields and finish reason, from its constrained text: a named function's
-        arguments are the text (cut short when ``max_tokens`` cut it, as vLLM); ``required`` calls parse from the JSON
-        array, and a text cut before it closes comes back as content."""
+    def answer(call: tuple[str, list], text: str, finish: str | None, one_call: bool = False
+               ) -> tuple[dict, str | None]:
+        """A tool-call answer's message fields and finish reason, from its text: a named function's arguments are
+        the (constrained) text (cut short when ``max_tokens`` cut it, as vLLM); ``required`` calls parse from the
+        JSON array, and a text cut before it closes comes back as content; "auto" calls are what the tool-call
+        parser finds in the free text (the first only with ``one_call``, i.e. ``parallel_tool_calls`` false), the
+        rest of the text their content."""
         mode, tools = call
+        if mode == "auto":
+            content, found = tool_parsers.parse(text, settings.tool_call_parser)
+            found = found[:1] if one_call else found
+            if not found:
+                return {"content": content}, finish
+            return {"content": content if content.strip() else None,
+                    "tool_calls": tool_parsers.tool_calls_json(found)}, "tool_calls" if finish == "stop" else finish
         if mode == "named":
             calls = [(tools[0]["name"], text)]
         else:
@@ -562,6 +575,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         model = check_model(req.model)
         req.check_unsupported()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        req.allow_auto_tools(settings.tool_call_parser)
         params = make_params(req, check_max_tokens(req.requested_max_tokens(), param), param)
         call = req.tool_call()  # (validated by make_params: its constraint is the output's)
         prompt = render_chat(req.messages, req.add_generation_prompt, tools=req.tools or None)
@@ -572,18 +586,41 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         base = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model}
 
         num_top = req.num_logprobs()
+        one_call = req.parallel_tool_calls is False
         if req.stream:
             sent = [0] * size  # per choice: tokens whose log-probabilities went out
+            auto = call is not None and call[0] == "auto"
+            parsers = [tool_parsers.make_stream(settings.tool_call_parser) for _ in range(size)] if auto else []
+
+            def auto_delta(index, comp) -> tuple[dict, str | None]:
+                """tool_choice "auto": the content the parser is sure of, and each call once its block closed."""
+                parser = parsers[index]
+                before = len(parser.calls)
+                content, _ = parser.feed(comp.delta_text)
+                if comp.finished:
+                    content += parser.finish()[0]
+                limit = 1 if one_call else len(parser.calls)
+                calls = parser.calls[min(before, limit):limit]
+                delta: dict[str, Any] = {"content": content} if content else {}
+                if calls:
+                    delta["tool_calls"] = tool_parsers.tool_calls_json(calls, min(before, limit), streamed=True)
+                finish = comp.finish_reason
+                return delta, "tool_calls" if finish == "stop" and parser.calls else finish
 
             def chunk(index, out):
                 if out is None:
                     return dict(base)
                 comp = out.outputs[0]
-                if not comp.finished and (call is not None or not comp.delta_text):
+                if auto:
+                    delta, finish = auto_delta(index, comp)
+                    if not delta and not comp.finished:
+                        return None
+                elif not comp.finished and (call is not None or not comp.delta_text):
                     return None  # (its tokens' log-probabilities go with the next chunk that is sent)
-                delta = {"content": comp.delta_text} if comp.delta_text else {}
-                finish = comp.finish_reason
-                if call is not None:  # a tool call: sent whole when the arguments are complete
+                else:
+                    delta = {"content": comp.delta_text} if comp.delta_text else {}
+                    finish = comp.finish_reason
+                if call is not None and not auto:  # a tool call: sent whole when the arguments are complete
                     delta, finish = answer(call, comp.text, finish)
                     if "tool_calls" in delta:
                         delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
@@ -621,7 +658,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         for i, o in enumerate(outs):
             message, finish = {"content": o.outputs[0].text}, o.outputs[0].finish_reason
             if call is not None:
-                message, finish = answer(call, o.outputs[0].text, finish)
+                message, finish = answer(call, o.outputs[0].text, finish, one_call)
             choices.append({
                 "index": i,
                 "message": {"role": "assistant", **message},

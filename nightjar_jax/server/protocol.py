@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt
 
 from nightjar_jax.engine.sampling_params import MAX_LOGPROBS, SamplingParams, short_repr
 
@@ -268,13 +268,20 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    _tool_parser: str | None = PrivateAttr(default=None)  # the server's parser for tool_choice "auto", if any
+
+    def allow_auto_tools(self, parser: str | None) -> None:
+        """``tool_choice`` "auto" parses calls from free text with ``parser`` (the server's
+        ``--tool-call-parser``); None: "auto" is refused, as vLLM refuses it without ``--enable-auto-tool-choice``."""
+        self._tool_parser = parser
 
     def tool_call(self) -> tuple[str, list[dict[str, Any]]] | None:
         """How the answer calls tools: ``("named", [tool])`` (``tool_choice`` names a function: the output is its
         arguments), ``("required", tools)`` (a JSON array of ``{"name", "parameters"}``, at least one, at most one
-        with ``parallel_tool_calls`` false), or None (no
-        tools, or ``tool_choice`` "none"). ``tools`` with ``tool_choice`` "auto" (OpenAI's default when tools are
-        given) would need a parser of this model's own tool-call format, which this server lacks: a 400."""
+        with ``parallel_tool_calls`` false), ``("auto", tools)`` (``tool_choice`` "auto", OpenAI's default when tools
+        are given: the model writes what it likes, and the server's tool-call parser finds calls in it, see
+        ``tool_parsers.py``; a 400 when the server has no parser enabled), or None (no tools, or ``tool_choice``
+        "none")."""
         if not self.tools:
             if self.tool_choice not in (None, "none"):
                 raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
@@ -295,9 +302,13 @@ class ChatCompletionRequest(_SamplingFields):
         if choice == "required":
             return "required", tools
         if choice == "auto":
-            raise APIError(400, "'tool_choice' 'auto' (the default with 'tools') needs a parser of this model's "
-                                "tool-call format, which this server does not have: set 'required', name a function "
-                                "({'type': 'function', 'function': {'name': ...}}) or 'none'", param="tool_choice")
+            if self._tool_parser is None:
+                raise APIError(400, "'tool_choice' 'auto' (the default with 'tools') needs a parser of this model's "
+                                    "tool-call format, which this server was started without (serve "
+                                    "--enable-auto-tool-choice --tool-call-parser hermes): set 'required', name a "
+                                    "function ({'type': 'function', 'function': {'name': ...}}) or 'none'",
+                               param="tool_choice")
+            return "auto", tools
         fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
         name = fn.get("name") if isinstance(fn, dict) else None
         named = [t for t in tools if t["name"] == name]
@@ -314,10 +325,12 @@ class ChatCompletionRequest(_SamplingFields):
         call = self.tool_call()
         if call is None:
             return other
+        mode, tools = call
+        if mode == "auto":  # (free text: the model chooses, the parser reads; a format the request sets still holds)
+            return other
         if other is not None:
             raise APIError(400, "set one output constraint, not 2: a tool call (tool_choice) and "
                                 "response_format / structured_outputs / guided_*", param="tool_choice")
-        mode, tools = call
         if mode == "named":
             return {"json": tools[0]["parameters"]}
         calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]},
@@ -346,10 +359,14 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # (the ids the completion endpoints would see: they encode the same way)
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # (with messages: rendered as /v1/chat/completions renders them)
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+        if self.tools and self.messages is None:
+            raise APIError(400, "'tools' go with 'messages' (a chat template renders them), not with 'prompt'",
+                           param="tools")
 
 
 class DetokenizeRequest(_Strict):

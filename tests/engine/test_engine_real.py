@@ -157,6 +157,15 @@ def test_chat_renders_conversations_with_the_template(llm):
         llm.chat([{"role": "user"}], sp, chat_template=template)
     with pytest.raises(ValueError, match="at least one conversation"):
         llm.chat([], sp, chat_template=template)
+    # tools reach the template; an assistant turn with tool calls may have no content (OpenAI's form)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with_tools = "{% for t in tools %}tool {{ t['function']['name'] }}\n{% endfor %}" + template
+    called = [*chat, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]
+    (out,) = llm.chat(called, sp, chat_template=with_tools, tools=tools)
+    assert out.prompt == "tool get_weather\nuser: Tell me a story.\nassistant: \nassistant:"
+    with pytest.raises(ValueError, match="or None beside 'tool_calls'"):
+        llm.chat([{"role": "user", "content": None}], sp, chat_template=template)
     assert llm.engine.num_free_pages == llm.engine.num_total_pages
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from nightjar_jax.models.loader import ASSETS_DIR
-from nightjar_jax.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from nightjar_jax.models.tokenizer import SMOLLM2_CHAT_TEMPLATE, IncrementalDetokenizer, Tokenizer
 
 STORIES = ASSETS_DIR / "stories260K"
 SMOLLM_TOKENIZER = Path("/work/shared/models/smollm2-135m-instruct/tokenizer.json")  # tests only, when present
@@ -64,6 +64,68 @@ def test_smollm2_chat_template_and_round_trip(smollm):
     assert smollm.eos_token_ids == (2,) and not smollm.add_bos
     for text in TEXTS:
         assert smollm.decode(smollm.encode(text)) == text
+
+
+# SmolLM2's template as it was before tools: every conversation without tools renders exactly as it did.
+SMOLLM2_PLAIN = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CONVERSATIONS = [
+    MESSAGES,
+    [{"role": "system", "content": "Be brief."}, *MESSAGES],
+    [*MESSAGES, {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Italy?"}],
+]
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("gen", [True, False])
+def test_smollm2_template_without_tools_renders_as_before(stories, conversation, gen):
+    assert stories.apply_chat_template(conversation, gen, chat_template=SMOLLM2_CHAT_TEMPLATE) == \
+        stories.apply_chat_template(conversation, gen, chat_template=SMOLLM2_PLAIN)
+
+
+def test_smollm2_template_renders_tools_calls_and_results(stories):
+    """With tools: the system turn lists them (as JSON, not HTML-escaped) and asks for SmolLM2's call form; an
+    assistant turn's calls render in that form (arguments sent as a JSON string stay that string), a tool result
+    as a user turn in <tool_response> tags."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather <today> & more",
+                                               "parameters": {"type": "object", "properties": {"city": {}}}}}]
+    conversation = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Nice"}}}]},
+        {"role": "tool", "content": "18 C, sunny", "tool_call_id": "c1"},
+    ]
+    out = stories.apply_chat_template(conversation, chat_template=SMOLLM2_CHAT_TEMPLATE, tools=tools)
+    defs = json.dumps([tools[0]["function"]], ensure_ascii=False)
+    assert out == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face\n\n"
+        f"You can call the functions defined here:\n<tools>{defs}</tools>\n"
+        "To call functions, reply with only a JSON list of the calls between tool_call tags, in this form:\n"
+        '<tool_call>[{"name": "function_name", "arguments": {"argument": "value"}}]</tool_call>\n'
+        "If no function fits the question, say so.<|im_end|>\n"
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_weather", "arguments": {"city": "Nice"}}]</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n18 C, sunny\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n")
+    assert "Weather <today> & more" in out
+    # the calls as rendered are what the hermes parser reads back
+    from nightjar_jax.server.tool_parsers import parse
+
+    calls = parse(out.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0])[1]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                   ("get_weather", {"city": "Nice"})]
+    system = [{"role": "system", "content": "Be brief."}, conversation[0]]
+    out = stories.apply_chat_template(system, chat_template=SMOLLM2_CHAT_TEMPLATE, tools=tools)
+    assert out.startswith("<|im_start|>system\nBe brief.\n\nYou can call") and out.count("Be brief.") == 1
 
 
 @needs_smollm

@@ -134,3 +134,30 @@ def test_server_flags_out_of_range_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], None),
+    (["--enable-auto-tool-choice"], "hermes"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "hermes"),
+])
+def test_tool_call_parser_flags(argv, expected):
+    from nightjar_jax.serve import tool_call_parser
+
+    parser = build_parser()
+    assert tool_call_parser(parser.parse_args(argv), parser) == expected
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tool-call-parser", "hermes"], "--tool-call-parser takes effect with --enable-auto-tool-choice"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "mistral"],
+     "--tool-call-parser must be one of: hermes; got 'mistral'"),
+])
+def test_tool_call_parser_usage_errors(argv, message, capsys):
+    """A parser without the switch would silently do nothing, an unknown one would fail every request: both are
+    usage errors before the model loads."""
+    from nightjar_jax.serve import main as serve_main
+
+    with pytest.raises(SystemExit) as exc:
+        serve_main(["--model", "no-such-model", "--warmup", "none", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

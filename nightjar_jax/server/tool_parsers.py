@@ -1,0 +1,139 @@
+"""Tool calls in a model's free text, for ``tool_choice`` "auto" (vLLM's ``--enable-auto-tool-choice
+--tool-call-parser``).
+
+With "auto" nothing constrains the output: the model decides whether to call a tool, in the format its chat template
+taught it, and a parser finds the calls in what it wrote. One parser so far:
+
+- ``hermes``: calls between ``<tool_call>`` and ``</tool_call>`` tags (Hermes, Qwen 2/2.5/3, SmolLM2 and SmolLM3).
+  A block holds one call ``{"name": ..., "arguments": {...}}`` or a JSON list of them (SmolLM2's form; ``[]`` is
+  "no call"); ``"parameters"`` is read as ``"arguments"``, and arguments given as a JSON string are kept as that
+  string.
+
+Text outside the blocks is the answer's content. A block that is not such JSON (or is still open when the output
+ends, e.g. cut by ``max_tokens``) stays in the content as written, tags and all, so nothing the model wrote is lost.
+
+Streaming (:class:`ToolCallStream`) holds back only what could still be the start of a tag or is inside an open
+block, and sends each call whole once its block closes. Its content, joined, and its calls equal :func:`parse` of
+the whole text, whatever the pieces (it is how :func:`parse` works).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_CALL_PARSERS = ("hermes",)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's ``function.arguments``)
+
+
+def _calls_in(body: str) -> list[ToolCall] | None:
+    """The calls one block holds, or None when it is not a call (or a list of them)."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+            return None
+        arguments = item.get("arguments", item.get("parameters", {}))
+        if isinstance(arguments, str):
+            try:
+                if not isinstance(json.loads(arguments), dict):
+                    return None
+            except ValueError:
+                return None
+        elif isinstance(arguments, dict):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        else:
+            return None
+        calls.append(ToolCall(item["name"], arguments))
+    return calls
+
+
+@dataclass
+class ToolCallStream:
+    """Finds tool calls in text that arrives in pieces: :meth:`feed` each piece, then :meth:`finish`; each returns
+    the content that is now certain and the calls whose blocks closed."""
+
+    start: str = "<tool_call>"
+    end: str = "</tool_call>"
+    _held: str = ""  # outside a block: a tail that could begin the start tag
+    _body: str | None = None  # inside a block: its text so far
+    calls: list[ToolCall] = field(default_factory=list)  # every call so far
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        content, calls = [], []
+        text = self._held + text
+        self._held = ""
+        while text:
+            if self._body is None:
+                at = text.find(self.start)
+                if at < 0:
+                    keep = _prefix_tail(text, self.start)
+                    content.append(text[:len(text) - keep])
+                    self._held = text[len(text) - keep:]
+                    break
+                content.append(text[:at])
+                self._body, text = "", text[at + len(self.start):]
+            else:
+                body = self._body + text
+                at = body.find(self.end)
+                if at < 0:
+                    self._body = body
+                    break
+                found = _calls_in(body[:at])
+                if found is None:
+                    content.append(self.start + body[:at] + self.end)
+                else:
+                    calls += found
+                self._body, text = None, body[at + len(self.end):]
+        self.calls += calls
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The end of the output: held text and an unclosed block become content."""
+        rest = self._held if self._body is None else self.start + self._body
+        self._held, self._body = "", None
+        return rest, []
+
+
+def _prefix_tail(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def parse(text: str, parser: str = "hermes") -> tuple[str, list[ToolCall]]:
+    """The content and tool calls in a whole output."""
+    stream = make_stream(parser)
+    content, calls = stream.feed(text)
+    rest, _ = stream.finish()
+    return content + rest, calls
+
+
+def make_stream(parser: str) -> ToolCallStream:
+    if parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"unknown tool-call parser {parser!r}: choose one of {', '.join(TOOL_CALL_PARSERS)}")
+    return ToolCallStream()
+
+
+def tool_calls_json(calls: list[ToolCall], first_index: int = 0, streamed: bool = False) -> list[dict[str, Any]]:
+    """OpenAI's ``tool_calls`` entries (with ``index`` when ``streamed``, counting from ``first_index``)."""
+    import uuid
+
+    out = []
+    for k, call in enumerate(calls):
+        entry = {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}}
+        out.append({"index": first_index + k, **entry} if streamed else entry)
+    return out

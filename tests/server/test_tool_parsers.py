@@ -1,0 +1,119 @@
+"""The tool-call parser for tool_choice "auto" (no engine): what it finds in whole outputs, and that streaming it in
+any pieces gives the same content and calls."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from nightjar_jax.server import tool_parsers
+from nightjar_jax.server.protocol import APIError, ChatCompletionRequest
+from nightjar_jax.server.tool_parsers import ToolCall, parse
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+CASES = [
+    # (output, content, calls)
+    ("Hello there.", "Hello there.", []),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>', "",
+     [ToolCall("get_weather", '{"city": "Paris"}')]),
+    # SmolLM2's form: a list in one block, "parameters" for "arguments", text around it
+    ('Sure. <tool_call>[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "arguments": {}}]</tool_call> Done.',
+     "Sure.  Done.", [ToolCall("a", '{"x": 1}'), ToolCall("b", "{}")]),
+    # two blocks; arguments given as a JSON string stay that string; non-ASCII kept as written
+    ('<tool_call>{"name": "a", "arguments": "{\\"q\\": 1}"}</tool_call>\n<tool_call>{"name": "b", "arguments": '
+     '{"city": "Zürich"}}</tool_call>', "\n", [ToolCall("a", '{"q": 1}'), ToolCall("b", '{"city": "Zürich"}')]),
+    # "[]": no call; the block is gone
+    ("<tool_call>[]</tool_call>No tool fits.", "No tool fits.", []),
+    # not a call: kept as written, tags and all
+    ("<tool_call>oops</tool_call>", "<tool_call>oops</tool_call>", []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "a", "arguments": [1]}</tool_call>', '<tool_call>{"name": "a", "arguments": [1]}</tool_call>',
+     []),
+    ('<tool_call>{"name": "a", "arguments": "not json"}</tool_call>',
+     '<tool_call>{"name": "a", "arguments": "not json"}</tool_call>', []),
+    # cut before the block closed (max_tokens): content, not lost
+    ('Let me look. <tool_call>{"name": "get_weather", "argu', 'Let me look. <tool_call>{"name": "get_weather", "argu',
+     []),
+    # a tag's start at the very end, and text that only looks like one
+    ("a <tool_ca", "a <tool_ca", []),
+    ("x < y <tool> <tool_cal z", "x < y <tool> <tool_cal z", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", CASES)
+def test_parse(text, content, calls):
+    assert parse(text) == (content, calls)
+
+
+@pytest.mark.parametrize("text,content,calls", CASES)
+def test_streamed_in_any_pieces_equals_parse(text, content, calls):
+    """Every split into 1-4 character pieces, and random splits: the same content (joined) and calls; content that
+    could still begin a tag is held back, and nothing of a block goes out as content before it closes."""
+    rng = random.Random(0)
+    splits = [[1] * len(text), [2] * len(text), [4] * len(text)] + [
+        [rng.randint(1, 12) for _ in text] for _ in range(20)]
+    for sizes in splits:
+        stream = tool_parsers.make_stream("hermes")
+        pieces, at = [], 0
+        for size in sizes:
+            if at >= len(text):
+                break
+            pieces.append(text[at:at + size])
+            at += size
+        out, found = [], []
+        for piece in pieces:
+            c, f = stream.feed(piece)
+            out.append(c)
+            found += f
+            assert "<tool_call>" not in c or not calls, "a real call's block went out as content"
+        rest, more = stream.finish()
+        assert ("".join(out) + rest, found + more) == (content, calls)
+        assert stream.calls == calls
+
+
+def test_held_back_only_a_possible_tag():
+    stream = tool_parsers.make_stream("hermes")
+    assert stream.feed("Hi <tool") == ("Hi ", [])
+    assert stream.feed("box") == ("<toolbox", [])
+    assert stream.feed(' <tool_call>{"name": "a"}') == (" ", [])
+    assert stream.feed("</tool_call>!") == ("!", [ToolCall("a", "{}")])
+
+
+def test_unknown_parser_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral': choose one of hermes"):
+        tool_parsers.make_stream("mistral")
+
+
+def test_tool_calls_json_shapes():
+    calls = [ToolCall("a", "{}"), ToolCall("b", '{"x": 1}')]
+    plain = tool_parsers.tool_calls_json(calls)
+    assert [c["function"] for c in plain] == [{"name": "a", "arguments": "{}"}, {"name": "b", "arguments": '{"x": 1}'}]
+    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") and "index" not in c for c in plain)
+    assert len({c["id"] for c in plain}) == 2
+    streamed = tool_parsers.tool_calls_json(calls, first_index=3, streamed=True)
+    assert [c["index"] for c in streamed] == [3, 4]
+
+
+def test_auto_needs_a_parser_and_sets_no_constraint():
+    """Without the server's parser, "auto" (also the default with tools) is a 400 that names the flags; with one it
+    constrains nothing, and a format the request sets still applies (other tool choices refuse a second one)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+    for choice in (None, "auto"):
+        req = ChatCompletionRequest(**body, **({} if choice is None else {"tool_choice": choice}))
+        with pytest.raises(APIError, match="--enable-auto-tool-choice --tool-call-parser hermes") as err:
+            req.tool_call()
+        assert err.value.param == "tool_choice"
+        req.allow_auto_tools("hermes")
+        assert req.tool_call() == ("auto", [{"name": "get_weather", "parameters": {"type": "object"}}])
+        assert req.structured() is None
+    regex = {"regex": "<tool_call>.*</tool_call>"}
+    req = ChatCompletionRequest(**body, structured_outputs=regex)
+    req.allow_auto_tools("hermes")
+    assert req.structured() == regex
+    req = ChatCompletionRequest(**body, structured_outputs=regex, tool_choice="required")
+    with pytest.raises(APIError, match="one output constraint"):
+        req.structured()
+    assert json.loads(json.dumps(req.tool_call()[1])) == [{"name": "get_weather", "parameters": {"type": "object"}}]
