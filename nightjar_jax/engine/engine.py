@@ -299,7 +299,7 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise InvalidRequestError("LLMEngine.add_request takes n=1; LLM.generate and the server fan n out", "n")
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids = self.truncate_prompt(*self.tokenize_prompt(prompt), params)
         vocab = self.target.config.vocab_size
         if not ids:
             raise _prompt_error("the prompt is empty: at least one token is required")
@@ -319,6 +319,10 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequestError(
                 f"logit_bias token ids must be in [0, {vocab}): got {max(params.logit_bias)}", "logit_bias"
+            )
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
+            raise InvalidRequestError(
+                f"allowed_token_ids must be in [0, {vocab}): got {max(params.allowed_token_ids)}", "allowed_token_ids"
             )
         if request_id is None:
             request_id = str(next(self._ids))
@@ -342,6 +346,18 @@ class LLMEngine:
         self.scheduler.add(req)
         self.stats.num_prompt_tokens += len(ids)
         return request_id
+
+    def truncate_prompt(self, text: str | None, ids: list[int], params: SamplingParams
+                        ) -> tuple[str | None, list[int]]:
+        """``(text, ids)`` after ``params.truncate_prompt_tokens``: the last k ids (-1: as many as this engine
+        takes, its context limit less one generated token); the text is None once ids were cut (echo and outputs
+        then read the ids)."""
+        k = params.truncate_prompt_tokens
+        if k == -1:
+            k = min(self.context_limit, self.max_model_len) - 1
+        if k is None or len(ids) <= k:
+            return text, ids
+        return None, ids[-k:]
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """A prompt (text, token ids, or ``{"prompt": ..., "prompt_token_ids": ...}``) as ``(text, ids)``: the ids

@@ -118,12 +118,15 @@ class LLM:
         add_generation_prompt: bool = True,
         use_tqdm: bool | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them, each
         rendered with the model's chat template (or ``chat_template``), then generated as :meth:`generate` does; one
         output per conversation. ``tools`` (OpenAI function definitions) go to templates that render them (the
         calls a model writes can be read with ``nightjar_jax.server.tool_parsers.parse``); an assistant turn may
-        carry ``tool_calls`` with ``content`` None."""
+        carry ``tool_calls`` with ``content`` None. ``continue_final_message`` (with ``add_generation_prompt``
+        False) continues each conversation's last message; ``chat_template_kwargs`` are more template variables."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: chat needs one to render the conversation")
@@ -139,7 +142,9 @@ class LLM:
                                      f"beside 'tool_calls'): got {m!r}")
         conversations = [[{**m, "content": m["content"] or ""} for m in c] for c in conversations]
         prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template, tools=tools) for c in conversations]
+                                                 chat_template=chat_template, tools=tools,
+                                                 continue_final_message=continue_final_message,
+                                                 template_kwargs=chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 

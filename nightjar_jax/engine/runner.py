@@ -917,14 +917,19 @@ class ModelRunner:
                         penalties.counts[i, list(r.output_counts)] = list(r.output_counts.values())
                     if sp.repetition_penalty != 1:
                         penalties.prompt[i, r.prompt_token_ids] = True
-        # structured outputs' constraints: one dense [S, V] bias (a shape that never grows), the logit biases in it
-        if any(r.grammar is not None for r in requests):
+        # structured outputs' constraints and allowed_token_ids: one dense [S, V] bias (a shape that never grows),
+        # the logit biases in it
+        if any(r.grammar is not None or r.sampling.allowed_token_ids for r in requests):
             dense = np.zeros((num_rows, vocab), np.float32)
             for i, r in enumerate(requests):
                 for token, value in biases[i].items():
                     dense[i, token] += value
                 if r.grammar is not None and grammar_masks:  # only the tokens its constraint allows next
                     dense[i, ~r.grammar.allowed()] = BANNED
+                if r.sampling.allowed_token_ids:  # at every position: the draft's and the verify's alike
+                    banned = np.ones(vocab, bool)
+                    banned[r.sampling.allowed_token_ids] = False
+                    dense[i, banned] = BANNED
             return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, None, dense, max_accept, penalties)
         if widest:  # a static width per batch: powers of two from 8 (a few variants, compiled on first use)
             width = max(8, next_power_of_two(widest))

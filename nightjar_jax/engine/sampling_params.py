@@ -134,6 +134,12 @@ class SamplingParams:
     # a constraint on the output (JSON schema, JSON object, regex, choice, grammar; nightjar_jax/engine/structured.py;
     # a dict is read as vLLM's structured_outputs object); chain steps verify its drafts under its mask
     structured_outputs: StructuredOutputs | dict | None = None
+    # vLLM's: the only tokens the request may generate (their logits kept, every other one banned, in the draft's
+    # steps too, so speculation stays lossless); None: all
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: keep only the prompt's last k tokens (left truncation); -1: as many as the engine takes (its context
+    # limit less the one token it must generate); None: the whole prompt (too long a prompt is an error)
+    truncate_prompt_tokens: int | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +149,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.allowed_token_ids, (tuple, set, frozenset)):
+            self.allowed_token_ids = sorted(self.allowed_token_ids)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputs.from_dict(self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
@@ -181,6 +189,13 @@ class SamplingParams:
                                                  and _is_number(v) and -100 <= v <= 100
                                                  for t, v in self.logit_bias.items())), "logit_bias",
              f"None or a dict of at most {MAX_LOGIT_BIAS} token ids (integers >= 0) to numbers in [-100, 100]"),
+            (self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+                                                and all(_is_id(t) for t in self.allowed_token_ids)),
+             "allowed_token_ids", "None or a non-empty list of token ids (integers >= 0)"),
+            (self.truncate_prompt_tokens is None or (_is_id(self.truncate_prompt_tokens) and
+                                                     self.truncate_prompt_tokens >= 1) or
+             self.truncate_prompt_tokens == -1, "truncate_prompt_tokens",
+             "None, an integer >= 1 (keep the prompt's last k tokens) or -1 (as many as the engine takes)"),
         ]
         for ok, name, allowed in checks:
             if not ok:
@@ -200,6 +215,11 @@ class SamplingParams:
 def _is_count(x: object) -> bool:
     """None or an integer in [0, MAX_LOGPROBS] (not a bool)."""
     return x is None or (isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_LOGPROBS)
+
+
+def _is_id(x: object) -> bool:
+    """An integer >= 0 (not a bool): a token id or a count."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _is_number(x: object) -> bool:

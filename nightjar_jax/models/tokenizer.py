@@ -230,9 +230,24 @@ class Tokenizer:
     # ---- chat ---------------------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, tools: list[dict] | None = None) -> str:
+                            chat_template: str | None = None, tools: list[dict] | None = None,
+                            continue_final_message: bool = False,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
         """Render ``messages`` with the model's chat template, or ``chat_template`` when given (jinja2, sandboxed like
-        transformers); ``tools`` (OpenAI's function definitions) for templates that render them."""
+        transformers); ``tools`` (OpenAI's function definitions) for templates that render them.
+
+        ``continue_final_message`` (transformers' and vLLM's): the text ends right after the last message's content,
+        without its end-of-turn, so the model continues that message (a reply's start "prefilled"); not with
+        ``add_generation_prompt``. ``template_kwargs``: more variables for the template (e.g. ``enable_thinking``);
+        they may not replace the ones set here."""
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateArgumentError("continue_final_message continues the last message, add_generation_prompt "
+                                            "starts a new one: set at most one of them", "continue_final_message")
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "raise_exception"}
+        clash = sorted(reserved & set(template_kwargs or {}))
+        if clash:
+            raise ChatTemplateArgumentError(f"template kwargs may not set {', '.join(clash)}: the chat request's own "
+                                            f"fields do", "chat_template_kwargs")
         template = chat_template if chat_template is not None else self.chat_template
         if not template:
             raise ValueError(f"{self.source}: this tokenizer has no chat template; use a plain-text prompt instead "
@@ -258,17 +273,49 @@ class Tokenizer:
             return self.hf_tokenizer.convert_ids_to_tokens(i)
 
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        return env.from_string(template).render(
+        text = env.from_string(template).render(
+            **(template_kwargs or {}),
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=token_str(self.bos_token_id),
             eos_token=token_str(eos),
             tools=tools,
         )
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages)
+        return text
 
     def __repr__(self) -> str:
         return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, bos={self.bos_token_id}, " \
                f"eos={self.eos_token_ids}, add_bos={self.add_bos})"
+
+
+class ChatTemplateArgumentError(ValueError):
+    """A chat-template argument that cannot work; ``field`` names it (the server's 400 names it as its ``param``)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _cut_after_final_message(text: str, messages: Sequence[dict[str, Any]]) -> str:
+    """``text`` (a rendered conversation) cut right after its last message's content: the last place it occurs (as
+    written, else without the whitespace around it, which templates often trim)."""
+    if not messages:
+        raise ChatTemplateArgumentError("continue_final_message needs a message to continue", "continue_final_message")
+    content = messages[-1].get("content")
+    if isinstance(content, list):  # (OpenAI's content parts)
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateArgumentError("continue_final_message needs a last message with text to continue",
+                                        "continue_final_message")
+    for piece in (content, content.strip()):
+        at = text.rfind(piece)
+        if at >= 0:
+            return text[:at + len(piece)]
+    raise ChatTemplateArgumentError("continue_final_message: the chat template does not render the last message's "
+                                    "content as written, so there is no place to continue it from",
+                                    "continue_final_message")
 
 
 def _special_defaults(backend: tokenizers.Tokenizer, *, has_post_processor: bool) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from starlette.requests import ClientDisconnect
 
 from nightjar_jax.engine.outputs import RequestOutput
 from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, clip, short_repr
+from nightjar_jax.models.tokenizer import ChatTemplateArgumentError
 from nightjar_jax.server import tool_parsers
 from nightjar_jax.server.async_engine import AsyncEngine, GroupStream
 from nightjar_jax.server.metrics import ServerMetrics
@@ -273,14 +274,16 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
-    def tokenized(prompts: list[Any], max_tokens: int | None, max_tokens_param: str | None) -> list[Any]:
-        """Each prompt as ``{"prompt", "prompt_token_ids"}`` (tokenized here, once); with an explicit ``max_tokens``
-        (``max_tokens_param`` names it), a prompt whose length plus it passes the context length is a 400 (vLLM's
-        rule) instead of a completion cut short. (A prompt alone too long is the engine's 400.)"""
+    def tokenized(prompts: list[Any], params: SamplingParams, max_tokens_param: str | None) -> list[Any]:
+        """Each prompt as ``{"prompt", "prompt_token_ids"}`` (tokenized here, once, and cut to
+        ``truncate_prompt_tokens``); with an explicit ``max_tokens`` (``max_tokens_param`` names it), a prompt whose
+        length plus it passes the context length is a 400 (vLLM's rule) instead of a completion cut short. (A prompt
+        alone too long is the engine's 400.)"""
         out = []
+        max_tokens = params.max_tokens
         for prompt in prompts:
             try:
-                text, ids = engine.tokenize_prompt(prompt)
+                text, ids = engine.truncate_prompt(*engine.tokenize_prompt(prompt), params)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="prompt") from None
             limit = engine.max_model_len
@@ -292,14 +295,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     f"{limit - len(ids)}, or leave '{max_tokens_param}' out to generate up to the context length",
                     param=max_tokens_param,
                 )
-            out.append({"prompt": text, "prompt_token_ids": ids} if text is not None else ids)
+            out.append({"prompt": text, "prompt_token_ids": ids})
         return out
 
     async def add_group(prompts: list[Any], params: SamplingParams, n: int, request_id: str,
                         max_tokens_param: str | None = None) -> GroupStream:
         """Queue ``prompts`` x ``n`` members; ``max_tokens_param``: the field that set ``params.max_tokens``
         explicitly (None: a default), checked against each prompt's length."""
-        prompts = await asyncio.to_thread(tokenized, prompts, params.max_tokens, max_tokens_param)
+        prompts = await asyncio.to_thread(tokenized, prompts, params, max_tokens_param)
         if params.structured_outputs is not None:  # (its first call takes seconds: not on the engine's thread)
             try:
                 await asyncio.to_thread(engine.grammar_backend)
@@ -412,20 +415,29 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             raise APIError(400, "this model has no tokenizer")
         return engine.tokenizer
 
-    def render_chat(messages: list, add_generation_prompt: bool, tools: list | None = None) -> str:
-        """Chat messages through the model's template (what /v1/chat/completions and /tokenize both encode); a
-        template that renders tools (``tools``) or a conversation's tool calls and results gets them."""
+    def render_chat(req: ChatCompletionRequest | TokenizeRequest) -> str:
+        """A request's chat messages through the model's template (what /v1/chat/completions and /tokenize both
+        encode): a template that renders tools (``tools``) or a conversation's tool calls and results gets them;
+        ``continue_final_message`` ends the text inside the last message; ``chat_template_kwargs`` are the template's
+        own variables."""
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(400, "'continue_final_message' continues the last message and 'add_generation_prompt' "
+                                "(true by default) starts a new one: set 'add_generation_prompt': false with it",
+                           param="continue_final_message")
         extra = ("name", "tool_calls", "tool_call_id")
         rendered = [{"role": m.role, "content": m.text(),
                      **{k: v for k in extra if (v := getattr(m, k, None) or (m.model_extra or {}).get(k))}}
-                    for m in messages]
+                    for m in req.messages]
+        tok = need_tokenizer()
         try:
-            return need_tokenizer().apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
-                                                        tools=tools)
+            return tok.apply_chat_template(rendered, add_generation_prompt=req.add_generation_prompt,
+                                           tools=req.tools or None, continue_final_message=req.continue_final_message,
+                                           template_kwargs=req.chat_template_kwargs)
         except APIError:
             raise
         except Exception as exc:  # no template, or the template rejected the messages
-            raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from None
+            param = exc.field if isinstance(exc, ChatTemplateArgumentError) else "messages"
+            raise APIError(400, f"could not apply the chat template: {exc}", param=param) from None
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -435,8 +447,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         check_model(req.model)
         req.check()
         tok = need_tokenizer()
-        text = req.prompt if req.messages is None else render_chat(req.messages, req.add_generation_prompt,
-                                                                   tools=req.tools or None)
+        text = req.prompt if req.messages is None else render_chat(req)
         ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
@@ -578,7 +589,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         req.allow_auto_tools(settings.tool_call_parser)
         params = make_params(req, check_max_tokens(req.requested_max_tokens(), param), param)
         call = req.tool_call()  # (validated by make_params: its constraint is the output's)
-        prompt = render_chat(req.messages, req.add_generation_prompt, tools=req.tools or None)
+        prompt = render_chat(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         explicit = req.requested_max_tokens() is not None
         stream = await add_group([prompt], params, req.n, rid, max_tokens_param=param if explicit else None)

@@ -69,6 +69,8 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = None  # vLLM's: (0, 100], 1 (or none) = off; over prompt and output tokens
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
+    allowed_token_ids: list[TokenId] | None = None  # vLLM's: the only tokens the output may hold
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: as many as fit)
     # Structured outputs (nightjar_jax/engine/structured.py): OpenAI's response_format, vLLM's structured_outputs
     # object, or vLLM's older guided_* fields; at most one of them per request.
     response_format: dict[str, Any] | None = None
@@ -121,6 +123,8 @@ class _SamplingFields(_Strict):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             structured_outputs=self.structured(),
+            allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
         for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(self, name)
@@ -268,6 +272,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: continue the last (assistant) message instead of a new one
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking...)
     _tool_parser: str | None = PrivateAttr(default=None)  # the server's parser for tool_choice "auto", if any
 
     def allow_auto_tools(self, parser: str | None) -> None:
@@ -359,6 +365,8 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # (the ids the completion endpoints would see: they encode the same way)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # (with messages: rendered as /v1/chat/completions renders them)
 
     def check(self) -> None:

@@ -164,6 +164,12 @@ def test_chat_renders_conversations_with_the_template(llm):
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]
     (out,) = llm.chat(called, sp, chat_template=with_tools, tools=tools)
     assert out.prompt == "tool get_weather\nuser: Tell me a story.\nassistant: \nassistant:"
+    (cont,) = llm.chat([*chat, {"role": "assistant", "content": "Once"}], sp, chat_template=template,
+                       add_generation_prompt=False, continue_final_message=True)
+    assert cont.prompt == "user: Tell me a story.\nassistant: Once"
+    kwargs_template = "{{ style }} " + template
+    (styled,) = llm.chat(chat, sp, chat_template=kwargs_template, chat_template_kwargs={"style": "Sad."})
+    assert styled.prompt == "Sad. user: Tell me a story.\nassistant:"
     with pytest.raises(ValueError, match="or None beside 'tool_calls'"):
         llm.chat([{"role": "user", "content": None}], sp, chat_template=template)
     assert llm.engine.num_free_pages == llm.engine.num_total_pages

@@ -72,6 +72,71 @@ def test_logit_bias_ids_past_the_vocabulary_are_rejected_alone():
     assert not eng.has_unfinished_requests()
 
 
+ALLOWED = [[42], [3, 9, 42, 60], list(range(1, VOCAB, 2))]
+
+
+@pytest.mark.parametrize("kind", ["ar", "chain", "tree"])
+def test_allowed_token_ids_in_every_step_kind(kind):
+    """vLLM's ``allowed_token_ids``: only those tokens, the model's own where it is allowed, else the best allowed
+    one (the fake model's: the lowest id), in plain, chain and tree steps alike (greedy SD equal to AR), beside
+    requests without it and with a logit bias on top."""
+    kwargs = {"ar": {}, "chain": dict(draft=True, num_speculative_tokens=3),
+              "tree": dict(draft=True, runner_up=True, num_speculative_tokens=3, spec_tree_nodes=8)}[kind]
+    eng = fake_engine(**kwargs)
+    outs = generate_outputs(eng, PROMPTS, [greedy(8, allowed_token_ids=a) for a in ALLOWED])
+    for out, prompt, allowed in zip(outs, PROMPTS, ALLOWED, strict=True):
+        banned = {t: -1000.0 for t in range(VOCAB) if t not in allowed}
+        assert out.token_ids == _biased_greedy(prompt, 8, banned)
+        assert set(out.token_ids) <= set(allowed)
+    assert outs[0].token_ids == [42] * 8
+    assert outs[2].token_ids != fake_greedy_continuation(PROMPTS[2], 8, VOCAB)  # (the mask changed something)
+    bias = {9: 50.0}
+    mixed = generate_outputs(eng, PROMPTS, [greedy(8), greedy(8, allowed_token_ids=ALLOWED[1], logit_bias=bias),
+                                            greedy(8, logit_bias={42: 20.0})])
+    assert mixed[0].token_ids == fake_greedy_continuation(PROMPTS[0], 8, VOCAB)
+    assert mixed[1].token_ids == [9] * 8
+    assert mixed[2].token_ids == [42] * 8
+
+
+def test_allowed_token_ids_in_sampled_rows_and_errors():
+    eng = fake_engine(draft=True, num_speculative_tokens=2)
+    allowed = [4, 8, 15, 16, 23, 42]
+    outs = generate_outputs(eng, PROMPTS, [SamplingParams(temperature=1.5, seed=s, max_tokens=24,
+                                                          allowed_token_ids=allowed) for s in range(3)])
+    assert all(set(o.token_ids) <= set(allowed) for o in outs)
+    assert len({t for o in outs for t in o.token_ids}) > 1  # (sampled: not one token)
+    with pytest.raises(ValueError, match=r"allowed_token_ids must be in \[0, 97\)"):
+        eng.add_request([5, 6], greedy(4, allowed_token_ids=[3, VOCAB]))
+    for bad in ([], [-1], ["3"]):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+    assert not eng.has_unfinished_requests() and eng.num_free_pages == eng.num_total_pages
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens():
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens, generated from as if they were the prompt; -1
+    takes as many as the engine can (a prompt past the context then runs instead of being refused); a k that still
+    leaves the prompt too long is the same clear error as without it."""
+    eng = fake_engine(draft=True, num_speculative_tokens=2, max_model_len=32)
+    prompt = list(range(10, 50))  # 40 tokens: past the 32-token context
+    for k in (None, 40):
+        with pytest.raises(ValueError, match="the prompt has 40 tokens"):
+            eng.add_request(prompt, greedy(4, truncate_prompt_tokens=k))
+    cases = [(prompt, 5, prompt[-5:]), (prompt, -1, prompt[-(eng.context_limit - 1):]), (prompt[:3], 5, prompt[:3])]
+    ids = [eng.add_request(p, greedy(4, truncate_prompt_tokens=k)) for p, k, _ in cases]
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert eng.num_free_pages == eng.num_total_pages
+    for rid, (_, _, kept) in zip(ids, cases, strict=True):
+        n = min(4, eng.context_limit - len(kept))  # (-1: one token fits after its 31)
+        assert done[rid].prompt_token_ids == kept
+        assert done[rid].outputs[0].token_ids == fake_greedy_continuation(kept, n, VOCAB)
+    assert len(cases[1][2]) == 31
+
+
 def _penalized_greedy(prompt: list[int], n: int, bias: dict[int, float], presence: float, frequency: float):
     from nightjar_jax.testing import fake_next_token
 

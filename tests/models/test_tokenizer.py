@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from nightjar_jax.models.loader import ASSETS_DIR
-from nightjar_jax.models.tokenizer import SMOLLM2_CHAT_TEMPLATE, IncrementalDetokenizer, Tokenizer
+from nightjar_jax.models.tokenizer import (
+    SMOLLM2_CHAT_TEMPLATE,
+    ChatTemplateArgumentError,
+    IncrementalDetokenizer,
+    Tokenizer,
+)
 
 STORIES = ASSETS_DIR / "stories260K"
 SMOLLM_TOKENIZER = Path("/work/shared/models/smollm2-135m-instruct/tokenizer.json")  # tests only, when present
@@ -216,3 +221,32 @@ def test_transformers_tokenizer_adds_bos_once_to_text_that_starts_with_it(tmp_pa
     assert tok.hf_tokenizer is not None and tok.hf_tokenizer.encode("<s>Once") == [1, 1, 403]
     assert tok.encode("<s>Once") == tok.encode("Once") == [1, 403]
     assert tok.encode("<s>Once", add_special_tokens=False) == [1, 403]
+
+
+def test_continue_final_message_and_template_kwargs(stories):
+    """transformers' / vLLM's continue_final_message: the text stops right after the last message's content (as
+    written, else stripped where a template trims it); template kwargs are the template's variables and may not
+    replace the request's own."""
+    conversation = [*MESSAGES, {"role": "assistant", "content": "The capital "}]
+    out = stories.apply_chat_template(conversation, False, chat_template=SMOLLM2_CHAT_TEMPLATE,
+                                      continue_final_message=True)
+    full = stories.apply_chat_template(conversation, False, chat_template=SMOLLM2_CHAT_TEMPLATE)
+    assert out == full[:full.rindex("<|im_end|>")] and out.endswith("<|im_start|>assistant\nThe capital ")
+    trimming = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | trim }}\n{% endfor %}"
+    assert stories.apply_chat_template(conversation, False, chat_template=trimming,
+                                       continue_final_message=True).endswith("assistant: The capital")
+    thinking = "{% if enable_thinking %}<think>{% endif %}{{ messages[0]['content'] }}"
+    assert stories.apply_chat_template(MESSAGES, chat_template=thinking,
+                                       template_kwargs={"enable_thinking": True}).startswith("<think>What")
+    assert stories.apply_chat_template(MESSAGES, chat_template=thinking).startswith("What")
+    errors = [(dict(continue_final_message=True), "set at most one of them", "continue_final_message"),
+              (dict(template_kwargs={"tools": [], "messages": []}), "may not set messages, tools",
+               "chat_template_kwargs")]
+    for kwargs, match, field in errors:
+        with pytest.raises(ChatTemplateArgumentError, match=match) as err:
+            stories.apply_chat_template(conversation, chat_template=SMOLLM2_CHAT_TEMPLATE, **kwargs)
+        assert err.value.field == field
+    for last, match in [("  ", "a last message with text"), ("gone", "does not render the last message")]:
+        with pytest.raises(ChatTemplateArgumentError, match=match):
+            stories.apply_chat_template([*MESSAGES, {"role": "assistant", "content": last}], False,
+                                        chat_template="{{ messages[0]['content'] }}", continue_final_message=True)

@@ -16,7 +16,8 @@ from server_process import ServerProcess
 API_KEY = "test-key"
 MODEL = "tiny-stories"
 CHAT_TEMPLATE = ("{% if tools %}tools: {{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}\n"
-                 "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+                 "{% endif %}{% if greeting is defined %}{{ greeting }}\n{% endif %}"
+                 "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
 NUM_PAGES = 257  # 256 usable pages of 16 tokens: 64 concurrent requests of <= 64 tokens fit
 MAX_MODEL_LEN = 256
 
@@ -364,6 +365,49 @@ def test_auto_tool_choice(client, server):
     assert broken.message.content in ("<tool_call>oops</tool_call>", "<tool_call>nope</tool_call>")
 
 
+def test_vllm_chat_and_prompt_fields(client, server):
+    """vLLM's ``continue_final_message`` (the text ends inside the last message, which the model continues),
+    ``chat_template_kwargs`` (the template's own variables), ``allowed_token_ids`` and ``truncate_prompt_tokens``
+    (the prompt's last k tokens), through the chat and completions endpoints and /tokenize alike."""
+    prefill = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon"}]
+    body = {"messages": prefill, "add_generation_prompt": False, "continue_final_message": True}
+    tokenized = post(server, "/tokenize", body).json()
+    cut = post(server, "/tokenize", {"prompt": "user: Tell me a story.\nassistant: Once upon"}).json()
+    assert tokenized["tokens"] == cut["tokens"]  # (no "\nassistant:" after it: the template's end is cut off)
+    out = client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=6, temperature=0,
+                                         extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    same = client.completions.create(model=MODEL, prompt="user: Tell me a story.\nassistant: Once upon", max_tokens=6,
+                                     temperature=0)
+    assert out.choices[0].message.content == same.choices[0].text and out.usage.prompt_tokens == tokenized["count"]
+
+    kwargs = {"messages": prefill[:1], "chat_template_kwargs": {"greeting": "Hello!"}}
+    rendered = post(server, "/tokenize", {"prompt": "Hello!\nuser: Tell me a story.\nassistant:"}).json()
+    assert post(server, "/tokenize", kwargs).json()["tokens"] == rendered["tokens"]
+    out = client.chat.completions.create(model=MODEL, messages=prefill[:1], max_tokens=2,
+                                         extra_body={"chat_template_kwargs": {"greeting": "Hello!"}})
+    assert out.usage.prompt_tokens == rendered["count"]
+
+    allowed = [403, 407, 261, 378]  # ("Once upon a time")
+    for stream in (False, True):
+        out = client.completions.create(model=MODEL, prompt="Once", max_tokens=12, temperature=1.0, seed=1,
+                                        logprobs=0, stream=stream, extra_body={"allowed_token_ids": allowed})
+        chunks = list(out) if stream else [out]
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert len(tokens) == 12 and {t.strip() for t in tokens} <= {"Once", "upon", "a", "time"}, tokens
+
+    long_ids = [1] + [403, 407, 261, 378] * 100  # 401 tokens, past the 256-token context
+    out = client.completions.create(model=MODEL, prompt=long_ids, max_tokens=4, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 9})
+    alone = client.completions.create(model=MODEL, prompt=long_ids[-9:], max_tokens=4, temperature=0)
+    assert out.usage.prompt_tokens == 9 and out.choices[0].text == alone.choices[0].text
+    most = client.completions.create(model=MODEL, prompt=long_ids, max_tokens=1, temperature=0,
+                                     extra_body={"truncate_prompt_tokens": -1})
+    assert most.usage.prompt_tokens == MAX_MODEL_LEN - 1 and most.usage.completion_tokens == 1
+    echoed = client.completions.create(model=MODEL, prompt="Once upon a time, there was", max_tokens=1, temperature=0,
+                                       echo=True, extra_body={"truncate_prompt_tokens": 3})
+    assert echoed.usage.prompt_tokens == 3 and not echoed.choices[0].text.startswith("Once")
+
+
 def test_echo_scores_the_prompt_as_generation_scored_it(client, server):
     """``echo`` with ``logprobs`` (how lm-evaluation-harness scores continuations): the prompt's text and tokens come
     first, the first token with null values, and the generated token scores as the same prompt's generation scored
@@ -526,6 +570,21 @@ FIELD_CASES = [
      "tools", "'tools'[0] must be {'type': 'function'"),
     ("tool_choice without tools", "/v1/chat/completions", {**CHAT, "tool_choice": "required"}, None, "tool_choice",
      "needs 'tools'"),
+    ("continue_final_message with add_generation_prompt", "/v1/chat/completions",
+     {**CHAT, "continue_final_message": True}, None, "continue_final_message", "'add_generation_prompt': false"),
+    ("continue_final_message of a message the template drops", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": "   "}], "continue_final_message": True,
+      "add_generation_prompt": False}, None, "continue_final_message", "a last message with text"),
+    ("chat_template_kwargs replacing messages", "/v1/chat/completions",
+     {**CHAT, "chat_template_kwargs": {"messages": []}}, None, "chat_template_kwargs", "may not set messages"),
+    ("chat_template_kwargs not an object", "/v1/chat/completions", {**CHAT, "chat_template_kwargs": [1]}, None,
+     "chat_template_kwargs", "valid dictionary"),
+    ("allowed_token_ids past the vocabulary", "/v1/completions", {**GOOD, "allowed_token_ids": [3, 512]}, None,
+     "allowed_token_ids", "[0, 512)"),
+    ("allowed_token_ids empty", "/v1/completions", {**GOOD, "allowed_token_ids": []}, None, "allowed_token_ids",
+     "a non-empty list of token ids"),
+    ("truncate_prompt_tokens 0", "/v1/completions", {**GOOD, "truncate_prompt_tokens": 0}, None,
+     "truncate_prompt_tokens", "an integer >= 1"),
     ("tool call and response_format", "/v1/chat/completions",
      {**CHAT, "tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, None,
      "tool_choice", "one output constraint"),
