@@ -20,6 +20,7 @@ from nightjar_jax.config import (
     KV_CACHE_DTYPES,
     LINEAR_IMPLS,
     LOAD_FORMATS,
+    SCHEDULING_POLICIES,
     WEIGHT_FORMATS,
     EngineConfig,
     engine_config_fields,
@@ -33,8 +34,10 @@ STARTUP_ERRORS = (ValueError, FileNotFoundError)
 
 _CHOICES = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "attention_impl": ATTENTION_IMPLS,
             "linear_impl": LINEAR_IMPLS, "weight_format": WEIGHT_FORMATS, "kv_cache_dtype": KV_CACHE_DTYPES,
-            "draft_offload": DRAFT_OFFLOAD}
+            "draft_offload": DRAFT_OFFLOAD, "scheduling_policy": SCHEDULING_POLICIES}
 _HELP = {
+    "scheduling_policy": "fcfs: requests in arrival order; priority: by each request's 'priority' (lower first, "
+                         "ties by arrival), the lowest priority preempted first",
     "model": "a preset name (e.g. stories260k), a local folder / GGUF file, or a Hugging Face repo id",
     "tokenizer": "tokenizer folder or file (default: the model's own)",
     "draft_model": "draft model for speculative decoding (same spec forms as --model)",

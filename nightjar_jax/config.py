@@ -23,6 +23,7 @@ WEIGHT_FORMATS = ("auto", "compact", "f32", "w4a8")  # how the CPU kernel holds 
 LOAD_FORMATS = ("auto", "hf", "safetensors", "gguf", "llama2c", "orbax", "dummy")
 KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: each model's own dtype
 DRAFT_OFFLOAD = ("off", "auto")  # elastic memory: never move the draft, or offload / reload it by load
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's: arrival order, or each request's priority (lower first)
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -244,8 +245,13 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512  # prefill token budget per step (chunked prefill)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # "fcfs": admitted in arrival order, the last admitted preempted first; "priority": admitted by each request's
+    # priority (lower first; ties in arrival order), the lowest-priority latest arrival preempted first (vLLM's)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
+               f"one of {SCHEDULING_POLICIES}")
         _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.max_model_len is not None:

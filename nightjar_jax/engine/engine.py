@@ -294,9 +294,18 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> str:
-        """Validate and queue a request; returns its id. Raises ``ValueError`` (nothing queued) on bad input."""
+        """Validate and queue a request; returns its id. Raises ``ValueError`` (nothing queued) on bad input.
+        ``priority`` (vLLM's; lower is served first) needs ``scheduling_policy="priority"`` unless it is 0."""
         params = sampling_params or SamplingParams()
+        if not (isinstance(priority, int) and not isinstance(priority, bool)):
+            raise InvalidRequestError(f"priority must be an integer (lower is served first), got {priority!r}",
+                                      "priority")
+        if priority and not self.scheduler.by_priority:
+            raise InvalidRequestError(f"priority={priority} needs scheduling_policy='priority' (serve "
+                                      f"--scheduling-policy priority); this engine serves in arrival order (fcfs), "
+                                      f"where only 0 is allowed", "priority")
         if params.n != 1:
             raise InvalidRequestError("LLMEngine.add_request takes n=1; LLM.generate and the server fan n out", "n")
         text, ids = self.truncate_prompt(*self.tokenize_prompt(prompt), params)
@@ -331,7 +340,8 @@ class LLMEngine:
         grammar = None if params.structured_outputs is None else self.grammar_backend().matcher(
             params.structured_outputs)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
-        req = Request(request_id, [int(t) for t in ids], params, seed, prompt=text, grammar=grammar)
+        req = Request(request_id, [int(t) for t in ids], params, seed, prompt=text, grammar=grammar,
+                      priority=priority)
         if params.min_tokens:
             stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_ids)
             req.stop_ids = tuple(sorted(t for t in stop if t < vocab))  # (an id past the vocabulary never comes)

@@ -50,11 +50,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. ``n > 1`` fans a prompt out into
-        ``n`` sequences (seeds ``(seed + i) mod 2**63`` when seeded) returned as ``outputs[0..n-1]``. If a step raises
-        (or the call is interrupted), this call's unfinished requests are aborted (their pages freed) before the
-        exception propagates."""
+        ``n`` sequences (seeds ``(seed + i) mod 2**63`` when seeded) returned as ``outputs[0..n-1]``. ``priority``
+        (vLLM's; one per prompt, lower first) needs ``scheduling_policy="priority"``. If a step raises (or the call
+        is interrupted), this call's unfinished requests are aborted (their pages freed) before the exception
+        propagates."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -67,13 +69,16 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.engine
         children: dict[str, tuple[int, int]] = {}  # engine request id -> (prompt index, completion index)
         try:
-            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+            for i, (prompt, sp, prio) in enumerate(zip(prompts, params, priorities, strict=True)):
                 for j in range(sp.n):
                     child = _child_params(sp, j)
-                    rid = engine.add_request(prompt, child, request_id=f"gen-{id(self)}-{i}-{j}")
+                    rid = engine.add_request(prompt, child, request_id=f"gen-{id(self)}-{i}-{j}", priority=prio)
                     children[rid] = (i, j)
         except Exception:
             for rid in children:

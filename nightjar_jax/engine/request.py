@@ -42,6 +42,8 @@ class Request:
     seed: int  # resolved seed (the request's own or one drawn by the engine)
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
+    priority: int = 0  # scheduling_policy "priority": lower is served first (vLLM's)
+    arrival_order: int = 0  # the scheduler's count at add(): ties between equal priorities go in arrival order
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

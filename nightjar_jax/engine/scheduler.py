@@ -19,12 +19,17 @@ start as soon as they can, and a per-step token budget chunks long prompts so de
   for it (``_awaits_prefix``). Requests asking for prompt log-probabilities compute their whole prompt. With a
   draft, registered pages the draft has run over are marked as holding its K/V too, and a hit starts the draft
   after the leading run of such pages (``Request.num_draft_computed``) instead of catching it up from the first.
+- Priority (``scheduling_policy="priority"``, vLLM's): the waiting queue is kept in (priority, arrival) order, lower
+  first, so admission takes the most urgent request first; a preempted request goes back to its place in that order
+  (fcfs: to the front), and the victim is the running request latest in that order (fcfs: the last admitted).
 - Nothing is dropped: every request leaves through :meth:`finish` with a finish reason, and its pages go back.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -58,7 +63,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.prefix_caching = prefix_caching
         self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []  # admission order; the last one is preempted first
+        self.running: list[Request] = []  # admission order; the last one is preempted first (fcfs)
+        self.by_priority = config.scheduling_policy == "priority"
+        self._arrivals = itertools.count()
         self.num_preemptions = 0
         # prefix caching: tokens of the requests admitted with a lookup, of those the cached pages covered, and of
         # those the pages' draft K/V covered too
@@ -68,7 +75,20 @@ class Scheduler:
 
     # ---- queues ---------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        request.arrival_order = next(self._arrivals)
+        if self.by_priority:
+            self._enqueue(request)
+        else:
+            self.waiting.append(request)
+
+    @staticmethod
+    def _rank(r: Request) -> tuple[int, int]:
+        """Priority order: lower priority values first, then arrival."""
+        return r.priority, r.arrival_order
+
+    def _enqueue(self, r: Request) -> None:
+        """Into the waiting queue at its place in priority order (after the equals that arrived earlier)."""
+        self.waiting.insert(bisect.bisect_right([self._rank(q) for q in self.waiting], self._rank(r)), r)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -211,6 +231,8 @@ class Scheduler:
         preempted: list[Request] = []
         scheduled: list[Request] = []
         candidates = [r for r in self.running if not r.is_prefilling]
+        if self.by_priority:  # most urgent first: a victim (the latest in this order) is never one scheduled before
+            candidates.sort(key=self._rank)
         for r in candidates:
             if r.status is not RequestStatus.RUNNING:  # preempted below as a victim
                 continue
@@ -219,7 +241,7 @@ class Scheduler:
             capacity = min(r.num_tokens + lookahead, self.max_model_len)
             needed = self.allocator.pages_for(capacity) - len(r.block_table)
             while needed > 0 and not self.allocator.can_allocate(needed):
-                victim = self.running[-1]
+                victim = max(self.running, key=self._rank) if self.by_priority else self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is r:
@@ -242,7 +264,10 @@ class Scheduler:
         r.num_draft_computed = 0
         r.num_preemptions += 1
         r.status = RequestStatus.WAITING
-        self.waiting.appendleft(r)
+        if self.by_priority:
+            self._enqueue(r)
+        else:
+            self.waiting.appendleft(r)
         self.num_preemptions += 1
         logger.debug("preempted %s (%d tokens)", r.request_id, r.num_tokens)
 

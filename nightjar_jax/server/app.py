@@ -299,9 +299,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         return out
 
     async def add_group(prompts: list[Any], params: SamplingParams, n: int, request_id: str,
-                        max_tokens_param: str | None = None) -> GroupStream:
-        """Queue ``prompts`` x ``n`` members; ``max_tokens_param``: the field that set ``params.max_tokens``
-        explicitly (None: a default), checked against each prompt's length."""
+                        max_tokens_param: str | None = None, priority: int = 0) -> GroupStream:
+        """Queue ``prompts`` x ``n`` members at ``priority``; ``max_tokens_param``: the field that set
+        ``params.max_tokens`` explicitly (None: a default), checked against each prompt's length."""
         prompts = await asyncio.to_thread(tokenized, prompts, params, max_tokens_param)
         if params.structured_outputs is not None:  # (its first call takes seconds: not on the engine's thread)
             try:
@@ -315,7 +315,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 seed = None if params.seed is None else (params.seed + j) % 2**63
                 member_params.append(dataclasses.replace(params, seed=seed) if n > 1 else params)
         try:
-            return await async_engine.add(members, member_params, request_id=request_id)
+            return await async_engine.add(members, member_params, request_id=request_id, priority=priority)
         except ValueError as exc:
             raise APIError(400, str(exc), param=getattr(exc, "field", None) or "prompt") from None
         except RuntimeError as exc:
@@ -490,7 +490,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         params = make_params(req, check_max_tokens(req.engine_max_tokens(), "max_tokens"))
         rid = f"cmpl-{uuid.uuid4().hex}"
         explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None and not req.prompt_only
-        stream = await add_group(prompts, params, req.n, rid, max_tokens_param="max_tokens" if explicit else None)
+        stream = await add_group(prompts, params, req.n, rid, max_tokens_param="max_tokens" if explicit else None,
+                                 priority=req.priority)
         size, now = len(prompts) * req.n, int(time.time())
         base = {"id": rid, "object": "text_completion", "created": now, "model": model}
 
@@ -592,7 +593,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         prompt = render_chat(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         explicit = req.requested_max_tokens() is not None
-        stream = await add_group([prompt], params, req.n, rid, max_tokens_param=param if explicit else None)
+        stream = await add_group([prompt], params, req.n, rid, max_tokens_param=param if explicit else None,
+                                 priority=req.priority)
         size, now = req.n, int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model}
 

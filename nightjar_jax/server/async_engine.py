@@ -52,6 +52,7 @@ class _Add:
     prompts: list[Any]  # per member: str | list[int]
     params: list[SamplingParams]  # per member
     ack: asyncio.Future  # resolved with None, or the ValueError that rejected the group
+    priority: int = 0  # every member's (scheduling_policy "priority")
 
 
 @dataclass
@@ -139,9 +140,10 @@ class AsyncEngine:
         return len({id(g) for g, _ in list(self._groups.values())})
 
     # ---- event-loop side ----------------------------------------------------------------------------------------
-    async def add(self, prompts: list[Any], params: list[SamplingParams], request_id: str | None = None) -> GroupStream:
-        """Queue one group (member i = ``prompts[i]`` with ``params[i]``); raises ValueError if any member is bad
-        (then nothing is queued)."""
+    async def add(self, prompts: list[Any], params: list[SamplingParams], request_id: str | None = None,
+                  priority: int = 0) -> GroupStream:
+        """Queue one group (member i = ``prompts[i]`` with ``params[i]``, all at ``priority``); raises ValueError if
+        any member is bad (then nothing is queued)."""
         if self._stopping or not self.is_alive:
             raise RuntimeError("the engine is shutting down")
         loop = asyncio.get_running_loop()
@@ -149,7 +151,7 @@ class AsyncEngine:
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         group = _Group(ids, asyncio.Queue(), loop, num_unfinished=len(ids))
         ack = loop.create_future()
-        self._send(_Add(group, prompts, params, ack))
+        self._send(_Add(group, prompts, params, ack, priority))
         await ack
         return GroupStream(self, group)
 
@@ -205,7 +207,7 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for i, (rid, prompt, sp) in enumerate(zip(group.request_ids, command.prompts, command.params, strict=True)):
-                self.engine.add_request(prompt, sp, request_id=rid)
+                self.engine.add_request(prompt, sp, request_id=rid, priority=command.priority)
                 added.append(rid)
                 self._groups[rid] = (group, i)
         except Exception as exc:  # ValueError: bad input; anything else (e.g. the tokenizer choking) is one too

@@ -71,6 +71,7 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     allowed_token_ids: list[TokenId] | None = None  # vLLM's: the only tokens the output may hold
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: as many as fit)
+    priority: StrictInt = 0  # vLLM's: lower is served first (serve --scheduling-policy priority; else only 0)
     # Structured outputs (nightjar_jax/engine/structured.py): OpenAI's response_format, vLLM's structured_outputs
     # object, or vLLM's older guided_* fields; at most one of them per request.
     response_format: dict[str, Any] | None = None

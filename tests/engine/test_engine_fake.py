@@ -24,17 +24,22 @@ def test_chunked_prefill_gives_exact_tokens(budget):
     assert eng.num_free_pages == eng.num_total_pages
 
 
+def first_token_order(eng) -> list[str]:
+    """Step until idle; the request ids in the order their first tokens came."""
+    order = []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if len(out.outputs[0].token_ids) == 1 and out.outputs[0].delta_token_ids:
+                order.append(out.request_id)
+    return order
+
+
 def test_admission_order_is_fcfs_with_slot_limit():
     eng = fake_engine(max_num_seqs=2)
     for i, p in enumerate(PROMPTS):
         if len(p) > 1:  # a 1-token prompt needs no prefill: its first token comes from a decode step
             eng.add_request(p, greedy(4), request_id=str(i))
-    first_token_order = []
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if len(out.outputs[0].token_ids) == 1 and out.outputs[0].delta_token_ids:
-                first_token_order.append(out.request_id)
-    assert first_token_order == ["0", "1", "3", "4"]
+    assert first_token_order(eng) == ["0", "1", "3", "4"]
 
 
 def test_preemption_and_resume_give_the_same_tokens():
@@ -46,6 +51,36 @@ def test_preemption_and_resume_give_the_same_tokens():
     assert eng.stats.num_preemptions > 0
     assert done == {str(i): expected(p, 24) for i, p in enumerate(PROMPTS)}
     assert eng.num_free_pages == eng.num_total_pages
+
+
+def test_priority_scheduling_orders_admission_and_keeps_tokens_through_preemptions():
+    """scheduling_policy "priority" (vLLM's): the most urgent request (lowest value) is admitted first, equal ones in
+    arrival order; under page pressure, with speculation, the preemptions fall on the least urgent and every output
+    is the one a lone run gives. An fcfs engine refuses a non-zero priority, alone."""
+    eng = fake_engine(max_num_seqs=2, scheduling_policy="priority")
+    prompts = [p for p in PROMPTS if len(p) > 1]
+    for i, (p, prio) in enumerate(zip(prompts, [3, 1, 3, 0], strict=True)):
+        eng.add_request(p, greedy(4), request_id=str(i), priority=prio)
+    assert first_token_order(eng) == ["3", "1", "0", "2"]
+
+    eng = fake_engine(num_pages=13, max_num_seqs=5, scheduling_policy="priority", draft=True,
+                      num_speculative_tokens=2)
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, greedy(24), request_id=str(i), priority=-i)  # the last added is the most urgent
+    done = run_all(eng)
+    assert eng.stats.num_preemptions > 0
+    assert done == {str(i): expected(p, 24) for i, p in enumerate(PROMPTS)}
+    assert eng.num_free_pages == eng.num_total_pages
+
+    fcfs = fake_engine()
+    for bad, match in [(1, "needs scheduling_policy='priority'"), (True, "must be an integer"),
+                       (1.5, "must be an integer")]:
+        with pytest.raises(ValueError, match=match) as err:
+            fcfs.add_request([5, 6], greedy(2), priority=bad)
+        assert err.value.field == "priority"
+    assert not fcfs.has_unfinished_requests()
+    fcfs.add_request([5, 6], greedy(2), priority=0)
+    assert run_all(fcfs) and fcfs.num_free_pages == fcfs.num_total_pages
 
 
 def test_abort_frees_pages_at_once_and_others_continue():

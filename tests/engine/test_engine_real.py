@@ -249,3 +249,14 @@ def test_speculative_decoding_over_a_bfloat16_kv_cache_equals_its_ar(tree_nodes)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ar]
     assert sd.engine.stats.num_accepted_tokens > 0
     assert sd.engine.num_free_pages == sd.engine.num_total_pages
+
+
+def test_generate_priorities_need_the_priority_policy(llm):
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    with pytest.raises(ValueError, match="got 2 priorities for 1 prompts"):
+        llm.generate(["Once"], sp, priority=[0, 0])
+    with pytest.raises(ValueError, match="needs scheduling_policy='priority'"):
+        llm.generate(["Once"], sp, priority=[1])
+    assert llm.generate(["Once"], sp, priority=[0])[0].outputs[0].token_ids == \
+        llm.generate(["Once"], sp)[0].outputs[0].token_ids
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
