@@ -97,7 +97,7 @@ def tool_call_parser(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     from nightjar_jax.server.tool_parsers import TOOL_CALL_PARSERS  # (the server package imports fastapi: not
     # before a usage error or --help)
 
-    name = args.tool_call_parser or "hermes"
+    name = "hermes" if args.tool_call_parser is None else args.tool_call_parser
     if name not in TOOL_CALL_PARSERS:
         parser.error(f"--tool-call-parser must be one of: {', '.join(TOOL_CALL_PARSERS)}; got {name!r}")
     return name

@@ -566,13 +566,13 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             found = found[:1] if one_call else found
             if not found:
                 return {"content": content}, finish
-            return {"content": content if content.strip() else None,
+            return {"content": content or None,  # (as streamed: the text beside the calls, whitespace included)
                     "tool_calls": tool_parsers.tool_calls_json(found)}, "tool_calls" if finish == "stop" else finish
         if mode == "named":
             calls = [(tools[0]["name"], text)]
         else:
             try:
-                calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+                calls = [(c["name"], tool_parsers.json_text(c["parameters"])) for c in tool_parsers.strict_json(text)]
             except (ValueError, TypeError, KeyError):  # (cut short, or by a stop string, before the array closed)
                 return {"content": text}, finish
             finish = "tool_calls" if finish == "stop" else finish

@@ -9,8 +9,13 @@ taught it, and a parser finds the calls in what it wrote. One parser so far:
   "no call"); ``"parameters"`` is read as ``"arguments"``, and arguments given as a JSON string are kept as that
   string.
 
-Text outside the blocks is the answer's content. A block that is not such JSON (or is still open when the output
-ends, e.g. cut by ``max_tokens``) stays in the content as written, tags and all, so nothing the model wrote is lost.
+Text outside the blocks is the answer's content. A block that is not such JSON (strict JSON: no NaN or Infinity; or
+is still open when the output ends, e.g. cut by ``max_tokens``) stays in the content as written, tags and all, so
+nothing the model wrote is lost; when it holds another start tag, the text after the last one is tried as the block
+(``<tool_call>`` written in prose before a real call). A ``</tool_call>`` inside a JSON string ends the block
+there (as in vLLM's parser): that call stays content. Calls are not checked against the request's tools (nor in
+vLLM): a name the model made up is passed on as written. Arguments holding a lone UTF-16 surrogate (an escape
+UTF-8 cannot carry) go out escaped, as ASCII JSON; a name holding one is not a call.
 
 Streaming (:class:`ToolCallStream`) holds back only what could still be the start of a tag or is inside an open
 block, and sends each call whole once its block closes. Its content, joined, and its calls equal :func:`parse` of
@@ -32,29 +37,59 @@ class ToolCall:
     arguments: str  # a JSON object, as text (OpenAI's ``function.arguments``)
 
 
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")  # (NaN, Infinity: Python's json reads them, strict parsers do not)
+
+
+def strict_json(text: str) -> Any:
+    """``json.loads`` for what a model wrote: NaN / Infinity and nesting past the interpreter's recursion limit are
+    errors (ValueError), as for any strict JSON parser a client runs."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def _encodes(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (no lone UTF-16 surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def json_text(value: Any) -> str:
+    """``value`` as JSON text that encodes as UTF-8: non-ASCII as written, but escaped when a string holds a lone
+    UTF-16 surrogate (from a ``\\ud800`` escape in the model's text, which UTF-8 cannot carry)."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if _encodes(text) else json.dumps(value)
+
+
 def _calls_in(body: str) -> list[ToolCall] | None:
     """The calls one block holds, or None when it is not a call (or a list of them)."""
     try:
-        value = json.loads(body)
+        value = strict_json(body)
     except ValueError:
         return None
     items = value if isinstance(value, list) else [value]
     calls = []
     for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+        name = item.get("name") if isinstance(item, dict) else None
+        if not isinstance(name, str) or not name or not _encodes(name):  # (a function name is plain text)
             return None
         arguments = item.get("arguments", item.get("parameters", {}))
         if isinstance(arguments, str):
             try:
-                if not isinstance(json.loads(arguments), dict):
+                if not isinstance(strict_json(arguments), dict):
                     return None
             except ValueError:
                 return None
         elif isinstance(arguments, dict):
-            arguments = json.dumps(arguments, ensure_ascii=False)
+            arguments = json_text(arguments)
         else:
             return None
-        calls.append(ToolCall(item["name"], arguments))
+        calls.append(ToolCall(name, arguments))
     return calls
 
 
@@ -89,10 +124,12 @@ class ToolCallStream:
                 if at < 0:
                     self._body = body
                     break
-                found = _calls_in(body[:at])
+                lead, found = _block(body[:at], self.start)
                 if found is None:
                     content.append(self.start + body[:at] + self.end)
                 else:
+                    if lead is not None:  # (a start tag written before the real one: text)
+                        content.append(self.start + lead)
                     calls += found
                 self._body, text = None, body[at + len(self.end):]
         self.calls += calls
@@ -103,6 +140,16 @@ class ToolCallStream:
         rest = self._held if self._body is None else self.start + self._body
         self._held, self._body = "", None
         return rest, []
+
+
+def _block(body: str, start: str) -> tuple[str | None, list[ToolCall] | None]:
+    """A closed block's calls; when its text is not a call but holds another start tag (``<tool_call>`` written in
+    prose, or twice), the calls after the last such tag, with the text before it (else None)."""
+    found = _calls_in(body)
+    if found is not None or start not in body:
+        return None, found
+    k = body.rfind(start)
+    return body[:k], _calls_in(body[k + len(start):])
 
 
 def _prefix_tail(text: str, tag: str) -> int:

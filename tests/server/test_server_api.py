@@ -357,6 +357,14 @@ def test_auto_tool_choice(client, server):
     assert answer.choices[0].message.content and answer.usage.prompt_tokens == rendered["count"]
     assert "18 C, sunny" in post(server, "/detokenize", {"tokens": rendered["tokens"]}).json()["prompt"]
 
+    # a lone surrogate escape in the arguments (UTF-8 cannot carry the character): escaped, not a 500 or a cut stream
+    lone = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "\\ud800"\}\}</tool_call>'
+    for stream in (False, True):
+        out = client.chat.completions.create(**kw, stream=stream, extra_body={"structured_outputs": {"regex": lone}})
+        calls = [c for ch in out for c in ch.choices[0].delta.tool_calls or []] if stream else \
+            out.choices[0].message.tool_calls
+        assert [c.function.arguments for c in calls] == ['{"city": "\\ud800"}']
+
     plain = client.chat.completions.create(**{**kw, "max_tokens": 6}).choices[0]  # (auto is the default)
     assert plain.message.content and plain.message.tool_calls is None and plain.finish_reason == "length"
     broken = client.chat.completions.create(

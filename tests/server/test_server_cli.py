@@ -152,6 +152,7 @@ def test_tool_call_parser_flags(argv, expected):
     (["--tool-call-parser", "hermes"], "--tool-call-parser takes effect with --enable-auto-tool-choice"),
     (["--enable-auto-tool-choice", "--tool-call-parser", "mistral"],
      "--tool-call-parser must be one of: hermes; got 'mistral'"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", ""], "--tool-call-parser must be one of: hermes; got ''"),
 ])
 def test_tool_call_parser_usage_errors(argv, message, capsys):
     """A parser without the switch would silently do nothing, an unknown one would fail every request: both are

@@ -37,6 +37,22 @@ CASES = [
     # cut before the block closed (max_tokens): content, not lost
     ('Let me look. <tool_call>{"name": "get_weather", "argu', 'Let me look. <tool_call>{"name": "get_weather", "argu',
      []),
+    # strict JSON only: NaN / Infinity and nesting past the recursion limit are not calls (kept as written)
+    ('<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>',
+     '<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>', []),
+    ('<tool_call>{"name": "a", "arguments": "{\\"x\\": Infinity}"}</tool_call>',
+     '<tool_call>{"name": "a", "arguments": "{\\"x\\": Infinity}"}</tool_call>', []),
+    ("<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>", "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>",
+     []),
+    # a lone surrogate escape: arguments go out as ASCII JSON (UTF-8 cannot carry it); in a name, not a call
+    ('<tool_call>{"name": "a", "arguments": {"x": "\\ud800 é"}}</tool_call>', "",
+     [ToolCall("a", '{"x": "\\ud800 \\u00e9"}')]),
+    ('<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>', []),
+    # a start tag written in prose before the real one, or twice: the call after the last one
+    ('I will use <tool_call> now: <tool_call>{"name": "a"}</tool_call>', "I will use <tool_call> now: ",
+     [ToolCall("a", "{}")]),
+    ('<tool_call><tool_call>{"name": "a"}</tool_call>', "<tool_call>", [ToolCall("a", "{}")]),
     # a tag's start at the very end, and text that only looks like one
     ("a <tool_ca", "a <tool_ca", []),
     ("x < y <tool> <tool_cal z", "x < y <tool> <tool_cal z", []),
@@ -51,7 +67,7 @@ def test_parse(text, content, calls):
 @pytest.mark.parametrize("text,content,calls", CASES)
 def test_streamed_in_any_pieces_equals_parse(text, content, calls):
     """Every split into 1-4 character pieces, and random splits: the same content (joined) and calls; content that
-    could still begin a tag is held back, and nothing of a block goes out as content before it closes."""
+    could still begin a tag is held back, and no call's block goes out as content."""
     rng = random.Random(0)
     splits = [[1] * len(text), [2] * len(text), [4] * len(text)] + [
         [rng.randint(1, 12) for _ in text] for _ in range(20)]
@@ -68,7 +84,7 @@ def test_streamed_in_any_pieces_equals_parse(text, content, calls):
             c, f = stream.feed(piece)
             out.append(c)
             found += f
-            assert "<tool_call>" not in c or not calls, "a real call's block went out as content"
+            assert "</tool_call>" not in c or "</tool_call>" in content, "a call's block went out as content"
         rest, more = stream.finish()
         assert ("".join(out) + rest, found + more) == (content, calls)
         assert stream.calls == calls
