@@ -59,6 +59,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="the tool-call format the model writes, for --enable-auto-tool-choice (default: hermes, i.e. "
         "<tool_call>{...}</tool_call> blocks, as Hermes, Qwen and SmolLM2 write them)",
     )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split a thinking model's <think> text from its chat answers, returned as reasoning_content (vLLM's): "
+        "deepseek_r1 (the template opens the thought) or qwen3 (the model opens it, or not)",
+    )
     group.add_argument("--max-body-bytes", type=_bounded(int, "max-body-bytes", 1), default=1 << 20,
                        help="request body limit (default: 1 MiB)")
     group.add_argument(
@@ -85,6 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(parser)
     add_server_args(parser)
     return parser
+
+
+def reasoning_parser(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """The --reasoning-parser, checked before the model loads (None: off)."""
+    if args.reasoning_parser is None:
+        return None
+    from nightjar_jax.server.reasoning_parsers import REASONING_PARSERS
+
+    if args.reasoning_parser not in REASONING_PARSERS:
+        parser.error(f"--reasoning-parser must be one of: {', '.join(REASONING_PARSERS)}; "
+                     f"got {args.reasoning_parser!r}")
+    return args.reasoning_parser
 
 
 def tool_call_parser(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
@@ -188,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     tool_parser = tool_call_parser(args, parser)
+    thoughts = reasoning_parser(args, parser)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -207,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         tool_call_parser=tool_parser,
+        reasoning_parser=thoughts,
     )
     app = build_app(AsyncEngine(engine), settings)
     config = uvicorn.Config(

@@ -39,7 +39,7 @@ from starlette.requests import ClientDisconnect
 from nightjar_jax.engine.outputs import RequestOutput
 from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, clip, short_repr
 from nightjar_jax.models.tokenizer import ChatTemplateArgumentError
-from nightjar_jax.server import tool_parsers
+from nightjar_jax.server import reasoning_parsers, tool_parsers
 from nightjar_jax.server.async_engine import AsyncEngine, GroupStream
 from nightjar_jax.server.metrics import ServerMetrics
 from nightjar_jax.server.protocol import (
@@ -51,6 +51,7 @@ from nightjar_jax.server.protocol import (
     chat_logprobs,
     completion_logprobs,
 )
+from nightjar_jax.server.reasoning_parsers import ReasoningStream
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     disconnect_poll_seconds: float = 0.5  # how often a non-streaming request checks that its client is still there
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls with it (tool_parsers.py); None: a 400
+    reasoning_parser: str | None = None  # chat answers' <think> text as reasoning_content (reasoning_parsers.py)
 
 
 class _ClientGone(Exception):
@@ -600,16 +602,33 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
 
         num_top = req.num_logprobs()
         one_call = req.parallel_tool_calls is False
+        constrained = call is not None and call[0] != "auto"  # (a named or required call: the output is JSON)
+        # reasoning split from the answer (--reasoning-parser); a JSON schema, JSON object or choice constraint (and
+        # so a named or required tool call) leaves no room for a thought, a regex or grammar may write one
+        spec = params.structured_outputs
+        thinks = settings.reasoning_parser is not None and (spec is None or spec.regex is not None
+                                                            or spec.grammar is not None)
         if req.stream:
             sent = [0] * size  # per choice: tokens whose log-probabilities went out
             auto = call is not None and call[0] == "auto"
             parsers = [tool_parsers.make_stream(settings.tool_call_parser) for _ in range(size)] if auto else []
+            thoughts = [ReasoningStream(settings.reasoning_parser) for _ in range(size)] if thinks else []
 
-            def auto_delta(index, comp) -> tuple[dict, str | None]:
+            def text_delta(index, comp) -> tuple[str, str]:
+                """This output's new text as (reasoning, content): what the reasoning parser is sure of."""
+                if not thinks:
+                    return "", comp.delta_text
+                reasoning, content = thoughts[index].feed(comp.delta_text)
+                if comp.finished:
+                    more = thoughts[index].finish()
+                    reasoning, content = reasoning + more[0], content + more[1]
+                return reasoning, content
+
+            def auto_delta(index, text: str, comp) -> tuple[dict, str | None]:
                 """tool_choice "auto": the content the parser is sure of, and each call once its block closed."""
                 parser = parsers[index]
                 before = len(parser.calls)
-                content, _ = parser.feed(comp.delta_text)
+                content, _ = parser.feed(text)
                 if comp.finished:
                     content += parser.finish()[0]
                 limit = 1 if one_call else len(parser.calls)
@@ -624,19 +643,22 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 if out is None:
                     return dict(base)
                 comp = out.outputs[0]
-                if auto:
-                    delta, finish = auto_delta(index, comp)
-                    if not delta and not comp.finished:
-                        return None
-                elif not comp.finished and (call is not None or not comp.delta_text):
-                    return None  # (its tokens' log-probabilities go with the next chunk that is sent)
-                else:
-                    delta = {"content": comp.delta_text} if comp.delta_text else {}
-                    finish = comp.finish_reason
-                if call is not None and not auto:  # a tool call: sent whole when the arguments are complete
-                    delta, finish = answer(call, comp.text, finish)
+                if constrained:  # a tool call: sent whole when the arguments are complete
+                    if not comp.finished:
+                        return None  # (its tokens' log-probabilities go with the next chunk that is sent)
+                    delta, finish = answer(call, comp.text, comp.finish_reason)
                     if "tool_calls" in delta:
                         delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
+                else:
+                    reasoning, text = text_delta(index, comp)
+                    if auto:
+                        delta, finish = auto_delta(index, text, comp)
+                    else:
+                        delta, finish = ({"content": text} if text else {}), comp.finish_reason
+                    if reasoning:
+                        delta = {"reasoning_content": reasoning, **delta}
+                    if not delta and not comp.finished:
+                        return None
                 logprobs = None
                 if comp.logprobs is not None:
                     start, sent[index] = sent[index], len(comp.token_ids)
@@ -669,9 +691,15 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             raise failure
         choices = []
         for i, o in enumerate(outs):
-            message, finish = {"content": o.outputs[0].text}, o.outputs[0].finish_reason
+            text, finish = o.outputs[0].text, o.outputs[0].finish_reason
+            reasoning = None
+            if thinks:
+                reasoning, text = reasoning_parsers.split(text, settings.reasoning_parser)
+            message = {"content": text}
             if call is not None:
-                message, finish = answer(call, o.outputs[0].text, finish, one_call)
+                message, finish = answer(call, text or "", finish, one_call)
+            if thinks:  # (vLLM's field; content None when the output was all reasoning)
+                message = {"content": message.pop("content") or None, "reasoning_content": reasoning, **message}
             choices.append({
                 "index": i,
                 "message": {"role": "assistant", **message},

@@ -112,7 +112,7 @@ class ToolCallStream:
             if self._body is None:
                 at = text.find(self.start)
                 if at < 0:
-                    keep = _prefix_tail(text, self.start)
+                    keep = prefix_tail(text, self.start)
                     content.append(text[:len(text) - keep])
                     self._held = text[len(text) - keep:]
                     break
@@ -152,7 +152,7 @@ def _block(body: str, start: str) -> tuple[str | None, list[ToolCall] | None]:
     return body[:k], _calls_in(body[k + len(start):])
 
 
-def _prefix_tail(text: str, tag: str) -> int:
+def prefix_tail(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that is a proper start of ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):

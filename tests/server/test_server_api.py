@@ -38,6 +38,8 @@ SERVER_ARGS = [
     "--shutdown-timeout",
     "3",
     "--enable-auto-tool-choice",
+    "--reasoning-parser",
+    "qwen3",
 ]
 
 
@@ -371,6 +373,33 @@ def test_auto_tool_choice(client, server):
         **kw, extra_body={"structured_outputs": {"regex": "<tool_call>(oops|nope)</tool_call>"}}).choices[0]
     assert broken.message.tool_calls is None and broken.finish_reason == "stop"
     assert broken.message.content in ("<tool_call>oops</tool_call>", "<tool_call>nope</tool_call>")
+
+
+def test_reasoning_parser(client):
+    """``--reasoning-parser qwen3``: an answer that opens with <think> returns the thought as ``reasoning_content``
+    and the rest as ``content``, whole or streamed (the pieces joined are the same), beside tool calls too; an
+    answer without one is all content. (stories260K is made to think by a regex, which leaves room for it.)"""
+    messages = [{"role": "user", "content": "Is it raining?"}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=64, temperature=0)
+    thought = r"<think>(I|We) should look outside\.</think>It is (raining|dry)\."
+    whole = client.chat.completions.create(**kw, extra_body={"structured_outputs": {"regex": thought}}).choices[0]
+    assert whole.message.reasoning_content in ("I should look outside.", "We should look outside.")
+    assert whole.message.content in ("It is raining.", "It is dry.") and whole.finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 extra_body={"structured_outputs": {"regex": thought}}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == whole.message.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == whole.message.content
+    assert not any("think>" in (d.content or "") + (getattr(d, "reasoning_content", None) or "") for d in deltas)
+
+    call = r'<think>Use the tool\.</think><tool_call>\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}</tool_call>'
+    both = client.chat.completions.create(**{**kw, "max_tokens": 160}, tools=[WEATHER, CLOCK],
+                                          extra_body={"structured_outputs": {"regex": call}}).choices[0]
+    assert both.message.reasoning_content == "Use the tool." and both.message.content is None
+    assert [c.function.name for c in both.message.tool_calls] == ["get_time"] and both.finish_reason == "tool_calls"
+
+    plain = client.chat.completions.create(**{**kw, "max_tokens": 6}).choices[0]
+    assert plain.message.content and plain.message.reasoning_content is None
 
 
 def test_vllm_chat_and_prompt_fields(client, server):

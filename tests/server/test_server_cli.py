@@ -153,10 +153,11 @@ def test_tool_call_parser_flags(argv, expected):
     (["--enable-auto-tool-choice", "--tool-call-parser", "mistral"],
      "--tool-call-parser must be one of: hermes; got 'mistral'"),
     (["--enable-auto-tool-choice", "--tool-call-parser", ""], "--tool-call-parser must be one of: hermes; got ''"),
+    (["--reasoning-parser", "granite"], "--reasoning-parser must be one of: deepseek_r1, qwen3; got 'granite'"),
 ])
 def test_tool_call_parser_usage_errors(argv, message, capsys):
     """A parser without the switch would silently do nothing, an unknown one would fail every request: both are
-    usage errors before the model loads."""
+    usage errors before the model loads (an unknown reasoning parser too)."""
     from nightjar_jax.serve import main as serve_main
 
     with pytest.raises(SystemExit) as exc:

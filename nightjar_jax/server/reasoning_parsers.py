@@ -1,0 +1,78 @@
+"""Reasoning in a model's text, split from its answer (vLLM's ``--reasoning-parser``): models that think before they
+answer write their thoughts between ``<think>`` and ``</think>``; the chat API returns them as the message's
+``reasoning_content`` and the rest as its ``content`` (streamed: ``delta.reasoning_content`` and ``delta.content``).
+
+- ``deepseek_r1`` (DeepSeek-R1 and its distilled Llama and Qwen models): their chat template opens the thought, so
+  the output starts inside it (a ``<think>`` the model writes again is dropped). Everything up to the first
+  ``</think>`` is reasoning, everything after it content; an output that never closes its thought (cut by
+  ``max_tokens``) is all reasoning.
+- ``qwen3`` (Qwen3, SmolLM3): the model opens the thought itself, or not at all when thinking is off. An output that
+  starts with ``<think>`` reasons until ``</think>``; any other output is all content.
+
+Streaming (:class:`ReasoningStream`) holds back only what could still be one of the tags; joined, its pieces equal
+:func:`split` of the whole text, whatever the pieces (:func:`split` is the stream fed once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nightjar_jax.server.tool_parsers import prefix_tail
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+START, END = "<think>", "</think>"
+
+
+@dataclass
+class ReasoningStream:
+    """Splits text that arrives in pieces: :meth:`feed` each piece, then :meth:`finish`; each returns the reasoning
+    and the content that are now certain."""
+
+    parser: str
+    _state: str = "opening"  # "opening": the output's start (a start tag may come); "thinking"; "answering"
+    _held: str = ""
+
+    def __post_init__(self) -> None:
+        if self.parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {self.parser!r}: choose one of {', '.join(REASONING_PARSERS)}")
+
+    def feed(self, text: str) -> tuple[str, str]:
+        text = self._held + text
+        self._held = ""
+        reasoning = ""
+        if self._state == "opening":
+            if START.startswith(text) and text != START:  # (still maybe the start tag)
+                self._held = text
+                return "", ""
+            opened = text.startswith(START)
+            if opened:
+                text = text[len(START):]
+            if opened or self.parser == "deepseek_r1":
+                self._state = "thinking"
+            else:
+                self._state = "answering"
+        if self._state == "thinking":
+            at = text.find(END)
+            if at < 0:
+                keep = prefix_tail(text, END)
+                self._held = text[len(text) - keep:]
+                return text[:len(text) - keep], ""
+            reasoning, text = text[:at], text[at + len(END):]
+            self._state = "answering"
+        return reasoning, text
+
+    def finish(self) -> tuple[str, str]:
+        """The end of the output: held text is what its state says (a lone start of the output: content for qwen3,
+        reasoning for deepseek_r1)."""
+        held, self._held = self._held, ""
+        if self._state == "thinking" or (self._state == "opening" and self.parser == "deepseek_r1"):
+            return held, ""
+        return "", held
+
+
+def split(text: str, parser: str) -> tuple[str | None, str | None]:
+    """The reasoning and the content of a whole output (None where empty)."""
+    stream = ReasoningStream(parser)
+    reasoning, content = stream.feed(text)
+    more_reasoning, more_content = stream.finish()
+    return (reasoning + more_reasoning) or None, (content + more_content) or None
