@@ -345,6 +345,11 @@ class LLMEngine:
         if params.min_tokens:
             stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_ids)
             req.stop_ids = tuple(sorted(t for t in stop if t < vocab))  # (an id past the vocabulary never comes)
+            if params.allowed_token_ids and set(params.allowed_token_ids) <= set(req.stop_ids):
+                raise InvalidRequestError(
+                    f"allowed_token_ids {sorted(set(params.allowed_token_ids))[:5]} are all stop tokens (EOS or "
+                    f"stop_token_ids), which min_tokens={params.min_tokens} bans: nothing could be generated; allow a "
+                    f"token that does not stop, or drop min_tokens", "allowed_token_ids")
         if arrival_time is not None:
             req.arrival_time = arrival_time
         if self.tokenizer is not None:

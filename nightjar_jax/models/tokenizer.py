@@ -243,7 +243,8 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateArgumentError("continue_final_message continues the last message, add_generation_prompt "
                                             "starts a new one: set at most one of them", "continue_final_message")
-        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "raise_exception"}
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "raise_exception",
+                    "self"}  # (jinja's own name for the template)
         clash = sorted(reserved & set(template_kwargs or {}))
         if clash:
             raise ChatTemplateArgumentError(f"template kwargs may not set {', '.join(clash)}: the chat request's own "
@@ -273,17 +274,18 @@ class Tokenizer:
             return self.hf_tokenizer.convert_ids_to_tokens(i)
 
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        text = env.from_string(template).render(
-            **(template_kwargs or {}),
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=token_str(self.bos_token_id),
-            eos_token=token_str(eos),
-            tools=tools,
-        )
+        compiled = env.from_string(template)
+
+        def render(conversation: list) -> str:
+            # (variables as one dict: a template kwarg named like render's own parameters, "self", is a variable)
+            return compiled.render({**(template_kwargs or {}), "messages": conversation,
+                                    "add_generation_prompt": add_generation_prompt,
+                                    "bos_token": token_str(self.bos_token_id), "eos_token": token_str(eos),
+                                    "tools": tools})
+
         if continue_final_message:
-            text = _cut_after_final_message(text, messages)
-        return text
+            return _render_to_final_message(render, list(messages))
+        return render(list(messages))
 
     def __repr__(self) -> str:
         return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, bos={self.bos_token_id}, " \
@@ -298,9 +300,13 @@ class ChatTemplateArgumentError(ValueError):
         self.field = field
 
 
-def _cut_after_final_message(text: str, messages: Sequence[dict[str, Any]]) -> str:
-    """``text`` (a rendered conversation) cut right after its last message's content: the last place it occurs (as
-    written, else without the whitespace around it, which templates often trim)."""
+_CUT = "\ue000nightjar-continue\ue001"  # (private-use characters: no message holds them)
+
+
+def _render_to_final_message(render, messages: list[dict[str, Any]]) -> str:
+    """The conversation rendered and cut right after its last message's content. The content is rendered with a
+    marker after it, and the text cut where the marker landed; a template that rewrites the content (and loses the
+    marker) is cut after the last place the content occurs as written, else stripped (templates often trim)."""
     if not messages:
         raise ChatTemplateArgumentError("continue_final_message needs a message to continue", "continue_final_message")
     content = messages[-1].get("content")
@@ -309,6 +315,12 @@ def _cut_after_final_message(text: str, messages: Sequence[dict[str, Any]]) -> s
     if not isinstance(content, str) or not content.strip():
         raise ChatTemplateArgumentError("continue_final_message needs a last message with text to continue",
                                         "continue_final_message")
+    marked = render([*messages[:-1], {**messages[-1], "content": content + _CUT}])
+    if marked.count(_CUT) == 1:
+        text = marked[:marked.index(_CUT)]
+        trimmed = content != content.rstrip() and content not in render(messages)  # (the template trims it)
+        return text.rstrip() if trimmed else text
+    text = render(messages)
     for piece in (content, content.strip()):
         at = text.rfind(piece)
         if at >= 0:

@@ -226,20 +226,28 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise APIError(400, f"the request body is not valid UTF-8: {exc}") from None
+        too_deep = APIError(400, "the request body is nested too deeply to read: send at most a few hundred levels "
+                                 "of JSON arrays and objects")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise too_deep from None
+        except ValueError as exc:  # (an integer past Python's 4300-digit limit for reading one)
+            raise APIError(400, f"the request body holds a number this server cannot read: {exc}") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
-        bad = find_surrogate(data)  # a "\ud800" escape parses into a string no tokenizer can take
-        if bad is not None:
-            raise APIError(400, f"'{bad}' holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): text must be "
-                                f"valid Unicode (a surrogate pair, or the character itself)", param=bad)
         try:
+            bad = find_surrogate(data)  # a "\ud800" escape parses into a string no tokenizer can take
+            if bad is not None:
+                raise APIError(400, f"'{bad}' holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): text must "
+                                    f"be valid Unicode (a surrogate pair, or the character itself)", param=bad)
             return model.model_validate(data)
         except ValidationError as exc:
             raise validation_error(exc) from None
+        except RecursionError:
+            raise too_deep from None
 
     def check_model(name: str | None) -> str:
         if name is not None and name not in model_names:

@@ -70,7 +70,7 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = None  # vLLM's: (0, 100], 1 (or none) = off; over prompt and output tokens
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     allowed_token_ids: list[TokenId] | None = None  # vLLM's: the only tokens the output may hold
-    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: as many as fit)
+    truncate_prompt_tokens: StrictInt | None = None  # vLLM's: keep the prompt's last k tokens (-1: as many as fit)
     priority: StrictInt = 0  # vLLM's: lower is served first (serve --scheduling-policy priority; else only 0)
     # Structured outputs (nightjar_jax/engine/structured.py): OpenAI's response_format, vLLM's structured_outputs
     # object, or vLLM's older guided_* fields; at most one of them per request.

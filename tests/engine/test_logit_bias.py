@@ -110,6 +110,15 @@ def test_allowed_token_ids_in_sampled_rows_and_errors():
     for bad in ([], [-1], ["3"]):
         with pytest.raises(ValueError, match="allowed_token_ids"):
             SamplingParams(allowed_token_ids=bad)
+    with pytest.raises(ValueError, match="allowed_token_ids is invalid with structured_outputs"):
+        SamplingParams(allowed_token_ids=[3], structured_outputs={"choice": ["a"]})
+    # every allowed token a stop token that min_tokens bans: nothing could be generated (it used to sample banned ones)
+    eos_engine = fake_engine(eos=7)
+    for allowed, stops in [([7], []), ([7, 9], [9])]:
+        with pytest.raises(ValueError, match="are all stop tokens"):
+            eos_engine.add_request([5, 6], greedy(4, allowed_token_ids=allowed, stop_token_ids=stops, min_tokens=2))
+    out = generate_outputs(eos_engine, [[5, 6]], [greedy(4, allowed_token_ids=[7, 9], min_tokens=2, ignore_eos=True)])
+    assert out[0].token_ids and set(out[0].token_ids) <= {7, 9}
     assert not eng.has_unfinished_requests() and eng.num_free_pages == eng.num_total_pages
 
 

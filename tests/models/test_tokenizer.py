@@ -246,6 +246,14 @@ def test_continue_final_message_and_template_kwargs(stories):
         with pytest.raises(ChatTemplateArgumentError, match=match) as err:
             stories.apply_chat_template(conversation, chat_template=SMOLLM2_CHAT_TEMPLATE, **kwargs)
         assert err.value.field == field
+    # content that the template's own text repeats after it ("e", "<" in "<|im_end|>"): cut where the message ends
+    chatml = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    for last in ("e", "<", "m"):
+        out = stories.apply_chat_template([*MESSAGES, {"role": "assistant", "content": last}], False,
+                                          chat_template=chatml, continue_final_message=True)
+        assert out.endswith("<|im_start|>assistant\n" + last), out
+    with pytest.raises(ChatTemplateArgumentError, match="may not set self"):
+        stories.apply_chat_template(MESSAGES, chat_template=thinking, template_kwargs={"self": 1})
     for last, match in [("  ", "a last message with text"), ("gone", "does not render the last message")]:
         with pytest.raises(ChatTemplateArgumentError, match=match):
             stories.apply_chat_template([*MESSAGES, {"role": "assistant", "content": last}], False,
