@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over an :class:`AsyncEngine`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as server-sent
-events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+events ending in ``data: [DONE]``), ``GET /v1/models`` (and ``/v1/models/{name}``), ``GET /health`` (``/ping``),
+``GET /version``, ``GET /metrics``, and vLLM's ``POST /tokenize`` and ``POST /detokenize``.
 
 Every error is answered in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
 input (malformed JSON, invalid UTF-8 or Unicode, wrong types, unknown fields, bad values, prompts longer than the
@@ -416,6 +417,17 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             return JSONResponse({"status": "error", "detail": "the engine thread is not running"}, status_code=503)
         return {"status": "ok"}
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """vLLM's (SageMaker's) liveness probe: /health under another name."""
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        from nightjar_jax import __version__
+
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -474,10 +486,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             raise APIError(400, f"token ids must be in [0, {vocab}): got {bad[:5]}", param="tokens")
         return {"prompt": tok.decode(req.tokens)}
 
-    @app.get("/v1/models")
-    async def list_models(request: Request):
-        authorize(request)
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": settings.served_model_name,
             "object": "model",
             "created": created,
@@ -485,7 +495,18 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             "root": engine.config.model,
             "max_model_len": engine.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def retrieve_model(name: str, request: Request):
+        """OpenAI's ``models.retrieve``: the served model's card (by its served name or its --model), else a 404."""
+        authorize(request)
+        check_model(name)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -66,8 +66,17 @@ def post(server, path, body, *, key=API_KEY, raw=None, headers=None):
 # ---- happy paths ------------------------------------------------------------------------------------------------
 def test_models_and_health(server, client):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/ping").json() == httpx.post(server.url + "/ping").json() == {"status": "ok"}
+    from nightjar_jax import __version__
+
+    assert httpx.get(server.url + "/version").json() == {"version": __version__}
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_dump() == models.data[0].model_dump()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
+    assert httpx.get(server.url + f"/v1/models/{MODEL}").status_code == 401  # (no key)
 
 
 def test_completion_usage_and_stream_match(client):
