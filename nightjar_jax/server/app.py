@@ -51,6 +51,8 @@ from nightjar_jax.server.protocol import (
     TokenizeRequest,
     chat_logprobs,
     completion_logprobs,
+    prompt_logprobs_json,
+    top_entries,
 )
 from nightjar_jax.server.reasoning_parsers import ReasoningStream
 
@@ -529,7 +531,18 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         def echoed(out: RequestOutput) -> tuple[str, list[int], list | None]:
             """echo: the prompt's text, its token ids and their log-probabilities (when asked)."""
             text = out.prompt if out.prompt is not None else engine.tokenizer.decode(out.prompt_token_ids, False)
-            return text, list(out.prompt_token_ids), out.prompt_logprobs
+            ids, lps = list(out.prompt_token_ids), out.prompt_logprobs
+            if lps is not None and req.logprobs is not None:  # (prompt_logprobs may have asked for more)
+                lps = top_entries(lps, ids, req.logprobs)
+            return text, ids, lps
+
+        def prompt_part(out: RequestOutput) -> dict[str, Any]:
+            """vLLM's prompt_logprobs for a choice, when asked."""
+            if req.prompt_logprobs is None:
+                return {}
+            lps = out.prompt_logprobs and top_entries(out.prompt_logprobs, list(out.prompt_token_ids),
+                                                      req.prompt_logprobs)
+            return {"prompt_logprobs": prompt_logprobs_json(lps)}
 
         if req.stream:
             sent = [0] * size  # per choice: tokens whose log-probabilities went out
@@ -546,7 +559,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 if comp.logprobs is not None:
                     lps = comp.logprobs[sent[index]:]
                     sent[index] = len(comp.token_ids)
-                if req.echo and not started[index]:
+                first = not started[index]
+                if req.echo and first:
                     prompt_text, prompt_ids, prompt_lps = echoed(out)
                     text, ids = prompt_text + text, prompt_ids + ids
                     lps = None if lps is None else prompt_lps + lps
@@ -559,6 +573,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     "text": text,
                     "logprobs": logprobs,
                     "finish_reason": comp.finish_reason,
+                    **(prompt_part(out) if first else {}),  # (the prompt's, with a choice's first chunk)
                 }
                 return {**base, "choices": [choice]}
 
@@ -581,7 +596,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 text, ids = prompt_text + text, prompt_ids + ids
                 lps = None if lps is None else prompt_lps + lps
             choices.append({"index": i, "text": text, "finish_reason": finish,
-                            "logprobs": None if lps is None else completion_logprobs(ids, lps, 0, token_text)[0]})
+                            "logprobs": None if lps is None else completion_logprobs(ids, lps, 0, token_text)[0],
+                            **prompt_part(o)})
         return {**base, "choices": choices, "usage": usage(outs, req.n, generated=not req.prompt_only)}
 
     def answer(call: tuple[str, list], text: str, finish: str | None, one_call: bool = False
@@ -631,6 +647,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
 
         num_top = req.num_logprobs()
         one_call = req.parallel_tool_calls is False
+
+        def chat_prompt_logprobs(out: RequestOutput) -> list | None:
+            lps = out.prompt_logprobs
+            return prompt_logprobs_json(lps and top_entries(lps, list(out.prompt_token_ids), req.prompt_logprobs))
+
         constrained = call is not None and call[0] != "auto"  # (a named or required call: the output is JSON)
         # reasoning split from the answer (--reasoning-parser); a JSON schema, JSON object or choice constraint (and
         # so a named or required tool call) leaves no room for a thought, a regex or grammar may write one
@@ -639,6 +660,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                                                             or spec.grammar is not None)
         if req.stream:
             sent = [0] * size  # per choice: tokens whose log-probabilities went out
+            prompt_sent = [False] * size  # per choice: prompt_logprobs went out
             auto = call is not None and call[0] == "auto"
             parsers = [tool_parsers.make_stream(settings.tool_call_parser) for _ in range(size)] if auto else []
             thoughts = [ReasoningStream(settings.reasoning_parser) for _ in range(size)] if thinks else []
@@ -693,7 +715,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     start, sent[index] = sent[index], len(comp.token_ids)
                     logprobs = chat_logprobs(comp.token_ids[start:], comp.logprobs[start:], num_top)
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-                return {**base, "choices": [choice]}
+                prompt = {}
+                if req.prompt_logprobs is not None and not prompt_sent[index]:  # (with a choice's first chunk)
+                    prompt_sent[index] = True
+                    prompt = {"prompt_logprobs": chat_prompt_logprobs(out)}
+                return {**base, **prompt, "choices": [choice]}
 
             first = [
                 {
@@ -736,6 +762,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 else chat_logprobs(o.outputs[0].token_ids, o.outputs[0].logprobs, num_top),
                 "finish_reason": finish,
             })
-        return {**base, "object": "chat.completion", "choices": choices, "usage": usage(outs, req.n)}
+        prompt = {} if req.prompt_logprobs is None else {"prompt_logprobs": chat_prompt_logprobs(outs[0])}
+        return {**base, "object": "chat.completion", **prompt, "choices": choices, "usage": usage(outs, req.n)}
 
     return app

@@ -72,6 +72,8 @@ class _SamplingFields(_Strict):
     allowed_token_ids: list[TokenId] | None = None  # vLLM's: the only tokens the output may hold
     truncate_prompt_tokens: StrictInt | None = None  # vLLM's: keep the prompt's last k tokens (-1: as many as fit)
     priority: StrictInt = 0  # vLLM's: lower is served first (serve --scheduling-policy priority; else only 0)
+    # vLLM's: the prompt's tokens' log-probabilities (each with this many most likely tokens), as "prompt_logprobs"
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Structured outputs (nightjar_jax/engine/structured.py): OpenAI's response_format, vLLM's structured_outputs
     # object, or vLLM's older guided_* fields; at most one of them per request.
     response_format: dict[str, Any] | None = None
@@ -178,7 +180,7 @@ class _SamplingFields(_Strict):
 
     def num_prompt_logprobs(self) -> int | None:
         """The same for the prompt's tokens (None: none asked)."""
-        return None
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -228,7 +230,9 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs
 
     def num_prompt_logprobs(self) -> int | None:
-        return self.logprobs if self.echo else None
+        """echo's (its logprobs) or vLLM's prompt_logprobs, the larger when both are asked (echo shows its own)."""
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(asked) if asked else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (a string or a list of token ids each)."""
@@ -383,6 +387,21 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[TokenId]
+
+
+def prompt_logprobs_json(entries: list[dict | None] | None) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first None), ``{token id: {logprob, rank,
+    decoded_token}}``, the asked top tokens plus the prompt's own."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in entries]
+
+
+def top_entries(entries: list[dict | None], tokens: list[int], k: int) -> list[dict | None]:
+    """Each ``{token id: Logprob}`` entry cut to its ``k`` most likely tokens plus ``tokens[i]`` (the one that came)."""
+    return [None if e is None else {t: lp for t, lp in e.items() if t == tok or (lp.rank is not None and lp.rank <= k)}
+            for e, tok in zip(entries, tokens, strict=True)]
 
 
 def _token_text(lp: Any, token: int) -> str:
