@@ -56,8 +56,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--tool-call-parser",
         default=None,
-        help="the tool-call format the model writes, for --enable-auto-tool-choice (default: hermes, i.e. "
-        "<tool_call>{...}</tool_call> blocks, as Hermes, Qwen and SmolLM2 write them)",
+        help="the tool-call format the model writes, for --enable-auto-tool-choice: hermes (the default; "
+        "<tool_call>{...}</tool_call> blocks, as Hermes, Qwen and SmolLM2 write them) or llama3_json (an answer "
+        "that is only {\"name\", \"parameters\"} objects, as Llama 3.1+ writes them)",
     )
     group.add_argument(
         "--reasoning-parser",

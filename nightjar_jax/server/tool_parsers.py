@@ -2,12 +2,17 @@
 --tool-call-parser``).
 
 With "auto" nothing constrains the output: the model decides whether to call a tool, in the format its chat template
-taught it, and a parser finds the calls in what it wrote. One parser so far:
+taught it, and a parser finds the calls in what it wrote. Two parsers:
 
 - ``hermes``: calls between ``<tool_call>`` and ``</tool_call>`` tags (Hermes, Qwen 2/2.5/3, SmolLM2 and SmolLM3).
   A block holds one call ``{"name": ..., "arguments": {...}}`` or a JSON list of them (SmolLM2's form; ``[]`` is
   "no call"); ``"parameters"`` is read as ``"arguments"``, and arguments given as a JSON string are kept as that
   string.
+
+- ``llama3_json`` (Llama 3.1 / 3.2 / 3.3 instruct): an answer that is a call is only the call, one JSON object
+  ``{"name": ..., "parameters": {...}}`` (or several separated by ``;``), maybe after ``<|python_tag|>``. An answer
+  that starts with ``{`` (or the tag) is held until it ends, then is calls if it parses as such, else content as
+  written; any other answer streams as content.
 
 Text outside the blocks is the answer's content. A block that is not such JSON (strict JSON: no NaN or Infinity; or
 is still open when the output ends, e.g. cut by ``max_tokens``) stays in the content as written, tags and all, so
@@ -28,7 +33,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
 @dataclass(frozen=True)
@@ -164,14 +169,70 @@ def parse(text: str, parser: str = "hermes") -> tuple[str, list[ToolCall]]:
     """The content and tool calls in a whole output."""
     stream = make_stream(parser)
     content, calls = stream.feed(text)
-    rest, _ = stream.finish()
-    return content + rest, calls
+    rest, more = stream.finish()
+    return content + rest, calls + more
 
 
-def make_stream(parser: str) -> ToolCallStream:
+@dataclass
+class JsonToolCallStream:
+    """llama3_json: an answer that opens with ``{`` (or ``<|python_tag|>``) is held whole and read as calls at its
+    end; any other answer is content as it comes. The same ``feed`` / ``finish`` / ``calls`` as
+    :class:`ToolCallStream`."""
+
+    tag: str = "<|python_tag|>"
+    _held: str = ""
+    _state: str = "opening"  # "opening" (only whitespace so far), "json" (held to the end), "text"
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self._state == "text":
+            return text, []
+        self._held += text
+        if self._state == "opening":
+            start = self._held.lstrip()
+            if not start or (self.tag.startswith(start) and start != self.tag):
+                return "", []  # (whitespace, or maybe the tag: undecided)
+            if start.startswith("{") or start.startswith(self.tag):
+                self._state = "json"
+            else:
+                self._state, held, self._held = "text", self._held, ""
+                return held, []
+        return "", []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        held, self._held = self._held, ""
+        if self._state != "json":
+            return held, []
+        found = _json_calls(held.strip().removeprefix(self.tag))
+        if found is None:
+            return held, []
+        self.calls += found
+        return "", found
+
+
+def _json_calls(text: str) -> list[ToolCall] | None:
+    """Calls written as JSON objects one after another, separated by ``;`` (None: not only calls)."""
+    decoder, calls, at = json.JSONDecoder(parse_constant=_reject_constant), [], 0
+    while True:
+        while at < len(text) and (text[at].isspace() or (calls and text[at] == ";")):
+            at += 1
+        if at == len(text):
+            return calls or None
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return None
+        found = _calls_in(json.dumps(value)) if isinstance(value, dict) else None
+        if found is None:
+            return None
+        calls += found
+        at = end
+
+
+def make_stream(parser: str) -> ToolCallStream | JsonToolCallStream:
     if parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"unknown tool-call parser {parser!r}: choose one of {', '.join(TOOL_CALL_PARSERS)}")
-    return ToolCallStream()
+    return JsonToolCallStream() if parser == "llama3_json" else ToolCallStream()
 
 
 def tool_calls_json(calls: list[ToolCall], first_index: int = 0, streamed: bool = False) -> list[dict[str, Any]]:

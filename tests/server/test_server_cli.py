@@ -140,6 +140,7 @@ def test_server_flags_out_of_range_are_usage_errors(argv, message, capsys):
     ([], None),
     (["--enable-auto-tool-choice"], "hermes"),
     (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "hermes"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"], "llama3_json"),
 ])
 def test_tool_call_parser_flags(argv, expected):
     from nightjar_jax.serve import tool_call_parser
@@ -151,8 +152,8 @@ def test_tool_call_parser_flags(argv, expected):
 @pytest.mark.parametrize("argv, message", [
     (["--tool-call-parser", "hermes"], "--tool-call-parser takes effect with --enable-auto-tool-choice"),
     (["--enable-auto-tool-choice", "--tool-call-parser", "mistral"],
-     "--tool-call-parser must be one of: hermes; got 'mistral'"),
-    (["--enable-auto-tool-choice", "--tool-call-parser", ""], "--tool-call-parser must be one of: hermes; got ''"),
+     "--tool-call-parser must be one of: hermes, llama3_json; got 'mistral'"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", ""], "got ''"),
     (["--reasoning-parser", "granite"], "--reasoning-parser must be one of: deepseek_r1, qwen3; got 'granite'"),
 ])
 def test_tool_call_parser_usage_errors(argv, message, capsys):

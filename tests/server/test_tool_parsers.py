@@ -59,20 +59,38 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("text,content,calls", CASES)
-def test_parse(text, content, calls):
-    assert parse(text) == (content, calls)
+# llama3_json: an answer that is only calls (one JSON object each, ";" between, maybe after <|python_tag|>)
+LLAMA_CASES = [
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [ToolCall("get_weather", '{"city": "Paris"}')]),
+    ('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}', "",
+     [ToolCall("a", "{}"), ToolCall("b", '{"x": 1}')]),
+    ('\n {"name": "a"};', "", [ToolCall("a", "{}")]),
+    ("Paris is sunny today.", "Paris is sunny today.", []),
+    ('Sure: {"name": "a"}', 'Sure: {"name": "a"}', []),  # (a call is the whole answer)
+    ('{"name": "a"} and more', '{"name": "a"} and more', []),
+    ('{"city": "Paris"}', '{"city": "Paris"}', []),  # (JSON, but no call)
+    ('{"name": "a", "parameters": {"x": NaN}}', '{"name": "a", "parameters": {"x": NaN}}', []),
+    ('{"name": "get_weather", "param', '{"name": "get_weather", "param', []),  # (cut by max_tokens)
+    ("<|python", "<|python", []),
+    ("  ", "  ", []),
+]
+ALL_CASES = [("hermes", *c) for c in CASES] + [("llama3_json", *c) for c in LLAMA_CASES]
 
 
-@pytest.mark.parametrize("text,content,calls", CASES)
-def test_streamed_in_any_pieces_equals_parse(text, content, calls):
+@pytest.mark.parametrize("parser,text,content,calls", ALL_CASES)
+def test_parse(parser, text, content, calls):
+    assert parse(text, parser) == (content, calls)
+
+
+@pytest.mark.parametrize("parser,text,content,calls", ALL_CASES)
+def test_streamed_in_any_pieces_equals_parse(parser, text, content, calls):
     """Every split into 1-4 character pieces, and random splits: the same content (joined) and calls; content that
     could still begin a tag is held back, and no call's block goes out as content."""
     rng = random.Random(0)
     splits = [[1] * len(text), [2] * len(text), [4] * len(text)] + [
         [rng.randint(1, 12) for _ in text] for _ in range(20)]
     for sizes in splits:
-        stream = tool_parsers.make_stream("hermes")
+        stream = tool_parsers.make_stream(parser)
         pieces, at = [], 0
         for size in sizes:
             if at >= len(text):
@@ -85,6 +103,7 @@ def test_streamed_in_any_pieces_equals_parse(text, content, calls):
             out.append(c)
             found += f
             assert "</tool_call>" not in c or "</tool_call>" in content, "a call's block went out as content"
+            assert not calls or '"name"' not in c, "a call went out as content"
         rest, more = stream.finish()
         assert ("".join(out) + rest, found + more) == (content, calls)
         assert stream.calls == calls
@@ -98,8 +117,16 @@ def test_held_back_only_a_possible_tag():
     assert stream.feed("</tool_call>!") == ("!", [ToolCall("a", "{}")])
 
 
+def test_llama3_json_streams_prose_at_once():
+    stream = tool_parsers.make_stream("llama3_json")
+    assert stream.feed(" ") == ("", [])
+    assert stream.feed("It is") == (" It is", [])
+    assert stream.feed(' {"name": "a"}') == (' {"name": "a"}', [])
+    assert stream.finish() == ("", [])
+
+
 def test_unknown_parser_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral': choose one of hermes"):
+    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral': choose one of hermes, llama3_json"):
         tool_parsers.make_stream("mistral")
 
 
