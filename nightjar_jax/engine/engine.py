@@ -325,6 +325,11 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens but the whole KV pool holds {self.max_model_len}: it can never be "
                 f"scheduled (prompt + at least one generated token must fit)"
             )
+        room = min(self.context_limit, self.max_model_len) - len(ids)  # (tokens that fit after the prompt)
+        if params.min_tokens > room:
+            raise InvalidRequestError(
+                f"min_tokens={params.min_tokens} cannot be met: the context leaves room for {room} tokens after this "
+                f"{len(ids)}-token prompt", "min_tokens")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequestError(
                 f"logit_bias token ids must be in [0, {vocab}): got {max(params.logit_bias)}", "logit_bias"
@@ -339,6 +344,9 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         grammar = None if params.structured_outputs is None else self.grammar_backend().matcher(
             params.structured_outputs)
+        if grammar is not None and not grammar.allowed().any():
+            raise InvalidRequestError("the structured output's constraint allows no output at all (no token can "
+                                      "start it): give one that some text matches", "structured_outputs")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         req = Request(request_id, [int(t) for t in ids], params, seed, prompt=text, grammar=grammar,
                       priority=priority)
@@ -719,8 +727,9 @@ class LLMEngine:
             reason: FinishReason | None = None
             text_ids = [tok]
             if r.grammar is not None and not r.grammar.accept(tok):  # (its mask allowed only what it accepts)
-                r.error = (f"the structured output's constraint did not allow token {tok}: the output so far is "
-                           "kept, the request ended")
+                r.error = (f"the structured output's constraint allows no token after the output so far (token "
+                           f"{tok} came): it cannot be completed; the output so far is kept, the request ended")
+                r.error_field = "structured_outputs"  # (a dead end of the constraint, not an engine fault)
                 self._detokenize(r, [], final=True)
                 self._finish(r, FinishReason.ERROR)
                 break
@@ -797,5 +806,5 @@ class LLMEngine:
         if r.is_finished:
             self.requests.pop(r.request_id, None)
         return RequestOutput(r.request_id, r.prompt, list(r.prompt_token_ids), [comp], r.is_finished, metrics,
-                             r.error, prompt_logprobs=r.prompt_logprobs_snapshot(),
+                             r.error, r.error_field, prompt_logprobs=r.prompt_logprobs_snapshot(),
                              num_cached_tokens=r.num_cached_tokens)

@@ -73,6 +73,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # with error: the request field at fault when the request itself could not be served (a structured output whose
+    # constraint came to a dead end: "structured_outputs"); None: the engine failed
+    error_field: str | None = None
     # with SamplingParams.prompt_logprobs: one {token id: Logprob} per prompt token (None for the first, which nothing
     # predicts), as vLLM; complete once the prompt's prefill is done (every output after the first token)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -49,6 +49,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
+    error_field: str | None = None  # the request's field at fault, when the error is the request's own
     block_table: list[int] = field(default_factory=list)  # page ids, logical page order
     num_computed: int = 0
     num_draft_computed: int = 0

@@ -16,6 +16,7 @@ end-of-sequence tokens are allowed, and the request ends once the matcher accept
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -108,8 +109,9 @@ class GrammarBackend:
                 return c.compile_grammar(f"root ::= {rule}")
             return c.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError, TypeError) as e:  # (xgrammar's parse errors)
+            why = re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", str(e).strip())  # (xgrammar's time and C++ source line)
             raise InvalidRequestError(f"structured outputs: the {spec.kind} constraint does not compile: "
-                                      f"{clip(str(e).strip(), 300)}", "structured_outputs") from None
+                                      f"{clip(why, 300)}", "structured_outputs") from None
 
     def matcher(self, spec: StructuredOutputs) -> RequestGrammar:
         return RequestGrammar(self._xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, self._xgr)

@@ -281,7 +281,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         except InvalidRequestError as exc:
             chat = isinstance(req, ChatCompletionRequest)
             names = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs" if chat else "logprobs",
-                     "prompt_logprobs": "logprobs"}
+                     "prompt_logprobs": "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs",
+                     "structured_outputs": req.structured_field()}
             name = names.get(exc.field, exc.field)
             raise APIError(400, str(exc).replace(f"SamplingParams.{exc.field}", f"'{name}'"), param=name) from None
         except ValueError as exc:
@@ -312,15 +313,17 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         return out
 
     async def add_group(prompts: list[Any], params: SamplingParams, n: int, request_id: str,
-                        max_tokens_param: str | None = None, priority: int = 0) -> GroupStream:
+                        max_tokens_param: str | None = None, priority: int = 0,
+                        structured_param: str = "structured_outputs") -> GroupStream:
         """Queue ``prompts`` x ``n`` members at ``priority``; ``max_tokens_param``: the field that set
-        ``params.max_tokens`` explicitly (None: a default), checked against each prompt's length."""
+        ``params.max_tokens`` explicitly (None: a default), checked against each prompt's length;
+        ``structured_param``: the field that set the output constraint, which its errors name."""
         prompts = await asyncio.to_thread(tokenized, prompts, params, max_tokens_param)
         if params.structured_outputs is not None:  # (its first call takes seconds: not on the engine's thread)
             try:
                 await asyncio.to_thread(engine.grammar_backend)
             except ValueError as exc:
-                raise APIError(400, str(exc), param="structured_outputs") from None
+                raise APIError(400, str(exc), param=structured_param) from None
         members, member_params = [], []
         for prompt in prompts:
             for j in range(n):
@@ -330,15 +333,21 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         try:
             return await async_engine.add(members, member_params, request_id=request_id, priority=priority)
         except ValueError as exc:
-            raise APIError(400, str(exc), param=getattr(exc, "field", None) or "prompt") from None
+            field = getattr(exc, "field", None) or "prompt"
+            raise APIError(400, str(exc), param=structured_param if field == "structured_outputs" else field) from None
         except RuntimeError as exc:
             raise APIError(503, str(exc), type="server_error") from None
 
-    def engine_failure(outs: list[RequestOutput]) -> APIError | None:
-        """A 500 when the engine failed while serving any of ``outs`` (finish reason "error")."""
+    def engine_failure(outs: list[RequestOutput], structured_param: str = "structured_outputs") -> APIError | None:
+        """When any of ``outs`` ended in an error (finish reason "error"): a 400 naming the field when it was the
+        request's own (``RequestOutput.error_field``: a structured output's constraint came to a dead end), else a
+        500: the engine failed while serving it."""
         failed = next((o for o in outs if o is not None and o.outputs[0].finish_reason == "error"), None)
         if failed is None:
             return None
+        if failed.error_field is not None:
+            field = structured_param if failed.error_field == "structured_outputs" else failed.error_field
+            return APIError(400, f"this request could not be completed: {failed.error}", param=field)
         return APIError(500, f"the engine failed while serving this request: {failed.error or 'unknown error'}",
                         type="internal_error")
 
@@ -385,7 +394,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
 
     async def stream_events(
         stream: GroupStream, size: int, n: int, chunk, include_usage: bool, first: list[dict] | None = None,
-        continuous_usage: bool = False,
+        continuous_usage: bool = False, structured_param: str = "structured_outputs",
     ) -> AsyncIterator[str]:
         """SSE frames: ``chunk(index, out)`` per output (None = skip; with ``continuous_usage`` each carries its
         request's usage so far), usage when asked, then ``[DONE]``."""
@@ -394,7 +403,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             for frame in first or []:
                 yield sse(frame)
             async for index, out in stream:
-                failure = engine_failure([out])
+                failure = engine_failure([out], structured_param)
                 if failure is not None:  # (the response is under way: the error goes as an event)
                     finals[index] = out
                     yield sse(failure.body())
@@ -413,7 +422,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             stream.abort()  # the client went away (generator cancelled / closed): free the pages now
 
     # ---- endpoints ----------------------------------------------------------------------------------------------
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not async_engine.is_alive:
             return JSONResponse({"status": "error", "detail": "the engine thread is not running"}, status_code=503)
@@ -523,8 +532,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         params = make_params(req, check_max_tokens(req.engine_max_tokens(), "max_tokens"))
         rid = f"cmpl-{uuid.uuid4().hex}"
         explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None and not req.prompt_only
+        sfield = req.structured_field()
         stream = await add_group(prompts, params, req.n, rid, max_tokens_param="max_tokens" if explicit else None,
-                                 priority=req.priority)
+                                 priority=req.priority, structured_param=sfield)
         size, now = len(prompts) * req.n, int(time.time())
         base = {"id": rid, "object": "text_completion", "created": now, "model": model}
 
@@ -578,11 +588,12 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 return {**base, "choices": [choice]}
 
             return StreamingResponse(
-                stream_events(stream, size, req.n, chunk, req.include_usage, continuous_usage=req.continuous_usage),
+                stream_events(stream, size, req.n, chunk, req.include_usage, continuous_usage=req.continuous_usage,
+                              structured_param=sfield),
                 media_type="text/event-stream",
             )
         outs = await collect(stream, request, size)  # (a client gone: _ClientGone, answered 499 by its handler)
-        failure = engine_failure(outs)
+        failure = engine_failure(outs, sfield)
         if failure is not None:
             raise failure
         choices = []
@@ -640,8 +651,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         prompt = render_chat(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         explicit = req.requested_max_tokens() is not None
+        sfield = req.structured_field()
         stream = await add_group([prompt], params, req.n, rid, max_tokens_param=param if explicit else None,
-                                 priority=req.priority)
+                                 priority=req.priority, structured_param=sfield)
         size, now = req.n, int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model}
 
@@ -737,11 +749,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             ]
             return StreamingResponse(
                 stream_events(stream, size, req.n, chunk, req.include_usage, first=first,
-                              continuous_usage=req.continuous_usage),
+                              continuous_usage=req.continuous_usage, structured_param=sfield),
                 media_type="text/event-stream",
             )
         outs = await collect(stream, request, size)  # (a client gone: _ClientGone, answered 499 by its handler)
-        failure = engine_failure(outs)
+        failure = engine_failure(outs, sfield)
         if failure is not None:
             raise failure
         choices = []

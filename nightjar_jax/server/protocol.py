@@ -94,6 +94,7 @@ class _SamplingFields(_Strict):
         return [
             ("best_of", self.best_of is not None and self.best_of != self.n),
             ("store", bool(self.store)),
+            ("service_tier", self.service_tier not in (None, "auto", "default")),
         ]
 
     def check_unsupported(self) -> None:
@@ -164,11 +165,23 @@ class _SamplingFields(_Strict):
                            param=given[1][0])
         return given[0][1] if given else None
 
+    def structured_field(self) -> str:
+        """The request field that set the output constraint: the ``param`` its errors name (the engine's name for
+        them all is ``structured_outputs``)."""
+        fmt = self.response_format
+        if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
+            return "response_format"
+        if self.structured_outputs is not None:
+            return "structured_outputs"
+        return next((f"guided_{k}" for k in ("json", "regex", "choice", "grammar")
+                     if getattr(self, f"guided_{k}") is not None), "structured_outputs")
+
     def token_bias(self) -> dict[int, float] | None:
         """``logit_bias`` with its keys (token ids as JSON strings) as integers."""
         if not self.logit_bias:
             return None
-        bad = [k for k in self.logit_bias if not re.fullmatch(r"-?[0-9]+", k)]  # (int() would take "5_0", " 5 ")
+        # (int() would take "5_0" or " 5 ", and refuse digits past Python's 4300 with its own message)
+        bad = [k for k in self.logit_bias if not re.fullmatch(r"-?[0-9]{1,18}", k)]
         if bad:
             raise APIError(400, f"'logit_bias' keys must be token ids written as decimal integers (\"50\"): got "
                                 f"{short_repr(bad[0])}", param="logit_bias")
@@ -329,6 +342,11 @@ class ChatCompletionRequest(_SamplingFields):
                                 f"'function': {{'name': <one of the tools: {known}>}}}}; got {short_repr(choice)}",
                            param="tool_choice")
         return "named", named
+
+    def structured_field(self) -> str:
+        """``tools`` when a named or required tool call sets the constraint (their parameters' schemas)."""
+        call = self.tool_call()
+        return "tools" if call is not None and call[0] != "auto" else super().structured_field()
 
     def structured(self) -> dict[str, Any] | None:
         """The output constraint: a tool call's (:meth:`tool_call`), or the one the sampling fields set."""

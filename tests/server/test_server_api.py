@@ -66,6 +66,7 @@ def post(server, path, body, *, key=API_KEY, raw=None, headers=None):
 # ---- happy paths ------------------------------------------------------------------------------------------------
 def test_models_and_health(server, client):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.head(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/ping").json() == httpx.post(server.url + "/ping").json() == {"status": "ok"}
     from nightjar_jax import __version__
 
@@ -679,6 +680,12 @@ FIELD_CASES = [
      "needs scheduling_policy='priority' (serve --scheduling-policy priority)"),
     ("priority not an integer", "/v1/chat/completions", {**CHAT, "priority": "high"}, None, "priority",
      "valid integer"),
+    ("logit_bias key past 4300 digits", "/v1/completions", {**GOOD, "logit_bias": {"9" * 5000: 1}}, None,
+     "logit_bias", "decimal integers"),
+    ("min_tokens past the context", "/v1/chat/completions", {**CHAT, "min_tokens": 300}, None, "min_tokens",
+     "cannot be met: the context leaves room for"),
+    ("service_tier flex", "/v1/completions", {**GOOD, "service_tier": "flex"}, None, "service_tier",
+     "is not supported"),
     ("truncate_prompt_tokens a boolean", "/v1/completions", {**GOOD, "truncate_prompt_tokens": True}, None,
      "truncate_prompt_tokens", "valid integer"),
     ("allowed_token_ids all stop tokens under min_tokens", "/v1/completions",

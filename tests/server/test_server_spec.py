@@ -94,6 +94,24 @@ def test_structured_outputs_through_the_api(spec_server):
     assert e["param"] == "structured_outputs" and "the regex constraint does not compile" in e["message"]
     e = error(structured_outputs={"regex": "a", "choice": ["b"]})
     assert e["param"] == "structured_outputs" and "exactly one of" in e["message"]
+    # errors name the field the constraint came from, without xgrammar's time and C++ source line
+    e = error(guided_regex="[a-")
+    assert e["param"] == "guided_regex" and "does not compile" in e["message"] and ".cc:" not in e["message"]
+    e = error(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+    assert e["param"] == "response_format"
+    # a constraint no text matches: refused before it is queued; one that comes to a dead end after its first
+    # tokens: the request's own 400, streamed as an error event before [DONE] (not an engine failure's 500)
+    e = error(guided_regex="[^\\s\\S]")
+    assert e["param"] == "guided_regex" and "allows no output at all" in e["message"]
+    e = error(guided_regex="ab[^\\s\\S]", max_tokens=8)
+    assert e["param"] == "guided_regex" and "could not be completed" in e["message"], e
+    with httpx.stream("POST", spec_server.url + "/v1/completions", timeout=60, json={
+            "model": "stories260k", "prompt": "Hi", "guided_regex": "ab[^\\s\\S]", "max_tokens": 8,
+            "stream": True}) as resp:
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert [ev["error"]["param"] for ev in events if "error" in ev] == ["guided_regex"]
     assert complete().text  # (and the server serves on)
 
 
