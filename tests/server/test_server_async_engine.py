@@ -175,30 +175,31 @@ def test_http_answers_a_failed_step_with_500_and_a_stream_with_an_error_event(en
 
 
 def test_group_priority_reaches_the_scheduler():
-    """A group's priority (the API's ``priority``) orders admission on a "priority" engine: behind a long request
-    holding its one slot, three groups queued together run most urgent first."""
-    config = make_engine_config(model="fake", page_size=4, num_pages=64, max_num_seqs=1, max_model_len=256,
+    """A group's priority (the API's ``priority``) orders admission on a "priority" engine: three groups queued
+    behind a request holding the one slot run most urgent first once it is aborted (no timing involved: each add
+    returns once the engine thread has queued it)."""
+    config = make_engine_config(model="fake", page_size=4, num_pages=600, max_num_seqs=1, max_model_len=2048,
                                 scheduling_policy="priority")
-    ae = AsyncEngine(LLMEngine(config, target=fake_model(VOCAB, max_len=256)))
+    ae = AsyncEngine(LLMEngine(config, target=fake_model(VOCAB, max_len=2048)))
     ae.start()
     finished: list[str] = []
 
-    async def one(name: str, priority: int, max_tokens: int):
-        stream = await ae.add([[1, 2, 3]], [greedy(max_tokens)], request_id=name, priority=priority)
-        await drain(stream)
-        finished.append(name)
-
     async def go():
-        stream = await ae.add([[1, 2, 3]], [greedy(150)], request_id="blocker")
-        await stream.next()  # its first output: it holds the slot
-        others = asyncio.gather(one("low", 5, 3), one("high", -1, 3), one("mid", 2, 3))
-        await drain(stream)
-        finished.append("blocker")
-        await others
+        blocker = await ae.add([[1, 2, 3]], [greedy(2000)], request_id="blocker")
+        await blocker.next()  # its first output: it holds the slot
+        queued = {name: await ae.add([[1, 2, 3]], [greedy(3)], request_id=name, priority=priority)
+                  for name, priority in [("low", 5), ("high", -1), ("mid", 2)]}
+        ae.abort(blocker.request_ids)  # the slot frees only now
+
+        async def done(name, stream):
+            await drain(stream)
+            finished.append(name)
+
+        await asyncio.gather(drain(blocker), *(done(name, stream) for name, stream in queued.items()))
 
     try:
         asyncio.run(go())
     finally:
         ae.stop()
-    assert finished == ["blocker", "high", "mid", "low"]
+    assert finished == ["high", "mid", "low"]
     assert ae.engine.num_free_pages == ae.engine.num_total_pages
