@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over an :class:`AsyncEngine`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as server-sent
-events ending in ``data: [DONE]``), ``GET /v1/models`` (and ``/v1/models/{name}``), ``GET /health`` (``/ping``),
+events ending in ``data: [DONE]``), ``POST /v1/responses`` (OpenAI's Responses API, stateless), ``GET /v1/models``
+(and ``/v1/models/{name}``), ``GET /health`` (``/ping``),
 ``GET /version``, ``GET /metrics``, and vLLM's ``POST /tokenize`` and ``POST /detokenize``.
 
 Every error is answered in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
@@ -48,6 +49,7 @@ from nightjar_jax.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
     chat_logprobs,
     completion_logprobs,
@@ -776,5 +778,95 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             })
         prompt = {} if req.prompt_logprobs is None else {"prompt_logprobs": chat_prompt_logprobs(outs[0])}
         return {**base, "object": "chat.completion", **prompt, "choices": choices, "usage": usage(outs, req.n)}
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        """OpenAI's Responses API, stateless (``ResponsesRequest``): the input through the chat template as one chat
+        completion; the answer as one ``message`` output item of ``output_text``. Streamed, the events OpenAI sends
+        (``response.created`` ... ``response.output_text.delta`` ... ``response.completed``), each with its
+        ``sequence_number``."""
+        authorize(request)
+        req: ResponsesRequest = await read_body(request, ResponsesRequest)
+        model = check_model(req.model)
+        chat = req.as_chat()
+        params = make_params(chat, check_max_tokens(req.max_output_tokens, "max_output_tokens"), "max_output_tokens")
+        prompt = render_chat(chat)
+        rid, mid = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+        stream = await add_group([prompt], params, 1, rid, max_tokens_param="max_output_tokens"
+                                 if req.max_output_tokens is not None else None, structured_param="text")
+        created = int(time.time())
+
+        def item(text: str, status: str) -> dict[str, Any]:
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            return {"type": "message", "id": mid, "status": status, "role": "assistant",
+                    "content": [part] if status != "in_progress" else []}
+
+        def response(status: str, out: RequestOutput | None = None, text: str = "") -> dict[str, Any]:
+            body: dict[str, Any] = {
+                "id": rid, "object": "response", "created_at": created, "model": model, "status": status,
+                "error": None, "incomplete_details": None, "instructions": req.instructions,
+                "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
+                "parallel_tool_calls": True, "temperature": req.temperature, "top_p": req.top_p,
+                "tool_choice": "auto", "tools": [], "text": req.text or {"format": {"type": "text"}},
+                "output": [], "usage": None,
+            }
+            if out is not None:
+                comp = out.outputs[0]
+                body["output"] = [item(text, "completed" if status == "completed" else "incomplete")]
+                if status == "incomplete":
+                    body["incomplete_details"] = {"reason": "max_output_tokens"}
+                counts = usage([out], 1)
+                body["usage"] = {
+                    "input_tokens": counts["prompt_tokens"], "output_tokens": len(comp.token_ids),
+                    "total_tokens": counts["total_tokens"],
+                    "input_tokens_details": {"cached_tokens": out.num_cached_tokens, "cache_write_tokens": 0},
+                    "output_tokens_details": {"reasoning_tokens": 0},
+                }
+            return body
+
+        def status_of(out: RequestOutput) -> str:
+            return "incomplete" if out.outputs[0].finish_reason == "length" else "completed"
+
+        if not req.stream:
+            (out,) = await collect(stream, request, 1)
+            failure = engine_failure([out], "text")
+            if failure is not None:
+                raise failure
+            return response(status_of(out), out, out.outputs[0].text)
+
+        async def events() -> AsyncIterator[str]:
+            seq = 0
+
+            def event(kind: str, **fields) -> str:
+                nonlocal seq
+                seq += 1
+                data = json.dumps({"type": kind, "sequence_number": seq - 1, **fields}, ensure_ascii=False)
+                return f"event: {kind}\ndata: {data}\n\n"
+
+            where = {"item_id": mid, "output_index": 0, "content_index": 0}
+            empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            try:
+                yield event("response.created", response=response("in_progress"))
+                yield event("response.in_progress", response=response("in_progress"))
+                yield event("response.output_item.added", output_index=0, item=item("", "in_progress"))
+                yield event("response.content_part.added", **where, part=empty)
+                async for _, out in stream:
+                    failure = engine_failure([out], "text")
+                    if failure is not None:
+                        yield event("error", **{k: v for k, v in failure.body()["error"].items() if k != "type"})
+                        return
+                    comp = out.outputs[0]
+                    if comp.delta_text:
+                        yield event("response.output_text.delta", **where, delta=comp.delta_text, logprobs=[])
+                    if out.finished:
+                        status, text = status_of(out), comp.text
+                        yield event("response.output_text.done", **where, text=text, logprobs=[])
+                        yield event("response.content_part.done", **where, part={**empty, "text": text})
+                        yield event("response.output_item.done", output_index=0, item=item(text, status))
+                        yield event(f"response.{status}", response=response(status, out, text))
+            finally:
+                stream.abort()  # the client went away (generator cancelled / closed): free the pages now
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     return app

@@ -466,3 +466,93 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict], num_top: int) -> d
 def _chat_token(token: int, lp: Any) -> dict:
     text = _token_text(lp, token)
     return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+
+
+class ResponsesRequest(_Strict):
+    """OpenAI's Responses API (``POST /v1/responses``), stateless: text in (a string, or messages whose content is
+    text or ``input_text`` / ``output_text`` parts), text out, as one chat completion through the chat template.
+    ``instructions`` become a system message first; ``text.format`` is ``response_format``. Not served (a 400 naming
+    the field): stored responses (``store`` true, ``previous_response_id``), tools, ``n`` > 1 (it has none), and
+    input items other than messages."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=100)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stream: bool | None = False
+    text: dict[str, Any] | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: str | None = None
+    reasoning: dict[str, Any] | None = None
+    service_tier: str | None = None
+
+    def check(self) -> None:
+        unsupported = [
+            ("store", bool(self.store), "responses are not stored here: send 'store': false (or leave it out) and "
+                                        "the whole conversation as 'input'"),
+            ("previous_response_id", self.previous_response_id is not None,
+             "responses are not stored here: send the whole conversation as 'input'"),
+            ("tools", bool(self.tools), "tools are served on /v1/chat/completions"),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto"), "tools are served on /v1/chat/completions"),
+            ("truncation", self.truncation not in (None, "disabled"), "allowed 'disabled'"),
+            ("reasoning", bool(self.reasoning), "no reasoning options are served"),
+            ("service_tier", self.service_tier not in (None, "auto", "default"), "allowed 'auto' or 'default'"),
+        ]
+        for name, bad, why in unsupported:
+            if bad:
+                raise APIError(400, f"'{name}'={short_repr(getattr(self, name))} is not supported by this server: "
+                                    f"{why}", param=name)
+
+    def messages(self) -> list[dict[str, Any]]:
+        """``instructions`` and ``input`` as chat messages."""
+        out = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        if isinstance(self.input, str):
+            if not self.input:
+                raise APIError(400, "'input' is empty: give the text or the messages to answer", param="input")
+            return [*out, {"role": "user", "content": self.input}]
+        if not self.input:
+            raise APIError(400, "'input' is empty: give the text or the messages to answer", param="input")
+        for i, item in enumerate(self.input):
+            role, content = item.get("role"), item.get("content")
+            if item.get("type", "message") != "message" or role not in ("user", "system", "developer", "assistant"):
+                raise APIError(400, f"'input'[{i}] must be a message {{'role': 'user' | 'system' | 'developer' | "
+                                    f"'assistant', 'content': ...}}: other items (function calls, images, ...) are "
+                                    f"not served", param=f"input[{i}]")
+            if isinstance(content, list):
+                if not all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
+                           and isinstance(p.get("text"), str) for p in content):
+                    raise APIError(400, f"'input'[{i}].content parts must be {{'type': 'input_text' | 'output_text', "
+                                        f"'text': ...}}", param=f"input[{i}].content")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(content, str):
+                raise APIError(400, f"'input'[{i}].content must be text or a list of text parts",
+                               param=f"input[{i}].content")
+            out.append({"role": role, "content": content})
+        return out
+
+    def response_format(self) -> dict[str, Any] | None:
+        """``text.format`` as the chat API's ``response_format``."""
+        fmt = (self.text or {}).get("format")
+        if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            return None
+        if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+            return {"type": "json_object"}
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
+            return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt["schema"]}}
+        raise APIError(400, "'text.format' must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
+                            "'json_schema', 'name': ..., 'schema': {...}}", param="text")
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The same request as a chat completion (what the engine serves)."""
+        self.check()
+        return ChatCompletionRequest(messages=self.messages(), model=self.model,
+                                     max_completion_tokens=self.max_output_tokens, temperature=self.temperature,
+                                     top_p=self.top_p, response_format=self.response_format(), user=self.user)

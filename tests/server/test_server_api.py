@@ -458,6 +458,47 @@ def test_prompt_logprobs(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
 
 
+def test_responses_api(client, server):
+    """OpenAI's Responses API, stateless: the input (text, or messages, after the instructions) answered as the
+    chat endpoint answers the same messages, whole or streamed through the SDK's typed events; max_output_tokens
+    makes it incomplete; text.format constrains it; stored or tool requests are 400s naming the field."""
+    kw = dict(model=MODEL, max_output_tokens=12, temperature=0)
+    resp = client.responses.create(input="Tell me a story.", instructions="Be brief.", **kw)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}])
+    assert resp.output_text == chat.choices[0].message.content and resp.id.startswith("resp_")
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert (resp.usage.input_tokens, resp.usage.output_tokens) == (chat.usage.prompt_tokens, 12)
+    (message,) = resp.output
+    assert message.type == "message" and message.role == "assistant" and message.content[0].type == "output_text"
+
+    parts = [{"role": "user", "content": [{"type": "input_text", "text": "Tell me a story."}]}]
+    assert client.responses.create(input=parts, **kw).output_text == client.responses.create(
+        input="Tell me a story.", **kw).output_text
+    events = list(client.responses.create(input="Tell me a story.", instructions="Be brief.", stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == resp.output_text
+    assert events[-1].response.output_text == resp.output_text
+
+    formatted = client.responses.create(input="Answer yes or no.", model=MODEL, max_output_tokens=40, temperature=0,
+                                        text={"format": {"type": "json_schema", "name": "a", "schema": {
+                                            "type": "object", "properties": {"ok": {"type": "boolean"}},
+                                            "required": ["ok"], "additionalProperties": False}}})
+    assert formatted.status == "completed" and isinstance(json.loads(formatted.output_text)["ok"], bool)
+    for extra, param in [({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
+                         ({"tools": [WEATHER]}, "tools"), ({"input": []}, "input"),
+                         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]"),
+                         ({"text": {"format": {"type": "xml"}}}, "text"), ({"max_output_tokens": 0},
+                                                                            "max_output_tokens")]:
+        bad = post(server, "/v1/responses", {"model": MODEL, "input": "hi", **extra})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (extra, bad.text)
+
+
 def test_vllm_chat_and_prompt_fields(client, server):
     """vLLM's ``continue_final_message`` (the text ends inside the last message, which the model continues),
     ``chat_template_kwargs`` (the template's own variables), ``allowed_token_ids`` and ``truncate_prompt_tokens``
