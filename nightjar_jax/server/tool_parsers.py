@@ -86,10 +86,13 @@ def _calls_in(body: str) -> list[ToolCall] | None:
         arguments = item.get("arguments", item.get("parameters", {}))
         if isinstance(arguments, str):
             try:
-                if not isinstance(strict_json(arguments), dict):
-                    return None
+                parsed = strict_json(arguments)
             except ValueError:
                 return None
+            if not isinstance(parsed, dict):
+                return None
+            if not _encodes(arguments):  # (a surrogate escape the outer string decoded: written out escaped)
+                arguments = json_text(parsed)
         elif isinstance(arguments, dict):
             arguments = json_text(arguments)
         else:

@@ -47,6 +47,8 @@ CASES = [
     # a lone surrogate escape: arguments go out as ASCII JSON (UTF-8 cannot carry it); in a name, not a call
     ('<tool_call>{"name": "a", "arguments": {"x": "\\ud800 é"}}</tool_call>', "",
      [ToolCall("a", '{"x": "\\ud800 \\u00e9"}')]),
+    ('<tool_call>{"name": "a", "arguments": "{\\"x\\": \\"\\ud800\\"}"}</tool_call>', "",
+     [ToolCall("a", '{"x": "\\ud800"}')]),
     ('<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
      '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>', []),
     # a start tag written in prose before the real one, or twice: the call after the last one
