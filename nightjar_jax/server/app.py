@@ -316,11 +316,17 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
 
     async def add_group(prompts: list[Any], params: SamplingParams, n: int, request_id: str,
                         max_tokens_param: str | None = None, priority: int = 0,
-                        structured_param: str = "structured_outputs") -> GroupStream:
+                        structured_param: str = "structured_outputs", prompt_param: str = "prompt") -> GroupStream:
         """Queue ``prompts`` x ``n`` members at ``priority``; ``max_tokens_param``: the field that set
         ``params.max_tokens`` explicitly (None: a default), checked against each prompt's length;
-        ``structured_param``: the field that set the output constraint, which its errors name."""
-        prompts = await asyncio.to_thread(tokenized, prompts, params, max_tokens_param)
+        ``structured_param``: the field that set the output constraint, which its errors name; ``prompt_param``: the
+        field the prompt came from (chat: ``messages``), which a prompt's errors name."""
+        try:
+            prompts = await asyncio.to_thread(tokenized, prompts, params, max_tokens_param)
+        except APIError as exc:
+            if exc.param == "prompt":
+                exc.param = prompt_param
+            raise
         if params.structured_outputs is not None:  # (its first call takes seconds: not on the engine's thread)
             try:
                 await asyncio.to_thread(engine.grammar_backend)
@@ -336,7 +342,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             return await async_engine.add(members, member_params, request_id=request_id, priority=priority)
         except ValueError as exc:
             field = getattr(exc, "field", None) or "prompt"
-            raise APIError(400, str(exc), param=structured_param if field == "structured_outputs" else field) from None
+            names = {"structured_outputs": structured_param, "prompt": prompt_param}
+            raise APIError(400, str(exc), param=names.get(field, field)) from None
         except RuntimeError as exc:
             raise APIError(503, str(exc), type="server_error") from None
 
@@ -655,7 +662,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         explicit = req.requested_max_tokens() is not None
         sfield = req.structured_field()
         stream = await add_group([prompt], params, req.n, rid, max_tokens_param=param if explicit else None,
-                                 priority=req.priority, structured_param=sfield)
+                                 priority=req.priority, structured_param=sfield, prompt_param="messages")
         size, now = req.n, int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model}
 
@@ -782,7 +789,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     @app.post("/v1/responses")
     async def responses(request: Request):
         """OpenAI's Responses API, stateless (``ResponsesRequest``): the input through the chat template as one chat
-        completion; the answer as one ``message`` output item of ``output_text``. Streamed, the events OpenAI sends
+        completion; the answer as one ``message`` output item of ``output_text``, after a ``reasoning`` item holding
+        the thought when ``--reasoning-parser`` split one off. Streamed, the events OpenAI sends
         (``response.created`` ... ``response.output_text.delta`` ... ``response.completed``), each with its
         ``sequence_number``."""
         authorize(request)
@@ -791,17 +799,26 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         chat = req.as_chat()
         params = make_params(chat, check_max_tokens(req.max_output_tokens, "max_output_tokens"), "max_output_tokens")
         prompt = render_chat(chat)
-        rid, mid = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+        rid, mid, rsid = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", f"rs_{uuid.uuid4().hex}"
         stream = await add_group([prompt], params, 1, rid, max_tokens_param="max_output_tokens"
-                                 if req.max_output_tokens is not None else None, structured_param="text")
+                                 if req.max_output_tokens is not None else None, structured_param="text",
+                                 prompt_param="input")
         created = int(time.time())
+        spec = params.structured_outputs
+        thinks = settings.reasoning_parser is not None and (spec is None or spec.regex is not None
+                                                            or spec.grammar is not None)
 
-        def item(text: str, status: str) -> dict[str, Any]:
+        def message(text: str, status: str) -> dict[str, Any]:
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             return {"type": "message", "id": mid, "status": status, "role": "assistant",
                     "content": [part] if status != "in_progress" else []}
 
-        def response(status: str, out: RequestOutput | None = None, text: str = "") -> dict[str, Any]:
+        def thought(text: str, status: str) -> dict[str, Any]:
+            return {"type": "reasoning", "id": rsid, "summary": [], "status": status,
+                    "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}
+
+        def response(status: str, out: RequestOutput | None = None, reasoning: str = "", text: str = ""
+                     ) -> dict[str, Any]:
             body: dict[str, Any] = {
                 "id": rid, "object": "response", "created_at": created, "model": model, "status": status,
                 "error": None, "incomplete_details": None, "instructions": req.instructions,
@@ -812,15 +829,17 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             }
             if out is not None:
                 comp = out.outputs[0]
-                body["output"] = [item(text, "completed" if status == "completed" else "incomplete")]
+                done = "completed" if status == "completed" else "incomplete"
+                body["output"] = [thought(reasoning, "completed")] * bool(reasoning) + [message(text, done)]
                 if status == "incomplete":
                     body["incomplete_details"] = {"reason": "max_output_tokens"}
                 counts = usage([out], 1)
+                thinking = len(need_tokenizer().encode(reasoning, add_special_tokens=False)) if reasoning else 0
                 body["usage"] = {
                     "input_tokens": counts["prompt_tokens"], "output_tokens": len(comp.token_ids),
                     "total_tokens": counts["total_tokens"],
                     "input_tokens_details": {"cached_tokens": out.num_cached_tokens, "cache_write_tokens": 0},
-                    "output_tokens_details": {"reasoning_tokens": 0},
+                    "output_tokens_details": {"reasoning_tokens": thinking},  # (the thought's text, encoded again)
                 }
             return body
 
@@ -832,7 +851,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             failure = engine_failure([out], "text")
             if failure is not None:
                 raise failure
-            return response(status_of(out), out, out.outputs[0].text)
+            reasoning, text = (reasoning_parsers.split(out.outputs[0].text, settings.reasoning_parser) if thinks
+                               else (None, out.outputs[0].text))
+            return response(status_of(out), out, reasoning or "", text or "")
 
         async def events() -> AsyncIterator[str]:
             seq = 0
@@ -843,27 +864,51 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 data = json.dumps({"type": kind, "sequence_number": seq - 1, **fields}, ensure_ascii=False)
                 return f"event: {kind}\ndata: {data}\n\n"
 
-            where = {"item_id": mid, "output_index": 0, "content_index": 0}
+            splitter = ReasoningStream(settings.reasoning_parser) if thinks else None
+            reasoning, text, phase = "", "", "start"  # phase: "start", "thinking", "answering"
             empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            at = {"item_id": mid, "output_index": 0, "content_index": 0}  # (the message's place; 1 after a thought)
             try:
                 yield event("response.created", response=response("in_progress"))
                 yield event("response.in_progress", response=response("in_progress"))
-                yield event("response.output_item.added", output_index=0, item=item("", "in_progress"))
-                yield event("response.content_part.added", **where, part=empty)
                 async for _, out in stream:
                     failure = engine_failure([out], "text")
                     if failure is not None:
                         yield event("error", **{k: v for k, v in failure.body()["error"].items() if k != "type"})
                         return
                     comp = out.outputs[0]
-                    if comp.delta_text:
-                        yield event("response.output_text.delta", **where, delta=comp.delta_text, logprobs=[])
+                    thinking, answer_text = splitter.feed(comp.delta_text) if splitter else ("", comp.delta_text)
+                    if comp.finished and splitter:
+                        more = splitter.finish()
+                        thinking, answer_text = thinking + more[0], answer_text + more[1]
+                    if thinking:
+                        if phase == "start":
+                            phase = "thinking"
+                            yield event("response.output_item.added", output_index=0, item=thought("", "in_progress"))
+                        yield event("response.reasoning_text.delta", item_id=rsid, output_index=0, content_index=0,
+                                    delta=thinking)
+                        reasoning += thinking
+                    if (answer_text or comp.finished) and phase != "answering":
+                        if phase == "thinking":  # the thought is over: its item closes, the message comes next
+                            yield event("response.reasoning_text.done", item_id=rsid, output_index=0,
+                                        content_index=0, text=reasoning)
+                            yield event("response.output_item.done", output_index=0,
+                                        item=thought(reasoning, "completed"))
+                            at["output_index"] = 1
+                        phase = "answering"
+                        yield event("response.output_item.added", output_index=at["output_index"],
+                                    item=message("", "in_progress"))
+                        yield event("response.content_part.added", **at, part=empty)
+                    if answer_text:
+                        yield event("response.output_text.delta", **at, delta=answer_text, logprobs=[])
+                        text += answer_text
                     if out.finished:
-                        status, text = status_of(out), comp.text
-                        yield event("response.output_text.done", **where, text=text, logprobs=[])
-                        yield event("response.content_part.done", **where, part={**empty, "text": text})
-                        yield event("response.output_item.done", output_index=0, item=item(text, status))
-                        yield event(f"response.{status}", response=response(status, out, text))
+                        status = status_of(out)
+                        yield event("response.output_text.done", **at, text=text, logprobs=[])
+                        yield event("response.content_part.done", **at, part={**empty, "text": text})
+                        yield event("response.output_item.done", output_index=at["output_index"],
+                                    item=message(text, status))
+                        yield event(f"response.{status}", response=response(status, out, reasoning, text))
             finally:
                 stream.abort()  # the client went away (generator cancelled / closed): free the pages now
 

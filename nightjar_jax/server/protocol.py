@@ -478,7 +478,7 @@ class ResponsesRequest(_Strict):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=100)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stream: bool | None = False
@@ -493,6 +493,12 @@ class ResponsesRequest(_Strict):
     truncation: str | None = None
     reasoning: dict[str, Any] | None = None
     service_tier: str | None = None
+    # sent by clients, accepted at their neutral values (see check)
+    background: bool | None = None
+    include: list[str] | None = None
+    stream_options: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None  # (prefix caching needs no key: it finds shared prefixes by their tokens)
+    top_logprobs: int | None = None
 
     def check(self) -> None:
         unsupported = [
@@ -503,7 +509,11 @@ class ResponsesRequest(_Strict):
             ("tools", bool(self.tools), "tools are served on /v1/chat/completions"),
             ("tool_choice", self.tool_choice not in (None, "none", "auto"), "tools are served on /v1/chat/completions"),
             ("truncation", self.truncation not in (None, "disabled"), "allowed 'disabled'"),
-            ("reasoning", bool(self.reasoning), "no reasoning options are served"),
+            ("reasoning", any(v is not None for v in (self.reasoning or {}).values()),
+             "no reasoning options are served (a thinking model's thought is split off by serve --reasoning-parser)"),
+            ("background", bool(self.background), "responses run in the foreground"),
+            ("include", bool(self.include), "no extra output data is served"),
+            ("top_logprobs", bool(self.top_logprobs), "log-probabilities are served on /v1/chat/completions"),
             ("service_tier", self.service_tier not in (None, "auto", "default"), "allowed 'auto' or 'default'"),
         ]
         for name, bad, why in unsupported:
@@ -545,10 +555,11 @@ class ResponsesRequest(_Strict):
             return None
         if isinstance(fmt, dict) and fmt.get("type") == "json_object":
             return {"type": "json_object"}
-        if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
+        if (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)
+                and isinstance(fmt.get("name", "output"), str)):
             return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt["schema"]}}
         raise APIError(400, "'text.format' must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
-                            "'json_schema', 'name': ..., 'schema': {...}}", param="text")
+                            "'json_schema', 'name': <a string>, 'schema': {...}}", param="text")
 
     def as_chat(self) -> ChatCompletionRequest:
         """The same request as a chat completion (what the engine serves)."""

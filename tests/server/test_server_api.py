@@ -494,9 +494,18 @@ def test_responses_api(client, server):
                          ({"tools": [WEATHER]}, "tools"), ({"input": []}, "input"),
                          ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]"),
                          ({"text": {"format": {"type": "xml"}}}, "text"), ({"max_output_tokens": 0},
-                                                                            "max_output_tokens")]:
+                                                                            "max_output_tokens"),
+                         ({"max_output_tokens": True}, "max_output_tokens"), ({"input": "hello " * 300}, "input"),
+                         ({"text": {"format": {"type": "json_schema", "name": 5, "schema": {}}}}, "text"),
+                         ({"background": True}, "background"), ({"reasoning": {"effort": "high"}}, "reasoning")]:
         bad = post(server, "/v1/responses", {"model": MODEL, "input": "hi", **extra})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (extra, bad.text)
+    neutral = {"background": False, "include": [], "stream_options": {"include_obfuscation": False},
+               "prompt_cache_key": "k", "top_logprobs": 0, "reasoning": {"effort": None}, "store": False}
+    assert post(server, "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2, **neutral}).json()[
+        "status"] == "incomplete"
+    long_chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 300}]})
+    assert long_chat.status_code == 400 and long_chat.json()["error"]["param"] == "messages"
 
 
 def test_vllm_chat_and_prompt_fields(client, server):

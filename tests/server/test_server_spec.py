@@ -25,10 +25,37 @@ def spec_server():
             "--num-pages",
             "33",
             "--enable-prefix-caching",
+            "--chat-template",
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:",
+            "--reasoning-parser",
+            "deepseek_r1",
         ]
     )
     yield srv
     srv.stop()
+
+
+def test_responses_api_with_a_reasoning_parser(spec_server):
+    """``--reasoning-parser deepseek_r1`` (its template opens the thought, so an answer that never closes it is all
+    thought): /v1/responses returns it as a ``reasoning`` item before an empty message, counts its tokens, and
+    streams it as reasoning_text events, the message's index after it; the chat endpoint agrees."""
+    client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    kw = dict(model="stories260k", input="Is it raining?", max_output_tokens=8, temperature=0)
+    resp = client.responses.create(**kw)
+    thought, message = resp.output
+    assert thought.type == "reasoning" and thought.content[0].text and message.type == "message"
+    assert resp.output_text == "" and 0 < resp.usage.output_tokens_details.reasoning_tokens
+    chat = client.chat.completions.create(model="stories260k", messages=[{"role": "user", "content": "Is it raining?"}],
+                                          max_tokens=8, temperature=0).choices[0].message
+    assert chat.content is None and chat.reasoning_content == thought.content[0].text
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[2] == "response.output_item.added" and events[2].item.type == "reasoning"
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought.content[0].text
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [(e.output_index, e.item.type) for e in added] == [(0, "reasoning"), (1, "message")]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
+    assert kinds[-1] == "response.incomplete" and [e.sequence_number for e in events] == list(range(len(events)))
 
 
 def test_prefix_caching_reports_cached_prompt_tokens(spec_server):
