@@ -58,7 +58,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="the tool-call format the model writes, for --enable-auto-tool-choice: hermes (the default; "
         "<tool_call>{...}</tool_call> blocks, as Hermes, Qwen and SmolLM2 write them) or llama3_json (an answer "
-        "that is only {\"name\", \"parameters\"} objects, as Llama 3.1+ writes them)",
+        "that is only {\"name\", \"parameters\"} objects, as Llama 3.1+ writes them) or pythonic (an answer that "
+        "is only a list of calls, [f(a=1)], as Llama 3.2 and 4 write them)",
     )
     group.add_argument(
         "--reasoning-parser",

@@ -2,7 +2,7 @@
 --tool-call-parser``).
 
 With "auto" nothing constrains the output: the model decides whether to call a tool, in the format its chat template
-taught it, and a parser finds the calls in what it wrote. Two parsers:
+taught it, and a parser finds the calls in what it wrote. Three parsers:
 
 - ``hermes``: calls between ``<tool_call>`` and ``</tool_call>`` tags (Hermes, Qwen 2/2.5/3, SmolLM2 and SmolLM3).
   A block holds one call ``{"name": ..., "arguments": {...}}`` or a JSON list of them (SmolLM2's form; ``[]`` is
@@ -13,6 +13,9 @@ taught it, and a parser finds the calls in what it wrote. Two parsers:
   ``{"name": ..., "parameters": {...}}`` (or several separated by ``;``), maybe after ``<|python_tag|>``. An answer
   that starts with ``{`` (or the tag) is held until it ends, then is calls if it parses as such, else content as
   written; any other answer streams as content.
+- ``pythonic`` (Llama 3.2 and 4): an answer that is only a Python list of calls with keyword arguments of literals,
+  ``[get_weather(city="Paris"), get_time(zone="UTC")]`` (Llama 4: between ``<|python_start|>`` and
+  ``<|python_end|>``), held and read the same way (with ``ast``: nothing but literals is evaluated).
 
 Text outside the blocks is the answer's content. A block that is not such JSON (strict JSON: no NaN or Infinity; or
 is still open when the output ends, e.g. cut by ``max_tokens``) stays in the content as written, tags and all, so
@@ -33,7 +36,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
 
 
 @dataclass(frozen=True)
@@ -177,14 +180,16 @@ def parse(text: str, parser: str = "hermes") -> tuple[str, list[ToolCall]]:
 
 
 @dataclass
-class JsonToolCallStream:
-    """llama3_json: an answer that opens with ``{`` (or ``<|python_tag|>``) is held whole and read as calls at its
-    end; any other answer is content as it comes. The same ``feed`` / ``finish`` / ``calls`` as
-    :class:`ToolCallStream`."""
+class WholeAnswerToolCallStream:
+    """Formats where a call is the whole answer (llama3_json, pythonic): an answer that opens with ``opener`` (after
+    whitespace, or after ``tag``) is held whole and read as calls by ``read`` at its end; any other answer is content
+    as it comes. The same ``feed`` / ``finish`` / ``calls`` as :class:`ToolCallStream`."""
 
-    tag: str = "<|python_tag|>"
+    tag: str
+    opener: str
+    read: Any  # the held answer (its tag taken off) -> calls, or None when it is not only calls
     _held: str = ""
-    _state: str = "opening"  # "opening" (only whitespace so far), "json" (held to the end), "text"
+    _state: str = "opening"  # "opening" (only whitespace so far), "call" (held to the end), "text"
     calls: list[ToolCall] = field(default_factory=list)
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -195,8 +200,8 @@ class JsonToolCallStream:
             start = self._held.lstrip()
             if not start or (self.tag.startswith(start) and start != self.tag):
                 return "", []  # (whitespace, or maybe the tag: undecided)
-            if start.startswith("{") or start.startswith(self.tag):
-                self._state = "json"
+            if start.startswith(self.opener) or start.startswith(self.tag):
+                self._state = "call"
             else:
                 self._state, held, self._held = "text", self._held, ""
                 return held, []
@@ -204,13 +209,40 @@ class JsonToolCallStream:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         held, self._held = self._held, ""
-        if self._state != "json":
+        if self._state != "call":
             return held, []
-        found = _json_calls(held.strip().removeprefix(self.tag))
+        found = self.read(held.strip().removeprefix(self.tag))
         if found is None:
             return held, []
         self.calls += found
         return "", found
+
+
+def _pythonic_calls(text: str) -> list[ToolCall] | None:
+    """Calls written as a Python list of calls with keyword arguments of literals, ``[f(a=1), g(b="x")]`` (Llama 3.2
+    and 4 write these; Llama 4 between ``<|python_start|>`` and ``<|python_end|>``); None: not only calls. Read with
+    ``ast`` (nothing is evaluated but literals)."""
+    import ast
+
+    text = text.strip().removesuffix("<|python_end|>").strip()
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                and all(k.arg is not None for k in node.keywords)):
+            return None
+        try:
+            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            text_args = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        except (ValueError, TypeError, SyntaxError, RecursionError):  # (not a literal, or not JSON: a set, NaN, ...)
+            return None
+        calls.append(ToolCall(node.func.id, text_args if _encodes(text_args) else json.dumps(arguments)))
+    return calls
 
 
 def _json_calls(text: str) -> list[ToolCall] | None:
@@ -232,10 +264,14 @@ def _json_calls(text: str) -> list[ToolCall] | None:
         at = end
 
 
-def make_stream(parser: str) -> ToolCallStream | JsonToolCallStream:
+def make_stream(parser: str) -> ToolCallStream | WholeAnswerToolCallStream:
     if parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"unknown tool-call parser {parser!r}: choose one of {', '.join(TOOL_CALL_PARSERS)}")
-    return JsonToolCallStream() if parser == "llama3_json" else ToolCallStream()
+    if parser == "llama3_json":
+        return WholeAnswerToolCallStream("<|python_tag|>", "{", _json_calls)
+    if parser == "pythonic":
+        return WholeAnswerToolCallStream("<|python_start|>", "[", _pythonic_calls)
+    return ToolCallStream()
 
 
 def tool_calls_json(calls: list[ToolCall], first_index: int = 0, streamed: bool = False) -> list[dict[str, Any]]:

@@ -152,7 +152,7 @@ def test_tool_call_parser_flags(argv, expected):
 @pytest.mark.parametrize("argv, message", [
     (["--tool-call-parser", "hermes"], "--tool-call-parser takes effect with --enable-auto-tool-choice"),
     (["--enable-auto-tool-choice", "--tool-call-parser", "mistral"],
-     "--tool-call-parser must be one of: hermes, llama3_json; got 'mistral'"),
+     "--tool-call-parser must be one of: hermes, llama3_json, pythonic; got 'mistral'"),
     (["--enable-auto-tool-choice", "--tool-call-parser", ""], "got ''"),
     (["--reasoning-parser", "granite"], "--reasoning-parser must be one of: deepseek_r1, qwen3; got 'granite'"),
 ])

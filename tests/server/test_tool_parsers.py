@@ -76,7 +76,24 @@ LLAMA_CASES = [
     ("<|python", "<|python", []),
     ("  ", "  ", []),
 ]
-ALL_CASES = [("hermes", *c) for c in CASES] + [("llama3_json", *c) for c in LLAMA_CASES]
+# pythonic: an answer that is only a Python list of calls with keyword arguments of literals
+PY_CASES = [
+    ('[get_weather(city="Paris", days=3), get_time(zone="UTC")]', "",
+     [ToolCall("get_weather", '{"city": "Paris", "days": 3}'), ToolCall("get_time", '{"zone": "UTC"}')]),
+    ('<|python_start|>[f(a=[1, 2], b={"x": None, "y": True})]<|python_end|>', "",
+     [ToolCall("f", '{"a": [1, 2], "b": {"x": null, "y": true}}')]),
+    (' [f()]', "", [ToolCall("f", "{}")]),
+    ("[f(1)]", "[f(1)]", []),  # (positional arguments have no names)
+    ('[f(a=open("x"))]', '[f(a=open("x"))]', []),  # (only literals: nothing is called)
+    ('[os.system(a="x")]', '[os.system(a="x")]', []),
+    ("[f(a=1e999)]", "[f(a=1e999)]", []),  # (infinity is not JSON)
+    ("[]", "[]", []),
+    ("[1, 2] is a list", "[1, 2] is a list", []),
+    ("It is sunny.", "It is sunny.", []),
+    ("[f(a=", "[f(a=", []),  # (cut by max_tokens)
+]
+ALL_CASES = ([("hermes", *c) for c in CASES] + [("llama3_json", *c) for c in LLAMA_CASES]
+             + [("pythonic", *c) for c in PY_CASES])
 
 
 @pytest.mark.parametrize("parser,text,content,calls", ALL_CASES)
@@ -105,7 +122,7 @@ def test_streamed_in_any_pieces_equals_parse(parser, text, content, calls):
             out.append(c)
             found += f
             assert "</tool_call>" not in c or "</tool_call>" in content, "a call's block went out as content"
-            assert not calls or '"name"' not in c, "a call went out as content"
+            assert not calls or ('"name"' not in c and "(" not in c), "a call went out as content"
         rest, more = stream.finish()
         assert ("".join(out) + rest, found + more) == (content, calls)
         assert stream.calls == calls
@@ -128,7 +145,8 @@ def test_llama3_json_streams_prose_at_once():
 
 
 def test_unknown_parser_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral': choose one of hermes, llama3_json"):
+    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral': choose one of hermes, llama3_json, "
+                                         "pythonic"):
         tool_parsers.make_stream("mistral")
 
 
