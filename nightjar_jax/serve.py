@@ -41,7 +41,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--port", type=_bounded(int, "port", 0, 65535), default=8000,
                        help="port to bind (default: 8000; 0 picks a free one)")
     group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
-    group.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
+    group.add_argument("--served-model-name", default=None, nargs="+",
+                       help="model name in the API (default: --model); several: requests may name any of them, and "
+                       "responses carry the first (vLLM's)")
     group.add_argument(
         "--chat-template",
         default=None,
@@ -224,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", exc)
         return 2
     settings = ServerSettings(
-        served_model_name=args.served_model_name or engine.config.model,
+        served_model_name=args.served_model_name[0] if args.served_model_name else engine.config.model,
+        served_model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         tool_call_parser=tool_parser,

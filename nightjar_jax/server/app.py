@@ -66,6 +66,7 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 @dataclass(frozen=True)
 class ServerSettings:
     served_model_name: str
+    served_model_aliases: tuple[str, ...] = ()  # more names requests may use (responses carry served_model_name)
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     disconnect_poll_seconds: float = 0.5  # how often a non-streaming request checks that its client is still there
@@ -157,7 +158,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     metrics = metrics or ServerMetrics(engine)
     if metrics.on_output not in async_engine.hooks.on_output:
         async_engine.hooks.on_output.append(metrics.on_output)
-    model_names = {settings.served_model_name, engine.config.model}
+    model_names = {settings.served_model_name, engine.config.model, *settings.served_model_aliases}
     created = int(time.time())
 
     @asynccontextmanager
@@ -506,9 +507,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             raise APIError(400, f"token ids must be in [0, {vocab}): got {bad[:5]}", param="tokens")
         return {"prompt": tok.decode(req.tokens)}
 
-    def model_card() -> dict[str, Any]:
+    def model_card(name: str | None = None) -> dict[str, Any]:
         return {
-            "id": settings.served_model_name,
+            "id": name or settings.served_model_name,
             "object": "model",
             "created": created,
             "owned_by": "nightjar-jax",
@@ -519,14 +520,15 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     @app.get("/v1/models")
     async def list_models(request: Request):
         authorize(request)
-        return {"object": "list", "data": [model_card()]}
+        names = dict.fromkeys([settings.served_model_name, *settings.served_model_aliases])
+        return {"object": "list", "data": [model_card(name) for name in names]}
 
     @app.get("/v1/models/{name:path}")
     async def retrieve_model(name: str, request: Request):
         """OpenAI's ``models.retrieve``: the served model's card (by its served name or its --model), else a 404."""
         authorize(request)
         check_model(name)
-        return model_card()
+        return model_card(name if name in settings.served_model_aliases else None)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -33,6 +33,7 @@ SERVER_ARGS = [
     API_KEY,
     "--served-model-name",
     MODEL,
+    "tiny",
     "--chat-template",
     CHAT_TEMPLATE,
     "--shutdown-timeout",
@@ -72,9 +73,12 @@ def test_models_and_health(server, client):
 
     assert httpx.get(server.url + "/version").json() == {"version": __version__}
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    assert [m.id for m in models.data] == [MODEL, "tiny"]  # (--served-model-name with two names)
     card = client.models.retrieve(MODEL)
     assert card.id == MODEL and card.model_dump() == models.data[0].model_dump()
+    assert client.models.retrieve("tiny").id == "tiny"
+    answer = client.completions.create(model="tiny", prompt="Once", max_tokens=2)
+    assert answer.model == MODEL  # (responses carry the first name, as vLLM)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("gpt-4")
     assert httpx.get(server.url + f"/v1/models/{MODEL}").status_code == 401  # (no key)

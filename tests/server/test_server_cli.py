@@ -59,7 +59,8 @@ def test_flags_reach_nested_configs():
     assert cfg.spec.draft_model == "d" and cfg.spec.planner == "nightjar" and cfg.spec.num_speculative_tokens == 3
     assert cfg.scheduler.max_num_seqs == 8 and cfg.scheduler.max_model_len == 256
     assert cfg.cache.page_size == 32 and cfg.cache.kv_cache_bytes == 64 * 2**20
-    assert (args.host, args.port, args.api_key, args.served_model_name) == ("127.0.0.1", 1234, "k", "m")
+    assert (args.host, args.port, args.api_key, args.served_model_name) == ("127.0.0.1", 1234, "k", ["m"])
+    assert build_parser().parse_args(["--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
     assert args.warmup == "request" and build_parser().parse_args(["--warmup", "full"]).warmup == "full"
 
 
