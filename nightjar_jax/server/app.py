@@ -692,11 +692,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 """This output's new text as (reasoning, content): what the reasoning parser is sure of."""
                 if not thinks:
                     return "", comp.delta_text
-                reasoning, content = thoughts[index].feed(comp.delta_text)
-                if comp.finished:
-                    more = thoughts[index].finish()
-                    reasoning, content = reasoning + more[0], content + more[1]
-                return reasoning, content
+                return thoughts[index].feed(comp.delta_text, final=comp.finished)
 
             def auto_delta(index, text: str, comp) -> tuple[dict, str | None]:
                 """tool_choice "auto": the content the parser is sure of, and each call once its block closed."""
@@ -879,10 +875,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                         yield event("error", **{k: v for k, v in failure.body()["error"].items() if k != "type"})
                         return
                     comp = out.outputs[0]
-                    thinking, answer_text = splitter.feed(comp.delta_text) if splitter else ("", comp.delta_text)
-                    if comp.finished and splitter:
-                        more = splitter.finish()
-                        thinking, answer_text = thinking + more[0], answer_text + more[1]
+                    thinking, answer_text = (splitter.feed(comp.delta_text, final=comp.finished) if splitter
+                                             else ("", comp.delta_text))
                     if thinking:
                         if phase == "start":
                             phase = "thinking"

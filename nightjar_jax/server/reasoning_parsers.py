@@ -36,7 +36,13 @@ class ReasoningStream:
         if self.parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {self.parser!r}: choose one of {', '.join(REASONING_PARSERS)}")
 
-    def feed(self, text: str) -> tuple[str, str]:
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """``text``'s reasoning and content that are now certain; ``final``: the output ends with it (also
+        :meth:`finish`)."""
+        if final:
+            reasoning, content = self.feed(text)
+            more = self.finish()
+            return reasoning + more[0], content + more[1]
         text = self._held + text
         self._held = ""
         reasoning = ""
@@ -73,6 +79,5 @@ class ReasoningStream:
 def split(text: str, parser: str) -> tuple[str | None, str | None]:
     """The reasoning and the content of a whole output (None where empty)."""
     stream = ReasoningStream(parser)
-    reasoning, content = stream.feed(text)
-    more_reasoning, more_content = stream.finish()
-    return (reasoning + more_reasoning) or None, (content + more_content) or None
+    reasoning, content = stream.feed(text, final=True)
+    return reasoning or None, content or None

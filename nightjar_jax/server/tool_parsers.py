@@ -80,6 +80,11 @@ def _calls_in(body: str) -> list[ToolCall] | None:
         value = strict_json(body)
     except ValueError:
         return None
+    return _calls_of(value)
+
+
+def _calls_of(value: Any) -> list[ToolCall] | None:
+    """The calls a parsed JSON value is (one call object, or a list of them), or None."""
     items = value if isinstance(value, list) else [value]
     calls = []
     for item in items:
@@ -257,7 +262,7 @@ def _json_calls(text: str) -> list[ToolCall] | None:
             value, end = decoder.raw_decode(text, at)
         except (ValueError, RecursionError):
             return None
-        found = _calls_in(json.dumps(value)) if isinstance(value, dict) else None
+        found = _calls_of(value) if isinstance(value, dict) else None
         if found is None:
             return None
         calls += found
