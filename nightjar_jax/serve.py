@@ -69,6 +69,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="split a thinking model's <think> text from its chat answers, returned as reasoning_content (vLLM's): "
         "deepseek_r1 (the template opens the thought) or qwen3 (the model opens it, or not)",
     )
+    group.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="serve vLLM's sleep-mode endpoints: POST /sleep?level=1 moves the weights to host memory and frees the "
+        "KV cache (level=2 frees the weights too; they are loaded again from the checkpoint), POST /wake_up brings "
+        "them back, GET /is_sleeping says which; requests get a 503 while the engine sleeps",
+    )
     group.add_argument("--max-body-bytes", type=_bounded(int, "max-body-bytes", 1), default=1 << 20,
                        help="request body limit (default: 1 MiB)")
     group.add_argument(
@@ -232,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=args.max_body_bytes,
         tool_call_parser=tool_parser,
         reasoning_parser=thoughts,
+        enable_sleep_mode=args.enable_sleep_mode,
     )
     app = build_app(AsyncEngine(engine), settings)
     config = uvicorn.Config(

@@ -37,6 +37,14 @@ logger = logging.getLogger(__name__)
 LOOKUP_AR_BOOST_MAX_ROWS = 5
 
 
+class EngineSleepingError(RuntimeError):
+    """A request (or a step that needs the device) reached an engine put to sleep (:meth:`LLMEngine.sleep`): nothing
+    was queued; :meth:`LLMEngine.wake_up` brings it back."""
+
+
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
 def _prompt_error(message: str) -> InvalidRequestError:
     return InvalidRequestError(message, "prompt")
 
@@ -80,6 +88,7 @@ class EngineStats:
     num_draft_reloads: int = 0
     num_migrated_pages: int = 0  # live extension pages copied into the base pool at reloads
     offload_seconds: float = 0.0  # the moves' time (offloads + reloads, the page migration included)
+    num_sleeps: int = 0  # LLMEngine.sleep calls that put the engine to sleep
     step_log: list[dict] = field(default_factory=list)  # per decode step (kept only when record_steps)
 
     @property
@@ -115,6 +124,11 @@ class LLMEngine:
         """Build from ``config`` (loading the models it names), or from ready ``target``/``draft`` handles."""
         setup_compilation_cache(config.compilation_cache_dir)
         self.config = config
+        # sleep level 2 discards the weights and wake_up loads them again from the specs the config names: only
+        # weights this engine loaded itself can be loaded again
+        self._weights_from_config = target is None and draft is None
+        self.sleep_level = 0  # 0: awake; 1 or 2 while asleep (sleep)
+        self._asleep: set[str] = set()  # SLEEP_TAGS still asleep (wake_up may restore them one at a time)
         from nightjar_jax.attention import resolve_impl
 
         if resolve_impl(config.attention_impl) == "pallas":
@@ -298,6 +312,8 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; returns its id. Raises ``ValueError`` (nothing queued) on bad input.
         ``priority`` (vLLM's; lower is served first) needs ``scheduling_policy="priority"`` unless it is 0."""
+        if self._asleep:
+            raise EngineSleepingError(self._sleeping_message())
         params = sampling_params or SamplingParams()
         if not (isinstance(priority, int) and not isinstance(priority, bool)):
             raise InvalidRequestError(f"priority must be an integer (lower is served first), got {priority!r}",
@@ -448,6 +464,8 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._asleep:  # (asleep, the engine holds no request: nothing to do)
+            return []
         t0 = time.perf_counter()
         batch = self.scheduler.schedule_prefill()
         outputs: list[RequestOutput] = []
@@ -519,6 +537,77 @@ class LLMEngine:
             logger.warning("dropped all %d compiled step variants (they compile again on use): %s", dropped, short)
         self._num_compiled_seen = self.runner.num_compiled()
 
+    # ---- sleep mode ---------------------------------------------------------------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether any part of the engine (its weights or its KV cache) is asleep (:meth:`sleep`)."""
+        return bool(self._asleep)
+
+    def _sleeping_message(self) -> str:
+        return (f"the engine is asleep (level {self.sleep_level}; {' and '.join(sorted(self._asleep))} released): "
+                f"call wake_up() (the server: POST /wake_up) before sending requests")
+
+    def sleep(self, level: int = 1) -> int:
+        """vLLM's sleep mode: hand the device's memory back while the engine is not needed (e.g. between rollouts
+        of an RL loop, or to lend the accelerator to another job), without tearing the engine down.
+
+        - level 1: the weights (target and draft) go to host memory with ``jax.device_put``; the KV cache is
+          discarded (its pages were only a cache: the engine must hold no request).
+        - level 2: the weights are discarded too (no host copy); :meth:`wake_up` loads them again from the
+          checkpoints the config names (for an engine that loaded its own models).
+
+        The prefix cache is reset, an offloaded draft comes back first (elastic memory; idle, nothing migrates), and
+        the compiled step variants stay: after :meth:`wake_up` no step compiles again. Returns the device bytes
+        freed. Raises ``ValueError`` for a bad level, and ``RuntimeError`` when requests are unfinished (finish or
+        abort them first: nothing is dropped) or the engine is already asleep."""
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (weights to host memory, KV cache discarded) or 2 (weights and "
+                             f"KV cache discarded; wake_up reloads the weights from their checkpoints), got {level!r}")
+        if self._asleep:
+            raise RuntimeError(f"the engine is already asleep (level {self.sleep_level}): wake_up() first")
+        if self.has_unfinished_requests():
+            n = len(self.scheduler.running) + len(self.scheduler.waiting)
+            raise RuntimeError(f"{n} request(s) are unfinished: sleep needs an idle engine (let them finish, or "
+                               f"abort them); nothing was released")
+        if level == 2 and not self._weights_from_config:
+            raise ValueError("sleep level 2 discards the weights and wake_up loads them again from the model specs in "
+                             "the config, but this engine was given its models as handles: use level 1")
+        if self.draft_offloaded:  # (back on the device: one layout to release and restore)
+            self._reload_draft()
+        self.reset_prefix_cache()
+        self.allocator.forget_draft()
+        freed = self.runner.release_pools() + self.runner.offload_weights(discard=level == 2)
+        self.sleep_level = level
+        self._asleep = set(SLEEP_TAGS)
+        self.stats.num_sleeps += 1
+        logger.info("engine asleep (level %d): %d device bytes freed", level, freed)
+        return freed
+
+    def wake_up(self, tags: list[str] | tuple[str, ...] | None = None) -> None:
+        """Undo :meth:`sleep`: ``tags`` None wakes everything; ``["weights"]`` or ``["kv_cache"]`` wakes that part
+        alone (vLLM's: e.g. the weights first, to update them, then the KV cache). The KV cache comes back empty.
+        Waking what is awake is a no-op."""
+        tags = list(SLEEP_TAGS) if tags is None else list(tags)
+        unknown = [t for t in tags if t not in SLEEP_TAGS]
+        if unknown:
+            raise ValueError(f"wake_up tags must be among {list(SLEEP_TAGS)}: got {unknown}")
+        t0 = time.perf_counter()
+        if "weights" in tags and "weights" in self._asleep:
+            if self.sleep_level == 2:
+                target, _ = self._load(self.config.model, tokenizer_spec=self.config.tokenizer)
+                draft_spec = self.resolve_draft_spec(self.config) if self.draft is not None else None
+                draft = self._load(draft_spec, tokenizer_spec=None)[0] if draft_spec is not None else None
+                self.runner.load_weights(target, draft)
+            else:
+                self.runner.restore_weights()
+            self._asleep.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self._asleep:
+            self.runner.restore_pools()
+            self._asleep.discard("kv_cache")
+        if not self._asleep and self.sleep_level:
+            logger.info("engine awake after level-%d sleep (%.2f s)", self.sleep_level, time.perf_counter() - t0)
+            self.sleep_level = 0
+
     # ---- elastic memory -----------------------------------------------------------------------------------------
     def _manage_memory(self, preempted: bool) -> None:
         """After a step: let the policy count it, and make the move it asks for (nightjar_jax/memory/elastic.py)."""
@@ -541,6 +630,8 @@ class LLMEngine:
         ``prefill`` the prefill chunks and the draft's catch-up (``ModelRunner.warmup_prefill``), and with elastic
         memory the same over the extended layout (:meth:`warmup_elastic`). ``progress()`` is called
         :meth:`warmup_ticks` times. Returns the variant keys compiled; the server's ``--warmup full`` calls it."""
+        if self._asleep:
+            raise EngineSleepingError(self._sleeping_message())
         self.runner.warmup_stopped = None
         keys = self._warmup_layout(None, sampled, prefill, progress)
         if self.runner.warmup_stopped:  # (short of memory maps: warned; the rest compiles on first use)

@@ -44,6 +44,18 @@ class LLM:
         """Forget every cached prefix (``enable_prefix_caching``); returns the pages forgotten."""
         return self.engine.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> int:
+        """vLLM's sleep mode (:meth:`LLMEngine.sleep`): level 1 moves the weights to host memory and discards the KV
+        cache, level 2 discards both; returns the device bytes freed. Generating raises until :meth:`wake_up`."""
+        return self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what :meth:`sleep` released (``tags``: ``["weights"]`` and/or ``["kv_cache"]``; None: all)."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -129,6 +129,16 @@ def bucket_for(n: int, buckets: list[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def buffer_key(x) -> int:
+    """What identifies an array's buffer: ``jax.device_put`` of an uncommitted array to the device it is on
+    (:func:`commit_to_device`) returns a new array over the same buffer, so two models' leaves may differ by ``id``
+    and still share their bytes (deleting one deletes both). ``id`` where the array has no single buffer."""
+    try:
+        return x.unsafe_buffer_pointer()
+    except Exception:  # (several shards, deleted, or not an array)
+        return id(x)
+
+
 def commit_to_device(tree):
     """``tree``'s arrays committed to the default device (the same buffers: ``jax.device_put`` to the device they
     are on copies nothing)."""
@@ -245,9 +255,9 @@ class ModelHandle:
 
     def move_to(self, memory_kind: str, keep: frozenset[int] = frozenset()) -> int:
         """Move the weights to ``memory_kind`` (``device``, or a host kind such as ``pinned_host``) with
-        ``jax.device_put``, wait, and delete the old copies at once. Arrays whose ``id`` is in ``keep`` (shared with
-        another model) stay where they are. Returns the bytes moved. The structure is unchanged, so the compiled
-        steps take the moved weights as they are (once they are back on the device)."""
+        ``jax.device_put``, wait, and delete the old copies at once. Arrays whose :func:`buffer_key` is in ``keep``
+        (shared with another model) stay where they are. Returns the bytes moved. The structure is unchanged, so the
+        compiled steps take the moved weights as they are (once they are back on the device)."""
         leaves = self.leaves()
         if memory_kind == "device" and self._home is not None:  # back where they were (the same shardings: the
             # compiled steps keep their cache keys); arrays that stayed (kept) are left alone
@@ -255,7 +265,7 @@ class ModelHandle:
                        for x, sh in zip(leaves, self._home, strict=True)]
         else:
             self._home = [x.sharding if isinstance(x, jax.Array) else None for x in leaves]
-            targets = [None if sh is None or id(x) in keep else sh.with_memory_kind(memory_kind)
+            targets = [None if sh is None or buffer_key(x) in keep else sh.with_memory_kind(memory_kind)
                        for x, sh in zip(leaves, self._home, strict=True)]
         moved = tuple(x if sh is None else jax.device_put(x, sh) for x, sh in zip(leaves, targets, strict=True))
         jax.block_until_ready(moved)
@@ -455,9 +465,7 @@ class ModelRunner:
         target.commit()
         if draft is not None:
             draft.commit()
-        self.kv: KVCache = commit_to_device(allocate_kv_cache(target.config, num_pages, page_size,
-                                                              resolve_kv_dtype(kv_cache_dtype, target.config.dtype),
-                                                              stacked=target.stacked))
+        self.kv: KVCache = self._new_target_pool()
         # A feature draft (EAGLE) reads the target's final hidden state at the previous position: the target's
         # passes write them into this per-token pool, paged like the KV cache (same block tables).
         self.feature_draft = draft is not None and draft.config.feature_size is not None
@@ -506,8 +514,8 @@ class ModelRunner:
         """The engine's device arrays by part: what the memory budget counts (on CPU "device" is the host's memory
         kind ``device``; weights offloaded to a host memory kind are not counted)."""
         def on_device(tree) -> int:
-            return sum(a.nbytes for a in jax.tree.leaves(tree)
-                       if isinstance(a, jax.Array) and a.sharding.memory_kind in (None, "device"))
+            return sum(a.nbytes for a in jax.tree.leaves(tree) if isinstance(a, jax.Array) and not a.is_deleted()
+                       and a.sharding.memory_kind in (None, "device"))
 
         return {
             "target_weights": on_device(self.target.leaves()),
@@ -521,13 +529,13 @@ class ModelRunner:
         if self.draft is None or not self.draft_on_device:
             return 0
         shared = self._shared_with_target()
-        weights = sum(x.nbytes for x in {id(x): x for x in self.draft.leaves()
-                                          if isinstance(x, jax.Array) and id(x) not in shared}.values())
+        weights = sum(x.nbytes for x in {buffer_key(x): x for x in self.draft.leaves()
+                                          if isinstance(x, jax.Array) and buffer_key(x) not in shared}.values())
         return weights + self.device_bytes()["draft_pools"]
 
     def _shared_with_target(self) -> frozenset[int]:
-        """``id``s of the target's weight arrays (a draft that shares them, e.g. a layer-skip draft, keeps them)."""
-        return frozenset(id(x) for x in self.target.leaves())
+        """:func:`buffer_key` of the target's weight arrays (a draft that shares them keeps them)."""
+        return frozenset(buffer_key(x) for x in self.target.leaves())
 
     def offload_draft(self) -> int:
         """Move the draft's weights, and a feature draft's feature pool, to host memory (``pinned_host`` where the
@@ -540,8 +548,7 @@ class ModelRunner:
         only lowers acceptance there)."""
         if not self.draft_on_device:
             raise RuntimeError("the draft is already offloaded")
-        kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
-        host = "pinned_host" if "pinned_host" in kinds else "unpinned_host"
+        host = self._host_kind()
         freed = self.draft.move_to(host, keep=self._shared_with_target())  # (arrays shared with the target stay)
         if self.features is not None:
             home = self.features.sharding
@@ -589,6 +596,94 @@ class ModelRunner:
             self._features_away = None
         self._allocate_draft_pools(features)
         self.draft_on_device = True
+
+    # ---- sleep mode (vLLM's LLM.sleep / wake_up; the engine decides, these make the moves) ---------------------------
+    def _host_kind(self) -> str:
+        kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+        return "pinned_host" if "pinned_host" in kinds else "unpinned_host"
+
+    def _weight_handles(self) -> list[ModelHandle]:
+        return [self.target] + ([self.draft] if self.draft is not None and self.draft is not self.target else [])
+
+    def _move_target(self, memory_kind: str) -> int:
+        """The target's weights to ``memory_kind`` (:meth:`ModelHandle.move_to`); the draft's arrays that were the
+        target's (a draft sharing weights with it) become the moved ones, so the draft holds no deleted array."""
+        draft = self.draft if self.draft is not None and self.draft is not self.target else None
+        old_keys = [buffer_key(x) for x in self.target.leaves()]
+        draft_keys = [buffer_key(x) for x in draft.leaves()] if draft is not None else []  # (before: the move
+        # deletes the target's old arrays, and with them a draft's aliases of them)
+        moved = self.target.move_to(memory_kind)
+        new = dict(zip(old_keys, self.target.leaves(), strict=True))
+        if any(k in new for k in draft_keys):
+            draft.state = jax.tree.unflatten(draft.treedef, [new.get(k, x) for x, k in
+                                                             zip(draft.leaves(), draft_keys, strict=True)])
+            draft._flat = None
+        return moved
+
+    def release_pools(self) -> int:
+        """Delete the K/V pools and a feature draft's feature pool (their contents are lost: the engine holds no
+        request then). Returns the device bytes freed; :meth:`restore_pools` builds them again, zeroed."""
+        if kv_extension_pages(self.kv):
+            raise RuntimeError("the extension pool is attached: detach it (reload the draft) before releasing pools")
+        pools = {id(a): a for a in jax.tree.leaves((self.kv, self.draft_kv, self.features)) if isinstance(a, jax.Array)}
+        freed = 0
+        for a in pools.values():
+            freed += a.nbytes
+            a.delete()
+        self.kv = self.draft_kv = self.features = None
+        return freed
+
+    def restore_pools(self) -> None:
+        """Zeroed pools of the shapes, dtypes and shardings the compiled steps were built for (no step recompiles)."""
+        self.kv = self._new_target_pool()
+        if self.draft is not None and self.draft_on_device:
+            self._allocate_draft_pools()
+
+    def _new_target_pool(self) -> KVCache:
+        target = self.target
+        return commit_to_device(allocate_kv_cache(target.config, self.num_pages, self.page_size,
+                                                  resolve_kv_dtype(self.kv_cache_dtype, target.config.dtype),
+                                                  stacked=target.stacked))
+
+    def offload_weights(self, discard: bool = False) -> int:
+        """Every model's weights (target and draft) to host memory with ``jax.device_put``, or, with ``discard``,
+        deleted (:meth:`load_weights` then takes new ones). Returns the device bytes freed. A draft already in
+        host memory (elastic memory) stays there (or is deleted with ``discard``)."""
+        if discard:
+            arrays = {buffer_key(x): x for h in self._weight_handles() for x in h.leaves()
+                      if isinstance(x, jax.Array) and not x.is_deleted()}
+            freed = sum(x.nbytes for x in arrays.values() if x.sharding.memory_kind in (None, "device"))
+            for x in arrays.values():
+                x.delete()
+            return freed
+        host = self._host_kind()
+        freed = 0
+        if self.draft is not None and self.draft is not self.target and self.draft_on_device:
+            freed += self.draft.move_to(host, keep=self._shared_with_target())
+        return freed + self._move_target(host)
+
+    def restore_weights(self) -> None:
+        """Bring back what :meth:`offload_weights` moved to host memory (the shardings they left: the compiled
+        steps keep their cache keys)."""
+        self._move_target("device")
+        if self.draft is not None and self.draft is not self.target and self.draft_on_device:
+            self.draft.move_to("device")
+
+    def load_weights(self, target: ModelHandle, draft: ModelHandle | None = None) -> None:
+        """Take ``target``'s (and ``draft``'s) weights in place of the current ones: the same structure, shapes and
+        dtypes (so no step recompiles), committed to the device."""
+        pairs = [(self.target, target)] + ([(self.draft, draft)] if draft is not None else [])
+        for mine, new in pairs:
+            if mine is None or new.treedef != mine.treedef:
+                raise ValueError(f"new weights for {new.config.name} do not have the structure of the loaded ones")
+            for x, y in zip(mine.leaves(), new.leaves(), strict=True):
+                if (x.shape, x.dtype) != (y.shape, y.dtype):
+                    raise ValueError(f"new weights for {new.config.name}: an array of {y.shape} {y.dtype} in place "
+                                     f"of {x.shape} {x.dtype}")
+        for mine, new in pairs:
+            mine.state = commit_to_device(new.state)
+            mine._flat = None
+            mine._home = None
 
     def lookahead(self, gamma: int) -> int:
         """Speculative positions a decode step at ``gamma`` writes past the committed tokens (γ, or the tree's

@@ -72,6 +72,7 @@ class ServerSettings:
     disconnect_poll_seconds: float = 0.5  # how often a non-streaming request checks that its client is still there
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls with it (tool_parsers.py); None: a 400
     reasoning_parser: str | None = None  # chat answers' <think> text as reasoning_content (reasoning_parsers.py)
+    enable_sleep_mode: bool = False  # POST /sleep, POST /wake_up and GET /is_sleeping (vLLM's)
 
 
 class _ClientGone(Exception):
@@ -448,6 +449,41 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         from nightjar_jax import __version__
 
         return {"version": __version__}
+
+    if settings.enable_sleep_mode:
+        @app.post("/sleep")
+        async def sleep(request: Request):
+            """vLLM's sleep mode (``LLMEngine.sleep``): ``?level=1`` (default) moves the weights to host memory and
+            discards the KV cache; ``?level=2`` discards both. Requests get a 503 until ``POST /wake_up``. Refused
+            (409) while requests are in flight: nothing is dropped."""
+            authorize(request)
+            text = request.query_params.get("level", "1")
+            if text not in ("1", "2"):
+                raise APIError(400, f"level must be 1 (weights to host memory, KV cache discarded) or 2 (weights "
+                                    f"and KV cache discarded), got {text!r}", param="level")
+            try:
+                freed = await async_engine.call(lambda e: e.sleep(int(text)))
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="level") from None
+            except RuntimeError as exc:
+                raise APIError(409, str(exc), type="conflict_error") from None
+            return {"is_sleeping": True, "level": int(text), "freed_bytes": freed}
+
+        @app.post("/wake_up")
+        async def wake_up(request: Request):
+            """Undo ``/sleep``: every part, or those named by ``?tags=weights`` / ``?tags=kv_cache`` (repeatable)."""
+            authorize(request)
+            tags = request.query_params.getlist("tags") or None
+            try:
+                await async_engine.call(lambda e: e.wake_up(tags))
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="tags") from None
+            return {"is_sleeping": engine.is_sleeping}
+
+        @app.get("/is_sleeping")
+        async def is_sleeping(request: Request):
+            authorize(request)
+            return {"is_sleeping": engine.is_sleeping}
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -3,7 +3,8 @@
 Vocabulary:
 
 - **group**: the engine requests behind one HTTP request (one per prompt × ``n``), added and aborted together.
-- **command**: an add / abort / stop message from the event loop to the engine thread (a deque under a condition).
+- **command**: an add / abort / call / stop message from the event loop to the engine thread (a deque under a
+  condition).
 - **sink**: the group's ``asyncio.Queue`` on the event loop; the engine thread hands it ``(index, RequestOutput)``
   pairs through ``loop.call_soon_threadsafe``, and a final ``None`` when every member has finished.
 
@@ -23,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nightjar_jax.engine.engine import EngineSleepingError
 from nightjar_jax.engine.outputs import RequestOutput
 from nightjar_jax.engine.sampling_params import SamplingParams
 
@@ -58,6 +60,12 @@ class _Add:
 @dataclass
 class _Abort:
     request_ids: list[str]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Any], Any]  # called with the engine, on the engine thread, between two steps
+    done: asyncio.Future  # resolved with what it returned, or the exception it raised
 
 
 @dataclass
@@ -158,6 +166,15 @@ class AsyncEngine:
     def abort(self, request_ids: list[str]) -> None:
         self._send(_Abort(list(request_ids)))
 
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(engine)`` on the engine thread between two steps (the engine is not thread-safe), e.g. sleep and
+        wake_up; returns what it returned, or raises what it raised."""
+        if self._stopping or not self.is_alive:
+            raise RuntimeError("the engine is shutting down")
+        done = asyncio.get_running_loop().create_future()
+        self._send(_Call(fn, done))
+        return await done
+
     def _send(self, command: Any) -> None:
         with self._cond:
             self._commands.append(command)
@@ -194,6 +211,14 @@ class AsyncEngine:
             self._abort_all(error=exc)
 
     def _handle(self, command: Any) -> None:
+        if isinstance(command, _Call):
+            try:
+                result = command.fn(self.engine)
+            except Exception as exc:
+                self._settle(command.done, None, exc)
+            else:
+                self._settle(command.done, result, None)
+            return
         if isinstance(command, _Abort):
             for rid in command.request_ids:
                 out = self.engine.abort_request(rid)
@@ -214,7 +239,7 @@ class AsyncEngine:
             for rid in added:
                 self.engine.abort_request(rid)
                 self._groups.pop(rid, None)
-            if not isinstance(exc, ValueError):
+            if not isinstance(exc, (ValueError, EngineSleepingError)):  # (asleep: the server answers 503)
                 logger.warning("add_request failed: %r", exc)
                 exc = ValueError(f"the prompt could not be processed: {exc}")
             self._resolve(command.ack, exc)
@@ -222,18 +247,23 @@ class AsyncEngine:
         group.added = True
         self._resolve(command.ack, None)
 
+    @classmethod
+    def _resolve(cls, ack: asyncio.Future, exc: BaseException | None) -> None:
+        cls._settle(ack, None, exc)
+
     @staticmethod
-    def _resolve(ack: asyncio.Future, exc: BaseException | None) -> None:
+    def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+        """Resolve ``future`` (on its event loop) with ``result``, or with ``exc`` when it is not None."""
         def settle() -> None:
-            if ack.done():
+            if future.done():
                 return
             if exc is None:
-                ack.set_result(None)
+                future.set_result(result)
             else:
-                ack.set_exception(exc)
+                future.set_exception(exc)
 
         try:
-            ack.get_loop().call_soon_threadsafe(settle)
+            future.get_loop().call_soon_threadsafe(settle)
         except RuntimeError:
             pass
 

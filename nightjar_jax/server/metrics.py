@@ -73,6 +73,8 @@ class _EngineCollector:
                     "auto)", int(e.draft_offloaded))
         yield gauge("nightjar_kv_extension_pages", "KV pages of the extension pool the offloaded draft's bytes hold",
                     e.allocator.num_extension)
+        yield gauge("nightjar_engine_sleep_level", "0 while the engine is awake, else the level of its sleep (serve "
+                    "--enable-sleep-mode: POST /sleep)", e.sleep_level if e.is_sleeping else 0)
         yield counter("nightjar_draft_offloads", "Draft model offloads", stats.num_draft_offloads)
         yield counter("nightjar_draft_reloads", "Draft model reloads", stats.num_draft_reloads)
         yield counter(

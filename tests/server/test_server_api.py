@@ -41,6 +41,7 @@ SERVER_ARGS = [
     "--enable-auto-tool-choice",
     "--reasoning-parser",
     "qwen3",
+    "--enable-sleep-mode",
 ]
 
 
@@ -922,6 +923,26 @@ def test_64_concurrent_streams_match_sequential(server, client):
 
 
 # ---- shutdown (runs last: it stops the module's server) ---------------------------------------------------------
+def test_sleep_mode_round_trip(server, client):
+    """vLLM's sleep endpoints on the real server: level 2 frees the weights and the KV cache (stories260k's
+    checkpoint is loaded again at the wake-up), requests meanwhile get a 503, and greedy answers after it are the
+    same as before."""
+    before = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    _wait_pages_free(server)  # (a sleep with requests in flight is a 409)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    resp = httpx.post(server.url + "/sleep", params={"level": 2}, headers=auth, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["is_sleeping"] and resp.json()["freed_bytes"] > 0
+    assert httpx.get(server.url + "/is_sleeping", headers=auth).json() == {"is_sleeping": True}
+    with pytest.raises(openai.InternalServerError, match="wake_up"):
+        client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    resp = httpx.post(server.url + "/wake_up", headers=auth, timeout=60)
+    assert resp.status_code == 200 and resp.json() == {"is_sleeping": False}
+    after = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    assert after.choices[0].text == before.choices[0].text
+    assert server.metrics()["nightjar_engine_sleep_level"] == 0
+
+
 def test_zz_sigterm_graceful_shutdown(server):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 32, "stream": True, "temperature": 0}
     frames: list[str] = []
