@@ -2,7 +2,8 @@
 
 Public API (imported lazily, so ``import nightjar_jax.planner`` stays JAX-free):
 ``LLM``, ``SamplingParams``, ``StructuredOutputs``, ``EngineConfig``, ``ModelConfig``, ``CacheConfig``,
-``SchedulerConfig``, ``SpecConfig``, ``LLMEngine``, ``RequestOutput``, ``CompletionOutput``, ``make_planner``.
+``SchedulerConfig``, ``SpecConfig``, ``LLMEngine``, ``RequestOutput``, ``CompletionOutput``, ``BeamSearchParams``,
+``EngineSleepingError``, ``make_planner``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ _EXPORTS = {
     "LLM": "nightjar_jax.engine.llm",
     "LLMEngine": "nightjar_jax.engine.engine",
     "SamplingParams": "nightjar_jax.engine.sampling_params",
+    "BeamSearchParams": "nightjar_jax.engine.beam_search",
+    "EngineSleepingError": "nightjar_jax.engine.engine",
     "StructuredOutputs": "nightjar_jax.engine.sampling_params",
     "RequestOutput": "nightjar_jax.engine.outputs",
     "CompletionOutput": "nightjar_jax.engine.outputs",

@@ -447,6 +447,27 @@ class LLMEngine:
         return self.allocator.reset_prefix_cache()
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that end a request (the model's and the tokenizer's end-of-sequence tokens) unless it ignores EOS."""
+        return self._eos_ids
+
+    @property
+    def max_sequence_len(self) -> int:
+        """The most tokens (prompt + generated) one request may hold: the context limit, capped by the pool."""
+        return min(self.context_limit, self.max_model_len)
+
+    def new_beam_search(self, prompt, params):
+        """A :class:`~nightjar_jax.engine.beam_search.BeamSearch` for ``prompt`` (text, ids or a prompt dict) on this
+        engine's vocabulary, end-of-sequence tokens and context; raises ``ValueError`` for a bad prompt."""
+        from nightjar_jax.engine.beam_search import BeamSearch
+
+        text, ids = self.tokenize_prompt(prompt)
+        vocab = self.target.config.vocab_size
+        if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise _prompt_error(f"a beam search prompt must be non-empty, its token ids in [0, {vocab})")
+        return BeamSearch(text, ids, params, self._eos_ids, self.max_sequence_len)
+
+    @property
     def draft_offloaded(self) -> bool:
         """Whether the draft is in host memory now (elastic memory)."""
         return self.draft is not None and not self.runner.draft_on_device

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nightjar_jax.config import make_engine_config
+from nightjar_jax.engine.beam_search import BeamSearchOutput, BeamSearchParams, expansion
 from nightjar_jax.engine.engine import LLMEngine
 from nightjar_jax.engine.outputs import CompletionOutput, RequestOutput
 from nightjar_jax.engine.sampling_params import SamplingParams
@@ -126,6 +127,38 @@ class LLM:
         return results  # type: ignore[return-value]
 
 
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, *,
+                    use_tqdm: bool | None = None) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: for each prompt, the ``params.beam_width`` best sequences of a beam search
+        (``nightjar_jax/engine/beam_search.py``), best first. Every search step asks the engine, in one batch over
+        all prompts' live beams, for each beam's most likely next tokens (``generate`` with one greedy token and
+        ``2 x beam_width`` log-probabilities); prefix caching keeps the beams' shared pages computed once. Bad
+        prompts raise ``ValueError`` before anything runs."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}")
+        searches = [self.engine.new_beam_search(p, params) for p in prompts]
+        step = params.step_params()
+        width = 2 * params.beam_width
+        bar = _progress(len(searches), use_tqdm, desc="beam search")
+        try:
+            while not all(s.done for s in searches):
+                live = [s for s in searches if not s.done]
+                asks = [(s, ids) for s in live for ids in s.pending()]
+                outs = self.generate([{"prompt_token_ids": ids} for _, ids in asks], step, use_tqdm=False)
+                for s in live:
+                    mine = [out for (owner, _), out in zip(asks, outs, strict=True) if owner is s]
+                    s.advance([expansion(o.outputs[0].logprobs[0], width) for o in mine])
+                    if s.done and bar is not None:
+                        bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        tokenizer = self.engine.tokenizer
+        detokenize = None if tokenizer is None else tokenizer.decode
+        return [s.best(detokenize) for s in searches]
+
     def chat(
         self,
         messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
@@ -173,9 +206,9 @@ def _child_params(sp: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(sp, n=1, seed=None if sp.seed is None else (sp.seed + index) % 2**63)
 
 
-def _progress(total: int, use_tqdm: bool | None):
+def _progress(total: int, use_tqdm: bool | None, desc: str = "generate"):
     if use_tqdm is False or (use_tqdm is None and total < 64):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="generate", unit="req")
+    return tqdm(total=total, desc=desc, unit="req")

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from nightjar_jax.engine.beam_search import BeamSearchOutput, expansion
 from nightjar_jax.engine.outputs import RequestOutput
 from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, clip, short_repr
 from nightjar_jax.models.tokenizer import ChatTemplateArgumentError
@@ -349,6 +350,45 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         except RuntimeError as exc:
             raise APIError(503, str(exc), type="server_error") from None
 
+    async def beam_search(req, prompts: list[Any], max_tokens: int | None, request: Request,
+                          prompt_param: str = "prompt") -> list[BeamSearchOutput]:
+        """``use_beam_search``: each prompt's ``n`` best sequences (``nightjar_jax/engine/beam_search.py``), every
+        search step one group through the engine thread (one greedy token per live beam, with its top candidates'
+        log-probabilities), all prompts' beams together; a client gone aborts the step's group (499)."""
+        params = req.beam_search_params(max_tokens or engine.max_sequence_len)
+        try:
+            searches = await asyncio.to_thread(lambda: [engine.new_beam_search(p, params) for p in prompts])
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=prompt_param) from None
+        step, width = params.step_params(), 2 * params.beam_width
+        while not all(s.done for s in searches):
+            live = [s for s in searches if not s.done]
+            asks = [(s, ids) for s in live for ids in s.pending()]
+            try:
+                group = await async_engine.add([{"prompt_token_ids": ids} for _, ids in asks], [step] * len(asks),
+                                               priority=req.priority)
+            except ValueError as exc:
+                field = getattr(exc, "field", None) or prompt_param
+                raise APIError(400, str(exc), param=prompt_param if field == "prompt" else field) from None
+            except RuntimeError as exc:
+                raise APIError(503, str(exc), type="server_error") from None
+            outs = await collect(group, request, len(asks))
+            failure = engine_failure(outs)
+            if failure is not None:
+                raise failure
+            for s in live:
+                s.advance([expansion(o.outputs[0].logprobs[0], width)
+                           for (owner, _), o in zip(asks, outs, strict=True) if owner is s])
+        tok = engine.tokenizer
+        return [s.best(None if tok is None else lambda ids: tok.decode(ids, req.skip_special_tokens))
+                for s in searches]
+
+    def beam_usage(results: list[BeamSearchOutput]) -> dict[str, Any]:
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in results)
+        completion_tokens = sum(len(seq.tokens) for r in results for seq in r.sequences)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
     def engine_failure(outs: list[RequestOutput], structured_param: str = "structured_outputs") -> APIError | None:
         """When any of ``outs`` ended in an error (finish reason "error"): a 400 naming the field when it was the
         request's own (``RequestOutput.error_field``: a structured output's constraint came to a dead end), else a
@@ -576,6 +616,13 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         if req.echo and engine.tokenizer is None:
             raise APIError(400, "'echo' needs the model's tokenizer to render the prompt; this model has none",
                            param="echo")
+        if req.use_beam_search:
+            results = await beam_search(req, prompts, check_max_tokens(req.max_tokens, "max_tokens"), request)
+            choices = [{"index": i * req.n + j, "text": seq.text or "", "logprobs": None,
+                        "finish_reason": seq.finish_reason}
+                       for i, r in enumerate(results) for j, seq in enumerate(r.sequences)]
+            return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                    "model": model, "choices": choices, "usage": beam_usage(results)}
         params = make_params(req, check_max_tokens(req.engine_max_tokens(), "max_tokens"))
         rid = f"cmpl-{uuid.uuid4().hex}"
         explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None and not req.prompt_only
@@ -693,6 +740,19 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         req.check_unsupported()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         req.allow_auto_tools(settings.tool_call_parser)
+        if req.use_beam_search:
+            (result,) = await beam_search(req, [render_chat(req)], check_max_tokens(req.requested_max_tokens(), param),
+                                          request, prompt_param="messages")
+            choices = []
+            for j, seq in enumerate(result.sequences):
+                message: dict[str, Any] = {"content": seq.text or ""}
+                if settings.reasoning_parser is not None:
+                    reasoning, text = reasoning_parsers.split(message["content"], settings.reasoning_parser)
+                    message = {"content": text or None, "reasoning_content": reasoning}
+                choices.append({"index": j, "message": {"role": "assistant", **message}, "logprobs": None,
+                                "finish_reason": seq.finish_reason})
+            return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                    "model": model, "choices": choices, "usage": beam_usage([result])}
         params = make_params(req, check_max_tokens(req.requested_max_tokens(), param), param)
         call = req.tool_call()  # (validated by make_params: its constraint is the output's)
         prompt = render_chat(req)

@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt
 
-from nightjar_jax.engine.sampling_params import MAX_LOGPROBS, SamplingParams, short_repr
+from nightjar_jax.engine.beam_search import BeamSearchParams
+from nightjar_jax.engine.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams, short_repr
 
 
 class APIError(Exception):
@@ -82,6 +83,10 @@ class _SamplingFields(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's beam search: the response's n choices per prompt are the n best sequences of a beam search of width n
+    # (nightjar_jax/engine/beam_search.py), ranked by cum_logprob / length ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Accepted at their neutral values only (see unsupported).
     user: str | None = None
     best_of: int | None = None
@@ -108,6 +113,46 @@ class _SamplingFields(_Strict):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "'stream_options' applies to streamed responses only: set 'stream': true or leave "
                                 "it out", param="stream_options")
+        if not self.use_beam_search and self.length_penalty != 1.0:
+            raise APIError(400, "'length_penalty' ranks the sequences of a beam search: set 'use_beam_search': true "
+                                "or leave it out", param="length_penalty")
+
+    def beam_conflicts(self) -> list[str]:
+        """Fields set to values a beam search cannot honour: it ranks the model's own log-probabilities (no
+        sampling, penalty, bias or constraint applies), ends sequences at EOS or the length, and answers whole."""
+        return [name for name, bad in [
+            ("stream", bool(self.stream)),
+            ("temperature", self.temperature not in (None, 0)),
+            ("top_p", self.top_p not in (None, 1)),
+            ("top_k", self.top_k not in (None, 0, -1)),
+            ("min_p", self.min_p not in (None, 0)),
+            ("stop", bool(self.stop)),
+            ("stop_token_ids", bool(self.stop_token_ids)),
+            ("min_tokens", self.min_tokens != 0),
+            ("presence_penalty", bool(self.presence_penalty)),
+            ("frequency_penalty", bool(self.frequency_penalty)),
+            ("repetition_penalty", self.repetition_penalty not in (None, 1)),
+            ("logit_bias", bool(self.logit_bias)),
+            ("allowed_token_ids", self.allowed_token_ids is not None),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens is not None),
+            ("prompt_logprobs", self.prompt_logprobs is not None),
+            (self.structured_field(), self.structured() is not None),
+        ] if bad]
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """``use_beam_search``'s parameters (width ``n``); a field it cannot honour, or a bad value, is a 400."""
+        bad = self.beam_conflicts()
+        if bad:
+            raise APIError(400, f"'{bad[0]}' is not supported with 'use_beam_search': a beam search returns the n "
+                                f"best whole sequences by the model's own log-probabilities (leave '{bad[0]}' out, or "
+                                f"turn 'use_beam_search' off)", param=bad[0])
+        try:
+            return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                    length_penalty=self.length_penalty)
+        except InvalidRequestError as exc:
+            name = {"beam_width": "n"}.get(exc.field, exc.field)
+            raise APIError(400, str(exc).replace(f"BeamSearchParams.{exc.field}", f"'{name}' (the beam width)"
+                                                 if name == "n" else f"'{name}'"), param=name) from None
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         kwargs: dict[str, Any] = dict(
@@ -229,6 +274,10 @@ class CompletionRequest(_SamplingFields):
         if self.max_tokens == 0 and self.stream:
             raise APIError(400, "'max_tokens'=0 (echo the prompt only) is not supported with 'stream': true",
                            param="max_tokens")
+
+    def beam_conflicts(self) -> list[str]:
+        return super().beam_conflicts() + [name for name, bad in [
+            ("echo", bool(self.echo)), ("logprobs", self.logprobs is not None)] if bad]
 
     @property
     def prompt_only(self) -> bool:
@@ -375,6 +424,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def beam_conflicts(self) -> list[str]:
+        return super().beam_conflicts() + [name for name, bad in [
+            ("logprobs", bool(self.logprobs)), ("top_logprobs", self.top_logprobs is not None),
+            ("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none"))] if bad]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

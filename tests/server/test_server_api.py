@@ -758,6 +758,18 @@ FIELD_CASES = [
     ("tool call and response_format", "/v1/chat/completions",
      {**CHAT, "tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, None,
      "tool_choice", "one output constraint"),
+    ("beam search streamed", "/v1/completions", {**GOOD, "n": 2, "use_beam_search": True, "stream": True}, None,
+     "stream", "not supported with 'use_beam_search'"),
+    ("beam search sampled", "/v1/chat/completions", {**CHAT, "use_beam_search": True, "temperature": 0.7}, None,
+     "temperature", "not supported with 'use_beam_search'"),
+    ("beam search with logprobs", "/v1/chat/completions", {**CHAT, "use_beam_search": True, "logprobs": True}, None,
+     "logprobs", "not supported with 'use_beam_search'"),
+    ("beam search constrained", "/v1/completions", {**GOOD, "use_beam_search": True, "guided_regex": "a+"}, None,
+     "guided_regex", "not supported with 'use_beam_search'"),
+    ("beam width past 10", "/v1/completions", {**GOOD, "n": 11, "use_beam_search": True}, None, "n",
+     "'n' (the beam width)=11 is invalid: allowed an integer in [1, 10]"),
+    ("length_penalty without beam search", "/v1/completions", {**GOOD, "length_penalty": 0.5}, None,
+     "length_penalty", "set 'use_beam_search': true"),
 ]
 
 
@@ -787,6 +799,27 @@ def test_values_at_their_limits_are_served(client, server):
     long_prompt = [1] + [403] * (MAX_MODEL_LEN - 6)
     out = client.completions.create(model=MODEL, prompt=long_prompt, temperature=0, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 5
+    _wait_pages_free(server)
+
+
+def test_beam_search(client, server):
+    """vLLM's use_beam_search: n choices per prompt, the n best sequences of a beam search of width n, the same as
+    the library's LLM.beam_search on the same model; chat too."""
+    from nightjar_jax import LLM, BeamSearchParams
+
+    out = client.completions.create(model=MODEL, prompt=["Once upon a time", "The little dog"], max_tokens=10, n=3,
+                                    extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    assert [c.index for c in out.choices] == list(range(6))
+    llm = LLM("stories260k", max_model_len=MAX_MODEL_LEN, num_pages=64)
+    ref = llm.beam_search(["Once upon a time", "The little dog"],
+                          BeamSearchParams(beam_width=3, max_tokens=10, length_penalty=0.5))
+    assert [c.text for c in out.choices] == [s.text for r in ref for s in r.sequences]
+    assert [c.finish_reason for c in out.choices] == [s.finish_reason for r in ref for s in r.sequences]
+    assert out.usage.completion_tokens == sum(len(s.tokens) for r in ref for s in r.sequences)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell a story"}],
+                                          max_tokens=6, n=2, extra_body={"use_beam_search": True})
+    assert len(chat.choices) == 2 and chat.choices[0].message.content != chat.choices[1].message.content
+    assert all(c.message.role == "assistant" for c in chat.choices)
     _wait_pages_free(server)
 
 

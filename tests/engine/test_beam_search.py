@@ -1,0 +1,160 @@
+"""Beam search (``nightjar_jax/engine/beam_search.py``, ``LLM.beam_search``): the search against an exhaustive
+enumeration on a toy language model, its end-of-sequence, length and context rules, its parameters' errors; then
+through the engine on stories260K: width 1 is greedy decoding, every returned sequence's log-probability is what the
+model gives its tokens, nothing leaks, and the beams share their cached pages."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from nightjar_jax import LLM, BeamSearchParams, SamplingParams
+from nightjar_jax.engine.beam_search import BeamSearch, beam_score
+from nightjar_jax.engine.sampling_params import InvalidRequestError
+
+VOCAB, EOS = 4, 3
+
+
+def toy_logprobs(prefix: list[int]) -> dict[int, float]:
+    """A toy language model: next-token log-probabilities that depend on the whole prefix, without ties."""
+    rng = random.Random(str(prefix))
+    logits = [rng.gauss(0, 2) for _ in range(VOCAB)]
+    top = max(logits)
+    norm = top + math.log(sum(math.exp(x - top) for x in logits))
+    return {t: logits[t] - norm for t in range(VOCAB)}
+
+
+def toy_expansion(ids: list[int], width: int) -> dict[int, float]:
+    ranked = sorted(toy_logprobs(ids).items(), key=lambda kv: -kv[1])
+    return dict(ranked[:width])
+
+
+def run_toy(prompt: list[int], params: BeamSearchParams, max_len: int = 100, eos=frozenset({EOS})):
+    search = BeamSearch(None, prompt, params, eos, max_len)
+    while not search.done:
+        search.advance([toy_expansion(ids, 2 * params.beam_width) for ids in search.pending()])
+    return search.best()
+
+
+def exhaustive(prompt: list[int], max_tokens: int, length_penalty: float) -> list[tuple[float, list[int], str]]:
+    """Every sequence the search could return (ended by EOS, or at max_tokens), best score first."""
+    found = []
+    for n in range(max_tokens + 1):
+        for tokens in itertools.product([t for t in range(VOCAB) if t != EOS], repeat=n):
+            cum = sum(toy_logprobs(prompt + list(tokens[:i]))[t] for i, t in enumerate(tokens))
+            if n < max_tokens:
+                end = cum + toy_logprobs(prompt + list(tokens))[EOS]
+                found.append((end / max(n, 1) ** length_penalty, list(tokens), "stop"))
+            else:
+                found.append((cum / max(n, 1) ** length_penalty, list(tokens), "length"))
+    return sorted(found, key=lambda f: -f[0])
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0, 2.0])
+def test_a_wide_enough_beam_finds_the_best_sequences_of_an_exhaustive_search(length_penalty):
+    """Width 10 keeps every partial sequence of a 3-token vocabulary (EOS aside) to depth 2: the search's answer
+    must be the enumeration's 10 best, in order, with their scores and finish reasons."""
+    prompt = [1, 0, 2]
+    out = run_toy(prompt, BeamSearchParams(beam_width=10, max_tokens=3, length_penalty=length_penalty))
+    best = exhaustive(prompt, 3, length_penalty)[:10]
+    assert [s.tokens for s in out.sequences] == [tokens for _, tokens, _ in best]
+    assert [s.finish_reason for s in out.sequences] == [reason for _, _, reason in best]
+    for seq, (score, _, _) in zip(out.sequences, best, strict=True):
+        assert seq.score == pytest.approx(score) and seq.score == beam_score(seq, length_penalty)
+        assert seq.cum_logprob == pytest.approx(sum(seq.logprobs) + (toy_logprobs(prompt + seq.tokens)[EOS]
+                                                                       if seq.finish_reason == "stop" else 0))
+        assert (seq.stop_reason == EOS) == (seq.finish_reason == "stop")
+
+
+def test_width_one_is_greedy_and_eos_rules():
+    prompt = [2, 2]
+    greedy, seq = [], list(prompt)
+    while len(greedy) < 6:
+        nxt = max(toy_logprobs(seq).items(), key=lambda kv: kv[1])[0]
+        if nxt == EOS:
+            break
+        greedy.append(nxt)
+        seq.append(nxt)
+    (one,) = run_toy(prompt, BeamSearchParams(beam_width=1, max_tokens=6)).sequences
+    assert one.tokens == greedy
+    # ignore_eos: EOS is an ordinary token, every sequence runs to max_tokens
+    out = run_toy(prompt, BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True))
+    assert all(len(s.tokens) == 5 and s.finish_reason == "length" for s in out.sequences)
+    assert any(EOS in s.tokens for s in run_toy(prompt, BeamSearchParams(beam_width=8, max_tokens=5,
+                                                                         ignore_eos=True)).sequences)
+
+
+def test_the_context_ends_the_beams():
+    out = run_toy([0, 1, 2], BeamSearchParams(beam_width=2, max_tokens=50, ignore_eos=True), max_len=7)
+    assert [len(s.tokens) for s in out.sequences] == [4, 4]  # 3 + 4 tokens fill the 7-token context
+    assert all(s.finish_reason == "length" for s in out.sequences)
+    with pytest.raises(InvalidRequestError, match="the prompt has 7 tokens, the context limit is 7"):
+        BeamSearch(None, list(range(7)), BeamSearchParams(beam_width=2, max_tokens=4), frozenset(), 7)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(beam_width=0, max_tokens=4), "beam_width"), (dict(beam_width=11, max_tokens=4), "beam_width"),
+    (dict(beam_width=True, max_tokens=4), "beam_width"), (dict(beam_width=2, max_tokens=0), "max_tokens"),
+    (dict(beam_width=2, max_tokens=4, length_penalty=float("nan")), "length_penalty"),
+    (dict(beam_width=2, max_tokens=4, ignore_eos="yes"), "ignore_eos"),
+])
+def test_bad_parameters_name_the_field(kwargs, field):
+    with pytest.raises(InvalidRequestError, match=f"BeamSearchParams.{field}=.* is invalid: allowed") as err:
+        BeamSearchParams(**kwargs)
+    assert err.value.field == field
+
+
+@pytest.fixture(scope="module")
+def stories():
+    return LLM("stories260k", max_model_len=128, num_pages=96, max_num_seqs=8, max_num_batched_tokens=64)
+
+
+def test_width_one_through_the_engine_is_greedy_decoding(stories):
+    g = stories.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=12, logprobs=0))[0].outputs[0]
+    (out,) = stories.beam_search("Once upon a time", BeamSearchParams(beam_width=1, max_tokens=12))
+    (seq,) = out.sequences
+    assert seq.tokens == g.token_ids and seq.text == g.text
+    assert seq.cum_logprob == pytest.approx(g.cumulative_logprob, abs=1e-4)
+
+
+def test_beam_sequences_carry_the_models_log_probabilities(stories):
+    prompts = ["Once upon a time", "The little dog"]
+    outs = stories.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=10, length_penalty=0.5))
+    engine = stories.engine
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.prompt == prompt and len(out.sequences) == 3
+        scores = [s.score for s in out.sequences]
+        assert scores == sorted(scores, reverse=True)
+        assert len({tuple(s.tokens) for s in out.sequences}) == 3
+        for seq in out.sequences:
+            # the model's own log-probabilities of the sequence's tokens, scored as a prompt
+            (scored,) = stories.generate([{"prompt_token_ids": out.prompt_token_ids + seq.tokens}],
+                                         SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+            lps = [entry[t].logprob for entry, t in zip(scored.prompt_logprobs[len(out.prompt_token_ids):],
+                                                        seq.tokens, strict=True)]
+            assert seq.logprobs == pytest.approx(lps, abs=1e-4)
+            if seq.finish_reason == "length":
+                assert seq.cum_logprob == pytest.approx(sum(lps), abs=1e-3)
+            assert seq.text == engine.tokenizer.decode(seq.tokens)
+    assert engine.num_free_pages == engine.num_total_pages and not engine.has_unfinished_requests()
+
+
+def test_beams_share_their_cached_pages(stories):
+    engine = stories.engine
+    hits = engine.stats.num_prefix_cache_hits
+    prompt = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her"
+    stories.beam_search(prompt, BeamSearchParams(beam_width=4, max_tokens=6))
+    assert engine.stats.num_prefix_cache_hits > hits  # (the prompt's full pages computed once for every beam)
+
+
+def test_a_bad_prompt_fails_before_anything_runs(stories):
+    engine = stories.engine
+    steps = engine.stats.num_steps
+    with pytest.raises(ValueError, match="context limit"):
+        stories.beam_search(["Once", [1] * 200], BeamSearchParams(beam_width=2, max_tokens=4))
+    with pytest.raises(TypeError, match="takes a BeamSearchParams"):
+        stories.beam_search("Once", SamplingParams())
+    assert engine.stats.num_steps == steps and not engine.has_unfinished_requests()
