@@ -89,6 +89,7 @@ class EngineStats:
     num_migrated_pages: int = 0  # live extension pages copied into the base pool at reloads
     offload_seconds: float = 0.0  # the moves' time (offloads + reloads, the page migration included)
     num_sleeps: int = 0  # LLMEngine.sleep calls that put the engine to sleep
+    num_weight_updates: int = 0  # LLMEngine.update_weights calls
     step_log: list[dict] = field(default_factory=list)  # per decode step (kept only when record_steps)
 
     @property
@@ -628,6 +629,64 @@ class LLMEngine:
         if not self._asleep and self.sleep_level:
             logger.info("engine awake after level-%d sleep (%.2f s)", self.sleep_level, time.perf_counter() - t0)
             self.sleep_level = 0
+
+    # ---- weight updates -----------------------------------------------------------------------------------------
+    def update_weights(self, weights=None, *, draft_weights=None) -> bool:
+        """Serve new weights without a restart (an RL loop's policy after a training step; vLLM's weight sync):
+        ``weights`` for the target and ``draft_weights`` for the draft (None: keep), each a checkpoint (a spec or
+        path, loaded as at start), an HF-named state dict of arrays (what ``load_checkpoint`` yields, e.g. params
+        a JAX training step just wrote back in HF names), or a ``ModelHandle``; of the loaded model's architecture.
+
+        The new weights are built and checked before anything changes (a bad one raises ``ValueError``, the old
+        weights still served). Same layout: nothing recompiles; another layout of the same model (a GGUF target's
+        4-bit blocks whose new values are off their grid come back as float32 panels) drops the compiled variants,
+        which compile again on first use. Returns whether that happened. The prefix cache is reset (its pages hold
+        the old weights' K/V); requests in flight go on under the new weights with the K/V they already computed,
+        as in-flight updates do. The weights must be awake (``wake_up(["weights"])`` after a sleep; the KV cache
+        may still sleep). The device holds both copies while the new one is built."""
+        if "weights" in self._asleep:
+            raise EngineSleepingError("update_weights needs the weights on the device: call wake_up(['weights']) "
+                                      "first (the KV cache may stay asleep)")
+        if weights is None and draft_weights is None:
+            raise ValueError("update_weights needs weights, draft_weights or both")
+        if draft_weights is not None and self.draft is None:
+            raise ValueError("draft_weights given, but this engine has no draft")
+        target = None if weights is None else self._weights_handle(weights, self.target, "weights")
+        draft = None if draft_weights is None else self._weights_handle(draft_weights, self.draft, "draft_weights")
+        if draft is not None and not self.runner.draft_on_device:  # (elastic memory moved it to host memory)
+            if self.has_unfinished_requests():
+                raise RuntimeError("the draft is offloaded to host memory under load (elastic memory): update its "
+                                   "weights once it is back (when the load falls), or update the target alone")
+            self._reload_draft()  # (idle: nothing migrates)
+        relayout = self.runner.load_weights(target, draft)
+        self.reset_prefix_cache()
+        self.allocator.forget_draft()
+        self.stats.num_weight_updates += 1
+        logger.info("weights updated (%s)%s", ", ".join(n for n, h in (("target", target), ("draft", draft)) if h),
+                    ": a new layout, the step variants compile again" if relayout else "")
+        return relayout
+
+    def _weights_handle(self, weights, current: ModelHandle, field: str) -> ModelHandle:
+        """``weights`` (a spec or path, an HF-named state dict, or a handle) as a handle laid out as this engine
+        lays out its own (packed, stacked)."""
+        if isinstance(weights, ModelHandle):
+            return weights
+        if isinstance(weights, str):
+            return self._load(weights, tokenizer_spec=None)[0]
+        if not hasattr(weights, "items"):
+            raise ValueError(f"{field} must be a checkpoint spec or path, an HF-named state dict or a ModelHandle, "
+                             f"got {type(weights).__name__}")
+        from nightjar_jax.linear import pack_state
+        from nightjar_jax.models.llama import state_from_hf
+
+        cfg = self.config
+        sd = {k: np.asarray(v) for k, v in weights.items()}
+        graphdef, state = state_from_hf(current.config, sd, attention_impl=cfg.attention_impl,
+                                        linear_impl=cfg.linear_impl, source=field)
+        handle = ModelHandle(current.config, graphdef, pack_state(state, cfg.linear_impl,
+                                                                  weight_format=cfg.weight_format))
+        handle.stack_layers()
+        return handle
 
     # ---- elastic memory -----------------------------------------------------------------------------------------
     def _manage_memory(self, preempted: bool) -> None:

@@ -57,6 +57,12 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
 
+    def update_weights(self, weights=None, *, draft_weights=None) -> bool:
+        """New weights without a restart (:meth:`LLMEngine.update_weights`): a checkpoint spec or path, an HF-named
+        state dict or a ``ModelHandle``, for the target and/or the draft. Returns whether the step variants must
+        compile again (a new layout of the same model)."""
+        return self.engine.update_weights(weights, draft_weights=draft_weights)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

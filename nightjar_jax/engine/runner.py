@@ -669,21 +669,35 @@ class ModelRunner:
         if self.draft is not None and self.draft is not self.target and self.draft_on_device:
             self.draft.move_to("device")
 
-    def load_weights(self, target: ModelHandle, draft: ModelHandle | None = None) -> None:
-        """Take ``target``'s (and ``draft``'s) weights in place of the current ones: the same structure, shapes and
-        dtypes (so no step recompiles), committed to the device."""
-        pairs = [(self.target, target)] + ([(self.draft, draft)] if draft is not None else [])
+    def load_weights(self, target: ModelHandle | None, draft: ModelHandle | None = None) -> bool:
+        """Take ``target``'s (and ``draft``'s; None: keep) weights in place of the current ones, committed to the
+        device. The same architecture is required (every config field but the name). With the same structure,
+        shapes and dtypes no step recompiles; with another layout of the same model (e.g. float32 panels in place of
+        a GGUF's 4-bit blocks, when the new values are not on its grid) the handle takes the new layout and every
+        compiled variant is dropped: they compile again on first use. Returns whether that happened. Checks every
+        pair before changing anything."""
+        import dataclasses
+
+        pairs = [(m, n) for m, n in ((self.target, target), (self.draft, draft)) if n is not None]
+        relayout = []
         for mine, new in pairs:
-            if mine is None or new.treedef != mine.treedef:
-                raise ValueError(f"new weights for {new.config.name} do not have the structure of the loaded ones")
-            for x, y in zip(mine.leaves(), new.leaves(), strict=True):
-                if (x.shape, x.dtype) != (y.shape, y.dtype):
-                    raise ValueError(f"new weights for {new.config.name}: an array of {y.shape} {y.dtype} in place "
-                                     f"of {x.shape} {x.dtype}")
-        for mine, new in pairs:
+            if mine is None:
+                raise ValueError("new draft weights for an engine without a draft")
+            if dataclasses.replace(new.config, name=mine.config.name) != mine.config:
+                raise ValueError(f"new weights for {mine.config.name} are of another architecture ({new.config}); "
+                                 f"only weights of the loaded model's config can replace its own")
+            same = new.treedef == mine.treedef and all(
+                (x.shape, x.dtype) == (y.shape, y.dtype) for x, y in zip(mine.leaves(), new.leaves(), strict=True))
+            relayout.append(not same)
+        for (mine, new), other in zip(pairs, relayout, strict=True):
+            if other:  # (the jitted steps rebuild the state from the handle's current layout when they trace)
+                for name in ("treedef", "_plan", "_layer_treedef", "_layer_paths"):
+                    setattr(mine, name, getattr(new, name))
             mine.state = commit_to_device(new.state)
-            mine._flat = None
-            mine._home = None
+            mine._flat = mine._home = mine._embed_index = None
+        if any(relayout):
+            self.evict_compiled()
+        return any(relayout)
 
     def lookahead(self, gamma: int) -> int:
         """Speculative positions a decode step at ``gamma`` writes past the committed tokens (γ, or the tree's

@@ -1,0 +1,143 @@
+"""Weight updates without a restart (``LLMEngine.update_weights``, an RL loop's weight sync): new weights from a state
+dict, a checkpoint or a handle serve at once, the same layout compiles nothing, another layout of the same model
+(4-bit blocks <-> float32 panels) compiles again and gives the same tokens as an engine built on those weights, bad
+weights change nothing, and a draft's weights update with speculation staying lossless."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kernels_pallas.linear import cpu
+from nightjar_jax import LLM, EngineSleepingError, LLMEngine, SamplingParams
+from nightjar_jax.config import make_engine_config
+from nightjar_jax.models.llama import random_state
+from nightjar_jax.models.loader import load_checkpoint
+from nightjar_jax.models.orbax_io import state_to_hf
+from nightjar_jax.models.presets import PRESETS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=0)
+PROMPT = "Once upon a time"
+
+
+def tokens(llm) -> list[int]:
+    return llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+
+
+def noisy(sd: dict, scale: float, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {k: v + rng.normal(0, scale, v.shape).astype(v.dtype) if "proj" in k else v for k, v in sd.items()}
+
+
+@pytest.fixture(scope="module")
+def stories():
+    llm = LLM("stories260k", max_model_len=128, num_pages=64)
+    sd = {k: np.asarray(v) for k, v in load_checkpoint("stories260k").state_dict.items()}
+    return llm, sd, tokens(llm)
+
+
+def test_new_weights_serve_at_once_and_the_old_come_back(stories):
+    llm, sd, ref = stories
+    engine = llm.engine
+    compiled = engine.runner.num_compiled()
+    assert llm.update_weights(sd) is False  # the same layout
+    assert tokens(llm) == ref and engine.runner.num_compiled() == compiled
+
+    changed = noisy(sd, 0.3)
+    assert llm.update_weights(changed) is False
+    new = tokens(llm)
+    assert new != ref and engine.runner.num_compiled() == compiled
+    # the tokens an engine built on those weights from the start gives
+    fresh = LLM.from_engine(LLMEngine(make_engine_config(model="stories260k", max_model_len=128, num_pages=64),
+                                      target=engine._weights_handle(changed, engine.target, "weights"),
+                                      tokenizer=engine.tokenizer))
+    assert tokens(fresh) == new
+    assert llm.update_weights("stories260k") is False  # a checkpoint spec, loaded as at start
+    assert tokens(llm) == ref
+    assert engine.stats.num_weight_updates == 3
+    assert engine.num_free_pages == engine.num_total_pages
+
+
+def test_the_prefix_cache_goes_with_the_old_weights(stories):
+    llm, sd, ref = stories
+    long_prompt = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun"
+    llm.generate([long_prompt], GREEDY)
+    assert llm.engine.allocator.num_cached_free > 0
+    llm.update_weights(sd)
+    assert llm.engine.allocator.num_cached_free == 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda sd: {k: v for k, v in sd.items() if "norm" not in k}, "missing tensors"),
+    (lambda sd: {**sd, "model.extra.weight": np.zeros(3, np.float32)}, "unexpected tensors"),
+    (lambda sd: {k: (v[:, :-1] if k.endswith("q_proj.weight") else v) for k, v in sd.items()}, "shape"),
+    (lambda sd: [1, 2], "must be a checkpoint spec or path, an HF-named state dict or a ModelHandle"),
+])
+def test_bad_weights_change_nothing(stories, bad, message):
+    llm, sd, ref = stories
+    with pytest.raises(ValueError, match=message):
+        llm.update_weights(bad(sd))
+    assert tokens(llm) == ref
+
+
+def test_weights_of_another_model_or_no_weights_are_errors(stories):
+    llm, sd, ref = stories
+    engine = llm.engine
+    other = dataclasses.replace(engine.target, config=dataclasses.replace(engine.target.config, num_layers=1))
+    with pytest.raises(ValueError, match="another architecture"):
+        llm.update_weights(other)
+    with pytest.raises(ValueError, match="needs weights, draft_weights or both"):
+        llm.update_weights()
+    with pytest.raises(ValueError, match="this engine has no draft"):
+        llm.update_weights(draft_weights=sd)
+    llm.sleep(1)
+    with pytest.raises(EngineSleepingError, match="wake_up\\(\\['weights'\\]\\) first"):
+        llm.update_weights(sd)
+    llm.wake_up(["weights"])
+    llm.update_weights(sd)  # (the KV cache may still sleep)
+    llm.wake_up()
+    assert tokens(llm) == ref
+
+
+def q4_exact_hf(w: np.ndarray) -> np.ndarray:
+    """An HF ``[out, in]`` weight rounded to GGUF Q4_1 values over blocks of 32 inputs (what pack_q4 takes)."""
+    out, k = w.shape
+    blocks = w.reshape(out, k // 32, 32)
+    lo, hi = blocks.min(axis=2, keepdims=True), blocks.max(axis=2, keepdims=True)
+    d = np.float16((hi - lo) / 15).astype(np.float32)
+    m = np.float16(lo).astype(np.float32)
+    q = np.clip(np.round((blocks - m) / np.where(d == 0, 1, d)), 0, 15)
+    return (q * d + m).reshape(out, k).astype(np.float32)
+
+
+@pytest.mark.skipif(not cpu.packing_supported(), reason="the 4-bit layout exists where the CPU kernel packs weights")
+def test_another_layout_of_the_same_model_compiles_again_with_the_same_tokens():
+    cfg = PRESETS["tiny-gqa"].config
+    base = {k: np.asarray(v, np.float32) for k, v in state_to_hf(cfg, random_state(cfg, seed=3)[1]).items()}
+    on_grid = {k: q4_exact_hf(v) if k.endswith("proj.weight") else v for k, v in base.items()}
+    opts = dict(load_format="dummy", max_model_len=128, num_pages=32)
+    auto = LLM("tiny-gqa", **opts)  # float32 panels (random weights are off the 4-bit grid)
+    f32 = LLM("tiny-gqa", weight_format="f32", **opts)  # float32 panels whatever the values
+    before = [x.dtype for x in auto.engine.target.leaves()]
+    tokens(auto)
+    assert auto.update_weights(on_grid) is True  # now 4-bit blocks (with float32 beside): another layout
+    assert [x.dtype for x in auto.engine.target.leaves()] != before
+    assert auto.engine.runner.num_compiled() == 0  # (the old variants were dropped)
+    assert f32.update_weights(on_grid) is False
+    assert tokens(auto) == tokens(f32)  # the 4-bit kernels rebuild each weight exactly
+    assert auto.update_weights(base) is True and f32.update_weights(base) is False  # and back
+    assert tokens(auto) == tokens(f32)
+
+
+def test_draft_weights_update_and_speculation_stays_lossless():
+    llm = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=3, planner="static",
+              max_model_len=128, num_pages=64)
+    ar = LLM.from_engine(LLMEngine(make_engine_config(model="stories260k", max_model_len=128, num_pages=64),
+                                   target=llm.engine.target, tokenizer=llm.engine.tokenizer))
+    ref = tokens(ar)
+    assert tokens(llm) == ref
+    drafted = llm.engine.stats.num_drafted_tokens
+    assert llm.update_weights(draft_weights="stories260k@skip=4") is False  # another layer skipped: same shapes
+    assert tokens(llm) == ref and llm.engine.stats.num_drafted_tokens > drafted
