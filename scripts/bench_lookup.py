@@ -4,12 +4,14 @@
 Four engines of the same target in one process, each prompt decoded by each in turn (so they share the minutes of
 this shared machine): plain decoding (no draft), the draft alone (``prompt_lookup_max=0``), lookup with copying
 steps at the planner's γ (``LLMEngine._lookup_boost`` disabled), and the default (lookup, copying steps at γ_max);
+``--ngram`` adds draft-free n-gram speculation (``draft_model="ngram"``: no draft model, lookup's copies alone);
 ``--trees 11,16`` adds, per size N, token trees of N draft nodes alone and with lookup (a copy branch of γ nodes
 in each tree; steps where every row copies in full verify the copied chain).
 The held-out prompts are ``eval_draft.py``'s (MT-Bench / Spec-Bench ids never trained on), in the chat template.
 Decode tokens/s from the engine's step log (prefill excluded), and the steps each γ got.
 
     python scripts/bench_lookup.py --prompts 14 --max-tokens 96 --out results/bench_lookup.json
+    python scripts/bench_lookup.py --prompts 14 --max-tokens 96 --ngram --out results/bench_lookup_ngram.json
     python scripts/bench_lookup.py --prompts 24 --batch-size 4 --out results/bench_lookup_b4.json
     python scripts/bench_lookup.py --prompts 14 --trees 11 --out results/bench_lookup_trees.json
 """
@@ -29,6 +31,7 @@ from nightjar_jax.bench.common import machine_note, write_json  # noqa: E402
 from nightjar_jax.config import WEIGHT_FORMATS  # noqa: E402
 
 VARIANTS = ("plain", "draft alone", "lookup at the planner's γ", "lookup, copying steps at γ_max")
+NGRAM = "n-gram lookup alone (draft_model ngram)"  # --ngram: no draft model, lookup's copies are every step's drafts
 
 
 def tree_variants(sizes: list[int]) -> list[str]:
@@ -43,6 +46,8 @@ def build(variant: str, max_model_len: int, model: str = TARGET, draft: str = "a
               weight_format=weight_format)
     if variant == "plain":
         return LLM(model, draft_model=None, **kw)
+    if variant == NGRAM:
+        return LLM(model, draft_model="ngram", **kw)
     if variant.startswith("tree of "):
         nodes = int(variant.split()[2].rstrip(","))
         return LLM(model, draft_model=draft, spec_tree_nodes=nodes,
@@ -92,6 +97,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
+    ap.add_argument("--ngram", action="store_true", help=f"add the variant {NGRAM!r}")
     ap.add_argument("--trees", default="", help="comma-separated tree sizes (draft nodes) to add, e.g. 11,16")
     ap.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
                     help="every engine's CPU kernel weights (EngineConfig.weight_format; w4a8: opt-in, lossy)")
@@ -101,7 +107,7 @@ def main() -> None:
     prompts = [ids for ids in (chat_ids(tok, p["text"]) for p in load_prompts("heldout"))
                if len(ids) <= args.max_prompt_tokens][: args.prompts]
     sizes = [int(n) for n in args.trees.split(",") if n.strip()]
-    variants = [*VARIANTS, *tree_variants(sizes)]
+    variants = [*VARIANTS, *([NGRAM] if args.ngram else []), *tree_variants(sizes)]
     # room for the largest tree step's lookahead past the prompt and the output
     room = args.max_prompt_tokens + args.max_tokens + 8 + max([0, *sizes]) + 4
     llms = {v: build(v, room, batch_size=args.batch_size, weight_format=args.weight_format) for v in variants}

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from nightjar_jax.cache.allocator import PageAllocator
-from nightjar_jax.config import EngineConfig, dtype_bytes
+from nightjar_jax.config import ConfigError, EngineConfig, dtype_bytes
 from nightjar_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nightjar_jax.engine.request import FinishReason, Request
 from nightjar_jax.engine.runner import EVICT_MAP_SHARE, DecodeResult, ModelHandle, ModelRunner
@@ -173,7 +173,15 @@ class LLMEngine:
             self.max_model_len = pool_tokens
         self.scheduler = Scheduler(sched, self.allocator, self.max_model_len,
                                    prefix_caching=config.cache.enable_prefix_caching)
-        gamma_max = config.spec.num_speculative_tokens if draft is not None else 0
+        # draft_model "ngram" (vLLM's method): no draft model, n-gram lookup's copies are every step's drafts
+        self.ngram_only = draft is None and (config.spec.draft_model or "").lower() == "ngram"
+        if self.ngram_only and not config.spec.prompt_lookup_max:
+            raise ConfigError("draft_model='ngram' speculates with n-gram lookup's copies alone: it needs "
+                              "prompt_lookup_max >= 1 (got 0)")
+        if self.ngram_only and config.spec.spec_tree_nodes:
+            raise ConfigError("spec_tree_nodes needs a draft model to rank a tree's candidates: with "
+                              "draft_model='ngram' allowed 0")
+        gamma_max = config.spec.num_speculative_tokens if draft is not None or self.ngram_only else 0
         self.runner = ModelRunner(
             target, draft, num_pages=num_pages, page_size=config.cache.page_size, max_model_len=self.max_model_len,
             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
@@ -232,7 +240,7 @@ class LLMEngine:
     def resolve_draft_spec(config: EngineConfig) -> str | None:
         """``draft_model``: a spec, None / "none" (no draft), or "auto" (the target preset's paired draft)."""
         spec = config.spec.draft_model
-        if spec is None or spec.lower() in ("none", ""):
+        if spec is None or spec.lower() in ("none", "", "ngram"):  # (ngram: lookup's copies, no draft model)
             return None
         if spec.lower() == "auto":
             from nightjar_jax.models.presets import default_draft_for
@@ -510,7 +518,8 @@ class LLMEngine:
             # a batch of requests that accept no draft decodes plainly (the planner neither chooses nor observes
             # those steps): each one token short of min_tokens
             plain_only = (all(r.accepts_no_drafts for r in self.scheduler.running)
-                          or not self.runner.draft_on_device)  # (offloaded: γ = 0 until it is back)
+                          or not (self.runner.draft_on_device or self.ngram_only)  # (offloaded: γ = 0 until back)
+                          or (self.ngram_only and not self._anything_to_copy()))
             gamma = 0 if plain_only else self._select_gamma()
             if not plain_only:
                 self._planner_speculates = gamma > 0  # (read by the memory policy: it offloads when SD is off)
@@ -790,9 +799,15 @@ class LLMEngine:
         logger.info("draft back on the device: %d live extension pages migrated into the base pool", moved)
         return seconds
 
+    def _anything_to_copy(self) -> bool:
+        """Draft-free n-gram speculation: whether lookup finds a continuation for any decoding request (else the
+        step decodes plainly: a verify of nothing but capped rows would cost γ positions for one token each)."""
+        decoding = [r for r in self.scheduler.running if not r.is_prefilling]
+        return any(self.runner._lookup_drafts(decoding, self.gamma_max))
+
     def _select_gamma(self) -> int:
         batch_size = self.scheduler.num_decoding()
-        if self.draft is None or batch_size == 0:
+        if self.gamma_max == 0 or batch_size == 0:
             return 0
         gamma = self.planner.select(
             batch_size, queue_len=len(self.scheduler.waiting), free_pages=self.allocator.num_free,

@@ -442,9 +442,12 @@ class ModelRunner:
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_model_len = max_model_len
-        self.gamma_max = gamma_max if draft is not None else 0
+        # draft-free n-gram speculation (vLLM's "ngram" method): no draft model, every step's drafts are n-gram
+        # lookup's copies, a row without one capped at no draft
+        self.ngram_only = draft is None and lookup is not None and gamma_max > 0
+        self.gamma_max = gamma_max if draft is not None or self.ngram_only else 0
         self.trees: dict[int, SpecTree] = {}
-        if tree_nodes and self.gamma_max:
+        if tree_nodes and self.gamma_max and draft is not None:
             # with lookup on, each tree carries a copy branch of γ nodes beside the draft's tree_nodes
             self.trees = {g: with_copy_branch(tree_for(tree_nodes, g, tree_order), g) if lookup
                           else tree_for(tree_nodes, g, tree_order)
@@ -756,6 +759,36 @@ class ModelRunner:
 
         self._migrate_pages = jax.jit(migrate_pages, donate_argnums=(0,))
 
+        def verify(leaves, kv, feats, last_tokens, draft_tokens, draft_probs, copied, block_tables, context_lens, st,
+                   all_greedy, num_logprobs=None):
+            """last_tokens [S]; draft_tokens [S, γ]; context_lens [S] = n + γ; copied [S, γ] bool: drafts that
+            n-gram lookup copied (their draft distribution is a point mass on the copied token). Returns (out
+            [S, γ + 1], num_accepted [S], kv, feats, the log-probabilities of out under the target, or None)."""
+            state = self.target.unflatten(leaves)
+            tokens = jnp.concatenate([last_tokens[:, None], draft_tokens], axis=1)  # [S, γ + 1]
+            query_lens = jnp.where(context_lens > 0, tokens.shape[1], 0).astype(jnp.int32)
+            md = BatchMetadata(block_tables, context_lens, query_lens)
+            # (features: only the accepted positions' are read later; the rest are overwritten first)
+            hidden, kv, feats = target_pass(state, tokens, kv, md, feats)
+            raw = t_logits(state, hidden)  # [S, γ + 1, V]
+            logits = apply_penalties(apply_logit_bias(raw, st), st, tokens, chain_prefixes(tokens.shape[1]))
+            logits = apply_allowed(logits, st)
+            if all_greedy:
+                out, num_accepted = greedy_verify(draft_tokens, logits, st.max_accept)
+            else:
+                target_probs = processed_probs(logits, st)
+                point_mass = jax.nn.one_hot(draft_tokens, target_probs.shape[-1], dtype=jnp.float32)
+                # (draft-free n-gram speculation has no draft distribution: every draft is a copy, or capped by
+                # st.max_accept where there is none)
+                draft_probs = point_mass if draft_probs is None else jnp.where(copied[..., None], point_mass,
+                                                                              draft_probs)
+                out, num_accepted = rejection_sample(draft_tokens, draft_probs, target_probs, st, salt=SALT_VERIFY)
+                out = as_plain_steps(out, logits[:, 0], st)
+            # out[:, j] (j <= num_accepted) is the target's token after position j, under logits[:, j]
+            lp = None if num_logprobs is None else token_logprobs(raw, out, num_logprobs)
+            return out, num_accepted, kv, feats, lp
+
+        self._verify = jax.jit(verify, donate_argnums=(1, 2), static_argnums=(10,), static_argnames=("num_logprobs",))
         if self.draft is None:
             return
         d_hidden, d_logits = self.draft.fns
@@ -818,32 +851,6 @@ class ModelRunner:
                 1, gamma, body, (draft_tokens, draft_probs, kv, feature)
             )
             return draft_tokens, draft_probs, kv
-
-        def verify(leaves, kv, feats, last_tokens, draft_tokens, draft_probs, copied, block_tables, context_lens, st,
-                   all_greedy, num_logprobs=None):
-            """last_tokens [S]; draft_tokens [S, γ]; context_lens [S] = n + γ; copied [S, γ] bool: drafts that
-            n-gram lookup copied (their draft distribution is a point mass on the copied token). Returns (out
-            [S, γ + 1], num_accepted [S], kv, feats, the log-probabilities of out under the target, or None)."""
-            state = self.target.unflatten(leaves)
-            tokens = jnp.concatenate([last_tokens[:, None], draft_tokens], axis=1)  # [S, γ + 1]
-            query_lens = jnp.where(context_lens > 0, tokens.shape[1], 0).astype(jnp.int32)
-            md = BatchMetadata(block_tables, context_lens, query_lens)
-            # (features: only the accepted positions' are read later; the rest are overwritten first)
-            hidden, kv, feats = target_pass(state, tokens, kv, md, feats)
-            raw = t_logits(state, hidden)  # [S, γ + 1, V]
-            logits = apply_penalties(apply_logit_bias(raw, st), st, tokens, chain_prefixes(tokens.shape[1]))
-            logits = apply_allowed(logits, st)
-            if all_greedy:
-                out, num_accepted = greedy_verify(draft_tokens, logits, st.max_accept)
-            else:
-                target_probs = processed_probs(logits, st)
-                point_mass = jax.nn.one_hot(draft_tokens, draft_probs.shape[-1], dtype=draft_probs.dtype)
-                draft_probs = jnp.where(copied[..., None], point_mass, draft_probs)
-                out, num_accepted = rejection_sample(draft_tokens, draft_probs, target_probs, st, salt=SALT_VERIFY)
-                out = as_plain_steps(out, logits[:, 0], st)
-            # out[:, j] (j <= num_accepted) is the target's token after position j, under logits[:, j]
-            lp = None if num_logprobs is None else token_logprobs(raw, out, num_logprobs)
-            return out, num_accepted, kv, feats, lp
 
         def propose_tree(leaves, kv, feats, embed, tokens, first_lens, block_tables, context_lens, copy_tokens, st,
                          gamma):
@@ -970,7 +977,6 @@ class ModelRunner:
                                     static_argnames=("num_logprobs",))
         self._draft_fill = jax.jit(draft_fill, donate_argnums=(1,))
         self._propose = jax.jit(propose, donate_argnums=(1,), static_argnums=(9, 10))
-        self._verify = jax.jit(verify, donate_argnums=(1, 2), static_argnums=(10,), static_argnames=("num_logprobs",))
 
     # ---- host-side batch assembly -------------------------------------------------------------------------------
     def _block_tables(self, requests: list[Request], num_rows: int, lookahead: int = 0) -> np.ndarray:
@@ -1118,7 +1124,7 @@ class ModelRunner:
         """One decode step at speculative length ``gamma`` (0: plain autoregressive)."""
         requests = batch.requests
         num_rows = bucket_for(len(requests), self.shapes.decode_buckets)
-        if gamma == 0 or self.draft is None:
+        if gamma == 0 or (self.draft is None and not self.ngram_only):
             t0 = time.perf_counter()
             tokens = np.zeros((num_rows, 1), np.int32)
             context_lens = np.zeros(num_rows, np.int32)
@@ -1131,14 +1137,15 @@ class ModelRunner:
                                 verify_seconds=time.perf_counter() - t0, logprobs=logprobs)
         if gamma > self.gamma_max:
             raise ValueError(f"gamma={gamma} exceeds the compiled maximum {self.gamma_max}")
-        if not self.draft_on_device:
+        if self.draft is not None and not self.draft_on_device:
             raise RuntimeError(f"a decode step at gamma={gamma} needs the draft, which is offloaded to host memory")
 
         looked_up = self._lookup_drafts(requests, gamma) if self.lookup is not None else None
         # Every row greedy and copying all γ drafts: the draft model does not run this step (its catch-up and first
         # step next time cover the tokens it skips; greedy verification needs no draft probabilities), and the step
-        # verifies the copied chain even where γ has a token tree.
-        skip_draft = looked_up is not None and _copies_everything(looked_up, requests, gamma)
+        # verifies the copied chain even where γ has a token tree. Without a draft model (ngram_only) every step is
+        # such a step, each row's drafts its copies, capped at their number (none where lookup found nothing).
+        skip_draft = self.ngram_only or (looked_up is not None and _copies_everything(looked_up, requests, gamma))
         tree = None if skip_draft else self.trees.get(gamma)
         if tree is not None and batch.lookahead < tree.num_nodes:
             raise RuntimeError(f"a tree step at gamma={gamma} writes {tree.num_nodes} positions ahead but the "
@@ -1154,6 +1161,10 @@ class ModelRunner:
         # without one
         walk = any(r.grammar is not None for r in requests)
         st = self._sampling_tensors(requests, num_rows, grammar_masks=not walk)
+        if self.ngram_only:  # a row accepts at most the tokens lookup copied for it
+            copies = np.zeros(num_rows, np.int32)
+            copies[: len(requests)] = [len(p) for p in looked_up]
+            np.minimum(st.max_accept, copies, out=st.max_accept)
         draft_st, first_masks = st, None
         if walk:  # the draft's first proposal under the constraint's next-token mask
             first_masks = np.ones((num_rows, 1, self.target.config.vocab_size), bool)
@@ -1232,7 +1243,9 @@ class ModelRunner:
                 continue
             chain_kept = 0 if (self.feature_draft or tree is not None or copied[i, 0]) else min(k, gamma - 1)
             r.num_draft_computed = int(n[i]) + chain_kept
-        plain = [r.accepts_no_drafts for r in requests]
+        # rows that could accept no draft: by rule, or (draft-free) with nothing copied
+        plain = [r.accepts_no_drafts or (self.ngram_only and not p) for r, p in zip(requests, looked_up or [[0]] *
+                                                                                    len(requests), strict=True)]
         return DecodeResult(
             committed, gamma, drafted * (len(requests) - sum(plain)), accepted,
             draft_seconds=t2 - t1, verify_seconds=t3 - t2, catchup_seconds=t1 - t0, catchup_tokens=catchup_tokens,
@@ -1378,6 +1391,14 @@ class ModelRunner:
                                 zeros, zeros, st, all_greedy,
                             )
                             keys.append(("forward_sample", num_rows, 1, width, all_greedy))
+                        elif self.ngram_only:  # no draft pass: copied drafts from the host, no probabilities
+                            out, _, self.kv, self.features, _ = self._verify(
+                                self.target.leaves(), self.kv, self.features, zeros,
+                                np.zeros((num_rows, gamma), np.int32), None, np.ones((num_rows, gamma), bool),
+                                bt, zeros, st, all_greedy,
+                            )
+                            out.block_until_ready()
+                            keys.append(("verify", num_rows, gamma, width, all_greedy, "copied"))
                         elif gamma in self.trees:  # a configured tree replaces the chain at this γ
                             first = np.zeros((num_rows, self.first_step_width(gamma)), np.int32)
                             no_copy = np.zeros((num_rows, self.trees[gamma].copy_depth), np.int32)
@@ -1405,7 +1426,7 @@ class ModelRunner:
                             out.block_until_ready()
                             keys += [("propose", num_rows, gamma, width, all_greedy),
                                      ("verify", num_rows, gamma, width, all_greedy)]
-                        if gamma and self.lookup is not None and all_greedy:
+                        if gamma and self.lookup is not None and all_greedy and not self.ngram_only:
                             # steps that copy every row's γ drafts: no draft pass, host tokens, no probabilities
                             out, _, self.kv, self.features, _ = self._verify(
                                 self.target.leaves(), self.kv, self.features, zeros,
@@ -1494,6 +1515,8 @@ class ModelRunner:
 
     def _step_fns(self) -> dict:
         fns = {"forward_sample": self._forward_sample}
+        if self.ngram_only:
+            fns.update(verify=self._verify)
         if self.draft is not None:
             fns.update(draft_fill=self._draft_fill, propose=self._propose, verify=self._verify)
             if self.trees:

@@ -16,14 +16,14 @@ PROMPT = {"prompt_token_ids": [1, 57, 300, 12]}
 PARAMS = dict(temperature=1.0, top_k=5, top_p=0.95, max_tokens=3, ignore_eos=True)
 
 
-def _samples(**llm_kwargs) -> list[tuple[int, ...]]:
+def _samples(prompt=PROMPT, **llm_kwargs) -> list[tuple[int, ...]]:
     llm = LLM("tiny-gqa", load_format="dummy", max_model_len=64, max_num_seqs=64, num_pages=400, seed=0,
               **llm_kwargs)
-    if llm.engine.draft is not None:
+    if llm.engine.gamma_max:
         llm.engine._select_gamma = lambda: 2
     params = [SamplingParams(seed=1000 + i, **PARAMS) for i in range(NUM_SAMPLES)]
-    outs = llm.generate([PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
-    if llm.engine.draft is not None:
+    outs = llm.generate([prompt] * NUM_SAMPLES, params, use_tqdm=False)
+    if llm.engine.gamma_max:
         assert llm.engine.stats.num_drafted_tokens > 0
     return [tuple(o.outputs[0].token_ids) for o in outs]
 
@@ -39,6 +39,17 @@ def _chi2_two_sample(a: list, b: list, min_count: int = 5) -> float:
     table = np.array([[ca[k] for k in keys] + [rest_a], [cb[k] for k in keys] + [rest_b]])
     table = table[:, table.sum(axis=0) > 0]
     return stats.chi2_contingency(table)[1]
+
+
+def _accept_everything(draft_tokens, draft_probs, target_probs, st, *, salt=1):
+    """A broken verifier: every draft accepted whatever the distributions (the negative controls' patch)."""
+    import jax.numpy as jnp
+
+    from nightjar_jax.engine.sampler import request_keys, sample_from_probs
+
+    bonus = sample_from_probs(target_probs[:, -1], request_keys(st, salt))
+    out = jnp.concatenate([draft_tokens, bonus[:, None]], axis=1)
+    return out, jnp.full(draft_tokens.shape[:1], draft_tokens.shape[1], jnp.int32)
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +72,7 @@ def test_speculative_sampling_matches_target_distribution(ar_samples):
 def test_verifier_that_ignores_the_draft_distribution_is_detected(ar_samples, monkeypatch):
     import nightjar_jax.engine.runner as runner_module
 
-    def accept_everything(draft_tokens, draft_probs, target_probs, st, *, salt=1):
-        import jax.numpy as jnp
-
-        from nightjar_jax.engine.sampler import request_keys, sample_from_probs
-
-        bonus = sample_from_probs(target_probs[:, -1], request_keys(st, salt))
-        out = jnp.concatenate([draft_tokens, bonus[:, None]], axis=1)
-        return out, jnp.full(draft_tokens.shape[:1], draft_tokens.shape[1], jnp.int32)
-
-    monkeypatch.setattr(runner_module, "rejection_sample", accept_everything)
+    monkeypatch.setattr(runner_module, "rejection_sample", _accept_everything)
     broken = _samples(**_draft_kwargs())
     p = _chi2_two_sample([s[0:2] for s in broken], [s[0:2] for s in ar_samples])
     assert p < 1e-6, f"a verifier that ignores the draft went undetected (p={p:.2e})"
@@ -97,3 +99,30 @@ def test_subset_head_draft_samples_the_target_distribution(ar_samples, subset_he
     for part in (slice(0, 2), slice(1, 3)):
         p = _chi2_two_sample([s[part] for s in sd], [s[part] for s in ar_samples])
         assert p > 1e-3, f"SD tokens {part} with a subset-head draft differ from AR (p={p:.2e})"
+
+
+# draft-free n-gram speculation (draft_model="ngram"): a prompt that repeats itself, and lookup from one token, so most
+# rows copy drafts; rows without a copy are capped at none
+REPEATING = {"prompt_token_ids": [1, 57, 300, 12, 57, 300, 12, 57, 300, 12, 57]}
+NGRAM = dict(draft_model="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2)
+
+
+@pytest.fixture(scope="module")
+def ar_repeating():
+    return _samples(prompt=REPEATING)
+
+
+def test_ngram_speculation_samples_the_target_distribution(ar_repeating):
+    sd = _samples(prompt=REPEATING, **NGRAM)
+    for part in (slice(0, 2), slice(1, 3)):
+        p = _chi2_two_sample([s[part] for s in sd], [s[part] for s in ar_repeating])
+        assert p > 1e-3, f"n-gram SD tokens {part} differ from AR (p={p:.2e})"
+
+
+def test_ngram_verifier_that_accepts_every_copy_is_detected(ar_repeating, monkeypatch):
+    import nightjar_jax.engine.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "rejection_sample", _accept_everything)
+    broken = _samples(prompt=REPEATING, **NGRAM)
+    p = _chi2_two_sample([s[0:3] for s in broken], [s[0:3] for s in ar_repeating])
+    assert p < 1e-6, f"a verifier that accepts every copy went undetected (p={p:.2e})"

@@ -1,0 +1,72 @@
+"""Draft-free n-gram speculation (``draft_model="ngram"``, vLLM's "ngram" method): no draft model; each decode step's
+drafts are n-gram lookup's copies from the request's own tokens, a row without one capped at no draft. Greedy
+outputs equal plain decoding (fake model with mixed rows, stories260K), the step variants are all warmed up, and the
+configuration errors are clear. The sampled distribution: tests/spec/test_spec_distribution.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from nightjar_jax import LLM, SamplingParams
+from nightjar_jax.config import ConfigError
+from nightjar_jax.testing import fake_greedy_continuation
+from tests.engine.helpers import VOCAB, fake_engine, run_all
+
+NGRAM = dict(draft_model="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
+
+
+def test_fake_model_rows_with_and_without_copies_keep_their_tokens():
+    engine = fake_engine(**NGRAM, max_num_seqs=6)
+    assert engine.draft is None and engine.gamma_max == 3
+    # prompts that repeat tokens (lookup copies) beside prompts that do not (capped at no draft)
+    prompts = [[5, 6, 5, 6, 5], [9, 9, 9, 9], list(range(10, 17)), [3, 4, 3, 4, 3, 4], [40, 41, 42], [7, 7]]
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=20)) for p in prompts]
+    done = run_all(engine)
+    for rid, p in zip(ids, prompts, strict=True):
+        assert done[rid] == fake_greedy_continuation(p, 20, VOCAB)
+    s = engine.stats
+    assert s.num_drafted_tokens > 0 and s.decode_steps_per_gamma.get(3, 0) > 0
+    assert engine.num_free_pages == engine.num_total_pages
+
+
+@pytest.fixture(scope="module")
+def stories_pair():
+    opts = dict(max_model_len=256, num_pages=96, max_num_seqs=4)
+    return LLM("stories260k", draft_model="ngram", num_speculative_tokens=4, planner="static", **opts), \
+        LLM("stories260k", draft_model="none", **opts)
+
+
+PROMPTS = ["Once upon a time, there was a little girl named Lily. Lily liked to play. One day, Lily",
+           "The dog ran and ran. The dog ran and ran. The dog", "Tom had a red ball."]
+
+
+def test_greedy_ngram_speculation_equals_plain_decoding(stories_pair):
+    ngram, plain = stories_pair
+    sp = SamplingParams(temperature=0, max_tokens=48)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
+    got = [o.outputs[0].token_ids for o in ngram.generate(PROMPTS, sp)]
+    assert got == want
+    s = ngram.engine.stats
+    assert s.num_accepted_tokens > 0 and s.num_decode_steps < plain.engine.stats.num_decode_steps
+    assert ngram.engine.num_free_pages == ngram.engine.num_total_pages
+
+
+def test_warmup_covers_every_ngram_step(stories_pair):
+    ngram, _ = stories_pair
+    engine = ngram.engine
+    engine.warmup(prefill=False)
+    compiling = engine.stats.num_compiling_decode_steps
+    steps = engine.stats.decode_steps_per_gamma.get(4, 0)
+    for temperature in (0.0, 0.8):  # greedy and sampled verifies of copied drafts
+        ngram.generate(PROMPTS, SamplingParams(temperature=temperature, seed=3, max_tokens=24))
+    assert engine.stats.decode_steps_per_gamma.get(4, 0) > steps
+    assert engine.stats.num_compiling_decode_steps == compiling  # (no decode step compiled)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt_lookup_max=0), "needs prompt_lookup_max >= 1"),
+    (dict(spec_tree_nodes=8), "spec_tree_nodes needs a draft model"),
+])
+def test_ngram_configuration_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        fake_engine(**{**NGRAM, **kwargs})
