@@ -125,9 +125,13 @@ class LLMEngine:
         """Build from ``config`` (loading the models it names), or from ready ``target``/``draft`` handles."""
         setup_compilation_cache(config.compilation_cache_dir)
         self.config = config
-        # sleep level 2 discards the weights and wake_up loads them again from the specs the config names: only
-        # weights this engine loaded itself can be loaded again
-        self._weights_from_config = target is None and draft is None
+        # sleep level 2 discards the weights and wake_up loads them again from these specs (target, draft): the
+        # config's, for weights this engine loaded itself; update_weights replaces one by its new spec, or by None
+        # (weights given as arrays: nothing to load them from again)
+        self._weight_specs: dict[str, str | None] = {
+            "target": config.model if target is None else None,
+            "draft": self.resolve_draft_spec(config) if draft is None else None,
+        }
         self.sleep_level = 0  # 0: awake; 1 or 2 while asleep (sleep)
         self._asleep: set[str] = set()  # SLEEP_TAGS still asleep (wake_up may restore them one at a time)
         from nightjar_jax.attention import resolve_impl
@@ -574,6 +578,11 @@ class LLMEngine:
         """Whether any part of the engine (its weights or its KV cache) is asleep (:meth:`sleep`)."""
         return bool(self._asleep)
 
+    @property
+    def asleep_parts(self) -> frozenset[str]:
+        """Which of ``SLEEP_TAGS`` are asleep now (empty: awake)."""
+        return frozenset(self._asleep)
+
     def _sleeping_message(self) -> str:
         return (f"the engine is asleep (level {self.sleep_level}; {' and '.join(sorted(self._asleep))} released): "
                 f"call wake_up() (the server: POST /wake_up) before sending requests")
@@ -591,7 +600,7 @@ class LLMEngine:
         the compiled step variants stay: after :meth:`wake_up` no step compiles again. Returns the device bytes
         freed. Raises ``ValueError`` for a bad level, and ``RuntimeError`` when requests are unfinished (finish or
         abort them first: nothing is dropped) or the engine is already asleep."""
-        if isinstance(level, bool) or level not in (1, 2):
+        if not isinstance(level, int) or isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (weights to host memory, KV cache discarded) or 2 (weights and "
                              f"KV cache discarded; wake_up reloads the weights from their checkpoints), got {level!r}")
         if self._asleep:
@@ -600,16 +609,24 @@ class LLMEngine:
             n = len(self.scheduler.running) + len(self.scheduler.waiting)
             raise RuntimeError(f"{n} request(s) are unfinished: sleep needs an idle engine (let them finish, or "
                                f"abort them); nothing was released")
-        if level == 2 and not self._weights_from_config:
-            raise ValueError("sleep level 2 discards the weights and wake_up loads them again from the model specs in "
-                             "the config, but this engine was given its models as handles: use level 1")
+        unloadable = [part for part in ("target", "draft") if (part == "target" or self.draft is not None)
+                      and self._weight_specs[part] is None]
+        if level == 2 and unloadable:
+            raise ValueError(f"sleep level 2 discards the weights and wake_up loads them again from their checkpoint, "
+                             f"but the {unloadable[0]}'s weights have none (given as a handle or as arrays, to the "
+                             f"engine or to update_weights): use level 1, which keeps them in host memory")
+        self._check_not_shared("sleep")
         if self.draft_offloaded:  # (back on the device: one layout to release and restore)
             self._reload_draft()
         self.reset_prefix_cache()
         self.allocator.forget_draft()
-        freed = self.runner.release_pools() + self.runner.offload_weights(discard=level == 2)
+        # the weights first: a failed move leaves everything where it was (ModelRunner.offload_weights); the pools'
+        # release cannot fail half-way
+        freed = self.runner.offload_weights(discard=level == 2)
         self.sleep_level = level
-        self._asleep = set(SLEEP_TAGS)
+        self._asleep = {"weights"}
+        freed += self.runner.release_pools()
+        self._asleep.add("kv_cache")
         self.stats.num_sleeps += 1
         logger.info("engine asleep (level %d): %d device bytes freed", level, freed)
         return freed
@@ -618,16 +635,16 @@ class LLMEngine:
         """Undo :meth:`sleep`: ``tags`` None wakes everything; ``["weights"]`` or ``["kv_cache"]`` wakes that part
         alone (vLLM's: e.g. the weights first, to update them, then the KV cache). The KV cache comes back empty.
         Waking what is awake is a no-op."""
-        tags = list(SLEEP_TAGS) if tags is None else list(tags)
+        tags = list(SLEEP_TAGS) if tags is None else [tags] if isinstance(tags, str) else list(tags)
         unknown = [t for t in tags if t not in SLEEP_TAGS]
         if unknown:
             raise ValueError(f"wake_up tags must be among {list(SLEEP_TAGS)}: got {unknown}")
         t0 = time.perf_counter()
         if "weights" in tags and "weights" in self._asleep:
             if self.sleep_level == 2:
-                target, _ = self._load(self.config.model, tokenizer_spec=self.config.tokenizer)
-                draft_spec = self.resolve_draft_spec(self.config) if self.draft is not None else None
-                draft = self._load(draft_spec, tokenizer_spec=None)[0] if draft_spec is not None else None
+                specs = self._weight_specs
+                target, _ = self._load(specs["target"], tokenizer_spec=None)
+                draft = self._load(specs["draft"], tokenizer_spec=None)[0] if self.draft is not None else None
                 self.runner.load_weights(target, draft)
             else:
                 self.runner.restore_weights()
@@ -667,13 +684,33 @@ class LLMEngine:
                 raise RuntimeError("the draft is offloaded to host memory under load (elastic memory): update its "
                                    "weights once it is back (when the load falls), or update the target alone")
             self._reload_draft()  # (idle: nothing migrates)
+        self._check_not_shared("update_weights", target=target is not None, draft=draft is not None)
         relayout = self.runner.load_weights(target, draft)
+        for part, given in (("target", weights), ("draft", draft_weights)):
+            if given is not None:  # (where a level-2 sleep would load them from again: a spec, else nowhere)
+                self._weight_specs[part] = given if isinstance(given, str) else None
         self.reset_prefix_cache()
         self.allocator.forget_draft()
         self.stats.num_weight_updates += 1
         logger.info("weights updated (%s)%s", ", ".join(n for n, h in (("target", target), ("draft", draft)) if h),
                     ": a new layout, the step variants compile again" if relayout else "")
         return relayout
+
+    def _check_not_shared(self, action: str, target: bool = True, draft: bool = True) -> None:
+        """Refuse ``action`` on weights another live engine also serves (``LLM.from_engine`` over a loaded target):
+        moving or replacing them would pull them from under its steps."""
+        import gc
+
+        handles = [h for h, mine in ((self.target, target), (self.draft, draft)) if mine and h is not None]
+        for attempt in range(2):
+            shared = [h for h in handles if any(u is not self.runner for u in h.users)]
+            if not shared or attempt:
+                break
+            gc.collect()  # (an engine nobody holds any more may still be listed until its cycles are collected)
+        if shared:
+            raise RuntimeError(f"{action} is refused: {shared[0].config.name}'s weights are shared with another engine "
+                               f"(LLM.from_engine over a loaded model), which would lose them; {action} an engine that "
+                               f"holds its own weights")
 
     def _weights_handle(self, weights, current: ModelHandle, field: str) -> ModelHandle:
         """``weights`` (a spec or path, an HF-named state dict, or a handle) as a handle laid out as this engine

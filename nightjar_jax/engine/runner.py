@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -158,6 +159,7 @@ class ModelHandle:
         if self.fns is None:
             self.fns = make_model_fns(self.graphdef)
         self._flat: tuple[object, tuple] | None = None  # (the state object the leaves came from, leaves)
+        self.users = weakref.WeakSet()  # the runners stepping with these weights (several: LLM.from_engine)
         self._home: list | None = None  # the leaves' device shardings while they are offloaded (move_to)
         self._embed_index: int | None = None  # position of the embedding table among the leaves
         self.treedef = jax.tree.structure(self.state)
@@ -466,8 +468,10 @@ class ModelRunner:
         # every device array committed (ModelHandle.commit): the same compiled variants before and after a draft
         # offload / reload, whose moves commit what they move
         target.commit()
+        target.users.add(self)
         if draft is not None:
             draft.commit()
+            draft.users.add(self)
         self.kv: KVCache = self._new_target_pool()
         # A feature draft (EAGLE) reads the target's final hidden state at the previous position: the target's
         # passes write them into this per-token pool, paged like the KV cache (same block tables).
@@ -661,9 +665,15 @@ class ModelRunner:
             return freed
         host = self._host_kind()
         freed = 0
-        if self.draft is not None and self.draft is not self.target and self.draft_on_device:
+        draft_moved = self.draft is not None and self.draft is not self.target and self.draft_on_device
+        if draft_moved:
             freed += self.draft.move_to(host, keep=self._shared_with_target())
-        return freed + self._move_target(host)
+        try:
+            return freed + self._move_target(host)
+        except BaseException:  # (ModelHandle.move_to deletes nothing until every array has moved)
+            if draft_moved:
+                self.draft.move_to("device")
+            raise
 
     def restore_weights(self) -> None:
         """Bring back what :meth:`offload_weights` moved to host memory (the shardings they left: the compiled

@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from nightjar_jax.engine.beam_search import BeamSearchOutput, expansion
+from nightjar_jax.engine.engine import SLEEP_TAGS
 from nightjar_jax.engine.outputs import RequestOutput
 from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, clip, short_repr
 from nightjar_jax.models.tokenizer import ChatTemplateArgumentError
@@ -350,6 +351,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         except RuntimeError as exc:
             raise APIError(503, str(exc), type="server_error") from None
 
+    beam_searches = [0]  # beam searches under way (each runs many engine steps, the engine idle between them)
+
     async def beam_search(req, prompts: list[Any], max_tokens: int | None, request: Request,
                           prompt_param: str = "prompt") -> list[BeamSearchOutput]:
         """``use_beam_search``: each prompt's ``n`` best sequences (``nightjar_jax/engine/beam_search.py``), every
@@ -361,6 +364,13 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         except ValueError as exc:
             raise APIError(400, str(exc), param=prompt_param) from None
         step, width = params.step_params(), 2 * params.beam_width
+        beam_searches[0] += 1  # (in flight between its steps too: /sleep waits for it)
+        try:
+            return await run_beam_search(searches, step, width, req, request, prompt_param)
+        finally:
+            beam_searches[0] -= 1
+
+    async def run_beam_search(searches, step, width, req, request, prompt_param) -> list[BeamSearchOutput]:
         while not all(s.done for s in searches):
             live = [s for s in searches if not s.done]
             asks = [(s, ids) for s in live for ids in s.pending()]
@@ -491,33 +501,75 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         return {"version": __version__}
 
     if settings.enable_sleep_mode:
+        async def only_params(request: Request, allowed: tuple[str, ...]) -> None:
+            """Sleep-mode endpoints take query parameters only: an unknown one, or a body, is a 400 (a misspelt
+            ``level`` must not sleep at the default level)."""
+            unknown = [k for k in request.query_params if k not in allowed]
+            if unknown:
+                raise APIError(400, f"unknown query parameter {unknown[0]!r}: allowed {', '.join(allowed)}",
+                               param=unknown[0])
+            if (await request.body()).strip():
+                raise APIError(400, f"this endpoint takes no body: pass {' and '.join(allowed)} as query parameters "
+                                    f"(?{allowed[0]}=...)", param=allowed[0])
+
         @app.post("/sleep")
         async def sleep(request: Request):
             """vLLM's sleep mode (``LLMEngine.sleep``): ``?level=1`` (default) moves the weights to host memory and
             discards the KV cache; ``?level=2`` discards both. Requests get a 503 until ``POST /wake_up``. Refused
-            (409) while requests are in flight: nothing is dropped."""
+            (409) while requests are in flight, a beam search between its steps included: nothing is dropped."""
             authorize(request)
-            text = request.query_params.get("level", "1")
-            if text not in ("1", "2"):
-                raise APIError(400, f"level must be 1 (weights to host memory, KV cache discarded) or 2 (weights "
-                                    f"and KV cache discarded), got {text!r}", param="level")
+            await only_params(request, ("level",))
+            given = request.query_params.getlist("level") or ["1"]
+            if len(given) > 1 or given[0] not in ("1", "2"):
+                raise APIError(400, f"level must be given once, as 1 (weights to host memory, KV cache discarded) or "
+                                    f"2 (weights and KV cache discarded), got {', '.join(map(repr, given))}",
+                               param="level")
+            level = int(given[0])
+
+            def go(e):  # (on the engine thread, between two steps)
+                if e.is_sleeping:
+                    raise APIError(409, f"the engine is already asleep (level {e.sleep_level}): POST /wake_up first",
+                                   type="conflict_error")
+                busy = len(e.scheduler.running) + len(e.scheduler.waiting) + beam_searches[0]
+                if busy:
+                    raise APIError(409, f"{busy} request(s) are in flight: sleep needs an idle engine; retry once "
+                                        f"they finish (or cancel them)", type="conflict_error")
+                try:
+                    e._check_not_shared("sleep")
+                except RuntimeError as exc:
+                    raise APIError(409, str(exc), type="conflict_error") from None
+                return e.sleep(level)
+
             try:
-                freed = await async_engine.call(lambda e: e.sleep(int(text)))
+                freed = await async_engine.call(go)
+            except APIError:
+                raise
             except ValueError as exc:
                 raise APIError(400, str(exc), param="level") from None
-            except RuntimeError as exc:
-                raise APIError(409, str(exc), type="conflict_error") from None
-            return {"is_sleeping": True, "level": int(text), "freed_bytes": freed}
+            except Exception as exc:  # (moving the weights failed: nothing was released, the engine still serves)
+                logger.exception("sleep failed")
+                raise APIError(500, f"sleep failed: {exc}; nothing was released and the engine still serves",
+                               type="internal_error") from None
+            return {"is_sleeping": True, "level": level, "freed_bytes": freed}
 
         @app.post("/wake_up")
         async def wake_up(request: Request):
-            """Undo ``/sleep``: every part, or those named by ``?tags=weights`` / ``?tags=kv_cache`` (repeatable)."""
+            """Undo ``/sleep``: every part, or those named by ``?tags=weights`` / ``?tags=kv_cache`` (repeatable). A
+            failure to load the weights again (level 2) is a 500 and leaves the engine asleep: retry."""
             authorize(request)
+            await only_params(request, ("tags",))
             tags = request.query_params.getlist("tags") or None
+            bad = [t for t in tags or [] if t not in SLEEP_TAGS]
+            if bad:
+                raise APIError(400, f"tags must be among {', '.join(SLEEP_TAGS)} (repeat the parameter for both), got "
+                                    f"{bad[0]!r}", param="tags")
             try:
                 await async_engine.call(lambda e: e.wake_up(tags))
-            except ValueError as exc:
-                raise APIError(400, str(exc), param="tags") from None
+            except Exception as exc:  # (the checkpoint of a level-2 sleep gone or unreadable: the server's fault)
+                logger.exception("wake_up failed")
+                raise APIError(500, f"waking the engine failed: {exc}; it is still asleep "
+                                    f"({', '.join(sorted(engine.asleep_parts))}): fix the cause and retry",
+                               type="internal_error") from None
             return {"is_sleeping": engine.is_sleeping}
 
         @app.get("/is_sleeping")

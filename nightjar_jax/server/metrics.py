@@ -36,7 +36,8 @@ class _EngineCollector:
         yield gauge("nightjar_num_requests_running", "Requests in the running batch", len(e.scheduler.running))
         yield gauge("nightjar_num_requests_waiting", "Requests waiting to be scheduled", len(e.scheduler.waiting))
         yield gauge("nightjar_kv_pages_total", "Usable KV cache pages", e.num_total_pages)
-        yield gauge("nightjar_kv_pages_free", "Free KV cache pages", e.num_free_pages)
+        yield gauge("nightjar_kv_pages_free", "Free KV cache pages (0 while the KV cache sleeps: it holds none)",
+                    0 if "kv_cache" in e.asleep_parts else e.num_free_pages)
         yield gauge("nightjar_spec_gamma", "Speculation length γ of the latest decode step", stats.last_gamma)
         yield gauge("nightjar_spec_tree_nodes", "Drafted nodes per sequence of the latest decode step if it verified "
                     "a token tree (the draft's and, with lookup on, the copy branch's), else 0", stats.last_tree_nodes)

@@ -85,7 +85,7 @@ def test_sleep_is_refused_while_requests_are_unfinished_and_nothing_is_released(
     assert engine.is_sleeping
 
 
-@pytest.mark.parametrize("level", [0, 3, True, "1", None])
+@pytest.mark.parametrize("level", [0, 3, True, "1", None, 1.0])
 def test_bad_levels_and_tags_are_errors(level):
     engine = fake_engine()
     with pytest.raises(ValueError, match="sleep level must be 1 .* or 2"):
@@ -102,9 +102,46 @@ def test_bad_levels_and_tags_are_errors(level):
     check_outputs(engine)
 
 
+def test_a_failed_sleep_releases_nothing(monkeypatch):
+    """Moving the weights fails (host memory short, say): the draft already moved comes back, no pool is released,
+    the engine is awake and serves."""
+    engine = fake_engine(draft=True, num_speculative_tokens=2)
+    before = engine.runner.device_bytes()
+
+    def fail(memory_kind):
+        raise RuntimeError("no host memory")
+
+    monkeypatch.setattr(engine.runner, "_move_target", fail)
+    with pytest.raises(RuntimeError, match="no host memory"):
+        engine.sleep(1)
+    assert not engine.is_sleeping and engine.runner.device_bytes() == before
+    check_outputs(engine)
+
+
+def test_weights_another_engine_serves_are_not_taken_from_it():
+    """``LLM.from_engine`` over a loaded target: sleeping or updating one engine would pull the shared weights
+    from under the other's steps, so both are refused while the other lives."""
+    import gc
+
+    engine = fake_engine()
+    other = LLMEngine(make_engine_config(model="fake", page_size=4, num_pages=32, compilation_cache_dir=None),
+                      target=engine.target)
+    for action in (lambda: engine.sleep(1), lambda: engine.update_weights(engine.target)):
+        with pytest.raises(RuntimeError, match="shared with another engine"):
+            action()
+    assert not engine.is_sleeping
+    check_outputs(other)
+    del other
+    gc.collect()
+    engine.sleep(1)  # (the other engine is gone)
+    engine.wake_up("weights")  # (one tag as a string)
+    engine.wake_up()
+    check_outputs(engine)
+
+
 def test_level_2_needs_weights_it_can_load_again():
     engine = fake_engine()
-    with pytest.raises(ValueError, match="given its models as handles: use level 1"):
+    with pytest.raises(ValueError, match="the target.s weights have none .*use level 1"):
         engine.sleep(2)
     assert not engine.is_sleeping
     check_outputs(engine)

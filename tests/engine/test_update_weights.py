@@ -60,6 +60,23 @@ def test_new_weights_serve_at_once_and_the_old_come_back(stories):
     assert engine.num_free_pages == engine.num_total_pages
 
 
+def test_a_level_2_sleep_keeps_the_updated_weights(stories):
+    """Level 2 loads the weights again from their checkpoint: after an update from arrays there is none, so level 2
+    is refused (level 1 keeps them); after an update from a checkpoint, level 2 loads that one."""
+    llm, sd, ref = stories
+    llm.update_weights(noisy(sd, 0.3))
+    new = tokens(llm)
+    with pytest.raises(ValueError, match="the target's weights have none"):
+        llm.sleep(2)
+    llm.sleep(1)
+    llm.wake_up()
+    assert tokens(llm) == new
+    llm.update_weights("stories260k")
+    llm.sleep(2)
+    llm.wake_up()
+    assert tokens(llm) == ref
+
+
 def test_the_prefix_cache_goes_with_the_old_weights(stories):
     llm, sd, ref = stories
     long_prompt = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun"

@@ -975,6 +975,26 @@ def test_sleep_mode_round_trip(server, client):
     assert after.choices[0].text == before.choices[0].text
     assert server.metrics()["nightjar_engine_sleep_level"] == 0
 
+    # a beam search runs many engine steps with the engine idle between them: a sleep waits for it (409), it ends
+    # whole, and the sleep succeeds after
+    done = {}
+
+    def search():
+        done["out"] = client.completions.create(model=MODEL, prompt="Once", max_tokens=200, n=8,
+                                                extra_body={"use_beam_search": True, "ignore_eos": True})
+
+    worker = threading.Thread(target=search)
+    worker.start()
+    time.sleep(0.5)
+    refused = httpx.post(server.url + "/sleep", headers=auth, timeout=60)
+    running = worker.is_alive()
+    worker.join(120)
+    assert running, "the beam search ended before the sleep was tried: make it longer"
+    assert refused.status_code == 409 and "in flight" in refused.json()["error"]["message"], refused.text
+    assert len(done["out"].choices) == 8 and all(c.finish_reason == "length" for c in done["out"].choices)
+    assert httpx.post(server.url + "/sleep", headers=auth, timeout=60).status_code == 200
+    assert httpx.post(server.url + "/wake_up", headers=auth, timeout=60).status_code == 200
+
 
 def test_zz_sigterm_graceful_shutdown(server):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 32, "stream": True, "temperature": 0}

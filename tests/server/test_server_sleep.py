@@ -57,7 +57,13 @@ def test_sleep_and_wake_up_over_http(engine):
         assert client.get("/is_sleeping").json() == {"is_sleeping": False}
         bad = client.post("/sleep", params={"level": "3"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "level"
-        assert "level must be 1" in bad.json()["error"]["message"]
+        assert "level must be given once, as 1" in bad.json()["error"]["message"]
+        for params, param in [({"level": ["1", "2"]}, "level"), ({"lvl": "2"}, "lvl")]:
+            resp = client.post("/sleep", params=params)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+        resp = client.post("/sleep", json={"level": 2})
+        assert resp.status_code == 400 and "takes no body" in resp.json()["error"]["message"]
+        assert not engine.is_sleeping
 
         resp = client.post("/sleep")
         assert resp.status_code == 200, resp.text
@@ -65,7 +71,8 @@ def test_sleep_and_wake_up_over_http(engine):
         assert sum(engine.runner.device_bytes().values()) == 0
         assert client.get("/is_sleeping").json() == {"is_sleeping": True}
         assert client.get("/health").status_code == 200
-        assert "nightjar_engine_sleep_level 1.0" in client.get("/metrics").text
+        scraped = client.get("/metrics").text
+        assert "nightjar_engine_sleep_level 1.0" in scraped and "nightjar_kv_pages_free 0.0" in scraped
 
         asleep = client.post("/v1/completions", json=BODY)
         assert asleep.status_code == 503 and "POST /wake_up" in asleep.json()["error"]["message"]
