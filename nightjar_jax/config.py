@@ -262,7 +262,8 @@ class SchedulerConfig:
 class SpecConfig:
     """Speculative decoding: which draft, how many tokens, and who picks γ each step."""
 
-    # A model spec, None / "none" for no draft, or "auto": the target preset's paired draft when it ships one.
+    # A model spec, None / "none" for no draft, "auto": the target preset's paired draft when it ships one, or
+    # "ngram": no draft model, n-gram lookup's copies (prompt_lookup_*) as every step's drafts (vLLM's ngram method).
     draft_model: str | None = "auto"
     num_speculative_tokens: int = 4  # gamma_max: variants gamma in 0..this are compiled
     # A planner name (see nightjar_jax.planner): "nightjar" adapts γ to the load (γ = 0 when speculation does not

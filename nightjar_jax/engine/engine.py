@@ -777,7 +777,7 @@ class LLMEngine:
         runner = self.runner
         widths = len(runner.warmup_widths())
         modes = 2 if sampled else 1
-        gammas = self.gamma_max + 1 if self.draft is not None else 1
+        gammas = self.gamma_max + 1
         elastic = self.memory is not None and runner.draft_on_device
         ticks = len(runner.shapes.decode_buckets) * widths * modes * (gammas + elastic)
         if prefill:  # (while offloaded for warmup_elastic: the target's chunks only)
@@ -906,7 +906,7 @@ class LLMEngine:
             self._uncharged_reload_seconds = 0.0  # (charged to this switch, observed or not, as its catch-up is)
         if compiled:
             s.num_compiling_decode_steps += 1
-        if self.draft is not None and not compiled and observe:
+        if self.gamma_max and not compiled and observe:
             # A step that compiled a variant (the first of its shape without a full warm-up) timed the compiler,
             # seconds where its arm takes milliseconds: the planner would shun that γ for it, so it does not see it.
             self.planner.observe(result.gamma, batch.num_seqs, committed, observed,
