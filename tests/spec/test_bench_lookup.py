@@ -37,3 +37,11 @@ def test_tree_variants_carry_a_copy_branch_only_with_lookup() -> None:
     assert all(row["tokens"] == 2 * 11 for row in rows.values())
     with pytest.raises(ValueError, match="unknown variant"):
         bench.build("trees", 64, model="stories260k", draft="stories260k@skip=2")
+
+
+def test_the_ngram_variant_has_no_draft_model() -> None:
+    bench = load_script("bench_lookup.py", "bench_lookup_t3")
+    llm = bench.build(bench.NGRAM, 64, model="stories260k")
+    assert llm.engine.draft is None and llm.engine.ngram_only and llm.engine.gamma_max == 4
+    rows = bench.run({"ngram": llm}, PROMPTS, max_tokens=12, warmup=1)
+    assert rows["ngram"]["tokens"] == 2 * 11
