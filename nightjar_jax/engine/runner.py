@@ -1254,8 +1254,7 @@ class ModelRunner:
             chain_kept = 0 if (self.feature_draft or tree is not None or copied[i, 0]) else min(k, gamma - 1)
             r.num_draft_computed = int(n[i]) + chain_kept
         # rows that could accept no draft: by rule, or (draft-free) with nothing copied
-        plain = [r.accepts_no_drafts or (self.ngram_only and not p) for r, p in zip(requests, looked_up or [[0]] *
-                                                                                    len(requests), strict=True)]
+        plain = [r.accepts_no_drafts or (self.ngram_only and not looked_up[i]) for i, r in enumerate(requests)]
         return DecodeResult(
             committed, gamma, drafted * (len(requests) - sum(plain)), accepted,
             draft_seconds=t2 - t1, verify_seconds=t3 - t2, catchup_seconds=t1 - t0, catchup_tokens=catchup_tokens,
