@@ -76,6 +76,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "KV cache (level=2 frees the weights too; they are loaded again from the checkpoint), POST /wake_up brings "
         "them back, GET /is_sleeping says which; requests get a 503 while the engine sleeps",
     )
+    group.add_argument(
+        "--enable-weight-updates",
+        action="store_true",
+        help="serve SGLang's POST /update_weights_from_disk ({\"model_path\": ..., \"draft_model_path\": ...}): new "
+        "weights from a checkpoint on the server's disk, served without a restart (an RL loop's weight sync)",
+    )
     group.add_argument("--max-body-bytes", type=_bounded(int, "max-body-bytes", 1), default=1 << 20,
                        help="request body limit (default: 1 MiB)")
     group.add_argument(
@@ -240,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         tool_call_parser=tool_parser,
         reasoning_parser=thoughts,
         enable_sleep_mode=args.enable_sleep_mode,
+        enable_weight_updates=args.enable_weight_updates,
     )
     app = build_app(AsyncEngine(engine), settings)
     config = uvicorn.Config(

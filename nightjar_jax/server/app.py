@@ -53,6 +53,7 @@ from nightjar_jax.server.protocol import (
     DetokenizeRequest,
     ResponsesRequest,
     TokenizeRequest,
+    UpdateWeightsRequest,
     chat_logprobs,
     completion_logprobs,
     prompt_logprobs_json,
@@ -75,6 +76,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls with it (tool_parsers.py); None: a 400
     reasoning_parser: str | None = None  # chat answers' <think> text as reasoning_content (reasoning_parsers.py)
     enable_sleep_mode: bool = False  # POST /sleep, POST /wake_up and GET /is_sleeping (vLLM's)
+    enable_weight_updates: bool = False  # POST /update_weights_from_disk (SGLang's)
 
 
 class _ClientGone(Exception):
@@ -576,6 +578,34 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         async def is_sleeping(request: Request):
             authorize(request)
             return {"is_sleeping": engine.is_sleeping}
+
+    if settings.enable_weight_updates:
+        @app.post("/update_weights_from_disk")
+        async def update_weights_from_disk(request: Request):
+            """SGLang's endpoint (an RL loop's weight sync over HTTP): the target's and/or the draft's weights from a
+            checkpoint on the server's disk (``LLMEngine.update_weights``), served from the next step; requests in
+            flight go on under them. A checkpoint that cannot be loaded, or of another architecture, is a 400 and
+            changes nothing; while the weights sleep, a 409 (``POST /wake_up?tags=weights`` first)."""
+            authorize(request)
+            req: UpdateWeightsRequest = await read_body(request, UpdateWeightsRequest)
+            req.check()
+
+            def go(e):
+                if "weights" in e.asleep_parts:
+                    raise APIError(409, "the weights are asleep: POST /wake_up?tags=weights first (the KV cache may "
+                                        "stay asleep)", type="conflict_error")
+                try:
+                    return e.update_weights(req.model_path, draft_weights=req.draft_model_path)
+                except RuntimeError as exc:  # (weights another engine shares, a draft offloaded under load)
+                    raise APIError(409, str(exc), type="conflict_error") from None
+                except (ValueError, OSError) as exc:
+                    param = "draft_model_path" if req.model_path is None else "model_path"
+                    raise APIError(400, f"the new weights could not be loaded: {exc}; the old ones are still "
+                                        f"served", param=param) from None
+
+            relayout = await async_engine.call(go)
+            parts = [p for p, given in (("target", req.model_path), ("draft", req.draft_model_path)) if given]
+            return {"success": True, "message": f"updated the {' and '.join(parts)} weights", "recompiles": relayout}
 
     @app.get("/metrics")
     async def prometheus_metrics():

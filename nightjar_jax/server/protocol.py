@@ -454,6 +454,23 @@ class TokenizeRequest(_Strict):
                            param="tools")
 
 
+class UpdateWeightsRequest(_Strict):
+    """SGLang's ``POST /update_weights_from_disk`` (``serve --enable-weight-updates``): new weights from a checkpoint
+    the server can read, for the target (``model_path``) and/or the draft (``draft_model_path``)."""
+
+    model_path: str | None = None
+    draft_model_path: str | None = None
+    load_format: str | None = None  # (SGLang's; only the engine's own is read: None or "auto")
+
+    def check(self) -> None:
+        if self.model_path is None and self.draft_model_path is None:
+            raise APIError(400, "give 'model_path' (the target's new checkpoint), 'draft_model_path' or both",
+                           param="model_path")
+        if self.load_format not in (None, "auto"):
+            raise APIError(400, f"'load_format' {short_repr(self.load_format)} is not supported: checkpoints load as "
+                                "at start ('auto' or leave it out)", param="load_format")
+
+
 class DetokenizeRequest(_Strict):
     """vLLM's ``POST /detokenize``."""
 

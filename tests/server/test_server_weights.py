@@ -1,0 +1,73 @@
+"""SGLang's ``POST /update_weights_from_disk`` (``serve --enable-weight-updates``) over stories260K in process: new
+weights from a checkpoint on disk serve from the next request, the old ones come back the same way, and a checkpoint
+that cannot be loaded (or a sleeping engine) changes nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from nightjar_jax import LLM
+from nightjar_jax.models.loader import load_checkpoint
+from nightjar_jax.models.orbax_io import save_orbax
+from nightjar_jax.server.app import ServerSettings, build_app
+from nightjar_jax.server.async_engine import AsyncEngine
+
+BODY = {"prompt": [1, 403, 407, 261], "max_tokens": 10, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    llm = LLM("stories260k", max_model_len=128, num_pages=64)
+    ckpt = load_checkpoint("stories260k")
+    rng = np.random.default_rng(1)
+    noisy = {k: np.asarray(v) + (rng.normal(0, 0.3, np.shape(v)).astype(np.float32) if "proj" in k else 0)
+             for k, v in ckpt.state_dict.items()}
+    path = save_orbax(tmp_path_factory.mktemp("ckpt") / "noisy", ckpt.config, noisy)
+    return llm, str(path)
+
+
+def client_for(llm, **settings) -> TestClient:
+    return TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s", **settings)))
+
+
+def text(client) -> str:
+    resp = client.post("/v1/completions", json=BODY)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["text"]
+
+
+def test_the_endpoint_needs_the_flag(setup):
+    llm, path = setup
+    with client_for(llm) as client:
+        assert client.post("/update_weights_from_disk", json={"model_path": path}).status_code == 404
+
+
+def test_new_weights_from_disk_serve_at_once(setup):
+    llm, path = setup
+    with client_for(llm, enable_weight_updates=True, enable_sleep_mode=True) as client:
+        before = text(client)
+        resp = client.post("/update_weights_from_disk", json={"model_path": path})
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"success": True, "message": "updated the target weights", "recompiles": False}
+        changed = text(client)
+        assert changed != before
+        for body, param, fragment in [
+            ({"model_path": "/nonexistent/ckpt"}, "model_path", "could not be loaded"),
+            ({}, "model_path", "give 'model_path'"),
+            ({"model_path": path, "load_format": "dummy"}, "load_format", "is not supported"),
+            ({"draft_model_path": "stories260k"}, "draft_model_path", "this engine has no draft"),
+        ]:
+            bad = client.post("/update_weights_from_disk", json=body)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+            assert fragment in bad.json()["error"]["message"]
+        assert text(client) == changed  # (nothing changed)
+        assert client.post("/sleep").status_code == 200
+        asleep = client.post("/update_weights_from_disk", json={"model_path": "stories260k"})
+        assert asleep.status_code == 409 and "wake_up?tags=weights" in asleep.json()["error"]["message"]
+        assert client.post("/wake_up", params={"tags": "weights"}).status_code == 200
+        assert client.post("/update_weights_from_disk", json={"model_path": "stories260k"}).status_code == 200
+        assert client.post("/wake_up").status_code == 200
+        assert text(client) == before
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
