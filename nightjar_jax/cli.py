@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import typing
 from typing import Any
@@ -22,6 +23,7 @@ from nightjar_jax.config import (
     LOAD_FORMATS,
     SCHEDULING_POLICIES,
     WEIGHT_FORMATS,
+    ConfigError,
     EngineConfig,
     engine_config_fields,
     make_engine_config,
@@ -128,10 +130,61 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help_text = _HELP.get(name, name.replace("_", " "))
         kwargs["help"] = f"{help_text} (default: {defaults.get(name)!r})"
         group.add_argument("--" + name.replace("_", "-"), **kwargs)
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="vLLM's form of the speculation flags, e.g. '{\"method\": \"ngram\", "
+                       "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' or '{\"model\": <draft>, "
+                       "\"num_speculative_tokens\": 4}'; keys: " + ", ".join(SPECULATIVE_CONFIG_KEYS))
     return parser
 
 
+# vLLM's --speculative-config keys read here (each onto the flag of the same meaning), and its methods
+SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_DRAFT_METHODS = ("draft_model", "eagle", "eagle3")
+
+
+def speculative_config(text: str) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` JSON as engine config fields: ``method`` "ngram" is ``draft_model="ngram"``;
+    "draft_model", "eagle" and "eagle3" (or no method) take the draft from ``model``; ``num_speculative_tokens``
+    and ``prompt_lookup_max`` / ``_min`` keep their names. Anything else is a ``ConfigError`` naming what is read."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--speculative-config must be a JSON object: {exc}") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"--speculative-config must be a JSON object, got {type(spec).__name__}")
+    unknown = sorted(set(spec) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(f"--speculative-config key {unknown[0]!r} is not supported: allowed "
+                          f"{', '.join(SPECULATIVE_CONFIG_KEYS)}")
+    method, model = spec.get("method"), spec.get("model")
+    out = {k: spec[k] for k in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min") if k in spec}
+    if method == "ngram":
+        if model is not None:
+            raise ConfigError("--speculative-config method 'ngram' takes no 'model' (it drafts from the request's own "
+                              "tokens)")
+        out["draft_model"] = "ngram"
+    elif method is None or method in _DRAFT_METHODS:
+        if not isinstance(model, str) or not model:
+            raise ConfigError(f"--speculative-config method {method or 'draft_model'!r} needs 'model': the draft's "
+                              "spec (a preset, a folder or a file)")
+        out["draft_model"] = model
+    else:
+        raise ConfigError(f"--speculative-config method {method!r} is not supported: allowed 'ngram', "
+                          f"{', '.join(map(repr, _DRAFT_METHODS))}")
+    return out
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Build the :class:`EngineConfig` from parsed flags; flags left unset keep the dataclass defaults."""
+    """Build the :class:`EngineConfig` from parsed flags; flags left unset keep the dataclass defaults.
+    ``--speculative-config`` sets the speculation fields it names; the same field also given as its own flag with
+    another value is a ``ConfigError``."""
     flat = {name: getattr(args, name, None) for name in engine_config_fields()}
-    return make_engine_config(**{k: v for k, v in flat.items() if v is not None})
+    given = {k: v for k, v in flat.items() if v is not None}
+    text = getattr(args, "speculative_config", None)
+    if text is not None:
+        for name, value in speculative_config(text).items():
+            if name in given and given[name] != value:
+                raise ConfigError(f"--speculative-config sets {name}={value!r} but --{name.replace('_', '-')} "
+                                  f"gives {given[name]!r}: give it once")
+            given[name] = value
+    return make_engine_config(**given)

@@ -165,3 +165,32 @@ def test_tool_call_parser_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         serve_main(["--model", "no-such-model", "--warmup", "none", *argv])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}',
+     dict(draft_model="ngram", num_speculative_tokens=5, prompt_lookup_max=4)),
+    ('{"model": "stories260k@skip=2", "num_speculative_tokens": 3}',
+     dict(draft_model="stories260k@skip=2", num_speculative_tokens=3)),
+    ('{"method": "eagle", "model": "smollm2-eagle"}', dict(draft_model="smollm2-eagle")),
+])
+def test_vllm_speculative_config_sets_the_speculation_flags(spec, expected):
+    cfg = engine_config_from_args(build_parser().parse_args(["--speculative-config", spec]))
+    for name, value in expected.items():
+        assert getattr(cfg.spec, name) == value, name
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-config", "{"], "must be a JSON object"),
+    (["--speculative-config", "[1]"], "must be a JSON object, got list"),
+    (["--speculative-config", '{"method": "medusa", "model": "x"}'], "method 'medusa' is not supported: allowed"),
+    (["--speculative-config", '{"method": "eagle"}'], "needs 'model'"),
+    (["--speculative-config", '{"method": "ngram", "model": "x"}'], "takes no 'model'"),
+    (["--speculative-config", '{"method": "ngram", "draft_tensor_parallel_size": 1}'],
+     "key 'draft_tensor_parallel_size' is not supported: allowed method, model"),
+    (["--speculative-config", '{"method": "ngram"}', "--draft-model", "none"], "give it once"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'], "num_speculative_tokens"),
+])
+def test_bad_speculative_configs_say_what_is_allowed(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        engine_config_from_args(build_parser().parse_args(argv))
