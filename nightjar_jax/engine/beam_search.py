@@ -96,9 +96,21 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
+def _log_neg_score(seq: BeamSearchSequence, length_penalty: float) -> float:
+    """``log(-score)`` (scores are <= 0: log-probabilities): the ranking key, best first when ascending, computed
+    in log space so that no ``length_penalty`` overflows it (``length ** 1e6`` would)."""
+    if seq.cum_logprob >= 0:
+        return -math.inf
+    return math.log(-seq.cum_logprob) - length_penalty * math.log(max(len(seq.tokens), 1))
+
+
 def beam_score(seq: BeamSearchSequence, length_penalty: float) -> float:
-    """``cum_logprob / length ** length_penalty`` over the generated tokens (at least 1)."""
-    return seq.cum_logprob / max(len(seq.tokens), 1) ** length_penalty
+    """``cum_logprob / length ** length_penalty`` over the generated tokens (at least 1); -inf or -0.0 where an
+    extreme ``length_penalty`` takes it past a float's range (the ranking itself never is: :func:`_log_neg_score`)."""
+    try:
+        return -math.exp(_log_neg_score(seq, length_penalty))
+    except OverflowError:
+        return -math.inf
 
 
 class BeamSearch:
@@ -159,7 +171,7 @@ class BeamSearch:
         lp = self.params.length_penalty
         for seq in self.finished:
             seq.score = beam_score(seq, lp)
-        ranked = sorted(self.finished, key=lambda s: s.score, reverse=True)[: self.params.beam_width]
+        ranked = sorted(self.finished, key=lambda s: _log_neg_score(s, lp))[: self.params.beam_width]
         if detokenize is not None:
             for seq in ranked:
                 seq.text = detokenize(seq.tokens)

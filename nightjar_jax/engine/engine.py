@@ -179,6 +179,9 @@ class LLMEngine:
                                    prefix_caching=config.cache.enable_prefix_caching)
         # draft_model "ngram" (vLLM's method): no draft model, n-gram lookup's copies are every step's drafts
         self.ngram_only = draft is None and (config.spec.draft_model or "").lower() == "ngram"
+        if self.ngram_only and not config.spec.num_speculative_tokens:
+            raise ConfigError("draft_model='ngram' speculates up to num_speculative_tokens copied tokens per step: it "
+                              "needs num_speculative_tokens >= 1 (got 0; draft_model='none' decodes plainly)")
         if self.ngram_only and not config.spec.prompt_lookup_max:
             raise ConfigError("draft_model='ngram' speculates with n-gram lookup's copies alone: it needs "
                               "prompt_lookup_max >= 1 (got 0)")
@@ -723,10 +726,20 @@ class LLMEngine:
             raise ValueError(f"{field} must be a checkpoint spec or path, an HF-named state dict or a ModelHandle, "
                              f"got {type(weights).__name__}")
         from nightjar_jax.linear import pack_state
-        from nightjar_jax.models.llama import state_from_hf
+        from nightjar_jax.models.llama import HEAD_TOKEN_IDS, state_from_hf
 
         cfg = self.config
-        sd = {k: np.asarray(v) for k, v in weights.items()}
+        sd = {}
+        for name, value in weights.items():
+            if not isinstance(name, str):
+                raise ValueError(f"{field}: state dict keys must be HF tensor names (strings), got {name!r}")
+            arr = np.asarray(value)
+            if name != HEAD_TOKEN_IDS and not np.issubdtype(arr.dtype, np.floating) and arr.dtype.name != "bfloat16":
+                raise ValueError(f"{field}: tensor {name} is {arr.dtype}: weights must be floating-point arrays "
+                                 f"(float32, float16 or bfloat16)")
+            if name != HEAD_TOKEN_IDS and not np.isfinite(arr.astype(np.float32)).all():
+                raise ValueError(f"{field}: tensor {name} holds NaN or infinite values: weights must be finite")
+            sd[name] = arr
         graphdef, state = state_from_hf(current.config, sd, attention_impl=cfg.attention_impl,
                                         linear_impl=cfg.linear_impl, source=field)
         handle = ModelHandle(current.config, graphdef, pack_state(state, cfg.linear_impl,

@@ -632,6 +632,11 @@ def state_from_hf(
     if extra:
         raise ValueError(f"{source}: unexpected tensors (unsupported architecture?): {extra[:8]}")
     dtype = _jnp_dtype(cfg.dtype)
+    if cfg.tie_word_embeddings and "lm_head.weight" in state_dict and "model.embed_tokens.weight" in state_dict:
+        if not np.array_equal(np.asarray(state_dict["lm_head.weight"]),
+                              np.asarray(state_dict["model.embed_tokens.weight"])):
+            raise ValueError(f"{source}: lm_head.weight differs from model.embed_tokens.weight, but {cfg.name} ties "
+                             f"them (tie_word_embeddings): leave lm_head.weight out, or give it equal to the embedding")
     if cfg.head_vocab_size is not None:
         _check_head_token_ids(cfg, np.asarray(state_dict[HEAD_TOKEN_IDS]), source)
     for hf_name, (path, transpose) in pmap.items():

@@ -373,6 +373,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             beam_searches[0] -= 1
 
     async def run_beam_search(searches, step, width, req, request, prompt_param) -> list[BeamSearchOutput]:
+        clock = [time.monotonic() + settings.disconnect_poll_seconds]  # (one disconnect check pace for all steps)
         while not all(s.done for s in searches):
             live = [s for s in searches if not s.done]
             asks = [(s, ids) for s in live for ids in s.pending()]
@@ -384,7 +385,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 raise APIError(400, str(exc), param=prompt_param if field == "prompt" else field) from None
             except RuntimeError as exc:
                 raise APIError(503, str(exc), type="server_error") from None
-            outs = await collect(group, request, len(asks))
+            outs = await collect(group, request, len(asks), clock)
             failure = engine_failure(outs)
             if failure is not None:
                 raise failure
@@ -414,19 +415,22 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         return APIError(500, f"the engine failed while serving this request: {failed.error or 'unknown error'}",
                         type="internal_error")
 
-    async def collect(stream: GroupStream, request: Request, size: int) -> list[RequestOutput]:
-        """Wait for every member to finish; aborts the group if the client disconnects."""
+    async def collect(stream: GroupStream, request: Request, size: int,
+                      clock: list[float] | None = None) -> list[RequestOutput]:
+        """Wait for every member to finish; aborts the group if the client disconnects. ``clock`` ([the next
+        disconnect check's time]) is shared by the calls of one request that runs several groups (a beam search's
+        steps), each shorter than the poll: their checks keep the request's pace instead of restarting it."""
         finals: list[RequestOutput | None] = [None] * size
         poll = settings.disconnect_poll_seconds
-        next_check = time.monotonic() + poll
+        next_check = clock if clock is not None else [time.monotonic() + poll]
         try:
             while True:
                 try:
                     item = await stream.next(timeout=poll)
                 except TimeoutError:
                     item = False
-                if time.monotonic() >= next_check:  # outputs may arrive faster than the poll: check by the clock
-                    next_check = time.monotonic() + poll
+                if time.monotonic() >= next_check[0]:  # outputs may arrive faster than the poll: check by the clock
+                    next_check[0] = time.monotonic() + poll
                     if await request.is_disconnected():
                         raise _ClientGone()
                 if item is False:

@@ -87,6 +87,16 @@ def test_width_one_is_greedy_and_eos_rules():
                                                                          ignore_eos=True)).sequences)
 
 
+@pytest.mark.parametrize("length_penalty", [1e6, -1e6])
+def test_extreme_length_penalties_rank_without_overflow(length_penalty):
+    """``length ** 1e6`` overflows a float: the ranking is computed in log space, longest first for a huge
+    penalty and shortest first for a hugely negative one."""
+    out = run_toy([1, 0, 2], BeamSearchParams(beam_width=6, max_tokens=4, length_penalty=length_penalty))
+    lengths = [len(s.tokens) for s in out.sequences]
+    assert lengths == sorted(lengths, reverse=length_penalty > 0)
+    assert all(s.score <= 0 for s in out.sequences)
+
+
 def test_the_context_ends_the_beams():
     out = run_toy([0, 1, 2], BeamSearchParams(beam_width=2, max_tokens=50, ignore_eos=True), max_len=7)
     assert [len(s.tokens) for s in out.sequences] == [4, 4]  # 3 + 4 tokens fill the 7-token context

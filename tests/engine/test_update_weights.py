@@ -91,6 +91,13 @@ def test_the_prefix_cache_goes_with_the_old_weights(stories):
     (lambda sd: {**sd, "model.extra.weight": np.zeros(3, np.float32)}, "unexpected tensors"),
     (lambda sd: {k: (v[:, :-1] if k.endswith("q_proj.weight") else v) for k, v in sd.items()}, "shape"),
     (lambda sd: [1, 2], "must be a checkpoint spec or path, an HF-named state dict or a ModelHandle"),
+    (lambda sd: {**sd, 5: np.zeros(3, np.float32)}, "keys must be HF tensor names"),
+    (lambda sd: {k: (v.astype(np.int64) if k == "model.norm.weight" else v) for k, v in sd.items()},
+     "model.norm.weight is int64: weights must be floating-point"),
+    (lambda sd: {k: (np.full_like(v, np.nan) if k == "model.norm.weight" else v) for k, v in sd.items()},
+     "model.norm.weight holds NaN or infinite values"),
+    (lambda sd: {**sd, "lm_head.weight": sd["model.embed_tokens.weight"] + 1},
+     "lm_head.weight differs from model.embed_tokens.weight"),
 ])
 def test_bad_weights_change_nothing(stories, bad, message):
     llm, sd, ref = stories

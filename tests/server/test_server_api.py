@@ -925,6 +925,26 @@ def test_disconnect_non_streaming_frees_pages(server):
     assert aborted >= 8, f"the disconnect aborted only {aborted} of 32 sequences"
 
 
+def test_disconnect_mid_beam_search_stops_it(server):
+    """A beam search runs one short engine group per step: a client gone is still noticed at the server's disconnect
+    pace (it used to be checked only within one step, so the search ran to its end), the step's group aborted and
+    no later step started."""
+    abort, prompt_tokens = 'nightjar_requests_total{finish_reason="abort"}', "nightjar_prompt_tokens_total"
+    start = server.metrics()
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 200, "n": 10, "use_beam_search": True,
+            "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=httpx.Timeout(0.4, connect=5))
+    m = _wait_pages_free(server)
+    time.sleep(1.0)  # (a search still running would keep adding steps' prompts)
+    after = server.metrics()
+    assert after[prompt_tokens] == m[prompt_tokens], "the beam search went on after its client left"
+    assert after[abort] >= start[abort]  # (the step's one-token requests may all have finished: nothing to abort)
+    # 200 steps of 10 beams each prompt at least 2 tokens: a search run to its end adds far more
+    assert after[prompt_tokens] - start[prompt_tokens] < 10 * sum(range(2, 202)) / 2
+
+
 # ---- concurrency ------------------------------------------------------------------------------------------------
 def test_64_concurrent_streams_match_sequential(server, client):
     prompts = [

@@ -76,6 +76,7 @@ def test_the_planner_sees_the_ngram_steps():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompt_lookup_max=0), "needs prompt_lookup_max >= 1"),
     (dict(spec_tree_nodes=8), "spec_tree_nodes needs a draft model"),
+    (dict(num_speculative_tokens=0), "needs num_speculative_tokens >= 1"),
 ])
 def test_ngram_configuration_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):
