@@ -22,6 +22,11 @@ every free base page is held so that a batch-1 γ = 0 workload runs on extension
 reading the extension in place: on a GPU the Pallas body's masked loads), its step time is compared with the γ = 0
 row above; then the draft comes back (timed: the engine reloads it itself once idle) and one γ = max step runs.
 
+Then sleep mode (``sleep`` section, unless ``--no-sleep``), on the same engine: ``LLM.sleep`` at level 1 (weights to
+host memory) and level 2 (weights dropped, the dummy weights built again at the wake-up), each timed with the wake-up,
+the device's ``bytes_in_use`` (where the backend reports it) before, asleep and after, and a greedy batch after each
+wake-up checked equal to the one before with no new compile.
+
 ``--smoke``: tiny presets on whatever backend is present (CPU here), to check the script runs.
 Prints tables; writes JSON (``--out``). Sections past ``--budget-s`` are recorded as skipped.
 
@@ -65,6 +70,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bandwidth-mib", type=int, default=2048)
     p.add_argument("--budget-s", type=float, default=200.0, help="skip sections that would start after this")
     p.add_argument("--no-elastic", action="store_true", help="skip the elastic memory section")
+    p.add_argument("--no-sleep", action="store_true", help="skip the sleep mode section")
     p.add_argument("--smoke", action="store_true", help="tiny presets, small batches (for CPU)")
     p.add_argument("--out", default="results/device_check_engine.json")
     args = p.parse_args()
@@ -212,6 +218,48 @@ def elastic_section(llm, args) -> dict:
     return out
 
 
+def _bytes_in_use() -> int | None:
+    """The default device's allocated bytes, where the backend reports them (GPU / TPU; None on the CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_in_use")
+
+
+def sleep_section(llm, args) -> dict:
+    """Sleep mode's moves on the spec section's engine (module doc)."""
+    from nightjar_jax import SamplingParams
+
+    engine = llm.engine
+    prompts = [{"prompt_token_ids": p} for p in _prompts(engine.target.config.vocab_size, 2, args.prompt_len, 11)]
+    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    compiled = engine.runner.num_compiled()
+    out: dict = {"engine_bytes": sum(engine.runner.device_bytes().values())}
+    for level in (1, 2):
+        before = _bytes_in_use()
+        t0 = time.perf_counter()
+        freed = llm.sleep(level)
+        sleep_s = time.perf_counter() - t0
+        asleep = _bytes_in_use()
+        t0 = time.perf_counter()
+        llm.wake_up()
+        wake_s = time.perf_counter() - t0
+        after = _bytes_in_use()
+        same = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == reference
+        row = {"freed_bytes": freed, "sleep_s": sleep_s, "wake_s": wake_s, "bytes_in_use_before": before,
+               "bytes_in_use_asleep": asleep, "bytes_in_use_after": after, "outputs_equal": same,
+               "new_compiles": engine.runner.num_compiled() - compiled}
+        out[f"level{level}"] = row
+        released = "" if before is None else f", bytes in use {before / 2**20:.0f} -> {asleep / 2**20:.0f} MiB"
+        print(f"  level {level}: {freed / 2**20:.1f} MiB freed in {1e3 * sleep_s:.1f} ms{released}; wake-up "
+              f"{1e3 * wake_s:.1f} ms; outputs {'equal' if same else 'DIFFER'}, {row['new_compiles']} new compiles",
+              flush=True)
+        if not same:
+            raise RuntimeError(f"greedy outputs after a level-{level} sleep differ from those before")
+    return out
+
+
 def main() -> None:
     args = parse_args()
     import jax
@@ -252,6 +300,8 @@ def main() -> None:
         out = run(f"spec {args.spec}", lambda: spec_section(target, draft, args, keep=kept))
         if not args.no_elastic and out is not None and "llm" in kept:
             run(f"elastic {args.spec}", lambda: elastic_section(kept["llm"], args))
+        if not args.no_sleep and out is not None and "llm" in kept:
+            run(f"sleep {args.spec}", lambda: sleep_section(kept["llm"], args))
     result["total_s"] = time.perf_counter() - started
     write_json(args.out, result)
     print(json.dumps({"sections": [(s["name"], "error" in s, "skipped" in s) for s in result["sections"]]}))

@@ -18,9 +18,14 @@ def test_device_check_engine_smoke_writes_each_section(tmp_path):
     result = json.loads(out.read_text())
     assert result["bandwidth"]["jax_gbs"] > 0
     names = [s["name"] for s in result["sections"]]
-    assert names == ["ar tiny-gqa", "spec tiny-gqa+tiny-mha", "elastic tiny-gqa+tiny-mha"], result["sections"]
+    assert names == ["ar tiny-gqa", "spec tiny-gqa+tiny-mha", "elastic tiny-gqa+tiny-mha",
+                     "sleep tiny-gqa+tiny-mha"], result["sections"]
     assert not any("error" in s or "skipped" in s for s in result["sections"]), result["sections"]
-    ar, spec, elastic = result["sections"]
+    ar, spec, elastic, sleep = result["sections"]
+    # both levels freed the engine's device bytes and came back to the same greedy tokens without compiling
+    for level in ("level1", "level2"):
+        assert sleep[level]["freed_bytes"] == sleep["engine_bytes"] > 0 and sleep[level]["outputs_equal"]
+        assert sleep[level]["new_compiles"] == 0 and sleep[level]["wake_s"] > 0
     # the draft's bytes became extension pages, a γ = 0 request ran on them, the draft came back and speculated
     assert elastic["draft_bytes"] > 0 and elastic["extension_pages"] > 0 and elastic["offload_s"] > 0
     assert elastic["reload_s"] > 0 and elastic["ext_step_ms"] > 0 and "skipped_decode" not in elastic
