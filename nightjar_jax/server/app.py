@@ -345,7 +345,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 seed = None if params.seed is None else (params.seed + j) % 2**63
                 member_params.append(dataclasses.replace(params, seed=seed) if n > 1 else params)
         try:
-            return await async_engine.add(members, member_params, request_id=request_id, priority=priority)
+            stream = await async_engine.add(members, member_params, request_id=request_id, priority=priority)
+            stream.prompt_tokens = [len(m["prompt_token_ids"]) for m in members]  # (per member: usage before output)
+            return stream
         except ValueError as exc:
             field = getattr(exc, "field", None) or "prompt"
             names = {"structured_outputs": structured_param, "prompt": prompt_param}
@@ -468,6 +470,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         finals: list[RequestOutput | None] = [None] * size
         try:
             for frame in first or []:
+                if continuous_usage:  # (a chat choice's role chunk: its prompt, nothing generated yet, as vLLM)
+                    prompt = stream.prompt_tokens[frame["choices"][0]["index"]]
+                    frame = {**frame, "usage": {"prompt_tokens": prompt, "completion_tokens": 0,
+                                                "total_tokens": prompt}}
                 yield sse(frame)
             async for index, out in stream:
                 failure = engine_failure([out], structured_param)

@@ -81,6 +81,7 @@ class GroupStream:
     def __init__(self, engine: AsyncEngine, group: _Group):
         self._engine, self._group = engine, group
         self.finished = False
+        self.prompt_tokens: list[int] = []  # per member, when the caller knows them (the server's usage)
 
     @property
     def request_ids(self) -> list[str]:

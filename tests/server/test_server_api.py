@@ -114,6 +114,15 @@ def test_continuous_usage_stats_in_every_chunk(server):
     for counts in per_choice.values():  # each choice's own count, growing to its max_tokens
         assert counts == sorted(counts) and counts[-1] == 12 and counts[0] >= 1
     assert frames[-1]["choices"] == [] and frames[-1]["usage"]["completion_tokens"] == 24
+    # chat: each choice's role chunk carries its usage too (its prompt, nothing generated yet), as vLLM's
+    chat = {**CHAT, "max_tokens": 4, "stream": True, "n": 2,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    frames = [json.loads(line[6:]) for line in post(server, "/v1/chat/completions", chat).text.splitlines()
+              if line.startswith("data: {")]
+    roles = [f for f in frames if f["choices"] and f["choices"][0]["delta"].get("role")]
+    assert len(roles) == 2 and all(f["usage"]["completion_tokens"] == 0 for f in roles)
+    assert all("usage" in f for f in frames)
+    assert roles[0]["usage"]["prompt_tokens"] == frames[-1]["usage"]["prompt_tokens"] > 0  # (one prompt, n = 2)
     body["stream_options"] = {"continuous_usage_stats": True}  # (as vLLM: it takes effect with include_usage)
     frames = [json.loads(line[6:]) for line in post(server, "/v1/completions", body).text.splitlines()
               if line.startswith("data: {")]
