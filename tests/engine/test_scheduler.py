@@ -169,7 +169,8 @@ def test_host_scheduler_imports_no_jax():
     import subprocess
 
     code = (
-        "import sys; import nightjar_jax.engine.scheduler, nightjar_jax.cache.allocator; "
+        "import sys; import nightjar_jax.engine.scheduler, nightjar_jax.cache.allocator, "
+        "nightjar_jax.engine.beam_search; "
         "assert 'jax' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
