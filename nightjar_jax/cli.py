@@ -146,10 +146,20 @@ def speculative_config(text: str) -> dict[str, Any]:
     """vLLM's ``--speculative-config`` JSON as engine config fields: ``method`` "ngram" is ``draft_model="ngram"``;
     "draft_model", "eagle" and "eagle3" (or no method) take the draft from ``model``; ``num_speculative_tokens``
     and ``prompt_lookup_max`` / ``_min`` keep their names. Anything else is a ``ConfigError`` naming what is read."""
+    def pairs(items: list) -> dict:
+        keys = [k for k, _ in items]
+        repeated = sorted({k for k in keys if keys.count(k) > 1})
+        if repeated:
+            raise ConfigError(f"--speculative-config gives {repeated[0]!r} twice: give each key once")
+        return dict(items)
+
     try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--speculative-config must be a JSON object: {exc}") from None
+        spec = json.loads(text, object_pairs_hook=pairs)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # (malformed JSON, or a number past Python's 4300-digit limit for reading one)
+        raise ConfigError(f"--speculative-config must be a JSON object of keys {', '.join(SPECULATIVE_CONFIG_KEYS)}: "
+                          f"{str(exc).split(';')[0]}") from None
     if not isinstance(spec, dict):
         raise ConfigError(f"--speculative-config must be a JSON object, got {type(spec).__name__}")
     unknown = sorted(set(spec) - set(SPECULATIVE_CONFIG_KEYS))
@@ -158,6 +168,12 @@ def speculative_config(text: str) -> dict[str, Any]:
                           f"{', '.join(SPECULATIVE_CONFIG_KEYS)}")
     method, model = spec.get("method"), spec.get("model")
     out = {k: spec[k] for k in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min") if k in spec}
+    for key, value in out.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"--speculative-config {key} must be an integer, got {json.dumps(value)}")
+    if model is not None and (not isinstance(model, str) or model.lower() in ("", "none", "ngram", "auto")):
+        raise ConfigError(f"--speculative-config model must name the draft model (a preset, a folder or a file), got "
+                          f"{json.dumps(model)}; for n-gram speculation give method 'ngram' and no model")
     if method == "ngram":
         if model is not None:
             raise ConfigError("--speculative-config method 'ngram' takes no 'model' (it drafts from the request's own "

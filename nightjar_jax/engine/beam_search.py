@@ -29,6 +29,9 @@ from nightjar_jax.engine.sampling_params import MAX_LOGPROBS, InvalidRequestErro
 # each beam asks for twice the beam width of candidates (as vLLM): enough that beam_width survive even when up to
 # beam_width of them are end-of-sequence tokens
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+# past this the ranking key's length term (length_penalty x log length) would leave a float's range: the length alone
+# decides long before it (at 1e6 a one-token difference outweighs any log-probability)
+MAX_LENGTH_PENALTY = 1e6
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,8 @@ class BeamSearchParams:
             (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
             (isinstance(self.ignore_eos, bool), "ignore_eos", "a boolean"),
             (isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool)
-             and math.isfinite(self.length_penalty), "length_penalty", "a finite number"),
+             and abs(self.length_penalty) <= MAX_LENGTH_PENALTY, "length_penalty",
+             f"a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]"),
         ]
         for ok, name, allowed in checks:
             if not ok:

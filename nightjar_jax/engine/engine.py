@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from nightjar_jax.cache.allocator import PageAllocator
@@ -671,23 +672,37 @@ class LLMEngine:
         4-bit blocks whose new values are off their grid come back as float32 panels) drops the compiled variants,
         which compile again on first use. Returns whether that happened. The prefix cache is reset (its pages hold
         the old weights' K/V); requests in flight go on under the new weights with the K/V they already computed,
-        as in-flight updates do. The weights must be awake (``wake_up(["weights"])`` after a sleep; the KV cache
-        may still sleep). The device holds both copies while the new one is built."""
-        if "weights" in self._asleep:
-            raise EngineSleepingError("update_weights needs the weights on the device: call wake_up(['weights']) "
-                                      "first (the KV cache may stay asleep)")
+        as in-flight updates do (the server's endpoint waits for them instead). While the weights sleep, the update
+        wakes them with the new ones (a part not given comes back as ``wake_up`` brings it; the KV cache may stay
+        asleep). The device holds both copies while the new one is built."""
         if weights is None and draft_weights is None:
             raise ValueError("update_weights needs weights, draft_weights or both")
         if draft_weights is not None and self.draft is None:
             raise ValueError("draft_weights given, but this engine has no draft")
         target = None if weights is None else self._weights_handle(weights, self.target, "weights")
         draft = None if draft_weights is None else self._weights_handle(draft_weights, self.draft, "draft_weights")
+        asleep = "weights" in self._asleep
+        self._check_not_shared("update_weights", target=target is not None or asleep, draft=draft is not None or asleep)
+        if asleep:  # (woken here: by the new weights, the rest as wake_up brings them back)
+            if self.sleep_level == 2:
+                missing = [part for part, new in (("target", target), ("draft", draft))
+                           if new is None and (part == "target" or self.draft is not None)]
+                if any(self._weight_specs[part] is None for part in missing):
+                    raise ValueError("the weights sleep at level 2 and the part not given has no checkpoint to load "
+                                     "again: give both weights and draft_weights")
+                target = target or self._load(self._weight_specs["target"], tokenizer_spec=None)[0]
+                if self.draft is not None:
+                    draft = draft or self._load(self._weight_specs["draft"], tokenizer_spec=None)[0]
+            else:
+                self.runner.restore_weights()
+            self._asleep.discard("weights")
+            if not self._asleep:
+                self.sleep_level = 0
         if draft is not None and not self.runner.draft_on_device:  # (elastic memory moved it to host memory)
             if self.has_unfinished_requests():
                 raise RuntimeError("the draft is offloaded to host memory under load (elastic memory): update its "
                                    "weights once it is back (when the load falls), or update the target alone")
             self._reload_draft()  # (idle: nothing migrates)
-        self._check_not_shared("update_weights", target=target is not None, draft=draft is not None)
         relayout = self.runner.load_weights(target, draft)
         for part, given in (("target", weights), ("draft", draft_weights)):
             if given is not None:  # (where a level-2 sleep would load them from again: a spec, else nowhere)
@@ -718,10 +733,14 @@ class LLMEngine:
     def _weights_handle(self, weights, current: ModelHandle, field: str) -> ModelHandle:
         """``weights`` (a spec or path, an HF-named state dict, or a handle) as a handle laid out as this engine
         lays out its own (packed, stacked)."""
-        if isinstance(weights, ModelHandle):
-            return weights
-        if isinstance(weights, str):
-            return self._load(weights, tokenizer_spec=None)[0]
+        if isinstance(weights, (ModelHandle, str)):
+            handle = weights if isinstance(weights, ModelHandle) else self._load(weights, tokenizer_spec=None)[0]
+            for x in handle.leaves():  # (a checkpoint's NaN serves garbage: refused as a state dict's is)
+                if (isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
+                        and not bool(jnp.isfinite(x).all())):
+                    raise ValueError(f"{field}: the new weights hold NaN or infinite values ({x.shape} {x.dtype}): "
+                                     f"weights must be finite")
+            return handle
         if not hasattr(weights, "items"):
             raise ValueError(f"{field} must be a checkpoint spec or path, an HF-named state dict or a ModelHandle, "
                              f"got {type(weights).__name__}")

@@ -43,7 +43,19 @@ _HF_DTYPES = {"float32": "float32", "float64": "float32", "bfloat16": "bfloat16"
 
 
 def config_from_hf(hf: dict[str, Any], *, source: str = "config.json", name: str | None = None) -> ModelConfig:
-    """Map an HF Llama ``config.json`` dict onto :class:`ModelConfig`; unsupported features raise ``ValueError``."""
+    """Map an HF Llama ``config.json`` dict onto :class:`ModelConfig`; unsupported features, and a config that is not
+    a JSON object, lacks a required field or holds a value of the wrong type, raise ``ValueError`` naming it."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"{source}: must be a JSON object (an HF config), got {type(hf).__name__}")
+    try:
+        return _config_from_hf(hf, source, name)
+    except KeyError as e:
+        raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"{source}: a field holds a value of the wrong type ({e})") from None
+
+
+def _config_from_hf(hf: dict[str, Any], source: str, name: str | None) -> ModelConfig:
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
     if model_type not in ("llama", "mistral") and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
@@ -83,27 +95,24 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "config.json", name: str
     if dtype is None:
         raise ValueError(f"{source}: dtype {torch_dtype!r} is unsupported (allowed: {sorted(_HF_DTYPES)})")
     num_heads = int(hf["num_attention_heads"])
-    try:
-        return ModelConfig(
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=hf.get("head_dim"),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            dtype=dtype,
-            name=name or hf.get("_name_or_path") or model_type or "llama",
-        )
-    except KeyError as e:
-        raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
+    return ModelConfig(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=hf.get("head_dim"),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        dtype=dtype,
+        name=name or hf.get("_name_or_path") or model_type or "llama",
+    )
 
 
 def read_config(folder: Path) -> ModelConfig:

@@ -381,7 +381,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             asks = [(s, ids) for s in live for ids in s.pending()]
             try:
                 group = await async_engine.add([{"prompt_token_ids": ids} for _, ids in asks], [step] * len(asks),
-                                               priority=req.priority)
+                                               priority=req.priority, bypass_drain=True)  # (one search, one set of
+                # weights: its steps go ahead of a weight update that waits for it)
             except ValueError as exc:
                 field = getattr(exc, "field", None) or prompt_param
                 raise APIError(400, str(exc), param=prompt_param if field == "prompt" else field) from None
@@ -593,17 +594,16 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         @app.post("/update_weights_from_disk")
         async def update_weights_from_disk(request: Request):
             """SGLang's endpoint (an RL loop's weight sync over HTTP): the target's and/or the draft's weights from a
-            checkpoint on the server's disk (``LLMEngine.update_weights``), served from the next step; requests in
-            flight go on under them. A checkpoint that cannot be loaded, or of another architecture, is a 400 and
-            changes nothing; while the weights sleep, a 409 (``POST /wake_up?tags=weights`` first)."""
+            checkpoint on the server's disk (``LLMEngine.update_weights``). As SGLang's, it waits for the requests in
+            flight (and beam searches under way) to finish under the old weights, and requests that arrive meanwhile
+            wait to run under the new ones: no sample mixes the two. A checkpoint that cannot be loaded, or of
+            another architecture, is a 400 and changes nothing. While the weights sleep, the update wakes them with
+            the new ones."""
             authorize(request)
             req: UpdateWeightsRequest = await read_body(request, UpdateWeightsRequest)
             req.check()
 
             def go(e):
-                if "weights" in e.asleep_parts:
-                    raise APIError(409, "the weights are asleep: POST /wake_up?tags=weights first (the KV cache may "
-                                        "stay asleep)", type="conflict_error")
                 try:
                     return e.update_weights(req.model_path, draft_weights=req.draft_model_path)
                 except RuntimeError as exc:  # (weights another engine shares, a draft offloaded under load)
@@ -613,7 +613,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     raise APIError(400, f"the new weights could not be loaded: {exc}; the old ones are still "
                                         f"served", param=param) from None
 
-            relayout = await async_engine.call(go)
+            relayout = await async_engine.call(go, drain=lambda e: e.has_unfinished_requests() or beam_searches[0])
             parts = [p for p, given in (("target", req.model_path), ("draft", req.draft_model_path)) if given]
             return {"success": True, "message": f"updated the {' and '.join(parts)} weights", "recompiles": relayout}
 

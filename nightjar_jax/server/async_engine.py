@@ -55,6 +55,7 @@ class _Add:
     params: list[SamplingParams]  # per member
     ack: asyncio.Future  # resolved with None, or the ValueError that rejected the group
     priority: int = 0  # every member's (scheduling_policy "priority")
+    bypass_drain: bool = False  # goes ahead of a draining call that waits (a beam search's next step)
 
 
 @dataclass
@@ -66,6 +67,9 @@ class _Abort:
 class _Call:
     fn: Callable[[Any], Any]  # called with the engine, on the engine thread, between two steps
     done: asyncio.Future  # resolved with what it returned, or the exception it raised
+    # while drain(engine) is true the call waits, and the commands after it with it (aborts and bypass_drain adds
+    # excepted), while the engine steps on: what was in flight finishes first
+    drain: Callable[[Any], bool] | None = None
 
 
 @dataclass
@@ -150,9 +154,10 @@ class AsyncEngine:
 
     # ---- event-loop side ----------------------------------------------------------------------------------------
     async def add(self, prompts: list[Any], params: list[SamplingParams], request_id: str | None = None,
-                  priority: int = 0) -> GroupStream:
+                  priority: int = 0, bypass_drain: bool = False) -> GroupStream:
         """Queue one group (member i = ``prompts[i]`` with ``params[i]``, all at ``priority``); raises ValueError if
-        any member is bad (then nothing is queued)."""
+        any member is bad (then nothing is queued). ``bypass_drain``: it goes ahead of a draining :meth:`call` that
+        waits (the next step of work that call waits for)."""
         if self._stopping or not self.is_alive:
             raise RuntimeError("the engine is shutting down")
         loop = asyncio.get_running_loop()
@@ -160,20 +165,22 @@ class AsyncEngine:
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         group = _Group(ids, asyncio.Queue(), loop, num_unfinished=len(ids))
         ack = loop.create_future()
-        self._send(_Add(group, prompts, params, ack, priority))
+        self._send(_Add(group, prompts, params, ack, priority, bypass_drain))
         await ack
         return GroupStream(self, group)
 
     def abort(self, request_ids: list[str]) -> None:
         self._send(_Abort(list(request_ids)))
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call(self, fn: Callable[[Any], Any], drain: Callable[[Any], bool] | None = None) -> Any:
         """``fn(engine)`` on the engine thread between two steps (the engine is not thread-safe), e.g. sleep and
-        wake_up; returns what it returned, or raises what it raised."""
+        wake_up; returns what it returned, or raises what it raised. With ``drain``, it runs once ``drain(engine)``
+        is false (e.g. nothing in flight), the engine stepping meanwhile, and commands sent after it wait behind it
+        (new requests are admitted after it: a weight update between two policies' samples)."""
         if self._stopping or not self.is_alive:
             raise RuntimeError("the engine is shutting down")
         done = asyncio.get_running_loop().create_future()
-        self._send(_Call(fn, done))
+        self._send(_Call(fn, done, drain))
         return await done
 
     def _send(self, command: Any) -> None:
@@ -184,17 +191,33 @@ class AsyncEngine:
     # ---- engine thread ------------------------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        held: list = []  # a draining call that waits, and the commands behind it
         try:
             while True:
                 with self._cond:
                     while not self._commands and not self._stopping and not engine.has_unfinished_requests():
+                        if held:  # (idle: look at the drain condition again soon; it may depend on the event loop)
+                            self._cond.wait(0.01)
+                            break
                         self._cond.wait()
-                    commands = list(self._commands)
+                    commands = held + list(self._commands)
                     self._commands.clear()
                     stopping = self._stopping
+                held = []
                 for command in commands:
-                    self._handle(command)
+                    if held:  # behind a waiting drain: only aborts and bypassing adds go ahead
+                        if isinstance(command, _Abort) or (isinstance(command, _Add) and command.bypass_drain):
+                            self._handle(command)
+                        else:
+                            held.append(command)
+                    elif isinstance(command, _Call) and command.drain is not None and not stopping and \
+                            command.drain(engine):
+                        held.append(command)
+                    else:
+                        self._handle(command)
                 if stopping:
+                    for command in held:  # (never run: the engine stops)
+                        self._handle(command)
                     self._abort_all()
                     return
                 if engine.has_unfinished_requests():
@@ -213,6 +236,9 @@ class AsyncEngine:
 
     def _handle(self, command: Any) -> None:
         if isinstance(command, _Call):
+            if self._stopping:
+                self._settle(command.done, None, RuntimeError("the engine is shutting down"))
+                return
             try:
                 result = command.fn(self.engine)
             except Exception as exc:

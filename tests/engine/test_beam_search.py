@@ -109,6 +109,7 @@ def test_the_context_ends_the_beams():
     (dict(beam_width=0, max_tokens=4), "beam_width"), (dict(beam_width=11, max_tokens=4), "beam_width"),
     (dict(beam_width=True, max_tokens=4), "beam_width"), (dict(beam_width=2, max_tokens=0), "max_tokens"),
     (dict(beam_width=2, max_tokens=4, length_penalty=float("nan")), "length_penalty"),
+    (dict(beam_width=2, max_tokens=4, length_penalty=1e308), "length_penalty"),
     (dict(beam_width=2, max_tokens=4, ignore_eos="yes"), "ignore_eos"),
 ])
 def test_bad_parameters_name_the_field(kwargs, field):

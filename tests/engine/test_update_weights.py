@@ -116,12 +116,27 @@ def test_weights_of_another_model_or_no_weights_are_errors(stories):
         llm.update_weights()
     with pytest.raises(ValueError, match="this engine has no draft"):
         llm.update_weights(draft_weights=sd)
-    llm.sleep(1)
-    with pytest.raises(EngineSleepingError, match="wake_up\\(\\['weights'\\]\\) first"):
-        llm.update_weights(sd)
-    llm.wake_up(["weights"])
-    llm.update_weights(sd)  # (the KV cache may still sleep)
-    llm.wake_up()
+    assert tokens(llm) == ref
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_an_update_wakes_sleeping_weights_with_the_new_ones(stories, level):
+    """vLLM's RL loop: sleep, update the weights (which wakes them with the new ones; the KV cache sleeps on),
+    wake the KV cache; the same tokens as an awake update."""
+    llm, sd, ref = stories
+    changed = noisy(sd, 0.3, seed=5)
+    llm.update_weights(changed)
+    want = tokens(llm)
+    llm.update_weights("stories260k")
+    llm.sleep(level)
+    with pytest.raises(EngineSleepingError):
+        tokens(llm)
+    llm.update_weights(changed)
+    assert llm.engine.asleep_parts == {"kv_cache"}
+    llm.wake_up(["kv_cache"])
+    assert not llm.is_sleeping() and llm.engine.sleep_level == 0
+    assert tokens(llm) == want
+    llm.update_weights("stories260k")
     assert tokens(llm) == ref
 
 
@@ -165,3 +180,19 @@ def test_draft_weights_update_and_speculation_stays_lossless():
     drafted = llm.engine.stats.num_drafted_tokens
     assert llm.update_weights(draft_weights="stories260k@skip=4") is False  # another layer skipped: same shapes
     assert tokens(llm) == ref and llm.engine.stats.num_drafted_tokens > drafted
+
+
+def test_a_handle_holding_nan_is_refused():
+    """Weights given as a handle or loaded from a checkpoint are checked as a state dict's are: NaN serves garbage."""
+    import jax.numpy as jnp
+
+    from nightjar_jax.engine.runner import ModelHandle
+    from nightjar_jax.testing import fake_model
+
+    fake = fake_model(97)
+    engine = LLMEngine(make_engine_config(model="fake", page_size=4, num_pages=16, compilation_cache_dir=None),
+                       target=ModelHandle(fake.config, None, {"w": jnp.ones(8)}, fns=fake.fns))
+    with pytest.raises(ValueError, match="NaN or infinite values"):
+        engine.update_weights(ModelHandle(fake.config, None, {"w": jnp.full(8, jnp.nan)}, fns=fake.fns))
+    (w,) = engine.target.leaves()
+    assert bool(jnp.all(w == 1))

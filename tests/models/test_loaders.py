@@ -267,3 +267,17 @@ def test_gguf_caches_weights_config_and_tokenizer(tmp_path, monkeypatch):
     text = "Once upon a time, 🙂 there was 42."
     assert tok2.encode(text) == tok.encode(text) and tok2.eos_token_ids == tok.eos_token_ids
     assert tok2.chat_template == tok.chat_template
+
+
+@pytest.mark.parametrize("config, message", [
+    ([1, 2], "must be a JSON object \\(an HF config\\), got list"),
+    ({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1},
+     "missing required field 'num_attention_heads'"),
+    ({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+      "num_attention_heads": None}, "a field holds a value of the wrong type"),
+])
+def test_a_bad_hf_config_is_a_value_error_naming_it(tmp_path, config, message):
+    """What the loaders, the CLI (exit 2, one line) and update_weights (a 400) report for a broken config.json."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(str(tmp_path))

@@ -42,6 +42,7 @@ SERVER_ARGS = [
     "--reasoning-parser",
     "qwen3",
     "--enable-sleep-mode",
+    "--enable-weight-updates",
 ]
 
 
@@ -1023,6 +1024,29 @@ def test_sleep_mode_round_trip(server, client):
     assert len(done["out"].choices) == 8 and all(c.finish_reason == "length" for c in done["out"].choices)
     assert httpx.post(server.url + "/sleep", headers=auth, timeout=60).status_code == 200
     assert httpx.post(server.url + "/wake_up", headers=auth, timeout=60).status_code == 200
+
+
+def test_a_weight_update_waits_for_a_beam_search(server, client):
+    """A weight update waits for what is in flight, a beam search between its steps included, whose steps go ahead
+    of it (no deadlock: the search needs its next step admitted to finish)."""
+    done = {}
+
+    def search():
+        done["out"] = client.completions.create(model=MODEL, prompt="Once", max_tokens=120, n=6,
+                                                extra_body={"use_beam_search": True, "ignore_eos": True})
+        done["t"] = time.monotonic()
+
+    worker = threading.Thread(target=search)
+    worker.start()
+    time.sleep(0.3)
+    assert worker.is_alive(), "the beam search ended before the update was asked for: make it longer"
+    resp = post(server, "/update_weights_from_disk", {"model_path": "stories260k"})
+    updated = time.monotonic()
+    worker.join(120)
+    assert resp.status_code == 200 and resp.json()["success"], resp.text
+    # (an update that did not wait returns at once, while the search runs on for a second or more)
+    assert updated > done["t"] - 0.2, f"the update returned {done['t'] - updated:.2f} s before the search ended"
+    assert len(done["out"].choices) == 6
 
 
 def test_zz_sigterm_graceful_shutdown(server):

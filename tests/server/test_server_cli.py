@@ -190,6 +190,13 @@ def test_vllm_speculative_config_sets_the_speculation_flags(spec, expected):
      "key 'draft_tensor_parallel_size' is not supported: allowed method, model"),
     (["--speculative-config", '{"method": "ngram"}', "--draft-model", "none"], "give it once"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'], "num_speculative_tokens"),
+    (["--speculative-config", '{"method": "ngram", "method": "ngram"}'], "gives 'method' twice"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": "3"}'],
+     "num_speculative_tokens must be an integer, got \"3\""),
+    (["--speculative-config", '{"model": 5}'], "model must name the draft model .* got 5"),
+    (["--speculative-config", '{"model": "none"}'], "for n-gram speculation give method 'ngram'"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": ' + "9" * 5000 + "}"],
+     "must be a JSON object of keys"),
 ])
 def test_bad_speculative_configs_say_what_is_allowed(argv, message):
     with pytest.raises(ConfigError, match=message):

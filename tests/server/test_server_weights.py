@@ -63,11 +63,52 @@ def test_new_weights_from_disk_serve_at_once(setup):
             assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
             assert fragment in bad.json()["error"]["message"]
         assert text(client) == changed  # (nothing changed)
-        assert client.post("/sleep").status_code == 200
-        asleep = client.post("/update_weights_from_disk", json={"model_path": "stories260k"})
-        assert asleep.status_code == 409 and "wake_up?tags=weights" in asleep.json()["error"]["message"]
-        assert client.post("/wake_up", params={"tags": "weights"}).status_code == 200
+        # the RL loop's order: sleep, update (which wakes the weights with the new ones), wake the KV cache
+        assert client.post("/sleep", params={"level": "2"}).status_code == 200
         assert client.post("/update_weights_from_disk", json={"model_path": "stories260k"}).status_code == 200
-        assert client.post("/wake_up").status_code == 200
+        assert client.get("/is_sleeping").json() == {"is_sleeping": True}  # (the KV cache sleeps on)
+        assert client.post("/wake_up", params={"tags": "kv_cache"}).json() == {"is_sleeping": False}
         assert text(client) == before
     assert llm.engine.num_free_pages == llm.engine.num_total_pages
+
+
+def test_an_update_waits_for_the_requests_in_flight(setup):
+    """As SGLang's: requests in flight finish under the old weights, and one sent after the update was asked for
+    runs under the new ones: no output mixes them."""
+    import asyncio
+
+    from nightjar_jax.engine.sampling_params import SamplingParams
+
+    llm, path = setup
+    ae = AsyncEngine(llm.engine)
+    ae.start()
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompt = [1, 403, 407, 261]
+
+    async def final(stream):
+        out = None
+        while (item := await stream.next()) is not None:
+            out = item[1]
+        return out.outputs[0].token_ids
+
+    async def go():
+        old = await final(await ae.add([prompt], [sp]))  # (the old weights' answer, alone)
+        first = await ae.add([prompt], [sp])
+        await first.next()  # it runs
+        update = asyncio.ensure_future(ae.call(lambda e: e.update_weights(path),
+                                               drain=lambda e: e.has_unfinished_requests()))
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(ae.add([prompt], [sp]))  # (queued behind the update)
+        first_tokens = await final(first)
+        await update
+        second_tokens = await final(await second)
+        new = await final(await ae.add([prompt], [sp]))  # (the new weights' answer, alone)
+        await ae.call(lambda e: e.update_weights("stories260k"))
+        return old, first_tokens, second_tokens, new
+
+    try:
+        old, first_tokens, second_tokens, new = asyncio.run(go())
+    finally:
+        ae.stop()
+    assert old != new
+    assert first_tokens == old and second_tokens == new
