@@ -946,12 +946,21 @@ def test_disconnect_mid_beam_search_stops_it(server):
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
                    timeout=httpx.Timeout(0.4, connect=5))
-    m = _wait_pages_free(server)
-    time.sleep(1.0)  # (a search still running would keep adding steps' prompts)
-    after = server.metrics()
-    assert after[prompt_tokens] == m[prompt_tokens], "the beam search went on after its client left"
+    # the search stops once the server notices (its disconnect pace, 0.5 s): wait until its steps stop coming
+    # (pages are free between steps, so free pages alone do not say it stopped)
+    deadline, last, still_since = time.time() + 60, None, time.time()
+    while time.time() < deadline:
+        now = server.metrics()[prompt_tokens]
+        if now != last:
+            last, still_since = now, time.time()
+        elif time.time() - still_since > 2.0:
+            break
+        time.sleep(0.1)
+    after = _wait_pages_free(server)
+    assert after[prompt_tokens] == last, "the beam search went on after its client left"
     assert after[abort] >= start[abort]  # (the step's one-token requests may all have finished: nothing to abort)
-    # 200 steps of 10 beams each prompt at least 2 tokens: a search run to its end adds far more
+    # 200 steps of 10 beams, each prompting its 1-token prompt and its tokens so far: a search run to its end adds
+    # 10 x (2 + ... + 201) = 202,990 prompt tokens; one stopped by the disconnect far fewer
     assert after[prompt_tokens] - start[prompt_tokens] < 10 * sum(range(2, 202)) / 2
 
 
