@@ -597,8 +597,9 @@ class LLMEngine:
 
         - level 1: the weights (target and draft) go to host memory with ``jax.device_put``; the KV cache is
           discarded (its pages were only a cache: the engine must hold no request).
-        - level 2: the weights are discarded too (no host copy); :meth:`wake_up` loads them again from the
-          checkpoints the config names (for an engine that loaded its own models).
+        - level 2: the weights are discarded too (no host copy); :meth:`wake_up` loads them again from their
+          checkpoints (the config's, or the spec the last :meth:`update_weights` gave; refused for weights given
+          as handles or arrays, which have none).
 
         The prefix cache is reset, an offloaded draft comes back first (elastic memory; idle, nothing migrates), and
         the compiled step variants stay: after :meth:`wake_up` no step compiles again. Returns the device bytes
