@@ -54,7 +54,9 @@ def test_greedy_ngram_speculation_equals_plain_decoding(stories_pair):
 def test_warmup_covers_every_ngram_step(stories_pair):
     ngram, _ = stories_pair
     engine = ngram.engine
-    engine.warmup(prefill=False)
+    # (the γ the static planner runs and the plain steps, the contexts these prompts reach: what the full warm-up
+    # builds for them, at a fraction of its compiles)
+    engine.runner.warmup(gammas=[0, engine.gamma_max], max_context=128)
     compiling = engine.stats.num_compiling_decode_steps
     steps = engine.stats.decode_steps_per_gamma.get(4, 0)
     for temperature in (0.0, 0.8):  # greedy and sampled verifies of copied drafts
