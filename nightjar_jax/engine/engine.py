@@ -358,7 +358,7 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens but the whole KV pool holds {self.max_model_len}: it can never be "
                 f"scheduled (prompt + at least one generated token must fit)"
             )
-        room = min(self.context_limit, self.max_model_len) - len(ids)  # (tokens that fit after the prompt)
+        room = self.max_sequence_len - len(ids)  # (tokens that fit after the prompt)
         if params.min_tokens > room:
             raise InvalidRequestError(
                 f"min_tokens={params.min_tokens} cannot be met: the context leaves room for {room} tokens after this "
@@ -410,7 +410,7 @@ class LLMEngine:
         then read the ids)."""
         k = params.truncate_prompt_tokens
         if k == -1:
-            k = min(self.context_limit, self.max_model_len) - 1
+            k = self.max_sequence_len - 1
         if k is None or len(ids) <= k:
             return text, ids
         return None, ids[-k:]
@@ -462,11 +462,6 @@ class LLMEngine:
         for r in self.scheduler.running:  # (their pages computed so far are not registered again; later ones are)
             r.num_registered_pages = min(r.num_computed, r.num_tokens) // self.allocator.page_size
         return self.allocator.reset_prefix_cache()
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        """The ids that end a request (the model's and the tokenizer's end-of-sequence tokens) unless it ignores EOS."""
-        return self._eos_ids
 
     @property
     def max_sequence_len(self) -> int:
