@@ -68,6 +68,10 @@ _HELP = {
     "compilation_cache_dir": "JAX persistent compilation cache folder ('' disables)",
     "enable_prefix_caching": "prefix caching: a request whose first tokens fill the same KV pages as an earlier or "
                              "running request's shares those pages instead of computing them again",
+    "generation_config": "default sampling values for fields a request leaves unset: auto (the model's "
+                         "generation_config.json, as vLLM), vllm (ignore it), or a folder / file path",
+    "override_generation_config": "JSON object set on top of the generation config, e.g. "
+                                  "'{\"temperature\": 0.7, \"max_new_tokens\": 256}'",
     "weight_format": "CPU kernel weights: compact (GGUF Q4_1 / Q8_0 and bfloat16 values in those layouts, the same "
                      "results from a fifth to a half of the bytes), auto (compact plus float32 for products of more "
                      "than 8 rows), f32, w4a8 (opt-in, lossy: Q4_1 weights times int8-quantized activations, "

@@ -324,6 +324,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     compilation_cache_dir: str | None = None  # None: ~/.cache/nightjar_jax/jax_cache; "" disables
+    # default sampling values for the fields a request leaves unset (nightjar_jax/engine/generation_config.py):
+    # "auto" reads the model's generation_config.json (as vLLM does), "vllm" ignores it, or a folder / file path
+    generation_config: str = "auto"
+    # set on top of those: a dict, or JSON text, e.g. {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 256}
+    override_generation_config: str | dict | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", self.model, "a preset, path or repo id")
@@ -335,6 +340,10 @@ class EngineConfig:
         _check(self.linear_impl in LINEAR_IMPLS, "linear_impl", self.linear_impl, f"one of {LINEAR_IMPLS}")
         _check(self.weight_format in WEIGHT_FORMATS, "weight_format", self.weight_format, f"one of {WEIGHT_FORMATS}")
         _check_int("seed", self.seed, 0)
+        _check(isinstance(self.generation_config, str) and bool(self.generation_config), "generation_config",
+               self.generation_config, "auto, vllm, or a folder / generation_config.json path")
+        _check(self.override_generation_config is None or isinstance(self.override_generation_config, (str, dict)),
+               "override_generation_config", self.override_generation_config, "None, a dict or a JSON object's text")
 
 
 AttentionImpl = Literal["auto", "pallas", "reference"]

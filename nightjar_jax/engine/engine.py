@@ -22,6 +22,7 @@ import numpy as np
 
 from nightjar_jax.cache.allocator import PageAllocator
 from nightjar_jax.config import ConfigError, EngineConfig, dtype_bytes
+from nightjar_jax.engine.generation_config import generation_defaults
 from nightjar_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nightjar_jax.engine.request import FinishReason, Request
 from nightjar_jax.engine.runner import EVICT_MAP_SHARE, DecodeResult, ModelHandle, ModelRunner
@@ -126,6 +127,9 @@ class LLMEngine:
         """Build from ``config`` (loading the models it names), or from ready ``target``/``draft`` handles."""
         setup_compilation_cache(config.compilation_cache_dir)
         self.config = config
+        # the model's recommended sampling values, for the fields a request leaves unset (read before the weights
+        # load: a bad file or override fails fast)
+        self.generation_defaults = generation_defaults(config)
         # sleep level 2 discards the weights and wake_up loads them again from these specs (target, draft): the
         # config's, for weights this engine loaded itself; update_weights replaces one by its new spec, or by None
         # (weights given as arrays: nothing to load them from again)
@@ -319,6 +323,11 @@ class LLMEngine:
         return planner
 
     # ---- requests -------------------------------------------------------------------------------------------------
+    def default_sampling_params(self, **fields) -> SamplingParams:
+        """:class:`SamplingParams` with the model's recommended values (``self.generation_defaults``, from its
+        ``generation_config.json``) for the fields ``fields`` does not give."""
+        return SamplingParams(**{**self.generation_defaults, **fields})
+
     def add_request(
         self,
         prompt: str | list[int] | dict,

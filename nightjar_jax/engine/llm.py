@@ -57,6 +57,12 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the parameters :meth:`generate` and :meth:`chat` use when given none: :class:`SamplingParams`'s
+        defaults with the model's recommended values from its ``generation_config.json`` (engine option
+        ``generation_config``; ``nightjar_jax/engine/generation_config.py``) on top."""
+        return self.engine.default_sampling_params()
+
     def update_weights(self, weights=None, *, draft_weights=None) -> bool:
         """New weights without a restart (:meth:`LLMEngine.update_weights`): a checkpoint spec or path, an HF-named
         state dict or a ``ModelHandle``, for the target and/or the draft. Returns whether the step variants must
@@ -82,7 +88,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (
             [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         )

@@ -285,7 +285,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         """The engine's sampling parameters; a bad value is a 400 naming the API's field (``top_logprobs`` for the
         chat API's per-token count, ``logprobs`` for the prompt's, ...)."""
         try:
-            return req.sampling_params(max_tokens)
+            return req.sampling_params(max_tokens, engine.generation_defaults)
         except InvalidRequestError as exc:
             chat = isinstance(req, ChatCompletionRequest)
             names = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs" if chat else "logprobs",
@@ -362,7 +362,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         """``use_beam_search``: each prompt's ``n`` best sequences (``nightjar_jax/engine/beam_search.py``), every
         search step one group through the engine thread (one greedy token per live beam, with its top candidates'
         log-probabilities), all prompts' beams together; a client gone aborts the step's group (499)."""
-        params = req.beam_search_params(max_tokens or engine.max_sequence_len)
+        params = req.beam_search_params(max_tokens or engine.generation_defaults.get("max_tokens")
+                                        or engine.max_sequence_len)
         try:
             searches = await asyncio.to_thread(lambda: [engine.new_beam_search(p, params) for p in prompts])
         except ValueError as exc:

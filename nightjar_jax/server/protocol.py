@@ -154,7 +154,12 @@ class _SamplingFields(_Strict):
             raise APIError(400, str(exc).replace(f"BeamSearchParams.{exc.field}", f"'{name}' (the beam width)"
                                                  if name == "n" else f"'{name}'"), param=name) from None
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The engine's parameters for this request; ``defaults`` (the model's generation config,
+        ``LLMEngine.generation_defaults``) fill the sampling fields and ``max_tokens`` it leaves unset."""
+        defaults = defaults or {}
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
         kwargs: dict[str, Any] = dict(
             n=1,
             max_tokens=max_tokens,
@@ -170,13 +175,15 @@ class _SamplingFields(_Strict):
             min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=(defaults.get("repetition_penalty", 1.0) if self.repetition_penalty is None
+                                else self.repetition_penalty),
             structured_outputs=self.structured(),
             allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
         for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(self, name)
+            value = defaults.get(name) if value is None else value
             if value is not None:
                 kwargs[name] = value
         return SamplingParams(**kwargs)
