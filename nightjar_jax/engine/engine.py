@@ -389,6 +389,8 @@ class LLMEngine:
         if grammar is not None and not grammar.allowed().any():
             raise InvalidRequestError("the structured output's constraint allows no output at all (no token can "
                                       "start it): give one that some text matches", "structured_outputs")
+        if params.bad_words:
+            grammar = self._with_bad_words(grammar, params.bad_words, vocab)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         req = Request(request_id, [int(t) for t in ids], params, seed, prompt=text, grammar=grammar,
                       priority=priority)
@@ -441,6 +443,19 @@ class LLMEngine:
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
         raise _prompt_error(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _with_bad_words(self, grammar, words: list[str], vocab: int):
+        """``bad_words`` as a token constraint (``structured.BadWords``), beside a structured output's if any."""
+        from nightjar_jax.engine.structured import BadWords, BothConstraints, bad_word_sequences
+
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words needs the model's tokenizer to find the words' tokens, and this "
+                                      "model has none: ban token ids with logit_bias instead", "bad_words")
+        bad = BadWords(bad_word_sequences(self.tokenizer, words), vocab)
+        if not bad.allowed().any() or (grammar is not None and not (grammar.allowed() & bad.allowed()).any()):
+            raise InvalidRequestError("bad_words ban every token the output could start with: ban fewer words",
+                                      "bad_words")
+        return bad if grammar is None else BothConstraints(grammar, bad)
 
     def grammar_backend(self):
         """Structured outputs' compiler for this engine's vocabulary, built on the first call (seconds: xgrammar reads
@@ -987,8 +1002,9 @@ class LLMEngine:
             reason: FinishReason | None = None
             text_ids = [tok]
             if r.grammar is not None and not r.grammar.accept(tok):  # (its mask allowed only what it accepts)
-                r.error = (f"the structured output's constraint allows no token after the output so far (token "
-                           f"{tok} came): it cannot be completed; the output so far is kept, the request ended")
+                r.error = (f"the request's constraint (structured output, bad_words) allows no token after the "
+                           f"output so far (token {tok} came): it cannot be completed; the output so far is kept, "
+                           f"the request ended")
                 r.error_field = "structured_outputs"  # (a dead end of the constraint, not an engine fault)
                 self._detokenize(r, [], final=True)
                 self._finish(r, FinishReason.ERROR)

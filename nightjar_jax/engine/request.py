@@ -70,7 +70,8 @@ class Request:
     prompt_logprobs: list | None = field(default=None, repr=False)
     cumulative_logprob: float | None = None  # the output tokens' log-probabilities summed (when asked for)
     output_counts: dict[int, int] | None = field(default=None, repr=False)  # token -> times generated (penalties)
-    grammar: object | None = field(default=None, repr=False)  # structured outputs: its RequestGrammar (matcher)
+    # its structured.TokenConstraint (a structured output, bad_words)
+    grammar: object | None = field(default=None, repr=False)
     stop_ids: tuple[int, ...] = ()  # the ids that would end it (EOS unless ignore_eos, stop_token_ids): min_tokens
     # prefix caching (engine/scheduler.py): the chained hashes of its full pages so far (computed as needed), how
     # many of its pages are registered, how many of those are marked as holding the draft's K/V too (its first

@@ -9,6 +9,7 @@ from typing import Any
 # allows 20 ``top_logprobs``).
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (OpenAI's API takes up to 300)
+MAX_BAD_WORDS = 1024  # entries of one request's bad_words (each checked on the host per position)
 
 
 class InvalidRequestError(ValueError):
@@ -137,6 +138,9 @@ class SamplingParams:
     # vLLM's: the only tokens the request may generate (their logits kept, every other one banned, in the draft's
     # steps too, so speculation stays lossless); None: all
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output may not contain (each tokenized as written and with a leading space; the last token of
+    # one is banned wherever the output's last tokens are the rest of it, in speculative steps at every position too)
+    bad_words: list[str] | None = None
     # vLLM's: keep only the prompt's last k tokens (left truncation); -1: as many as the engine takes (its context
     # limit less the one token it must generate); None: the whole prompt (too long a prompt is an error)
     truncate_prompt_tokens: int | None = None
@@ -149,6 +153,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if isinstance(self.allowed_token_ids, (tuple, set, frozenset)):
             self.allowed_token_ids = sorted(self.allowed_token_ids)
         if isinstance(self.structured_outputs, dict):
@@ -195,6 +201,9 @@ class SamplingParams:
             (self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
                                                 and all(_is_id(t) for t in self.allowed_token_ids)),
              "allowed_token_ids", "None or a non-empty list of token ids (integers >= 0)"),
+            (self.bad_words is None or (isinstance(self.bad_words, list) and len(self.bad_words) <= MAX_BAD_WORDS
+                                        and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
+             "bad_words", f"None or a list of at most {MAX_BAD_WORDS} strings with a non-space character"),
             (self.truncate_prompt_tokens is None or (_is_id(self.truncate_prompt_tokens) and
                                                      self.truncate_prompt_tokens >= 1) or
              self.truncate_prompt_tokens == -1, "truncate_prompt_tokens",

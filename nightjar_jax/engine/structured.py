@@ -24,19 +24,30 @@ import numpy as np
 from nightjar_jax.engine.sampling_params import InvalidRequestError, StructuredOutputs, clip
 
 
-class RequestGrammar:
-    """One request's matcher, advanced with each token it commits: which tokens may come next."""
+class TokenConstraint:
+    """A request's constraint on the tokens it may generate, advanced with each token it commits (``Request.grammar``):
+    a structured output's matcher (:class:`RequestGrammar`), ``bad_words`` (:class:`BadWords`), or both
+    (:class:`BothConstraints`). Subclasses give :meth:`allowed`, :meth:`accept`, :meth:`rollback` and
+    :attr:`is_terminated`; :meth:`walk` follows a speculative step's drafts through them."""
 
-    def __init__(self, matcher: Any, vocab_size: int, xgr: Any):
-        self._matcher = matcher
-        self._vocab_size = vocab_size
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    vocab_size: int
 
     def allowed(self) -> np.ndarray:
         """bool ``[vocab_size]``: the tokens the constraint allows next."""
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")
-        return bits[: self._vocab_size].astype(bool)
+        raise NotImplementedError
+
+    def accept(self, token: int) -> bool:
+        """Advance past ``token``; False (state unchanged) when the constraint does not allow it."""
+        raise NotImplementedError
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens."""
+        raise NotImplementedError
+
+    @property
+    def is_terminated(self) -> bool:
+        """The constraint is complete and an end-of-sequence token was accepted (the request ends)."""
+        return False
 
     def walk(self, drafts, first: np.ndarray | None = None, children: np.ndarray | None = None) -> np.ndarray:
         """bool ``[k + 1, vocab_size]``: the tokens the constraint allows at each position of a speculative step.
@@ -48,38 +59,127 @@ class RequestGrammar:
         that branch. A node whose token the constraint refuses is banned in its parent's row, so a verify rejects
         it (greedy or by rejection sampling, into the residual), and neither it nor its descendants are reached:
         their rows allow every token, as do those after a node that completes the constraint (an end-of-sequence
-        token: the engine drops what follows). The matcher ends where it began (each accepted token rolled back).
-        ``first``: :meth:`allowed` now, when the caller has it already (it is copied)."""
+        token: the engine drops what follows). The constraint ends where it began (each accepted token rolled
+        back). ``first``: :meth:`allowed` now, when the caller has it already (it is copied)."""
         tokens = [int(t) for t in drafts]
-        masks = np.ones((len(tokens) + 1, self._vocab_size), bool)
+        masks = np.ones((len(tokens) + 1, self.vocab_size), bool)
         masks[0] = self.allowed() if first is None else first
-        matcher = self._matcher
 
-        def visit(node: int) -> None:  # the matcher has accepted the branch root .. node
+        def visit(node: int) -> None:  # the constraint has accepted the branch root .. node
             kids = ([node + 1] if node < len(tokens) else []) if children is None else children[node]
             for child in kids:
                 if child < 0:
                     break
                 token = tokens[child - 1]
-                if not masks[node, token] or not matcher.accept_token(token):
+                if not masks[node, token] or not self.accept(token):
                     masks[node, token] = False  # (the mask says so already; the verify's rejection relies on it)
                     continue
-                if not matcher.is_terminated():
+                if not self.is_terminated:
                     masks[child] = self.allowed()
                     visit(child)
-                matcher.rollback(1)
+                self.rollback(1)
 
         visit(0)
         return masks
 
+
+class RequestGrammar(TokenConstraint):
+    """One request's structured-output matcher (xgrammar), advanced with each token it commits."""
+
+    def __init__(self, matcher: Any, vocab_size: int, xgr: Any):
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def allowed(self) -> np.ndarray:
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")
+        return bits[: self.vocab_size].astype(bool)
+
     def accept(self, token: int) -> bool:
-        """Advance past ``token``; False (state unchanged) when the constraint does not allow it."""
         return bool(self._matcher.accept_token(int(token)))
+
+    def rollback(self, n: int) -> None:
+        self._matcher.rollback(n)
 
     @property
     def is_terminated(self) -> bool:
-        """The constraint is complete and an end-of-sequence token was accepted."""
         return bool(self._matcher.is_terminated())
+
+
+class BadWords(TokenConstraint):
+    """vLLM's ``bad_words``: token sequences the output may not contain. The last token of a sequence is banned
+    wherever the output's last tokens are the rest of it (a one-token sequence: everywhere), so a greedy or sampled
+    row, and each position of a speculative step (:meth:`walk`), draws from the target's distribution without it.
+    As in vLLM only the output's own tokens count (not the prompt's)."""
+
+    def __init__(self, sequences: list[list[int]], vocab_size: int):
+        self.vocab_size = vocab_size
+        self._always = sorted({s[0] for s in sequences if len(s) == 1 and s[0] < vocab_size})
+        self._longer = [(tuple(s[:-1]), s[-1]) for s in sequences if len(s) > 1 and s[-1] < vocab_size]
+        self._tokens: list[int] = []  # the output so far
+
+    def _banned(self) -> set[int]:
+        banned = set(self._always)
+        tail = self._tokens
+        for prefix, last in self._longer:
+            if len(tail) >= len(prefix) and tuple(tail[len(tail) - len(prefix):]) == prefix:
+                banned.add(last)
+        return banned
+
+    def allowed(self) -> np.ndarray:
+        mask = np.ones(self.vocab_size, bool)
+        mask[list(self._banned())] = False
+        return mask
+
+    def accept(self, token: int) -> bool:
+        if int(token) in self._banned():
+            return False
+        self._tokens.append(int(token))
+        return True
+
+    def rollback(self, n: int) -> None:
+        del self._tokens[len(self._tokens) - n:]
+
+
+class BothConstraints(TokenConstraint):
+    """A structured output and ``bad_words`` together: a token must be allowed by both."""
+
+    def __init__(self, first: TokenConstraint, second: TokenConstraint):
+        self.first, self.second, self.vocab_size = first, second, first.vocab_size
+
+    def allowed(self) -> np.ndarray:
+        return self.first.allowed() & self.second.allowed()
+
+    def accept(self, token: int) -> bool:
+        if not self.first.accept(token):
+            return False
+        if not self.second.accept(token):
+            self.first.rollback(1)
+            return False
+        return True
+
+    def rollback(self, n: int) -> None:
+        self.first.rollback(n)
+        self.second.rollback(n)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.first.is_terminated
+
+
+def bad_word_sequences(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of ``bad_words``: each word as written (its leading spaces dropped) and, where a leading
+    space makes a different first token of the same length (a word starting mid-text), with one."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if plain:
+            out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
 
 
 class GrammarBackend:

@@ -71,6 +71,7 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = None  # vLLM's: (0, 100], 1 (or none) = off; over prompt and output tokens
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     allowed_token_ids: list[TokenId] | None = None  # vLLM's: the only tokens the output may hold
+    bad_words: list[str] | None = None  # vLLM's: words the output may not contain
     truncate_prompt_tokens: StrictInt | None = None  # vLLM's: keep the prompt's last k tokens (-1: as many as fit)
     priority: StrictInt = 0  # vLLM's: lower is served first (serve --scheduling-policy priority; else only 0)
     # vLLM's: the prompt's tokens' log-probabilities (each with this many most likely tokens), as "prompt_logprobs"
@@ -134,6 +135,7 @@ class _SamplingFields(_Strict):
             ("repetition_penalty", self.repetition_penalty not in (None, 1)),
             ("logit_bias", bool(self.logit_bias)),
             ("allowed_token_ids", self.allowed_token_ids is not None),
+            ("bad_words", bool(self.bad_words)),
             ("truncate_prompt_tokens", self.truncate_prompt_tokens is not None),
             ("prompt_logprobs", self.prompt_logprobs is not None),
             (self.structured_field(), self.structured() is not None),
@@ -179,6 +181,7 @@ class _SamplingFields(_Strict):
                                 else self.repetition_penalty),
             structured_outputs=self.structured(),
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
         for name in ("temperature", "top_p", "top_k", "min_p"):

@@ -289,3 +289,77 @@ def test_the_walk_follows_each_branch_of_a_tree(llm):
     assert masks[2].all() and masks[5].all() and masks[6].all()  # (refused, or under a refused node: unreached)
     chain = grammar.walk([t1, t2, refused])  # a chain: one branch
     assert (chain[:3] == np.stack([root, after([t1]), after([t1, t2])])).all()
+
+
+# ---- bad_words (vLLM's): the same per-position walk, with BadWords as the constraint ---------------------------------
+def _holds_no(sequences, token_ids):
+    return not any(token_ids[i:i + len(s)] == s for s in sequences for i in range(len(token_ids)))
+
+
+def test_bad_words_are_never_written_and_speculation_stays_lossless(llm, plain_llm):
+    """Words the greedy output held are banned: neither the chain-speculating engine (its draft is the target, so
+    it proposes the banned tokens and the walk's masks must refuse them) nor plain decoding writes them, and their
+    greedy tokens are the same; sampled rows hold too."""
+    from nightjar_jax.engine.structured import bad_word_sequences
+
+    prompts = ["Once upon a time", "The little dog"]
+    base = _generate(plain_llm, prompts, SamplingParams(temperature=0, max_tokens=40))
+    words = [base[0].text.split()[2], base[1].text.split()[3].strip(".,"), "play with"]
+    sequences = bad_word_sequences(plain_llm.engine.tokenizer, words)
+    assert any(len(s) > 1 for s in sequences) and not all(_holds_no(sequences, o.token_ids) for o in base)
+    params = SamplingParams(temperature=0, max_tokens=40, bad_words=words)
+    plain = _generate(plain_llm, prompts, params)
+    accepted = llm.engine.stats.num_accepted_tokens
+    assert [o.token_ids for o in _generate(llm, prompts, params)] == [o.token_ids for o in plain]
+    assert llm.engine.stats.num_accepted_tokens - accepted > 10
+    assert all(_holds_no(sequences, o.token_ids) for o in plain)
+    assert [o.token_ids for o in plain] != [o.token_ids for o in base]
+    sampled = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, bad_words=words) for s in range(6)]
+    assert all(_holds_no(sequences, o.token_ids) for o in _generate(llm, prompts * 3, sampled))
+
+
+def test_bad_words_beside_a_structured_output(llm, plain_llm):
+    """Both at once: the output matches the constraint and holds none of the words, with the tokens of plain
+    decoding."""
+    from nightjar_jax.engine.structured import bad_word_sequences
+
+    spec = StructuredOutputs(regex=r"[a-z ]{20,40}\.")
+    base = _generate(plain_llm, ["Once upon a time"], SamplingParams(temperature=0, max_tokens=48,
+                                                                     structured_outputs=spec))[0]
+    words = base.text.split()[1:3]
+    sequences = bad_word_sequences(plain_llm.engine.tokenizer, words)
+    assert not _holds_no(sequences, base.token_ids)
+    params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=spec, bad_words=words)
+    both = _generate(plain_llm, ["Once upon a time"], params)[0]
+    assert re.fullmatch(r"[a-z ]{20,40}\.", both.text) and _holds_no(sequences, both.token_ids)
+    assert _generate(llm, ["Once upon a time"], params)[0].token_ids == both.token_ids
+
+
+def test_bad_words_walk_and_values():
+    """``BadWords`` alone: a one-token word banned everywhere, a longer one's last token after the rest of it, the
+    walk's masks after each draft (a tree's branches too), rolled back; bad values are clear errors."""
+    from nightjar_jax.engine.structured import BadWords
+    from nightjar_jax.spec.tree import make_tree
+
+    bad = BadWords([[5], [7, 8, 9], [3, 4]], vocab_size=12)
+    assert not bad.allowed()[5] and bad.allowed().sum() == 11
+    assert bad.accept(7) and bad.accept(8) and not bad.allowed()[9] and not bad.accept(9)
+    bad.rollback(2)
+    masks = bad.walk([3, 4, 1])  # a chain: 4 is refused after 3, so its row is unreached
+    assert not masks[0, 5] and not masks[1, 4] and masks[2].all() and masks[3].all()
+    assert bad.allowed()[4] and bad.accept(1)  # (rolled back)
+    tree = make_tree([(0,), (1,), (0, 0), (1, 0)])  # node 1 = 7, 2 = 3; under 1: 3 = 8; under 2: 4 = 4 (refused)
+    masks = bad.walk([7, 3, 8, 4], None, tree.children)
+    assert not masks[3, 9] and masks[3].sum() == 10 and not masks[2, 4] and masks[4].all()
+    assert SamplingParams(bad_words="word").bad_words == ["word"]
+    for value in ([""], ["  "], [3], [None], ["w"] * 1025):
+        with pytest.raises(InvalidRequestError, match="bad_words=.* allowed None or a list of at most 1024 strings"):
+            SamplingParams(bad_words=value)
+    from nightjar_jax.config import make_engine_config
+    from nightjar_jax.engine.engine import LLMEngine
+    from nightjar_jax.testing import fake_model
+
+    engine = LLMEngine(make_engine_config(model="fake", num_pages=8), target=fake_model(32))  # (no tokenizer)
+    with pytest.raises(InvalidRequestError, match="bad_words needs the model's tokenizer") as err:
+        engine.add_request([1, 2], SamplingParams(bad_words=["x"]))
+    assert err.value.field == "bad_words" and not engine.has_unfinished_requests()

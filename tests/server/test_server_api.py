@@ -525,7 +525,8 @@ def test_responses_api(client, server):
 
 def test_vllm_chat_and_prompt_fields(client, server):
     """vLLM's ``continue_final_message`` (the text ends inside the last message, which the model continues),
-    ``chat_template_kwargs`` (the template's own variables), ``allowed_token_ids`` and ``truncate_prompt_tokens``
+    ``chat_template_kwargs`` (the template's own variables), ``allowed_token_ids``, ``bad_words`` and
+    ``truncate_prompt_tokens``
     (the prompt's last k tokens), through the chat and completions endpoints and /tokenize alike."""
     prefill = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon"}]
     body = {"messages": prefill, "add_generation_prompt": False, "continue_final_message": True}
@@ -552,6 +553,16 @@ def test_vllm_chat_and_prompt_fields(client, server):
         chunks = list(out) if stream else [out]
         tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
         assert len(tokens) == 12 and {t.strip() for t in tokens} <= {"Once", "upon", "a", "time"}, tokens
+
+    plain = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0)
+    word = plain.choices[0].text.split()[2]
+    banned = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0,
+                                       extra_body={"bad_words": [word]})
+    assert word not in banned.choices[0].text.split() and banned.choices[0].text != plain.choices[0].text
+    resp = post(server, "/v1/completions", {"prompt": "Once", "bad_words": [""], "max_tokens": 2})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "bad_words", resp.text
+    resp = post(server, "/v1/completions", {"prompt": "Once", "bad_words": ["a"], "use_beam_search": True, "n": 2})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "bad_words", resp.text
 
     long_ids = [1] + [403, 407, 261, 378] * 100  # 401 tokens, past the 256-token context
     out = client.completions.create(model=MODEL, prompt=long_ids, max_tokens=4, temperature=0,
