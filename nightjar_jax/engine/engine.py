@@ -354,7 +354,7 @@ class LLMEngine:
         vocab = self.target.config.vocab_size
         if not ids:
             raise _prompt_error("the prompt is empty: at least one token is required")
-        bad = [t for t in ids if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab)]
+        bad = [t for t in ids if not (isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab)]
         if bad:
             raise _prompt_error(f"prompt token ids must be integers in [0, {vocab}): got {bad[:5]}")
         if len(ids) >= self.context_limit:
@@ -382,6 +382,8 @@ class LLMEngine:
             )
         if request_id is None:
             request_id = str(next(self._ids))
+            while request_id in self.requests:  # (a caller's own id may be a number the counter reaches)
+                request_id = str(next(self._ids))
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         grammar = None if params.structured_outputs is None else self.grammar_backend().matcher(
@@ -431,7 +433,10 @@ class LLMEngine:
         :meth:`add_request` would queue (a server that checks lengths first passes them back as the dict)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple, np.ndarray)):
+                    raise _prompt_error(f"'prompt_token_ids' must be a list of token ids, got {type(ids).__name__}")
+                return prompt.get("prompt"), list(ids)
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -1041,12 +1046,14 @@ class LLMEngine:
         if r.detokenizer is None:
             return False
         emitted = r.output_text
+        checked = len(emitted) + len(r.held_text)  # (text whose stop strings earlier calls looked for)
         full = emitted + r.held_text + (r.detokenizer.add(ids) if ids else "")
         sp = r.sampling
         stopped = False
         if sp.stop and not r.under_min_tokens:
-            longest = max(len(s) for s in sp.stop)
-            hits = [(full.find(s, max(0, len(emitted) - longest)), s) for s in sp.stop]
+            # only a stop string that ends in the new text counts, as in vLLM: one completed under min_tokens is
+            # not a stop (and its start may have gone out already)
+            hits = [(full.find(s, max(0, checked - len(s) + 1)), s) for s in sp.stop]
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
                 i, s = min(hits)

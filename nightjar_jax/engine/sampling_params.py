@@ -149,8 +149,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                kind = "a string or a list of non-empty strings" if name == "stop" else "a list of token ids"
+                raise InvalidRequestError(f"SamplingParams.{name}={short_repr(value)} is invalid: allowed None or "
+                                          f"{kind}", name)
+            setattr(self, name, list(value or []))
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.bad_words, str):
@@ -170,18 +175,17 @@ class SamplingParams:
                                       "structured_outputs: allowed 0 (the constraint decides where the output ends)",
                                       "min_tokens")
         checks = [
-            (isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1"),
+            (_is_id(self.n) and self.n >= 1, "n", "an integer >= 1"),
             (_is_number(self.temperature) and 0 <= self.temperature <= 100, "temperature", "a float in [0, 100]"),
             (_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a float in (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 or -1: off)"),
+            (_is_id(self.top_k), "top_k", "an integer >= 0 (0 or -1: off)"),
             (_is_number(self.min_p) and 0 <= self.min_p < 1, "min_p", "a float in [0, 1)"),
-            (self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed",
+            (self.seed is None or (_is_id(self.seed) and self.seed < 2**63), "seed",
              "None or an integer in [0, 2**63)"),
-            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens",
+            (self.max_tokens is None or (_is_id(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
              "None or an integer >= 1"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-             "non-negative integers"),
+            (all(_is_id(t) for t in self.stop_token_ids), "stop_token_ids", "non-negative integers"),
             (_is_count(self.logprobs), "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]"),
             (_is_count(self.prompt_logprobs), "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]"),
             (isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool) and self.min_tokens >= 0

@@ -123,6 +123,9 @@ def test_stop_conditions_eos_stop_ids_max_tokens_and_context_limit():
         ([1] * 300, greedy(4), "context limit"),
         ("text", greedy(4), "no tokenizer"),
         (3.5, greedy(4), "must be a string"),
+        ([True, False], greedy(4), r"integers in \[0, 97\): got \[True, False\]"),  # (bools are not ids)
+        ({"prompt_token_ids": None}, greedy(4), "'prompt_token_ids' must be a list of token ids, got NoneType"),
+        ({"prompt_token_ids": 5}, greedy(4), "must be a list of token ids, got int"),
     ],
 )
 def test_bad_requests_are_rejected_alone(prompt, params, match):
@@ -133,6 +136,14 @@ def test_bad_requests_are_rejected_alone(prompt, params, match):
     assert info.value.field == "prompt"  # (a server answers with the parameter at fault)
     assert run_all(eng) == {"good": expected(PROMPTS[0], 5)}
     assert eng.num_free_pages == eng.num_total_pages
+
+
+def test_ids_given_by_the_engine_skip_ids_callers_chose():
+    eng = fake_engine()
+    eng.add_request(PROMPTS[0], greedy(2), request_id="1")
+    given = [eng.add_request(PROMPTS[0], greedy(2)) for _ in range(3)]
+    assert "1" not in given and len(set(given)) == 3
+    assert set(run_all(eng)) == {"1", *given}
 
 
 def test_prompt_larger_than_pool_is_rejected():
@@ -168,7 +179,9 @@ def test_bad_sampling_values_raise_with_field_names():
 
     for kwargs, field in [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
                           ({"top_p": 0}, "top_p"), ({"top_k": -3}, "top_k"), ({"min_p": 1.5}, "min_p"),
-                          ({"n": 0}, "n")]:
+                          ({"n": 0}, "n"), ({"n": True}, "n"), ({"max_tokens": True}, "max_tokens"),
+                          ({"top_k": True}, "top_k"), ({"seed": False}, "seed"), ({"stop": 5}, "stop"),
+                          ({"stop_token_ids": 5}, "stop_token_ids"), ({"stop_token_ids": [True]}, "stop_token_ids")]:
         with pytest.raises(ValueError, match=field) as info:
             SamplingParams(**kwargs)
         assert info.value.field == field

@@ -31,6 +31,19 @@ def test_golden_greedy_text(llm):
     assert text.startswith(", there was a little girl named Lily. She loved to play outside in the park.")
 
 
+def test_a_stop_string_completed_under_min_tokens_does_not_stop(llm):
+    """As in vLLM, stop strings are not checked under min_tokens, and later only one ending in the new text stops:
+    "girl named Lily" ends with the 10th token, so with min_tokens 11 it does not stop the request (the text used
+    to stop at the 11th token with the stop string's first letter in it), and with 10 it does."""
+    def run(min_tokens):
+        params = SamplingParams(temperature=0, max_tokens=20, min_tokens=min_tokens, stop=["girl named Lily"])
+        return llm.generate(["Once upon a time"], params)[0].outputs[0]
+
+    stopped, past = run(10), run(11)
+    assert (stopped.finish_reason, stopped.text) == ("stop", ", there was a little ")
+    assert past.finish_reason == "length" and past.text.startswith(", there was a little girl named Lily. She")
+
+
 def test_completion_text_reads_as_it_does_after_the_prompt(llm):
     """The text of a completion is the full decode less the prompt's: a SentencePiece first token keeps its leading
     space (decoded alone, "▁upon" after "Once" would lose it)."""
