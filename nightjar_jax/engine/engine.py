@@ -388,9 +388,11 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         grammar = None if params.structured_outputs is None else self.grammar_backend().matcher(
             params.structured_outputs)
-        if grammar is not None and not grammar.allowed().any():
-            raise InvalidRequestError("the structured output's constraint allows no output at all (no token can "
-                                      "start it): give one that some text matches", "structured_outputs")
+        if grammar is not None and set(np.flatnonzero(grammar.allowed()).tolist()) <= set(self._eos_ids):
+            # (no token, or only an end-of-sequence one: a schema nothing matches, {"anyOf": []}, allows just EOS)
+            raise InvalidRequestError("the structured output's constraint allows no output at all (no token but an "
+                                      "end-of-sequence one can start it): give one that some non-empty text matches",
+                                      "structured_outputs")
         if params.bad_words:
             grammar = self._with_bad_words(grammar, params.bad_words, vocab)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
@@ -1015,9 +1017,11 @@ class LLMEngine:
                 self._finish(r, FinishReason.ERROR)
                 break
             if (tok in sp.stop_token_ids or tok in eos) and len(r.output_token_ids) > sp.min_tokens:
-                reason, r.stop_reason, text_ids = FinishReason.STOP, tok, []
+                reason, r.stop_reason = FinishReason.STOP, tok
+                text_ids = text_ids if sp.include_stop_str_in_output else []  # (vLLM's: the stop token's text too)
             elif r.grammar is not None and r.grammar.is_terminated:  # (complete; ended by an EOS under ignore_eos)
-                reason, r.stop_reason, text_ids = FinishReason.STOP, tok, []
+                reason, r.stop_reason = FinishReason.STOP, tok
+                text_ids = text_ids if sp.include_stop_str_in_output else []  # (vLLM's: the stop token's text too)
             elif (sp.max_tokens is not None and len(r.output_token_ids) >= sp.max_tokens) or (
                 r.num_tokens >= self.max_model_len
             ):

@@ -94,6 +94,8 @@ _TYPE_NAMES = {
     "int": "an integer",
     "float": "a number",
     "bool": "a boolean",
+    "dict[str,any]": "a JSON object",
+    "list[dict[str,any]]": "a list of JSON objects",
 }
 
 
@@ -333,9 +335,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             if exc.param == "prompt":
                 exc.param = prompt_param
             raise
-        if params.structured_outputs is not None:  # (its first call takes seconds: not on the engine's thread)
+        if params.structured_outputs is not None:
+            # the backend's first build and a constraint's compile take seconds: here, off the engine's thread (the
+            # backend's compiler caches the result, which add_request's matcher then finds)
             try:
-                await asyncio.to_thread(engine.grammar_backend)
+                await asyncio.to_thread(lambda: engine.grammar_backend().compile(params.structured_outputs))
             except ValueError as exc:
                 raise APIError(400, str(exc), param=structured_param) from None
         members, member_params = [], []
@@ -358,12 +362,22 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     beam_searches = [0]  # beam searches under way (each runs many engine steps, the engine idle between them)
 
     async def beam_search(req, prompts: list[Any], max_tokens: int | None, request: Request,
-                          prompt_param: str = "prompt") -> list[BeamSearchOutput]:
+                          prompt_param: str = "prompt", max_tokens_param: str | None = None) -> list[BeamSearchOutput]:
         """``use_beam_search``: each prompt's ``n`` best sequences (``nightjar_jax/engine/beam_search.py``), every
         search step one group through the engine thread (one greedy token per live beam, with its top candidates'
-        log-probabilities), all prompts' beams together; a client gone aborts the step's group (499)."""
+        log-probabilities), all prompts' beams together; a client gone aborts the step's group (499).
+        ``max_tokens_param``: the field that set ``max_tokens`` explicitly, checked against each prompt's length as
+        for any request (:func:`tokenized`)."""
         params = req.beam_search_params(max_tokens or engine.generation_defaults.get("max_tokens")
                                         or engine.max_sequence_len)
+        if max_tokens_param is not None:
+            try:
+                prompts = await asyncio.to_thread(tokenized, prompts, SamplingParams(max_tokens=max_tokens),
+                                                  max_tokens_param)
+            except APIError as exc:
+                if exc.param == "prompt":
+                    exc.param = prompt_param
+                raise
         try:
             searches = await asyncio.to_thread(lambda: [engine.new_beam_search(p, params) for p in prompts])
         except ValueError as exc:
@@ -710,7 +724,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             raise APIError(400, "'echo' needs the model's tokenizer to render the prompt; this model has none",
                            param="echo")
         if req.use_beam_search:
-            results = await beam_search(req, prompts, check_max_tokens(req.max_tokens, "max_tokens"), request)
+            explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
+            results = await beam_search(req, prompts, check_max_tokens(req.max_tokens, "max_tokens"), request,
+                                        max_tokens_param="max_tokens" if explicit else None)
             choices = [{"index": i * req.n + j, "text": seq.text or "", "logprobs": None,
                         "finish_reason": seq.finish_reason}
                        for i, r in enumerate(results) for j, seq in enumerate(r.sequences)]
@@ -834,8 +850,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         req.allow_auto_tools(settings.tool_call_parser)
         if req.use_beam_search:
-            (result,) = await beam_search(req, [render_chat(req)], check_max_tokens(req.requested_max_tokens(), param),
-                                          request, prompt_param="messages")
+            max_tokens = check_max_tokens(req.requested_max_tokens(), param)
+            (result,) = await beam_search(req, [render_chat(req)], max_tokens, request, prompt_param="messages",
+                                          max_tokens_param=None if max_tokens is None else param)
             choices = []
             for j, seq in enumerate(result.sequences):
                 message: dict[str, Any] = {"content": seq.text or ""}

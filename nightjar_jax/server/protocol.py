@@ -42,7 +42,9 @@ TokenId = StrictInt
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # unknown fields are 400s, and so are values of the wrong JSON type (as OpenAI's API answers): "5" or 5.0 for
+    # an integer, "yes" or 1 for a boolean (an integer for a number is fine)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -421,11 +423,26 @@ class ChatCompletionRequest(_SamplingFields):
                                 "response_format / structured_outputs / guided_*", param="tool_choice")
         if mode == "named":
             return {"json": tools[0]["parameters"]}
-        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]},
-                                                  "parameters": t["parameters"]},
-                  "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+        # each tool's definitions ($defs, or draft-7 "definitions") move to the top of the combined schema, where
+        # their "#/$defs/..." references resolve (vLLM's rule; the same name defined two ways is a 400)
+        defs: dict[str, dict[str, Any]] = {}
+        calls = []
+        for t in tools:
+            params = dict(t["parameters"])
+            for key in ("$defs", "definitions"):
+                found = params.pop(key, None)
+                if not isinstance(found, dict):
+                    continue
+                for name, schema in found.items():
+                    if defs.setdefault(key, {}).setdefault(name, schema) != schema:
+                        raise APIError(400, f"tools define '{key}/{name}' in two different ways: with tool_choice "
+                                            f"'required' the tools' definitions share one schema, so give each "
+                                            f"name one definition", param="tools")
+            calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]},
+                                                           "parameters": params},
+                          "required": ["name", "parameters"], "additionalProperties": False})
         one = {"maxItems": 1} if self.parallel_tool_calls is False else {}  # (OpenAI's: one call at most)
-        return {"json": {"type": "array", "minItems": 1, **one, "items": {"anyOf": calls}}}
+        return {"json": {"type": "array", "minItems": 1, **one, "items": {"anyOf": calls}, **defs}}
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

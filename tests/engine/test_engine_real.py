@@ -44,6 +44,19 @@ def test_a_stop_string_completed_under_min_tokens_does_not_stop(llm):
     assert past.finish_reason == "length" and past.text.startswith(", there was a little girl named Lily. She")
 
 
+def test_include_stop_str_in_output_keeps_a_stop_tokens_text(llm):
+    """As in vLLM, ``include_stop_str_in_output`` keeps the text of the stop token id that ended the request too
+    (it was dropped whatever the flag)."""
+    was = 286  # (" was": ", there was a little girl")
+    def run(include):
+        params = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[was], include_stop_str_in_output=include)
+        return llm.generate(["Once upon a time"], params)[0].outputs[0]
+
+    kept, dropped = run(True), run(False)
+    assert kept.token_ids == dropped.token_ids and kept.token_ids[-1] == was and kept.stop_reason == was
+    assert (kept.text, dropped.text) == (", there was", ", there")
+
+
 def test_completion_text_reads_as_it_does_after_the_prompt(llm):
     """The text of a completion is the full decode less the prompt's: a SentencePiece first token keeps its leading
     space (decoded alone, "▁upon" after "Once" would lose it)."""

@@ -329,6 +329,18 @@ def test_tool_calls(client, server):
     assert len(streamed) == 1 and streamed[0].index == 0 and streamed[0].function.name == "get_weather"
     assert streamed[0].function.arguments == choice.message.tool_calls[0].function.arguments
     assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "stop"
+    # a tool whose parameters refer to their own "$defs" (pydantic's form): under "required" the definitions move
+    # to the combined schema's top, where "#/$defs/..." resolves (they were a 400 that the schema does not compile)
+    located = {"type": "function", "function": {"name": "locate", "parameters": {
+        "type": "object", "properties": {"at": {"$ref": "#/$defs/Place"}}, "required": ["at"],
+        "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+                            "required": ["city"], "additionalProperties": False}}}}}
+    refs = client.chat.completions.create(**{**kw, "tools": [located, CLOCK]}, tool_choice="required",
+                                          parallel_tool_calls=False).choices[0]
+    assert refs.finish_reason == "tool_calls"
+    for call in refs.message.tool_calls:
+        args = json.loads(call.function.arguments)
+        assert (set(args), set(args.get("at", {}))) in (({"at"}, {"city"}), ({"zone"}, set()))
     plain = client.chat.completions.create(**{**kw, "max_tokens": 4}, tool_choice="none")
     assert plain.choices[0].message.content and not plain.choices[0].message.tool_calls
     # the template rendered the tools (their names before the messages)
@@ -791,6 +803,25 @@ FIELD_CASES = [
      "'n' (the beam width)=11 is invalid: allowed an integer in [1, 10]"),
     ("length_penalty without beam search", "/v1/completions", {**GOOD, "length_penalty": 0.5}, None,
      "length_penalty", "set 'use_beam_search': true"),
+    ("beam search prompt plus max_tokens past the context", "/v1/completions",
+     {**GOOD, "n": 2, "use_beam_search": True, "max_tokens": MAX_MODEL_LEN - 1}, None, "max_tokens",
+     "past the context length"),
+    ("chat beam search past the context", "/v1/chat/completions",
+     {**CHAT, "use_beam_search": True, "max_completion_tokens": MAX_MODEL_LEN - 3}, None, "max_completion_tokens",
+     "past the context length"),
+    ("max_tokens a numeric string", "/v1/completions", {**GOOD, "max_tokens": "3"}, None, "max_tokens",
+     'valid integer (got "3")'),
+    ("n a float", "/v1/completions", {**GOOD, "n": 2.0}, None, "n", "valid integer (got 2.0)"),
+    ("stream a string", "/v1/completions", {**GOOD, "stream": "yes"}, None, "stream", 'valid boolean (got "yes")'),
+    ("guided_json a number", "/v1/completions", {**GOOD, "guided_json": 5}, None, "guided_json",
+     "must be one of: a JSON object, a string"),
+    ("a schema nothing matches", "/v1/completions", {**GOOD, "guided_json": {"anyOf": []}}, None, "guided_json",
+     "allows no output at all"),
+    ("tools defining one name two ways", "/v1/chat/completions",
+     {**CHAT, "tool_choice": "required", "tools": [
+         {"type": "function", "function": {"name": f"f{i}", "parameters": {
+             "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"type": kind}}}}}
+         for i, kind in enumerate(["string", "integer"])]}, None, "tools", "'$defs/A' in two different ways"),
 ]
 
 
