@@ -30,9 +30,9 @@ from nightjar_jax.config import (
 )
 
 # What bad flags raise while an engine starts: an invalid config value (ConfigError is a ValueError), an unknown
-# preset or an unreadable checkpoint, a bad sampling value. `generate` and `serve` report them in one line (the
+# preset or an unreadable checkpoint or path, a bad sampling value. `generate` and `serve` report them in one line (the
 # traceback at debug level) and exit with code 2.
-STARTUP_ERRORS = (ValueError, FileNotFoundError)
+STARTUP_ERRORS = (ValueError, OSError)  # (OSError: a cache dir that is a file, a log path that is a folder, ...)
 
 _CHOICES = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "attention_impl": ATTENTION_IMPLS,
             "linear_impl": LINEAR_IMPLS, "weight_format": WEIGHT_FORMATS, "kv_cache_dtype": KV_CACHE_DTYPES,

@@ -339,7 +339,7 @@ class EngineConfig:
         )
         _check(self.linear_impl in LINEAR_IMPLS, "linear_impl", self.linear_impl, f"one of {LINEAR_IMPLS}")
         _check(self.weight_format in WEIGHT_FORMATS, "weight_format", self.weight_format, f"one of {WEIGHT_FORMATS}")
-        _check_int("seed", self.seed, 0)
+        _check_int("seed", self.seed, 0, 2**63 - 1)
         _check(isinstance(self.generation_config, str) and bool(self.generation_config), "generation_config",
                self.generation_config, "auto, vllm, or a folder / generation_config.json path")
         _check(self.override_generation_config is None or isinstance(self.override_generation_config, (str, dict)),

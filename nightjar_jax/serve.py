@@ -139,12 +139,18 @@ def tool_call_parser(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 
 def load_chat_template(spec: str) -> str:
+    """``--chat-template``: a file's text, or the template itself. As in vLLM, a value without jinja's characters
+    (``{``, ``}``, a newline) that is no readable file is a path that does not exist: a ``ValueError``, not a
+    template that renders its own name."""
     path = Path(spec)
     try:
         if len(spec) < 4096 and path.is_file():
             return path.read_text()
     except OSError:
         pass
+    if not any(c in spec for c in "{}\n"):
+        raise ValueError(f"--chat-template {spec!r} looks like a path, but no such file can be read (give a readable "
+                         "file, or the template itself)")
     return spec
 
 
@@ -159,6 +165,8 @@ def load_engine(args: argparse.Namespace):
     steps = ["load models"] + (["warm up"] if args.warmup != "none" else [])
     with tqdm(total=len(steps), desc="starting", unit="step", file=sys.stderr) as bar:
         bar.set_postfix_str(f"loading {config.model}")
+        # (a bad --chat-template fails before minutes of loading)
+        template = None if args.chat_template is None else load_chat_template(args.chat_template)
         t0 = time.perf_counter()
         engine = LLMEngine(config)
         bar.update(1)
@@ -171,8 +179,8 @@ def load_engine(args: argparse.Namespace):
             config.cache.page_size,
             engine.max_model_len,
         )
-        if args.chat_template is not None:
-            engine.tokenizer.chat_template = load_chat_template(args.chat_template)
+        if template is not None:
+            engine.tokenizer.chat_template = template
         if args.warmup != "none":
             bar.set_postfix_str("compiling (warm-up request)")
             t0 = time.perf_counter()

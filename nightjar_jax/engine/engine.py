@@ -164,9 +164,12 @@ class LLMEngine:
                            "in float32 (XLA:CPU emulates bf16 dots; the CPU kernels take float32): pass "
                            "dtype='float32' (--dtype float32) on CPU", target.config.name)
         sched = config.scheduler
+        if sched.max_model_len is not None and sched.max_model_len > target.config.max_position_embeddings:
+            # (vLLM refuses too: positions past the model's were never trained, and RoPE tables end there)
+            raise ConfigError(f"max_model_len={sched.max_model_len} is more than {target.config.name}'s context of "
+                              f"{target.config.max_position_embeddings} tokens: allowed at most that (or leave it out)")
         # the context limit asked for (or the model's), and below it what the base pool can hold
-        self.context_limit = min(sched.max_model_len or target.config.max_position_embeddings,
-                                 target.config.max_position_embeddings)
+        self.context_limit = sched.max_model_len or target.config.max_position_embeddings
         self.max_model_len = self.context_limit
         num_pages = self._num_pages()
         self.allocator = PageAllocator(num_pages, config.cache.page_size)
@@ -312,6 +315,8 @@ class LLMEngine:
         name = spec.planner
         if self.gamma_max == 0:  # (nothing to plan, but a misspelt planner is still an error, not ignored)
             planner_class(name)
+            nominal = max(1, spec.num_speculative_tokens or 0)  # (its arguments too: static:x, nightjar:foo)
+            make_planner(f"static:{nominal}" if name == "static" else name, nominal)
             name = "ar"
         elif name == "static":
             name = f"static:{self.gamma_max}"
@@ -394,7 +399,7 @@ class LLMEngine:
                                       "end-of-sequence one can start it): give one that some non-empty text matches",
                                       "structured_outputs")
         if params.bad_words:
-            grammar = self._with_bad_words(grammar, params.bad_words, vocab)
+            grammar = self._with_bad_words(grammar, params, vocab)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         req = Request(request_id, [int(t) for t in ids], params, seed, prompt=text, grammar=grammar,
                       priority=priority)
@@ -451,16 +456,25 @@ class LLMEngine:
             return None, list(prompt)
         raise _prompt_error(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def _with_bad_words(self, grammar, words: list[str], vocab: int):
-        """``bad_words`` as a token constraint (``structured.BadWords``), beside a structured output's if any."""
+    def _with_bad_words(self, grammar, params: SamplingParams, vocab: int):
+        """``bad_words`` as a token constraint (``structured.BadWords``), beside a structured output's if any. Words
+        that leave no first token (with the structured output, ``allowed_token_ids`` and, under ``min_tokens``, the
+        stop ids it bans) are an error: the step would have nothing to draw from."""
         from nightjar_jax.engine.structured import BadWords, BothConstraints, bad_word_sequences
 
         if self.tokenizer is None:
             raise InvalidRequestError("bad_words needs the model's tokenizer to find the words' tokens, and this "
                                       "model has none: ban token ids with logit_bias instead", "bad_words")
-        bad = BadWords(bad_word_sequences(self.tokenizer, words), vocab)
-        if not bad.allowed().any() or (grammar is not None and not (grammar.allowed() & bad.allowed()).any()):
-            raise InvalidRequestError("bad_words ban every token the output could start with: ban fewer words",
+        bad = BadWords(bad_word_sequences(self.tokenizer, params.bad_words), vocab)
+        first = bad.allowed() if grammar is None else bad.allowed() & grammar.allowed()
+        if params.allowed_token_ids:
+            first &= np.isin(np.arange(vocab), params.allowed_token_ids)
+        if params.min_tokens:
+            stops = [t for t in {*params.stop_token_ids, *(() if params.ignore_eos else self._eos_ids)} if t < vocab]
+            first[stops] = False
+        if not first.any():
+            raise InvalidRequestError("bad_words ban every token the output could start with (beside "
+                                      "allowed_token_ids, a structured output or min_tokens): ban fewer words",
                                       "bad_words")
         return bad if grammar is None else BothConstraints(grammar, bad)
 

@@ -109,6 +109,9 @@ def parse_override(value: str | dict | None) -> dict[str, Any]:
     unknown = sorted(str(k) for k in value if k not in allowed)
     if unknown:
         raise ConfigError(f"override_generation_config has unknown key(s) {unknown}: allowed {allowed}")
+    if "max_tokens" in value and "max_new_tokens" in value:
+        raise ConfigError("override_generation_config sets both max_tokens and max_new_tokens (the same value): "
+                          "give one of them")
     return _checked({KEYS.get(k, k): v for k, v in value.items()}, "override_generation_config")
 
 

@@ -10,7 +10,7 @@ from nightjar_jax.config import make_engine_config
 from nightjar_jax.engine.beam_search import BeamSearchOutput, BeamSearchParams, expansion
 from nightjar_jax.engine.engine import LLMEngine
 from nightjar_jax.engine.outputs import CompletionOutput, RequestOutput
-from nightjar_jax.engine.sampling_params import SamplingParams
+from nightjar_jax.engine.sampling_params import SamplingParams, short_repr
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,9 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any):
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"model={model!r} is invalid: allowed a preset name, a local path or an HF repo id "
+                             f"(leave it out for the default, {DEFAULT_MODEL})")
         self.engine = LLMEngine(make_engine_config(model=model, **kwargs))
 
     @classmethod
@@ -86,12 +89,19 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a prompt (a string, token ids or a dict) or a list of them, got "
+                            f"{type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = (
-            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        )
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
+            params = list(sampling_params)
+        else:
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                            f"{short_repr(sampling_params)}")
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         priorities = [0] * len(prompts) if priority is None else list(priority)
@@ -198,16 +208,28 @@ class LLM:
             raise ValueError("chat needs at least one conversation of at least one message")
         for conversation in conversations:
             for m in conversation:
-                if not isinstance(m, dict) or "role" not in m or not (
-                        isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls"))):
-                    raise ValueError(f"each message must be a dict with a 'role' and a string 'content' (or None "
-                                     f"beside 'tool_calls'): got {m!r}")
-        conversations = [[{**m, "content": m["content"] or ""} for m in c] for c in conversations]
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
+                        isinstance(m.get("content"), str) or _text_parts(m.get("content")) is not None
+                        or (m.get("content") is None and m.get("tool_calls"))):
+                    raise ValueError(f"each message must be a dict with a string 'role' and a 'content' that is a "
+                                     f"string or a list of text parts ({{'type': 'text', 'text': ...}}; or None "
+                                     f"beside 'tool_calls'): got {short_repr(m)}")
+        conversations = [[{**m, "content": (m["content"] if isinstance(m["content"], str)
+                                            else "".join(_text_parts(m["content"]) or []))} for m in c]
+                         for c in conversations]
         prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
                                                  chat_template=chat_template, tools=tools,
                                                  continue_final_message=continue_final_message,
                                                  template_kwargs=chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _text_parts(content: Any) -> list[str] | None:
+    """OpenAI's content parts ``[{"type": "text", "text": ...}, ...]`` as their texts (None: not such a list)."""
+    if not isinstance(content, list) or not all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return None
+    return [p["text"] for p in content]
 
 
 def _child_params(sp: SamplingParams, index: int) -> SamplingParams:

@@ -99,7 +99,9 @@ class SamplingParams:
     samples other, equally distributed, tokens (as in vLLM). A step that may accept none of a request's drafts (the
     last token under ``min_tokens``) draws its token as a plain step would.
     ``stop`` strings end the completion (the stop string itself is not included in the text);
-    ``stop_token_ids`` end it with the token included in ``token_ids`` but not in the text.
+    ``stop_token_ids`` end it with the token included in ``token_ids`` but not in the text (with
+    ``include_stop_str_in_output`` in the text too, as vLLM; likewise a stop string, and an EOS's text where
+    ``skip_special_tokens`` is off).
     ``logprobs`` (None: off) returns, for every generated token, its log-probability and those of the ``logprobs``
     most likely tokens at that position (0: the generated token's alone), from the model's own distribution (the
     log-softmax of its logits, before temperature and filtering, as vLLM's default and the OpenAI API report).
@@ -175,6 +177,8 @@ class SamplingParams:
                                       "structured_outputs: allowed 0 (the constraint decides where the output ends)",
                                       "min_tokens")
         checks = [
+            *((isinstance(getattr(self, name), bool), name, "True or False")
+              for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")),
             (_is_id(self.n) and self.n >= 1, "n", "an integer >= 1"),
             (_is_number(self.temperature) and 0 <= self.temperature <= 100, "temperature", "a float in [0, 100]"),
             (_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a float in (0, 1]"),

@@ -243,6 +243,9 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateArgumentError("continue_final_message continues the last message, add_generation_prompt "
                                             "starts a new one: set at most one of them", "continue_final_message")
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise ChatTemplateArgumentError(f"template kwargs must be a dict of the template's variables, got "
+                                            f"{type(template_kwargs).__name__}", "chat_template_kwargs")
         reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "raise_exception",
                     "self"}  # (jinja's own name for the template)
         clash = sorted(reserved & set(template_kwargs or {}))
@@ -274,14 +277,20 @@ class Tokenizer:
             return self.hf_tokenizer.convert_ids_to_tokens(i)
 
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        compiled = env.from_string(template)
+        try:
+            compiled = env.from_string(template)
+        except TemplateError as e:  # (a syntax error: jinja's own type would leave the library's errors)
+            raise ValueError(f"the chat template does not parse: {e}") from None
 
         def render(conversation: list) -> str:
             # (variables as one dict: a template kwarg named like render's own parameters, "self", is a variable)
-            return compiled.render({**(template_kwargs or {}), "messages": conversation,
-                                    "add_generation_prompt": add_generation_prompt,
-                                    "bos_token": token_str(self.bos_token_id), "eos_token": token_str(eos),
-                                    "tools": tools})
+            try:
+                return compiled.render({**(template_kwargs or {}), "messages": conversation,
+                                        "add_generation_prompt": add_generation_prompt,
+                                        "bos_token": token_str(self.bos_token_id), "eos_token": token_str(eos),
+                                        "tools": tools})
+            except TemplateError as e:  # (raise_exception, an undefined variable's attribute, ...)
+                raise ValueError(f"the chat template could not render these messages: {e}") from None
 
         if continue_final_message:
             return _render_to_final_message(render, list(messages))

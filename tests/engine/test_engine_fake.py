@@ -181,7 +181,9 @@ def test_bad_sampling_values_raise_with_field_names():
                           ({"top_p": 0}, "top_p"), ({"top_k": -3}, "top_k"), ({"min_p": 1.5}, "min_p"),
                           ({"n": 0}, "n"), ({"n": True}, "n"), ({"max_tokens": True}, "max_tokens"),
                           ({"top_k": True}, "top_k"), ({"seed": False}, "seed"), ({"stop": 5}, "stop"),
-                          ({"stop_token_ids": 5}, "stop_token_ids"), ({"stop_token_ids": [True]}, "stop_token_ids")]:
+                          ({"stop_token_ids": 5}, "stop_token_ids"), ({"stop_token_ids": [True]}, "stop_token_ids"),
+                          ({"ignore_eos": "no"}, "ignore_eos"), ({"skip_special_tokens": 0}, "skip_special_tokens"),
+                          ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output")]:
         with pytest.raises(ValueError, match=field) as info:
             SamplingParams(**kwargs)
         assert info.value.field == field
@@ -319,3 +321,7 @@ def test_unknown_planner_is_an_error_without_a_draft_too():
     with pytest.raises(ValueError, match="unknown planner 'bogus'; known planners: .*nightjar"):
         fake_engine(planner="bogus")
     assert fake_engine(planner="nightjar").planner.name == "ar"
+    for spec, message in [("static:x", "'static:K' with an int K"), ("static:-1", "gamma must be >= 0"),
+                          ("nightjar:foo", "takes no ':' argument")]:  # (their arguments too: they were ignored)
+        with pytest.raises(ValueError, match=message):
+            fake_engine(planner=spec)

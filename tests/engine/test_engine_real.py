@@ -179,8 +179,28 @@ def test_chat_renders_conversations_with_the_template(llm):
     assert [o.outputs[0].token_ids for o in two][0] == one[0].outputs[0].token_ids and len(two) == 2
     with pytest.raises(ValueError, match="no chat template"):
         llm.chat(chat, sp)  # stories260k has none of its own
-    with pytest.raises(ValueError, match="string 'content'"):
+    with pytest.raises(ValueError, match="a 'content' that is a string or a list of text parts"):
         llm.chat([{"role": "user"}], sp, chat_template=template)
+    # OpenAI's content parts, as the server takes them
+    (parts,) = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Tell me "},
+                                                      {"type": "text", "text": "a story."}]}], sp,
+                        chat_template=template)
+    assert parts.prompt == one[0].prompt
+    # a template that does not parse or render is a ValueError saying so (jinja's own types leaked)
+    with pytest.raises(ValueError, match="the chat template does not parse"):
+        llm.chat(chat, sp, chat_template="{% for %}")
+    with pytest.raises(ValueError, match="could not render these messages: 'foo' is undefined"):
+        llm.chat(chat, sp, chat_template="{{ foo.bar }}")
+    with pytest.raises(ValueError, match="template kwargs must be a dict"):
+        llm.chat(chat, sp, chat_template=template, chat_template_kwargs=5)
+    # parameters and prompts of the wrong type
+    for bad in ({"temperature": 0}, [{"temperature": 0}], 0.5):
+        with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them"):
+            llm.generate(["Once"], bad)
+    with pytest.raises(TypeError, match="prompts must be a prompt"):
+        llm.generate(None, sp)
+    with pytest.raises(ValueError, match="model=None is invalid"):
+        LLM(None)
     with pytest.raises(ValueError, match="at least one conversation"):
         llm.chat([], sp, chat_template=template)
     # tools reach the template; an assistant turn with tool calls may have no content (OpenAI's form)

@@ -74,7 +74,9 @@ def test_override():
     assert parse_override({"max_tokens": 8, "min_p": 0.1}) == {"max_tokens": 8, "min_p": 0.1}
     for bad, fragment in [("{oops", "is not JSON"), ("[1]", "must be a JSON object"),
                           ({"temprature": 0.5}, r"unknown key\(s\) \['temprature'\]: allowed"),
-                          ({"top_k": -5}, "top_k"), ({"seed": 1}, "unknown key")]:
+                          ({"top_k": -5}, "top_k"), ({"seed": 1}, "unknown key"),
+                          ({"max_tokens": 4, "max_new_tokens": 8}, "sets both max_tokens and max_new_tokens"),
+                          ({"max_tokens": True}, "max_tokens")]:
         with pytest.raises(ConfigError, match=fragment):
             parse_override(bad)
 

@@ -333,6 +333,12 @@ def test_bad_words_beside_a_structured_output(llm, plain_llm):
     both = _generate(plain_llm, ["Once upon a time"], params)[0]
     assert re.fullmatch(r"[a-z ]{20,40}\.", both.text) and _holds_no(sequences, both.token_ids)
     assert _generate(llm, ["Once upon a time"], params)[0].token_ids == both.token_ids
+    # words that ban every token allowed_token_ids leaves: an error (the step drew token 0, outside both)
+    only = [seq[0] for seq in bad_word_sequences(plain_llm.engine.tokenizer, ["upon"]) if len(seq) == 1]
+    assert only
+    with pytest.raises(InvalidRequestError, match="bad_words ban every token the output could start with") as err:
+        plain_llm.engine.add_request("Once", SamplingParams(allowed_token_ids=only, bad_words=["upon"]))
+    assert err.value.field == "bad_words" and not plain_llm.engine.has_unfinished_requests()
 
 
 def test_bad_words_walk_and_values():

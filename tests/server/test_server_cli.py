@@ -86,6 +86,8 @@ def test_chat_template_string_or_file(tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text("{{ 1 }}")
     assert load_chat_template(str(path)) == "{{ 1 }}"
+    with pytest.raises(ValueError, match="looks like a path, but no such file can be read"):
+        load_chat_template(str(tmp_path / "typo.jinja"))  # (it was rendered as the template: every prompt its name)
 
 
 def test_main_help(capsys):
@@ -109,6 +111,11 @@ def test_main_help(capsys):
     (["--spec-tree-nodes", "8", "--spec-tree-min-gamma", "9"], "spec_tree_min_gamma=9 is invalid"),
     (["--model", "stories260k", "--draft-model", "none", "--num-pages", "2", "--page-size", "4",
       "--prompt", "Once upon a time there was a dog"], "whole KV pool holds 4"),
+    (["--model", "stories260k", "--chat"], "this tokenizer has no chat template"),
+    (["--model", "stories260k", "--seed", str(2**63)], "seed=9223372036854775808 is invalid"),
+    (["--model", "stories260k", "--max-model-len", "4096"], "is more than stories260k's context of 512 tokens"),
+    (["--model", "stories260k", "--compilation-cache-dir", __file__], "File exists"),
+    (["--model", "stories260k", "--planner", "static:x"], "must be 'static:K' with an int K"),
 ])
 def test_generate_reports_bad_flags_in_one_line(argv, message, capsys):
     from nightjar_jax.__main__ import main
