@@ -42,7 +42,7 @@ from nightjar_jax.engine.beam_search import BeamSearchOutput, expansion
 from nightjar_jax.engine.engine import SLEEP_TAGS
 from nightjar_jax.engine.outputs import RequestOutput
 from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, clip, short_repr
-from nightjar_jax.models.tokenizer import ChatTemplateArgumentError
+from nightjar_jax.models.tokenizer import ChatTemplateArgumentError, IncrementalDetokenizer
 from nightjar_jax.server import reasoning_parsers, tool_parsers
 from nightjar_jax.server.async_engine import AsyncEngine, GroupStream
 from nightjar_jax.server.metrics import ServerMetrics
@@ -1038,14 +1038,27 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 if status == "incomplete":
                     body["incomplete_details"] = {"reason": "max_output_tokens"}
                 counts = usage([out], 1)
-                thinking = len(need_tokenizer().encode(reasoning, add_special_tokens=False)) if reasoning else 0
+                thinking = thought_tokens(out, len(comp.text) - len(text)) if reasoning else 0
                 body["usage"] = {
                     "input_tokens": counts["prompt_tokens"], "output_tokens": len(comp.token_ids),
                     "total_tokens": counts["total_tokens"],
                     "input_tokens_details": {"cached_tokens": out.num_cached_tokens, "cache_write_tokens": 0},
-                    "output_tokens_details": {"reasoning_tokens": thinking},  # (the thought's text, encoded again)
+                    "output_tokens_details": {"reasoning_tokens": thinking},
                 }
             return body
+
+        def thought_tokens(out: RequestOutput, boundary: int) -> int:
+            """The generated tokens whose text ends within the output's first ``boundary`` characters (the thought
+            and its tags, before the answer): counted, not the thought's text encoded again, which a tokenizer may
+            split otherwise (a leading space of its own: more tokens than were generated)."""
+            detok = IncrementalDetokenizer(need_tokenizer(), prompt_ids=out.prompt_token_ids or ())
+            size = count = 0
+            for token in out.outputs[0].token_ids:
+                size += len(detok.add([token]))
+                if size > boundary:
+                    break
+                count += 1
+            return count
 
         def status_of(out: RequestOutput) -> str:
             return "incomplete" if out.outputs[0].finish_reason == "length" else "completed"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, field_validator
 
 from nightjar_jax.engine.beam_search import BeamSearchParams
 from nightjar_jax.engine.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams, short_repr
@@ -50,6 +50,7 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+    include_obfuscation: bool | None = None  # (OpenAI's padding of chunks against size side channels: none is sent)
 
 
 class _SamplingFields(_Strict):
@@ -92,10 +93,18 @@ class _SamplingFields(_Strict):
     length_penalty: float = 1.0
     # Accepted at their neutral values only (see unsupported).
     user: str | None = None
+    safety_identifier: str | None = None  # (OpenAI's successor of 'user')
+    prompt_cache_key: str | None = None  # (prefix caching needs no key: it finds shared prefixes by their tokens)
+    prompt_cache_retention: str | None = None
     best_of: int | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _n_null(cls, value: Any) -> Any:
+        return 1 if value is None else value  # (OpenAI's n is nullable: null is the default, 1)
 
     def unsupported(self) -> list[tuple[str, bool]]:
         """(field, is_set_to_a_value_this_server_cannot_honour) pairs."""
@@ -353,7 +362,24 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: continue the last (assistant) message instead of a new one
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking...)
+    # OpenAI's, accepted at their neutral values only (see unsupported)
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    modalities: list[str] | None = None
     _tool_parser: str | None = PrivateAttr(default=None)  # the server's parser for tool_choice "auto", if any
+
+    def unsupported(self) -> list[tuple[str, bool]]:
+        return super().unsupported() + [
+            ("reasoning_effort", self.reasoning_effort is not None),
+            ("verbosity", self.verbosity is not None),
+            ("audio", self.audio is not None),
+            ("prediction", self.prediction is not None),
+            ("web_search_options", self.web_search_options is not None),
+            ("modalities", self.modalities not in (None, ["text"])),
+        ]
 
     def allow_auto_tools(self, parser: str | None) -> None:
         """``tool_choice`` "auto" parses calls from free text with ``parser`` (the server's
@@ -596,7 +622,12 @@ class ResponsesRequest(_Strict):
     include: list[str] | None = None
     stream_options: dict[str, Any] | None = None
     prompt_cache_key: str | None = None  # (prefix caching needs no key: it finds shared prefixes by their tokens)
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None  # (OpenAI's successor of 'user')
     top_logprobs: int | None = None
+    prompt: dict[str, Any] | None = None
+    conversation: str | dict[str, Any] | None = None
+    max_tool_calls: int | None = None
 
     def check(self) -> None:
         unsupported = [
@@ -613,6 +644,10 @@ class ResponsesRequest(_Strict):
             ("include", bool(self.include), "no extra output data is served"),
             ("top_logprobs", bool(self.top_logprobs), "log-probabilities are served on /v1/chat/completions"),
             ("service_tier", self.service_tier not in (None, "auto", "default"), "allowed 'auto' or 'default'"),
+            ("prompt", self.prompt is not None, "stored prompts are not served: send the text as 'input'"),
+            ("conversation", self.conversation is not None,
+             "conversations are not stored here: send the whole conversation as 'input'"),
+            ("max_tool_calls", self.max_tool_calls is not None, "tools are served on /v1/chat/completions"),
         ]
         for name, bad, why in unsupported:
             if bad:

@@ -262,6 +262,20 @@ def test_common_openai_fields_accepted(client):
         presence_penalty=0,
     )
     assert chat.choices[0].finish_reason in ("length", "stop")
+    # what the SDK sends at neutral values, and OpenAI's newer fields beside 'user' (they were 400s as unknown)
+    # (in extra_body: the same JSON whatever the installed SDK's version knows)
+    neutral = dict(n=None, extra_body={"safety_identifier": "s1", "prompt_cache_key": "k1", "reasoning_effort": None,
+                                       "verbosity": None, "modalities": ["text"], "audio": None, "prediction": None,
+                                       "web_search_options": None, "prompt_cache_retention": None})
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=2, stream=True, **neutral,
+                                                 stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert chunks[-1].usage.completion_tokens == 2
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=None, extra_body={
+        "safety_identifier": "s1", "prompt_cache_key": "k1"}).choices[0].text is not None
+    responses = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, extra_body={
+        "safety_identifier": "s1", "prompt": None, "conversation": None, "max_tool_calls": None})
+    assert responses.usage.output_tokens == 2
 
 
 def test_logprobs_completions_and_chat(client):
@@ -803,6 +817,12 @@ FIELD_CASES = [
      "'n' (the beam width)=11 is invalid: allowed an integer in [1, 10]"),
     ("length_penalty without beam search", "/v1/completions", {**GOOD, "length_penalty": 0.5}, None,
      "length_penalty", "set 'use_beam_search': true"),
+    ("reasoning_effort on a model without it", "/v1/chat/completions", {**CHAT, "reasoning_effort": "high"}, None,
+     "reasoning_effort", "is not supported"),
+    ("audio output", "/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, None, "modalities",
+     "is not supported"),
+    ("a stored prompt", "/v1/responses", {"input": "x", "prompt": {"id": "p1"}}, None, "prompt",
+     "stored prompts are not served"),
     ("beam search prompt plus max_tokens past the context", "/v1/completions",
      {**GOOD, "n": 2, "use_beam_search": True, "max_tokens": MAX_MODEL_LEN - 1}, None, "max_tokens",
      "past the context length"),
