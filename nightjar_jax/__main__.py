@@ -22,9 +22,15 @@ def _generate(args: argparse.Namespace) -> int:
     from nightjar_jax.engine.engine import LLMEngine
     from nightjar_jax.engine.sampling_params import SamplingParams
 
+    given = {name: value for name, value in (("temperature", args.temperature), ("max_tokens", args.max_tokens),
+                                             ("seed", args.sampling_seed)) if value is not None}
     try:  # the sampling values first: they fail before minutes of loading
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed)
+        SamplingParams(**given)
         engine = LLMEngine(engine_config_from_args(args))
+        # unset flags: the model's generation config (--generation-config, --override-generation-config), else
+        # greedy and 64 tokens
+        params = engine.default_sampling_params(**{"temperature": 0.0, "max_tokens": 64,
+                                                    **engine.generation_defaults, **given})
     except STARTUP_ERRORS as exc:
         logger.debug("start-up failed", exc_info=True)
         sys.stderr.write(f"error: {exc}\n")
@@ -66,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="print one completion")
     add_engine_args(gen)
     gen.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--max-tokens", type=int, default=None,
+                     help="default: the model's generation config's max_new_tokens, else 64")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="default: the model's generation config's, else 0 (greedy)")
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument(
         "--chat", action=argparse.BooleanOptionalAction, default=None,

@@ -465,7 +465,8 @@ class LLMEngine:
         if self.tokenizer is None:
             raise InvalidRequestError("bad_words needs the model's tokenizer to find the words' tokens, and this "
                                       "model has none: ban token ids with logit_bias instead", "bad_words")
-        bad = BadWords(bad_word_sequences(self.tokenizer, params.bad_words), vocab)
+        allowed_ids = frozenset(params.allowed_token_ids) if params.allowed_token_ids else None
+        bad = BadWords(bad_word_sequences(self.tokenizer, params.bad_words), vocab, allowed_ids)
         first = bad.allowed() if grammar is None else bad.allowed() & grammar.allowed()
         if params.allowed_token_ids:
             first &= np.isin(np.arange(vocab), params.allowed_token_ids)
@@ -1010,6 +1011,17 @@ class LLMEngine:
         eos = self._eos_ids if not sp.ignore_eos else ()
         new_ids: list[int] = []
         for j, tok in enumerate(tokens):
+            if r.grammar is not None and not r.grammar.accept(tok):  # (its mask allowed only what it accepts)
+                # a dead end: the step's row had nothing left to draw from (e.g. bad_words beside allowed_token_ids
+                # at a later position), and what it returned is not kept
+                what = ("bad_words leave no allowed token" if r.grammar.field == "bad_words"
+                        else "the structured output's constraint allows no token")
+                r.error = (f"{what} after the output so far (token {tok} came and was dropped): it cannot be "
+                           f"completed; the output so far is kept, the request ended")
+                r.error_field = r.grammar.field  # (a dead end of the constraint, not an engine fault)
+                self._detokenize(r, [], final=True)
+                self._finish(r, FinishReason.ERROR)
+                break
             r.output_token_ids.append(tok)
             if r.output_counts is not None:
                 r.output_counts[tok] = r.output_counts.get(tok, 0) + 1
@@ -1022,14 +1034,6 @@ class LLMEngine:
                 r.first_token_time = now
             reason: FinishReason | None = None
             text_ids = [tok]
-            if r.grammar is not None and not r.grammar.accept(tok):  # (its mask allowed only what it accepts)
-                r.error = (f"the request's constraint (structured output, bad_words) allows no token after the "
-                           f"output so far (token {tok} came): it cannot be completed; the output so far is kept, "
-                           f"the request ended")
-                r.error_field = "structured_outputs"  # (a dead end of the constraint, not an engine fault)
-                self._detokenize(r, [], final=True)
-                self._finish(r, FinishReason.ERROR)
-                break
             if (tok in sp.stop_token_ids or tok in eos) and len(r.output_token_ids) > sp.min_tokens:
                 reason, r.stop_reason = FinishReason.STOP, tok
                 text_ids = text_ids if sp.include_stop_str_in_output else []  # (vLLM's: the stop token's text too)

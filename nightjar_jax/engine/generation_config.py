@@ -79,8 +79,9 @@ def read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{file}: not readable as JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: must hold a JSON object, got {type(raw).__name__}")
-    found = {field: raw[key] for key, field in KEYS.items()
-             if raw.get(key) is not None and not (key in _HF_DEFAULTS and raw[key] == _HF_DEFAULTS[key])}
+    found = {field: raw[key] for key, field in KEYS.items()  # (true == 1.0 too, but it is no number: checked)
+             if raw.get(key) is not None and not (key in _HF_DEFAULTS and not isinstance(raw[key], bool)
+                                                  and raw[key] == _HF_DEFAULTS[key])}
     return _checked(found, str(file))
 
 

@@ -31,6 +31,7 @@ class TokenConstraint:
     :attr:`is_terminated`; :meth:`walk` follows a speculative step's drafts through them."""
 
     vocab_size: int
+    field = "structured_outputs"  # the request field a dead end is blamed on (the one that refused, for two)
 
     def allowed(self) -> np.ndarray:
         """bool ``[vocab_size]``: the tokens the constraint allows next."""
@@ -111,10 +112,15 @@ class BadWords(TokenConstraint):
     """vLLM's ``bad_words``: token sequences the output may not contain. The last token of a sequence is banned
     wherever the output's last tokens are the rest of it (a one-token sequence: everywhere), so a greedy or sampled
     row, and each position of a speculative step (:meth:`walk`), draws from the target's distribution without it.
-    As in vLLM only the output's own tokens count (not the prompt's)."""
+    As in vLLM only the output's own tokens count (not the prompt's). ``allowed_ids``: the request's
+    ``allowed_token_ids``, which :meth:`accept` holds to as well: where the ban leaves none of them the step draws
+    from nothing, and the token it returns is refused (the request ends with an error naming ``bad_words``)."""
 
-    def __init__(self, sequences: list[list[int]], vocab_size: int):
+    field = "bad_words"
+
+    def __init__(self, sequences: list[list[int]], vocab_size: int, allowed_ids: frozenset[int] | None = None):
         self.vocab_size = vocab_size
+        self._allowed_ids = allowed_ids
         self._always = sorted({s[0] for s in sequences if len(s) == 1 and s[0] < vocab_size})
         self._longer = [(tuple(s[:-1]), s[-1]) for s in sequences if len(s) > 1 and s[-1] < vocab_size]
         self._tokens: list[int] = []  # the output so far
@@ -133,7 +139,7 @@ class BadWords(TokenConstraint):
         return mask
 
     def accept(self, token: int) -> bool:
-        if int(token) in self._banned():
+        if int(token) in self._banned() or (self._allowed_ids is not None and int(token) not in self._allowed_ids):
             return False
         self._tokens.append(int(token))
         return True
@@ -153,9 +159,11 @@ class BothConstraints(TokenConstraint):
 
     def accept(self, token: int) -> bool:
         if not self.first.accept(token):
+            self.field = self.first.field
             return False
         if not self.second.accept(token):
             self.first.rollback(1)
+            self.field = self.second.field
             return False
         return True
 

@@ -59,6 +59,7 @@ def test_read_as_vllm_reads_it(tmp_path):
     ('{"temperature": -1}', "temperature"),
     ('{"top_p": 2.0}', "top_p"),
     ('{"max_new_tokens": 0}', "max_tokens"),
+    ('{"temperature": true}', "temperature"),  # (true == 1.0, transformers' default: it was skipped, not refused)
 ])
 def test_a_bad_file_names_itself_and_the_field(tmp_path, text, fragment):
     path = tmp_path / "generation_config.json"
@@ -100,6 +101,19 @@ def test_modes_and_the_command_line(tmp_path):
     args = parser.parse_args(["--model", str(folder), "--generation-config", "vllm",
                               "--override-generation-config", '{"temperature": 0}'])
     assert generation_defaults(engine_config_from_args(args)) == {"temperature": 0}
+
+
+def test_generate_command_uses_them_for_unset_flags(tmp_path, capsys):
+    """``python -m nightjar_jax generate``: --max-tokens and --temperature left out take the generation config's
+    values (they were always 64 and 0); given, they win."""
+    from nightjar_jax.__main__ import main
+
+    base = ["generate", "--model", "stories260k", "--draft-model", "none", "--prompt", "Once upon a time",
+            "--override-generation-config", '{"max_new_tokens": 3}']
+    assert main(base) == 0
+    assert "3 tokens in" in capsys.readouterr().err
+    assert main([*base, "--max-tokens", "5"]) == 0
+    assert "5 tokens in" in capsys.readouterr().err
 
 
 def test_llm_generates_with_the_models_defaults(tmp_path):

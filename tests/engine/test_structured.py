@@ -339,6 +339,17 @@ def test_bad_words_beside_a_structured_output(llm, plain_llm):
     with pytest.raises(InvalidRequestError, match="bad_words ban every token the output could start with") as err:
         plain_llm.engine.add_request("Once", SamplingParams(allowed_token_ids=only, bad_words=["upon"]))
     assert err.value.field == "bad_words" and not plain_llm.engine.has_unfinished_requests()
+    # ... and where that happens later, after " a": the request ends with an error naming bad_words, holding no
+    # token outside allowed_token_ids (the step's row drew from nothing: token 0 greedy, any token sampled)
+    tok = plain_llm.engine.tokenizer
+    a, the = tok.encode(" a", add_special_tokens=False)[-1], tok.encode(" the", add_special_tokens=False)[-1]
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=1, max_tokens=10, allowed_token_ids=[a, the],
+                                bad_words=["a a", "a the"])
+        out = plain_llm.generate(["Once upon a time"], params)[0]
+        assert out.outputs[0].finish_reason == "error" and "bad_words leave no allowed token" in out.error
+        assert set(out.outputs[0].token_ids) <= {a, the} and out.outputs[0].token_ids[-1] == a
+    assert plain_llm.engine.num_free_pages == plain_llm.engine.num_total_pages
 
 
 def test_bad_words_walk_and_values():
