@@ -15,7 +15,8 @@ from nightjar_jax.config import ConfigError, ModelConfig, make_engine_config
 from nightjar_jax.engine.generation_config import generation_defaults, parse_override, read_file
 from nightjar_jax.models.hf import write_safetensors
 from nightjar_jax.models.llama import random_state
-from nightjar_jax.models.orbax_io import state_to_hf
+from nightjar_jax.models.loader import load_checkpoint
+from nightjar_jax.models.orbax_io import save_orbax, state_to_hf
 from nightjar_jax.server.app import ServerSettings, build_app
 from nightjar_jax.server.async_engine import AsyncEngine
 
@@ -109,7 +110,7 @@ def test_generate_command_uses_them_for_unset_flags(tmp_path, capsys):
     from nightjar_jax.__main__ import main
 
     base = ["generate", "--model", "stories260k", "--draft-model", "none", "--prompt", "Once upon a time",
-            "--override-generation-config", '{"max_new_tokens": 3}']
+            "--max-model-len", "128", "--num-pages", "64", "--override-generation-config", '{"max_new_tokens": 3}']
     assert main(base) == 0
     assert "3 tokens in" in capsys.readouterr().err
     assert main([*base, "--max-tokens", "5"]) == 0
@@ -117,8 +118,13 @@ def test_generate_command_uses_them_for_unset_flags(tmp_path, capsys):
 
 
 def test_llm_generates_with_the_models_defaults(tmp_path):
-    folder = _hf_folder(tmp_path / "m", {"temperature": 0.0, "max_new_tokens": 3, "top_k": 50, "do_sample": True})
-    llm = LLM(str(folder), max_model_len=64, num_pages=16)
+    # stories260K saved as an orbax folder with a generation_config.json beside it (its shapes: the step variants
+    # the other in-process tests compile, found in the compilation cache)
+    ckpt = load_checkpoint("stories260k")
+    folder = save_orbax(tmp_path / "m", ckpt.config, ckpt.state_dict)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3, "top_k": 50,
+                                                               "do_sample": True}))
+    llm = LLM(str(folder), max_model_len=128, num_pages=64)
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.max_tokens, defaults.top_k) == (0.0, 3, 0)
     greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids

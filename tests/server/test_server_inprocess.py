@@ -15,7 +15,7 @@ from nightjar_jax.server.async_engine import AsyncEngine
 
 
 def test_a_constraint_compiles_off_the_engine_thread(monkeypatch):
-    llm = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=32)
+    llm = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=64)
     threads = []
     compile_ = GrammarBackend.compile
 
@@ -38,7 +38,7 @@ def test_responses_count_the_thoughts_generated_tokens():
     """deepseek_r1 reads an output without ``<think>`` as all thought: its reasoning tokens are every generated
     token. They were the thought's text encoded again, which this tokenizer splits into one more token (a leading
     space of its own): 21 reasoning tokens of 20."""
-    llm = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=32)
+    llm = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=64)
     llm.engine.tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
                                           "{% endfor %}assistant:")
     with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s", reasoning_parser="deepseek_r1"))) as client:
