@@ -675,7 +675,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         tok = need_tokenizer()
         text = req.prompt if req.messages is None else render_chat(req)
         ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        if req.return_token_strs:  # (vLLM's: the tokens as the vocabulary spells them, e.g. "▁upon", "Ġthe")
+            vocab = {i: t for t, i in tok.get_vocab().items()}
+            out["token_strs"] = [vocab.get(i) for i in ids]
+        return out
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

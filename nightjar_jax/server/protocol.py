@@ -498,6 +498,7 @@ class TokenizeRequest(_Strict):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # (with messages: rendered as /v1/chat/completions renders them)
+    return_token_strs: bool = False  # vLLM's: each token's string too (the vocabulary's, as "token_strs")
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -136,6 +136,8 @@ def test_tokenize_and_detokenize(server, client):
     assert resp == {"count": 5, "max_model_len": MAX_MODEL_LEN, "tokens": [1, 403, 407, 261, 378]}
     bare = post(server, "/tokenize", {"prompt": "Once upon a time", "add_special_tokens": False}).json()
     assert bare["tokens"] == [403, 407, 261, 378]
+    spelled = post(server, "/tokenize", {"prompt": "Once upon a time", "return_token_strs": True}).json()
+    assert spelled["token_strs"] == ["<s>", "\u2581Once", "\u2581upon", "\u2581a", "\u2581time"]  # (vLLM's field)
     messages = [{"role": "user", "content": "Once upon a time"}]
     chat = post(server, "/tokenize", {"messages": messages}).json()
     usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
