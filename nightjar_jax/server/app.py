@@ -641,6 +641,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             raise APIError(400, "this model has no tokenizer")
         return engine.tokenizer
 
+    def chat_prompt(req: ChatCompletionRequest) -> str | dict[str, Any]:
+        """The chat request's prompt: its rendered text, encoded as the completion endpoints encode text, or with
+        ``add_special_tokens`` false exactly as the template wrote it (no BOS added)."""
+        text = render_chat(req)
+        if req.add_special_tokens:
+            return text
+        return {"prompt": text, "prompt_token_ids": need_tokenizer().encode(text, add_special_tokens=False)}
+
     def render_chat(req: ChatCompletionRequest | TokenizeRequest) -> str:
         """A request's chat messages through the model's template (what /v1/chat/completions and /tokenize both
         encode): a template that renders tools (``tools``) or a conversation's tool calls and results gets them;
@@ -855,7 +863,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         req.allow_auto_tools(settings.tool_call_parser)
         if req.use_beam_search:
             max_tokens = check_max_tokens(req.requested_max_tokens(), param)
-            (result,) = await beam_search(req, [render_chat(req)], max_tokens, request, prompt_param="messages",
+            (result,) = await beam_search(req, [chat_prompt(req)], max_tokens, request, prompt_param="messages",
                                           max_tokens_param=None if max_tokens is None else param)
             choices = []
             for j, seq in enumerate(result.sequences):
@@ -869,7 +877,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     "model": model, "choices": choices, "usage": beam_usage([result])}
         params = make_params(req, check_max_tokens(req.requested_max_tokens(), param), param)
         call = req.tool_call()  # (validated by make_params: its constraint is the output's)
-        prompt = render_chat(req)
+        prompt = chat_prompt(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         explicit = req.requested_max_tokens() is not None
         sfield = req.structured_field()

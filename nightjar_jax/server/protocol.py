@@ -362,6 +362,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: continue the last (assistant) message instead of a new one
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking...)
+    # vLLM's: whether encoding the rendered text adds the tokenizer's special tokens (BOS); with true (here the
+    # default) a BOS the template wrote itself is kept once; false: only what the template wrote (vLLM's default)
+    add_special_tokens: bool = True
     # OpenAI's, accepted at their neutral values only (see unsupported)
     reasoning_effort: str | None = None
     verbosity: str | None = None

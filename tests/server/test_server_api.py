@@ -142,6 +142,12 @@ def test_tokenize_and_detokenize(server, client):
     chat = post(server, "/tokenize", {"messages": messages}).json()
     usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
     assert chat["count"] == usage.prompt_tokens == len(chat["tokens"])
+    # vLLM's add_special_tokens on chat: false encodes the template's text alone (stories260K adds a BOS otherwise)
+    bare_chat = post(server, "/tokenize", {"messages": messages, "add_special_tokens": False}).json()
+    assert bare_chat["tokens"] == chat["tokens"][1:]
+    usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                           extra_body={"add_special_tokens": False}).usage
+    assert usage.prompt_tokens == bare_chat["count"]
     assert post(server, "/detokenize", {"tokens": [1, 403, 407, 261, 378]}).json() == {"prompt": "Once upon a time"}
     for path, body in [("/tokenize", {"prompt": "x", "messages": messages}), ("/tokenize", {}),
                        ("/detokenize", {"tokens": [1, 99999]}), ("/detokenize", {"tokens": "abc"}),
