@@ -68,6 +68,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)  # vLLM's: no stop (EOS, stop ids, stop strings) before this many tokens
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # vLLM's; only its default (see unsupported)
     include_stop_str_in_output: bool = False
     presence_penalty: float | None = 0.0  # [-2, 2] (SamplingParams checks); speculative steps count drafts
     frequency_penalty: float | None = 0.0
@@ -110,6 +111,7 @@ class _SamplingFields(_Strict):
         """(field, is_set_to_a_value_this_server_cannot_honour) pairs."""
         return [
             ("best_of", self.best_of is not None and self.best_of != self.n),
+            ("spaces_between_special_tokens", not self.spaces_between_special_tokens),
             ("store", bool(self.store)),
             ("service_tier", self.service_tier not in (None, "auto", "default")),
         ]

@@ -273,6 +273,7 @@ def test_common_openai_fields_accepted(client):
     # what the SDK sends at neutral values, and OpenAI's newer fields beside 'user' (they were 400s as unknown)
     # (in extra_body: the same JSON whatever the installed SDK's version knows)
     neutral = dict(n=None, extra_body={"safety_identifier": "s1", "prompt_cache_key": "k1", "reasoning_effort": None,
+                                       "spaces_between_special_tokens": True,
                                        "verbosity": None, "modalities": ["text"], "audio": None, "prediction": None,
                                        "web_search_options": None, "prompt_cache_retention": None})
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
@@ -825,6 +826,8 @@ FIELD_CASES = [
      "'n' (the beam width)=11 is invalid: allowed an integer in [1, 10]"),
     ("length_penalty without beam search", "/v1/completions", {**GOOD, "length_penalty": 0.5}, None,
      "length_penalty", "set 'use_beam_search': true"),
+    ("spaces_between_special_tokens false", "/v1/completions", {**GOOD, "spaces_between_special_tokens": False},
+     None, "spaces_between_special_tokens", "is not supported"),
     ("reasoning_effort on a model without it", "/v1/chat/completions", {**CHAT, "reasoning_effort": "high"}, None,
      "reasoning_effort", "is not supported"),
     ("audio output", "/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, None, "modalities",
