@@ -44,7 +44,7 @@ _HELP = {
     "tokenizer": "tokenizer folder or file (default: the model's own)",
     "draft_model": "draft model for speculative decoding (same spec forms as --model), auto (the target preset's "
                    "shipped draft), none, or ngram (no draft model: n-gram lookup's copies alone)",
-    "num_speculative_tokens": "γ_max: the most draft tokens per step (0: plain decoding; the draft is not loaded)",
+    "num_speculative_tokens": "γ_max: the most draft tokens per step",
     "spec_tree_nodes": "decode steps verify a token tree of up to this many drafted nodes (depth γ; with n-gram "
                        "lookup on, plus a copy branch of γ nodes); 0: a chain",
     "spec_tree_min_gamma": "the smallest γ whose steps use the token tree (smaller γ: chains); "

@@ -253,13 +253,9 @@ class LLMEngine:
 
     @staticmethod
     def resolve_draft_spec(config: EngineConfig) -> str | None:
-        """``draft_model``: a spec, None / "none" (no draft), or "auto" (the target preset's paired draft). None
-        with ``num_speculative_tokens=0`` too: a draft that never drafts is not loaded (its weights and KV pool
-        would take memory from the target's KV cache)."""
+        """``draft_model``: a spec, None / "none" (no draft), or "auto" (the target preset's paired draft)."""
         spec = config.spec.draft_model
         if spec is None or spec.lower() in ("none", "", "ngram"):  # (ngram: lookup's copies, no draft model)
-            return None
-        if config.spec.num_speculative_tokens == 0:
             return None
         if spec.lower() == "auto":
             from nightjar_jax.models.presets import default_draft_for

@@ -226,13 +226,6 @@ def test_vocabulary_mismatch_is_a_clear_error():
         LLM("stories260k", draft_model="llama-68m", load_format="dummy", max_model_len=128, num_pages=16)
 
 
-def test_a_draft_that_never_drafts_is_not_loaded():
-    """``num_speculative_tokens=0``: no step drafts, so the draft is not loaded and its bytes stay KV pages."""
-    llm = LLM("stories260k", draft_model="stories260k@skip=2", num_speculative_tokens=0, max_model_len=128)
-    plain = LLM("stories260k", draft_model="none", max_model_len=128)
-    assert llm.engine.draft is None and llm.engine.num_total_pages == plain.engine.num_total_pages
-
-
 def test_bfloat16_on_cpu_warns_that_float32_is_faster(caplog):
     """bf16 products on XLA:CPU are emulated (6 tok/s against ~47 in float32 for SmolLM2 at batch 1): say so."""
     import logging
