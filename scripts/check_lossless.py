@@ -68,7 +68,8 @@ def compare(model: str, draft: str, prompts: list, weight_format: str, planners:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="a model with SmolLM2's tokenizer (the prompts are SmolLM2 token ids)")
     ap.add_argument("--draft", default="auto", help="the draft (default: the target preset's paired draft)")
     ap.add_argument("--weight-formats", default="auto,w4a8",
                     help=f"comma-separated engine weight formats, each of {WEIGHT_FORMATS}")

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out_dir="${OUT:-.}"
 python -c "import jax; print('backend', jax.default_backend(), jax.devices())"
-timeout 150 python -m pytest -q -p no:cacheprovider tests/spec/test_tree.py 2>&1 | tail -3 || true
+JAX_PLATFORMS=cuda,cpu timeout 150 python -m pytest -q -p no:cacheprovider tests/spec/test_tree.py 2>&1 | tail -3 || true
 timeout 240 python scripts/bench_spec.py --models smollm2-135m-instruct --chat --prompt-len 256 --tree-nodes 0,16 \
     --prompt-lookup 0,3 --batch-sizes 1,16 --gammas 2,4 --repeats 2 --output-len 64 \
     --out "${out_dir}/bench_spec_tree_device.json" || true

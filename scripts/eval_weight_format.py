@@ -84,7 +84,8 @@ def compare(ref: np.ndarray, cand: np.ndarray, tokens: list[int]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="a model with SmolLM2's tokenizer (the prompts are SmolLM2 token ids)")
     ap.add_argument("--reference", default="auto", choices=WEIGHT_FORMATS)
     ap.add_argument("--candidate", default="w4a8", choices=WEIGHT_FORMATS)
     ap.add_argument("--prompts", type=int, default=28, help="held-out chat prompts (eval_draft.py's)")

@@ -315,8 +315,8 @@ class LLMEngine:
         name = spec.planner
         if self.gamma_max == 0:  # (nothing to plan, but a misspelt planner is still an error, not ignored)
             planner_class(name)
-            nominal = max(1, spec.num_speculative_tokens or 0)  # (its arguments too: static:x, nightjar:foo)
-            make_planner(f"static:{nominal}" if name == "static" else name, nominal)
+            # its arguments' form too (static:x, nightjar:foo), against the largest γ_max the config allows
+            make_planner("static:1" if name == "static" else name, 16)
             name = "ar"
         elif name == "static":
             name = f"static:{self.gamma_max}"

@@ -553,6 +553,8 @@ class ModelRunner:
         far come back with the draft, which catches its K/V up from them as it would have computed it (the
         positions decoded while it was away have none: their slots hold zeros or an earlier page owner's, which
         only lowers acceptance there)."""
+        if self.draft is None:
+            raise RuntimeError("this engine has no draft to offload (draft_model none, or ngram)")
         if not self.draft_on_device:
             raise RuntimeError("the draft is already offloaded")
         host = self._host_kind()

@@ -216,6 +216,11 @@ class _SamplingFields(_Strict):
             elif kind == "json_schema":
                 spec = fmt.get("json_schema")
                 schema = spec.get("schema") if isinstance(spec, dict) else None
+                for key, kind_, name in (("name", str, "a string"), ("description", str, "a string"),
+                                         ("strict", bool, "a boolean")):
+                    if isinstance(spec, dict) and spec.get(key) is not None and not isinstance(spec[key], kind_):
+                        raise APIError(400, f"'response_format.json_schema.{key}' must be {name}, got "
+                                            f"{short_repr(spec[key])}", param="response_format")
                 if not isinstance(schema, dict):
                     raise APIError(400, "'response_format' of type 'json_schema' needs 'json_schema': {'name': ..., "
                                         "'schema': {...}} with the schema an object", param="response_format")

@@ -826,6 +826,12 @@ FIELD_CASES = [
      "'n' (the beam width)=11 is invalid: allowed an integer in [1, 10]"),
     ("length_penalty without beam search", "/v1/completions", {**GOOD, "length_penalty": 0.5}, None,
      "length_penalty", "set 'use_beam_search': true"),
+    ("json_schema name not a string", "/v1/completions", {**GOOD, "response_format": {
+        "type": "json_schema", "json_schema": {"name": 5, "schema": {"type": "object"}}}}, None, "response_format",
+     "'response_format.json_schema.name' must be a string, got 5"),
+    ("json_schema strict not a boolean", "/v1/chat/completions", {**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "strict": "yes", "schema": {"type": "object"}}}}, None,
+     "response_format", "'response_format.json_schema.strict' must be a boolean"),
     ("spaces_between_special_tokens false", "/v1/completions", {**GOOD, "spaces_between_special_tokens": False},
      None, "spaces_between_special_tokens", "is not supported"),
     ("reasoning_effort on a model without it", "/v1/chat/completions", {**CHAT, "reasoning_effort": "high"}, None,
