@@ -10,6 +10,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -222,7 +223,21 @@ class _Server:
                 if self.should_exit and sig == signal.SIGINT:
                     self.force_exit = True
                 else:
+                    if not self.should_exit:
+                        self._abort_before_the_timeout()
                     self.should_exit = True
+
+            def _abort_before_the_timeout(self) -> None:
+                """Past --shutdown-timeout uvicorn cancels the request handlers: a stream cut with no [DONE], a
+                bare 500. So the engine stops a little before (its requests end with finish reason "abort"), and
+                the handlers answer them in time."""
+                async_engine = getattr(getattr(self.config.app, "state", None), "async_engine", None)
+                timeout = self.config.timeout_graceful_shutdown
+                if async_engine is None or timeout is None:
+                    return
+                timer = threading.Timer(max(0.0, timeout - min(1.0, timeout / 2)), async_engine.stop)
+                timer.daemon = True
+                timer.start()
 
         return Server(config)
 

@@ -360,6 +360,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             raise APIError(503, str(exc), type="server_error") from None
 
     beam_searches = [0]  # beam searches under way (each runs many engine steps, the engine idle between them)
+    # weight updates waiting for the work in flight: a beam search that arrives meanwhile waits for them (it would
+    # otherwise start under the old weights, its steps going ahead of the update as those of a search under way do)
+    updates_waiting = [0]
+    updates_done = asyncio.Event()
+    updates_done.set()
 
     async def beam_search(req, prompts: list[Any], max_tokens: int | None, request: Request,
                           prompt_param: str = "prompt", max_tokens_param: str | None = None) -> list[BeamSearchOutput]:
@@ -383,6 +388,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         except ValueError as exc:
             raise APIError(400, str(exc), param=prompt_param) from None
         step, width = params.step_params(), 2 * params.beam_width
+        while updates_waiting[0]:  # (runs under the new weights, as any request that arrives while an update waits)
+            await updates_done.wait()
         beam_searches[0] += 1  # (in flight between its steps too: /sleep waits for it)
         try:
             return await run_beam_search(searches, step, width, req, request, prompt_param)
@@ -628,7 +635,16 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     raise APIError(400, f"the new weights could not be loaded: {exc}; the old ones are still "
                                         f"served", param=param) from None
 
-            relayout = await async_engine.call(go, drain=lambda e: e.has_unfinished_requests() or beam_searches[0])
+            updates_waiting[0] += 1
+            updates_done.clear()
+            try:
+                relayout = await async_engine.call(go, drain=lambda e: e.has_unfinished_requests() or beam_searches[0])
+            except RuntimeError as exc:  # (the engine stopped first: a shutdown)
+                raise APIError(503, str(exc), type="server_error") from None
+            finally:
+                updates_waiting[0] -= 1
+                if not updates_waiting[0]:
+                    updates_done.set()
             parts = [p for p, given in (("target", req.model_path), ("draft", req.draft_model_path)) if given]
             return {"success": True, "message": f"updated the {' and '.join(parts)} weights", "recompiles": relayout}
 

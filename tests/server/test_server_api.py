@@ -1137,6 +1137,34 @@ def test_a_weight_update_waits_for_a_beam_search(server, client):
     assert len(done["out"].choices) == 6
 
 
+def test_a_beam_search_sent_while_an_update_waits_runs_after_it(server, client):
+    """A beam search that arrives while a weight update waits for the requests in flight waits for the update, as
+    any other request does (it ran at once, its steps going ahead of the update, under the old weights)."""
+    times = {}
+
+    def long_request():
+        client.completions.create(model=MODEL, prompt="Once", max_tokens=200, n=32, temperature=0,
+                                  extra_body={"ignore_eos": True})
+
+    def update():
+        times["update"] = (post(server, "/update_weights_from_disk", {"model_path": "stories260k"}).status_code,
+                           time.monotonic())
+
+    threads = [threading.Thread(target=long_request), threading.Thread(target=update)]
+    threads[0].start()
+    time.sleep(0.3)
+    threads[1].start()
+    time.sleep(0.3)
+    assert threads[0].is_alive() and threads[1].is_alive(), "the long request ended too soon: make it longer"
+    beam = client.completions.create(model=MODEL, prompt="Once", max_tokens=4, n=2,
+                                     extra_body={"use_beam_search": True})
+    ended = time.monotonic()
+    for t in threads:
+        t.join(120)
+    assert len(beam.choices) == 2 and times["update"][0] == 200
+    assert ended > times["update"][1], f"the search ended {times['update'][1] - ended:.2f} s before the update"
+
+
 def test_zz_sigterm_graceful_shutdown(server):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 32, "stream": True, "temperature": 0}
     frames: list[str] = []
@@ -1153,11 +1181,26 @@ def test_zz_sigterm_graceful_shutdown(server):
                 if line.startswith("data: "):
                     frames.append(line)
 
-    t = threading.Thread(target=stream)
-    t.start()
-    deadline = time.time() + 10
-    while not frames and time.time() < deadline:
-        time.sleep(0.01)
+    # one that cannot finish within --shutdown-timeout (3 s): the engine aborts it a little before, so it still
+    # ends well-formed (uvicorn used to cancel its handler: a stream cut with no [DONE], a bare 500 and a traceback)
+    long_frames: list[str] = []
+
+    def long_stream():
+        with httpx.stream("POST", server.url + "/v1/completions", json={
+                **body, "prompt": ["Once", "The"], "max_tokens": 250, "n": 128, "ignore_eos": True}, timeout=30,
+                headers={"Authorization": f"Bearer {API_KEY}"}) as resp:
+            long_frames.extend(line for line in resp.iter_lines() if line.startswith("data: "))
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=long_stream)]
+    for t, started in zip(threads, (frames, long_frames), strict=True):  # (in this order: the short one first)
+        t.start()
+        deadline = time.time() + 10
+        while not started and time.time() < deadline:
+            time.sleep(0.01)
     assert server.stop() == 0, server.logs()
-    t.join(10)
+    for t in threads:
+        t.join(10)
     assert frames and frames[-1] == "data: [DONE]"  # the in-flight stream was allowed to finish
+    assert long_frames and long_frames[-1] == "data: [DONE]", long_frames[-3:]
+    reasons = {json.loads(f[6:])["choices"][0]["finish_reason"] for f in long_frames[:-1]}
+    assert "abort" in reasons and "Exception in ASGI application" not in server.logs()
