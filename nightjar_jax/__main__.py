@@ -29,8 +29,7 @@ def _generate(args: argparse.Namespace) -> int:
         engine = LLMEngine(engine_config_from_args(args))
         # unset flags: the model's generation config (--generation-config, --override-generation-config), else
         # greedy and 64 tokens
-        params = engine.default_sampling_params(**{"temperature": 0.0, "max_tokens": 64,
-                                                    **engine.generation_defaults, **given})
+        params = SamplingParams(**{"temperature": 0.0, "max_tokens": 64, **engine.generation_defaults, **given})
     except STARTUP_ERRORS as exc:
         logger.debug("start-up failed", exc_info=True)
         sys.stderr.write(f"error: {exc}\n")

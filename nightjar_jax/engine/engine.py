@@ -404,8 +404,7 @@ class LLMEngine:
         req = Request(request_id, [int(t) for t in ids], params, seed, prompt=text, grammar=grammar,
                       priority=priority)
         if params.min_tokens:
-            stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_ids)
-            req.stop_ids = tuple(sorted(t for t in stop if t < vocab))  # (an id past the vocabulary never comes)
+            req.stop_ids = self._stop_ids(params, vocab)
             if params.allowed_token_ids and set(params.allowed_token_ids) <= set(req.stop_ids):
                 raise InvalidRequestError(
                     f"allowed_token_ids {sorted(set(params.allowed_token_ids))[:5]} are all stop tokens (EOS or "
@@ -456,6 +455,12 @@ class LLMEngine:
             return None, list(prompt)
         raise _prompt_error(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
+    def _stop_ids(self, params: SamplingParams, vocab: int) -> tuple[int, ...]:
+        """The ids that would end a request (EOS unless ``ignore_eos``, ``stop_token_ids``), which ``min_tokens``
+        bans until it is reached; an id past the vocabulary never comes."""
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_ids)
+        return tuple(sorted(t for t in stop if t < vocab))
+
     def _with_bad_words(self, grammar, params: SamplingParams, vocab: int):
         """``bad_words`` as a token constraint (``structured.BadWords``), beside a structured output's if any. Words
         that leave no first token (with the structured output, ``allowed_token_ids`` and, under ``min_tokens``, the
@@ -471,8 +476,7 @@ class LLMEngine:
         if params.allowed_token_ids:
             first &= np.isin(np.arange(vocab), params.allowed_token_ids)
         if params.min_tokens:
-            stops = [t for t in {*params.stop_token_ids, *(() if params.ignore_eos else self._eos_ids)} if t < vocab]
-            first[stops] = False
+            first[list(self._stop_ids(params, vocab))] = False
         if not first.any():
             raise InvalidRequestError("bad_words ban every token the output could start with (beside "
                                       "allowed_token_ids, a structured output or min_tokens): ban fewer words",

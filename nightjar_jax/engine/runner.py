@@ -918,7 +918,7 @@ class ModelRunner:
             the accepted branch's K/V (and features) moved from the nodes' slots n - 1 + i to positions
             n .. n + k - 1. ``copy_valid`` [S, copy depth]: the copy branch's nodes a row may accept (it copied a
             token there). ``st.allowed`` [S, N + 1, V] (None: none): structured outputs' masks, node i's row for
-            the token after its branch (``RequestGrammar.walk``)."""
+            the token after its branch (``TokenConstraint.walk``)."""
             tree = self.trees[gamma]
             num_nodes = tree.num_nodes
             state = self.target.unflatten(leaves)
@@ -1070,7 +1070,7 @@ class ModelRunner:
     def _walk_constraints(self, requests: list[Request], drafts: np.ndarray, st: SamplingTensors,
                           tree: SpecTree | None, first_masks: np.ndarray) -> SamplingTensors:
         """``st`` for a verify with structured outputs: each such row's allowed tokens at every position
-        (``RequestGrammar.walk`` over its drafts ``drafts`` [S, γ], or over its tree's node tokens [S, N] along
+        (``TokenConstraint.walk`` over its drafts ``drafts`` [S, γ], or over its tree's node tokens [S, N] along
         ``tree``'s branches). The first draft of a branch the constraint refuses is banned by its parent's mask, so
         the verify rejects it and draws from the residual, as rejection sampling must; what follows it (all tokens
         allowed: no mask) is never reached. No limit on the row's accepted drafts: one at that draft would draw

@@ -116,7 +116,7 @@ class SamplingTensors(NamedTuple):
     max_accept: jax.Array | None = None
     penalties: Penalties | None = None  # when a row has presence / frequency / repetition penalties
     # [B, P, V] bool: the tokens each row may take at each of a verify's P positions (None: all; structured
-    # outputs', ``RequestGrammar.walk``: a chain's positions, or a tree's nodes), applied after the bias:
+    # outputs', ``TokenConstraint.walk``: a chain's positions, or a tree's nodes), applied after the bias:
     # apply_allowed
     allowed: jax.Array | None = None
 

@@ -7,7 +7,7 @@ matcher, advanced with every token it commits. Before each step the runner asks 
 next (:meth:`RequestGrammar.allowed`) and bans the others in that row's dense logit bias
 (``ModelRunner._sampling_tensors``), so greedy and sampled rows, prefill and decode, draw only allowed tokens. A
 speculative step proposes the row's first draft (a token tree: the root's candidates) under the mask, walks its
-drafts through the matcher (:meth:`RequestGrammar.walk`: the mask at each position, a chain's or each tree node's
+drafts through the matcher (:meth:`TokenConstraint.walk`: the mask at each position, a chain's or each tree node's
 along its branch, up to the first draft of a branch it refuses, then rolled back) and verifies them under those
 masks (``ModelRunner._walk_constraints``, ``SamplingTensors.allowed``). When the grammar is complete only the
 end-of-sequence tokens are allowed, and the request ends once the matcher accepts one (``ignore_eos`` included).
