@@ -46,7 +46,7 @@ _HELP = {
                    "shipped draft), none, or ngram (no draft model: n-gram lookup's copies alone)",
     "num_speculative_tokens": "γ_max: the most draft tokens per step",
     "spec_tree_nodes": "decode steps verify a token tree of up to this many drafted nodes (depth γ; with n-gram "
-                       "lookup on, plus a copy branch of γ nodes); 0: a chain",
+                       "lookup on, plus a copy branch of γ nodes; needs a draft model); 0: a chain",
     "spec_tree_min_gamma": "the smallest γ whose steps use the token tree (smaller γ: chains); "
                            "num_speculative_tokens: only γ_max, so the planner picks AR, chain or tree by load",
     "spec_tree_file": "JSON with the tree's rank-path 'order' (scripts/fit_spec_tree.py fit); default: the shipped one",

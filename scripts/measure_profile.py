@@ -133,6 +133,10 @@ def main() -> None:
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     prompt_lens = [int(p) for p in args.prompt_lens.split(",")]
+    if args.gamma_max < 1:
+        # (0 wrote NaN acceptance rates into the JSON: there is no speculation to measure)
+        raise SystemExit(f"--gamma-max {args.gamma_max}: the profile measures speculative steps up to γ_max and the "
+                         f"draft's acceptance at it; allowed 1 or more")
     gammas = list(range(args.gamma_max + 1))
     max_batch = max(batch_sizes)
     if max(prompt_lens) + args.output_len + args.gamma_max + 2 > args.max_model_len:

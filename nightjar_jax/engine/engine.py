@@ -196,6 +196,14 @@ class LLMEngine:
         if self.ngram_only and config.spec.spec_tree_nodes:
             raise ConfigError("spec_tree_nodes needs a draft model to rank a tree's candidates: with "
                               "draft_model='ngram' allowed 0")
+        if draft is None and not self.ngram_only and config.spec.spec_tree_nodes:
+            # (it was ignored: a user asking for trees got plain decoding without a word)
+            raise ConfigError(f"spec_tree_nodes={config.spec.spec_tree_nodes} needs a draft model to rank a tree's "
+                              f"candidates, and this engine has none (draft_model={config.spec.draft_model!r}): "
+                              f"pass a draft_model, or leave spec_tree_nodes at 0")
+        if draft is not None and not config.spec.num_speculative_tokens:
+            logger.warning("num_speculative_tokens=0: the draft %s is loaded (its weights and KV pool take memory) but "
+                           "never drafts; draft_model='none' decodes plainly without it", draft.config.name)
         gamma_max = config.spec.num_speculative_tokens if draft is not None or self.ngram_only else 0
         self.runner = ModelRunner(
             target, draft, num_pages=num_pages, page_size=config.cache.page_size, max_model_len=self.max_model_len,

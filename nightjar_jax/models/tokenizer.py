@@ -203,7 +203,14 @@ class Tokenizer:
         return list(ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text for ``ids``. Ids past the tokenizer's vocabulary (a model's padded rows) decode to nothing, in every
+        backend (the Rust tokenizers drop them, SentencePiece raised); a negative id is a ``ValueError``."""
         ids = [int(i) for i in ids]
+        vocab = self.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            if min(ids) < 0:
+                raise ValueError(f"token id {min(ids)} is negative: token ids are 0 .. {vocab - 1} for this tokenizer")
+            ids = [i for i in ids if i < vocab]
         if self.hf_tokenizer is not None:
             return self.hf_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -52,6 +52,16 @@ def test_sentencepiece_model_matches_tokenizer_json(stories):
         assert sp.decode(sp.encode(text)) == text
 
 
+def test_decode_out_of_range_ids_alike_in_both_backends(stories):
+    """Ids past the vocabulary (a model's padded rows) decode to nothing in both backends (SentencePiece raised
+    IndexError); a negative id is a ValueError naming the range (it was an OverflowError from the Rust side)."""
+    sp = Tokenizer.from_pretrained(STORIES / "tok512.model")
+    for tok in (stories, sp):
+        assert tok.decode([403, 512, 2**32, 407]) == tok.decode([403, 407]) == "Once upon"
+        with pytest.raises(ValueError, match=r"token id -1 is negative: token ids are 0 \.\. 511"):
+            tok.decode([403, -1])
+
+
 def test_no_chat_template_is_a_clear_error(stories):
     with pytest.raises(ValueError, match="no chat template"):
         stories.apply_chat_template(MESSAGES)

@@ -5,6 +5,8 @@ configuration errors are clear. The sampled distribution: tests/spec/test_spec_d
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from nightjar_jax import LLM, SamplingParams
@@ -83,3 +85,13 @@ def test_the_planner_sees_the_ngram_steps():
 def test_ngram_configuration_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         fake_engine(**{**NGRAM, **kwargs})
+
+
+def test_tree_without_a_draft_is_a_config_error(caplog):
+    """spec_tree_nodes with no draft at all was ignored (plain decoding without a word); a draft with
+    num_speculative_tokens=0 is loaded for nothing, which a warning says."""
+    with pytest.raises(ConfigError, match=r"spec_tree_nodes=8 needs a draft model .*\(draft_model='none'\)"):
+        fake_engine(draft_model="none", spec_tree_nodes=8)
+    with caplog.at_level(logging.WARNING, logger="nightjar_jax"):
+        eng = fake_engine(draft=True, num_speculative_tokens=0)
+    assert eng.gamma_max == 0 and "num_speculative_tokens=0: the draft" in caplog.text
