@@ -83,6 +83,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="serve SGLang's POST /update_weights_from_disk ({\"model_path\": ..., \"draft_model_path\": ...}): new "
         "weights from a checkpoint on the server's disk, served without a restart (an RL loop's weight sync)",
     )
+    group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat request's own 'chat_template' (vLLM's flag); without it such a request is a 400",
+    )
     group.add_argument("--max-body-bytes", type=_bounded(int, "max-body-bytes", 1), default=1 << 20,
                        help="request body limit (default: 1 MiB)")
     group.add_argument(
@@ -270,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         reasoning_parser=thoughts,
         enable_sleep_mode=args.enable_sleep_mode,
         enable_weight_updates=args.enable_weight_updates,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     app = build_app(AsyncEngine(engine), settings)
     config = uvicorn.Config(

@@ -77,6 +77,8 @@ class ServerSettings:
     reasoning_parser: str | None = None  # chat answers' <think> text as reasoning_content (reasoning_parsers.py)
     enable_sleep_mode: bool = False  # POST /sleep, POST /wake_up and GET /is_sleeping (vLLM's)
     enable_weight_updates: bool = False  # POST /update_weights_from_disk (SGLang's)
+    # a chat request's own chat_template is rendered (vLLM's --trust-request-chat-template); else it is a 400
+    trust_request_chat_template: bool = False
 
 
 class _ClientGone(Exception):
@@ -129,7 +131,8 @@ def validation_error(exc: ValidationError) -> APIError:
     if k is None:
         path = _field_path(loc)
         got = f" (got {_as_sent(first['input'])})" if path else ""
-        return APIError(400, f"'{path}': {first['msg']}{got}" if path else first["msg"], param=path or None)
+        msg = first["msg"].removeprefix("Value error, ")  # (a validator's own message reads as it was written)
+        return APIError(400, f"'{path}': {msg}{got}" if path else msg, param=path or None)
     prefix = loc[:k]
     tags = list(dict.fromkeys(e["loc"][k] for e in errors if tuple(e["loc"][:k]) == prefix and len(e["loc"]) > k))
     whole = next((e["input"] for e in errors if tuple(e["loc"]) == (*prefix, tags[0])), first["input"])
@@ -283,6 +286,16 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     def token_text(token: int) -> str:
         return engine.tokenizer.token_text(token)
 
+    def response_id(req, request: Request, prefix: str) -> str:
+        """The response's id, ``<prefix>-<base>``: the base is the X-Request-Id header's (which wins, as in vLLM),
+        the body's ``request_id``, or a fresh one. The engine's requests are ``<id>-<i>``, so two requests in flight
+        may not share a base (a 400 from :func:`add_group`)."""
+        header = request.headers.get("x-request-id")
+        if header is not None and not 1 <= len(header) <= 256:
+            raise APIError(400, f"the X-Request-Id header has {len(header)} characters: allowed 1 to 256",
+                           param="request_id")
+        return f"{prefix}-{header or req.request_id or uuid.uuid4().hex}"
+
     def make_params(req, max_tokens: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:
         """The engine's sampling parameters; a bad value is a 400 naming the API's field (``top_logprobs`` for the
         chat API's per-token count, ``logprobs`` for the prompt's, ...)."""
@@ -354,6 +367,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             return stream
         except ValueError as exc:
             field = getattr(exc, "field", None) or "prompt"
+            if field == "request_id":
+                raise APIError(400, f"the request id {request_id!r} is in use by a request in flight: give each "
+                                    f"request its own 'request_id' (or X-Request-Id), or leave it out",
+                               param="request_id") from None
             names = {"structured_outputs": structured_param, "prompt": prompt_param}
             raise APIError(400, str(exc), param=names.get(field, field)) from None
         except RuntimeError as exc:
@@ -678,11 +695,15 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         rendered = [{"role": m.role, "content": m.text(),
                      **{k: v for k in extra if (v := getattr(m, k, None) or (m.model_extra or {}).get(k))}}
                     for m in req.messages]
+        if req.chat_template is not None and not settings.trust_request_chat_template:
+            raise APIError(400, "'chat_template' was sent with the request, but this server renders only its own "
+                                "template: leave 'chat_template' out, or start the server with "
+                                "--trust-request-chat-template (as vLLM's)", param="chat_template")
         tok = need_tokenizer()
         try:
             return tok.apply_chat_template(rendered, add_generation_prompt=req.add_generation_prompt,
                                            tools=req.tools or None, continue_final_message=req.continue_final_message,
-                                           template_kwargs=req.chat_template_kwargs)
+                                           template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template)
         except APIError:
             raise
         except Exception as exc:  # no template, or the template rejected the messages
@@ -748,6 +769,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         model = check_model(req.model)
         req.check_unsupported()
         prompts = req.prompts()
+        rid = response_id(req, request, "cmpl")
+        as_ids = bool(req.return_tokens_as_token_ids)
         if req.echo and engine.tokenizer is None:
             raise APIError(400, "'echo' needs the model's tokenizer to render the prompt; this model has none",
                            param="echo")
@@ -758,10 +781,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             choices = [{"index": i * req.n + j, "text": seq.text or "", "logprobs": None,
                         "finish_reason": seq.finish_reason}
                        for i, r in enumerate(results) for j, seq in enumerate(r.sequences)]
-            return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            return {"id": rid, "object": "text_completion", "created": int(time.time()),
                     "model": model, "choices": choices, "usage": beam_usage(results)}
         params = make_params(req, check_max_tokens(req.engine_max_tokens(), "max_tokens"))
-        rid = f"cmpl-{uuid.uuid4().hex}"
         explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None and not req.prompt_only
         sfield = req.structured_field()
         stream = await add_group(prompts, params, req.n, rid, max_tokens_param="max_tokens" if explicit else None,
@@ -808,7 +830,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 started[index] = True
                 logprobs = None
                 if lps is not None:
-                    logprobs, offsets[index] = completion_logprobs(ids, lps, offsets[index], token_text)
+                    logprobs, offsets[index] = completion_logprobs(ids, lps, offsets[index], token_text, as_ids)
                 choice = {
                     "index": index,
                     "text": text,
@@ -837,8 +859,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 prompt_text, prompt_ids, prompt_lps = echoed(o)
                 text, ids = prompt_text + text, prompt_ids + ids
                 lps = None if lps is None else prompt_lps + lps
-            choices.append({"index": i, "text": text, "finish_reason": finish,
-                            "logprobs": None if lps is None else completion_logprobs(ids, lps, 0, token_text)[0],
+            logprobs = None if lps is None else completion_logprobs(ids, lps, 0, token_text, as_ids)[0]
+            choices.append({"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs,
                             **prompt_part(o)})
         return {**base, "choices": choices, "usage": usage(outs, req.n, generated=not req.prompt_only)}
 
@@ -877,6 +899,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         req.check_unsupported()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         req.allow_auto_tools(settings.tool_call_parser)
+        rid = response_id(req, request, "chatcmpl")
+        as_ids = bool(req.return_tokens_as_token_ids)
+        # echo (vLLM's): an answer to an assistant's last message starts with that message
+        last = req.messages[-1]
+        echoed = last.text() if req.echo and last.role == "assistant" else ""
         if req.use_beam_search:
             max_tokens = check_max_tokens(req.requested_max_tokens(), param)
             (result,) = await beam_search(req, [chat_prompt(req)], max_tokens, request, prompt_param="messages",
@@ -887,14 +914,15 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 if settings.reasoning_parser is not None:
                     reasoning, text = reasoning_parsers.split(message["content"], settings.reasoning_parser)
                     message = {"content": text or None, "reasoning_content": reasoning}
+                if echoed:
+                    message["content"] = echoed + (message["content"] or "")
                 choices.append({"index": j, "message": {"role": "assistant", **message}, "logprobs": None,
                                 "finish_reason": seq.finish_reason})
-            return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            return {"id": rid, "object": "chat.completion", "created": int(time.time()),
                     "model": model, "choices": choices, "usage": beam_usage([result])}
         params = make_params(req, check_max_tokens(req.requested_max_tokens(), param), param)
         call = req.tool_call()  # (validated by make_params: its constraint is the output's)
         prompt = chat_prompt(req)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
         explicit = req.requested_max_tokens() is not None
         sfield = req.structured_field()
         stream = await add_group([prompt], params, req.n, rid, max_tokens_param=param if explicit else None,
@@ -966,7 +994,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 logprobs = None
                 if comp.logprobs is not None:
                     start, sent[index] = sent[index], len(comp.token_ids)
-                    logprobs = chat_logprobs(comp.token_ids[start:], comp.logprobs[start:], num_top)
+                    logprobs = chat_logprobs(comp.token_ids[start:], comp.logprobs[start:], num_top, as_ids)
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 prompt = {}
                 if req.prompt_logprobs is not None and not prompt_sent[index]:  # (with a choice's first chunk)
@@ -988,6 +1016,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 }
                 for i in range(size)
             ]
+            if echoed:  # (as vLLM: a chunk of its own after the role's)
+                first += [{**base, "choices": [{"index": i, "delta": {"content": echoed}, "logprobs": None,
+                                                "finish_reason": None}]} for i in range(size)]
             return StreamingResponse(
                 stream_events(stream, size, req.n, chunk, req.include_usage, first=first,
                               continuous_usage=req.continuous_usage, structured_param=sfield),
@@ -1008,11 +1039,13 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 message, finish = answer(call, text or "", finish, one_call)
             if thinks:  # (vLLM's field; content None when the output was all reasoning)
                 message = {"content": message.pop("content") or None, "reasoning_content": reasoning, **message}
+            if echoed:
+                message["content"] = echoed + (message["content"] or "")
             choices.append({
                 "index": i,
                 "message": {"role": "assistant", **message},
                 "logprobs": None if o.outputs[0].logprobs is None
-                else chat_logprobs(o.outputs[0].token_ids, o.outputs[0].logprobs, num_top),
+                else chat_logprobs(o.outputs[0].token_ids, o.outputs[0].logprobs, num_top, as_ids),
                 "finish_reason": finish,
             })
         prompt = {} if req.prompt_logprobs is None else {"prompt_logprobs": chat_prompt_logprobs(outs[0])}

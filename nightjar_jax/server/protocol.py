@@ -92,6 +92,11 @@ class _SamplingFields(_Strict):
     # (nightjar_jax/engine/beam_search.py), ranked by cum_logprob / length ** length_penalty
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # vLLM's: the response's id is "cmpl-<request_id>" / "chatcmpl-<request_id>" (an X-Request-Id header wins, as
+    # in vLLM); two requests in flight may not share one
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    # vLLM's: log-probabilities' tokens as "token_id:<id>" instead of their text (for text that is not valid UTF-8)
+    return_tokens_as_token_ids: bool | None = None
     # Accepted at their neutral values only (see unsupported).
     user: str | None = None
     safety_identifier: str | None = None  # (OpenAI's successor of 'user')
@@ -341,6 +346,7 @@ class CompletionRequest(_SamplingFields):
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+    cache_control: dict[str, Any] | None = None  # (Anthropic-style prompt-caching hints some clients send: unused)
 
 
 class ChatMessage(BaseModel):
@@ -348,6 +354,16 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content parts of type {short_repr(kind)} are not supported: the models this "
+                                 f"server runs read text; allowed {{\"type\": \"text\", \"text\": ...}} parts")
+        return value
 
     def text(self) -> str:
         if self.content is None:
@@ -369,6 +385,11 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: continue the last (assistant) message instead of a new one
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking...)
+    # vLLM's: a Jinja template for this request instead of the model's (serve --trust-request-chat-template)
+    chat_template: str | None = None
+    # vLLM's: when the last message is the assistant's, the answer's content starts with it (with
+    # continue_final_message: the whole message)
+    echo: bool = False
     # vLLM's: whether encoding the rendered text adds the tokenizer's special tokens (BOS); with true (here the
     # default) a BOS the template wrote itself is kept once; false: only what the template wrote (vLLM's default)
     add_special_tokens: bool = True
@@ -507,15 +528,17 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # (with messages, as on /v1/chat/completions)
     tools: list[dict[str, Any]] | None = None  # (with messages: rendered as /v1/chat/completions renders them)
     return_token_strs: bool = False  # vLLM's: each token's string too (the vocabulary's, as "token_strs")
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
-        if self.tools and self.messages is None:
-            raise APIError(400, "'tools' go with 'messages' (a chat template renders them), not with 'prompt'",
-                           param="tools")
+        for name in ("tools", "chat_template"):
+            if getattr(self, name) and self.messages is None:
+                raise APIError(400, f"'{name}' goes with 'messages' (a chat template renders them), not with "
+                                    f"'prompt'", param=name)
 
 
 class UpdateWeightsRequest(_Strict):
@@ -557,26 +580,27 @@ def top_entries(entries: list[dict | None], tokens: list[int], k: int) -> list[d
             for e, tok in zip(entries, tokens, strict=True)]
 
 
-def _token_text(lp: Any, token: int) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token}"
+def _token_text(lp: Any, token: int, as_ids: bool = False) -> str:
+    return lp.decoded_token if lp.decoded_token is not None and not as_ids else f"token_id:{token}"
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict | None], text_offset: int = 0,
-                        token_text=None) -> tuple[dict, int]:
+                        token_text=None, as_ids: bool = False) -> tuple[dict, int]:
     """The legacy completions ``logprobs`` object for tokens and their ``{token id: Logprob}`` entries
     (``CompletionOutput.logprobs``, or with ``echo`` ``RequestOutput.prompt_logprobs`` first, whose first entry is
     None: its token gets null values, its text from ``token_text(id)``): ``tokens``, ``token_logprobs``,
     ``top_logprobs`` (per token, the asked top-k plus the token itself, keyed by text, as OpenAI) and ``text_offset``
     (each token's start in the text, counting from ``text_offset``). Returns the object and the offset after the last
-    token (for the next streamed chunk)."""
+    token (for the next streamed chunk). ``as_ids`` (vLLM's ``return_tokens_as_token_ids``): every token is written
+    ``token_id:<id>``."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in zip(token_ids, logprobs, strict=True):
         if entry is None:
-            text = token_text(token) if token_text is not None else f"token_id:{token}"
+            text = token_text(token) if token_text is not None and not as_ids else f"token_id:{token}"
             value, top = None, None
         else:
-            text = _token_text(entry[token], token)
-            value, top = entry[token].logprob, {_token_text(lp, t): lp.logprob for t, lp in entry.items()}
+            text = _token_text(entry[token], token, as_ids)
+            value, top = entry[token].logprob, {_token_text(lp, t, as_ids): lp.logprob for t, lp in entry.items()}
         out["tokens"].append(text)
         out["token_logprobs"].append(value)
         out["top_logprobs"].append(top)
@@ -585,21 +609,22 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict | None], text_
     return out, text_offset
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[dict], num_top: int) -> dict:
+def chat_logprobs(token_ids: list[int], logprobs: list[dict], num_top: int, as_ids: bool = False) -> dict:
     """The chat completions ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}`` with the
-    ``num_top`` most likely tokens at each position (most likely first)."""
+    ``num_top`` most likely tokens at each position (most likely first); ``as_ids``: tokens written
+    ``token_id:<id>`` (their bytes those of that string, as vLLM)."""
     content = []
     for token, entry in zip(token_ids, logprobs, strict=True):
         top = sorted(entry.items(), key=lambda item: -item[1].logprob)[:num_top]
         content.append({
-            **_chat_token(token, entry[token]),
-            "top_logprobs": [_chat_token(t, lp) for t, lp in top],
+            **_chat_token(token, entry[token], as_ids),
+            "top_logprobs": [_chat_token(t, lp, as_ids) for t, lp in top],
         })
     return {"content": content}
 
 
-def _chat_token(token: int, lp: Any) -> dict:
-    text = _token_text(lp, token)
+def _chat_token(token: int, lp: Any, as_ids: bool = False) -> dict:
+    text = _token_text(lp, token, as_ids)
     return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
 
 

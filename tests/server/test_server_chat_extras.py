@@ -1,0 +1,136 @@
+"""vLLM's request extras on the chat and completion endpoints, in process over stories260K: ``request_id`` (and the
+X-Request-Id header), ``return_tokens_as_token_ids``, chat's ``echo``, a request's own ``chat_template`` (with
+``--trust-request-chat-template`` only) and text parts' ``cache_control``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from nightjar_jax import LLM
+from nightjar_jax.server.app import ServerSettings, build_app
+from nightjar_jax.server.async_engine import AsyncEngine
+
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+OTHER_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=64)
+    llm.engine.tokenizer.chat_template = TEMPLATE
+    return llm
+
+
+@pytest.fixture(scope="module")
+def client(llm):
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s", trust_request_chat_template=True))) as c:
+        yield c
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
+
+
+def chat(client, messages, **body):
+    resp = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0, **body})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def events(resp) -> list[dict]:
+    return [json.loads(line[6:]) for line in resp.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_request_id_names_the_response(client):
+    body = chat(client, [{"role": "user", "content": "Hi"}], request_id="my-id-1")
+    assert body["id"] == "chatcmpl-my-id-1"
+    resp = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2, "request_id": "abc"})
+    assert resp.status_code == 200 and resp.json()["id"] == "cmpl-abc"
+    # the header wins over the body, as in vLLM
+    resp = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2, "request_id": "abc"},
+                       headers={"X-Request-Id": "from-header"})
+    assert resp.json()["id"] == "cmpl-from-header"
+    resp = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2, "request_id": ""})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "request_id"
+
+
+def test_a_request_id_in_flight_is_a_400(client, llm):
+    """Two requests in flight may not share an id: the second is a 400 naming request_id, the first is served."""
+    body = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "stream": True, "request_id": "dup"}
+    with client.stream("POST", "/v1/completions", json=body) as first:
+        lines = first.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # (the first is under way)
+        resp = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2, "request_id": "dup"})
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == "request_id" and "'cmpl-dup' is in use by a request in flight" in err["message"]
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    # once it finished, the id is free again
+    resp = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2, "request_id": "dup"})
+    assert resp.status_code == 200 and resp.json()["id"] == "cmpl-dup"
+
+
+def test_return_tokens_as_token_ids(client):
+    body = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    as_ids = client.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True}).json()
+    lps = as_ids["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in lps["tokens"]) and lps["token_logprobs"] == plain["token_logprobs"]
+    assert all(k.startswith("token_id:") for top in lps["top_logprobs"] for k in top)
+    msgs = [{"role": "user", "content": "Hi"}]
+    content = chat(client, msgs, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True)["choices"][0][
+        "logprobs"]["content"]
+    ids = [int(c["token"].split(":")[1]) for c in content]
+    assert ids and content[0]["bytes"] == list(content[0]["token"].encode())
+    assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])
+    # the ids are the generated tokens: they decode to the answer's text
+    text = chat(client, msgs)["choices"][0]["message"]["content"]
+    assert client.post("/detokenize", json={"tokens": ids}).json()["prompt"] == text.lstrip()  # (SentencePiece)
+
+
+def test_chat_echo_starts_the_answer_with_the_assistants_last_message(client):
+    msgs = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon"}]
+    cont = dict(add_generation_prompt=False, continue_final_message=True)
+    plain = chat(client, msgs, **cont)["choices"][0]["message"]["content"]
+    echoed = chat(client, msgs, echo=True, **cont)["choices"][0]["message"]["content"]
+    assert echoed == "Once upon" + plain
+    resp = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0,
+                                                     "echo": True, "stream": True, **cont})
+    chunks = events(resp)
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""},
+                                                              {"content": "Once upon"}]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == echoed
+    # the last message a user's: nothing to echo
+    user_last = [{"role": "user", "content": "Hi"}]
+    assert (chat(client, user_last, echo=True)["choices"][0]["message"]["content"]
+            == chat(client, user_last)["choices"][0]["message"]["content"])
+
+
+def test_request_chat_template_and_cache_control(client, llm):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}]
+    ids = client.post("/tokenize", json={"messages": msgs, "chat_template": OTHER_TEMPLATE,
+                                         "add_generation_prompt": False}).json()["tokens"]
+    assert ids == llm.engine.tokenizer.encode("[user] Hi ")
+    body = chat(client, msgs, chat_template=OTHER_TEMPLATE)
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert chat(client, msgs)["usage"]["prompt_tokens"] == len(llm.engine.tokenizer.encode("user: Hi\nassistant:"))
+    resp = client.post("/v1/chat/completions", json={"messages": msgs, "chat_template": "{% for %}"})
+    assert resp.status_code == 400 and "could not apply the chat template" in resp.json()["error"]["message"]
+    resp = client.post("/tokenize", json={"prompt": "Hi", "chat_template": OTHER_TEMPLATE})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template"
+
+
+def test_request_chat_template_needs_the_servers_trust(llm):
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s"))) as client:
+        resp = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                         "chat_template": OTHER_TEMPLATE})
+        assert resp.status_code == 400
+        err = resp.json()["error"]
+        assert err["param"] == "chat_template" and "--trust-request-chat-template" in err["message"]
+        image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}
+        resp = client.post("/v1/chat/completions", json={"messages": [image]})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["message"].startswith(
+            "'messages[0].content': content parts of type 'image_url' are not supported: the models this server runs "
+            "read text")
