@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from nightjar_jax.cache.allocator import PageAllocator
@@ -289,6 +288,7 @@ class LLMEngine:
             state = pack_state(state, cfg.linear_impl, weight_format=cfg.weight_format)
             handle = ModelHandle(ckpt.config, graphdef, state)
             del state  # stack_layers replaces the per-layer arrays
+            self._check_finite(handle, spec)  # (before stacking: the error names the layer)
             handle.stack_layers()
             return handle, ckpt.tokenizer
         ckpt = load_checkpoint(base, load_format=cfg.load_format, dtype=cfg.dtype, tokenizer=tokenizer_spec)
@@ -301,8 +301,17 @@ class LLMEngine:
         state = pack_state(state, cfg.linear_impl, weight_format=cfg.weight_format)
         handle = ModelHandle(model_cfg, graphdef, state)
         del state
+        self._check_finite(handle, spec)
         handle.stack_layers()
         return handle, ckpt.tokenizer
+
+    @staticmethod
+    def _check_finite(handle: ModelHandle, source: str) -> None:
+        """A checkpoint's NaN or infinity is refused at load: the model would serve garbage (a NaN everywhere reads
+        as token 0 on every step) without a word. In every format, after unpacking (a quantized one's scales)."""
+        bad = handle.nonfinite()
+        if bad is not None:
+            raise ValueError(f"{source}: the weights hold NaN or infinite values (in {bad}): weights must be finite")
 
     def _num_pages(self) -> int:
         cache = self.config.cache
@@ -788,13 +797,10 @@ class LLMEngine:
         """``weights`` (a spec or path, an HF-named state dict, or a handle) as a handle laid out as this engine
         lays out its own (packed, stacked)."""
         if isinstance(weights, (ModelHandle, str)):
-            handle = weights if isinstance(weights, ModelHandle) else self._load(weights, tokenizer_spec=None)[0]
-            for x in handle.leaves():  # (a checkpoint's NaN serves garbage: refused as a state dict's is)
-                if (isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
-                        and not bool(jnp.isfinite(x).all())):
-                    raise ValueError(f"{field}: the new weights hold NaN or infinite values ({x.shape} {x.dtype}): "
-                                     f"weights must be finite")
-            return handle
+            if isinstance(weights, ModelHandle):  # (a spec's load checks its own)
+                self._check_finite(weights, field)
+                return weights
+            return self._load(weights, tokenizer_spec=None)[0]
         if not hasattr(weights, "items"):
             raise ValueError(f"{field} must be a checkpoint spec or path, an HF-named state dict or a ModelHandle, "
                              f"got {type(weights).__name__}")

@@ -224,6 +224,22 @@ class ModelHandle:
         A jitted function takes :meth:`leaves` and calls :meth:`unflatten` inside."""
         return self.unflatten(self.leaves())
 
+    def nonfinite(self) -> str | None:
+        """The path of the first floating-point array holding NaN or an infinity, or None (one host sync for all)."""
+        paths, flags = [], []
+        for path, x in jax.tree_util.tree_flatten_with_path(self.state)[0]:
+            if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
+                paths.append(path)
+                flags.append(jnp.isfinite(x).all())
+        if not flags:
+            return None
+        ok = np.asarray(jnp.stack(flags))
+        bad = [p for p, good in zip(paths, ok, strict=True) if not good]
+        if not bad:
+            return None
+        names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in bad[0]]
+        return ".".join(names[:-1] if names[-1] == "value" and len(names) > 1 else names)  # (nnx's Variable.value)
+
     def leaves(self) -> tuple:
         """The state's arrays as a flat tuple, for the jitted steps (which rebuild the state with :meth:`unflatten`).
 

@@ -53,6 +53,27 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "config.json", name: str
         raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
     except (TypeError, AttributeError) as e:
         raise ValueError(f"{source}: a field holds a value of the wrong type ({e})") from None
+    except ValueError as e:  # (ModelConfig's range checks, float("abc"), ...: named after the file)
+        if str(e).startswith(source):
+            raise
+        raise type(e)(f"{source}: {e}") from None
+
+
+def _whole(key: str, value: Any) -> int:
+    """An integer field (``1024``, or ``1024.0`` as some writers store it); 512.7, "512" or true is a ValueError
+    (``int()`` truncated 512.7 to 512 without a word)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key}={value!r} must be an integer")
+    return value
+
+
+def _real(key: str, value: Any) -> float:
+    """A number field; a string or a bool is a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key}={value!r} must be a number")
+    return float(value)
 
 
 def _config_from_hf(hf: dict[str, Any], source: str, name: str | None) -> ModelConfig:
@@ -74,40 +95,44 @@ def _config_from_hf(hf: dict[str, Any], source: str, name: str | None) -> ModelC
 
     # transformers >= 5 writes rope_parameters (with rope_theta inside); older versions rope_scaling + rope_theta
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_theta = _real("rope_theta", rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         rope_scaling = None
     elif rope_type == "llama3":
         rope_scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            factor=_real("factor", rope["factor"]),
+            low_freq_factor=_real("low_freq_factor", rope["low_freq_factor"]),
+            high_freq_factor=_real("high_freq_factor", rope["high_freq_factor"]),
+            original_max_position_embeddings=_whole("original_max_position_embeddings",
+                                                    rope["original_max_position_embeddings"]),
         )
     else:
         raise ValueError(f"{source}: rope_scaling type {rope_type!r} is unsupported (allowed: default, llama3)")
 
     eos = hf.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (_whole("eos_token_id", eos),)
     torch_dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     dtype = _HF_DTYPES.get(str(torch_dtype).removeprefix("torch."))
     if dtype is None:
         raise ValueError(f"{source}: dtype {torch_dtype!r} is unsupported (allowed: {sorted(_HF_DTYPES)})")
-    num_heads = int(hf["num_attention_heads"])
+    num_heads = _whole("num_attention_heads", hf["num_attention_heads"])
+    tied = hf.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):  # (bool("false") is True)
+        raise ValueError(f"tie_word_embeddings={tied!r} must be true or false")
     return ModelConfig(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
+        vocab_size=_whole("vocab_size", hf["vocab_size"]),
+        hidden_size=_whole("hidden_size", hf["hidden_size"]),
+        intermediate_size=_whole("intermediate_size", hf["intermediate_size"]),
+        num_layers=_whole("num_hidden_layers", hf["num_hidden_layers"]),
         num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        num_kv_heads=_whole("num_key_value_heads", hf.get("num_key_value_heads") or num_heads),
         head_dim=hf.get("head_dim"),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        rms_norm_eps=_real("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=tied,
+        max_position_embeddings=_whole("max_position_embeddings", hf.get("max_position_embeddings", 2048)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
         dtype=dtype,
@@ -119,8 +144,16 @@ def read_config(folder: Path) -> ModelConfig:
     path = folder / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{folder}: no config.json (not an HF model folder)")
-    with open(path, encoding="utf-8") as f:
-        return config_from_hf(json.load(f), source=str(path), name=folder.name)
+    return config_from_hf(_read_json(path), source=str(path), name=folder.name)
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file's value; one that does not parse is a ValueError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
 
 
 # ---- safetensors ------------------------------------------------------------------------------------------------
@@ -134,8 +167,24 @@ def _safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
         n = int.from_bytes(raw_len, "little")
         if n <= 0 or n > 100 * 2**20:
             raise ValueError(f"{path}: not a safetensors file (header length {n})")
-        header = json.loads(f.read(n))
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not a safetensors file (its header is not JSON: {exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (its header is a JSON {type(header).__name__}, not an "
+                         f"object)")
     header.pop("__metadata__", None)
+    for name, info in header.items():  # (a KeyError or numpy's offset error named no file)
+        ok = isinstance(info, dict) and isinstance(info.get("dtype"), str) and isinstance(info.get("shape"), list)
+        offsets = info.get("data_offsets") if ok else None
+        ok = ok and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in info["shape"])
+        ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(
+            isinstance(o, int) and not isinstance(o, bool) for o in offsets) and 0 <= offsets[0] <= offsets[1]
+        if not ok:
+            raise ValueError(f"{path}: tensor {name}'s header entry is corrupt (want {{'dtype': str, 'shape': "
+                             f"[non-negative ints], 'data_offsets': [begin, end], 0 <= begin <= end}}, got "
+                             f"{str(info)[:120]})")
     return header, 8 + n
 
 
@@ -172,7 +221,8 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata
     offset = 0
     arrays = {}
     for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
+        arr = np.asarray(arr)
+        arr = np.ascontiguousarray(arr).reshape(arr.shape)  # (ascontiguousarray makes a 0-d array 1-d)
         span = [offset, offset + arr.nbytes]
         header[name] = {"dtype": inverse[arr.dtype], "shape": list(arr.shape), "data_offsets": span}
         arrays[name] = arr
@@ -184,7 +234,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for arr in arrays.values():
-            f.write(arr.data)
+            f.write(arr.reshape(-1).view(np.uint8).data)  # (bytes: a bfloat16 array exports no buffer of its own)
     os.replace(tmp, path)
 
 
@@ -192,8 +242,11 @@ def weight_files(folder: Path) -> list[Path]:
     """The safetensors files of an HF folder (all shards of the index, each checked to exist)."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map", {})
+        raw = _read_json(index)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: not a safetensors index (want {{'weight_map': {{tensor name: shard file "
+                             f"name}}}})")
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (folder / s).exists()]
         if missing:

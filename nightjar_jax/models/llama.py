@@ -641,6 +641,11 @@ def state_from_hf(
         _check_head_token_ids(cfg, np.asarray(state_dict[HEAD_TOKEN_IDS]), source)
     for hf_name, (path, transpose) in pmap.items():
         arr = state_dict[hf_name]
+        kind = np.dtype(arr.dtype)
+        if hf_name != HEAD_TOKEN_IDS and not (np.issubdtype(kind, np.floating) or kind.name == "bfloat16"):
+            # (integer or bool weights were cast to the model's float dtype without a word: a wrong model)
+            raise ValueError(f"{source}: tensor {hf_name} is {kind.name}: weights must be floating-point "
+                             f"(float32, float16 or bfloat16)")
         want = tuple(flat[path].get_value().shape)
         got = tuple(arr.shape[::-1]) if transpose else tuple(arr.shape)
         if got != want:

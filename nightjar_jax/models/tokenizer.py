@@ -116,8 +116,24 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path_or_file: str | Path) -> Tokenizer:
         """Load from a folder (``tokenizer_config.json`` + ``tokenizer.json`` or ``tokenizer.model``), a bare
-        ``tokenizer.json`` or a SentencePiece ``.model`` file."""
+        ``tokenizer.json`` or a SentencePiece ``.model`` file. A file the tokenizer libraries cannot read is a
+        ``ValueError`` naming it (their own errors name no file)."""
         path = Path(path_or_file)
+        try:
+            return cls._from_path(path)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            if str(path) in str(exc):
+                raise
+            where = path  # (in a folder without tokenizer_config.json, the file read)
+            if path.is_dir() and not (path / "tokenizer_config.json").exists():
+                where = next((path / f for f in ("tokenizer.json", "tokenizer.model") if (path / f).exists()), path)
+            raise ValueError(f"{where}: not a tokenizer this engine can read ({type(exc).__name__}: "
+                             f"{str(exc)[:200]})") from exc
+
+    @classmethod
+    def _from_path(cls, path: Path) -> Tokenizer:
         if path.is_dir():
             if (path / "tokenizer_config.json").exists():
                 return cls._from_transformers(path)

@@ -274,10 +274,94 @@ def test_gguf_caches_weights_config_and_tokenizer(tmp_path, monkeypatch):
     ({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1},
      "missing required field 'num_attention_heads'"),
     ({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
-      "num_attention_heads": None}, "a field holds a value of the wrong type"),
+      "num_attention_heads": None}, "num_attention_heads=None must be an integer"),
 ])
 def test_a_bad_hf_config_is_a_value_error_naming_it(tmp_path, config, message):
     """What the loaders, the CLI (exit 2, one line) and update_weights (a 400) report for a broken config.json."""
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         load_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"vocab_size": 512.7}, "vocab_size=512.7 must be an integer"),  # (int() truncated it to 512)
+    ({"rms_norm_eps": "abc"}, "rms_norm_eps='abc' must be a number"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false' must be true or false"),  # (bool("false"))
+    ({"num_key_value_heads": 3}, "num_kv_heads=3 is invalid"),  # (ModelConfig's check, now naming the file)
+])
+def test_config_values_are_checked_naming_the_file(tmp_path, tiny_weights, overrides, message):
+    _write_hf(tmp_path, tiny_weights, **overrides)
+    with pytest.raises(ValueError, match=f"^{tmp_path}/config.json: {message}"):
+        load_checkpoint(str(tmp_path))
+    (tmp_path / "config.json").write_text("{'not': json}")
+    with pytest.raises(ValueError, match=f"^{tmp_path}/config.json: not valid JSON"):
+        load_checkpoint(str(tmp_path))
+
+
+def _header_file(path: Path, header: bytes) -> None:
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(64))
+
+
+@pytest.mark.parametrize("header, message", [
+    (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]', "its header is not JSON"),
+    (b"\xff\xfe{}", "its header is not JSON"),
+    (b"[1, 2]", "its header is a JSON list, not an object"),
+    (b'{"a": {"shape": [2], "data_offsets": [0, 8]}}', "tensor a's header entry is corrupt"),
+    (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}}', "tensor a's header entry is corrupt"),
+    (b'{"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}', "tensor a's header entry is corrupt"),
+])
+def test_a_corrupt_safetensors_header_names_the_file(tmp_path, header, message):
+    """These were a JSONDecodeError, UnicodeDecodeError, TypeError, KeyError or numpy's error, naming no file."""
+    from nightjar_jax.models.hf import read_safetensors
+
+    _header_file(tmp_path / "model.safetensors", header)
+    with pytest.raises(ValueError, match=f"^{tmp_path}/model.safetensors: .*{message}"):
+        read_safetensors(tmp_path / "model.safetensors")
+
+
+def test_a_corrupt_index_or_tokenizer_names_the_file(tmp_path, tiny_weights):
+    _write_hf(tmp_path, tiny_weights)
+    index = tmp_path / "model.safetensors.index.json"
+    for text, message in (("{oops", "not valid JSON"), ('{"weight_map": ["model.safetensors"]}',
+                                                        "not a safetensors index")):
+        index.write_text(text)
+        with pytest.raises(ValueError, match=f"^{index}: {message}"):
+            load_checkpoint(str(tmp_path))
+    from nightjar_jax.models.tokenizer import Tokenizer
+
+    (tmp_path / "tokenizer.json").write_text('{1: "no"}')
+    with pytest.raises(ValueError, match=f"^{tmp_path}/tokenizer.json: not a tokenizer this engine can read"):
+        Tokenizer.from_pretrained(tmp_path)
+
+
+def test_write_safetensors_bfloat16_round_trip(tmp_path):
+    """Its docstring promised bfloat16; the write failed ("cannot include dtype 'E' in a buffer")."""
+    import ml_dtypes
+
+    from nightjar_jax.models.hf import read_safetensors
+
+    arrays = {"w": np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16),
+              "s": np.array(1.5, dtype=ml_dtypes.bfloat16)}
+    write_safetensors(tmp_path / "x.safetensors", arrays)
+    back = read_safetensors(tmp_path / "x.safetensors")
+    for name, arr in arrays.items():
+        assert back[name].dtype == arr.dtype and back[name].shape == arr.shape
+        np.testing.assert_array_equal(back[name].astype(np.float32), arr.astype(np.float32))
+
+
+def test_weights_must_be_finite_floats(tmp_path, tiny_weights):
+    """Integer or bool weights were cast to floats, and a NaN loaded in every format: through LLM() the model then
+    generated token 0 on every step, without a word."""
+    from nightjar_jax.config import make_engine_config
+    from nightjar_jax.engine.engine import LLMEngine
+
+    ints = {**tiny_weights, "model.norm.weight": np.ones(TINY.hidden_size, np.int32)}
+    _write_hf(tmp_path / "ints", ints)
+    with pytest.raises(ValueError, match="tensor model.norm.weight is int32: weights must be floating-point"):
+        load_model(str(tmp_path / "ints"))
+    down = np.array(tiny_weights["model.layers.1.mlp.down_proj.weight"])
+    down[3, 5] = np.nan
+    _write_hf(tmp_path / "nan", {**tiny_weights, "model.layers.1.mlp.down_proj.weight": down})
+    with pytest.raises(ValueError, match=r"/nan: the weights hold NaN or infinite values \(in layers.*down_proj"):
+        LLMEngine(make_engine_config(model=str(tmp_path / "nan"), tokenizer=str(STORIES / "tokenizer.json"),
+                                     draft_model="none", num_pages=8, compilation_cache_dir=None))
