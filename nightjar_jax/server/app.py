@@ -948,6 +948,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             prompt_sent = [False] * size  # per choice: prompt_logprobs went out
             auto = call is not None and call[0] == "auto"
             parsers = [tool_parsers.make_stream(settings.tool_call_parser) for _ in range(size)] if auto else []
+            required = [tool_parsers.RequiredCallsStream() for _ in range(size)] if (
+                constrained and call[0] == "required") else []
+            named_ids = [f"chatcmpl-tool-{uuid.uuid4().hex}" for _ in range(size)] if (
+                constrained and call[0] == "named") else []
+            named_started = [False] * size
             thoughts = [ReasoningStream(settings.reasoning_parser) for _ in range(size)] if thinks else []
 
             def text_delta(index, comp) -> tuple[str, str]:
@@ -975,12 +980,24 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 if out is None:
                     return dict(base)
                 comp = out.outputs[0]
-                if constrained:  # a tool call: sent whole when the arguments are complete
-                    if not comp.finished:
+                if constrained:  # a tool call's arguments stream as the model writes them (as vLLM's)
+                    delta, finish = {}, comp.finish_reason
+                    if named_ids:  # (the output is the named function's arguments)
+                        if not named_started[index]:
+                            named_started[index] = True
+                            delta = {"tool_calls": [{"index": 0, "id": named_ids[index], "type": "function",
+                                                     "function": {"name": call[1][0]["name"],
+                                                                  "arguments": comp.delta_text}}]}
+                        elif comp.delta_text:
+                            delta = {"tool_calls": [{"index": 0, "function": {"arguments": comp.delta_text}}]}
+                    else:  # required: the calls of a JSON array, each once its name is complete
+                        calls = required[index].feed(comp.delta_text)
+                        if calls:
+                            delta = {"tool_calls": calls}
+                        if comp.finished and finish == "stop":
+                            finish = answer(call, required[index].text, finish)[1]  # (tool_calls when it parses)
+                    if not delta and not comp.finished:
                         return None  # (its tokens' log-probabilities go with the next chunk that is sent)
-                    delta, finish = answer(call, comp.text, comp.finish_reason)
-                    if "tool_calls" in delta:
-                        delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
                 else:
                     reasoning, text = text_delta(index, comp)
                     if auto:

@@ -289,3 +289,112 @@ def tool_calls_json(calls: list[ToolCall], first_index: int = 0, streamed: bool 
                  "function": {"name": call.name, "arguments": call.arguments}}
         out.append({"index": first_index + k, **entry} if streamed else entry)
     return out
+
+
+class RequiredCallsStream:
+    """Streams the calls of a ``tool_choice: "required"`` answer as they are written: its text is the constrained
+    JSON array ``[{"name": ..., "parameters": {...}}, ...]`` (a prefix of one while it streams). :meth:`feed` takes
+    the new text and returns OpenAI's streamed ``tool_calls`` deltas: a call's first (``index``, ``id``, ``type``,
+    its name and the arguments so far) once its name is complete, then its arguments' new text as it comes (the raw
+    JSON of ``parameters``, as vLLM streams them: whitespace as the model wrote it).
+
+    A scan over the characters: the containers open, whether it is in a string, and in each call object the key read
+    last and where the ``parameters`` value starts and ends (the end: the container that value opened closing, or
+    for a scalar, the ``,`` or ``}`` after it)."""
+
+    def __init__(self):
+        self.text = ""
+        self._pos = 0  # scanned up to here
+        self._depth = 0
+        self._in_string = False
+        self._escape = False
+        self._string_start = 0
+        self._expect_key = False  # (at depth 2: the next string is a key)
+        self._key: str | None = None
+        self._value_start: int | None = None  # (at depth 2, after a key's ':': where its value starts)
+        self.calls: list[dict[str, Any]] = []  # per call: name, args_start, args_end, sent, started, id
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        self.text += text
+        self._scan()
+        return self._deltas()
+
+    def _scan(self) -> None:
+        text = self.text
+        for i in range(self._pos, len(text)):
+            c = text[i]
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    self._in_string = False
+                    if self._depth == 2:
+                        self._string_done(text[self._string_start:i + 1])
+                continue
+            call = self.calls[-1] if self.calls and self._depth >= 2 else None
+            if self._depth == 2 and self._value_start is None and self._key is not None and not c.isspace() \
+                    and c not in ":,}":
+                self._value_start = i
+                if self._key == "parameters" and call is not None:
+                    call["args_start"] = i
+            if c == '"':
+                self._in_string, self._string_start = True, i
+            elif c in "[{":
+                self._depth += 1
+                if self._depth == 2 and c == "{":
+                    self.calls.append({"name": None, "args_start": None, "args_end": None, "sent": 0,
+                                       "started": False})
+                    self._expect_key, self._key, self._value_start = True, None, None
+            elif c in "]}":
+                if self._depth == 2:
+                    self._value_done(i)
+                self._depth -= 1
+                if self._depth == 2 and call is not None and self._key == "parameters" \
+                        and call["args_end"] is None and call["args_start"] is not None:
+                    call["args_end"] = i + 1  # (the parameters object closed)
+            elif c == "," and self._depth == 2:
+                self._value_done(i)
+                self._expect_key, self._key, self._value_start = True, None, None
+        self._pos = len(text)
+
+    def _string_done(self, raw: str) -> None:
+        if self._expect_key:
+            try:
+                self._key = json.loads(raw)
+            except ValueError:
+                self._key = None
+            self._expect_key, self._value_start = False, None
+        elif self._key == "name" and self.calls:
+            try:
+                self.calls[-1]["name"] = json.loads(raw)
+            except ValueError:
+                pass
+
+    def _value_done(self, end: int) -> None:
+        """A value at depth 2 ended at ``end`` (a ``,`` or the object's ``}``): a scalar parameters value ends here."""
+        call = self.calls[-1] if self.calls else None
+        if call is not None and self._key == "parameters" and call["args_start"] is not None \
+                and call["args_end"] is None:
+            call["args_end"] = len(self.text[:end].rstrip())
+
+    def _deltas(self) -> list[dict[str, Any]]:
+        import uuid
+
+        out = []
+        for k, call in enumerate(self.calls):
+            if not isinstance(call["name"], str):
+                continue  # (its name is not complete yet: nothing goes out before it)
+            args = ""
+            if call["args_start"] is not None:
+                end = call["args_end"] if call["args_end"] is not None else len(self.text)
+                args = self.text[call["args_start"] + call["sent"]:end]
+                call["sent"] += len(args)
+            if not call["started"]:
+                call["started"] = True
+                out.append({"index": k, "id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+                            "function": {"name": call["name"], "arguments": args}})
+            elif args:
+                out.append({"index": k, "function": {"arguments": args}})
+        return out

@@ -349,9 +349,21 @@ def test_tool_calls(client, server):
         **kw, tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     streamed = [c for d in deltas for c in d.tool_calls or []]
-    assert len(streamed) == 1 and streamed[0].index == 0 and streamed[0].function.name == "get_weather"
-    assert streamed[0].function.arguments == choice.message.tool_calls[0].function.arguments
+    # the arguments stream as they are written (they came whole, in the last chunk): the first delta carries the
+    # call's id, type and name, the rest more of its arguments
+    assert len(streamed) > 2 and {c.index for c in streamed} == {0} and streamed[0].function.name == "get_weather"
+    assert streamed[0].id.startswith("chatcmpl-tool-") and not any(c.id or c.function.name for c in streamed[1:])
+    assert "".join(c.function.arguments for c in streamed) == choice.message.tool_calls[0].function.arguments
     assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "stop"
+    # required: each call once its name is complete, then its arguments as they come
+    chunks = list(client.chat.completions.create(**{**kw, "max_tokens": 128}, tool_choice="required",
+                                                 parallel_tool_calls=False, stream=True))
+    streamed = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or []]
+    assert len(streamed) > 2 and {c.index for c in streamed} == {0} and not any(c.id for c in streamed[1:])
+    (want,) = required.message.tool_calls
+    assert streamed[0].function.name == want.function.name
+    assert json.loads("".join(c.function.arguments for c in streamed)) == json.loads(want.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # a tool whose parameters refer to their own "$defs" (pydantic's form): under "required" the definitions move
     # to the combined schema's top, where "#/$defs/..." resolves (they were a 400 that the schema does not compile)
     located = {"type": "function", "function": {"name": "locate", "parameters": {

@@ -10,7 +10,7 @@ import pytest
 
 from nightjar_jax.server import tool_parsers
 from nightjar_jax.server.protocol import APIError, ChatCompletionRequest
-from nightjar_jax.server.tool_parsers import ToolCall, parse
+from nightjar_jax.server.tool_parsers import RequiredCallsStream, ToolCall, parse
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
@@ -180,3 +180,45 @@ def test_auto_needs_a_parser_and_sets_no_constraint():
     with pytest.raises(APIError, match="one output constraint"):
         req.structured()
     assert json.loads(json.dumps(req.tool_call()[1])) == [{"name": "get_weather", "parameters": {"type": "object"}}]
+
+
+def _joined(deltas: list[dict]) -> dict[int, tuple[str, str]]:
+    calls: dict[int, list] = {}
+    for d in deltas:
+        call = calls.setdefault(d["index"], [None, ""])
+        if "id" in d:
+            assert call[0] is None and d["id"].startswith("chatcmpl-tool-") and d["type"] == "function"
+            call[0] = d["function"]["name"]
+        else:
+            assert call[0] is not None  # (no arguments before the call's first delta, which names it)
+        call[1] += d["function"]["arguments"]
+    return {k: tuple(v) for k, v in calls.items()}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_required_calls_stream_in_any_pieces(seed):
+    """``tool_choice: "required"``'s JSON array streams call by call, the arguments as they come, in whatever
+    pieces the text arrives: each call's pieces join to its raw ``parameters`` JSON (escapes, nesting, a
+    ``parameters`` before the ``name``, a scalar)."""
+    text = ('[ {"name": "get_weather", "parameters": {"city": "Pa\\"ris}", "n": [1, {"a": "]"}]}},\n'
+            '{"parameters": {"zone": "UTC"}, "name": "get_time"}, {"name": "x", "parameters": 5} ]')
+    rng = random.Random(seed)
+    stream, deltas, i = RequiredCallsStream(), [], 0
+    while i < len(text):
+        j = i + rng.randint(1, 6)
+        deltas += stream.feed(text[i:j])
+        i = j
+    assert _joined(deltas) == {0: ("get_weather", '{"city": "Pa\\"ris}", "n": [1, {"a": "]"}]}'),
+                               1: ("get_time", '{"zone": "UTC"}'), 2: ("x", "5")}
+    # a call whose parameters came first goes out whole once its name is read
+    first_of_1 = next(d for d in deltas if d["index"] == 1)
+    assert first_of_1["function"]["arguments"] == '{"zone": "UTC"}'
+
+
+def test_required_calls_stream_cut_short():
+    """An answer cut short (max_tokens) streams what it holds, with no error."""
+    stream = RequiredCallsStream()
+    assert stream.feed('[{"na') == []
+    (first,) = stream.feed('me": "f", "parameters": {"a": [1, 2')
+    assert first["function"] == {"name": "f", "arguments": '{"a": [1, 2'}
+    assert stream.feed("") == []
