@@ -67,6 +67,10 @@ def paged_attention(
         return paged_attention_cpu(q, k_pages, v_pages, block_tables, context_lens, scale=scale,
                                    tree_mask=tree_mask, layer=layer, k_ext=k_ext, v_ext=v_ext)
     if layer is not None:
+        if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < k_pages.shape[0]:
+            # (indexing clamps: layer 7 of 2 read layer 1 without a word; the CPU kernel's own check says the same)
+            raise ValueError(f"layer {int(layer)} of pools stacked over {k_pages.shape[0]} layers: allowed 0 .. "
+                             f"{k_pages.shape[0] - 1}")
         k_pages, v_pages = k_pages[layer], v_pages[layer]
         if k_ext is not None:
             k_ext, v_ext = k_ext[layer], v_ext[layer]

@@ -15,13 +15,12 @@ import jax.numpy as jnp
 
 from kernels_pallas.paged_attention.kernel_gpu import GPU_TUNING_DEFAULTS, paged_attention_gpu
 from kernels_pallas.paged_attention.kernel_tpu import TPU_TUNING_DEFAULTS, paged_attention_tpu
-from kernels_pallas.paged_attention.reference import check_tree_mask, paged_attention_reference
+from kernels_pallas.paged_attention.reference import check_tree_mask, paged_attention_reference, validate_inputs
 
 __all__ = ["import_pallas_backends", "paged_attention", "paged_attention_reference"]
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 BACKENDS = ("auto", "gpu", "tpu")
 
 # Modules that register pallas_call lowerings. Importing them lazily, inside a trace, has been seen to make a
@@ -56,38 +55,6 @@ def _resolve_backend(backend: str) -> str:
         return backend
     # On CPU (and anything else) the GPU body runs interpreted.
     return "tpu" if jax.default_backend() == "tpu" else "gpu"
-
-
-def _validate(q, k_pages, v_pages, block_tables, context_lens, scale) -> None:
-    if q.ndim != 4:
-        raise ValueError(f"q must be [num_seqs, q_len, num_q_heads, head_dim] (rank 4), got shape {q.shape}")
-    if k_pages.ndim != 4:
-        raise ValueError(
-            f"k_pages must be [num_kv_heads, num_pages, page_size, head_dim] (rank 4), got shape {k_pages.shape}"
-        )
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
-    for name, array in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
-        if array.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} dtype {array.dtype} is not supported; allowed: float32, bfloat16")
-    if k_pages.dtype != v_pages.dtype:
-        raise ValueError(f"k_pages and v_pages must share a dtype, got {k_pages.dtype} and {v_pages.dtype}")
-    num_seqs, _, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[0]
-    if k_pages.shape[3] != head_dim:
-        raise ValueError(f"k_pages head_dim {k_pages.shape[3]} must equal q head_dim {head_dim}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} (q axis 2) must be a multiple of num_kv_heads={num_kv_heads}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_pages_per_seq], got {block_tables.shape}")
-    if block_tables.dtype != jnp.int32:
-        raise ValueError(f"block_tables dtype must be int32, got {block_tables.dtype}")
-    if context_lens.shape != (num_seqs,):
-        raise ValueError(f"context_lens must be [num_seqs={num_seqs}], got shape {context_lens.shape}")
-    if context_lens.dtype != jnp.int32:
-        raise ValueError(f"context_lens dtype must be int32, got {context_lens.dtype}")
-    if not isinstance(scale, (int, float)):
-        raise ValueError(f"scale must be a Python float (it is baked into the kernel), got {type(scale).__name__}")
 
 
 def _validate_extension(k_pages, k_ext, v_ext) -> None:
@@ -162,14 +129,17 @@ def paged_attention(
       num_warps, num_stages, and num_splits: key ranges per (sequence, KV head, q block) merged afterwards, 1 = no
       split, 0 = chosen from the grid's size; see ``kernel_gpu.py``).
     """
-    _validate(q, k_pages, v_pages, block_tables, context_lens, scale)
     _validate_extension(k_pages, k_ext, v_ext)
+    validate_inputs(q, k_pages, v_pages, block_tables, context_lens, scale,
+                    num_ext_pages=0 if k_ext is None else k_ext.shape[1])
     if tree_mask is not None:
         check_tree_mask(tree_mask, q.shape[1])
         if tree_mask.dtype != jnp.bool_:
             raise ValueError(f"tree_mask dtype must be bool, got {tree_mask.dtype}")
     backend = _resolve_backend(backend)
     out_dtype = q.dtype
+    if q.size == 0 or block_tables.shape[1] == 0:  # (no rows, or no keys: the reference's zeros; the bodies' grids
+        return jnp.zeros(q.shape, out_dtype)      # cannot be empty)
     # The products take the wider of the two dtypes: a bfloat16 q over float32 pages is widened (q is small); a
     # float32 q over bfloat16 pages stays float32 and each K/V tile is widened in the body (online_softmax_step), so
     # q and the sums stay float32 as they do in the reference and the CPU kernel (kv_cache_dtype="bfloat16" under a

@@ -22,6 +22,68 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def validate_inputs(q, k_pages, v_pages, block_tables, context_lens, scale, num_ext_pages: int = 0) -> None:
+    """The contract's shapes and dtypes (every implementation checks them: the reference read a wrong shape as a
+    silent broadcast or a cryptic reshape error), sizes of at least 1, and, for concrete (not traced) block tables
+    and context lengths, their values: each context within its table's pages, and the table's ids over the pages a
+    context covers within the pools (``num_pages`` plus ``num_ext_pages`` of an extension). Inside ``jit`` the
+    values are the caller's to keep (the engine's scheduler does): an id out of range is clamped by XLA's gather
+    and would be an out-of-bounds read in a compiled kernel."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [num_seqs, q_len, num_q_heads, head_dim] (rank 4), got shape {q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(
+            f"k_pages must be [num_kv_heads, num_pages, page_size, head_dim] (rank 4), got shape {k_pages.shape}"
+        )
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
+    for name, array in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if array.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} dtype {array.dtype} is not supported; allowed: float32, bfloat16")
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages and v_pages must share a dtype, got {k_pages.dtype} and {v_pages.dtype}")
+    num_seqs, _, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size = k_pages.shape[:3]
+    for name, size in (("num_kv_heads (k_pages axis 0)", num_kv_heads), ("num_pages (k_pages axis 1)", num_pages),
+                       ("page_size (k_pages axis 2)", page_size), ("head_dim (q axis 3)", head_dim)):
+        if size < 1:
+            raise ValueError(f"{name} is {size}: must be at least 1")
+    if k_pages.shape[3] != head_dim:
+        raise ValueError(f"k_pages head_dim {k_pages.shape[3]} must equal q head_dim {head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} (q axis 2) must be a multiple of num_kv_heads={num_kv_heads}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_pages_per_seq], got {block_tables.shape}")
+    if block_tables.dtype != jnp.int32:
+        raise ValueError(f"block_tables dtype must be int32, got {block_tables.dtype}")
+    if context_lens.shape != (num_seqs,):
+        raise ValueError(f"context_lens must be [num_seqs={num_seqs}], got shape {context_lens.shape}")
+    if context_lens.dtype != jnp.int32:
+        raise ValueError(f"context_lens dtype must be int32, got {context_lens.dtype}")
+    if not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a Python float (it is baked into the kernel), got {type(scale).__name__}")
+    if isinstance(block_tables, jax.core.Tracer) or isinstance(context_lens, jax.core.Tracer):
+        return
+    import numpy as np
+
+    ctx, table = np.asarray(context_lens), np.asarray(block_tables)
+    width = table.shape[1]
+    bad = np.flatnonzero((ctx < 0) | (ctx > width * page_size))
+    if bad.size:
+        s = int(bad[0])
+        raise ValueError(f"context_lens[{s}]={int(ctx[s])} is out of range: allowed 0 .. {width * page_size} (the "
+                         f"block table's {width} pages of {page_size} tokens)")
+    used = np.arange(width)[None, :] < -(-ctx[:, None] // page_size)
+    total = num_pages + num_ext_pages
+    wrong = used & ((table < 0) | (table >= total))
+    if wrong.any():
+        s, j = (int(i[0]) for i in np.nonzero(wrong))
+        raise ValueError(f"block_tables[{s}, {j}]={int(table[s, j])} is out of range: the pools hold pages 0 .. "
+                         f"{total - 1}")
+
 
 def paged_attention_reference(
     q: jax.Array,  # [num_seqs, q_len, num_q_heads, head_dim]
@@ -38,10 +100,9 @@ def paged_attention_reference(
     Scores and softmax run in float32. Keys at positions >= context_len are never used: their scores are masked
     and their values are replaced by zeros before the weighted sum, so NaN in unused pages cannot leak.
     """
+    validate_inputs(q, k_pages, v_pages, block_tables, context_lens, scale)
     num_seqs, q_len, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     group = num_q_heads // num_kv_heads
     max_pages = block_tables.shape[1]
     num_keys = max_pages * page_size

@@ -32,12 +32,18 @@ def page_hashes(token_ids: Sequence[int], page_size: int, start: list[bytes] | N
     """Chained hashes of the full pages of ``token_ids``: page ``j``'s hash covers every token of pages ``0 .. j``
     (a 16-byte BLAKE2b of the previous page's hash and its own tokens). ``start``: hashes already computed for the
     first pages (extended in place and returned); ``upto``: hash at most this many pages."""
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r} must be an integer >= 1")
     out = [] if start is None else start
     full = len(token_ids) // page_size if upto is None else min(upto, len(token_ids) // page_size)
     prev = out[-1] if out else b""
     for j in range(len(out), full):
         h = hashlib.blake2b(prev, digest_size=16)
-        h.update(b"".join(int(t).to_bytes(4, "little") for t in token_ids[j * page_size:(j + 1) * page_size]))
+        try:
+            h.update(b"".join(int(t).to_bytes(4, "little") for t in token_ids[j * page_size:(j + 1) * page_size]))
+        except OverflowError:
+            bad = next(t for t in token_ids[j * page_size:(j + 1) * page_size] if not 0 <= int(t) < 2**32)
+            raise ValueError(f"token id {bad} is out of range: token ids are 0 .. 2**32 - 1") from None
         prev = h.digest()
         out.append(prev)
     return out
@@ -138,9 +144,13 @@ class PageAllocator:
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold ``num_tokens`` tokens."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens} must be >= 0")
         return -(-num_tokens // self.page_size)
 
     def can_allocate(self, num_pages: int) -> bool:
+        if num_pages < 0:
+            raise ValueError(f"num_pages={num_pages} must be >= 0")
         return num_pages <= self.num_free
 
     def _take(self) -> int:
@@ -158,6 +168,8 @@ class PageAllocator:
         self._draft.discard(page)
 
     def allocate(self, num_pages: int) -> list[int]:
+        if num_pages < 0:
+            raise ValueError(f"num_pages={num_pages} must be >= 0")
         if num_pages > self.num_free:
             raise OutOfPagesError(f"requested {num_pages} pages, only {self.num_free} free")
         pages = [self._take() for _ in range(num_pages)]
@@ -167,12 +179,19 @@ class PageAllocator:
 
     def free(self, pages: list[int]) -> None:
         """Drop one hold on each page. A page nobody holds goes back: to the free list, or, registered, to the
-        cached free pages (a block table's later pages ahead of its first ones, to be handed out before them)."""
+        cached free pages (a block table's later pages ahead of its first ones, to be handed out before them).
+        All or nothing: a page not held (as often as it is listed) raises before any hold is dropped (a failing call
+        halfway through lost the registered pages it had freed)."""
+        if len(set(pages)) != len(pages):
+            counts = collections.Counter(pages)
+            bad = next((p for p, n in counts.items() if self._refs.get(p, 0) < n), None)
+        else:
+            bad = next((p for p in pages if p not in self._refs), None)
+        if bad is not None:
+            raise ValueError(f"page {bad} is not allocated (double free or foreign page)")
         cached: list[int] = []
         for p in pages:
-            refs = self._refs.get(p)
-            if refs is None:
-                raise ValueError(f"page {p} is not allocated (double free or foreign page)")
+            refs = self._refs[p]
             if refs > 1:
                 self._refs[p] = refs - 1
                 continue
@@ -202,10 +221,11 @@ class PageAllocator:
         return sum(1 for p in pages if p not in self._refs)
 
     def share(self, pages: Sequence[int]) -> None:
-        """Take one more hold on each of ``pages`` (registered pages from :meth:`lookup`)."""
+        """Take one more hold on each of ``pages`` (registered pages from :meth:`lookup`); all or nothing."""
+        bad = next((p for p in pages if p not in self._page_hash), None)
+        if bad is not None:
+            raise ValueError(f"page {bad} is not registered: only cached pages can be shared")
         for p in pages:
-            if p not in self._page_hash:
-                raise ValueError(f"page {p} is not registered: only cached pages can be shared")
             if p in self._refs:
                 self._refs[p] += 1
             else:

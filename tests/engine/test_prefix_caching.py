@@ -65,6 +65,32 @@ def test_shared_pages_are_counted_and_cached_free_pages_handed_out_last():
     alloc.check()
 
 
+def test_free_and_share_are_all_or_nothing_and_sizes_are_checked():
+    """A bad page later in the list raises before any hold is dropped or taken: ``free`` used to release the pages
+    before it, and a registered page released that way was lost for good (neither held nor free)."""
+    a = PageAllocator(num_pages=8, page_size=4)
+    held = a.allocate(2)
+    a.register(held[0], b"h0")
+    for bad, message in (([held[0], 99], "page 99 is not allocated"), ([held[0], held[0]], f"page {held[0]} is not")):
+        with pytest.raises(ValueError, match=message):
+            a.free(bad)
+        assert a.num_free == 5 and a.num_cached_free == 0  # (nothing dropped)
+    a.free([held[1]])
+    a.free([held[0]])  # (its last hold: a cached free page)
+    assert (a.num_free, a.num_cached_free) == (7, 1)
+    with pytest.raises(ValueError, match="page 5 is not registered"):
+        a.share([held[0], 5])
+    assert a.num_cached_free == 1 and a.num_unheld([held[0]]) == 1  # (no hold taken)
+    a.check()
+    for call in (a.allocate, a.can_allocate, a.pages_for):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            call(-3)
+    with pytest.raises(ValueError, match="page_size=0 must be an integer >= 1"):
+        page_hashes([1, 2, 3], 0)
+    with pytest.raises(ValueError, match="token id -1 is out of range"):
+        page_hashes([1, -1, 3, 4], 2)
+
+
 def test_detach_extension_moves_a_shared_page_once_and_forgets_cached_extension_pages():
     alloc = PageAllocator(4, 2)  # base ids 1-3, extension ids 4-7
     alloc.attach_extension(4)

@@ -302,3 +302,57 @@ def test_float32_products_ask_for_full_precision_in_kernel_and_reference():
         assert text.count("dot_general[") == text.count(highest) == 2, text
     text = jaxpr(kernel, bf16)
     assert text.count("dot_general[") == 2 and highest not in text, text
+
+
+def _pallas_gpu(**kw):
+    return paged_attention(**kw, backend="gpu", interpret=True)
+
+
+@pytest.mark.parametrize("attend", [paged_attention_reference, _pallas_gpu], ids=["reference", "pallas"])
+@pytest.mark.parametrize("change, message", [
+    # (silent before: the reference broadcast a short context_lens, and gathers clamp an id past the pool; the
+    # Pallas body read page 0 for a context past its table)
+    (lambda a: {**a, "context_lens": a["context_lens"][:1]}, "context_lens must be"),
+    (lambda a: {**a, "v_pages": a["v_pages"][:, :2]}, "v_pages shape"),
+    (lambda a: {**a, "block_tables": a["block_tables"].at[1, 0].set(99)}, r"block_tables\[1, 0\]=99 is out of range"),
+    (lambda a: {**a, "block_tables": a["block_tables"].at[0, 0].set(-1)}, r"block_tables\[0, 0\]=-1 is out of range"),
+    (lambda a: {**a, "context_lens": a["context_lens"].at[0].set(99)}, r"context_lens\[0\]=99 is out of range"),
+    (lambda a: {**a, "context_lens": a["context_lens"].at[1].set(-3)}, r"context_lens\[1\]=-3 is out of range"),
+    (lambda a: {**a, "q": a["q"][..., :0], "k_pages": a["k_pages"][..., :0], "v_pages": a["v_pages"][..., :0]},
+     "head_dim .* is 0: must be at least 1"),
+    (lambda a: {**a, "block_tables": a["block_tables"].astype(jnp.float32)}, "block_tables dtype"),
+])
+def test_every_implementation_checks_shapes_and_concrete_values(attend, change, message):
+    case = make_case([3, 5], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
+    names = ("q", "k_pages", "v_pages", "block_tables", "context_lens")
+    with pytest.raises(ValueError, match=message):
+        attend(**change(dict(zip(names, case.args, strict=True))), scale=case.scale)
+
+
+def test_padding_entries_are_not_checked_and_empty_inputs_give_zeros():
+    """Entries past a context's pages are padding (any value); no rows or no keys: zeros, as the reference gives
+    (the Pallas bodies raised on an empty grid)."""
+    case = make_case([3, 5], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
+    q, k, v, table, ctx = case.args
+    padded = table.at[0, 1:].set(12345)  # (sequence 0 holds one page)
+    assert_close(paged_attention_reference(q, k, v, padded, ctx, scale=case.scale),
+                 paged_attention_reference(*case.args, scale=case.scale))
+    for args in ((q[:0], k, v, table[:0], ctx[:0]), (q, k, v, table[:, :0], jnp.zeros_like(ctx))):
+        want = paged_attention_reference(*args, scale=case.scale)
+        got = _pallas_gpu(**dict(zip(("q", "k_pages", "v_pages", "block_tables", "context_lens"), args, strict=True)),
+                          scale=case.scale)
+        assert got.shape == want.shape == args[0].shape and not np.asarray(got).any() and not np.asarray(want).any()
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_a_layer_past_the_stacked_pools_is_an_error(impl):
+    """Indexing clamps: layer 7 of 2 read layer 1 without a word (the CPU kernel already refused it)."""
+    from nightjar_jax.attention import paged_attention as attend
+
+    case = make_case([3, 5], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
+    q, k, v, table, ctx = case.args
+    stacked_k, stacked_v = jnp.stack([k, k]), jnp.stack([v, v])
+    with pytest.raises(ValueError, match=r"layer 7 of pools stacked over 2 layers: allowed 0 \.\. 1"):
+        attend(q, stacked_k, stacked_v, table, ctx, scale=case.scale, impl=impl, layer=7)
+    assert_close(attend(q, stacked_k, stacked_v, table, ctx, scale=case.scale, impl=impl, layer=1),
+                 paged_attention_reference(*case.args, scale=case.scale))
