@@ -28,6 +28,7 @@ from nightjar_jax.engine.runner import EVICT_MAP_SHARE, DecodeResult, ModelHandl
 from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams
 from nightjar_jax.engine.scheduler import ScheduledBatch, Scheduler
 from nightjar_jax.memory import ElasticPolicy, MemoryAction, PoolState
+from nightjar_jax.planner.base import MAX_STEP_SECONDS
 from nightjar_jax.spec.tree import load_tree_order
 
 logger = logging.getLogger(__name__)
@@ -998,7 +999,8 @@ class LLMEngine:
             self._uncharged_reload_seconds = 0.0  # (charged to this switch, observed or not, as its catch-up is)
         if compiled:
             s.num_compiling_decode_steps += 1
-        if self.gamma_max and not compiled and observe:
+        if self.gamma_max and not compiled and observe and observed <= MAX_STEP_SECONDS:
+            # (past a day, the machine slept mid-step: that time says nothing about γ, and the planner refuses it)
             # A step that compiled a variant (the first of its shape without a full warm-up) timed the compiler,
             # seconds where its arm takes milliseconds: the planner would shun that γ for it, so it does not see it.
             self.planner.observe(result.gamma, batch.num_seqs, committed, observed,

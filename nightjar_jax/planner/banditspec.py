@@ -17,7 +17,7 @@ import dataclasses
 import math
 from typing import Any
 
-from nightjar_jax.planner.base import Planner, register_planner, step_reward
+from nightjar_jax.planner.base import Planner, check_number_option, register_planner, step_reward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +25,7 @@ class BanditSpecOptions:
     exploration: float = 1.0  # weight of the UCB bonus
 
     def __post_init__(self) -> None:
-        if not self.exploration >= 0:
-            raise ValueError(f"exploration must be >= 0, got {self.exploration}")
+        check_number_option(self, "exploration", minimum=0.0, finite=True)
 
 
 @register_planner("banditspec")

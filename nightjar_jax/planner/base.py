@@ -35,6 +35,8 @@ import json
 import logging
 import math
 import numbers
+from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -44,6 +46,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STATE_FORMAT = "nightjar-jax/planner-state/v1"
+
+# What `select` / `observe` accept (docs/planner.md, "Validation"). The bounds are far beyond any real decode
+# step; they keep every planner's arithmetic finite: a reward is at most MAX_TOKENS_PER_SEQUENCE /
+# MIN_STEP_SECONDS ~ 7e13 tokens/s/seq, so its square and its sums over any run fit a float. (Unbounded, a step
+# of 1e-160 s gave rewards of 1e160 whose squares overflowed, and a batch of 2**62 overflowed int64 in `dsd`.)
+MAX_BATCH_SIZE = 2**20  # sequences in one decode step
+MAX_TOKENS_PER_SEQUENCE = 2**16  # tokens one sequence commits in one step (γ accepted drafts + 1 in practice)
+MIN_STEP_SECONDS = 1e-9  # a step's wall time, and its time outside the switch unless that is 0
+MAX_STEP_SECONDS = 86_400.0  # one day
 
 _REGISTRY: dict[str, type[Planner]] = {}
 
@@ -92,7 +103,7 @@ class Planner(abc.ABC):
         `queue_len` (waiting requests) and `free_pages` (free KV pages) are context a planner may use; the
         built-in planners use only the batch size. With `draft_on_device=False` the result is always 0.
         """
-        _check_int("batch_size", batch_size, minimum=1)
+        _check_int("batch_size", batch_size, minimum=1, maximum=MAX_BATCH_SIZE)
         _check_int("queue_len", queue_len, minimum=0)
         if free_pages is not None:
             _check_int("free_pages", free_pages, minimum=0)
@@ -126,19 +137,36 @@ class Planner(abc.ABC):
     ) -> None:
         """Record what a step with `gamma` over `batch_size` sequences produced.
 
-        `num_tokens`: tokens committed in the step over the whole batch (>= 0).
-        `seconds`: wall time of the step, including `switch_seconds` (> 0).
-        `switch_seconds`: draft catch-up / reload time paid in this step (0 <= switch_seconds <= seconds).
+        `batch_size`: 1..MAX_BATCH_SIZE.
+        `num_tokens`: tokens committed in the step over the whole batch (0..batch_size * MAX_TOKENS_PER_SEQUENCE).
+        `seconds`: wall time of the step, including `switch_seconds` (MIN_STEP_SECONDS..MAX_STEP_SECONDS).
+        `switch_seconds`: draft catch-up / reload time paid in this step (0 <= switch_seconds <= seconds); when
+        the rest, `seconds - switch_seconds`, is under MIN_STEP_SECONDS the step counts as all switch (its reward
+        is skipped).
         """
         _check_int("gamma", gamma, minimum=0, maximum=self.gamma_max)
-        _check_int("batch_size", batch_size, minimum=1)
+        _check_int("batch_size", batch_size, minimum=1, maximum=MAX_BATCH_SIZE)
         _check_int("num_tokens", num_tokens, minimum=0)
         gamma, batch_size, num_tokens = int(gamma), int(batch_size), int(num_tokens)
+        if num_tokens > batch_size * MAX_TOKENS_PER_SEQUENCE:
+            raise ValueError(
+                f"num_tokens must be <= batch_size * {MAX_TOKENS_PER_SEQUENCE} = {batch_size * MAX_TOKENS_PER_SEQUENCE}"
+                f" (tokens committed over the batch in one step), got {num_tokens}"
+            )
+        for field, value in (("seconds", seconds), ("switch_seconds", switch_seconds)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{field} must be a number of seconds, got {value!r}")
         seconds, switch_seconds = float(seconds), float(switch_seconds)
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise ValueError(f"seconds must be finite and > 0, got {seconds!r}")
-        if not (math.isfinite(switch_seconds) and 0 <= switch_seconds <= seconds):
+        if not MIN_STEP_SECONDS <= seconds <= MAX_STEP_SECONDS:  # (False for NaN)
+            raise ValueError(
+                f"seconds must be in [{MIN_STEP_SECONDS}, {MAX_STEP_SECONDS}] (a step's wall time), got {seconds!r}"
+            )
+        if not 0 <= switch_seconds <= seconds:
             raise ValueError(f"switch_seconds must be in [0, seconds={seconds}], got {switch_seconds!r}")
+        if 0 < seconds - switch_seconds < MIN_STEP_SECONDS:
+            # (a rounding leftover of a step that was all switch, e.g. a catch-up timed a hair short of its step: a
+            # reward over it would be ~1e13 tokens/s; counted as all switch, its reward is skipped)
+            switch_seconds = seconds
         self.num_observations += 1
         self._observe(gamma, batch_size, num_tokens, seconds, switch_seconds)
         if self._logger is not None:
@@ -290,7 +318,16 @@ def make_planner(
     base, _, argument = name.partition(":")
     cls = planner_class(name)
     if argument:
-        options = {**cls._options_from_spec_argument(argument, gamma_max), **options}
+        from_spec = cls._options_from_spec_argument(argument, gamma_max)
+        for field, value in from_spec.items():
+            # Equal values are fine (`from_json` passes a state's spec and its options); different ones would
+            # leave the spec naming one planner and the options building another.
+            if field in options and options[field] != value:
+                raise ValueError(
+                    f"planner spec {name!r} sets {field}={value!r}, but the option {field}={options[field]!r} "
+                    f"disagrees; give {field} once (in the spec or as an option)"
+                )
+        options = {**options, **from_spec}
     field_names = {f.name for f in dataclasses.fields(cls.Options)}
     unknown = sorted(set(options) - field_names)
     if unknown:
@@ -307,9 +344,70 @@ def make_planner(
     return planner
 
 
+def is_int(value: Any) -> bool:
+    """Whether `value` is an integer: a Python int or a numpy integer (engines and simulators pass those
+    around), never a bool (True would silently be 1) nor a float (2.9 would silently be 2)."""
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
+
+
+def is_sequence(value: Any) -> bool:
+    """Whether `value` is an ordered collection of items (list, tuple, range, numpy array), not a string,
+    set or mapping (whose items are characters, unordered or keys)."""
+    return isinstance(value, Iterable) and not isinstance(value, (str, bytes, AbstractSet, Mapping))
+
+
+def check_int_option(
+    options: Any, field: str, *, minimum: int, maximum: int | None = None, none_allowed: bool = False, note: str = ""
+) -> None:
+    """Validate the int field `field` of a frozen `options` dataclass (in `__post_init__`) and store it as an int.
+
+    Raises ValueError naming the field, what is allowed (`note` explains special values, e.g. "(0: no probes)")
+    and the value given.
+    """
+    value = getattr(options, field)
+    if value is None and none_allowed:
+        return
+    allowed = f"an int >= {minimum}" if maximum is None else f"an int in {minimum}..{maximum}"
+    allowed += " or None" if none_allowed else ""
+    if not is_int(value) or value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"{field} must be {allowed}{f' {note}' if note else ''}, got {value!r}")
+    object.__setattr__(options, field, int(value))
+
+
+def check_number_option(
+    options: Any,
+    field: str,
+    *,
+    minimum: float,
+    maximum: float = math.inf,
+    open_minimum: bool = False,
+    finite: bool = False,
+    note: str = "",
+) -> None:
+    """Validate the real-number field `field` of a frozen `options` dataclass and store it as a float.
+
+    Allowed: `minimum` <= value (or < with `open_minimum`) <= `maximum`; NaN never, inf only without `finite`.
+    Ints are numbers here (explore_scale=1 is fine); bools and strings are not. Raises ValueError naming the
+    field, what is allowed and the value given.
+    """
+    value = getattr(options, field)
+    low = f"> {minimum:g}" if open_minimum else f">= {minimum:g}"
+    if math.isinf(maximum):
+        allowed = f"a {'finite ' if finite else ''}number {low}"
+    else:
+        allowed = f"a number in {'(' if open_minimum else '['}{minimum:g}, {maximum:g}]"
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if ok:
+        number = float(value)
+        ok = (number > minimum if open_minimum else number >= minimum) and number <= maximum
+        ok = ok and (math.isfinite(number) or not finite)
+    if not ok:
+        raise ValueError(f"{field} must be {allowed}{f' {note}' if note else ''}, got {value!r}")
+    object.__setattr__(options, field, number)
+
+
 def _check_int(field: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:
-    # numbers.Integral admits numpy integers, which engines and simulators pass around.
-    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+    if not is_int(value):
         raise ValueError(f"{field} must be an int, got {value!r}")
     if value < minimum or (maximum is not None and value > maximum):
         allowed = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"

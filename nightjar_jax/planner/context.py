@@ -12,6 +12,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+from nightjar_jax.planner.base import is_int, is_sequence
+
 DEFAULT_BUCKET_EDGES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # Ratio ~sqrt(2): Nightjar's default. Per-sequence reward falls with the batch inside a bucket; when the load
 # ramps, arms tried early and late in a wide bucket are compared at different batches. Narrower buckets bound
@@ -21,7 +23,14 @@ FINE_BUCKET_EDGES: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 
 
 def validate_bucket_edges(edges: Sequence[int], field: str = "bucket_edges") -> tuple[int, ...]:
     """Return `edges` as a tuple, or raise ValueError naming `field` if they are not increasing ints from 1."""
-    edges = tuple(int(e) for e in edges)
+    allowed = "a sequence of ints increasing strictly from 1, e.g. (1, 2, 4, 8)"
+    if not is_sequence(edges):
+        raise ValueError(f"{field} must be {allowed}, got {edges!r}")
+    items = tuple(edges)  # (once: `edges` may be an iterator)
+    not_ints = [e for e in items if not is_int(e)]
+    if not_ints:
+        raise ValueError(f"{field} must be {allowed}; {not_ints[0]!r} in {items!r} is not an int")
+    edges = tuple(int(e) for e in items)
     if not edges or edges[0] != 1:
         raise ValueError(f"{field} must start at 1 (the smallest batch), got {edges}")
     if any(b <= a for a, b in zip(edges, edges[1:], strict=False)):

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from nightjar_jax.planner.base import Planner, register_planner
+from nightjar_jax.planner.base import Planner, check_int_option, check_number_option, register_planner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,14 +34,10 @@ class DsdOptions:
     refit_every: int = 8  # refit α and the latency model every this many observations (they move slowly)
 
     def __post_init__(self) -> None:
-        if self.default_gamma < 0:
-            raise ValueError(f"default_gamma must be >= 0, got {self.default_gamma}")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0 or None, got {self.warmup_steps}")
-        if not self.ridge >= 0:
-            raise ValueError(f"ridge must be >= 0, got {self.ridge}")
-        if self.refit_every < 1:
-            raise ValueError(f"refit_every must be >= 1, got {self.refit_every}")
+        check_int_option(self, "default_gamma", minimum=0, note="(clipped to gamma_max)")
+        check_int_option(self, "warmup_steps", minimum=0, none_allowed=True, note="(None: 2 * (gamma_max + 1))")
+        check_number_option(self, "ridge", minimum=0.0, finite=True)
+        check_int_option(self, "refit_every", minimum=1)
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -118,7 +114,7 @@ class DsdPlanner(Planner):
             return
         self.steps_per_gamma[gamma] += 1
         self.tokens_per_seq_sum[gamma] += num_tokens / batch_size
-        x = np.array([1.0, batch_size, batch_size * gamma])
+        x = np.array([1.0, float(batch_size), float(batch_size) * gamma])  # (floats: never an int64 overflow)
         self.gram += np.outer(x, x)
         self.moment += x * step_seconds
 

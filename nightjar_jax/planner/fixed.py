@@ -20,7 +20,7 @@ import dataclasses
 import math
 from typing import Any
 
-from nightjar_jax.planner.base import Planner, register_planner
+from nightjar_jax.planner.base import Planner, check_int_option, is_int, is_sequence, register_planner
 
 
 @register_planner("ar")
@@ -36,10 +36,7 @@ class StaticOptions:
     gamma: int | None = None  # the fixed γ; None means gamma_max (spec "static" alone)
 
     def __post_init__(self) -> None:
-        if self.gamma is not None and (isinstance(self.gamma, bool) or not isinstance(self.gamma, int)):
-            raise ValueError(f"gamma must be an int >= 0 or None, got {self.gamma!r}")
-        if self.gamma is not None and self.gamma < 0:
-            raise ValueError(f"gamma must be >= 0, got {self.gamma}")
+        check_int_option(self, "gamma", minimum=0, none_allowed=True, note="(None: gamma_max)")
 
 
 @register_planner("static")
@@ -77,7 +74,18 @@ class TableOptions:
     def __post_init__(self) -> None:
         if self.table is None:
             return
-        rows = tuple((int(b), int(g)) for b, g in self.table)
+        if not is_sequence(self.table):
+            raise ValueError(
+                f"table must be a sequence of (max_batch, gamma) int pairs, e.g. ((4, 2), (16, 1)), or None, "
+                f"got {self.table!r}"
+            )
+        pairs = []
+        for index, row in enumerate(self.table):
+            pair = tuple(row) if is_sequence(row) else None
+            if pair is None or len(pair) != 2 or not all(is_int(v) for v in pair):  # (2.9 is not silently 2)
+                raise ValueError(f"table row {index} must be a (max_batch, gamma) pair of ints, got {row!r}")
+            pairs.append((int(pair[0]), int(pair[1])))
+        rows = tuple(pairs)
         if not rows:
             raise ValueError("table must have at least one (max_batch, gamma) row")
         bounds = [b for b, _ in rows]

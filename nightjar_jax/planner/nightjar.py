@@ -99,7 +99,13 @@ from typing import Any
 
 import numpy as np
 
-from nightjar_jax.planner.base import Planner, register_planner, step_reward
+from nightjar_jax.planner.base import (
+    Planner,
+    check_int_option,
+    check_number_option,
+    register_planner,
+    step_reward,
+)
 from nightjar_jax.planner.context import FINE_BUCKET_EDGES, bucket_of, validate_bucket_edges
 
 logger = logging.getLogger(__name__)
@@ -133,42 +139,30 @@ class NightjarOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_edges", validate_bucket_edges(self.bucket_edges))
-        if not 1 <= self.first_block_exponent <= 30:
-            raise ValueError(f"first_block_exponent must be in 1..30, got {self.first_block_exponent}")
-        if not self.explore_scale >= 0:
-            raise ValueError(f"explore_scale must be >= 0, got {self.explore_scale}")
-        if self.explore_arms not in ("all", "neighbors"):
+        check_int_option(self, "first_block_exponent", minimum=1, maximum=30)
+        check_number_option(self, "explore_scale", minimum=0.0)
+        if not isinstance(self.explore_arms, str) or self.explore_arms not in ("all", "neighbors"):
             raise ValueError(f"explore_arms must be 'all' or 'neighbors', got {self.explore_arms!r}")
-        if not self.max_explore_switch_overhead >= 0:
-            raise ValueError(f"max_explore_switch_overhead must be >= 0, got {self.max_explore_switch_overhead}")
-        if not 0 < self.switch_cost_smoothing <= 1:
-            raise ValueError(f"switch_cost_smoothing must be in (0, 1], got {self.switch_cost_smoothing}")
-        if not self.initial_switch_seconds >= 0:
-            raise ValueError(f"initial_switch_seconds must be >= 0, got {self.initial_switch_seconds}")
-        if not 0 < self.reward_discount <= 1:
-            raise ValueError(f"reward_discount must be in (0, 1], got {self.reward_discount}")
-        if not self.elimination_z >= 0:
-            raise ValueError(f"elimination_z must be >= 0 (inf disables elimination), got {self.elimination_z}")
-        if self.elimination_min_samples < 2:
-            raise ValueError(f"elimination_min_samples must be >= 2, got {self.elimination_min_samples}")
-        if not (math.isfinite(self.prior_weight) and self.prior_weight >= 0):
-            raise ValueError(f"prior_weight must be finite and >= 0, got {self.prior_weight}")
-        if self.prior_mode not in ("relative", "absolute"):
+        check_number_option(self, "max_explore_switch_overhead", minimum=0.0)
+        check_number_option(self, "switch_cost_smoothing", minimum=0.0, maximum=1.0, open_minimum=True)
+        check_number_option(self, "initial_switch_seconds", minimum=0.0)
+        check_number_option(self, "reward_discount", minimum=0.0, maximum=1.0, open_minimum=True)
+        check_number_option(self, "prior_weight", minimum=0.0, finite=True, note="(0: no prior)")
+        if not isinstance(self.prior_mode, str) or self.prior_mode not in ("relative", "absolute"):
             raise ValueError(f"prior_mode must be 'relative' or 'absolute', got {self.prior_mode!r}")
-        if not self.prior_transfer_sd > 0:
-            raise ValueError(
-                f"prior_transfer_sd must be > 0 (inf: priors carry no confidence), got {self.prior_transfer_sd}"
-            )
-        if isinstance(self.probe_length, bool) or not isinstance(self.probe_length, int) or self.probe_length < 0:
-            raise ValueError(f"probe_length must be an int >= 0 (0: no probes), got {self.probe_length!r}")
-        if not (math.isfinite(self.probe_budget) and 0 <= self.probe_budget <= 1):
-            raise ValueError(f"probe_budget must be in [0, 1], got {self.probe_budget}")
+        check_number_option(
+            self, "prior_transfer_sd", minimum=0.0, open_minimum=True, note="(inf: priors carry no confidence)"
+        )
+        check_number_option(self, "elimination_z", minimum=0.0, note="(inf disables elimination)")
+        check_int_option(self, "elimination_min_samples", minimum=2)
+        check_int_option(self, "probe_length", minimum=0, note="(0: no probes)")
+        check_number_option(self, "probe_budget", minimum=0.0, maximum=1.0)
         if not isinstance(self.probe_every_bin, bool):
             raise ValueError(f"probe_every_bin must be a bool, got {self.probe_every_bin!r}")
-        if not self.probe_reset_z > 0:
-            raise ValueError(
-                f"probe_reset_z must be > 0 (inf: probes never restart a context), got {self.probe_reset_z}"
-            )
+        check_number_option(
+            self, "probe_reset_z", minimum=0.0, open_minimum=True, note="(inf: probes never restart a context)"
+        )
+        check_int_option(self, "seed", minimum=0)
 
 
 @dataclasses.dataclass
@@ -264,7 +258,10 @@ class NightjarPlanner(Planner):
             state.prior_reward[arm] = mean
             state.prior_seconds[arm] = self.mean_seconds(source, arm)
             if variance is not None and math.isfinite(tau):
-                state.prior_variance[arm] = variance + hops * (tau * mean) ** 2
+                transfer = tau * mean  # (products, not ** 2: an overflow gives inf rather than OverflowError)
+                prior_variance = variance + hops * transfer * transfer
+                # An infinite variance carries no confidence, as with tau = inf.
+                state.prior_variance[arm] = prior_variance if math.isfinite(prior_variance) else None
             state.prior_obs_variance[arm] = self._observation_variance(source, arm)
 
     # ----------------------------------------------------------------------------------- estimates per arm
@@ -325,15 +322,19 @@ class NightjarPlanner(Planner):
         observations alone (None while there are fewer than `elimination_min_samples`)."""
         observations = self._observation_variance(state, arm)
         prior = state.prior_variance[arm] if self._has_prior(state, arm) else None
+        if prior is not None:
+            scale = self._scales(state)[0]
+            prior = scale * scale * prior  # in this context's units
+            if not math.isfinite(prior):  # (overflowed: no confidence, as with tau = inf, never 0 precision)
+                prior = None
         n = state.weight[arm]
         if prior is None:
             mean = self.mean_reward(state, arm)
             if observations is None or state.count[arm] < self.options.elimination_min_samples:
                 return mean, None
             return mean, observations / n
-        scale = self._scales(state)[0]
         prior_mean = scale * state.prior_reward[arm]
-        precision = 1.0 / max(scale * scale * prior, 1e-300)
+        precision = 1.0 / max(prior, 1e-300)
         weighted = precision * prior_mean
         if observations is not None and n > 0:
             own_mean = state.reward_sum[arm] / n

@@ -1,0 +1,186 @@
+"""Validation at the door: option types and ranges, spec/option conflicts, and observation bounds.
+
+docs/planner.md: an out-of-range or wrongly typed option names the field, the value given and what is allowed;
+`select` / `observe` take bounded inputs (`MAX_BATCH_SIZE`, `MAX_TOKENS_PER_SEQUENCE`, `MIN_STEP_SECONDS`,
+`MAX_STEP_SECONDS`), so the planners' arithmetic stays finite on anything they accept.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+
+import numpy as np
+import pytest
+
+from nightjar_jax.planner import Planner, make_planner
+from nightjar_jax.planner.base import MAX_BATCH_SIZE, MAX_STEP_SECONDS, MAX_TOKENS_PER_SEQUENCE, MIN_STEP_SECONDS
+
+ALL_SPECS = ["ar", "static", "static:2", "banditspec", "dsd", "table", "nightjar"]
+EDGES = "bucket_edges must be a sequence of ints increasing strictly from 1, e.g. (1, 2, 4, 8)"
+TABLE = "table must be a sequence of (max_batch, gamma) int pairs, e.g. ((4, 2), (16, 1)), or None"
+
+
+@pytest.mark.parametrize(
+    ("spec", "options", "message"),
+    [
+        ("nightjar", {"seed": -1}, "seed must be an int >= 0, got -1"),
+        ("nightjar", {"seed": 1.5}, "seed must be an int >= 0, got 1.5"),
+        ("nightjar", {"seed": True}, "seed must be an int >= 0, got True"),
+        ("nightjar", {"bucket_edges": None}, f"{EDGES}, got None"),
+        ("nightjar", {"bucket_edges": "abc"}, f"{EDGES}, got 'abc'"),
+        ("nightjar", {"bucket_edges": {1, 2}}, f"{EDGES}, got {{1, 2}}"),
+        ("nightjar", {"bucket_edges": (1, 2.5, 4)}, f"{EDGES}; 2.5 in (1, 2.5, 4) is not an int"),
+        ("nightjar", {"bucket_edges": (1, True)}, f"{EDGES}; True in (1, True) is not an int"),
+        ("nightjar", {"first_block_exponent": 2.5}, "first_block_exponent must be an int in 1..30, got 2.5"),
+        ("nightjar", {"explore_scale": "x"}, "explore_scale must be a number >= 0, got 'x'"),
+        ("nightjar", {"explore_scale": True}, "explore_scale must be a number >= 0, got True"),
+        ("nightjar", {"explore_arms": ["all"]}, "explore_arms must be 'all' or 'neighbors', got ['all']"),
+        ("nightjar", {"switch_cost_smoothing": "0.3"}, "switch_cost_smoothing must be a number in (0, 1], got '0.3'"),
+        ("nightjar", {"reward_discount": 0}, "reward_discount must be a number in (0, 1], got 0"),
+        ("nightjar", {"prior_weight": None}, "prior_weight must be a finite number >= 0 (0: no prior), got None"),
+        ("nightjar", {"prior_mode": None}, "prior_mode must be 'relative' or 'absolute', got None"),
+        ("nightjar", {"prior_transfer_sd": None}, "prior_transfer_sd must be a number > 0 (inf: priors carry no"),
+        ("nightjar", {"elimination_z": float("nan")}, "elimination_z must be a number >= 0 (inf disables elimination)"),
+        ("nightjar", {"elimination_min_samples": True}, "elimination_min_samples must be an int >= 2, got True"),
+        ("nightjar", {"probe_length": 1.0}, "probe_length must be an int >= 0 (0: no probes), got 1.0"),
+        ("nightjar", {"probe_budget": "0"}, "probe_budget must be a number in [0, 1], got '0'"),
+        ("banditspec", {"exploration": None}, "exploration must be a finite number >= 0, got None"),
+        ("banditspec", {"exploration": float("inf")}, "exploration must be a finite number >= 0, got inf"),
+        ("dsd", {"default_gamma": None}, "default_gamma must be an int >= 0 (clipped to gamma_max), got None"),
+        ("dsd", {"default_gamma": 1.5}, "default_gamma must be an int >= 0 (clipped to gamma_max), got 1.5"),
+        ("dsd", {"warmup_steps": True}, "warmup_steps must be an int >= 0 or None (None: 2 * (gamma_max + 1)), got"),
+        ("dsd", {"ridge": "0"}, "ridge must be a finite number >= 0, got '0'"),
+        ("dsd", {"refit_every": 0}, "refit_every must be an int >= 1, got 0"),
+        ("static", {"gamma": 2.0}, "gamma must be an int >= 0 or None (None: gamma_max), got 2.0"),
+        ("table", {"table": 5}, f"{TABLE}, got 5"),
+        ("table", {"table": "ab"}, f"{TABLE}, got 'ab'"),
+        ("table", {"table": ((4,),)}, "table row 0 must be a (max_batch, gamma) pair of ints, got (4,)"),
+        ("table", {"table": ((4, 2.9),)}, "table row 0 must be a (max_batch, gamma) pair of ints, got (4, 2.9)"),
+        (
+            "table",
+            {"table": ((4, 2), (8, True))},
+            "table row 1 must be a (max_batch, gamma) pair of ints, got (8, True)",
+        ),
+        ("table", {"table": ((4, 2), "ab")}, "table row 1 must be a (max_batch, gamma) pair of ints, got 'ab'"),
+    ],
+)
+def test_a_wrongly_typed_option_names_the_field_the_value_and_what_is_allowed(spec, options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_planner(spec, 4, **options)
+
+
+def test_numpy_and_int_values_are_accepted_and_stored_as_plain_python_values():
+    planner = make_planner(
+        "nightjar", 4, seed=np.int64(3), bucket_edges=np.array([1, 2, 4]), explore_scale=1, probe_length=np.int32(2)
+    )
+    options = planner.options
+    assert options.seed == 3 and type(options.seed) is int
+    assert options.bucket_edges == (1, 2, 4) and all(type(e) is int for e in options.bucket_edges)
+    assert options.explore_scale == 1.0 and type(options.explore_scale) is float
+    assert type(options.probe_length) is int
+    table = make_planner("table", 4, table=[[4, np.int64(2)], (16, 1)])
+    assert table.options.table == ((4, 2), (16, 1)) and type(table.options.table[0][1]) is int
+    for p in (planner, table, make_planner("dsd", 4, default_gamma=np.int64(2), ridge=np.float32(0.5))):
+        json.loads(p.to_json())  # (numpy scalars would not serialise)
+        assert Planner.from_json(p.to_json()).options == p.options
+
+
+def test_a_spec_argument_and_a_disagreeing_option_are_an_error():
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "planner spec 'static:2' sets gamma=2, but the option gamma=3 "
+            "disagrees; give gamma once (in the spec or as an option)"
+        ),
+    ):
+        make_planner("static:2", 4, gamma=3)
+    # Agreeing values are one planner (from_json passes both the spec and its options).
+    assert make_planner("static:2", 4, gamma=2).select(1) == 2
+    assert make_planner("static", 4, gamma=3).select(1) == 3
+    clone = Planner.from_json(make_planner("static:2", 4).to_json())
+    assert clone.spec == "static:2" and clone.select(1) == 2
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_observations_outside_the_documented_bounds_are_rejected_at_the_door(spec):
+    planner = make_planner(spec, 4)
+    cases = [
+        (dict(batch_size=2**62), f"batch_size must be in 1..{MAX_BATCH_SIZE}, got {2**62}"),
+        (
+            dict(num_tokens=2 * MAX_TOKENS_PER_SEQUENCE + 1),
+            f"num_tokens must be <= batch_size * {MAX_TOKENS_PER_SEQUENCE} = {2 * MAX_TOKENS_PER_SEQUENCE} "
+            f"(tokens committed over the batch in one step), got {2 * MAX_TOKENS_PER_SEQUENCE + 1}",
+        ),
+        (
+            dict(seconds=1e-160),
+            f"seconds must be in [{MIN_STEP_SECONDS}, {MAX_STEP_SECONDS}] (a step's wall time), got 1e-160",
+        ),
+        (dict(seconds=2 * MAX_STEP_SECONDS), f"seconds must be in [{MIN_STEP_SECONDS}, {MAX_STEP_SECONDS}]"),
+        (dict(seconds=float("nan")), "seconds must be in [1e-09, 86400.0] (a step's wall time), got nan"),
+        (dict(seconds="0.01"), "seconds must be a number of seconds, got '0.01'"),
+        (dict(switch_seconds=None), "switch_seconds must be a number of seconds, got None"),
+    ]
+    for change, message in cases:
+        observation = dict(gamma=1, batch_size=2, num_tokens=3, seconds=0.01, switch_seconds=0.0) | change
+        with pytest.raises(ValueError, match=re.escape(message)):
+            planner.observe(**observation)
+    with pytest.raises(ValueError, match=re.escape(f"batch_size must be in 1..{MAX_BATCH_SIZE}, got {2**62}")):
+        planner.select(2**62)
+    assert planner.num_observations == 0
+    # a rounding leftover outside the switch counts as all switch (its reward, ~1e12 tokens/s, is skipped)
+    planner.observe(gamma=1, batch_size=2, num_tokens=3, seconds=0.5, switch_seconds=0.5 - 1e-12)
+    assert planner.num_observations == 1
+    planner.observe(1, 2, 3, 0.5, switch_seconds=0.5)  # a step that was all switch: still accepted
+
+
+@pytest.mark.parametrize(
+    ("spec", "options"),
+    [
+        ("nightjar", {}),
+        ("nightjar", {"prior_transfer_sd": 1e300, "elimination_min_samples": 2, "probe_every_bin": True}),
+        ("nightjar", {"prior_mode": "absolute", "reward_discount": 0.5}),
+        ("banditspec", {}),
+        ("dsd", {}),
+        ("table", {}),
+    ],
+)
+def test_extreme_but_accepted_observations_never_crash_nor_leave_the_arms(spec, options):
+    # The corners of what `observe` accepts: the largest reward (every sequence commits the most tokens in the
+    # shortest step), the smallest (one token over the largest batch in the longest step), zero, and switch-only
+    # steps, over the smallest and largest batches. Any float overflow (a numpy RuntimeWarning) fails the test.
+    rng = np.random.default_rng(0)
+    planner = make_planner(spec, 4, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(600):
+            batch = int(rng.choice([1, 2, 3, 5, 64, 1000, MAX_BATCH_SIZE]))
+            gamma = planner.select(batch)
+            assert 0 <= gamma <= 4
+            corner = step % 5
+            if corner == 0:
+                num_tokens, seconds, switch = batch * MAX_TOKENS_PER_SEQUENCE, MIN_STEP_SECONDS, 0.0
+            elif corner == 1:
+                num_tokens, seconds, switch = 1, MAX_STEP_SECONDS, 0.0
+            elif corner == 2:
+                num_tokens, seconds, switch = 0, MIN_STEP_SECONDS, 0.0
+            elif corner == 3:
+                num_tokens, seconds, switch = batch, MAX_STEP_SECONDS, MAX_STEP_SECONDS - MIN_STEP_SECONDS * 1e5
+            else:
+                num_tokens, seconds, switch = batch * (gamma + 1), 0.02, 0.02
+            planner.observe(gamma, batch, num_tokens, seconds, switch)
+        assert all(0 <= planner.select(b) <= 4 for b in (1, 7, 300, MAX_BATCH_SIZE))
+        Planner.from_json(planner.to_json())
+
+
+def test_a_neighbour_prior_whose_transfer_variance_overflows_carries_no_confidence():
+    # Before: (prior_transfer_sd * mean) ** 2 raised OverflowError when a new context was seeded.
+    planner = make_planner("nightjar", 4, prior_transfer_sd=1e300, elimination_min_samples=2)
+    for _ in range(40):
+        gamma = planner.select(1)
+        planner.observe(gamma, 1, gamma + 1, 0.01)
+    assert 0 <= planner.select(64) <= 4  # a new context, seeded from batch 1's
+    state = planner.contexts[planner.context_of(64)]
+    assert all(v is None for v in state.prior_variance)  # as with prior_transfer_sd=inf
+    assert any(r is not None for r in state.prior_reward)  # the means still carry over
