@@ -7,6 +7,7 @@ Shutdown on SIGINT / SIGTERM is graceful: uvicorn stops accepting connections, i
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -106,7 +107,44 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "logit_bias, penalties and structured outputs still compile on first use, per batch bucket)",
     )
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # vLLM's HTTP-front flags
+    group.add_argument("--allowed-origins", type=_json_strings("allowed-origins"), default=["*"],
+                       help='CORS: origins browsers may call from, a JSON list (default ["*"], as vLLM; [] turns '
+                       "CORS off)")
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    group.add_argument("--allowed-methods", type=_json_strings("allowed-methods"), default=["*"],
+                       help='CORS: allowed methods, a JSON list (default ["*"])')
+    group.add_argument("--allowed-headers", type=_json_strings("allowed-headers"), default=["*"],
+                       help='CORS: allowed headers, a JSON list (default ["*"])')
+    group.add_argument("--root-path", default=None,
+                       help="the path prefix a proxy serves this server under (ASGI root_path, as vLLM's)")
+    group.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key file")
+    group.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate file")
+    group.add_argument("--ssl-ca-certs", default=None, help="HTTPS: CA certificates to verify clients with")
+    group.add_argument("--ssl-cert-reqs", type=_bounded(int, "ssl-cert-reqs", 0, 2), default=0,
+                       help="HTTPS: whether client certificates are required (Python's ssl: 0 none, 1 optional, "
+                       "2 required)")
+    group.add_argument("--enable-request-id-headers", action="store_true",
+                       help="every response carries an X-Request-Id header (the request's own, else a new id)")
+    group.add_argument("--disable-fastapi-docs", action="store_true",
+                       help="do not serve FastAPI's /docs, /redoc and /openapi.json")
+    group.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     return parser
+
+
+def _json_strings(name: str):
+    """An argparse type: a JSON list of strings (vLLM's form of the CORS flags)."""
+
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f'{name} must be a JSON list of strings, e.g. \'["*"]\', got {text!r}')
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,11 +285,24 @@ class _Server:
         return Server(config)
 
 
+def check_ssl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """HTTPS takes a key and a certificate together, each a readable file; checked before the model loads."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        parser.error("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both): give both, or neither")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs)):
+        if path is not None and not Path(path).is_file():
+            parser.error(f"{flag} {path}: no such file")
+    if args.ssl_ca_certs is not None and args.ssl_keyfile is None:
+        parser.error("--ssl-ca-certs verifies clients of an HTTPS server: add --ssl-keyfile and --ssl-certfile")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     tool_parser = tool_call_parser(args, parser)
     thoughts = reasoning_parser(args, parser)
+    check_ssl(args, parser)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -276,6 +327,12 @@ def main(argv: list[str] | None = None) -> int:
         enable_sleep_mode=args.enable_sleep_mode,
         enable_weight_updates=args.enable_weight_updates,
         trust_request_chat_template=args.trust_request_chat_template,
+        allowed_origins=tuple(args.allowed_origins),
+        allow_credentials=args.allow_credentials,
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        enable_request_id_headers=args.enable_request_id_headers,
+        disable_fastapi_docs=args.disable_fastapi_docs,
     )
     app = build_app(AsyncEngine(engine), settings)
     config = uvicorn.Config(
@@ -285,9 +342,16 @@ def main(argv: list[str] | None = None) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
         lifespan="on",
+        access_log=not args.disable_uvicorn_access_log,
+        **({"root_path": args.root_path} if args.root_path else {}),
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
     )
     server = _Server.make(config)
-    logger.info("serving %s on http://%s:%d/v1", settings.served_model_name, args.host, args.port)
+    logger.info("serving %s on %s://%s:%d%s/v1", settings.served_model_name, "https" if args.ssl_certfile else "http",
+                args.host, args.port, args.root_path or "")
     server.run()
     logger.info("server stopped")
     return 0

@@ -36,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from nightjar_jax.engine.beam_search import BeamSearchOutput, expansion
@@ -79,6 +80,35 @@ class ServerSettings:
     enable_weight_updates: bool = False  # POST /update_weights_from_disk (SGLang's)
     # a chat request's own chat_template is rendered (vLLM's --trust-request-chat-template); else it is a 400
     trust_request_chat_template: bool = False
+    # vLLM's HTTP front: CORS (browser clients on other origins; vLLM's defaults allow any), an X-Request-Id header on
+    # every response (--enable-request-id-headers: the request's own, else a new one), and FastAPI's /docs pages
+    allowed_origins: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    enable_request_id_headers: bool = False
+    disable_fastapi_docs: bool = False
+
+
+class _RequestIdHeaders:
+    """ASGI middleware (vLLM's ``--enable-request-id-headers``): every HTTP response carries ``X-Request-Id``, the
+    request's own header or a new id. Pure ASGI, so streams and disconnects pass through untouched."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent = dict(scope.get("headers") or []).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", sent)]}
+            await send(message)
+
+        return await self.app(scope, receive, send_with_id)
 
 
 class _ClientGone(Exception):
@@ -179,7 +209,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         logger.info("shutting down: aborting %d in-flight request(s)", async_engine.num_active_groups)
         await asyncio.get_running_loop().run_in_executor(None, async_engine.stop)
 
-    app = FastAPI(title="nightjar-jax", lifespan=lifespan)
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if settings.disable_fastapi_docs else {}
+    app = FastAPI(title="nightjar-jax", lifespan=lifespan, **docs)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_credentials=settings.allow_credentials, allow_methods=list(settings.allowed_methods),
+                           allow_headers=list(settings.allowed_headers))
+    if settings.enable_request_id_headers:
+        app.add_middleware(_RequestIdHeaders)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
 
@@ -535,13 +572,15 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             stream.abort()  # the client went away (generator cancelled / closed): free the pages now
 
     # ---- endpoints ----------------------------------------------------------------------------------------------
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
+    @app.head("/health", operation_id="health_head")  # (one route of two methods: a duplicate id in /openapi.json)
     async def health():
         if not async_engine.is_alive:
             return JSONResponse({"status": "error", "detail": "the engine thread is not running"}, status_code=503)
         return {"status": "ok"}
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
+    @app.post("/ping", operation_id="ping_post")
     async def ping():
         """vLLM's (SageMaker's) liveness probe: /health under another name."""
         return await health()

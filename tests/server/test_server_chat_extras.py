@@ -1,6 +1,7 @@
 """vLLM's request extras on the chat and completion endpoints, in process over stories260K: ``request_id`` (and the
 X-Request-Id header), ``return_tokens_as_token_ids``, chat's ``echo``, a request's own ``chat_template`` (with
-``--trust-request-chat-template`` only) and text parts' ``cache_control``."""
+``--trust-request-chat-template`` only) and text parts' ``cache_control``; and vLLM's HTTP-front settings (CORS,
+X-Request-Id response headers, no FastAPI docs)."""
 
 from __future__ import annotations
 
@@ -134,3 +135,30 @@ def test_request_chat_template_needs_the_servers_trust(llm):
         assert resp.json()["error"]["message"].startswith(
             "'messages[0].content': content parts of type 'image_url' are not supported: the models this server runs "
             "read text")
+
+
+def test_cors_request_id_headers_and_docs(llm):
+    """vLLM's defaults allow any origin (a browser client's preflight passes, its answer carries the header); with
+    enable_request_id_headers every response carries X-Request-Id (the request's own, else a new one), streams
+    included; disable_fastapi_docs drops /docs and /openapi.json."""
+    settings = ServerSettings("s", enable_request_id_headers=True, disable_fastapi_docs=True)
+    with TestClient(build_app(AsyncEngine(llm.engine), settings)) as client:
+        pre = client.options("/v1/completions", headers={"Origin": "http://ui.example", "Access-Control-Request-Method":
+                                                         "POST", "Access-Control-Request-Headers": "authorization"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] in ("*", "http://ui.example")
+        body = {"prompt": "Once", "max_tokens": 2}
+        resp = client.post("/v1/completions", json=body, headers={"Origin": "http://ui.example",
+                                                                  "X-Request-Id": "rid-7"})
+        assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "*"
+        assert resp.headers["x-request-id"] == "rid-7" and resp.json()["id"] == "cmpl-rid-7"
+        fresh = client.post("/v1/completions", json=body).headers["x-request-id"]
+        assert len(fresh) == 32 and fresh != "rid-7"
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True},
+                           headers={"X-Request-Id": "s-1"}) as stream:
+            assert stream.headers["x-request-id"] == "s-1"
+            assert [line for line in stream.iter_lines() if line][-1] == "data: [DONE]"
+        assert client.get("/docs").status_code == 404 and client.get("/openapi.json").status_code == 404
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s", allowed_origins=()))) as client:
+        resp = client.post("/v1/completions", json=body, headers={"Origin": "http://ui.example"})
+        assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers
+        assert "x-request-id" not in resp.headers and client.get("/openapi.json").status_code == 200

@@ -137,6 +137,9 @@ def test_serve_reports_a_bad_model_and_exits_2(caplog):
     (["--port", "http"], "port must be an integer, got 'http'"),
     (["--max-body-bytes", "-5"], "max-body-bytes must be >= 1, got -5"),
     (["--shutdown-timeout", "-1"], "shutdown-timeout must be >= 0.0, got -1"),
+    (["--allowed-origins", "*"], "allowed-origins must be a JSON list of strings"),
+    (["--allowed-headers", '[1]'], "allowed-headers must be a JSON list of strings"),
+    (["--ssl-cert-reqs", "3"], "ssl-cert-reqs must be in [0, 2], got 3"),
 ])
 def test_server_flags_out_of_range_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -163,6 +166,9 @@ def test_tool_call_parser_flags(argv, expected):
      "--tool-call-parser must be one of: hermes, llama3_json, pythonic; got 'mistral'"),
     (["--enable-auto-tool-choice", "--tool-call-parser", ""], "got ''"),
     (["--reasoning-parser", "granite"], "--reasoning-parser must be one of: deepseek_r1, qwen3; got 'granite'"),
+    (["--ssl-keyfile", __file__], "--ssl-keyfile and --ssl-certfile go together"),
+    (["--ssl-keyfile", __file__, "--ssl-certfile", "/no/such.pem"], "--ssl-certfile /no/such.pem: no such file"),
+    (["--ssl-ca-certs", __file__], "--ssl-ca-certs verifies clients of an HTTPS server"),
 ])
 def test_tool_call_parser_usage_errors(argv, message, capsys):
     """A parser without the switch would silently do nothing, an unknown one would fail every request: both are
