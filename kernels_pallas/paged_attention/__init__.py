@@ -134,8 +134,6 @@ def paged_attention(
                     num_ext_pages=0 if k_ext is None else k_ext.shape[1])
     if tree_mask is not None:
         check_tree_mask(tree_mask, q.shape[1])
-        if tree_mask.dtype != jnp.bool_:
-            raise ValueError(f"tree_mask dtype must be bool, got {tree_mask.dtype}")
     backend = _resolve_backend(backend)
     out_dtype = q.dtype
     if q.size == 0 or block_tables.shape[1] == 0:  # (no rows, or no keys: the reference's zeros; the bodies' grids

@@ -141,6 +141,8 @@ def check_tree_mask(tree_mask: jax.Array, q_len: int) -> None:
     """The tree mask's shape contract (module docstring), shared by every implementation."""
     if tree_mask.ndim != 2 or tree_mask.shape[0] != q_len or tree_mask.shape[1] < q_len:
         raise ValueError(f"tree_mask {tree_mask.shape} must be [q_len={q_len}, M >= q_len]")
+    if tree_mask.dtype != jnp.bool_:  # (the CPU kernel cast 0.5 to False, the reference failed on floats)
+        raise ValueError(f"tree_mask dtype must be bool, got {tree_mask.dtype}")
 
 
 def tree_visible(tree_mask: jax.Array, key_pos: jax.Array, context_lens: jax.Array) -> jax.Array:

@@ -185,12 +185,18 @@ def test_tree_words_pack_each_folded_row_and_tree_visible_unpacks_them():
             assert seen[r, context_len - window :].tolist() == np.asarray(mask[query]).tolist()
 
 
-def test_pallas_wrapper_rejects_a_bad_tree_mask():
+@pytest.mark.parametrize("impl", ["pallas", "reference", "cpu"])
+def test_every_implementation_rejects_a_bad_tree_mask(impl):
+    """Shape and dtype alike everywhere (the CPU kernel cast a float mask's 0.5 to False; the reference failed on
+    floats with a cryptic error)."""
+    from nightjar_jax.attention import paged_attention as attend
+
     case = make_case([9], q_len=3, num_q_heads=2, num_kv_heads=1, page_size=4)
     with pytest.raises(ValueError, match=r"tree_mask \(3, 2\) must be \[q_len=3, M >= q_len\]"):
-        paged_attention(*case.args, scale=case.scale, tree_mask=jnp.ones((3, 2), bool))
-    with pytest.raises(ValueError, match="tree_mask dtype must be bool"):
-        paged_attention(*case.args, scale=case.scale, tree_mask=jnp.ones((3, 4), jnp.int32))
+        attend(*case.args, scale=case.scale, tree_mask=jnp.ones((3, 2), bool), impl=impl)
+    for dtype in (jnp.int32, jnp.float32):
+        with pytest.raises(ValueError, match="tree_mask dtype must be bool"):
+            attend(*case.args, scale=case.scale, tree_mask=jnp.full((3, 4), 0.5).astype(dtype), impl=impl)
 
 
 # ---- the engine, fake models ------------------------------------------------------------------------------------
