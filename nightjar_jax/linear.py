@@ -69,7 +69,8 @@ def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
 def linear(x: jax.Array, w: jax.Array, *, impl: str = "auto", transposed: bool = False,
            out_dtype: jnp.dtype | None = None) -> jax.Array:
     """``x [..., K] @ w`` with ``w [K, N]`` (or ``[N, K]`` when ``transposed``); result in ``out_dtype``
-    (default: x's dtype), accumulated in at least float32 precision for float32 inputs."""
+    (default: the promoted dtype of x and w, x's when they share one, as the model's layers do), accumulated in at
+    least float32 precision for float32 inputs."""
     check_impl(impl)
     if _on_kernel(x, w, impl, transposed=transposed):
         from kernels_pallas.linear import cpu
