@@ -315,8 +315,10 @@ def make_planner(
         raise ValueError(f"planner name must be a non-empty string, got {name!r}")
     if isinstance(gamma_max, bool) or not isinstance(gamma_max, int) or gamma_max < 0:
         raise ValueError(f"gamma_max must be an int >= 0, got {gamma_max!r}")
-    base, _, argument = name.partition(":")
+    base, colon, argument = name.partition(":")
     cls = planner_class(name)
+    if colon and not argument.strip():  # ("static:" acted as "static" without a word)
+        raise ValueError(f"planner spec {name!r} has an empty argument after ':': give one, or write {base!r}")
     if argument:
         from_spec = cls._options_from_spec_argument(argument, gamma_max)
         for field, value in from_spec.items():

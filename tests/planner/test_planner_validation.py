@@ -184,3 +184,9 @@ def test_a_neighbour_prior_whose_transfer_variance_overflows_carries_no_confiden
     state = planner.contexts[planner.context_of(64)]
     assert all(v is None for v in state.prior_variance)  # as with prior_transfer_sd=inf
     assert any(r is not None for r in state.prior_reward)  # the means still carry over
+
+
+def test_an_empty_spec_argument_is_an_error():
+    """``static:`` acted as plain ``static`` without a word."""
+    with pytest.raises(ValueError, match=re.escape("planner spec 'static:' has an empty argument after ':'")):
+        make_planner("static:", 4)
