@@ -215,7 +215,7 @@ class LLM:
                                      f"string or a list of text parts ({{'type': 'text', 'text': ...}}; or None "
                                      f"beside 'tool_calls'): got {short_repr(m)}")
         conversations = [[{**m, "content": (m["content"] if isinstance(m["content"], str)
-                                            else "".join(_text_parts(m["content"]) or []))} for m in c]
+                                            else "\n".join(_text_parts(m["content"]) or []))} for m in c]
                          for c in conversations]
         prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
                                                  chat_template=chat_template, tools=tools,

@@ -323,13 +323,17 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     def token_text(token: int) -> str:
         return engine.tokenizer.token_text(token)
 
+    def id_in_use(request_id: str) -> APIError:
+        return APIError(400, f"the request id {request_id!r} is in use by a request in flight: give each request its "
+                             f"own 'request_id' (or X-Request-Id), or leave it out", param="request_id")
+
     def response_id(req, request: Request, prefix: str) -> str:
         """The response's id, ``<prefix>-<base>``: the base is the X-Request-Id header's (which wins, as in vLLM),
         the body's ``request_id``, or a fresh one. The engine's requests are ``<id>-<i>``, so two requests in flight
         may not share a base (a 400 from :func:`add_group`)."""
         header = request.headers.get("x-request-id")
-        if header is not None and not 1 <= len(header) <= 256:
-            raise APIError(400, f"the X-Request-Id header has {len(header)} characters: allowed 1 to 256",
+        if header is not None and len(header) > 256:  # (an empty one: as if none was sent)
+            raise APIError(400, f"the X-Request-Id header has {len(header)} characters: allowed at most 256",
                            param="request_id")
         return f"{prefix}-{header or req.request_id or uuid.uuid4().hex}"
 
@@ -405,9 +409,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         except ValueError as exc:
             field = getattr(exc, "field", None) or "prompt"
             if field == "request_id":
-                raise APIError(400, f"the request id {request_id!r} is in use by a request in flight: give each "
-                                    f"request its own 'request_id' (or X-Request-Id), or leave it out",
-                               param="request_id") from None
+                raise id_in_use(request_id) from None
             names = {"structured_outputs": structured_param, "prompt": prompt_param}
             raise APIError(400, str(exc), param=names.get(field, field)) from None
         except RuntimeError as exc:
@@ -421,12 +423,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     updates_done.set()
 
     async def beam_search(req, prompts: list[Any], max_tokens: int | None, request: Request,
-                          prompt_param: str = "prompt", max_tokens_param: str | None = None) -> list[BeamSearchOutput]:
+                          prompt_param: str = "prompt", max_tokens_param: str | None = None,
+                          request_id: str | None = None) -> list[BeamSearchOutput]:
         """``use_beam_search``: each prompt's ``n`` best sequences (``nightjar_jax/engine/beam_search.py``), every
         search step one group through the engine thread (one greedy token per live beam, with its top candidates'
         log-probabilities), all prompts' beams together; a client gone aborts the step's group (499).
         ``max_tokens_param``: the field that set ``max_tokens`` explicitly, checked against each prompt's length as
-        for any request (:func:`tokenized`)."""
+        for any request (:func:`tokenized`). ``request_id``: the response's id, held while the search runs (two
+        requests in flight may not share one)."""
         params = req.beam_search_params(max_tokens or engine.generation_defaults.get("max_tokens")
                                         or engine.max_sequence_len)
         if max_tokens_param is not None:
@@ -444,11 +448,17 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         step, width = params.step_params(), 2 * params.beam_width
         while updates_waiting[0]:  # (runs under the new weights, as any request that arrives while an update waits)
             await updates_done.wait()
+        if request_id is not None:
+            try:
+                async_engine.claim(request_id)
+            except ValueError:
+                raise id_in_use(request_id) from None
         beam_searches[0] += 1  # (in flight between its steps too: /sleep waits for it)
         try:
             return await run_beam_search(searches, step, width, req, request, prompt_param)
         finally:
             beam_searches[0] -= 1
+            async_engine.release(request_id)
 
     async def run_beam_search(searches, step, width, req, request, prompt_param) -> list[BeamSearchOutput]:
         clock = [time.monotonic() + settings.disconnect_poll_seconds]  # (one disconnect check pace for all steps)
@@ -742,7 +752,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         try:
             return tok.apply_chat_template(rendered, add_generation_prompt=req.add_generation_prompt,
                                            tools=req.tools or None, continue_final_message=req.continue_final_message,
-                                           template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template)
+                                           template_kwargs=req.chat_template_kwargs,
+                                           chat_template=req.chat_template or None)  # ("": the server's, as vLLM)
         except APIError:
             raise
         except Exception as exc:  # no template, or the template rejected the messages
@@ -757,7 +768,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         check_model(req.model)
         req.check()
         tok = need_tokenizer()
-        text = req.prompt if req.messages is None else render_chat(req)
+        text = req.prompt if req.messages is None else await asyncio.to_thread(render_chat, req)
         ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
         out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
         if req.return_token_strs:  # (vLLM's: the tokens as the vocabulary spells them, e.g. "▁upon", "Ġthe")
@@ -816,7 +827,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         if req.use_beam_search:
             explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
             results = await beam_search(req, prompts, check_max_tokens(req.max_tokens, "max_tokens"), request,
-                                        max_tokens_param="max_tokens" if explicit else None)
+                                        max_tokens_param="max_tokens" if explicit else None, request_id=rid)
             choices = [{"index": i * req.n + j, "text": seq.text or "", "logprobs": None,
                         "finish_reason": seq.finish_reason}
                        for i, r in enumerate(results) for j, seq in enumerate(r.sequences)]
@@ -906,8 +917,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     def answer(call: tuple[str, list], text: str, finish: str | None, one_call: bool = False
                ) -> tuple[dict, str | None]:
         """A tool-call answer's message fields and finish reason, from its text: a named function's arguments are
-        the (constrained) text (cut short when ``max_tokens`` cut it, as vLLM); ``required`` calls parse from the
-        JSON array, and a text cut before it closes comes back as content; "auto" calls are what the tool-call
+        the (constrained) text (cut short when ``max_tokens`` cut it, as vLLM); ``required`` calls are read from
+        the JSON array as they stream (``tool_parsers.required_calls``: each call's raw ``parameters`` text; an
+        array cut short holds the calls named so far, finish reason ``length`` / ``stop``, and a text cut before
+        any call's name comes back as content); "auto" calls are what the tool-call
         parser finds in the free text (the first only with ``one_call``, i.e. ``parallel_tool_calls`` false), the
         rest of the text their content."""
         mode, tools = call
@@ -921,11 +934,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         if mode == "named":
             calls = [(tools[0]["name"], text)]
         else:
-            try:
-                calls = [(c["name"], tool_parsers.json_text(c["parameters"])) for c in tool_parsers.strict_json(text)]
-            except (ValueError, TypeError, KeyError):  # (cut short, or by a stop string, before the array closed)
+            found, complete = tool_parsers.required_calls(text)
+            if not found:  # (cut short before a call's name was complete)
                 return {"content": text}, finish
-            finish = "tool_calls" if finish == "stop" else finish
+            calls = [(c.name, c.arguments) for c in found]
+            finish = "tool_calls" if finish == "stop" and complete else finish
         return {"content": None, "tool_calls": [
             {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
              "function": {"name": name, "arguments": arguments}} for name, arguments in calls]}, finish
@@ -941,11 +954,13 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         rid = response_id(req, request, "chatcmpl")
         as_ids = bool(req.return_tokens_as_token_ids)
         # echo (vLLM's): an answer to an assistant's last message starts with that message
-        last = req.messages[-1]
-        echoed = last.text() if req.echo and last.role == "assistant" else ""
+        last = req.messages[-1]  # (the answer's role: the assistant's, or without a generation prompt the last one's)
+        echoed = last.text() if req.echo and last.role == ("assistant" if req.add_generation_prompt else last.role) \
+            else ""
         if req.use_beam_search:
             max_tokens = check_max_tokens(req.requested_max_tokens(), param)
-            (result,) = await beam_search(req, [chat_prompt(req)], max_tokens, request, prompt_param="messages",
+            (result,) = await beam_search(req, [await asyncio.to_thread(chat_prompt, req)], max_tokens, request,
+                                          prompt_param="messages", request_id=rid,
                                           max_tokens_param=None if max_tokens is None else param)
             choices = []
             for j, seq in enumerate(result.sequences):
@@ -961,7 +976,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     "model": model, "choices": choices, "usage": beam_usage([result])}
         params = make_params(req, check_max_tokens(req.requested_max_tokens(), param), param)
         call = req.tool_call()  # (validated by make_params: its constraint is the output's)
-        prompt = chat_prompt(req)
+        prompt = await asyncio.to_thread(chat_prompt, req)  # (a request's own template may take a while)
         explicit = req.requested_max_tokens() is not None
         sfield = req.structured_field()
         stream = await add_group([prompt], params, req.n, rid, max_tokens_param=param if explicit else None,
@@ -1033,8 +1048,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                         calls = required[index].feed(comp.delta_text)
                         if calls:
                             delta = {"tool_calls": calls}
-                        if comp.finished and finish == "stop":
-                            finish = answer(call, required[index].text, finish)[1]  # (tool_calls when it parses)
+                        if comp.finished:  # (as answered whole: content when no call got a name, else the calls)
+                            whole, finish = answer(call, required[index].text, finish)
+                            if "tool_calls" not in whole and whole.get("content"):
+                                delta = {"content": whole["content"]}
                     if not delta and not comp.finished:
                         return None  # (its tokens' log-probabilities go with the next chunk that is sent)
                 else:

@@ -26,7 +26,7 @@ from typing import Any
 
 from nightjar_jax.engine.engine import EngineSleepingError
 from nightjar_jax.engine.outputs import RequestOutput
-from nightjar_jax.engine.sampling_params import SamplingParams
+from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class _Group:
     loop: asyncio.AbstractEventLoop
     num_unfinished: int = 0
     added: bool = False  # every member is in the engine (set by the engine thread)
+    base: str | None = None  # the caller's request id, held (AsyncEngine.claim) until every member finished
 
     def push(self, item: Any) -> None:
         try:
@@ -130,6 +131,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self.error: BaseException | None = None  # set when the engine thread died
+        # callers' request ids in flight (a group's, until every member finished; a beam search's, for its steps):
+        # the engine's own check is per member, so one id could serve two requests once a member of the first ended
+        self._claimed: set[str] = set()
+        self._claim_lock = threading.Lock()
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -152,6 +157,20 @@ class AsyncEngine:
     def num_active_groups(self) -> int:
         return len({id(g) for g, _ in list(self._groups.values())})
 
+    # ---- request ids --------------------------------------------------------------------------------------------
+    def claim(self, request_id: str) -> None:
+        """Hold a caller's request id while its request is in flight; one already held is an
+        ``InvalidRequestError`` (field ``request_id``)."""
+        with self._claim_lock:
+            if request_id in self._claimed:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+            self._claimed.add(request_id)
+
+    def release(self, request_id: str | None) -> None:
+        if request_id is not None:
+            with self._claim_lock:
+                self._claimed.discard(request_id)
+
     # ---- event-loop side ----------------------------------------------------------------------------------------
     async def add(self, prompts: list[Any], params: list[SamplingParams], request_id: str | None = None,
                   priority: int = 0, bypass_drain: bool = False) -> GroupStream:
@@ -161,12 +180,19 @@ class AsyncEngine:
         if self._stopping or not self.is_alive:
             raise RuntimeError("the engine is shutting down")
         loop = asyncio.get_running_loop()
+        if request_id is not None:
+            self.claim(request_id)
         base = request_id or f"req-{next(self._ids)}"
         ids = [f"{base}-{i}" for i in range(len(prompts))]
-        group = _Group(ids, asyncio.Queue(), loop, num_unfinished=len(ids))
+        group = _Group(ids, asyncio.Queue(), loop, num_unfinished=len(ids), base=request_id)
         ack = loop.create_future()
         self._send(_Add(group, prompts, params, ack, priority, bypass_drain))
-        await ack
+        try:
+            await ack
+        except BaseException:
+            if not group.added:  # (nothing was queued; a group queued before a cancellation holds it until it ends)
+                self.release(request_id)
+            raise
         return GroupStream(self, group)
 
     def abort(self, request_ids: list[str]) -> None:
@@ -309,6 +335,7 @@ class AsyncEngine:
             del self._groups[out.request_id]
             group.num_unfinished -= 1
             if group.num_unfinished == 0:
+                self.release(group.base)
                 group.push(None)
 
     def _abort_all(self, error: BaseException | None = None) -> None:
@@ -327,4 +354,5 @@ class AsyncEngine:
                 group, _ = self._groups.pop(rid)
                 group.num_unfinished -= 1
                 if group.num_unfinished == 0:
+                    self.release(group.base)
                     group.push(None)

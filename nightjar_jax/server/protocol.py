@@ -370,7 +370,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)  # (vLLM joins text parts with newlines)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -590,7 +590,8 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict | None], text_
     (``CompletionOutput.logprobs``, or with ``echo`` ``RequestOutput.prompt_logprobs`` first, whose first entry is
     None: its token gets null values, its text from ``token_text(id)``): ``tokens``, ``token_logprobs``,
     ``top_logprobs`` (per token, the asked top-k plus the token itself, keyed by text, as OpenAI) and ``text_offset``
-    (each token's start in the text, counting from ``text_offset``). Returns the object and the offset after the last
+    (each token's start in the text, counting from ``text_offset``; with ``as_ids``, in the joined ``token_id:<id>``
+    strings, as vLLM counts them). Returns the object and the offset after the last
     token (for the next streamed chunk). ``as_ids`` (vLLM's ``return_tokens_as_token_ids``): every token is written
     ``token_id:<id>``."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -710,7 +711,7 @@ class ResponsesRequest(_Strict):
                            and isinstance(p.get("text"), str) for p in content):
                     raise APIError(400, f"'input'[{i}].content parts must be {{'type': 'input_text' | 'output_text', "
                                         f"'text': ...}}", param=f"input[{i}].content")
-                content = "".join(p["text"] for p in content)
+                content = "\n".join(p["text"] for p in content)  # (as chat parts are joined)
             if not isinstance(content, str):
                 raise APIError(400, f"'input'[{i}].content must be text or a list of text parts",
                                param=f"input[{i}].content")

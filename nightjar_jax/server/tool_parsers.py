@@ -379,6 +379,16 @@ class RequiredCallsStream:
                 and call["args_end"] is None:
             call["args_end"] = len(self.text[:end].rstrip())
 
+    def named_calls(self) -> list[ToolCall]:
+        """The calls whose name is complete, each with its ``parameters`` text so far (raw, as streamed)."""
+        out = []
+        for call in self.calls:
+            if isinstance(call["name"], str):
+                start, end = call["args_start"], call["args_end"]
+                args = "" if start is None else self.text[start:len(self.text) if end is None else end]
+                out.append(ToolCall(call["name"], args))
+        return out
+
     def _deltas(self) -> list[dict[str, Any]]:
         import uuid
 
@@ -398,3 +408,17 @@ class RequiredCallsStream:
             elif args:
                 out.append({"index": k, "function": {"arguments": args}})
         return out
+
+
+def required_calls(text: str) -> tuple[list[ToolCall], bool]:
+    """A ``tool_choice: "required"`` answer's calls, as :class:`RequiredCallsStream` streams them (raw ``parameters``
+    text, so a whole answer and its stream agree), and whether the array is complete (cut short by ``max_tokens`` or
+    a stop string, it holds the calls named so far, their arguments as far as they go)."""
+    stream = RequiredCallsStream()
+    stream.feed(text)
+    try:
+        strict_json(text)
+        complete = True
+    except (ValueError, TypeError):
+        complete = False
+    return stream.named_calls(), complete

@@ -338,8 +338,9 @@ def test_tool_calls(client, server):
     args = json.loads(call.function.arguments)
     assert set(args) == {"city", "days"} and 1 <= args["days"] <= 7 and len(args["city"]) <= 12
     # (stories260K, unbounded, keeps adding calls: parallel_tool_calls false makes it one)
-    required = client.chat.completions.create(**{**kw, "max_tokens": 128}, tool_choice="required",
-                                              parallel_tool_calls=False).choices[0]
+    answered = client.chat.completions.create(**{**kw, "max_tokens": 128}, tool_choice="required",
+                                              parallel_tool_calls=False)
+    required = answered.choices[0]
     assert required.finish_reason == "tool_calls" and len(required.message.tool_calls) == 1
     for call in required.message.tool_calls:
         assert call.function.name in ("get_weather", "get_time")
@@ -362,8 +363,28 @@ def test_tool_calls(client, server):
     assert len(streamed) > 2 and {c.index for c in streamed} == {0} and not any(c.id for c in streamed[1:])
     (want,) = required.message.tool_calls
     assert streamed[0].function.name == want.function.name
-    assert json.loads("".join(c.function.arguments for c in streamed)) == json.loads(want.function.arguments)
+    assert "".join(c.function.arguments for c in streamed) == want.function.arguments  # (raw text both ways)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # cut short: the calls named so far (their arguments as far as they go), or content before any name, alike
+    # whole and streamed (a stream cut before a name carried nothing at all)
+    kinds = []
+    for max_tokens in (4, answered.usage.completion_tokens - 3):
+        short = {**kw, "max_tokens": max_tokens, "tool_choice": "required", "parallel_tool_calls": False}
+        whole = client.chat.completions.create(**short).choices[0]
+        chunks = list(client.chat.completions.create(**short, stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        pieces = [c for d in deltas for c in d.tool_calls or []]
+        assert whole.finish_reason == chunks[-1].choices[0].finish_reason == "length"
+        kinds.append("calls" if whole.message.tool_calls else "content")
+        if whole.message.tool_calls:
+            (cut,) = whole.message.tool_calls
+            assert (pieces[0].function.name, "".join(c.function.arguments for c in pieces)) == (
+                cut.function.name, cut.function.arguments)
+            assert not whole.message.content and not any(d.content for d in deltas)
+        else:
+            assert not pieces and whole.message.content and "".join(d.content or "" for d in deltas) == (
+                whole.message.content)
+    assert kinds == ["content", "calls"]  # (4 tokens end inside the first name, 3 short of the whole in its arguments)
     # a tool whose parameters refer to their own "$defs" (pydantic's form): under "required" the definitions move
     # to the combined schema's top, where "#/$defs/..." resolves (they were a 400 that the schema does not compile)
     located = {"type": "function", "function": {"name": "locate", "parameters": {

@@ -70,6 +70,25 @@ def test_a_request_id_in_flight_is_a_400(client, llm):
     # once it finished, the id is free again
     resp = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2, "request_id": "dup"})
     assert resp.status_code == 200 and resp.json()["id"] == "cmpl-dup"
+    # n = 2, its first member done and the second streaming: the id is still in flight (the engine's own check is
+    # per member, so "cmpl-P-0" finished let a second request share "cmpl-P"); a beam search holds its id too
+    body = {"prompt": "Once upon a time", "n": 2, "stream": True, "request_id": "P", "temperature": 0}
+    with client.stream("POST", "/v1/completions", json={**body, "max_tokens": 60, "ignore_eos": True}) as first:
+        lines = first.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        client.app.state.async_engine.abort(["cmpl-P-0"])  # (as if member 0 had finished)
+        for extra in ({}, {"use_beam_search": True, "n": 2}):
+            resp = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2, "request_id": "P",
+                                                         **extra})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "request_id", resp.text
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    resp = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2, "request_id": "P",
+                                                 "use_beam_search": True, "n": 2})
+    assert resp.status_code == 200 and resp.json()["id"] == "cmpl-P"
+    # an empty X-Request-Id header counts as none (vLLM takes it)
+    resp = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2, "request_id": "Q"},
+                       headers={"X-Request-Id": ""})
+    assert resp.status_code == 200 and resp.json()["id"] == "cmpl-Q"
 
 
 def test_return_tokens_as_token_ids(client):
@@ -102,10 +121,13 @@ def test_chat_echo_starts_the_answer_with_the_assistants_last_message(client):
     assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""},
                                                               {"content": "Once upon"}]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == echoed
-    # the last message a user's: nothing to echo
+    # the last message a user's: nothing to echo under a generation prompt; without one, the answer continues the
+    # last message, whoever wrote it (vLLM's rule)
     user_last = [{"role": "user", "content": "Hi"}]
     assert (chat(client, user_last, echo=True)["choices"][0]["message"]["content"]
             == chat(client, user_last)["choices"][0]["message"]["content"])
+    own = chat(client, user_last, echo=True, **cont)["choices"][0]["message"]["content"]
+    assert own == "Hi" + chat(client, user_last, **cont)["choices"][0]["message"]["content"]
 
 
 def test_request_chat_template_and_cache_control(client, llm):
@@ -120,6 +142,13 @@ def test_request_chat_template_and_cache_control(client, llm):
     assert resp.status_code == 400 and "could not apply the chat template" in resp.json()["error"]["message"]
     resp = client.post("/tokenize", json={"prompt": "Hi", "chat_template": OTHER_TEMPLATE})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template"
+    # an empty template is the server's own (vLLM's `request.chat_template or ...`); it read as "no template"
+    assert chat(client, msgs, chat_template="")["usage"]["prompt_tokens"] == chat(client, msgs)["usage"][
+        "prompt_tokens"]
+    # text parts join with a newline, as vLLM joins them (they ran together: "Once upona time")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Once upon"}, {"type": "text", "text": "a time"}]}]
+    ids = client.post("/tokenize", json={"messages": parts, "add_generation_prompt": False}).json()["tokens"]
+    assert ids == llm.engine.tokenizer.encode("user: Once upon\na time\nassistant:")
 
 
 def test_request_chat_template_needs_the_servers_trust(llm):
