@@ -195,7 +195,7 @@ def find_surrogate(value: Any, path: str = "") -> str | None:
 def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
     """The FastAPI app. The engine thread starts with the app (if not yet running) and stops when it shuts down."""
     engine = async_engine.engine
-    metrics = metrics or ServerMetrics(engine)
+    metrics = metrics or ServerMetrics(engine, settings.served_model_name)
     if metrics.on_output not in async_engine.hooks.on_output:
         async_engine.hooks.on_output.append(metrics.on_output)
     model_names = {settings.served_model_name, engine.config.model, *settings.served_model_aliases}

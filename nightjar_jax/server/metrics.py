@@ -4,6 +4,10 @@ Latency histograms and the per-finish-reason counter are fed by the engine threa
 (``ServerMetrics.on_output``); the gauges and engine counters (pages, queue lengths, γ, decode steps per γ, a tree's
 nodes, drafted / accepted tokens overall, per draft position and from n-gram lookup, planner switches, prefix cache
 queries and hits) are read from the engine at scrape time by :class:`_EngineCollector`.
+
+The same figures are also exported under vLLM's names (``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``,
+``vllm:time_to_first_token_seconds``, ``vllm:spec_decode_num_accepted_tokens_total``, ..., each labelled
+``model_name``), so dashboards and autoscalers built for vLLM read this server as they read vLLM.
 """
 
 from __future__ import annotations
@@ -20,10 +24,52 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120
 class _EngineCollector:
     """Reads engine gauges and counters when ``/metrics`` is scraped."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, model_name: str):
         self.engine = engine
+        self.model_name = model_name
 
     def collect(self):
+        yield from self._nightjar()
+        yield from self._vllm()
+
+    def _vllm(self):
+        """vLLM's v1 names for what ``_nightjar`` reports (its counters end in ``_total``)."""
+        e, stats, labels = self.engine, self.engine.stats, (["model_name"], [self.model_name])
+
+        def family(kind, name: str, doc: str, value: float):
+            metric = kind(name, doc, labels=labels[0])
+            metric.add_metric(labels[1], value)
+            return metric
+
+        yield family(GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch",
+                     len(e.scheduler.running))
+        yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be scheduled",
+                     len(e.scheduler.waiting))
+        total = e.num_total_pages
+        free = 0 if "kv_cache" in e.asleep_parts else e.num_free_pages
+        yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1 (1: every page used)",
+                     (total - free) / total if total else 0.0)
+        yield family(CounterMetricFamily, "vllm:num_preemptions", "Requests preempted for KV space",
+                     stats.num_preemptions)
+        yield family(CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens accepted", stats.num_prompt_tokens)
+        yield family(CounterMetricFamily, "vllm:generation_tokens", "Tokens generated", stats.num_generated_tokens)
+        yield family(CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                     stats.num_prefix_cache_queries)
+        yield family(CounterMetricFamily, "vllm:prefix_cache_hits", "Of those, the tokens found cached",
+                     stats.num_prefix_cache_hits)
+        yield family(CounterMetricFamily, "vllm:spec_decode_num_drafts", "Sequence-steps that drafted",
+                     stats.drafted_per_position[0] if stats.drafted_per_position else 0)
+        yield family(CounterMetricFamily, "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed",
+                     stats.num_drafted_tokens)
+        yield family(CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                     stats.num_accepted_tokens)
+        per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens "
+                                           "per position (0-based)", labels=["model_name", "position"])
+        for i, accepted in enumerate(stats.accepted_per_position):
+            per_position.add_metric([self.model_name, str(i)], accepted)
+        yield per_position
+
+    def _nightjar(self):
         e = self.engine
         stats = e.stats
 
@@ -96,9 +142,24 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, engine):
+    def __init__(self, engine, model_name: str | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
+        self.model_name = model_name or engine.config.model
+        # vLLM's names (module docstring), fed alongside
+        name = ["model_name"]
+        self.vllm_requests = Counter("vllm:request_success", "Finished requests by finish reason",
+                                     ["model_name", "finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort", "error"):
+            self.vllm_requests.labels(self.model_name, reason)
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", name,
+                                   buckets=_LATENCY_BUCKETS, registry=r).labels(self.model_name)
+        self.vllm_tpot = Histogram("vllm:time_per_output_token_seconds", "Mean time per output token after the "
+                                   "first", name, buckets=_LATENCY_BUCKETS, registry=r).labels(self.model_name)
+        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens", name,
+                                  buckets=_LATENCY_BUCKETS, registry=r).labels(self.model_name)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish", name,
+                                  buckets=_E2E_BUCKETS, registry=r).labels(self.model_name)
         self.requests = Counter(
             "nightjar_requests", "Finished engine requests by finish reason", ["finish_reason"], registry=r
         )
@@ -122,24 +183,30 @@ class ServerMetrics:
         self.e2e = Histogram(
             "nightjar_e2e_request_latency_seconds", "Arrival to finish", buckets=_E2E_BUCKETS, registry=r
         )
-        r.register(_EngineCollector(engine))
+        r.register(_EngineCollector(engine, self.model_name))
 
     def on_output(self, out: RequestOutput) -> None:
         """Record a finished request's latencies (runs on the engine thread)."""
         if not out.finished:
             return
-        self.requests.labels(out.outputs[0].finish_reason or "error").inc()
+        reason = out.outputs[0].finish_reason or "error"
+        self.requests.labels(reason).inc()
+        self.vllm_requests.labels(self.model_name, reason).inc()
         m = out.metrics
         if m is None:
             return
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
+            self.vllm_ttft.observe(m.ttft)
         if m.tpot is not None:
             self.tpot.observe(m.tpot)
+            self.vllm_tpot.observe(m.tpot)
         for itl in m.itls():
             self.itl.observe(itl)
+            self.vllm_itl.observe(itl)
         if m.e2e is not None:
             self.e2e.observe(m.e2e)
+            self.vllm_e2e.observe(m.e2e)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

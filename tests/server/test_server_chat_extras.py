@@ -191,3 +191,26 @@ def test_cors_request_id_headers_and_docs(llm):
         resp = client.post("/v1/completions", json=body, headers={"Origin": "http://ui.example"})
         assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers
         assert "x-request-id" not in resp.headers and client.get("/openapi.json").status_code == 200
+
+
+def test_metrics_under_vllms_names(llm):
+    """Dashboards and autoscalers built for vLLM read its names (labelled model_name): the same figures as the
+    nightjar_ ones."""
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("served"))) as client:
+        for _ in range(2):
+            assert client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 5}).status_code == 200
+        lines = dict(line.rsplit(" ", 1) for line in client.get("/metrics").text.splitlines()
+                     if line and not line.startswith("#"))
+    label = '{model_name="served"}'
+    for vllm, ours in [("vllm:num_requests_running", "nightjar_num_requests_running"),
+                       ("vllm:num_requests_waiting", "nightjar_num_requests_waiting"),
+                       ("vllm:prompt_tokens_total", "nightjar_prompt_tokens_total"),
+                       ("vllm:generation_tokens_total", "nightjar_generation_tokens_total"),
+                       ("vllm:num_preemptions_total", "nightjar_preemptions_total"),
+                       ("vllm:spec_decode_num_draft_tokens_total", "nightjar_spec_draft_tokens_total")]:
+        assert lines[vllm + label] == lines[ours], vllm
+    assert float(lines["vllm:generation_tokens_total" + label]) >= 10
+    assert lines["vllm:kv_cache_usage_perc" + label] == "0.0"  # (nothing in flight: every page free)
+    assert lines['vllm:request_success_total{finished_reason="length",model_name="served"}'] == "2.0"
+    for histogram in ("time_to_first_token", "e2e_request_latency", "inter_token_latency"):
+        assert lines[f"vllm:{histogram}_seconds_count{label}"] == lines[f"nightjar_{histogram}_seconds_count"]
