@@ -293,6 +293,14 @@ def check_ssl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
                        ("--ssl-ca-certs", args.ssl_ca_certs)):
         if path is not None and not Path(path).is_file():
             parser.error(f"{flag} {path}: no such file")
+    if args.ssl_keyfile is not None:  # (a bad pair failed after the model loaded, with a traceback)
+        import ssl
+
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        except (ssl.SSLError, OSError) as exc:
+            parser.error(f"--ssl-certfile {args.ssl_certfile} / --ssl-keyfile {args.ssl_keyfile}: not a certificate "
+                         f"and its private key ({exc})")
     if args.ssl_ca_certs is not None and args.ssl_keyfile is None:
         parser.error("--ssl-ca-certs verifies clients of an HTTPS server: add --ssl-keyfile and --ssl-certfile")
 

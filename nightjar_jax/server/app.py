@@ -100,7 +100,9 @@ class _RequestIdHeaders:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        sent = dict(scope.get("headers") or []).get(b"x-request-id") or uuid.uuid4().hex.encode()
+        # (the first such header, as the request's own id reads it)
+        sent = next((v for k, v in scope.get("headers") or [] if k.lower() == b"x-request-id" and v), None) \
+            or uuid.uuid4().hex.encode()
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
@@ -109,6 +111,35 @@ class _RequestIdHeaders:
             await send(message)
 
         return await self.app(scope, receive, send_with_id)
+
+
+class _InternalErrors:
+    """ASGI middleware, innermost of the app's own: an unhandled exception becomes the API's 500 here, inside the
+    CORS and request-id middlewares, so the answer carries their headers (Starlette's own 500 handler runs outside
+    every middleware: a browser saw an opaque CORS failure)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_tracking(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception as exc:
+            if started:  # (a response under way cannot become a 500)
+                raise
+            logger.exception("unhandled error")
+            response = JSONResponse(APIError(500, f"internal error: {exc}", type="internal_error").body(),
+                                    status_code=500)
+            await response(scope, receive, send)
 
 
 class _ClientGone(Exception):
@@ -211,6 +242,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
 
     docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if settings.disable_fastapi_docs else {}
     app = FastAPI(title="nightjar-jax", lifespan=lifespan, **docs)
+    app.add_middleware(_InternalErrors)  # (added first: the innermost, so the ones below add their headers to a 500)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                            allow_credentials=settings.allow_credentials, allow_methods=list(settings.allowed_methods),

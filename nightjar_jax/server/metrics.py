@@ -46,9 +46,11 @@ class _EngineCollector:
         yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be scheduled",
                      len(e.scheduler.waiting))
         total = e.num_total_pages
-        free = 0 if "kv_cache" in e.asleep_parts else e.num_free_pages
+        # (the share of pages requests hold: 0 while the KV cache sleeps, which nothing runs on, where the
+        # nightjar_ gauge counts no page free)
+        used = 0 if "kv_cache" in e.asleep_parts else total - e.num_free_pages
         yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1 (1: every page used)",
-                     (total - free) / total if total else 0.0)
+                     used / total if total else 0.0)
         yield family(CounterMetricFamily, "vllm:num_preemptions", "Requests preempted for KV space",
                      stats.num_preemptions)
         yield family(CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens accepted", stats.num_prompt_tokens)
@@ -203,7 +205,8 @@ class ServerMetrics:
             self.vllm_tpot.observe(m.tpot)
         for itl in m.itls():
             self.itl.observe(itl)
-            self.vllm_itl.observe(itl)
+            if itl > 0:  # (vLLM's: one sample per step; the tokens one speculative step commits share its time)
+                self.vllm_itl.observe(itl)
         if m.e2e is not None:
             self.e2e.observe(m.e2e)
             self.vllm_e2e.observe(m.e2e)

@@ -214,3 +214,48 @@ def test_metrics_under_vllms_names(llm):
     assert lines['vllm:request_success_total{finished_reason="length",model_name="served"}'] == "2.0"
     for histogram in ("time_to_first_token", "e2e_request_latency", "inter_token_latency"):
         assert lines[f"vllm:{histogram}_seconds_count{label}"] == lines[f"nightjar_{histogram}_seconds_count"]
+
+
+def test_vllm_gauges_and_histograms_read_as_vllms(llm):
+    """vLLM's inter-token histogram has one sample per step (the tokens of one speculative step share its time:
+    they were 0.0 samples), and its KV usage is the share requests hold: an idle engine asleep reads 0 (it read 1)."""
+    from types import SimpleNamespace
+
+    from nightjar_jax.engine.outputs import RequestMetrics
+    from nightjar_jax.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(llm.engine, "m")
+    times = [1.0, 1.5, 1.5, 1.5, 2.0]  # (a step that committed three tokens, then one more)
+    out = SimpleNamespace(finished=True, outputs=[SimpleNamespace(finish_reason="stop")],
+                          metrics=RequestMetrics(0.0, 0.1, 1.0, 2.0, times))
+    metrics.on_output(out)
+    lines = dict(line.rsplit(" ", 1) for line in metrics.render().decode().splitlines() if not line.startswith("#"))
+    assert lines['vllm:inter_token_latency_seconds_count{model_name="m"}'] == "2.0"
+    assert lines["nightjar_inter_token_latency_seconds_count"] == "4.0"
+    settings = ServerSettings("s", enable_sleep_mode=True)
+    with TestClient(build_app(AsyncEngine(llm.engine), settings)) as client:
+        assert client.post("/sleep?level=1").status_code == 200
+        try:
+            text = client.get("/metrics").text
+            assert 'vllm:kv_cache_usage_perc{model_name="s"} 0.0' in text and "nightjar_kv_pages_free 0.0" in text
+        finally:
+            assert client.post("/wake_up").status_code == 200
+
+
+def test_an_internal_error_carries_the_cors_and_request_id_headers(llm, monkeypatch):
+    """Starlette's own 500 handler runs outside every middleware: the answer had neither header (a browser saw an
+    opaque CORS failure). Two X-Request-Id headers: the first names both the response and its header."""
+    settings = ServerSettings("s", enable_request_id_headers=True)
+    with TestClient(build_app(AsyncEngine(llm.engine), settings), raise_server_exceptions=False) as client:
+        def broken(*args, **kwargs):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(llm.engine, "tokenize_prompt", broken)
+        resp = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2},
+                           headers={"Origin": "http://ui.example", "X-Request-Id": "e-1"})
+        assert resp.status_code == 500 and resp.json()["error"]["message"] == "internal error: boom"
+        assert resp.headers["x-request-id"] == "e-1" and resp.headers["access-control-allow-origin"] == "*"
+        monkeypatch.undo()
+        resp = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2},
+                           headers=[("X-Request-Id", "first"), ("X-Request-Id", "second")])
+        assert resp.json()["id"] == "cmpl-first" and resp.headers["x-request-id"] == "first"

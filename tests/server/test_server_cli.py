@@ -169,6 +169,7 @@ def test_tool_call_parser_flags(argv, expected):
     (["--ssl-keyfile", __file__], "--ssl-keyfile and --ssl-certfile go together"),
     (["--ssl-keyfile", __file__, "--ssl-certfile", "/no/such.pem"], "--ssl-certfile /no/such.pem: no such file"),
     (["--ssl-ca-certs", __file__], "--ssl-ca-certs verifies clients of an HTTPS server"),
+    (["--ssl-keyfile", __file__, "--ssl-certfile", __file__], "not a certificate and its private key"),
 ])
 def test_tool_call_parser_usage_errors(argv, message, capsys):
     """A parser without the switch would silently do nothing, an unknown one would fail every request: both are
