@@ -1168,8 +1168,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         model = check_model(req.model)
         chat = req.as_chat()
         params = make_params(chat, check_max_tokens(req.max_output_tokens, "max_output_tokens"), "max_output_tokens")
-        prompt = render_chat(chat)
-        rid, mid, rsid = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", f"rs_{uuid.uuid4().hex}"
+        prompt = await asyncio.to_thread(render_chat, chat)
+        rid = req.request_id or f"resp_{uuid.uuid4().hex}"
+        mid, rsid = f"msg_{uuid.uuid4().hex}", f"rs_{uuid.uuid4().hex}"
         stream = await add_group([prompt], params, 1, rid, max_tokens_param="max_output_tokens"
                                  if req.max_output_tokens is not None else None, structured_param="text",
                                  prompt_param="input")

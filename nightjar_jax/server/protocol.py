@@ -660,6 +660,8 @@ class ResponsesRequest(_Strict):
     stream_options: dict[str, Any] | None = None
     prompt_cache_key: str | None = None  # (prefix caching needs no key: it finds shared prefixes by their tokens)
     prompt_cache_retention: str | None = None
+    # vLLM's: the response's id (as given; else "resp_<new id>"), held while the request is in flight
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
     safety_identifier: str | None = None  # (OpenAI's successor of 'user')
     top_logprobs: int | None = None
     prompt: dict[str, Any] | None = None

@@ -259,3 +259,9 @@ def test_an_internal_error_carries_the_cors_and_request_id_headers(llm, monkeypa
         resp = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2},
                            headers=[("X-Request-Id", "first"), ("X-Request-Id", "second")])
         assert resp.json()["id"] == "cmpl-first" and resp.headers["x-request-id"] == "first"
+
+
+def test_responses_take_a_request_id(client):
+    """vLLM's ResponsesRequest.request_id names the response as given (it was a 400 as an unknown field)."""
+    resp = client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 3, "request_id": "resp_mine"})
+    assert resp.status_code == 200 and resp.json()["id"] == "resp_mine"
