@@ -19,19 +19,26 @@ keys 0..4 = page 7 slots 0..3 and page 3 slot 0; query 1 is position 5 and also 
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
-def validate_inputs(q, k_pages, v_pages, block_tables, context_lens, scale, num_ext_pages: int = 0) -> None:
+def validate_inputs(q, k_pages, v_pages, block_tables, context_lens, scale, num_ext_pages: int = 0,
+                    lenient_dtypes: bool = False) -> None:
     """The contract's shapes and dtypes (every implementation checks them: the reference read a wrong shape as a
     silent broadcast or a cryptic reshape error), sizes of at least 1, and, for concrete (not traced) block tables
     and context lengths, their values: each context within its table's pages, and the table's ids over the pages a
     context covers within the pools (``num_pages`` plus ``num_ext_pages`` of an extension). Inside ``jit`` the
     values are the caller's to keep (the engine's scheduler does): an id out of range is clamped by XLA's gather
-    and would be an out-of-bounds read in a compiled kernel."""
+    and would be an out-of-bounds read in a compiled kernel.
+
+    ``lenient_dtypes`` (the reference, which computes in float32 whatever it is given, as the CPU kernel casts):
+    float16 too, integer tables and lengths of any width, and any real scale (a numpy or concrete jax scalar);
+    the Pallas bodies take float32 / bfloat16, int32 and a Python float."""
     if q.ndim != 4:
         raise ValueError(f"q must be [num_seqs, q_len, num_q_heads, head_dim] (rank 4), got shape {q.shape}")
     if k_pages.ndim != 4:
@@ -40,9 +47,11 @@ def validate_inputs(q, k_pages, v_pages, block_tables, context_lens, scale, num_
         )
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
+    floats = (*SUPPORTED_DTYPES, jnp.float16) if lenient_dtypes else SUPPORTED_DTYPES
     for name, array in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
-        if array.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} dtype {array.dtype} is not supported; allowed: float32, bfloat16")
+        if array.dtype not in floats:
+            raise ValueError(f"{name} dtype {array.dtype} is not supported; allowed: "
+                             f"{', '.join(jnp.dtype(d).name for d in floats)}")
     if k_pages.dtype != v_pages.dtype:
         raise ValueError(f"k_pages and v_pages must share a dtype, got {k_pages.dtype} and {v_pages.dtype}")
     num_seqs, _, num_q_heads, head_dim = q.shape
@@ -57,13 +66,16 @@ def validate_inputs(q, k_pages, v_pages, block_tables, context_lens, scale, num_
         raise ValueError(f"num_q_heads={num_q_heads} (q axis 2) must be a multiple of num_kv_heads={num_kv_heads}")
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_pages_per_seq], got {block_tables.shape}")
-    if block_tables.dtype != jnp.int32:
-        raise ValueError(f"block_tables dtype must be int32, got {block_tables.dtype}")
     if context_lens.shape != (num_seqs,):
         raise ValueError(f"context_lens must be [num_seqs={num_seqs}], got shape {context_lens.shape}")
-    if context_lens.dtype != jnp.int32:
-        raise ValueError(f"context_lens dtype must be int32, got {context_lens.dtype}")
-    if not isinstance(scale, (int, float)):
+    for name, array in (("block_tables", block_tables), ("context_lens", context_lens)):
+        if not (jnp.issubdtype(array.dtype, jnp.integer) if lenient_dtypes else array.dtype == jnp.int32):
+            raise ValueError(f"{name} dtype must be {'an integer type' if lenient_dtypes else 'int32'}, got "
+                             f"{array.dtype}")
+    if lenient_dtypes:
+        if isinstance(scale, bool) or not (isinstance(scale, numbers.Real) or getattr(scale, "shape", None) == ()):
+            raise ValueError(f"scale must be a real number, got {type(scale).__name__}")
+    elif not isinstance(scale, (int, float)):
         raise ValueError(f"scale must be a Python float (it is baked into the kernel), got {type(scale).__name__}")
     if isinstance(block_tables, jax.core.Tracer) or isinstance(context_lens, jax.core.Tracer):
         return
@@ -100,7 +112,7 @@ def paged_attention_reference(
     Scores and softmax run in float32. Keys at positions >= context_len are never used: their scores are masked
     and their values are replaced by zeros before the weighted sum, so NaN in unused pages cannot leak.
     """
-    validate_inputs(q, k_pages, v_pages, block_tables, context_lens, scale)
+    validate_inputs(q, k_pages, v_pages, block_tables, context_lens, scale, lenient_dtypes=True)
     num_seqs, q_len, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads

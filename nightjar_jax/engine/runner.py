@@ -146,6 +146,12 @@ def commit_to_device(tree):
     return jax.device_put(tree, jax.devices()[0])
 
 
+@jax.jit
+def _all_finite(arrays: tuple) -> jax.Array:
+    """Per array: whether every value is finite (``ModelHandle.nonfinite``)."""
+    return jnp.stack([jnp.isfinite(x).all() for x in arrays])
+
+
 @dataclass
 class ModelHandle:
     """A model split for jit: config, graph definition and flat state (weights on device)."""
@@ -226,14 +232,14 @@ class ModelHandle:
 
     def nonfinite(self) -> str | None:
         """The path of the first floating-point array holding NaN or an infinity, or None (one host sync for all)."""
-        paths, flags = [], []
+        paths, arrays = [], []
         for path, x in jax.tree_util.tree_flatten_with_path(self.state)[0]:
             if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
                 paths.append(path)
-                flags.append(jnp.isfinite(x).all())
-        if not flags:
+                arrays.append(x)
+        if not arrays:
             return None
-        ok = np.asarray(jnp.stack(flags))
+        ok = np.asarray(_all_finite(tuple(arrays)))  # (one compiled reduction: eager ones compiled per shape)
         bad = [p for p, good in zip(paths, ok, strict=True) if not good]
         if not bad:
             return None

@@ -153,10 +153,15 @@ class Planner(abc.ABC):
                 f"num_tokens must be <= batch_size * {MAX_TOKENS_PER_SEQUENCE} = {batch_size * MAX_TOKENS_PER_SEQUENCE}"
                 f" (tokens committed over the batch in one step), got {num_tokens}"
             )
+        times = []
         for field, value in (("seconds", seconds), ("switch_seconds", switch_seconds)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise ValueError(f"{field} must be a number of seconds, got {value!r}")
-        seconds, switch_seconds = float(seconds), float(switch_seconds)
+            try:  # (any number float() reads: a numpy or jax scalar, a Decimal; not a bool or a string)
+                if isinstance(value, (bool, str, bytes)):
+                    raise TypeError
+                times.append(float(value))
+            except (TypeError, ValueError):
+                raise ValueError(f"{field} must be a number of seconds, got {value!r}") from None
+        seconds, switch_seconds = times
         if not MIN_STEP_SECONDS <= seconds <= MAX_STEP_SECONDS:  # (False for NaN)
             raise ValueError(
                 f"seconds must be in [{MIN_STEP_SECONDS}, {MAX_STEP_SECONDS}] (a step's wall time), got {seconds!r}"

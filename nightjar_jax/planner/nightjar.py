@@ -135,7 +135,7 @@ class NightjarOptions:
     probe_budget: float = 0.002  # probes may spend this fraction of a context's step seconds (expected regret)
     probe_every_bin: bool = False  # True: probe at any bin start the credit covers, not only in exploration bins
     probe_reset_z: float = 3.0  # a probe this many predictive sds above its arm's estimate restarts the context
-    seed: int = 0  # seeds the exploration coin flips and tie breaks
+    seed: int | None = 0  # seeds the exploration coin flips and tie breaks (None: a fresh random seed)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_edges", validate_bucket_edges(self.bucket_edges))
@@ -162,7 +162,7 @@ class NightjarOptions:
         check_number_option(
             self, "probe_reset_z", minimum=0.0, open_minimum=True, note="(inf: probes never restart a context)"
         )
-        check_int_option(self, "seed", minimum=0)
+        check_int_option(self, "seed", minimum=0, none_allowed=True, note="(None: a fresh random seed)")
 
 
 @dataclasses.dataclass

@@ -356,3 +356,19 @@ def test_a_layer_past_the_stacked_pools_is_an_error(impl):
         attend(q, stacked_k, stacked_v, table, ctx, scale=case.scale, impl=impl, layer=7)
     assert_close(attend(q, stacked_k, stacked_v, table, ctx, scale=case.scale, impl=impl, layer=1),
                  paged_attention_reference(*case.args, scale=case.scale))
+
+
+def test_the_reference_takes_what_the_cpu_kernel_takes():
+    """The reference computes in float32 whatever it is given, as the CPU kernel casts: numpy int64 tables and
+    lengths, a numpy or jax scalar scale and a float16 q stay accepted (the shared checks refused them); the Pallas
+    bodies keep their int32 / Python-float contract."""
+    case = make_case([3, 5], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
+    q, k, v, table, ctx = case.args
+    want = paged_attention_reference(*case.args, scale=case.scale)
+    loose = paged_attention_reference(q, k, v, np.asarray(table, np.int64), np.asarray(ctx, np.int64),
+                                      scale=jnp.float32(case.scale))
+    assert_close(loose, want)
+    half = paged_attention_reference(q.astype(jnp.float16), k, v, table, ctx, scale=np.float32(case.scale))
+    assert half.dtype == jnp.float16
+    with pytest.raises(ValueError, match="block_tables dtype must be int32"):
+        paged_attention(q, k, v, jnp.asarray(table, jnp.int16), ctx, scale=case.scale, backend="gpu")

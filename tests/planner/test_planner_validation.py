@@ -25,9 +25,9 @@ TABLE = "table must be a sequence of (max_batch, gamma) int pairs, e.g. ((4, 2),
 @pytest.mark.parametrize(
     ("spec", "options", "message"),
     [
-        ("nightjar", {"seed": -1}, "seed must be an int >= 0, got -1"),
-        ("nightjar", {"seed": 1.5}, "seed must be an int >= 0, got 1.5"),
-        ("nightjar", {"seed": True}, "seed must be an int >= 0, got True"),
+        ("nightjar", {"seed": -1}, "seed must be an int >= 0 or None (None: a fresh random seed), got -1"),
+        ("nightjar", {"seed": 1.5}, "seed must be an int >= 0 or None (None: a fresh random seed), got 1.5"),
+        ("nightjar", {"seed": True}, "seed must be an int >= 0 or None (None: a fresh random seed), got True"),
         ("nightjar", {"bucket_edges": None}, f"{EDGES}, got None"),
         ("nightjar", {"bucket_edges": "abc"}, f"{EDGES}, got 'abc'"),
         ("nightjar", {"bucket_edges": {1, 2}}, f"{EDGES}, got {{1, 2}}"),
@@ -190,3 +190,14 @@ def test_an_empty_spec_argument_is_an_error():
     """``static:`` acted as plain ``static`` without a word."""
     with pytest.raises(ValueError, match=re.escape("planner spec 'static:' has an empty argument after ':'")):
         make_planner("static:", 4)
+
+
+def test_numbers_of_any_kind_and_a_none_seed_are_accepted():
+    """observe() took any number float() reads before its checks (a numpy 0-d array, a jax scalar, a Decimal),
+    and NightjarOptions(seed=None) a fresh random seed: both stay so."""
+    from decimal import Decimal
+
+    planner = make_planner("nightjar", 2, seed=None)
+    for seconds in (np.array(0.01), np.float32(0.02), Decimal("0.03")):
+        planner.observe(gamma=1, batch_size=2, num_tokens=3, seconds=seconds, switch_seconds=np.array(0.0))
+    assert planner.num_observations == 3 and planner.select(2) in (0, 1, 2)
