@@ -117,7 +117,7 @@ def _config_from_hf(hf: dict[str, Any], source: str, name: str | None) -> ModelC
     if dtype is None:
         raise ValueError(f"{source}: dtype {torch_dtype!r} is unsupported (allowed: {sorted(_HF_DTYPES)})")
     num_heads = _whole("num_attention_heads", hf["num_attention_heads"])
-    tied = hf.get("tie_word_embeddings", False)
+    tied = hf.get("tie_word_embeddings") or False  # (null: untied, as transformers reads it)
     if not isinstance(tied, bool):  # (bool("false") is True)
         raise ValueError(f"tie_word_embeddings={tied!r} must be true or false")
     return ModelConfig(

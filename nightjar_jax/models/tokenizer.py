@@ -110,6 +110,7 @@ class Tokenizer:
         self.source = source
         self._token_texts: dict[int, str] = {}  # token_text's cache
         self._text_anchor: tuple | None = None  # token_text's anchor: (id, its text), or () when "a" encodes to nothing
+        self._decode_vocab: int | None = None  # decode's vocabulary size, read once
 
     # ---- construction -------------------------------------------------------------------------------------------
 
@@ -222,7 +223,9 @@ class Tokenizer:
         """Text for ``ids``. Ids past the tokenizer's vocabulary (a model's padded rows) decode to nothing, in every
         backend (the Rust tokenizers drop them, SentencePiece raised); a negative id is a ``ValueError``."""
         ids = [int(i) for i in ids]
-        vocab = self.vocab_size
+        vocab = self._decode_vocab
+        if vocab is None:  # (once: a slow transformers tokenizer's len() builds its whole vocabulary)
+            vocab = self._decode_vocab = self.vocab_size
         if ids and (min(ids) < 0 or max(ids) >= vocab):
             if min(ids) < 0:
                 raise ValueError(f"token id {min(ids)} is negative: token ids are 0 .. {vocab - 1} for this tokenizer")

@@ -312,7 +312,7 @@ class RequiredCallsStream:
         self._expect_key = False  # (at depth 2: the next string is a key)
         self._key: str | None = None
         self._value_start: int | None = None  # (at depth 2, after a key's ':': where its value starts)
-        self.calls: list[dict[str, Any]] = []  # per call: name, args_start, args_end, sent, started, id
+        self.calls: list[dict[str, Any]] = []  # per call: name, args_start, args_end, sent, started
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         self.text += text

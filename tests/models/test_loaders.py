@@ -365,3 +365,8 @@ def test_weights_must_be_finite_floats(tmp_path, tiny_weights):
     with pytest.raises(ValueError, match=r"/nan: the weights hold NaN or infinite values \(in layers.*down_proj"):
         LLMEngine(make_engine_config(model=str(tmp_path / "nan"), tokenizer=str(STORIES / "tokenizer.json"),
                                      draft_model="none", num_pages=8, compilation_cache_dir=None))
+
+
+def test_a_null_tie_word_embeddings_reads_as_untied(tmp_path, tiny_weights):
+    _write_hf(tmp_path, tiny_weights, tie_word_embeddings=None)
+    assert load_checkpoint(str(tmp_path)).config.tie_word_embeddings is False
