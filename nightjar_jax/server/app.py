@@ -293,20 +293,22 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             )
 
     async def read_body(request: Request, model: type[BaseModel]) -> Any:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            raise APIError(
-                413, f"the request body is over the {settings.max_body_bytes}-byte limit", code="request_too_large"
-            )
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > settings.max_body_bytes:
-                raise APIError(
-                    413, f"the request body is over the {settings.max_body_bytes}-byte limit", code="request_too_large"
-                )
-            chunks.append(chunk)
-        raw = b"".join(chunks)
+        data = await read_json(request)
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply to read: send at most a few hundred levels "
+                                "of JSON arrays and objects") from None
+
+    async def read_json(request: Request) -> dict[str, Any]:
+        """The body as a JSON object, within --max-body-bytes (read once: a second read, e.g. by the handler that
+        /invocations hands the request to, gets the same bytes)."""
+        raw = getattr(request, "_body", None)  # (Starlette's own cache of a body read: Request.body() sets it)
+        if raw is None:
+            raw = await _read_limited(request)
+            request._body = raw
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -325,14 +327,28 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             raise APIError(400, "the request body must be a JSON object")
         try:
             bad = find_surrogate(data)  # a "\ud800" escape parses into a string no tokenizer can take
-            if bad is not None:
-                raise APIError(400, f"'{bad}' holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): text must "
-                                    f"be valid Unicode (a surrogate pair, or the character itself)", param=bad)
-            return model.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
         except RecursionError:
             raise too_deep from None
+        if bad is not None:
+            raise APIError(400, f"'{bad}' holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): text must "
+                                f"be valid Unicode (a surrogate pair, or the character itself)", param=bad)
+        return data
+
+    async def _read_limited(request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+            raise APIError(
+                413, f"the request body is over the {settings.max_body_bytes}-byte limit", code="request_too_large"
+            )
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > settings.max_body_bytes:
+                raise APIError(
+                    413, f"the request body is over the {settings.max_body_bytes}-byte limit", code="request_too_large"
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def check_model(name: str | None) -> str:
         if name is not None and name not in model_names:
@@ -1155,6 +1171,19 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             })
         prompt = {} if req.prompt_logprobs is None else {"prompt_logprobs": chat_prompt_logprobs(outs[0])}
         return {**base, "object": "chat.completion", **prompt, "choices": choices, "usage": usage(outs, req.n)}
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        """SageMaker's inference route (vLLM's, beside /ping): a chat request (it has 'messages') or a completion
+        request (it has 'prompt'), answered as /v1/chat/completions or /v1/completions answers it."""
+        authorize(request)
+        data = await read_json(request)  # (read once: the handler reads the same bytes)
+        if "messages" in data:
+            return await chat_completions(request)
+        if "prompt" in data:
+            return await completions(request)
+        raise APIError(400, "an /invocations body is a chat request (with 'messages') or a completion request (with "
+                            "'prompt')", param="messages")
 
     @app.post("/v1/responses")
     async def responses(request: Request):

@@ -265,3 +265,19 @@ def test_responses_take_a_request_id(client):
     """vLLM's ResponsesRequest.request_id names the response as given (it was a 400 as an unknown field)."""
     resp = client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 3, "request_id": "resp_mine"})
     assert resp.status_code == 200 and resp.json()["id"] == "resp_mine"
+
+
+def test_sagemaker_invocations_route_chat_and_completions(client):
+    """vLLM's /invocations (SageMaker's route, beside /ping): the body's kind picks the endpoint."""
+    chat_body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    via = client.post("/invocations", json=chat_body).json()
+    assert via["object"] == "chat.completion"
+    assert via["choices"][0]["message"] == client.post("/v1/chat/completions", json=chat_body).json()["choices"][0][
+        "message"]
+    done = client.post("/invocations", json={"prompt": "Once", "max_tokens": 3, "temperature": 0, "request_id": "iv"})
+    assert done.status_code == 200 and done.json()["id"] == "cmpl-iv" and done.json()["object"] == "text_completion"
+    stream = client.post("/invocations", json={**chat_body, "stream": True})
+    assert stream.text.rstrip().endswith("data: [DONE]")
+    bad = client.post("/invocations", json={"input": "Hi"})
+    assert bad.status_code == 400 and "'messages') or a completion request" in bad.json()["error"]["message"]
+    assert client.post("/invocations", json={"prompt": 5}).status_code == 400  # (the endpoint's own checks)
