@@ -387,8 +387,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking...)
     # vLLM's: a Jinja template for this request instead of the model's (serve --trust-request-chat-template)
     chat_template: str | None = None
-    # vLLM's: when the last message is the assistant's, the answer's content starts with it (with
-    # continue_final_message: the whole message)
+    # vLLM's: the answer's content starts with the last message when it is the answer's role's (the assistant's;
+    # without a generation prompt, the last message's own): with continue_final_message, the whole message
     echo: bool = False
     # vLLM's: whether encoding the rendered text adds the tokenizer's special tokens (BOS); with true (here the
     # default) a BOS the template wrote itself is kept once; false: only what the template wrote (vLLM's default)
