@@ -271,10 +271,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     async def _client_gone(request: Request, exc: Exception):  # nobody reads the answer: no log, no traceback
         return Response(status_code=499)
 
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception):  # pragma: no cover - a bug, but keep the shape
-        logger.exception("unhandled error")
-        return JSONResponse(APIError(500, f"internal error: {exc}", type="internal_error").body(), status_code=500)
+    # (an unhandled exception is answered by _InternalErrors, inside the CORS and request-id middlewares)
 
     # ---- helpers ------------------------------------------------------------------------------------------------
     def authorize(request: Request) -> None:
@@ -299,8 +296,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         except ValidationError as exc:
             raise validation_error(exc) from None
         except RecursionError:
-            raise APIError(400, "the request body is nested too deeply to read: send at most a few hundred levels "
-                                "of JSON arrays and objects") from None
+            raise too_deep() from None
+
+    def too_deep() -> APIError:
+        return APIError(400, "the request body is nested too deeply to read: send at most a few hundred levels of "
+                             "JSON arrays and objects")
 
     async def read_json(request: Request) -> dict[str, Any]:
         """The body as a JSON object, within --max-body-bytes (read once: a second read, e.g. by the handler that
@@ -313,14 +313,12 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise APIError(400, f"the request body is not valid UTF-8: {exc}") from None
-        too_deep = APIError(400, "the request body is nested too deeply to read: send at most a few hundred levels "
-                                 "of JSON arrays and objects")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}") from None
         except RecursionError:
-            raise too_deep from None
+            raise too_deep() from None
         except ValueError as exc:  # (an integer past Python's 4300-digit limit for reading one)
             raise APIError(400, f"the request body holds a number this server cannot read: {exc}") from None
         if not isinstance(data, dict):
@@ -328,7 +326,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         try:
             bad = find_surrogate(data)  # a "\ud800" escape parses into a string no tokenizer can take
         except RecursionError:
-            raise too_deep from None
+            raise too_deep() from None
         if bad is not None:
             raise APIError(400, f"'{bad}' holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): text must "
                                 f"be valid Unicode (a surrogate pair, or the character itself)", param=bad)
