@@ -142,6 +142,31 @@ class _InternalErrors:
             await response(scope, receive, send)
 
 
+# the routes whose requests run on the engine (vLLM's load-aware calls); /load counts those in flight
+LOAD_TRACKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
+
+
+class _LoadTracking:
+    """ASGI middleware: how many requests to :data:`LOAD_TRACKED_PATHS` are in flight, a stream until its last
+    frame is sent (vLLM's ``server_load_metrics``, read at ``GET /load``)."""
+
+    def __init__(self, app, counter: list[int]):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        if scope["type"] != "http" or scope.get("method") != "POST" or path not in LOAD_TRACKED_PATHS:
+            return await self.app(scope, receive, send)
+        self.counter[0] += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.counter[0] -= 1
+
+
 class _ClientGone(Exception):
     pass
 
@@ -243,6 +268,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if settings.disable_fastapi_docs else {}
     app = FastAPI(title="nightjar-jax", lifespan=lifespan, **docs)
     app.add_middleware(_InternalErrors)  # (added first: the innermost, so the ones below add their headers to a 500)
+    server_load = [0]
+    app.add_middleware(_LoadTracking, counter=server_load)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                            allow_credentials=settings.allow_credentials, allow_methods=list(settings.allowed_methods),
@@ -640,6 +667,22 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     async def ping():
         """vLLM's (SageMaker's) liveness probe: /health under another name."""
         return await health()
+
+    @app.get("/load")
+    async def load():
+        """vLLM's server load: the completion, chat, Responses and /invocations requests in flight (a stream until
+        its last frame), for a load balancer's least-loaded choice."""
+        return {"server_load": server_load[0]}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        """vLLM's: forget every cached prefix (``LLMEngine.reset_prefix_cache``), e.g. between benchmark runs so
+        the next one starts cold. Requests in flight keep their pages and their outputs."""
+        authorize(request)
+        if (await request.body()).strip():
+            raise APIError(400, "this endpoint takes no body")
+        forgotten = await async_engine.call(lambda e: e.reset_prefix_cache())
+        return {"success": True, "pages_forgotten": forgotten}
 
     @app.get("/version")
     async def version():

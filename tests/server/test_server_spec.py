@@ -80,6 +80,64 @@ def test_prefix_caching_reports_cached_prompt_tokens(spec_server):
     assert m["nightjar_kv_pages_cached"] >= cached // 16 and m["nightjar_kv_pages_free"] == m["nightjar_kv_pages_total"]
 
 
+def test_reset_prefix_cache_and_server_load(spec_server):
+    """vLLM's ``POST /reset_prefix_cache``: the next request computes its prompt whole (no cached tokens) and writes
+    the same text; ``GET /load`` counts the generation requests in flight, a stream until its last frame."""
+    import httpx
+
+    client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    opening = "Once upon a time, there was a little boy named Tom. He liked to run in the big green park."
+    first = client.completions.create(model="stories260k", prompt=opening, max_tokens=8, temperature=0)
+    assert client.completions.create(model="stories260k", prompt=opening, max_tokens=8,
+                                     temperature=0).usage.prompt_tokens_details.cached_tokens > 0
+    reset = httpx.post(spec_server.url + "/reset_prefix_cache", timeout=60)
+    assert reset.status_code == 200 and reset.json()["success"] and reset.json()["pages_forgotten"] > 0
+    assert spec_server.metrics()["nightjar_kv_pages_cached"] == 0
+    again = client.completions.create(model="stories260k", prompt=opening, max_tokens=8, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0 and again.choices[0].text == first.choices[0].text
+    bad = httpx.post(spec_server.url + "/reset_prefix_cache", content=b'{"x": 1}', timeout=60)
+    assert bad.status_code == 400 and "no body" in bad.json()["error"]["message"]
+
+    list(client.completions.create(model="stories260k", prompt=opening, max_tokens=16, temperature=0, stream=True))
+    assert httpx.get(spec_server.url + "/load", timeout=60).json() == {"server_load": 0}  # (all ended: none left)
+
+
+def test_load_tracking_counts_requests_until_their_last_frame():
+    """The middleware behind ``GET /load``: a POST to a generation route counts from its arrival until its response
+    has been sent whole (a stream: its last frame), under a root path too; other routes do not count."""
+    import asyncio
+
+    from nightjar_jax.server.app import _LoadTracking
+
+    async def run():
+        gate, counter, seen = asyncio.Event(), [0], []
+
+        async def app(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+            seen.append(counter[0])
+            await gate.wait()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def send(message):
+            pass
+
+        tracked = _LoadTracking(app, counter)
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": ""}
+        tasks = [asyncio.create_task(tracked(scope, None, send)),
+                 asyncio.create_task(tracked({**scope, "path": "/proxy/v1/completions", "root_path": "/proxy"},
+                                             None, send)),
+                 asyncio.create_task(tracked({**scope, "path": "/tokenize"}, None, send))]
+        while len(seen) < 3:
+            await asyncio.sleep(0)
+        assert counter == [2]  # (two generation streams open; /tokenize is not counted)
+        gate.set()
+        await asyncio.gather(*tasks)
+        assert counter == [0]
+
+    asyncio.run(run())
+
+
 def test_structured_outputs_through_the_api(spec_server):
     """``response_format`` (json_schema, json_object), vLLM's ``structured_outputs`` and ``guided_*``: the text
     satisfies the constraint (speculating, beside other requests); a bad or doubled
