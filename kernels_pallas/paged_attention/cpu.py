@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.cpu_build import CpuKernelLibrary
-from kernels_pallas.paged_attention.reference import check_tree_mask
+from kernels_pallas.paged_attention.reference import check_scale, check_tree_mask
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGETS = {  # pool dtype -> FFI target name (q cast to the pool dtype)
@@ -93,6 +93,7 @@ def paged_attention_cpu(
     kvh, dim = k_pages.shape[stacked], k_pages.shape[-1]
     if q.ndim != 4 or q.shape[3] != dim or q.shape[2] % kvh:
         raise ValueError(f"q {q.shape} must be [seqs, q_len, heads, {dim}] with heads a multiple of num_kv_heads={kvh}")
+    check_scale(scale)
     if tree_mask is None:
         tree_mask = jnp.zeros((0, 0), jnp.uint8)
     else:

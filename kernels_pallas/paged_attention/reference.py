@@ -19,6 +19,7 @@ keys 0..4 = page 7 slots 0..3 and page 3 slot 0; query 1 is position 5 and also 
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import jax
@@ -77,6 +78,7 @@ def validate_inputs(q, k_pages, v_pages, block_tables, context_lens, scale, num_
             raise ValueError(f"scale must be a real number, got {type(scale).__name__}")
     elif not isinstance(scale, (int, float)):
         raise ValueError(f"scale must be a Python float (it is baked into the kernel), got {type(scale).__name__}")
+    check_scale(scale)
     if isinstance(block_tables, jax.core.Tracer) or isinstance(context_lens, jax.core.Tracer):
         return
     import numpy as np
@@ -95,6 +97,13 @@ def validate_inputs(q, k_pages, v_pages, block_tables, context_lens, scale, num_
         s, j = (int(i[0]) for i in np.nonzero(wrong))
         raise ValueError(f"block_tables[{s}, {j}]={int(table[s, j])} is out of range: the pools hold pages 0 .. "
                          f"{total - 1}")
+
+
+def check_scale(scale) -> None:
+    """A concrete scale must be finite: a NaN or infinite one gave NaN on the reference and Pallas paths and zeros on
+    the CPU kernel, never an error."""
+    if not isinstance(scale, jax.core.Tracer) and not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be a finite number (1 / sqrt(head_dim) by convention), got {float(scale)}")
 
 
 def paged_attention_reference(
