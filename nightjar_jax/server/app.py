@@ -477,7 +477,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 member_params.append(dataclasses.replace(params, seed=seed) if n > 1 else params)
         try:
             stream = await async_engine.add(members, member_params, request_id=request_id, priority=priority)
-            stream.prompt_tokens = [len(m["prompt_token_ids"]) for m in members]  # (per member: usage before output)
+            stream.prompt_token_ids = [list(m["prompt_token_ids"]) for m in members]  # (per member, before output)
+            stream.prompt_tokens = [len(ids) for ids in stream.prompt_token_ids]  # (usage before output)
             return stream
         except ValueError as exc:
             field = getattr(exc, "field", None) or "prompt"
@@ -918,7 +919,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             results = await beam_search(req, prompts, check_max_tokens(req.max_tokens, "max_tokens"), request,
                                         max_tokens_param="max_tokens" if explicit else None, request_id=rid)
             choices = [{"index": i * req.n + j, "text": seq.text or "", "logprobs": None,
-                        "finish_reason": seq.finish_reason}
+                        "finish_reason": seq.finish_reason,
+                        **({"prompt_token_ids": list(r.prompt_token_ids), "token_ids": list(seq.tokens)}
+                           if req.return_token_ids else {})}
                        for i, r in enumerate(results) for j, seq in enumerate(r.sequences)]
             return {"id": rid, "object": "text_completion", "created": int(time.time()),
                     "model": model, "choices": choices, "usage": beam_usage(results)}
@@ -950,6 +953,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             sent = [0] * size  # per choice: tokens whose log-probabilities went out
             offsets = [0] * size  # per choice: text_offset of the next token
             started = [False] * size  # per choice: a chunk went out (with echo, the first carries the prompt)
+            ids_sent = [0] * size  # per choice: generated token ids that went out (return_token_ids)
 
             def chunk(index, out):
                 if out is None:
@@ -977,6 +981,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     "finish_reason": comp.finish_reason,
                     **(prompt_part(out) if first else {}),  # (the prompt's, with a choice's first chunk)
                 }
+                if req.return_token_ids:
+                    if first:
+                        choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                    choice["token_ids"], ids_sent[index] = list(comp.token_ids[ids_sent[index]:]), len(comp.token_ids)
                 return {**base, "choices": [choice]}
 
             return StreamingResponse(
@@ -1001,6 +1009,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             logprobs = None if lps is None else completion_logprobs(ids, lps, 0, token_text, as_ids)[0]
             choices.append({"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs,
                             **prompt_part(o)})
+            if req.return_token_ids:  # (the generated ids only, echo or not, as vLLM's)
+                choices[-1].update(prompt_token_ids=list(o.prompt_token_ids),
+                                   token_ids=[] if req.prompt_only else list(comp.token_ids))
         return {**base, "choices": choices, "usage": usage(outs, req.n, generated=not req.prompt_only)}
 
     def answer(call: tuple[str, list], text: str, finish: str | None, one_call: bool = False
@@ -1060,9 +1071,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 if echoed:
                     message["content"] = echoed + (message["content"] or "")
                 choices.append({"index": j, "message": {"role": "assistant", **message}, "logprobs": None,
-                                "finish_reason": seq.finish_reason})
+                                "finish_reason": seq.finish_reason,
+                                **({"token_ids": list(seq.tokens)} if req.return_token_ids else {})})
+            ids = {"prompt_token_ids": list(result.prompt_token_ids)} if req.return_token_ids else {}
             return {"id": rid, "object": "chat.completion", "created": int(time.time()),
-                    "model": model, "choices": choices, "usage": beam_usage([result])}
+                    "model": model, **ids, "choices": choices, "usage": beam_usage([result])}
         params = make_params(req, check_max_tokens(req.requested_max_tokens(), param), param)
         call = req.tool_call()  # (validated by make_params: its constraint is the output's)
         prompt = await asyncio.to_thread(chat_prompt, req)  # (a request's own template may take a while)
@@ -1089,6 +1102,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         if req.stream:
             sent = [0] * size  # per choice: tokens whose log-probabilities went out
             prompt_sent = [False] * size  # per choice: prompt_logprobs went out
+            ids_sent = [0] * size  # per choice: generated token ids that went out (return_token_ids)
             auto = call is not None and call[0] == "auto"
             parsers = [tool_parsers.make_stream(settings.tool_call_parser) for _ in range(size)] if auto else []
             required = [tool_parsers.RequiredCallsStream() for _ in range(size)] if (
@@ -1158,6 +1172,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     start, sent[index] = sent[index], len(comp.token_ids)
                     logprobs = chat_logprobs(comp.token_ids[start:], comp.logprobs[start:], num_top, as_ids)
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                if req.return_token_ids:
+                    choice["token_ids"], ids_sent[index] = list(comp.token_ids[ids_sent[index]:]), len(comp.token_ids)
                 prompt = {}
                 if req.prompt_logprobs is not None and not prompt_sent[index]:  # (with a choice's first chunk)
                     prompt_sent[index] = True
@@ -1178,6 +1194,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 }
                 for i in range(size)
             ]
+            if req.return_token_ids:  # (the prompt's ids with the first chunk only, as vLLM's)
+                first[0]["prompt_token_ids"] = stream.prompt_token_ids[0]
             if echoed:  # (as vLLM: a chunk of its own after the role's)
                 first += [{**base, "choices": [{"index": i, "delta": {"content": echoed}, "logprobs": None,
                                                 "finish_reason": None}]} for i in range(size)]
@@ -1209,8 +1227,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 "logprobs": None if o.outputs[0].logprobs is None
                 else chat_logprobs(o.outputs[0].token_ids, o.outputs[0].logprobs, num_top, as_ids),
                 "finish_reason": finish,
+                **({"token_ids": list(o.outputs[0].token_ids)} if req.return_token_ids else {}),
             })
         prompt = {} if req.prompt_logprobs is None else {"prompt_logprobs": chat_prompt_logprobs(outs[0])}
+        if req.return_token_ids:
+            prompt["prompt_token_ids"] = list(outs[0].prompt_token_ids)
         return {**base, "object": "chat.completion", **prompt, "choices": choices, "usage": usage(outs, req.n)}
 
     @app.post("/invocations")

@@ -87,6 +87,7 @@ class GroupStream:
         self._engine, self._group = engine, group
         self.finished = False
         self.prompt_tokens: list[int] = []  # per member, when the caller knows them (the server's usage)
+        self.prompt_token_ids: list[list[int]] = []  # (and their ids: return_token_ids' first chunk)
 
     @property
     def request_ids(self) -> list[str]:

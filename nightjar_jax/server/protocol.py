@@ -97,6 +97,10 @@ class _SamplingFields(_Strict):
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
     # vLLM's: log-probabilities' tokens as "token_id:<id>" instead of their text (for text that is not valid UTF-8)
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the token ids beside the text (an RL trainer's tokens, no re-encoding): a completion choice's
+    # "prompt_token_ids" and "token_ids"; chat: "prompt_token_ids" on the response, "token_ids" on each choice.
+    # Streamed: the prompt's with the first chunk (a completion choice's first), each chunk's new tokens after.
+    return_token_ids: bool | None = None
     # Accepted at their neutral values only (see unsupported).
     user: str | None = None
     safety_identifier: str | None = None  # (OpenAI's successor of 'user')

@@ -109,6 +109,53 @@ def test_return_tokens_as_token_ids(client):
     assert client.post("/detokenize", json={"tokens": ids}).json()["prompt"] == text.lstrip()  # (SentencePiece)
 
 
+def test_return_token_ids(client):
+    """vLLM's ``return_token_ids``: the prompt's and the output's token ids beside the text, whole and streamed (the
+    prompt's with the first chunk, each chunk's new ids after), equal to what /tokenize and the logprobs say; chat
+    puts the prompt's on the response, a completion on each choice; beam search too; off, none of the fields."""
+    prompt = "Once upon a time"
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 0, "return_tokens_as_token_ids": True}
+    whole = client.post("/v1/completions", json={**body, "return_token_ids": True, "n": 2}).json()
+    expected_prompt = client.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    for choice in whole["choices"]:
+        by_logprobs = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+        assert choice["prompt_token_ids"] == expected_prompt and choice["token_ids"] == by_logprobs
+        assert client.post("/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"] == \
+            choice["text"].lstrip()
+    assert whole["usage"]["completion_tokens"] == 2 * len(whole["choices"][0]["token_ids"])
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    echo = client.post("/v1/completions", json={**body, "return_token_ids": True, "echo": True}).json()["choices"][0]
+    assert echo["token_ids"] == whole["choices"][0]["token_ids"]  # (the generated ids, echo or not)
+
+    resp = client.post("/v1/completions", json={**body, "return_token_ids": True, "stream": True})
+    chunks = [e for e in events(resp) if e["choices"]]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == expected_prompt
+    assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == whole["choices"][0]["token_ids"]
+
+    msgs = [{"role": "user", "content": "Hi"}]
+    answer = chat(client, msgs, return_token_ids=True)
+    rendered = client.post("/tokenize", json={"messages": msgs}).json()["tokens"]
+    assert answer["prompt_token_ids"] == rendered and answer["choices"][0]["token_ids"]
+    assert client.post("/detokenize", json={"tokens": answer["choices"][0]["token_ids"]}).json()["prompt"] == \
+        answer["choices"][0]["message"]["content"].lstrip()
+    assert "prompt_token_ids" not in chat(client, msgs) and "token_ids" not in chat(client, msgs)["choices"][0]
+    resp = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0,
+                                                     "stream": True, "return_token_ids": True})
+    chunks = [e for e in events(resp) if e["choices"]]
+    assert chunks[0]["prompt_token_ids"] == rendered and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert sum((c["choices"][0].get("token_ids", []) for c in chunks), []) == answer["choices"][0]["token_ids"]
+
+    beams = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "n": 2, "use_beam_search": True,
+                                                 "return_token_ids": True}).json()["choices"]
+    assert len(beams) == 2 and all(c["prompt_token_ids"] == expected_prompt for c in beams)
+    for c in beams:
+        assert client.post("/detokenize", json={"tokens": c["token_ids"]}).json()["prompt"] == c["text"].lstrip()
+    beam_chat = chat(client, msgs, n=2, use_beam_search=True, return_token_ids=True)
+    assert beam_chat["prompt_token_ids"] == rendered and all(c["token_ids"] for c in beam_chat["choices"])
+
+
 def test_chat_echo_starts_the_answer_with_the_assistants_last_message(client):
     msgs = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon"}]
     cont = dict(add_generation_prompt=False, continue_final_message=True)
