@@ -1090,15 +1090,18 @@ class LLMEngine:
         emitted = r.output_text
         checked = len(emitted) + len(r.held_text)  # (text whose stop strings earlier calls looked for)
         full = emitted + r.held_text + (r.detokenizer.add(ids) if ids else "")
+        if final:  # (the last ids: bytes that never completed a character read as decode writes them, U+FFFD)
+            full += r.detokenizer.flush()
         sp = r.sampling
         stopped = False
         if sp.stop and not r.under_min_tokens:
             # only a stop string that ends in the new text counts, as in vLLM: one completed under min_tokens is
-            # not a stop (and its start may have gone out already)
+            # not a stop (and its start may have gone out already). The one that ends first wins (then the longer):
+            # where the tokens happen to split the text does not change where it stops
             hits = [(full.find(s, max(0, checked - len(s) + 1)), s) for s in sp.stop]
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
-                i, s = min(hits)
+                i, s = min(hits, key=lambda hit: (hit[0] + len(hit[1]), hit[0]))
                 full = full[: i + len(s)] if sp.include_stop_str_in_output else full[: max(i, len(emitted))]
                 r.stop_reason, stopped, final = s, True, True
         hold = 0 if (final or not sp.stop) else max(len(s) for s in sp.stop) - 1

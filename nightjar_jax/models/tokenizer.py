@@ -12,6 +12,7 @@ Vocabulary
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -253,6 +254,33 @@ class Tokenizer:
             self._token_texts[token_id] = text
         return text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (OpenAI's log-probability ``bytes``, from which a client rebuilds characters
+        that several tokens share): its :meth:`token_text` in UTF-8, except for a token holding part of a UTF-8
+        character, whose text reads U+FFFD: a byte-fallback piece ``<0xE2>`` is that byte, a byte-level BPE piece
+        (GPT-2's alphabet, SmolLM2's) the bytes its characters map to."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self._piece(token_id)
+        if piece is not None:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            table = _byte_level_decoder()
+            if piece and all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+        return text.encode("utf-8")
+
+    def _piece(self, token_id: int) -> str | None:
+        """A token's vocabulary string (``▁the``, ``<0xE2>``, ``Ġthe``), or None past the vocabulary."""
+        if self.backend is not None:
+            return self.backend.id_to_token(int(token_id))
+        piece = self.hf_tokenizer.convert_ids_to_tokens(int(token_id))
+        return piece if isinstance(piece, str) else None
+
     # ---- chat ---------------------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
@@ -405,8 +433,26 @@ class _SentencePieceBackend:
     def get_vocab_size(self, with_added_tokens: bool = True) -> int:
         return self.sp.get_piece_size()
 
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.sp.id_to_piece(token_id) if 0 <= token_id < self.sp.get_piece_size() else None
+
     def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
         return {self.sp.id_to_piece(i): i for i in range(self.sp.get_piece_size())}
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet read backwards: each of the 256 characters byte-level BPE vocabularies spell bytes
+    with, to its byte (printable Latin-1 bytes stand for themselves, the others are shifted past U+00FF)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 class IncrementalDetokenizer:
@@ -439,6 +485,21 @@ class IncrementalDetokenizer:
         new_text = decode(self.ids[self._prefix_offset :], self.skip_special_tokens)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
+        return self._advance(prefix_text, new_text)
+
+    def flush(self) -> str:
+        """The end of the ids: text held back for a character that never completed (a stray or cut UTF-8 byte)
+        comes out as a full decode writes it, U+FFFD, so the whole text equals ``decode`` of the ids."""
+        if self._read_offset == len(self.ids):
+            return ""
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
+        new_text = decode(self.ids[self._prefix_offset :], self.skip_special_tokens)
+        if len(new_text) <= len(prefix_text):
+            return ""
+        return self._advance(prefix_text, new_text)
+
+    def _advance(self, prefix_text: str, new_text: str) -> str:
         delta = new_text[len(prefix_text) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         self.text += delta

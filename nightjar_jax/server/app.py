@@ -868,7 +868,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        """vLLM's endpoint: the text of token ids."""
+        """vLLM's endpoint: the text of token ids, special tokens written out (as vLLM's, which decodes them all):
+        what /tokenize encoded, ``<s>`` included, comes back."""
         authorize(request)
         req: DetokenizeRequest = await read_body(request, DetokenizeRequest)
         check_model(req.model)
@@ -877,7 +878,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids must be in [0, {vocab}): got {bad[:5]}", param="tokens")
-        return {"prompt": tok.decode(req.tokens)}
+        return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
 
     def model_card(name: str | None = None) -> dict[str, Any]:
         return {
@@ -1087,6 +1088,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         base = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model}
 
         num_top = req.num_logprobs()
+        token_bytes = None if engine.tokenizer is None else engine.tokenizer.token_bytes
         one_call = req.parallel_tool_calls is False
 
         def chat_prompt_logprobs(out: RequestOutput) -> list | None:
@@ -1170,7 +1172,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 logprobs = None
                 if comp.logprobs is not None:
                     start, sent[index] = sent[index], len(comp.token_ids)
-                    logprobs = chat_logprobs(comp.token_ids[start:], comp.logprobs[start:], num_top, as_ids)
+                    logprobs = chat_logprobs(comp.token_ids[start:], comp.logprobs[start:], num_top, as_ids,
+                                             token_bytes)
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 if req.return_token_ids:
                     choice["token_ids"], ids_sent[index] = list(comp.token_ids[ids_sent[index]:]), len(comp.token_ids)
@@ -1225,7 +1228,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 "index": i,
                 "message": {"role": "assistant", **message},
                 "logprobs": None if o.outputs[0].logprobs is None
-                else chat_logprobs(o.outputs[0].token_ids, o.outputs[0].logprobs, num_top, as_ids),
+                else chat_logprobs(o.outputs[0].token_ids, o.outputs[0].logprobs, num_top, as_ids, token_bytes),
                 "finish_reason": finish,
                 **({"token_ids": list(o.outputs[0].token_ids)} if req.return_token_ids else {}),
             })

@@ -614,23 +614,27 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict | None], text_
     return out, text_offset
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[dict], num_top: int, as_ids: bool = False) -> dict:
+def chat_logprobs(token_ids: list[int], logprobs: list[dict], num_top: int, as_ids: bool = False,
+                  token_bytes: Any = None) -> dict:
     """The chat completions ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}`` with the
     ``num_top`` most likely tokens at each position (most likely first); ``as_ids``: tokens written
-    ``token_id:<id>`` (their bytes those of that string, as vLLM)."""
+    ``token_id:<id>`` (their bytes those of that string, as vLLM). ``token_bytes(id)`` (``Tokenizer.token_bytes``):
+    a token's own bytes, so that a character split over byte tokens (whose text reads U+FFFD) can be rebuilt from
+    them; without it, the UTF-8 of its text."""
     content = []
     for token, entry in zip(token_ids, logprobs, strict=True):
         top = sorted(entry.items(), key=lambda item: -item[1].logprob)[:num_top]
         content.append({
-            **_chat_token(token, entry[token], as_ids),
-            "top_logprobs": [_chat_token(t, lp, as_ids) for t, lp in top],
+            **_chat_token(token, entry[token], as_ids, token_bytes),
+            "top_logprobs": [_chat_token(t, lp, as_ids, token_bytes) for t, lp in top],
         })
     return {"content": content}
 
 
-def _chat_token(token: int, lp: Any, as_ids: bool = False) -> dict:
+def _chat_token(token: int, lp: Any, as_ids: bool = False, token_bytes: Any = None) -> dict:
     text = _token_text(lp, token, as_ids)
-    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+    raw = token_bytes(token) if token_bytes is not None and text == lp.decoded_token else text.encode("utf-8")
+    return {"token": text, "logprob": lp.logprob, "bytes": list(raw)}
 
 
 class ResponsesRequest(_Strict):

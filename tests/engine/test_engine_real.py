@@ -57,6 +57,43 @@ def test_include_stop_str_in_output_keeps_a_stop_tokens_text(llm):
     assert (kept.text, dropped.text) == (", there was", ", there")
 
 
+def test_stop_strings_cut_where_the_first_one_ends(llm):
+    """Of two stop strings completed by the same token, the one that ends first wins: the text stops where it would
+    if the tokens had come a character at a time (", there" comes as "," then " there": " " ends at 2, ", ther" at
+    6; the one starting first used to win, cutting to ""). Either order of the list, with and without the stop."""
+    for stop in ([" ", ", ther"], [", ther", " "]):
+        for include, text in ((False, ","), (True, ", ")):
+            params = SamplingParams(temperature=0, max_tokens=8, stop=stop, include_stop_str_in_output=include)
+            out = llm.generate(["Once upon a time"], params)[0].outputs[0]
+            assert (out.text, out.stop_reason, out.finish_reason) == (text, " ", "stop")
+    # the same end: the longer (earlier) one wins
+    params = SamplingParams(temperature=0, max_tokens=8, stop=["here", "there"])
+    assert llm.generate(["Once upon a time"], params)[0].outputs[0].stop_reason == "there"
+
+
+def test_bytes_that_never_complete_a_character_reach_the_text(llm):
+    """Byte tokens that never complete a UTF-8 character were held back for good: the text was "" beside 5 tokens.
+    At the output's end they read as a whole decode writes them (U+FFFD), streamed and not."""
+    tok = llm.engine.tokenizer
+    stray = tok.token_to_id("<0x80>")  # (a continuation byte alone: never a character)
+    for allowed in ([stray], [tok.token_to_id("<0xE2>"), tok.token_to_id("<0x82>")]):
+        params = SamplingParams(temperature=0, max_tokens=5, allowed_token_ids=allowed)
+        out = llm.generate(["Once upon a time"], params)[0]
+        ids = out.outputs[0].token_ids
+        assert len(ids) == 5
+        full = tok.decode(out.prompt_token_ids + ids)
+        assert out.outputs[0].text == full[len("Once upon a time"):] and "\ufffd" in out.outputs[0].text
+    engine = llm.engine
+    rid = engine.add_request("Once upon a time", SamplingParams(temperature=0, max_tokens=5, allowed_token_ids=[stray]))
+    deltas, final = [], None
+    while final is None:
+        for o in engine.step():
+            if o.request_id == rid:
+                deltas.append(o.outputs[0].delta_text)
+                final = o if o.finished else None
+    assert "".join(deltas) == final.outputs[0].text == "\ufffd" * 5
+
+
 def test_completion_text_reads_as_it_does_after_the_prompt(llm):
     """The text of a completion is the full decode less the prompt's: a SentencePiece first token keeps its leading
     space (decoded alone, "▁upon" after "Once" would lose it)."""

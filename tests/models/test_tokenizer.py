@@ -216,6 +216,20 @@ def test_token_text_spells_the_text_a_token_reads_in(request, name):
         assert tok.token_text(tok.eos_token_ids[0])  # a special token keeps its text
 
 
+@pytest.mark.parametrize("name", ["stories", "smollm"])
+def test_token_bytes_rebuild_characters_split_over_tokens(request, name):
+    """``token_bytes`` (log-probabilities' ``bytes``): a token holding part of a UTF-8 character reads U+FFFD as
+    text, but its bytes are its own (SentencePiece's ``<0xF0>``, a byte-level piece of 😀), so the tokens' bytes
+    joined are the text's UTF-8; whole tokens' bytes are their text's."""
+    tok: Tokenizer = request.getfixturevalue(name)
+    text = "a 😀 é 東京 🇫🇷 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tok.token_text(i) for i in ids)  # (split characters are in play)
+    assert b"".join(tok.token_bytes(i) for i in ids).decode("utf-8") in (text, " " + text)
+    word = tok.encode(" upon", add_special_tokens=False)[-1]
+    assert tok.token_bytes(word) == tok.token_text(word).encode("utf-8")
+
+
 def test_transformers_tokenizer_adds_bos_once_to_text_that_starts_with_it(tmp_path):
     """A chat template renders ``{{ bos_token }}`` and the tokenizer adds BOS again (Llama-3's): the prompt gets one
     BOS, as the tokenizers-backed path already does (``Tokenizer.encode``)."""

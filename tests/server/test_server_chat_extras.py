@@ -109,6 +109,20 @@ def test_return_tokens_as_token_ids(client):
     assert client.post("/detokenize", json={"tokens": ids}).json()["prompt"] == text.lstrip()  # (SentencePiece)
 
 
+def test_chat_logprob_bytes_rebuild_a_character_split_over_byte_tokens(client):
+    """OpenAI's ``bytes``: "€" comes as the byte tokens <0xE2> <0x82> <0xAC>, each reading U+FFFD as text; their
+    bytes are the character's, so joined they decode to it (they were U+FFFD's UTF-8, three times)."""
+    tok = client.app.state.async_engine.engine.tokenizer
+    euro = [tok.token_to_id(f"<0x{b:02X}>") for b in "€".encode()]
+    ask = dict(logprobs=True, top_logprobs=1, max_tokens=3, structured_outputs={"regex": "€"})
+    body = chat(client, [{"role": "user", "content": "Hi"}], **ask)
+    content = body["choices"][0]["logprobs"]["content"]
+    by_id = chat(client, [{"role": "user", "content": "Hi"}], **ask, return_tokens_as_token_ids=True)
+    assert [int(c["token"].split(":")[1]) for c in by_id["choices"][0]["logprobs"]["content"]] == euro
+    assert [c["token"] for c in content] == ["\ufffd"] * 3 and body["choices"][0]["message"]["content"] == "€"
+    assert bytes(sum((c["bytes"] for c in content), [])).decode("utf-8") == "€"
+
+
 def test_return_token_ids(client):
     """vLLM's ``return_token_ids``: the prompt's and the output's token ids beside the text, whole and streamed (the
     prompt's with the first chunk, each chunk's new ids after), equal to what /tokenize and the logprobs say; chat
