@@ -571,6 +571,7 @@ class LLMEngine:
         batch = self.scheduler.schedule_prefill()
         outputs: list[RequestOutput] = []
         if batch is not None:
+            self._mark_scheduled(batch.requests)
             sampled, logprobs, prompt_logprobs = self.runner.execute_prefill(batch)
             now = time.monotonic()
             for r, scored in zip(batch.requests, prompt_logprobs or [None] * len(batch.requests), strict=True):
@@ -578,8 +579,6 @@ class LLMEngine:
                     if r.prompt_logprobs[index] is None:  # (a chunk recomputed after a preemption: keep the first)
                         r.prompt_logprobs[index] = self._decode_logprobs(entry)
             for i, (r, n, tok) in enumerate(zip(batch.requests, batch.num_new_tokens, sampled, strict=True)):
-                if r.first_scheduled_time is None:
-                    r.first_scheduled_time = now
                 r.num_computed += n
                 self.scheduler.cache_computed(r)
                 if r.num_computed == r.num_tokens:  # the chunk reached the end: the sampled token is real
@@ -602,6 +601,7 @@ class LLMEngine:
                 return []
             self._count_preemptions(batch)
             if batch.requests:
+                self._mark_scheduled(batch.requests)  # (a one-token prompt's first step is a decode step)
                 compiled_before = self.runner.num_compiled()
                 result = self.runner.execute_decode(batch, gamma)
                 compiled = self.runner.num_compiled() != compiled_before
@@ -624,6 +624,15 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.last_step_seconds = time.perf_counter() - t0
         return [o for o in outputs if o is not None]
+
+    @staticmethod
+    def _mark_scheduled(requests) -> None:
+        """A request's first step, prefill or decode, starts now (``RequestMetrics.first_scheduled_time``: the
+        queue time ends here, before its first token; a preemption's recompute keeps the first)."""
+        now = time.monotonic()
+        for r in requests:
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = now
 
     def _check_maps_after_compiles(self) -> None:
         """After a step that compiled a variant: when the process runs short of memory maps (CPU backend:

@@ -142,7 +142,7 @@ class SamplingTensors(NamedTuple):
             top_k=column(top_k, np.int32),
             top_p=column(top_p, np.float32),
             min_p=column(min_p, np.float32),
-            seeds=column(_fold_to_uint32(seeds), np.uint32),
+            seeds=column(fold_seeds(seeds), np.uint32),
             steps=column(steps, np.int32),
         )
 
@@ -202,10 +202,17 @@ def apply_penalties(logits: jax.Array, st: SamplingTensors, tokens: jax.Array | 
     return logits - pen.frequency[:, None, None] * counts - pen.presence[:, None, None] * (counts > 0)
 
 
-def _fold_to_uint32(seeds: int | np.ndarray | list) -> np.ndarray:
-    """Host-side: 64-bit seeds (SamplingParams allows [0, 2**63)) -> uint32, mixing in the high half."""
+def fold_seeds(seeds: int | np.ndarray | list) -> np.ndarray:
+    """Host-side: 64-bit seeds (SamplingParams allows [0, 2**63)) -> the uint32 the PRNG key takes. A seed under
+    2**32 is itself; a larger one is mixed whole (splitmix64's finalizer), so seeds that differ only in their high
+    half (5 and 5 + 2**32) draw different streams: taking the seed mod 2**32 gave them the same samples."""
     wide = np.asarray(seeds, dtype=np.uint64)
-    return ((wide ^ (wide >> np.uint64(32))) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    z = wide + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    mixed = np.where(wide < np.uint64(2**32), wide, z ^ (z >> np.uint64(32)))
+    return (mixed & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
 
 def request_keys(st: SamplingTensors, salt: int) -> jax.Array:

@@ -142,6 +142,25 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     assert a == b
 
 
+def test_seeds_past_two_to_the_32_are_their_own(llm):
+    """Seeds 5 and 5 + 2**32 sample different tokens in the engine (it took seeds mod 2**32: the same 30 tokens),
+    and each is reproducible."""
+    def run(seed):
+        sp = SamplingParams(temperature=1.0, max_tokens=30, seed=seed)
+        return llm.generate([PROMPTS[0]], sp)[0].outputs[0].token_ids
+
+    low, high = run(5), run(5 + 2**32)
+    assert low != high and high == run(5 + 2**32)
+
+
+def test_first_scheduled_time_precedes_the_first_token(llm):
+    """``RequestMetrics``: arrival <= first scheduled <= first token, for a one-token prompt too (whose first step
+    is a decode step: its first_scheduled_time was None)."""
+    for prompt in ([1], PROMPTS[1]):
+        m = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3))[0].metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time
+
+
 def test_n_completions(llm):
     out = llm.generate([PROMPTS[0]], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=7))[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]

@@ -197,6 +197,20 @@ def test_large_seeds_are_valid() -> None:
     assert ((tokens >= 0) & (tokens < 32)).all()
 
 
+def test_seeds_differing_in_their_high_half_draw_different_streams() -> None:
+    """A seed under 2**32 is the key's own; a larger one is mixed whole: 5, 5 + 2**32 and 5 + 7 * 2**32 drew the
+    same samples when the engine took seeds mod 2**32 (and an xor of the halves mapped 5 + 2**32 onto 4)."""
+    from nightjar_jax.engine.sampler import fold_seeds
+
+    seeds = [5, 5 + 2**32, 5 + 7 * 2**32, 4, 2**63 - 1]
+    folded = fold_seeds(seeds)
+    assert folded.dtype == np.uint32 and folded[0] == 5 and folded[3] == 4 and len(set(folded.tolist())) == 5
+    assert (fold_seeds([0, 2**32 - 1]) == [0, 2**32 - 1]).all()  # (under 2**32: unchanged, as before)
+    st = SamplingTensors.create(5, temperature=1.0, seeds=seeds)
+    rows = np.stack([np.asarray(_sample(_logits(5, 64, seed=s), st)) for s in range(16)], axis=1)
+    assert len({tuple(r) for r in rows[:3]}) == 3  # (16 draws over 64 tokens each: distinct streams)
+
+
 def test_mixed_greedy_and_sampled_batch() -> None:
     logits = np.broadcast_to(_logits(1, 8, seed=8), (NUM_DRAWS, 8))
     greedy = np.arange(NUM_DRAWS) % 2 == 0
