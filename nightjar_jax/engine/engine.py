@@ -403,6 +403,9 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"allowed_token_ids must be in [0, {vocab}): got {max(params.allowed_token_ids)}", "allowed_token_ids"
             )
+        if request_id is not None and not (isinstance(request_id, str) and request_id):
+            raise InvalidRequestError(f"request_id must be a non-empty string (or None: the engine numbers it), got "
+                                      f"{request_id!r}", "request_id")
         if request_id is None:
             request_id = str(next(self._ids))
             while request_id in self.requests:  # (a caller's own id may be a number the counter reaches)

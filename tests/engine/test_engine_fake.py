@@ -146,6 +146,18 @@ def test_ids_given_by_the_engine_skip_ids_callers_chose():
     assert set(run_all(eng)) == {"1", *given}
 
 
+def test_a_request_id_is_a_non_empty_string():
+    """vLLM's ids are strings: an int id came back as an int in the outputs, an empty one named nothing. Both are an
+    error naming request_id; a duplicate of one in flight too."""
+    eng = fake_engine()
+    eng.add_request(PROMPTS[0], greedy(2), request_id="a")
+    for bad, match in ((5, "non-empty string"), ("", "non-empty string"), ("a", "already in use")):
+        with pytest.raises(ValueError, match=match) as info:
+            eng.add_request(PROMPTS[0], greedy(2), request_id=bad)
+        assert info.value.field == "request_id"
+    assert run_all(eng) == {"a": expected(PROMPTS[0], 2)}
+
+
 def test_prompt_larger_than_pool_is_rejected():
     eng = fake_engine(num_pages=4, max_model_len=256)  # 3 usable pages = 12 tokens
     with pytest.raises(ValueError, match="whole KV pool"):
