@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import signal
+import socket
 import sys
 import threading
 import time
@@ -29,6 +31,8 @@ def _bounded(kind, name: str, low, high=None):
         except ValueError:
             what = {"int": "an integer", "float": "a number"}.get(kind.__name__, kind.__name__)
             raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):  # (NaN passed every bound; inf broke shutdown)
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number, got {text}")
         if value < low or (high is not None and value > high):
             allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
             raise argparse.ArgumentTypeError(f"{name} must be {allowed}, got {text}")
@@ -188,14 +192,28 @@ def load_chat_template(spec: str) -> str:
     template that renders its own name."""
     path = Path(spec)
     try:
-        if len(spec) < 4096 and path.is_file():
-            return path.read_text()
+        text = path.read_text() if len(spec) < 4096 and path.is_file() else None
     except OSError:
-        pass
+        text = None
+    if text is not None:
+        return check_template_syntax(text, f"--chat-template {spec}")
     if not any(c in spec for c in "{}\n"):
         raise ValueError(f"--chat-template {spec!r} looks like a path, but no such file can be read (give a readable "
                          "file, or the template itself)")
-    return spec
+    return check_template_syntax(spec, "--chat-template")
+
+
+def check_template_syntax(text: str, where: str) -> str:
+    """``text`` when it parses as a Jinja template (the chat template's syntax: one that does not fails every chat
+    request with a 400 while completions work, so the server refuses it at start instead); else a ``ValueError``."""
+    from jinja2 import Environment
+    from jinja2.exceptions import TemplateSyntaxError
+
+    try:
+        Environment(trim_blocks=True, lstrip_blocks=True).parse(text)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"{where}: the chat template does not parse: {exc} (line {exc.lineno})") from None
+    return text
 
 
 def load_engine(args: argparse.Namespace):
@@ -305,6 +323,20 @@ def check_ssl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error("--ssl-ca-certs verifies clients of an HTTPS server: add --ssl-keyfile and --ssl-certfile")
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the model loads (uvicorn binds after: a host that does not
+    resolve or a port in use failed only once minutes of loading and warm-up were spent). Port 0: a free one."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -320,8 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     from nightjar_jax.server.async_engine import AsyncEngine
 
     try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        parser.error(f"--host {args.host} --port {args.port}: cannot listen there ({exc})")
+    try:
         engine = load_engine(args)
     except STARTUP_ERRORS as exc:  # bad flags: one line, exit code 2
+        sock.close()
         logger.debug("start-up failed", exc_info=True)
         logger.error("%s", exc)
         return 2
@@ -359,8 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     server = _Server.make(config)
     logger.info("serving %s on %s://%s:%d%s/v1", settings.served_model_name, "https" if args.ssl_certfile else "http",
-                args.host, args.port, args.root_path or "")
-    server.run()
+                args.host, sock.getsockname()[1], args.root_path or "")
+    server.run(sockets=[sock])
     logger.info("server stopped")
     return 0
 

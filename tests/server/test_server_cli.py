@@ -88,6 +88,12 @@ def test_chat_template_string_or_file(tmp_path):
     assert load_chat_template(str(path)) == "{{ 1 }}"
     with pytest.raises(ValueError, match="looks like a path, but no such file can be read"):
         load_chat_template(str(tmp_path / "typo.jinja"))  # (it was rendered as the template: every prompt its name)
+    # a template that does not parse is refused at start (the server started, and every chat request was a 400)
+    with pytest.raises(ValueError, match=r"--chat-template: the chat template does not parse: .*\(line 1\)"):
+        load_chat_template("{% if %}")
+    path.write_text("{% for m in messages %}{{ m }}")
+    with pytest.raises(ValueError, match="does not parse"):
+        load_chat_template(str(path))
 
 
 def test_main_help(capsys):
@@ -132,11 +138,39 @@ def test_serve_reports_a_bad_model_and_exits_2(caplog):
     assert "unknown model preset 'no-such-model'" in caplog.text
 
 
+def test_serve_binds_before_the_model_loads(capsys, monkeypatch):
+    """A port in use or a host that does not resolve is a usage error before loading (uvicorn bound after: minutes
+    of loading, then exit 3); the socket bound is the one served, so --port 0 logs the port it got."""
+    import socket
+
+    import nightjar_jax.serve as serve
+
+    monkeypatch.setattr(serve, "load_engine", lambda args: pytest.fail("the model loaded before the bind failed"))
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        for argv, message in ((["--port", str(taken.getsockname()[1])], "cannot listen there"),
+                              (["--host", "999.1.1.1"], "cannot listen there")):
+            with pytest.raises(SystemExit) as exc:
+                serve.main(["--model", "stories260k", *argv])
+            assert exc.value.code == 2 and message in capsys.readouterr().err
+    finally:
+        taken.close()
+    sock = serve.bind_socket("127.0.0.1", 0)
+    try:
+        assert sock.getsockname()[1] > 0
+    finally:
+        sock.close()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--port", "99999"], "port must be in [0, 65535], got 99999"),
     (["--port", "http"], "port must be an integer, got 'http'"),
     (["--max-body-bytes", "-5"], "max-body-bytes must be >= 1, got -5"),
     (["--shutdown-timeout", "-1"], "shutdown-timeout must be >= 0.0, got -1"),
+    (["--shutdown-timeout", "nan"], "shutdown-timeout must be a finite number, got nan"),  # (NaN passed the bound)
+    (["--shutdown-timeout", "inf"], "shutdown-timeout must be a finite number, got inf"),
     (["--allowed-origins", "*"], "allowed-origins must be a JSON list of strings"),
     (["--allowed-headers", '[1]'], "allowed-headers must be a JSON list of strings"),
     (["--ssl-cert-reqs", "3"], "ssl-cert-reqs must be in [0, 2], got 3"),
