@@ -114,6 +114,24 @@ def setup_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def available_memory_bytes(device) -> int | None:
+    """Bytes free for new buffers on ``device``: an accelerator's allocator limit less what it holds, or on the CPU
+    the host's ``MemAvailable`` (Linux); None where neither can be read (no check then)."""
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -172,6 +190,7 @@ class LLMEngine:
         self.context_limit = sched.max_model_len or target.config.max_position_embeddings
         self.max_model_len = self.context_limit
         num_pages = self._num_pages()
+        self._check_pool_fits(num_pages)
         self.allocator = PageAllocator(num_pages, config.cache.page_size)
         pool_tokens = self.allocator.num_usable * config.cache.page_size
         if pool_tokens < self.max_model_len:
@@ -318,12 +337,30 @@ class LLMEngine:
         cache = self.config.cache
         if cache.num_pages is not None:
             return cache.num_pages
+        return max(2, cache.kv_cache_bytes // (self._pool_bytes_per_token() * cache.page_size))
+
+    def _pool_bytes_per_token(self) -> int:
+        """The KV pools' bytes per token: the target's K/V, the draft's, and a feature draft's hidden states."""
+        cache = self.config.cache
         per_token = self.target.config.kv_bytes_per_token(cache.kv_dtype(self.target.config.dtype))
         if self.draft is not None:
             per_token += self.draft.config.kv_bytes_per_token(cache.kv_dtype(self.draft.config.dtype))
             if self.draft.config.feature_size is not None:  # the target's hidden state(s) per token, for the draft
                 per_token += self.draft.config.feature_pool_width * dtype_bytes(self.target.config.dtype)
-        return max(2, cache.kv_cache_bytes // (per_token * cache.page_size))
+        return per_token
+
+    def _check_pool_fits(self, num_pages: int) -> None:
+        """A pool larger than the memory the device has free is a ``ConfigError`` before anything is allocated (the
+        process was killed for memory after a minute, or failed deep in XLA or the page allocator)."""
+        need = num_pages * self.config.cache.page_size * self._pool_bytes_per_token()
+        have = available_memory_bytes(jax.devices()[0])
+        if have is not None and need > have:
+            cache = self.config.cache
+            asked = f"num_pages={cache.num_pages}" if cache.num_pages is not None else \
+                f"kv_cache_bytes={cache.kv_cache_bytes}"
+            raise ConfigError(f"the KV pool asked for ({asked}: {num_pages} pages of {cache.page_size} tokens, "
+                              f"{need / 2**30:.2f} GiB) is more than the {have / 2**30:.2f} GiB of memory "
+                              f"the {jax.devices()[0].platform} device has free: lower kv_cache_bytes or num_pages")
 
     def _make_planner(self):
         from nightjar_jax.planner import make_planner

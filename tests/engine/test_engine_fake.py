@@ -158,6 +158,19 @@ def test_a_request_id_is_a_non_empty_string():
     assert run_all(eng) == {"a": expected(PROMPTS[0], 2)}
 
 
+def test_a_pool_larger_than_free_memory_is_a_config_error():
+    """num_pages / kv_cache_bytes past the memory the device has free: a ConfigError naming both sizes, before any
+    allocation (the process was killed for memory, or the page allocator raised MemoryError)."""
+    import jax
+
+    from nightjar_jax.config import ConfigError
+    from nightjar_jax.engine.engine import available_memory_bytes
+
+    assert available_memory_bytes(jax.devices()[0]) > 0
+    with pytest.raises(ConfigError, match=r"num_pages=99999999999: .* GiB\) is more than the .* GiB of memory"):
+        fake_engine(num_pages=99_999_999_999)
+
+
 def test_prompt_larger_than_pool_is_rejected():
     eng = fake_engine(num_pages=4, max_model_len=256)  # 3 usable pages = 12 tokens
     with pytest.raises(ValueError, match="whole KV pool"):
