@@ -77,13 +77,59 @@ def _meta(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
+# ModelConfig field -> the GGUF key it is read from, so a value ModelConfig refuses is reported by its key
+_CONFIG_KEYS = {
+    "hidden_size": "llama.embedding_length",
+    "intermediate_size": "llama.feed_forward_length",
+    "num_layers": "llama.block_count",
+    "num_heads": "llama.attention.head_count",
+    "num_kv_heads": "llama.attention.head_count_kv",
+    "head_dim": "llama.attention.key_length",
+    "rope_theta": "llama.rope.freq_base",
+    "rms_norm_eps": "llama.attention.layer_norm_rms_epsilon",
+    "max_position_embeddings": "llama.context_length",
+}
+
+
+def _int_key(reader: Any, key: str, default: Any, source: str) -> Any:
+    """An integer metadata value (``default`` when absent); a string, bool or fraction is a ValueError naming the
+    key (``int("abc")`` named neither the file nor the key)."""
+    value = _meta(reader, key)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{source}: GGUF key {key}={value!r} is invalid: allowed an integer")
+    return int(value)
+
+
+def _float_key(reader: Any, key: str, default: float, source: str) -> float:
+    value = _meta(reader, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{source}: GGUF key {key}={value!r} is invalid: allowed a number")
+    return float(value)
+
+
+def _token_id_key(reader: Any, key: str, vocab_size: int, vocab_what: str, source: str) -> int | None:
+    """A special-token id key (``tokenizer.ggml.bos_token_id`` ...), None when absent; an id outside the vocabulary
+    is refused here: it loaded, then every text prompt failed with an out-of-range token id."""
+    token_id = _int_key(reader, key, None, source)
+    if token_id is not None and not 0 <= token_id < vocab_size:
+        raise ValueError(f"{source}: GGUF key {key}={token_id} is outside the vocabulary: allowed an id in "
+                         f"[0, {vocab_size}) ({vocab_size} is {vocab_what})")
+    return token_id
+
+
 def config_from_gguf(reader: Any, *, source: str, name: str | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` of ``llama.*`` metadata; a missing or invalid value is a ``ValueError`` starting
+    with ``source`` and naming the GGUF key."""
     arch = _meta(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{source}: unsupported GGUF architecture {arch!r} (only 'llama' is supported)")
 
-    def need(key: str) -> Any:
-        value = _meta(reader, key)
+    def need(key: str) -> int:
+        value = _int_key(reader, key, None, source)
         if value is None:
             raise ValueError(f"{source}: missing GGUF metadata key {key!r}")
         return value
@@ -93,31 +139,46 @@ def config_from_gguf(reader: Any, *, source: str, name: str | None = None) -> Mo
     tensor_names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in tensor_names:
         raise ValueError(f"{source}: tensor rope_freqs.weight (Llama 3 RoPE scaling in GGUF) is unsupported")
-    hidden = int(need("llama.embedding_length"))
-    num_heads = int(need("llama.attention.head_count"))
+    hidden = need("llama.embedding_length")
+    num_heads = need("llama.attention.head_count")
     tokens = _meta(reader, "tokenizer.ggml.tokens")
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    vocab = _meta(reader, "llama.vocab_size") or (len(tokens) if tokens else None)
+    vocab, vocab_key = _int_key(reader, "llama.vocab_size", None, source), "llama.vocab_size"
+    if not vocab and tokens:
+        vocab, vocab_key = len(tokens), "tokenizer.ggml.tokens"
     if vocab is None and embd is not None:
-        vocab = int(embd.shape[-1])
-    eos = _meta(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(need("llama.feed_forward_length")),
-        num_layers=int(need("llama.block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(_meta(reader, "llama.attention.head_count_kv", num_heads)),
-        head_dim=int(_meta(reader, "llama.attention.key_length", hidden // num_heads)),
-        rope_theta=float(_meta(reader, "llama.rope.freq_base", 10000.0)),
-        # stored as float32: 1e-5 reads back as 9.99999975e-06; keep the decimal value the model was trained with
-        rms_norm_eps=float(f"{_meta(reader, 'llama.attention.layer_norm_rms_epsilon', 1e-5):.6g}"),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        max_position_embeddings=int(_meta(reader, "llama.context_length", 2048)),
-        bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-        name=name or str(_meta(reader, "general.name", "gguf-llama")),
-    )
+        vocab, vocab_key = int(embd.shape[-1]), "token_embd.weight"
+    if vocab is None:
+        raise ValueError(f"{source}: no vocabulary size (none of llama.vocab_size, tokenizer.ggml.tokens, "
+                         f"token_embd.weight)")
+    keys = dict(_CONFIG_KEYS, vocab_size=vocab_key)
+    try:
+        cfg = ModelConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=need("llama.feed_forward_length"),
+            num_layers=need("llama.block_count"),
+            num_heads=num_heads,
+            num_kv_heads=_int_key(reader, "llama.attention.head_count_kv", num_heads, source),
+            head_dim=_int_key(reader, "llama.attention.key_length", hidden // num_heads if num_heads > 0 else None,
+                              source),
+            rope_theta=_float_key(reader, "llama.rope.freq_base", 10000.0, source),
+            # stored as float32: 1e-5 reads back as 9.99999975e-06; keep the decimal value the model was trained with
+            rms_norm_eps=float(f"{_float_key(reader, 'llama.attention.layer_norm_rms_epsilon', 1e-5, source):.6g}"),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            max_position_embeddings=_int_key(reader, "llama.context_length", 2048, source),
+            bos_token_id=None,  # (both checked against the vocabulary below, naming their keys)
+            eos_token_ids=(),
+            name=name or str(_meta(reader, "general.name", "gguf-llama")),
+        )
+    except ValueError as e:  # ModelConfig's checks name the field: say which GGUF key holds it
+        if str(e).startswith(source):  # (_int_key's own, naming the key already)
+            raise
+        field = str(e).split("=", 1)[0].removesuffix("[]")
+        raise type(e)(f"{source}: GGUF key {keys.get(field, field)}: {e}") from None
+    bos, eos = (_token_id_key(reader, f"tokenizer.ggml.{k}_token_id", cfg.vocab_size,
+                              f"the vocab_size read from {vocab_key}", source) for k in ("bos", "eos"))
+    return cfg.replace(bos_token_id=bos, eos_token_ids=() if eos is None else (eos,))
 
 
 def _hf_name(gguf_name: str, source: str) -> str:
@@ -137,13 +198,26 @@ def state_dict_from_gguf(reader: Any, cfg: ModelConfig, *, source: str) -> dict[
     for t in reader.tensors:
         name = _hf_name(t.name, source)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        try:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        except NotImplementedError:  # (integer tensors: I8 .. I64, and types newer than the installed gguf)
+            raise ValueError(
+                f"{source}: tensor {t.name!r} has GGML type {t.tensor_type.name}, which the installed gguf package "
+                f"cannot dequantize: allowed {', '.join(_dequantizable_types())}"
+            ) from None
         if name.endswith("q_proj.weight"):
             w = interleaved_to_rotate_half(w, cfg.num_heads)
         elif name.endswith("k_proj.weight"):
             w = interleaved_to_rotate_half(w, cfg.num_kv_heads)
         state[name] = np.ascontiguousarray(w)
     return state
+
+
+def _dequantizable_types() -> list[str]:
+    """The GGML types ``gguf.quants.dequantize`` of the installed gguf package reads."""
+    from gguf import quants
+
+    return ["F32", "F16", *sorted(t.name for t in getattr(quants, "_type_traits", {}))]
 
 
 # ---- tokenizer --------------------------------------------------------------------------------------------------
@@ -158,12 +232,22 @@ def tokenizer_from_gguf(reader: Any, *, source: str) -> Tokenizer:
     tokens: list[str] = _meta(reader, "tokenizer.ggml.tokens") or []
     if not tokens:
         raise ValueError(f"{source}: GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
-    types = list(_meta(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
+    types = _per_token(reader, "tokenizer.ggml.token_type", len(tokens), _NORMAL, source)
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if kind == "gpt2":
         pre = _meta(reader, "tokenizer.ggml.pre", "default")
-        merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges") or []]
-        backend = tokenizers.Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        merges = []
+        for i, m in enumerate(_meta(reader, "tokenizer.ggml.merges") or []):
+            pair = tuple(m.split(" ", 1)) if isinstance(m, str) else ()
+            if len(pair) != 2:
+                raise ValueError(f"{source}: GGUF key tokenizer.ggml.merges[{i}]={m!r} is invalid: allowed two "
+                                 f"tokens separated by a space")
+            merges.append(pair)
+        try:
+            backend = tokenizers.Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception (a merge of an unknown token)
+            raise ValueError(f"{source}: GGUF key tokenizer.ggml.merges does not fit tokenizer.ggml.tokens ({e})") \
+                from None
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if pre == "smollm":  # llama.cpp LLAMA_VOCAB_PRE_TYPE_SMOLLM: split digits, then the GPT-2 regex
             backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
@@ -174,7 +258,7 @@ def tokenizer_from_gguf(reader: Any, *, source: str) -> Tokenizer:
         backend.decoder = decoders.ByteLevel()
         add_bos_default = False
     elif kind == "llama":
-        scores = list(_meta(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens))
+        scores = _per_token(reader, "tokenizer.ggml.scores", len(tokens), 0.0, source)
         unk = next((tokens[i] for i, t in enumerate(types) if t == _UNKNOWN), None)
         backend = tokenizers.Tokenizer(
             models.BPE(vocab, _spm_merges(tokens, scores, types), unk_token=unk, fuse_unk=True, byte_fallback=True)
@@ -198,10 +282,9 @@ def tokenizer_from_gguf(reader: Any, *, source: str) -> Tokenizer:
     backend.add_special_tokens(specials)
     if user:
         backend.add_tokens(user)
-    bos = _meta(reader, "tokenizer.ggml.bos_token_id")
-    eos = _meta(reader, "tokenizer.ggml.eos_token_id")
-    eot = _meta(reader, "tokenizer.ggml.eot_token_id")
-    eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
+    bos, eos, eot = (_token_id_key(reader, f"tokenizer.ggml.{k}_token_id", len(tokens),
+                                   "the number of tokenizer.ggml.tokens", source) for k in ("bos", "eos", "eot"))
+    eos_ids = tuple(dict.fromkeys(t for t in (eos, eot) if t is not None))
     template = _meta(reader, "tokenizer.chat_template") or default_chat_template(vocab)
     return Tokenizer(
         backend,
@@ -211,6 +294,19 @@ def tokenizer_from_gguf(reader: Any, *, source: str) -> Tokenizer:
         chat_template=template,
         source=source,
     )
+
+
+def _per_token(reader: Any, key: str, num_tokens: int, default: Any, source: str) -> list:
+    """A per-token array (``tokenizer.ggml.token_type``, ``.scores``): one entry per token, or ``default`` for
+    every token when the key is absent (a shorter array was an IndexError while building the vocabulary)."""
+    values = _meta(reader, key)
+    if values is None:
+        return [default] * num_tokens
+    values = list(values) if isinstance(values, (list, tuple)) else [values]
+    if len(values) != num_tokens:
+        raise ValueError(f"{source}: GGUF key {key} has {len(values)} entries: allowed one per token of "
+                         f"tokenizer.ggml.tokens ({num_tokens})")
+    return values
 
 
 def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:

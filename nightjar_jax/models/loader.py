@@ -93,11 +93,18 @@ def _preset_tokenizer_offline(preset: Preset) -> Tokenizer | None:
 
 
 def _sibling_tokenizer(path: Path) -> Tokenizer | None:
-    """llama2.c checkpoints keep their tokenizer next to them: tokenizer.json, else a SentencePiece .model."""
+    """llama2.c checkpoints keep their tokenizer next to them: tokenizer.json, else tokenizer.model, else the one
+    SentencePiece ``*.model`` there. Several ``*.model`` files (and neither name) is a ``ValueError`` naming them:
+    which one is the model's cannot be told (the first by name was taken, junk or not); pass a tokenizer instead."""
     folder = path.parent
-    if (folder / "tokenizer.json").exists():
-        return Tokenizer.from_pretrained(folder / "tokenizer.json")
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if (folder / name).exists():
+            return Tokenizer.from_pretrained(folder / name)
     models = sorted(folder.glob("*.model"))
+    if len(models) > 1:
+        raise ValueError(f"{path}: several SentencePiece tokenizers beside it ({', '.join(m.name for m in models)}): "
+                         f"allowed one, or one named tokenizer.model / tokenizer.json (or pass tokenizer=, "
+                         f"--tokenizer)")
     return Tokenizer.from_pretrained(models[0]) if models else None
 
 
@@ -118,8 +125,9 @@ def _detect_format(path: Path) -> str:
     raise ValueError(f"{path}: cannot tell the checkpoint format from the file name; pass load_format")
 
 
-def _load_path(path: Path, fmt: str, *, want_weights: bool) -> Checkpoint:
-    """Read a local checkpoint of format ``fmt`` (``want_weights=False``: config and tokenizer only)."""
+def _load_path(path: Path, fmt: str, *, want_weights: bool, want_tokenizer: bool = True) -> Checkpoint:
+    """Read a local checkpoint of format ``fmt`` (``want_weights=False``: config and tokenizer only;
+    ``want_tokenizer=False``: a llama2.c file's sibling tokenizer is not looked for, one was given)."""
     src = str(path)
     if fmt in ("hf", "safetensors"):
         if not path.is_dir():
@@ -141,7 +149,8 @@ def _load_path(path: Path, fmt: str, *, want_weights: bool) -> Checkpoint:
         return Checkpoint(cfg, state, tok, src, "gguf")
     if fmt == "llama2c":
         cfg, state = llama2c.load_llama2c(path)
-        return Checkpoint(cfg, state if want_weights else None, _sibling_tokenizer(path), src, "llama2c")
+        tok = _sibling_tokenizer(path) if want_tokenizer else None
+        return Checkpoint(cfg, state if want_weights else None, tok, src, "llama2c")
     if fmt == "orbax":
         cfg, state, tok_dir = orbax_io.load_orbax(path)
         tok = Tokenizer.from_pretrained(tok_dir) if tok_dir is not None else None
@@ -162,7 +171,8 @@ def load_checkpoint(
     path = Path(model).expanduser()
 
     if path.exists():
-        ckpt = _load_path(path, _detect_format(path) if fmt == "auto" else fmt, want_weights=not dummy)
+        ckpt = _load_path(path, _detect_format(path) if fmt == "auto" else fmt, want_weights=not dummy,
+                          want_tokenizer=tokenizer is None)
     elif model.lower() in PRESETS:
         preset = get_preset(model)
         if dummy:

@@ -4,13 +4,14 @@ Layout of a checkpoint directory::
 
     <dir>/nightjar_config.json   # {"format": "nightjar-orbax", "version": 1, "config": ModelConfig.to_dict()}
     <dir>/params/                # orbax PyTreeCheckpointer: {hf_name: array [out, in]} (HF names and layout)
-    <dir>/tokenizer/             # optional: copied tokenizer files
+    <dir>/tokenizer/             # optional: copied tokenizer files (tokenizer.json / tokenizer.model / a folder's)
 
 Storing HF names/layout keeps one validation path (``state_from_hf``) for every format.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -53,10 +54,16 @@ def save_orbax(
     weights: Any,
     tokenizer_dir: str | Path | None = None,
 ) -> Path:
-    """Write a checkpoint. ``weights``: an HF-named dict of arrays, an ``nnx.State`` or a ``(graphdef, state)``."""
+    """Write a checkpoint. ``weights``: an HF-named dict of arrays, an ``nnx.State`` or a ``(graphdef, state)``.
+
+    ``tokenizer_dir``: a tokenizer folder or file to copy into ``<dir>/tokenizer`` (see :func:`_tokenizer_files`).
+    Saving into an existing checkpoint replaces all of it: ``params/``, the config, and ``tokenizer/``, which is
+    removed when no ``tokenizer_dir`` is given (an old tokenizer is never kept silently).
+    """
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
+    tokenizer_files = _tokenizer_files(tokenizer_dir)  # (checked before anything is written)
     if isinstance(weights, tuple) and len(weights) == 2:
         weights = weights[1]
     if isinstance(weights, dict) and all(isinstance(k, str) for k in weights):
@@ -68,17 +75,47 @@ def save_orbax(
     if params.exists():
         shutil.rmtree(params)
     ocp.PyTreeCheckpointer().save(params, state_dict)
-    if tokenizer_dir is not None:
-        src = Path(tokenizer_dir)
-        dst = path / "tokenizer"
-        dst.mkdir(exist_ok=True)
-        files = [src] if src.is_file() else [p for p in src.iterdir() if p.name.startswith(("tokenizer", "special"))]
-        for f in files:
-            shutil.copy2(f, dst / f.name)
+    _replace_tokenizer(path / "tokenizer", tokenizer_files)
     meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "config": config.to_dict()}
     (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     logger.info("saved %d tensors to %s", len(state_dict), path)
     return path
+
+
+def _tokenizer_files(tokenizer_dir: str | Path | None) -> dict[Path, str]:
+    """What :func:`save_orbax` copies into ``<dir>/tokenizer``: {source file: name there}, under the names
+    :func:`load_orbax`'s reader looks for. A folder's ``tokenizer*`` and ``special*`` files keep their names; a single
+    file is copied as ``tokenizer.json`` (a ``.json`` file) or ``tokenizer.model`` (a SentencePiece ``.model``)."""
+    if tokenizer_dir is None:
+        return {}
+    src = Path(tokenizer_dir)
+    if src.is_file():
+        names = {".json": "tokenizer.json", ".model": "tokenizer.model"}
+        if src.suffix not in names:
+            raise ValueError(f"tokenizer_dir={src}: unknown tokenizer file type: allowed a folder, a .json "
+                             f"(tokenizers) file or a SentencePiece .model file")
+        return {src: names[src.suffix]}
+    if not src.is_dir():
+        raise FileNotFoundError(f"tokenizer_dir={src} does not exist")
+    files = {f: f.name for f in src.iterdir() if f.is_file() and f.name.startswith(("tokenizer", "special"))}
+    if not {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"} & set(files.values()):
+        raise ValueError(f"tokenizer_dir={src}: no tokenizer.json, tokenizer_config.json or tokenizer.model in folder")
+    return files
+
+
+def _replace_tokenizer(dst: Path, files: dict[Path, str]) -> None:
+    """Make ``dst`` hold exactly ``files`` (no folder when there are none), whatever an earlier save left there."""
+    staged = dst.with_name(dst.name + ".new")  # (built beside dst: the files may come from the old dst itself)
+    if staged.exists():
+        shutil.rmtree(staged)
+    if files:
+        staged.mkdir()
+        for f, name in files.items():
+            shutil.copy2(f, staged / name)
+    if dst.exists():
+        shutil.rmtree(dst)
+    if staged.exists():
+        staged.rename(dst)
 
 
 def load_orbax(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], Path | None]:
@@ -89,17 +126,67 @@ def load_orbax(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], Pa
     meta_path = path / CONFIG_FILE
     if not meta_path.exists():
         raise FileNotFoundError(f"{path}: no {CONFIG_FILE} (not a checkpoint written by save_orbax)")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT_NAME or meta.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{meta_path}: unknown format {meta.get('format')!r} version {meta.get('version')!r}")
-    fields = dict(meta["config"])
-    if fields.get("rope_scaling") is not None:
-        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-    fields["eos_token_ids"] = tuple(fields.get("eos_token_ids") or ())
-    cfg = ModelConfig(**fields)
-    if not (path / "params").exists():
+    cfg = read_config(meta_path)
+    params = path / "params"
+    if not params.exists():
         raise FileNotFoundError(f"{path}: params/ is missing")
-    restored = ocp.PyTreeCheckpointer().restore(path / "params")
+    try:
+        restored = ocp.PyTreeCheckpointer().restore(params)
+    except ValueError as e:  # (a corrupt params/_METADATA is a bare JSONDecodeError naming no file)
+        if str(params) in str(e):
+            raise
+        raise ValueError(f"{params}: not a readable orbax checkpoint ({type(e).__name__}: {e})") from None
     state_dict = {k: np.asarray(v) for k, v in restored.items()}
     tok = path / "tokenizer"
     return cfg, state_dict, tok if tok.exists() and any(tok.iterdir()) else None
+
+
+def read_config(meta_path: Path) -> ModelConfig:
+    """The :class:`ModelConfig` in ``nightjar_config.json``; anything wrong with the file is a ``ValueError`` that
+    starts with its path and names the field at fault (and what is allowed)."""
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError)
+        raise ValueError(f"{meta_path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path}: must be a JSON object {{format, version, config}}, got {type(meta).__name__}")
+    if meta.get("format") != FORMAT_NAME or meta.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{meta_path}: unknown format {meta.get('format')!r} version {meta.get('version')!r}")
+    fields = meta.get("config")
+    if not isinstance(fields, dict):
+        got = "nothing" if "config" not in meta else "null" if fields is None else type(fields).__name__
+        raise ValueError(f"{meta_path}: 'config' must be a JSON object of ModelConfig fields, got {got}")
+    fields = dict(fields)
+    allowed = [f.name for f in dataclasses.fields(ModelConfig)]
+    unknown = sorted(set(fields) - set(allowed))
+    if unknown:
+        raise ValueError(f"{meta_path}: unknown config field(s) {unknown}: allowed {allowed}")
+    missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in fields
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"{meta_path}: config is missing the required field(s) {missing}")
+    rope = fields.get("rope_scaling")
+    if rope is not None:
+        rope_allowed = [f.name for f in dataclasses.fields(RopeScaling)]
+        if not isinstance(rope, dict) or set(rope) - set(rope_allowed):
+            raise ValueError(f"{meta_path}: config.rope_scaling={rope!r} is invalid: allowed null or an object with "
+                             f"the keys {rope_allowed} (Llama 3 scaling)")
+    eos = fields.get("eos_token_ids")
+    if eos is not None and not isinstance(eos, list):
+        raise ValueError(f"{meta_path}: config.eos_token_ids={eos!r} is invalid: allowed a list of token ids")
+    fields["eos_token_ids"] = tuple(eos or ())
+    try:
+        if rope is not None:
+            fields["rope_scaling"] = RopeScaling(**rope)
+        cfg = ModelConfig(**fields)
+    except ValueError as e:  # ModelConfig's and RopeScaling's checks (ConfigError) name the field
+        raise type(e)(f"{meta_path}: config.{e}") from None
+    except TypeError as e:
+        raise ValueError(f"{meta_path}: config holds a value of the wrong type ({e})") from None
+    bos = cfg.bos_token_id
+    # ModelConfig checks eos ids against vocab_size but not bos; one outside the vocabulary loaded, then every text
+    # prompt failed with an out-of-range token id
+    if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int) or not 0 <= bos < cfg.vocab_size):
+        raise ValueError(f"{meta_path}: config.bos_token_id={bos!r} is invalid: allowed null or an id in "
+                         f"[0, {cfg.vocab_size}) (vocab_size is {cfg.vocab_size})")
+    return cfg

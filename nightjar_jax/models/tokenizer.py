@@ -126,7 +126,7 @@ class Tokenizer:
         except FileNotFoundError:
             raise
         except Exception as exc:
-            if str(path) in str(exc):
+            if isinstance(exc, ValueError) and str(path) in str(exc):  # (ours: names the file already)
                 raise
             where = path  # (in a folder without tokenizer_config.json, the file read)
             if path.is_dir() and not (path / "tokenizer_config.json").exists():
@@ -164,8 +164,12 @@ class Tokenizer:
 
     @classmethod
     def from_sentencepiece(cls, path: str | Path) -> Tokenizer:
-        """A SentencePiece ``.model`` (Llama 2 style: BOS prepended, no chat template)."""
-        backend = _SentencePieceBackend(str(path))
+        """A SentencePiece ``.model`` (Llama 2 style: BOS prepended, no chat template). A file sentencepiece cannot
+        parse is a ``ValueError`` naming it (sentencepiece raises a ``RuntimeError``)."""
+        try:
+            backend = _SentencePieceBackend(str(path))
+        except RuntimeError as exc:
+            raise ValueError(f"{path}: not a readable SentencePiece model ({str(exc)[:200]})") from None
         sp = backend.sp
         bos = sp.bos_id() if sp.bos_id() >= 0 else None
         eos = (sp.eos_id(),) if sp.eos_id() >= 0 else ()

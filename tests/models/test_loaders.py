@@ -105,8 +105,11 @@ def test_llama2c_stories_and_separate_classifier(tmp_path, tiny_weights):
     _assert_same(loaded.state_dict, w)
 
 
-def _write_stories_gguf(path: Path) -> None:
-    """stories260K in llama.cpp naming/layout (q/k interleaved, F32) with its SentencePiece vocab."""
+def _write_stories_gguf(path: Path, meta: dict | None = None, int_tensor: str | None = None) -> None:
+    """stories260K in llama.cpp naming/layout (q/k interleaved, F32) with its SentencePiece vocab.
+
+    ``meta``: metadata keys to change or add (None drops one), written as uint32 / float32 / string / array by their
+    Python type; ``int_tensor``: a tensor written as I32 (a GGML type gguf cannot dequantize)."""
     import gguf
     import sentencepiece
 
@@ -116,25 +119,25 @@ def _write_stories_gguf(path: Path) -> None:
     n = sp.get_piece_size()
     types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.num_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([sp.id_to_piece(i) for i in range(n)])
-    writer.add_token_scores([sp.get_score(i) for i in range(n)])
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    kv = {
+        "llama.block_count": cfg.num_layers, "llama.context_length": cfg.max_position_embeddings,
+        "llama.embedding_length": cfg.hidden_size, "llama.feed_forward_length": cfg.intermediate_size,
+        "llama.attention.head_count": cfg.num_heads, "llama.attention.head_count_kv": cfg.num_kv_heads,
+        "llama.rope.freq_base": cfg.rope_theta, "llama.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps,
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+        "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)], "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+    }
+    for key, value in {**kv, **(meta or {})}.items():
+        if value is None:
+            continue
+        add = {str: writer.add_string, float: writer.add_float32, list: writer.add_array}.get(type(value),
+                                                                                            writer.add_uint32)
+        add(key, value)
     names = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-    writer.add_tensor("token_embd.weight", np.asarray(w["model.embed_tokens.weight"]))
-    writer.add_tensor("output_norm.weight", np.asarray(w["model.norm.weight"]))
+    tensors = {"token_embd.weight": w["model.embed_tokens.weight"], "output_norm.weight": w["model.norm.weight"]}
     for i in range(cfg.num_layers):
         for g, h in names.items():
             arr = np.asarray(w[f"model.layers.{i}.{h}.weight"])
@@ -142,7 +145,9 @@ def _write_stories_gguf(path: Path) -> None:
                 arr = rotate_half_to_interleaved(arr, cfg.num_heads)
             elif g == "attn_k":
                 arr = rotate_half_to_interleaved(arr, cfg.num_kv_heads)
-            writer.add_tensor(f"blk.{i}.{g}.weight", np.ascontiguousarray(arr))
+            tensors[f"blk.{i}.{g}.weight"] = arr
+    for name, arr in tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(arr, np.int32 if name == int_tensor else None))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -370,3 +375,117 @@ def test_weights_must_be_finite_floats(tmp_path, tiny_weights):
 def test_a_null_tie_word_embeddings_reads_as_untied(tmp_path, tiny_weights):
     _write_hf(tmp_path, tiny_weights, tie_word_embeddings=None)
     assert load_checkpoint(str(tmp_path)).config.tie_word_embeddings is False
+
+
+# ---- corrupt GGUF metadata and tensors: a ValueError naming the file and the key or tensor -------------------------
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"llama.attention.head_count_kv": 3},  # (ModelConfig's check, named after neither file nor key)
+     "GGUF key llama.attention.head_count_kv: num_kv_heads=3 is invalid: allowed a divisor of num_heads=8"),
+    ({"llama.embedding_length": 0}, "GGUF key llama.embedding_length: hidden_size=0 is invalid"),
+    ({"llama.attention.key_length": "abc"},  # (int("abc"))
+     "GGUF key llama.attention.key_length='abc' is invalid: allowed an integer"),
+    ({"tokenizer.ggml.bos_token_id": 9999},  # (loaded; then every prompt failed "token ids must be in [0, 512)")
+     r"GGUF key tokenizer.ggml.bos_token_id=9999 is outside the vocabulary: allowed an id in \[0, 512\)"),
+    ({"tokenizer.ggml.eos_token_id": 9999},
+     r"GGUF key tokenizer.ggml.eos_token_id=9999 is outside the vocabulary: allowed an id in \[0, 512\)"),
+    ({"tokenizer.ggml.eot_token_id": 512},
+     r"GGUF key tokenizer.ggml.eot_token_id=512 is outside the vocabulary: allowed an id in \[0, 512\)"),
+    ({"tokenizer.ggml.token_type": [1] * 100},  # (IndexError)
+     r"GGUF key tokenizer.ggml.token_type has 100 entries: allowed one per token of tokenizer.ggml.tokens \(512\)"),
+    ({"tokenizer.ggml.scores": [0.0] * 100},  # (IndexError)
+     r"GGUF key tokenizer.ggml.scores has 100 entries: allowed one per token of tokenizer.ggml.tokens \(512\)"),
+    ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.merges": ["abc", "a b"]},  # (TypeError from tokenizers)
+     r"GGUF key tokenizer.ggml.merges\[0\]='abc' is invalid: allowed two tokens separated by a space"),
+])
+def test_corrupt_gguf_metadata_names_the_file_and_key(tmp_path, meta, message):
+    path = tmp_path / "bad.gguf"
+    _write_stories_gguf(path, meta)
+    with pytest.raises(ValueError, match=f"^{path}: {message}"):
+        load_checkpoint(str(path))
+
+
+def test_gguf_tensor_gguf_cannot_dequantize_names_the_file_and_tensor(tmp_path):
+    path = tmp_path / "int.gguf"
+    _write_stories_gguf(path, int_tensor="blk.1.attn_v.weight")  # (was a NotImplementedError naming neither)
+    with pytest.raises(ValueError, match=f"^{path}: tensor 'blk.1.attn_v.weight' has GGML type I32, which the "
+                                         "installed gguf package cannot dequantize: allowed F32, F16, .*Q4_1"):
+        load_checkpoint(str(path))
+
+
+# ---- corrupt orbax checkpoints ----------------------------------------------------------------------------------
+
+
+def _orbax_meta(**config_changes) -> dict:
+    config = {**TINY.to_dict(), **config_changes}
+    return {"format": "nightjar-orbax", "version": 1, "config": {k: v for k, v in config.items() if v != "drop"}}
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not valid JSON"),
+    ("", "not valid JSON"),
+    ("[1, 2]", r"must be a JSON object \{format, version, config\}, got list"),  # (AttributeError)
+    ({"format": "nightjar-orbax", "version": 1}, "'config' must be a JSON object of ModelConfig fields, got nothing"),
+    ({"format": "nightjar-orbax", "version": 1, "config": None}, "'config' must be a JSON object .*, got null"),
+    (_orbax_meta(foo=1), r"unknown config field\(s\) \['foo'\]: allowed \['vocab_size', 'hidden_size'"),  # TypeError
+    (_orbax_meta(hidden_size="drop"), r"config is missing the required field\(s\) \['hidden_size'\]"),
+    (_orbax_meta(rope_scaling={"type": "yarn"}),  # (TypeError from RopeScaling)
+     r"config.rope_scaling=\{'type': 'yarn'\} is invalid: allowed null or an object with the keys \['factor'"),
+    (_orbax_meta(hidden_size="64"), "config.hidden_size='64' is invalid"),
+    (_orbax_meta(rope_scaling={"factor": 0.5}), "config.rope_scaling.factor=0.5 is invalid"),
+    (_orbax_meta(eos_token_ids=[9999]), r"config.eos_token_ids\[\]=9999 is invalid"),
+    (_orbax_meta(bos_token_id=9999),  # (loaded; then every prompt failed "token ids must be in [0, 512)")
+     r"config.bos_token_id=9999 is invalid: allowed null or an id in \[0, 512\) \(vocab_size is 512\)"),
+])
+def test_a_corrupt_orbax_config_is_a_value_error_naming_it(tmp_path, content, message):
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    meta_path = folder / "nightjar_config.json"
+    meta_path.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(ValueError, match=f"^{meta_path}: {message}"):
+        load_checkpoint(str(folder))
+
+
+def test_a_corrupt_orbax_params_metadata_names_the_folder(tmp_path, tiny_weights):
+    out = save_orbax(tmp_path / "ck", TINY, tiny_weights)
+    (out / "params" / "_METADATA").write_text("garbage")  # (a bare JSONDecodeError naming no file)
+    with pytest.raises(ValueError, match=f"^{out / 'params'}: not a readable orbax checkpoint"):
+        load_checkpoint(str(out))
+
+
+def test_save_orbax_tokenizer_is_what_load_finds(tmp_path, tiny_weights):
+    from nightjar_jax.models.tokenizer import Tokenizer
+
+    out = tmp_path / "ck"
+    save_orbax(out, TINY, tiny_weights, tokenizer_dir=STORIES / "tok512.model")  # (was copied as tok512.model)
+    tok = load_checkpoint(str(out)).tokenizer
+    assert tok is not None and tok.source == str(out / "tokenizer" / "tokenizer.model")
+    text = "Once upon a time"
+    assert tok.encode(text) == Tokenizer.from_pretrained(STORIES / "tok512.model").encode(text)
+    # saved again into the same folder from its own tokenizer folder, then with none: no stale tokenizer left
+    save_orbax(out, TINY, tiny_weights, tokenizer_dir=out / "tokenizer")
+    assert sorted(p.name for p in (out / "tokenizer").iterdir()) == ["tokenizer.model"]
+    save_orbax(out, TINY, tiny_weights)
+    assert not (out / "tokenizer").exists() and load_checkpoint(str(out)).tokenizer is None
+    (tmp_path / "vocab.txt").write_text("a\nb\n")
+    with pytest.raises(ValueError, match="vocab.txt: unknown tokenizer file type"):
+        save_orbax(out, TINY, tiny_weights, tokenizer_dir=tmp_path / "vocab.txt")
+
+
+def test_llama2c_sibling_tokenizer_is_unambiguous(tmp_path):
+    import shutil
+
+    model = tmp_path / "m.bin"
+    shutil.copy(STORIES / "stories260K.bin", model)
+    (tmp_path / "a.model").write_bytes(b"junk")
+    shutil.copy(STORIES / "tok512.model", tmp_path / "z.model")
+    # (was: the first by name, a.model, and sentencepiece's RuntimeError)
+    with pytest.raises(ValueError, match=rf"^{model}: several SentencePiece tokenizers beside it \(a.model, z.model\)"):
+        load_checkpoint(str(model))
+    assert load_checkpoint(str(model), tokenizer=str(tmp_path / "z.model")).tokenizer is not None
+    (tmp_path / "z.model").rename(tmp_path / "tokenizer.model")
+    assert load_checkpoint(str(model)).tokenizer.source == str(tmp_path / "tokenizer.model")
+    (tmp_path / "tokenizer.model").unlink()
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'a.model'}: not a readable SentencePiece model"):
+        load_checkpoint(str(model))

@@ -282,3 +282,13 @@ def test_continue_final_message_and_template_kwargs(stories):
         with pytest.raises(ChatTemplateArgumentError, match=match):
             stories.apply_chat_template([*MESSAGES, {"role": "assistant", "content": last}], False,
                                         chat_template="{{ messages[0]['content'] }}", continue_final_message=True)
+
+
+def test_a_corrupt_sentencepiece_model_is_a_value_error_naming_it(tmp_path):
+    """sentencepiece's RuntimeError (which names the file) was re-raised as it was: not a ValueError."""
+    path = tmp_path / "tokenizer.model"
+    for content in (b"junk", b""):
+        path.write_bytes(content)
+        for arg in (path, tmp_path):  # the file, and a folder holding it
+            with pytest.raises(ValueError, match=f"^{path}: not a readable SentencePiece model"):
+                Tokenizer.from_pretrained(arg)
