@@ -100,10 +100,19 @@ def validate_inputs(q, k_pages, v_pages, block_tables, context_lens, scale, num_
 
 
 def check_scale(scale) -> None:
-    """A concrete scale must be finite: a NaN or infinite one gave NaN on the reference and Pallas paths and zeros on
-    the CPU kernel, never an error."""
-    if not isinstance(scale, jax.core.Tracer) and not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be a finite number (1 / sqrt(head_dim) by convention), got {float(scale)}")
+    """A concrete scale must be a finite float32 number (the kernels compute in float32): a NaN, an infinite one or one
+    past float32's range (1e39) gave NaN on the reference and Pallas paths and zeros on the CPU kernel, never an
+    error. A bool is not a scale."""
+    if isinstance(scale, bool):
+        raise ValueError(f"scale must be a real number, got bool {scale}")
+    if isinstance(scale, jax.core.Tracer):
+        return
+    value = float(scale)
+    if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+        raise ValueError(f"scale must be a finite float32 number (1 / sqrt(head_dim) by convention), got {value}")
+
+
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def paged_attention_reference(

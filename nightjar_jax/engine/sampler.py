@@ -207,10 +207,11 @@ def fold_seeds(seeds: int | np.ndarray | list) -> np.ndarray:
     2**32 is itself; a larger one is mixed whole (splitmix64's finalizer), so seeds that differ only in their high
     half (5 and 5 + 2**32) draw different streams: taking the seed mod 2**32 gave them the same samples."""
     wide = np.asarray(seeds, dtype=np.uint64)
-    z = wide + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
+    with np.errstate(over="ignore"):  # (the hash's products wrap mod 2**64 by design)
+        z = wide + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
     mixed = np.where(wide < np.uint64(2**32), wide, z ^ (z >> np.uint64(32)))
     return (mixed & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 

@@ -496,6 +496,15 @@ class IncrementalDetokenizer:
         comes out as a full decode writes it, U+FFFD, so the whole text equals ``decode`` of the ids."""
         if self._read_offset == len(self.ids):
             return ""
+        pending = self.ids[self._read_offset :]
+        if all("\ufffd" in self.tokenizer.token_text(i) for i in pending):
+            # (pieces of characters only, the usual case: their own bytes, each invalid one read as U+FFFD. A
+            # byte-fallback decode of the window would turn the whole run of byte tokens, a complete "€" already
+            # sent included, into one U+FFFD per byte: "€" + a stray byte came out as "€" + three U+FFFD)
+            delta = b"".join(self.tokenizer.token_bytes(i) for i in pending).decode("utf-8", "replace")
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+            self.text += delta
+            return delta
         decode = self.tokenizer.decode
         prefix_text = decode(self.ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
         new_text = decode(self.ids[self._prefix_offset :], self.skip_special_tokens)

@@ -206,6 +206,11 @@ def test_seeds_differing_in_their_high_half_draw_different_streams() -> None:
     folded = fold_seeds(seeds)
     assert folded.dtype == np.uint32 and folded[0] == 5 and folded[3] == 4 and len(set(folded.tolist())) == 5
     assert (fold_seeds([0, 2**32 - 1]) == [0, 2**32 - 1]).all()  # (under 2**32: unchanged, as before)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a scalar seed's hash wrapped with a RuntimeWarning)
+        assert fold_seeds(5) == 5 and fold_seeds(2**40) == fold_seeds([2**40])[0]
     st = SamplingTensors.create(5, temperature=1.0, seeds=seeds)
     rows = np.stack([np.asarray(_sample(_logits(5, 64, seed=s), st)) for s in range(16)], axis=1)
     assert len({tuple(r) for r in rows[:3]}) == 3  # (16 draws over 64 tokens each: distinct streams)

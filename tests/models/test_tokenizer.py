@@ -189,6 +189,19 @@ def test_incremental_detokenizer_reads_after_the_prompt(stories):
     assert IncrementalDetokenizer(stories, prompt_ids=[1]).add(ids[1:]) == "Once upon a time"  # after BOS alone
 
 
+@pytest.mark.parametrize("name", ["stories", "smollm"])
+def test_incremental_detokenizer_flushes_bytes_that_never_complete(request, name):
+    """At the output's end, pieces of a character that never completed come out as their bytes decode with
+    replacement: "€" and a stray first byte of another is "€" + one U+FFFD (a byte-fallback decode of the window
+    read the whole run, the sent "€" included, as one U+FFFD per byte: three more)."""
+    tok: Tokenizer = request.getfixturevalue(name)
+    euro = tok.encode("a€", add_special_tokens=False)
+    stray = [i for i in tok.encode("世", add_special_tokens=False) if "\ufffd" in tok.token_text(i)][:1]
+    detok = IncrementalDetokenizer(tok)
+    assert detok.add(euro).endswith("€") and detok.add(stray) == ""
+    assert detok.flush() == "\ufffd" and detok.text.endswith("€\ufffd") and detok.flush() == ""
+
+
 @needs_smollm
 def test_incremental_detokenizer_byte_level(smollm):
     text = "Paris 🇫🇷 est la capitale — 東京は日本の首都です 🎉"
