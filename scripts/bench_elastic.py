@@ -28,9 +28,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nightjar_jax.bench.common import (  # noqa: E402
     DEFAULT_DATASET,
+    draft_spec,
     load_prompt_texts,
     machine_note,
     make_prompt_ids,
+    model_spec,
+    non_negative_int,
+    positive_int,
+    writable_out,
     write_json,
 )
 from nightjar_jax.cli import parse_bytes  # noqa: E402
@@ -89,23 +94,33 @@ def burst(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     }
 
 
+def positive_bytes(text: str) -> int:
+    """--kv-cache-bytes: a byte count (``parse_bytes``) above 0."""
+    value = parse_bytes(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a byte count > 0 (e.g. 24MiB), got {text!r}")
+    return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--draft", default="auto", help="draft model spec (default: the target's paired draft)")
-    ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=128, help="chat prompts up to this many tokens")
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--kv-cache-bytes", type=parse_bytes, default=parse_bytes("24MiB"))
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--persist-steps", type=int, default=4, help="--offload-persist-steps")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--warmup-rounds", type=int, default=2, help="bursts per mode first, not kept (they compile)")
+    ap.add_argument("--model", type=model_spec, default="smollm2-135m-instruct")
+    ap.add_argument("--draft", type=draft_spec, default="auto",
+                    help="draft model spec (default: the target's paired draft)")
+    ap.add_argument("--num-prompts", type=positive_int, default=16)
+    ap.add_argument("--prompt-len", type=positive_int, default=128, help="chat prompts up to this many tokens")
+    ap.add_argument("--max-tokens", type=positive_int, default=96)
+    ap.add_argument("--kv-cache-bytes", type=positive_bytes, default=parse_bytes("24MiB"), help="> 0, e.g. 24MiB")
+    ap.add_argument("--max-num-seqs", type=positive_int, default=16)
+    ap.add_argument("--persist-steps", type=non_negative_int, default=4, help="--offload-persist-steps")
+    ap.add_argument("--rounds", type=positive_int, default=5)
+    ap.add_argument("--warmup-rounds", type=non_negative_int, default=2,
+                    help="bursts per mode first, not kept (they compile)")
     ap.add_argument("--warmup", action="store_true",
                     help="compile every greedy decode variant first (LLMEngine.warmup without prefill chunks: for auto "
                          "the extended layout's too)")
     ap.add_argument("--dataset", default=DEFAULT_DATASET)
-    ap.add_argument("--out", default="results/bench_elastic.json")
+    ap.add_argument("--out", type=writable_out, default="results/bench_elastic.json")
     args = ap.parse_args()
 
     from nightjar_jax import LLM
@@ -148,7 +163,7 @@ def main() -> None:
                 x[key] / o[key] for x, o in zip(rs, runs["off"], strict=True))
     cfg = engine.runner
     print(f"\n{args.model} + {engine.draft.config.name}, {args.num_prompts} prompts ({source}) x {args.max_tokens} "
-          f"tokens, KV budget {args.kv_cache_bytes / 2**20:.0f} MiB = {cfg.num_pages - 1} pages of "
+          f"tokens, KV budget {args.kv_cache_bytes / 2**20:.2f} MiB = {cfg.num_pages - 1} pages of "
           f"{cfg.page_size} tokens; medians of {args.rounds} round(s)")
     cols = ["tokens_per_second", "ratio_vs_off", "steady_tokens_per_second", "steady_ratio_vs_off", "most_running",
             "mean_decode_batch", "preemptions",

@@ -34,13 +34,18 @@ from nightjar_jax.bench.common import (  # noqa: E402
     DEFAULT_DATASET,
     ReadProbe,
     host_share,
+    int_at_least,
+    int_list,
     load_prompt_texts,
     machine_note,
     make_prompt_ids,
     memory_bandwidth_gbs,
+    model_spec,
     pages_needed,
+    positive_int,
     run_decode_workload,
     state_bytes,
+    writable_out,
     write_json,
 )
 from nightjar_jax.config import KV_CACHE_DTYPES, WEIGHT_FORMATS  # noqa: E402
@@ -50,16 +55,16 @@ logger = logging.getLogger("bench_engine")
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--batch-sizes", default="1,4,16,32,64")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--model", type=model_spec, default="smollm2-135m-instruct")
+    p.add_argument("--batch-sizes", type=int_list(1, as_text=True), default="1,4,16,32,64")
+    p.add_argument("--prompt-len", type=positive_int, default=32)
+    p.add_argument("--output-len", type=int_at_least(2), default=32)
     p.add_argument("--dataset", default=DEFAULT_DATASET, help="JSONL with 'turns'; synthetic ids if absent")
-    p.add_argument("--host-batch", type=int, default=32, help="batch size for the host-side share")
-    p.add_argument("--bandwidth-mib", type=int, default=1024)
-    p.add_argument("--interleaved-steps", type=int, default=160,
+    p.add_argument("--host-batch", type=positive_int, default=32, help="batch size for the host-side share")
+    p.add_argument("--bandwidth-mib", type=positive_int, default=1024)
+    p.add_argument("--interleaved-steps", type=positive_int, default=160,
                    help="batch-1 decode steps each followed by one read of the weights' bytes (0: skip)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads for the peer")
+    p.add_argument("--threads", type=positive_int, default=2, help="torch threads for the peer")
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--compare-linear-xla", action="store_true",
                    help="also time a second engine with linear_impl='xla' (no CPU linear kernel) in the same run")
@@ -78,9 +83,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compare-per-layer", action="store_true",
                    help="also time a second engine holding one array per layer and weight kind "
                         "(NIGHTJAR_STACK_LAYERS=0; the engine stacks them over the layers on the CPU kernels)")
-    p.add_argument("--repeats", type=int, default=2, help="timed runs per batch size (best kept)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="timed runs per batch size (best kept)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--out", default="results/bench_engine.json")
+    p.add_argument("--out", type=writable_out, default="results/bench_engine.json")
     return p.parse_args()
 
 

@@ -33,25 +33,39 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from nightjar_jax.bench.common import machine_note, write_json  # noqa: E402
+from nightjar_jax.bench.common import (  # noqa: E402
+    int_list,
+    machine_note,
+    model_spec,
+    non_negative_int,
+    positive_int,
+    writable_out,
+    write_json,
+)
 from nightjar_jax.linear import pack_state  # noqa: E402
 from nightjar_jax.models.llama import BatchMetadata, allocate_kv_cache, init_model, make_model_fns  # noqa: E402
 from nightjar_jax.models.presets import get_preset  # noqa: E402
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct", help="a preset")
-    p.add_argument("--rows", default="1,2,3,4,5,6,8,12,16,32", help="decode batch sizes (one query slot each)")
-    p.add_argument("--verify", default="2,3,5", help="query slots of one sequence (γ + 1), verify-shaped")
-    p.add_argument("--context", type=int, default=64, help="tokens already in each sequence's cache")
-    p.add_argument("--repeats", type=int, default=12)
+    p.add_argument("--model", default="smollm2-135m-instruct", type=model_spec, help="a preset")
+    p.add_argument("--rows", default="1,2,3,4,5,6,8,12,16,32", type=int_list(1, as_text=True),
+                   help="decode batch sizes (one query slot each)")
+    p.add_argument("--verify", default="2,3,5", type=int_list(1, allow_empty=True, as_text=True),
+                   help="query slots of one sequence (γ + 1), verify-shaped ('' for none)")
+    p.add_argument("--context", type=non_negative_int, default=64, help="tokens already in each sequence's cache")
+    p.add_argument("--repeats", type=positive_int, default=12, help="timed runs per shape (the median is kept)")
     p.add_argument("--products-only", action="store_true",
                    help="time the linear layers alone (no attention) against a read of their bytes")
     p.add_argument("--kernel-impl", default="cpu", choices=("cpu", "auto"),
                    help="the kernel side: every product on the kernel (cpu) or what auto dispatch picks")
-    p.add_argument("--out", default="results/bench_linear.json")
-    args = p.parse_args()
+    p.add_argument("--out", default="results/bench_linear.json", type=writable_out)
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     cfg = get_preset(args.model).config
     if cfg.dtype != "float32":
         cfg = dataclasses.replace(cfg, dtype="float32")  # the kernel is float32-only
@@ -70,7 +84,8 @@ def main() -> None:
             return logits_fn(state, hidden), kv
 
         steps[impl] = (jax.jit(step, donate_argnums=2), state)
-    shapes = [(b, 1) for b in map(int, args.rows.split(","))] + [(1, q) for q in map(int, args.verify.split(","))]
+    shapes = [(b, 1) for b in map(int, args.rows.split(","))] + [(1, int(q)) for q in args.verify.split(",")
+                                                                  if q.strip()]
     page = 16
     rows = []
     print(f"# {machine_note()['date']}  model {args.model}  context {args.context}  repeats {args.repeats}")

@@ -19,7 +19,19 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from nightjar_jax.bench.common import machine_note, run_decode_workload, write_json  # noqa: E402
+from nightjar_jax.bench.common import (  # noqa: E402
+    int_at_least,
+    int_list,
+    machine_note,
+    model_spec,
+    positive_int,
+    run_decode_workload,
+    writable_out,
+    write_json,
+)
+from nightjar_jax.config import WEIGHT_FORMATS  # noqa: E402
+
+MAX_BATCHED_TOKENS = 512  # the engine's max_num_batched_tokens: a scored prompt is prefilled in one chunk
 
 DECODE_VARIANTS = (None, 0, 5, 20)  # SamplingParams.logprobs
 
@@ -88,24 +100,25 @@ def print_table(result: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--weight-format", default="auto")
-    p.add_argument("--batch-sizes", default="1,32")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--score-len", type=int, default=256)
-    p.add_argument("--out", default="results/bench_logprobs.json")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", type=model_spec)
+    p.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS)
+    p.add_argument("--batch-sizes", default="1,32", type=int_list(1, as_text=True))
+    p.add_argument("--rounds", type=positive_int, default=5)
+    p.add_argument("--prompt-len", type=positive_int, default=32)
+    p.add_argument("--output-len", type=int_at_least(2), default=32, help=">= 2: the first comes from the prefill")
+    p.add_argument("--score-len", type=positive_int, default=256, help=f"at most {MAX_BATCHED_TOKENS}")
+    p.add_argument("--out", default="results/bench_logprobs.json", type=writable_out)
     args = p.parse_args()
+    if args.score_len > MAX_BATCHED_TOKENS:
+        p.error(f"argument --score-len: {args.score_len} is over the engine's {MAX_BATCHED_TOKENS} batched tokens")
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
-    if args.rounds < 1 or any(b < 1 for b in batch_sizes):
-        p.error("--rounds and every batch size must be >= 1")
 
     from nightjar_jax import LLM
 
     llm = LLM(args.model, draft_model=None, weight_format=args.weight_format, max_num_seqs=max(batch_sizes),
-              max_model_len=max(args.prompt_len + args.output_len, args.score_len) + 16, max_num_batched_tokens=512)
+              max_model_len=max(args.prompt_len + args.output_len, args.score_len) + 16,
+              max_num_batched_tokens=MAX_BATCHED_TOKENS)
     result = run(llm, batch_sizes, args.rounds, args.prompt_len, args.output_len, args.score_len)
     print_table(result)
     write_json(args.out, {"machine": machine_note(), "args": vars(args), **result})

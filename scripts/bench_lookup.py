@@ -27,10 +27,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from distill_draft import TARGET, chat_ids, load_prompts, target_tokenizer  # noqa: E402
 
-from nightjar_jax.bench.common import machine_note, write_json  # noqa: E402
+from nightjar_jax.bench.common import (  # noqa: E402
+    fmt,
+    int_list,
+    machine_note,
+    positive_int,
+    ratio,
+    writable_out,
+    write_json,
+)
 from nightjar_jax.config import WEIGHT_FORMATS  # noqa: E402
 
 VARIANTS = ("plain", "draft alone", "lookup at the planner's γ", "lookup, copying steps at γ_max")
+WARMUP_GROUPS = 2  # the first groups of prompts run untimed (prefill and catch-up shapes, planner start)
 NGRAM = "n-gram lookup alone (draft_model ngram)"  # --ngram: no draft model, lookup's copies are every step's drafts
 
 
@@ -91,35 +100,56 @@ def run(llms: dict, prompts: list[list[int]], max_tokens: int, warmup: int, batc
     return rows
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=14, help="held-out prompts (the first 2 groups warm up, untimed)")
-    ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--max-prompt-tokens", type=int, default=384)
+    ap.add_argument("--prompts", type=positive_int, default=14,
+                    help=f"held-out prompts (the first {WARMUP_GROUPS} groups warm up, untimed)")
+    ap.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together")
+    ap.add_argument("--max-tokens", type=positive_int, default=96)
+    ap.add_argument("--max-prompt-tokens", type=positive_int, default=384)
     ap.add_argument("--ngram", action="store_true", help=f"add the variant {NGRAM!r}")
-    ap.add_argument("--trees", default="", help="comma-separated tree sizes (draft nodes) to add, e.g. 11,16")
+    ap.add_argument("--trees", default="", type=int_list(1, allow_empty=True, as_text=True),
+                    help="comma-separated tree sizes (draft nodes) to add, e.g. 11,16")
     ap.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
                     help="every engine's CPU kernel weights (EngineConfig.weight_format; w4a8: opt-in, lossy)")
-    ap.add_argument("--out", default="results/bench_lookup.json")
-    args = ap.parse_args()
+    ap.add_argument("--out", default="results/bench_lookup.json", type=writable_out)
+    args = ap.parse_args(argv)
+    need = (WARMUP_GROUPS + 1) * args.batch_size
+    if args.prompts < need:
+        ap.error(f"--prompts {args.prompts}: the first {WARMUP_GROUPS} groups of --batch-size {args.batch_size} are "
+                 f"warm-up, so at least {need} are needed for one timed group")
+    return args
+
+
+def enough_prompts(num_prompts: int, batch_size: int, max_prompt_tokens: int) -> None:
+    """SystemExit unless ``num_prompts`` held-out prompts (those that fit) make a timed group after the warm-up."""
+    need = (WARMUP_GROUPS + 1) * batch_size
+    if num_prompts < need:
+        raise SystemExit(f"only {num_prompts} held-out prompts fit in --max-prompt-tokens {max_prompt_tokens}; "
+                         f"{need} are needed ({WARMUP_GROUPS} warm-up groups of {batch_size} and one timed): raise "
+                         "--max-prompt-tokens")
+
+
+def main() -> None:
+    args = parse_args()
     tok = target_tokenizer()
     prompts = [ids for ids in (chat_ids(tok, p["text"]) for p in load_prompts("heldout"))
                if len(ids) <= args.max_prompt_tokens][: args.prompts]
+    enough_prompts(len(prompts), args.batch_size, args.max_prompt_tokens)  # (before the engines load)
     sizes = [int(n) for n in args.trees.split(",") if n.strip()]
     variants = [*VARIANTS, *([NGRAM] if args.ngram else []), *tree_variants(sizes)]
     # room for the largest tree step's lookahead past the prompt and the output
     room = args.max_prompt_tokens + args.max_tokens + 8 + max([0, *sizes]) + 4
     llms = {v: build(v, room, batch_size=args.batch_size, weight_format=args.weight_format) for v in variants}
-    rows = run(llms, prompts, args.max_tokens, warmup=2, batch_size=args.batch_size)
+    rows = run(llms, prompts, args.max_tokens, warmup=WARMUP_GROUPS, batch_size=args.batch_size)
     plain = rows["plain"]["tokens_per_second"]
-    timed = (len(prompts) // args.batch_size - 2) * args.batch_size
+    timed = (len(prompts) // args.batch_size - WARMUP_GROUPS) * args.batch_size
     print(f"\n{timed} held-out chat prompts x {args.max_tokens} greedy tokens, batch {args.batch_size}, "
           f"planner-chosen γ, weight_format {args.weight_format}")
     print("| variant | decode tok/s | x plain | steps per γ |")
     print("|---|---:|---:|---|")
     for name, row in rows.items():
-        print(f"| {name} | {row['tokens_per_second']:.1f} | {row['tokens_per_second'] / plain:.2f}x | "
+        print(f"| {name} | {row['tokens_per_second']:.1f} | {fmt(ratio(row['tokens_per_second'], plain))}x | "
               f"{row['steps_per_gamma']} |")
     write_json(args.out, {"machine": machine_note(), "args": vars(args), "rows": rows})
     print(f"wrote {args.out}")

@@ -24,7 +24,16 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from nightjar_jax.bench.common import load_prompt_texts, machine_note, write_json  # noqa: E402
+from nightjar_jax.bench.common import (  # noqa: E402
+    dataset_texts,
+    draft_spec,
+    machine_note,
+    model_spec,
+    non_negative_int,
+    positive_int,
+    writable_out,
+    write_json,
+)
 
 DATASET = "/work/shared/datasets/mt_bench/vicuna_bench_question.jsonl"
 SCHEMA = {
@@ -73,18 +82,20 @@ def run(llm, prompts: list, params: list) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--draft-model", default=None, help="the speculative engine's draft (default: the model's own)")
-    p.add_argument("--gamma", type=int, default=3, help="the speculative engine's fixed γ")
-    p.add_argument("--spec-tree-nodes", type=int, default=0,
+    p.add_argument("--model", type=model_spec, default="smollm2-135m-instruct")
+    p.add_argument("--draft-model", type=draft_spec, default=None,
+                   help="the speculative engine's draft (default: the model's own)")
+    p.add_argument("--gamma", type=positive_int, default=3, help="the speculative engine's fixed γ")
+    p.add_argument("--spec-tree-nodes", type=non_negative_int, default=0,
                    help="the speculative engine's token tree at γ (0: chains; with n-gram lookup, a copy branch too)")
     p.add_argument("--dataset", default=DATASET, help="JSONL of {'turns': [...]} (first turns are the questions)")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--num-prompts", type=positive_int, default=8)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=2)
     p.add_argument("--no-structured", action="store_true", help="leave out the structured-output mix (no xgrammar)")
-    p.add_argument("--out", default="results/bench_mixed_batches.json")
+    p.add_argument("--out", type=writable_out, default="results/bench_mixed_batches.json")
     args = p.parse_args()
+    texts = dataset_texts(args.dataset, default=p.get_default("dataset"))  # (before the model loads)
     from nightjar_jax import LLM, SamplingParams
 
     common = dict(max_num_seqs=args.num_prompts, enable_prefix_caching=False)
@@ -93,7 +104,6 @@ def main() -> None:
                                   spec_tree_nodes=args.spec_tree_nodes, **draft, **common),
                "plain": LLM(args.model, draft_model="none", **common)}
     tok = engines["plain"].engine.tokenizer
-    texts = load_prompt_texts(args.dataset) or ["Once upon a time", "The cat sat on the mat and"]
     texts = (texts * args.num_prompts)[: args.num_prompts]
     prompts = ([tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
                if tok.chat_template is not None else texts)

@@ -19,7 +19,16 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from nightjar_jax.bench.common import load_prompt_texts, machine_note, write_json  # noqa: E402
+from nightjar_jax.bench.common import (  # noqa: E402
+    dataset_texts,
+    draft_spec,
+    machine_note,
+    model_spec,
+    non_negative_int,
+    positive_int,
+    writable_out,
+    write_json,
+)
 
 DATASET = "/work/shared/datasets/mt_bench/vicuna_bench_question.jsonl"
 # A system prompt of the length assistants ship with (this project's own words).
@@ -73,28 +82,32 @@ def run(llm, prompts: list, params, interval: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--draft", default="none", help="draft model (default none: the prefill's share alone)")
+    p.add_argument("--model", type=model_spec, default="smollm2-135m-instruct")
+    p.add_argument("--draft", type=draft_spec, default="none",
+                   help="draft model (default none: the prefill's share alone)")
     p.add_argument("--dataset", default=DATASET, help="JSONL of {'turns': [...]} (first turns are the questions)")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--interval-steps", type=int, default=4, help="a new request every this many engine steps (0: "
+    p.add_argument("--num-prompts", type=positive_int, default=16)
+    p.add_argument("--max-tokens", type=positive_int, default=32)
+    p.add_argument("--interval-steps", type=non_negative_int, default=4,
+                   help="a new request every this many engine steps (0: "
                    "all at once, a burst)")
-    p.add_argument("--repeats", type=int, default=2, help="off / on pairs, alternating")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--system-chars", type=int, default=len(SYSTEM), help="cut the system prompt to this many "
+    p.add_argument("--repeats", type=positive_int, default=2, help="off / on pairs, alternating")
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--system-chars", type=non_negative_int, default=len(SYSTEM),
+                   help="cut the system prompt to this many "
                    "characters (stories260K's small vocabulary makes it ~600 tokens whole)")
-    p.add_argument("--system-repeats", type=int, default=1, help="the system prompt this many times over (a longer "
+    p.add_argument("--system-repeats", type=positive_int, default=1,
+                   help="the system prompt this many times over (a longer "
                    "shared prefix)")
-    p.add_argument("--out", default="results/bench_prefix_cache.json")
+    p.add_argument("--out", type=writable_out, default="results/bench_prefix_cache.json")
     args = p.parse_args()
+    texts = dataset_texts(args.dataset, default=p.get_default("dataset"))  # (before the model loads)
     from nightjar_jax import LLM, SamplingParams
 
     llm = LLM(args.model, draft_model=args.draft, page_size=args.page_size, max_num_seqs=8,
               enable_prefix_caching=True)
     tok = llm.engine.tokenizer
     system = "\n\n".join([SYSTEM[: args.system_chars]] * args.system_repeats)
-    texts = load_prompt_texts(args.dataset) or ["Once upon a time", "The cat sat on the mat and"]
     texts = (texts * args.num_prompts)[: args.num_prompts]
     if tok is not None and tok.chat_template is not None:
         prompts = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": t}])

@@ -21,7 +21,19 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from nightjar_jax.bench.common import load_prompt_texts, machine_note, make_prompt_ids, write_json  # noqa: E402
+from nightjar_jax.bench.common import (  # noqa: E402
+    dataset_texts,
+    draft_spec,
+    fmt,
+    machine_note,
+    make_prompt_ids,
+    model_spec,
+    non_negative_int,
+    positive_int,
+    ratio,
+    writable_out,
+    write_json,
+)
 
 DATASET = "/work/shared/datasets/mt_bench/vicuna_bench_question.jsonl"
 POLICIES = ("fcfs", "priority")
@@ -71,27 +83,41 @@ def run(llm, policy: str, background: list, urgent: list, bg_params, urgent_para
             "outputs": [done[i].outputs[0].token_ids for i in bg_ids + urgent_ids]}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--draft", default="none", help="draft model (default none: scheduling alone)")
+    p.add_argument("--model", default="smollm2-135m-instruct", type=model_spec)
+    p.add_argument("--draft", default="none", type=draft_spec, help="draft model (default none: scheduling alone)")
     p.add_argument("--dataset", default=DATASET)
-    p.add_argument("--num-background", type=int, default=24)
-    p.add_argument("--num-urgent", type=int, default=6)
-    p.add_argument("--background-tokens", type=int, default=64)
-    p.add_argument("--urgent-tokens", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=48)
-    p.add_argument("--urgent-after", type=int, default=4, help="the first urgent request arrives at this step")
-    p.add_argument("--urgent-interval", type=int, default=6, help="then one every this many steps")
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=2, help="fcfs / priority pairs, alternating")
-    p.add_argument("--out", default="results/bench_priority.json")
-    args = p.parse_args()
+    p.add_argument("--num-background", type=positive_int, default=24)
+    p.add_argument("--num-urgent", type=positive_int, default=6)
+    p.add_argument("--background-tokens", type=positive_int, default=64)
+    p.add_argument("--urgent-tokens", type=positive_int, default=16)
+    p.add_argument("--prompt-len", type=positive_int, default=48)
+    p.add_argument("--urgent-after", type=non_negative_int, default=4,
+                   help="the first urgent request arrives at this step")
+    p.add_argument("--urgent-interval", type=positive_int, default=6, help="then one every this many steps")
+    p.add_argument("--max-num-seqs", type=positive_int, default=8)
+    p.add_argument("--repeats", type=positive_int, default=2, help="fcfs / priority pairs, alternating")
+    p.add_argument("--out", default="results/bench_priority.json", type=writable_out)
+    return p.parse_args(argv)
+
+
+def policy_ratios(median) -> dict[str, float | None]:
+    """priority / fcfs of each class's medians (``median(policy, cls, key)``); None where fcfs's is 0 (e.g. a class
+    that never waited under either policy: there is nothing to divide by)."""
+    ratios = {f"{cls}_{key}": ratio(median("priority", cls, key), median("fcfs", cls, key))
+              for cls in ("urgent", "background") for key in ("ttft_steps", "ttft_seconds", "e2e_seconds")}
+    ratios["wall_seconds"] = ratio(median("priority", None, "wall_seconds"), median("fcfs", None, "wall_seconds"))
+    return ratios
+
+
+def main() -> None:
+    args = parse_args()
+    texts = dataset_texts(args.dataset, default=DATASET)
     from nightjar_jax import LLM, SamplingParams
 
     llm = LLM(args.model, draft_model=args.draft, max_num_seqs=args.max_num_seqs, scheduling_policy="priority")
     tok = llm.engine.tokenizer
-    texts = load_prompt_texts(args.dataset) or ["Once upon a time", "The cat sat on the mat and"]
     prompts, source = make_prompt_ids(tok, texts, args.num_background + args.num_urgent, args.prompt_len,
                                       llm.engine.target.config.vocab_size)
     background, urgent = prompts[: args.num_background], prompts[args.num_background:]
@@ -122,13 +148,11 @@ def main() -> None:
                  for c in ("urgent", "background") for k in ("ttft", "e2e")]
         print(f"| {policy} | {' | '.join(cells)} | {median(policy, None, 'preemptions'):.0f} | "
               f"{median(policy, None, 'wall_seconds'):.2f} |")
-    ratios = {f"{cls}_{key}": median("priority", cls, key) / median("fcfs", cls, key)
-              for cls in ("urgent", "background") for key in ("ttft_steps", "ttft_seconds", "e2e_seconds")}
-    ratios["wall_seconds"] = median("priority", None, "wall_seconds") / median("fcfs", None, "wall_seconds")
-    print(f"\npriority / fcfs: urgent TTFT {ratios['urgent_ttft_seconds']:.3f} (steps "
-          f"{ratios['urgent_ttft_steps']:.3f}), urgent e2e {ratios['urgent_e2e_seconds']:.3f}; background TTFT "
-          f"{ratios['background_ttft_seconds']:.3f}, e2e {ratios['background_e2e_seconds']:.3f}; wall "
-          f"{ratios['wall_seconds']:.3f}; outputs equal")
+    ratios = policy_ratios(median)
+    r = {k: fmt(v, ".3f") for k, v in ratios.items()}  # "n/a" where fcfs's median was 0
+    print(f"\npriority / fcfs: urgent TTFT {r['urgent_ttft_seconds']} (steps {r['urgent_ttft_steps']}), urgent e2e "
+          f"{r['urgent_e2e_seconds']}; background TTFT {r['background_ttft_seconds']}, e2e "
+          f"{r['background_e2e_seconds']}; wall {r['wall_seconds']}; outputs equal")
     write_json(args.out, {"machine": machine_note(), "args": vars(args), "ratios": ratios,
                           "runs": {policy: [{k: v for k, v in r.items() if k != "outputs"} for r in rs]
                                    for policy, rs in rows.items()}})

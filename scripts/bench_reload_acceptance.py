@@ -18,7 +18,15 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from nightjar_jax.bench.common import load_prompt_texts, machine_note, write_json  # noqa: E402
+from nightjar_jax.bench.common import (  # noqa: E402
+    dataset_texts,
+    machine_note,
+    model_spec,
+    non_negative_int,
+    positive_int,
+    writable_out,
+    write_json,
+)
 
 DATASET = "/work/shared/datasets/mt_bench/vicuna_bench_question.jsonl"
 
@@ -61,26 +69,49 @@ def run(args, texts: list[str], offload_at: int | None) -> dict:
             "feature_draft": engine.runner.feature_draft, "outputs": [outputs[str(i)] for i in range(len(texts))]}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--draft", default="smollm2-eagle")
+    p.add_argument("--model", default="smollm2-135m-instruct", type=model_spec)
+    p.add_argument("--draft", default="smollm2-eagle", type=model_spec, help="the draft that moves (a model)")
     p.add_argument("--dataset", default=DATASET, help="JSONL of {'turns': [...]} (first turns are the prompts)")
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--offload-at", type=int, default=10, help="the step before which the draft leaves")
-    p.add_argument("--away-steps", type=int, default=2, help="γ = 0 steps run while it is away")
-    p.add_argument("--mark", type=int, default=20, help="count acceptance over the steps from this one on")
-    p.add_argument("--out", default="results/bench_reload_acceptance.json")
-    args = p.parse_args()
-    texts = (load_prompt_texts(args.dataset) or ["Once upon a time", "The cat sat on the mat and"])
+    p.add_argument("--num-prompts", type=positive_int, default=4)
+    p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--gamma", type=positive_int, default=4, help="γ of every step (>= 1: a draft that never "
+                   "drafts has no acceptance to compare)")
+    p.add_argument("--offload-at", type=non_negative_int, default=10,
+                   help="the step before which the draft leaves (< --max-tokens: the run must reach it)")
+    p.add_argument("--away-steps", type=positive_int, default=2, help="γ = 0 steps run while it is away")
+    p.add_argument("--mark", type=non_negative_int, default=20,
+                   help="count acceptance over the steps from this one on (< --max-tokens)")
+    p.add_argument("--out", default="results/bench_reload_acceptance.json", type=writable_out)
+    args = p.parse_args(argv)
+    # (a run takes at most a prefill step per prompt and max_tokens - 1 decode steps, fewer as drafts are accepted:
+    # a step at or past --max-tokens is certainly never reached, and a draft that never moved compares nothing)
+    for flag, step in (("--offload-at", args.offload_at), ("--mark", args.mark)):
+        if step >= args.max_tokens:
+            p.error(f"{flag} {step}: the requests finish within --max-tokens {args.max_tokens} steps; allowed "
+                    f"0..{args.max_tokens - 1}")
+    return args
+
+
+def check_moved(moved: dict, offload_at: int) -> None:
+    """SystemExit unless the draft left and came back in the moved run (else "moved / still" compares two runs
+    without a move)."""
+    if moved["offloads"] < 1 or moved["reloads"] < 1:
+        raise SystemExit(f"the draft never moved (offloads {moved['offloads']}, reloads {moved['reloads']}): the "
+                         f"requests finished before step {offload_at}; lower --offload-at or raise --max-tokens")
+
+
+def main() -> None:
+    args = parse_args()
+    texts = dataset_texts(args.dataset, default=DATASET)
     texts = (texts * args.num_prompts)[: args.num_prompts]
 
     still = run(args, texts, None)
     moved = run(args, texts, args.offload_at)
     if moved["outputs"] != still["outputs"]:
         raise SystemExit("outputs differ between the runs: the move was not lossless")
+    check_moved(moved, args.offload_at)
     rows = {"no move": still, f"away before step {args.offload_at} for {args.away_steps} steps": moved}
     print(f"\n{args.model} + {args.draft} (feature draft: {still['feature_draft']}), {len(texts)} greedy requests "
           f"of {args.max_tokens} tokens, γ = {args.gamma}; acceptance from step {args.mark} on\n")

@@ -18,7 +18,16 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from nightjar_jax.bench.common import load_prompt_texts, machine_note, write_json  # noqa: E402
+from nightjar_jax.bench.common import (  # noqa: E402
+    dataset_texts,
+    draft_spec,
+    int_list,
+    machine_note,
+    model_spec,
+    positive_int,
+    writable_out,
+    write_json,
+)
 
 DATASET = "/work/shared/datasets/mt_bench/vicuna_bench_question.jsonl"
 
@@ -58,18 +67,27 @@ def cycle(llm, level: int, prompts, params, reference) -> dict:
             "first_batch_seconds": after_s, "new_compiles": engine.runner.num_compiled() - compiled}
 
 
+def sleep_levels(text: str) -> str:
+    """--levels: a comma list of LLM.sleep levels, each 1 or 2, once (kept as text: recorded as given)."""
+    levels = int_list(1)(text)
+    if max(levels) > 2:
+        raise argparse.ArgumentTypeError(f"expected a comma list of sleep levels 1 and 2, got {text!r}")
+    return text
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--draft", default="auto", help="draft model (default: the target's shipped pair)")
+    p.add_argument("--model", type=model_spec, default="smollm2-135m-instruct")
+    p.add_argument("--draft", type=draft_spec, default="auto", help="draft model (default: the target's shipped pair)")
     p.add_argument("--dataset", default=DATASET)
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--levels", default="1,2")
-    p.add_argument("--repeats", type=int, default=3, help="sleep / wake cycles per level, alternating levels")
-    p.add_argument("--out", default="results/bench_sleep.json")
+    p.add_argument("--num-prompts", type=positive_int, default=4)
+    p.add_argument("--max-tokens", type=positive_int, default=32)
+    p.add_argument("--levels", type=sleep_levels, default="1,2", help="sleep levels, each of 1 and 2")
+    p.add_argument("--repeats", type=positive_int, default=3, help="sleep / wake cycles per level, alternating levels")
+    p.add_argument("--out", type=writable_out, default="results/bench_sleep.json")
     args = p.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
+    texts = dataset_texts(args.dataset, args.num_prompts, default=p.get_default("dataset"))  # (before the model loads)
     from nightjar_jax import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -77,7 +95,6 @@ def main() -> None:
     # would change them from batch to batch, and a new variant would read as a recompile)
     llm = LLM(args.model, draft_model=args.draft, planner="static", enable_prefix_caching=False)
     load_s = time.perf_counter() - t0
-    texts = load_prompt_texts(args.dataset, args.num_prompts) or ["Once upon a time", "The little dog"]
     prompts = (texts * args.num_prompts)[: args.num_prompts]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     timed_generate(llm, prompts, params)  # compile

@@ -15,13 +15,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from nightjar_jax.bench.common import load_prompt_texts, machine_note, write_json  # noqa: E402
+from nightjar_jax.bench.common import (  # noqa: E402
+    dataset_texts,
+    fmt,
+    int_list,
+    machine_note,
+    model_spec,
+    positive_int,
+    ratio,
+    writable_out,
+    write_json,
+)
 
 DATASET = "/work/shared/datasets/mt_bench/vicuna_bench_question.jsonl"
 SCHEMA = {
@@ -31,6 +42,8 @@ SCHEMA = {
     "required": ["topic", "answer", "confidence"],
     "additionalProperties": False,
 }
+REGEX = r"[A-Z][a-z ,]{20,300}\."
+MAX_NUM_SEQS = 8  # the engine's batch when no --batch-sizes entry is larger
 INSTRUCTION = " Answer in JSON with the keys topic, answer and confidence."
 
 
@@ -39,7 +52,7 @@ def modes():
 
     return {"none": None, "json schema": StructuredOutputs(json=SCHEMA),
             "json object": StructuredOutputs(json_object=True),
-            "regex": StructuredOutputs(regex=r"[A-Z][a-z ,]{20,300}\.")}
+            "regex": StructuredOutputs(regex=REGEX)}
 
 
 def run(llm, prompts: list, params, batch: int) -> dict:
@@ -54,7 +67,8 @@ def run(llm, prompts: list, params, batch: int) -> dict:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     itls = [x for o in outs for x in o.metrics.itls()]  # decode steps only: output lengths do not weigh in
     return {"wall_seconds": wall, "tokens": tokens, "tokens_per_second": tokens / wall,
-            "mean_itl_seconds": statistics.fmean(itls) if itls else float("nan"),
+            # None: no output had a second token (--max-tokens 1), so there is no inter-token latency
+            "mean_itl_seconds": statistics.fmean(itls) if itls else None,
             "outputs": [o.outputs[0] for o in outs]}
 
 
@@ -75,36 +89,51 @@ def constraint_host_seconds(llm, spec, outputs) -> float:
 
 
 def parses(kind: str, text: str) -> bool:
+    """Whether an output is what its constraint asked for: a JSON object, all of the regex, or anything (none)."""
     if kind.startswith("json"):
         try:
             return isinstance(json.loads(text), dict)
         except ValueError:
             return False
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
     return True
 
 
-def main() -> None:
+def median_or_none(values) -> float | None:
+    """The median of the values that exist; None when none does."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default="smollm2-135m-instruct", type=model_spec)
     p.add_argument("--dataset", default=DATASET, help="JSONL of {'turns': [...]} (first turns are the questions)")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--batch-sizes", default="1,8")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", default="results/bench_structured.json")
-    args = p.parse_args()
+    p.add_argument("--num-prompts", type=positive_int, default=8)
+    p.add_argument("--max-tokens", type=positive_int, default=96)
+    p.add_argument("--batch-sizes", default="1,8", type=int_list(1, as_text=True),
+                   help=f"requests per generate() call (the engine's max_num_seqs: {MAX_NUM_SEQS}, or the largest)")
+    p.add_argument("--repeats", type=positive_int, default=2)
+    p.add_argument("--out", default="results/bench_structured.json", type=writable_out)
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    texts = dataset_texts(args.dataset, default=DATASET)
     from nightjar_jax import LLM, SamplingParams
 
-    # (no prefix caching: every run prefills the same chunks, so the warm-up compiled every shape they take)
-    llm = LLM(args.model, draft_model="none", max_num_seqs=8, enable_prefix_caching=False)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    # (no prefix caching: every run prefills the same chunks, so the warm-up compiled every shape they take; a batch
+    # above the engine's max_num_seqs would run in smaller steps than its label says, so the engine takes the largest)
+    llm = LLM(args.model, draft_model="none", max_num_seqs=max(MAX_NUM_SEQS, *batches), enable_prefix_caching=False)
     tok = llm.engine.tokenizer
-    texts = load_prompt_texts(args.dataset) or ["Once upon a time", "The cat sat on the mat and"]
     texts = (texts * args.num_prompts)[: args.num_prompts]
     if tok.chat_template is not None:
         prompts = [tok.apply_chat_template([{"role": "user", "content": t + INSTRUCTION}]) for t in texts]
     else:
         prompts = [t + INSTRUCTION for t in texts]
-    batches = [int(b) for b in args.batch_sizes.split(",")]
     specs = modes()
     params = {m: SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=s)
               for m, s in specs.items()}
@@ -126,19 +155,19 @@ def main() -> None:
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     table = []
     for b in batches:
-        base = statistics.median(r["mean_itl_seconds"] for r in rows[(b, "none")])
+        base = median_or_none(r["mean_itl_seconds"] for r in rows[(b, "none")])
         for m in specs:
             rs = rows[(b, m)]
             tps = statistics.median(r["tokens_per_second"] for r in rs)
-            itl = statistics.median(r["mean_itl_seconds"] for r in rs)
+            itl = median_or_none(r["mean_itl_seconds"] for r in rs)
             outs = rs[0]["outputs"]
             stop = sum(o.finish_reason == "stop" for o in outs)
             ok = sum(parses(m, o.text) for o in outs)
             ms = host.get(m)
-            print(f"| {b} | {m} | {rs[0]['tokens']} | {tps:.1f} | {itl * 1e3:.2f} | {itl / base:.2f} | "
+            print(f"| {b} | {m} | {rs[0]['tokens']} | {tps:.1f} | {fmt(itl, '.2f', 1e3)} | {fmt(ratio(itl, base))} | "
                   f"{'-' if ms is None else f'{ms * 1e3:.3f}'} | {stop}/{len(outs)} | {ok}/{len(outs)} |")
             table.append({"batch": b, "constraint": m, "tokens": rs[0]["tokens"], "tokens_per_second": tps,
-                          "mean_itl_seconds": itl, "itl_ratio_to_none": itl / base,
+                          "mean_itl_seconds": itl, "itl_ratio_to_none": ratio(itl, base),
                           "constraint_host_seconds_per_token": ms, "finished": stop, "parsed": ok,
                           "runs": [{k: r[k] for k in ("tokens_per_second", "mean_itl_seconds")} for r in rs]})
     for m in specs:

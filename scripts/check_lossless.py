@@ -24,6 +24,13 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+from nightjar_jax.bench.common import (  # noqa: E402
+    draft_spec,
+    name_list,
+    positive_int,
+    smollm2_model,
+    writable_out,
+)
 from nightjar_jax.config import WEIGHT_FORMATS  # noqa: E402
 
 
@@ -66,40 +73,49 @@ def compare(model: str, draft: str, prompts: list, weight_format: str, planners:
     return rows
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct",
+    ap.add_argument("--model", default="smollm2-135m-instruct", type=smollm2_model,
                     help="a model with SmolLM2's tokenizer (the prompts are SmolLM2 token ids)")
-    ap.add_argument("--draft", default="auto", help="the draft (default: the target preset's paired draft)")
-    ap.add_argument("--weight-formats", default="auto,w4a8",
+    ap.add_argument("--draft", default="auto", type=draft_spec,
+                    help="the draft (default: the target preset's paired draft)")
+    ap.add_argument("--weight-formats", default="auto,w4a8", type=name_list(WEIGHT_FORMATS),
                     help=f"comma-separated engine weight formats, each of {WEIGHT_FORMATS}")
-    ap.add_argument("--planners", default="static:4,nightjar", help="comma-separated planners for the SD runs")
-    ap.add_argument("--gamma", type=int, default=4, help="num_speculative_tokens (γ_max)")
-    ap.add_argument("--prompts", type=int, default=16, help="first N held-out prompts (at most 28)")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--max-num-seqs", type=int, default=1,
+    ap.add_argument("--planners", default="static:4,nightjar", type=name_list(),
+                    help="comma-separated planners for the SD runs")
+    ap.add_argument("--gamma", type=positive_int, default=4, help="num_speculative_tokens (γ_max)")
+    ap.add_argument("--prompts", type=positive_int, default=16, help="first N held-out prompts (at most 28)")
+    ap.add_argument("--max-tokens", type=positive_int, default=128)
+    ap.add_argument("--max-model-len", type=positive_int, default=1024)
+    ap.add_argument("--max-num-seqs", type=positive_int, default=1,
                     help="the SD engines' batch (the reference decodes one prompt at a time)")
-    ap.add_argument("--out", default="results/check_lossless.json")
-    args = ap.parse_args()
-    formats = [f.strip() for f in args.weight_formats.split(",") if f.strip()]
-    planners = [p.strip() for p in args.planners.split(",") if p.strip()]
-    bad = [f for f in formats if f not in WEIGHT_FORMATS]
-    if bad or not formats:
-        raise SystemExit(f"--weight-formats: unknown {bad}; each must be one of {WEIGHT_FORMATS}")
-    if not planners or min(args.prompts, args.max_tokens, args.gamma, args.max_num_seqs) < 1:
-        raise SystemExit("--planners must name one planner or more; --prompts, --max-tokens, --gamma and "
-                         "--max-num-seqs at least 1")
+    ap.add_argument("--out", default="results/check_lossless.json", type=writable_out)
+    return ap.parse_args(argv)
+
+
+def fitting_prompts(prompts: list[list[int]], max_tokens: int, max_model_len: int) -> list[list[int]]:
+    """The prompts with room for ``max_tokens`` under ``max_model_len``; SystemExit when none has (a run that
+    compared nothing must not pass as lossless)."""
+    fit = [p for p in prompts if len(p) + max_tokens <= max_model_len]
+    if len(fit) < len(prompts):
+        print(f"{len(prompts) - len(fit)} prompts skipped: prompt + --max-tokens over --max-model-len {max_model_len}")
+    if not fit:
+        shortest = min((len(p) for p in prompts), default=0)
+        raise SystemExit(f"no prompt checked: none of the {len(prompts)} prompts fits --max-tokens {max_tokens} in "
+                         f"--max-model-len {max_model_len} (the shortest has {shortest} tokens); raise "
+                         "--max-model-len or lower --max-tokens")
+    return fit
+
+
+def main() -> None:
+    args = parse_args()
+    formats, planners = args.weight_formats, args.planners
 
     from distill_draft import chat_ids, load_prompts, target_tokenizer
 
     tok = target_tokenizer()
     prompts = [chat_ids(tok, p["text"]) for p in load_prompts("heldout")][: args.prompts]
-    fit = [p for p in prompts if len(p) + args.max_tokens <= args.max_model_len]
-    if len(fit) < len(prompts):
-        print(f"{len(prompts) - len(fit)} prompts skipped: prompt + --max-tokens over --max-model-len "
-              f"{args.max_model_len}")
-    prompts = fit
+    prompts = fitting_prompts(prompts, args.max_tokens, args.max_model_len)
     rows = []
     for fmt in formats:
         rows += compare(args.model, args.draft, prompts, fmt, planners, args.max_tokens, args.gamma,

@@ -48,6 +48,7 @@ from kernels_pallas.paged_attention import (  # noqa: E402
 )
 from kernels_pallas.paged_attention.kernel_gpu import GPU_TUNING_DEFAULTS, split_plan  # noqa: E402
 from kernels_pallas.paged_attention.layout import QueryBlocking  # noqa: E402
+from nightjar_jax.bench.common import positive_float, writable_out  # noqa: E402
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # max abs error vs the reference (outputs are O(1))
 
@@ -258,12 +259,23 @@ def print_table(rows: list[dict], label: str, copy_bw: float) -> None:
         )
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted, for CPU")
-    parser.add_argument("--out", default="device_check_results.json")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="skip cases that would start after this")
-    args = parser.parse_args()
+    parser.add_argument("--out", default="device_check_results.json", type=writable_out)
+    parser.add_argument("--budget-s", type=positive_float, default=420.0,
+                        help="skip cases that would start after this many seconds (> 0)")
+    return parser.parse_args(argv)
+
+
+def all_ok(rows: list[dict]) -> bool:
+    """Every case that ran passed, and at least one ran (a run whose every case was skipped checked nothing)."""
+    ran = [row for row in rows if "skipped" not in row]
+    return bool(ran) and all(row.get("ok", False) for row in ran)
+
+
+def main() -> int:
+    args = parse_args()
 
     started = time.perf_counter()
     imported = import_pallas_backends()
@@ -306,11 +318,13 @@ def main() -> int:
         "pallas_backends_imported": imported,
         "copy_bandwidth_GBps": copy_bw / 1e9,
         "elapsed_s": time.perf_counter() - started,
-        "all_ok": all(row.get("ok", False) for row in rows if "skipped" not in row),
+        "all_ok": all_ok(rows),
         "cases": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
+    if not any("skipped" not in row for row in rows):
+        print("no case ran within --budget-s: nothing was checked", file=sys.stderr)
     print(f"\nall_ok={result['all_ok']} elapsed={result['elapsed_s']:.1f}s -> {args.out}")
     return 0 if result["all_ok"] else 1
 

@@ -48,46 +48,78 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nightjar_jax.bench.common import (  # noqa: E402
     host_share,
+    int_at_least,
+    int_list,
     machine_note,
     memory_bandwidth_gbs,
+    model_spec,
+    name_list,
     pages_needed,
+    positive_float,
+    positive_int,
     run_decode_workload,
     state_bytes,
+    writable_out,
     write_json,
 )
 
+# The flags --smoke sets, full run / smoke (a flag given on the command line wins over either).
+DEFAULTS = {
+    "models": ("smollm2-135m-instruct,llama-7b", "tiny-gqa"),
+    "spec": ("llama-7b+llama-68m", "tiny-gqa+tiny-mha"),
+    "batch_sizes": ("1,16,64", "1,2"),
+    "spec_batch_sizes": ("1,16", "1"),
+    "prompt_len": (128, 16),
+    "output_len": (32, 8),
+    "bandwidth_mib": (2048, 64),
+    "dtype": ("bfloat16", "float32"),
+}
 
-def parse_args() -> argparse.Namespace:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="smollm2-135m-instruct,llama-7b")
-    p.add_argument("--batch-sizes", default="1,16,64")
-    p.add_argument("--spec", default="llama-7b+llama-68m", help="TARGET+DRAFT, or '' to skip")
-    p.add_argument("--spec-batch-sizes", default="1,16")
-    p.add_argument("--gammas", default="0,1,2,4")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--bandwidth-mib", type=int, default=2048)
-    p.add_argument("--budget-s", type=float, default=200.0, help="skip sections that would start after this")
+
+    def default(name: str) -> str:
+        full, smoke = DEFAULTS[name]
+        return f"default {full!r}; with --smoke {smoke!r}"
+
+    # (every flag checked here, before any model loads: a bad value used to fail each section, which was then
+    # retried with the reference attention, and the run still exited 0)
+    p.add_argument("--models", default=None, type=name_list(as_text=True), help=default("models"))
+    p.add_argument("--batch-sizes", default=None, type=int_list(1, as_text=True), help=default("batch_sizes"))
+    p.add_argument("--spec", default=None, help=f"TARGET+DRAFT, or '' to skip ({default('spec')})")
+    p.add_argument("--spec-batch-sizes", default=None, type=int_list(1, as_text=True),
+                   help=default("spec_batch_sizes"))
+    p.add_argument("--gammas", default="0,1,2,4", type=int_list(0, as_text=True))
+    p.add_argument("--prompt-len", type=positive_int, default=None, help=default("prompt_len"))
+    p.add_argument("--output-len", type=int_at_least(2), default=None,
+                   help=f">= 2: the first token comes from the prefill ({default('output_len')})")
+    p.add_argument("--dtype", default=None, help=default("dtype"))
+    p.add_argument("--bandwidth-mib", type=positive_int, default=None, help=default("bandwidth_mib"))
+    p.add_argument("--budget-s", type=positive_float, default=200.0, help="skip sections that would start after this")
     p.add_argument("--no-elastic", action="store_true", help="skip the elastic memory section")
     p.add_argument("--no-sleep", action="store_true", help="skip the sleep mode section")
-    p.add_argument("--smoke", action="store_true", help="tiny presets, small batches (for CPU)")
-    p.add_argument("--out", default="results/device_check_engine.json")
-    args = p.parse_args()
-    if args.smoke:
-        args.models, args.spec, args.batch_sizes, args.spec_batch_sizes = "tiny-gqa", "tiny-gqa+tiny-mha", "1,2", "1"
-        args.prompt_len, args.output_len, args.bandwidth_mib, args.dtype = 16, 8, 64, "float32"
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny presets, small batches (for CPU); flags given explicitly still apply")
+    p.add_argument("--out", default="results/device_check_engine.json", type=writable_out)
+    args = p.parse_args(argv)
+    for name, (full, smoke) in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else full)
+    for flag, models in (("--models", args.models.split(",")), ("--spec", args.spec.split("+") if args.spec else [])):
+        for model in models:
+            try:
+                model_spec(model)
+            except argparse.ArgumentTypeError as e:
+                p.error(f"argument {flag}: {e}")
     if args.spec and (args.spec.count("+") != 1 or not all(args.spec.split("+"))):
         p.error(f"--spec {args.spec!r}: expected TARGET+DRAFT (e.g. llama-7b+llama-68m), or '' to skip")
-    for name in ("batch_sizes", "spec_batch_sizes", "gammas"):
-        try:
-            values = _ints(getattr(args, name))
-        except ValueError:
-            values = []
-        if not values or min(values) < (0 if name == "gammas" else 1):
-            p.error(f"--{name.replace('_', '-')} {getattr(args, name)!r}: expected a comma list of integers "
-                    f"{'>= 0' if name == 'gammas' else '>= 1'}")
     return args
+
+
+def failed_sections(result: dict) -> list[str]:
+    """The names of the sections that raised (a reference-attention rerun that passed does not undo its failure)."""
+    return [s["name"] for s in result["sections"] if "error" in s]
 
 
 def _ints(text: str) -> list[int]:
@@ -290,7 +322,7 @@ def main() -> None:
         write_json(args.out, result)  # after every section: a killed run keeps what it measured
         return out
 
-    for model in [m for m in args.models.split(",") if m]:
+    for model in args.models.split(","):
         out = run(f"ar {model}", lambda m=model: ar_section(m, args, bw["jax_gbs"], "auto"))
         if out is not None and "error" in out:
             run(f"ar {model} (reference attention)", lambda m=model: ar_section(m, args, bw["jax_gbs"], "reference"))
@@ -305,6 +337,10 @@ def main() -> None:
     result["total_s"] = time.perf_counter() - started
     write_json(args.out, result)
     print(json.dumps({"sections": [(s["name"], "error" in s, "skipped" in s) for s in result["sections"]]}))
+    failed = failed_sections(result)
+    if failed:
+        print(f"FAILED sections: {failed}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

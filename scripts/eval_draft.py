@@ -38,7 +38,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from distill_draft import ASSET_DIR, TARGET, chat_ids, heldout_ids, load_prompts, target_tokenizer  # noqa: E402
 
-from nightjar_jax.bench.common import machine_note, run_decode_workload  # noqa: E402
+from nightjar_jax.bench.common import (  # noqa: E402
+    int_at_least,
+    machine_note,
+    non_negative_int,
+    positive_int,
+    run_decode_workload,
+    writable_out,
+)
 
 logger = logging.getLogger("eval_draft")
 
@@ -168,6 +175,11 @@ def feature_draft_cost(draft: str, prompts: list[list[int]], output_len: int, ga
     return target, draft_cost
 
 
+def table_header(gamma: int) -> str:
+    """The acceptance table's header, labelled with the γ the runs used."""
+    return f"{'':16s} {'prompts':>8s} {f'mean acc. len (γ={gamma})':>20s} {'α (pos. 1)':>11s} {'accepted/drafted':>17s}"
+
+
 def is_feature_draft(draft: str) -> bool:
     """Whether ``draft`` (a checkpoint folder or a preset name) reads the target's hidden states."""
     from nightjar_jax.models.loader import load_checkpoint
@@ -175,13 +187,13 @@ def is_feature_draft(draft: str) -> bool:
     return load_checkpoint(draft).config.feature_size is not None
 
 
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", default=str(ASSET_DIR.parent / "smollm2-eagle"),
                     help="a draft checkpoint folder (default: the default pair's feature draft)")
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--tree-nodes", type=int, default=0, help="verify a token tree of this many nodes (0: a chain)")
+    ap.add_argument("--gamma", type=positive_int, default=4)
+    ap.add_argument("--tree-nodes", type=non_negative_int, default=0,
+                    help="verify a token tree of this many nodes (0: a chain)")
     ap.add_argument("--tree-file", default=None,
                     help="the tree's rank-path order (spec_tree_file; default: nightjar_jax/spec/default_tree.json)")
     ap.add_argument("--prompt-lookup-max", type=int, default=0,
@@ -191,13 +203,19 @@ def main() -> None:
                     help="sampling temperature of the acceptance runs (0: greedy, the goal's setting); the cost runs "
                          "stay greedy")
     ap.add_argument("--seed", type=int, default=0, help="per-prompt seeds seed + i (sampled acceptance runs)")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer held-out prompts are skipped")
-    ap.add_argument("--cost-prompts", type=int, default=4, help="held-out prompts timed for the cost ratio")
-    ap.add_argument("--cost-tokens", type=int, default=32)
-    ap.add_argument("--limit", type=int, default=0, help="first N held-out prompts only (smoke runs)")
-    ap.add_argument("--out", default="results/eval_draft.json")
-    args = ap.parse_args()
+    ap.add_argument("--max-tokens", type=positive_int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=positive_int, default=384, help="longer held-out prompts are skipped")
+    ap.add_argument("--cost-prompts", type=positive_int, default=4, help="held-out prompts timed for the cost ratio")
+    ap.add_argument("--cost-tokens", type=int_at_least(2), default=32,
+                    help="tokens per cost run (>= 2: the first comes from the prefill)")
+    ap.add_argument("--limit", type=non_negative_int, default=0, help="first N held-out prompts only (smoke runs)")
+    ap.add_argument("--out", default="results/eval_draft.json", type=writable_out)
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args()
 
     tok = target_tokenizer()
     prompts, skipped = [], []
@@ -240,7 +258,7 @@ def main() -> None:
     print(f"\nheld-out split: {heldout_ids()}  (used {len(prompts)}, skipped {[p['id'] for p in skipped]})")
     shape = f"tree of {args.tree_nodes} nodes, depth {args.gamma}" if args.tree_nodes else f"chain, γ = {args.gamma}"
     print(f"speculation: {shape}; acceptance runs at temperature {args.temperature}")
-    print(f"{'':16s} {'prompts':>8s} {'mean acc. len (γ=4)':>20s} {'α (pos. 1)':>11s} {'accepted/drafted':>17s}")
+    print(table_header(args.gamma))
     for name, r in [("all held-out", acc), *sources.items()]:
         print(
             f"{name:16s} {r['num_prompts']:8d} {r['mean_accepted_length']:20.3f} {r['alpha']:11.3f} "

@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from nightjar_jax.bench.common import machine_note, write_json  # noqa: E402
+from nightjar_jax.bench.common import int_at_least, machine_note, positive_int, smollm2_model, write_json  # noqa: E402
 from nightjar_jax.config import WEIGHT_FORMATS  # noqa: E402
 
 PAGE = 16
@@ -84,12 +84,13 @@ def compare(ref: np.ndarray, cand: np.ndarray, tokens: list[int]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct",
+    ap.add_argument("--model", default="smollm2-135m-instruct", type=smollm2_model,
                     help="a model with SmolLM2's tokenizer (the prompts are SmolLM2 token ids)")
     ap.add_argument("--reference", default="auto", choices=WEIGHT_FORMATS)
     ap.add_argument("--candidate", default="w4a8", choices=WEIGHT_FORMATS)
-    ap.add_argument("--prompts", type=int, default=28, help="held-out chat prompts (eval_draft.py's)")
-    ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    ap.add_argument("--prompts", type=positive_int, default=28, help="held-out chat prompts (eval_draft.py's)")
+    ap.add_argument("--max-prompt-tokens", type=int_at_least(2), default=512,
+                    help="longer held-out prompts are skipped (>= 2: a prompt's next tokens are compared)")
     ap.add_argument("--out", default="results/eval_weight_format.json")
     args = ap.parse_args()
     if args.prompts < 1:
@@ -102,6 +103,8 @@ def main() -> None:
     tok = target_tokenizer()
     prompts = [ids for ids in (chat_ids(tok, p["text"]) for p in load_prompts("heldout"))
                if 2 <= len(ids) <= args.max_prompt_tokens][: args.prompts]
+    if not prompts:
+        raise SystemExit(f"no held-out prompt fits in --max-prompt-tokens {args.max_prompt_tokens}: nothing to compare")
     handles = {}
     for fmt in (args.reference, args.candidate):
         llm = LLM(args.model, draft_model=None, weight_format=fmt, max_model_len=args.max_prompt_tokens + BUCKET)

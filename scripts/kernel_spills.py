@@ -24,6 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nightjar_jax.bench.common import writable_out  # noqa: E402
+
 KERNELS = ("linear", "paged_attention", "sampling")
 LABEL = re.compile(r"^(_Z\S+):$")
 FMA = re.compile(r"\b(vfn?m(add|sub)\w*ps|vpdpbu?sd)\b")  # float multiply-adds; VNNI int8 dot products
@@ -59,7 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernel", choices=KERNELS, action="append", help="kernel folder (default: all)")
     ap.add_argument("--all", action="store_true", help="list every function with multiply-adds, not only spilling ones")
-    ap.add_argument("--out", help="also write the table as JSON here")
+    ap.add_argument("--out", type=writable_out, help="also write the table as JSON here")
     args = ap.parse_args()
     rows = []
     for kernel in args.kernel or KERNELS:
@@ -74,6 +76,7 @@ def main() -> None:
     if not rows:
         print("(none)")
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(rows, indent=1))
         print(f"wrote {args.out}")
 

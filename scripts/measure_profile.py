@@ -40,37 +40,62 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nightjar_jax.bench.common import (  # noqa: E402
     DEFAULT_DATASET,
+    draft_spec,
+    int_at_least,
+    int_list,
     load_prompt_texts,
     machine_note,
     make_prompt_ids,
+    model_spec,
     pages_needed,
+    positive_int,
     run_decode_workload,
+    writable_out,
 )
 from nightjar_jax.sim.profile import CostProfile  # noqa: E402
 
+MIN_PROMPT_LEN = 2  # a one-token prompt takes no prefill step to time (seen: "prefill: nan ms (0 steps)")
 
-def parse_args() -> argparse.Namespace:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="stories260k")
-    p.add_argument("--draft", default="stories260k@skip=2")
-    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--model", default="stories260k", type=model_spec)
+    p.add_argument("--draft", default="stories260k@skip=2", type=draft_spec)
+    # (the profile's axes must be strictly increasing: checked here, not after the minutes of measuring)
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", type=int_list(1, increasing=True, as_text=True),
+                   help="strictly increasing batch sizes")
     p.add_argument("--gamma-max", type=int, default=4)
-    p.add_argument("--prompt-lens", default="64,384", help="prompt lengths (context axis = p + output_len//2)")
-    p.add_argument("--output-len", type=int, default=24, help="tokens generated per sequence in a timed run")
-    p.add_argument("--repeats", type=int, default=2, help="timed runs per cell (median over their full-batch steps)")
-    p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--prompt-lens", default="64,384", type=int_list(MIN_PROMPT_LEN, increasing=True, as_text=True),
+                   help=f"strictly increasing prompt lengths >= {MIN_PROMPT_LEN} (context axis = p + output_len//2)")
+    p.add_argument("--output-len", type=int_at_least(2), default=24,
+                   help="tokens generated per sequence in a timed run (>= 2: the first comes from the prefill)")
+    p.add_argument("--repeats", type=positive_int, default=2,
+                   help="timed runs per cell (median over their full-batch steps)")
+    p.add_argument("--max-model-len", type=positive_int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--dataset", default=DEFAULT_DATASET, help="JSONL with 'turns'; synthetic ids if absent")
-    p.add_argument("--kv-budget-pages", type=int, default=None,
+    p.add_argument("--kv-budget-pages", type=positive_int, default=None,
                    help="simulator KV budget written to the profile (default: max batch × 1024 tokens of pages)")
     p.add_argument("--device-note", default=None, help="device description (default: JAX backend + platform)")
-    p.add_argument("--out", default="nightjar_jax/sim/profiles/measured_profile.json")
-    return p.parse_args()
+    p.add_argument("--out", default="nightjar_jax/sim/profiles/measured_profile.json", type=writable_out)
+    return p.parse_args(argv)
+
+
+def default_kv_budget_pages(max_batch: int, page_size: int, gamma_max: int) -> int:
+    """The simulator's KV budget: max batch x 1024 tokens of pages, and never less than the longest request its
+    default workloads draw (else every sim_planners run of the profile fails: "a request of N tokens can never fit")."""
+    from nightjar_jax.sim.workload import DEFAULT_OUTPUT_LENGTHS, DEFAULT_PROMPT_LENGTHS
+
+    longest = DEFAULT_PROMPT_LENGTHS.maximum + DEFAULT_OUTPUT_LENGTHS.maximum + gamma_max + 1
+    return max(max_batch * (1024 // page_size), -(-longest // page_size))
 
 
 def least_squares(tokens: list[float], seconds: list[float]) -> tuple[float, float]:
-    """(fixed, per_token) of seconds ≈ fixed + per_token · tokens, both clamped to >= 0."""
+    """(fixed, per_token) of seconds ≈ fixed + per_token · tokens, both clamped to >= 0 (ValueError on no sample:
+    there is nothing to fit, and a NaN must not reach the profile)."""
+    if not tokens:
+        raise ValueError("no sample to fit")
     x, y = np.asarray(tokens, float), np.asarray(seconds, float)
     if len(x) < 2 or np.ptp(x) == 0:
         return float(max(np.median(y), 0.0)), 0.0
@@ -187,6 +212,9 @@ def main() -> None:
 
     # ---- prefill ---------------------------------------------------------------------------------------------------
     prefill = measure_prefill(llm, {p: prompts[p] for p in prompt_lens}, max_batch)
+    if not prefill or not catchup_samples:
+        raise SystemExit(f"no {'prefill step' if not prefill else 'draft catch-up'} was measured at prompt lengths "
+                         f"{prompt_lens}: the profile would hold NaN; use longer --prompt-lens")
     prefill_fixed, prefill_per_token = least_squares([t for t, _ in prefill], [s for _, s in prefill])
     catch_fixed, catch_per_token = least_squares([t for t, _ in catchup_samples], [s for _, s in catchup_samples])
     alphas = acceptance_from_counts(acc_counts, drafted_counts)
@@ -205,7 +233,8 @@ def main() -> None:
         prefill_fixed_seconds=prefill_fixed, prefill_seconds_per_token=prefill_per_token,
         catchup_fixed_seconds=catch_fixed, catchup_seconds_per_token=catch_per_token,
         reload_seconds=0.0,
-        kv_budget_pages=args.kv_budget_pages or max_batch * (1024 // engine.config.cache.page_size),
+        kv_budget_pages=args.kv_budget_pages or default_kv_budget_pages(max_batch, engine.config.cache.page_size,
+                                                                        args.gamma_max),
         page_size=engine.config.cache.page_size, max_num_seqs=max_batch, kind="measured",
         label=f"MEASURED by the engine: {args.model} target + {args.draft} draft, {args.dtype}, {device}",
         notes=(

@@ -28,6 +28,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nightjar_jax.bench.common import (  # noqa: E402
+    existing_file,
+    int_list,
+    name_list,
+    positive_float,
+    positive_int,
+    writable_out,
+)
 from nightjar_jax.planner import Planner, make_planner  # noqa: E402
 from nightjar_jax.sim import (  # noqa: E402
     PRESETS,
@@ -111,13 +119,29 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return name, parsed
 
 
+def rate_scale_arg(text: str) -> str:
+    """--rate-scale: 'auto' or a finite number > 0 (kept as text: the report records it as given)."""
+    if text != "auto":
+        try:
+            positive_float(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"expected 'auto' or a finite number > 0, got {text!r}") from None
+    return text
+
+
+WORKLOADS = tuple(dict.fromkeys(("low-burst-low", "oscillating", *PRESETS)))  # what preset_phases knows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profile", default=None, help="cost profile JSON (default: the synthetic model)")
-    parser.add_argument("--presets", default="low-burst-low,oscillating", help="comma-separated workload presets")
-    parser.add_argument("--gamma-max", type=int, default=4)
+    parser.add_argument("--profile", default=None, type=existing_file,
+                        help="cost profile JSON (default: the synthetic model)")
+    parser.add_argument("--presets", default="low-burst-low,oscillating", type=name_list(WORKLOADS, as_text=True),
+                        help=f"comma-separated workload presets, of {list(WORKLOADS)}")
+    parser.add_argument("--gamma-max", type=positive_int, default=4, help="at most the profile's γ_max")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seeds", default=None, help="comma-separated seeds (overrides --seed); summary over them")
+    parser.add_argument("--seeds", default=None, type=int_list(0, as_text=True),
+                        help="comma-separated seeds, each once (overrides --seed); summary over them")
     parser.add_argument(
         "--nightjar-variant",
         action="append",
@@ -126,12 +150,13 @@ def main() -> int:
         metavar="NAME=JSON",
         help="also run nightjar with these options as rows NAME and NAME+warm (repeatable)",
     )
-    parser.add_argument("--out", default=None, help="write all results as JSON here")
-    parser.add_argument("--phase-seconds", type=float, default=60.0, help="length of each load phase")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="worker processes")
+    parser.add_argument("--out", default=None, type=writable_out, help="write all results as JSON here")
+    parser.add_argument("--phase-seconds", type=positive_float, default=60.0, help="length of each load phase")
+    parser.add_argument("--jobs", type=positive_int, default=os.cpu_count(), help="worker processes")
     parser.add_argument(
         "--rate-scale",
         default="1.0",
+        type=rate_scale_arg,
         help="multiply every phase's arrival rate by this (default 1.0), or 'auto': per preset, scale so the "
         f"busiest phase arrives at {AUTO_HIGH_LOAD}x the profile's AR capacity at its max batch (see "
         "ar_capacity_requests_per_second); the other phases keep their ratio to it. For profiles far from the "
@@ -139,11 +164,14 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    profile = CostProfile.from_json(args.profile)
     try:
-        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
-    except ValueError:
-        parser.error(f"--seeds must be comma-separated ints, got {args.seeds!r}")
+        profile = CostProfile.from_json(args.profile)
+    except (ValueError, KeyError, TypeError) as error:
+        parser.error(f"argument --profile: {args.profile!r} is not a cost profile: {error}")
+    if args.gamma_max > profile.gamma_max:
+        parser.error(f"argument --gamma-max: {args.gamma_max} exceeds the profile's γ_max {profile.gamma_max}; "
+                     f"allowed 1..{profile.gamma_max}")
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     print(f"profile: {profile.label} [kind={profile.kind}]")
     report: dict = {"profile": profile.label, "profile_kind": profile.kind, "gamma_max": args.gamma_max, "runs": {}}
     all_ok = True
@@ -167,6 +195,13 @@ def main() -> int:
         scales = dict.fromkeys(presets, float(args.rate_scale))
         if scales and not all(s > 0 for s in scales.values()):
             parser.error("--rate-scale must be > 0 or 'auto'")
+    for seed in seeds:  # a trace the profile cannot hold fails here in one line, not in every worker
+        for preset in presets:
+            try:
+                Simulator(make_trace(preset_phases(preset, args.phase_seconds, scales[preset]), seed=seed), profile,
+                          SimConfig(gamma_max=args.gamma_max, seed=seed))
+            except ValueError as error:
+                parser.error(f"{preset} (seed {seed}) against {args.profile or 'the synthetic profile'}: {error}")
     if args.rate_scale != "1.0":
         report["rate_scale"] = {"arg": args.rate_scale, "per_preset": scales}
     jobs = [(seed, preset, row) for seed in seeds for preset in presets for row in rows]

@@ -12,16 +12,240 @@ Vocabulary:
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
+import math
 import os
 import platform
+import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 DEFAULT_DATASET = "/work/shared/datasets/spec_bench/question.jsonl"
+
+
+# ---- argparse types: a bad flag is a usage error (exit 2, one line naming the flag) before any model loads ---------
+# Each is passed as ``type=``; argparse prefixes the message with the flag ("argument --repeats: ...").
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """A type for an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        return _int_at_least(text, minimum)
+
+    parse.__name__ = f"int_at_least_{minimum}"
+    return parse
+
+
+def _int_at_least(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0."""
+    value = _finite_float(text, "> 0")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite float >= 0."""
+    value = _finite_float(text, ">= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _finite_float(text: str, allowed: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number {allowed}, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number {allowed}, got {text!r}")
+    return value
+
+
+def int_list(minimum: int = 1, *, increasing: bool = False, allow_empty: bool = False,
+             as_text: bool = False) -> Callable[[str], list[int] | str]:
+    """A type for a comma list of integers >= ``minimum`` without duplicates (``increasing``: strictly increasing;
+    ``allow_empty``: "" gives [], for flags whose empty value turns a part off; ``as_text``: the text itself once
+    checked, for scripts that split it later and record it as given)."""
+    order = "strictly increasing" if increasing else "no duplicates"
+    allowed = f"a comma list of integers >= {minimum} ({order})"
+
+    def parse(text: str) -> list[int]:
+        items = [x.strip() for x in text.split(",")]
+        if items == [""]:
+            if allow_empty:
+                return text if as_text else []
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got an empty list")
+        try:
+            values = [int(x) for x in items]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
+        if min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}")
+        if increasing and any(b <= a for a, b in zip(values, values[1:], strict=False)):
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}")
+        if len(set(values)) < len(values):
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r} (a value twice)")
+        return text if as_text else values
+
+    parse.__name__ = "int_list"
+    return parse
+
+
+def name_list(choices: tuple[str, ...] | list[str] | None = None, *,
+              as_text: bool = False) -> Callable[[str], list[str] | str]:
+    """A type for a non-empty comma list of names without duplicates, each one of ``choices`` when given
+    (``as_text``: the text itself once checked)."""
+
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",")]
+        if not all(names):
+            raise argparse.ArgumentTypeError(f"expected a non-empty comma list of names, got {text!r}")
+        if len(set(names)) < len(names):
+            raise argparse.ArgumentTypeError(f"{text!r} names one entry twice")
+        bad = [n for n in names if choices is not None and n not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}: each must be one of {list(choices)}")
+        return text if as_text else names
+
+    parse.__name__ = "name_list"
+    return parse
+
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def model_spec(text: str) -> str:
+    """A model the engine can load: a preset (optionally ``preset@skip=..`` / ``@layers=N``), a checkpoint path that
+    exists, or a Hugging Face repo id (``org/name``)."""
+    from nightjar_jax.models.presets import PRESETS
+
+    base = text.rpartition("@")[0] if "@" in text else text
+    if base.lower() in PRESETS or os.path.exists(os.path.expanduser(base)):
+        return text
+    if _REPO_ID.fullmatch(base) and not base.startswith((".", "~")):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown model {text!r}: expected a preset of {sorted(PRESETS)}, a checkpoint "
+                                     "path that exists, or a Hugging Face repo id")
+
+
+def smollm2_model(text: str) -> str:
+    """A model whose token ids are SmolLM2's (scripts whose prompts are SmolLM2 token ids): a preset with SmolLM2's
+    vocabulary, or a path / repo id (not checkable before loading)."""
+    from nightjar_jax.models.presets import PRESETS
+
+    model_spec(text)
+    base = (text.rpartition("@")[0] if "@" in text else text).lower()
+    want = PRESETS["smollm2-135m-instruct"].config.vocab_size
+    preset = PRESETS.get(base)
+    if preset is not None and (preset.config.vocab_size != want or not base.startswith("smollm2")):
+        smollm = sorted(n for n in PRESETS if n.startswith("smollm2"))
+        raise argparse.ArgumentTypeError(f"{text!r} does not use SmolLM2's tokenizer, which the prompts are encoded "
+                                         f"with: use one of {smollm} (or a SmolLM2 checkpoint)")
+    return text
+
+
+def draft_spec(text: str) -> str:
+    """A draft: "none" / "" (no draft), "auto" (the target's paired draft), "ngram", or a model (``model_spec``)."""
+    if text.lower() in ("", "none", "auto", "ngram"):
+        return text
+    return model_spec(text)
+
+
+def existing_file(text: str) -> str:
+    """A path to a file that exists."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return text
+
+
+def writable_out(text: str) -> str:
+    """An output path whose folder exists or can be made (checked before the work, not after it)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    probe = folder
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe!r} is not a writable folder")
+    return text
+
+
+BUILT_IN_PROMPTS = ("Once upon a time", "The cat sat on the mat and")
+
+
+def dataset_texts(path: str, limit: int = 256, *, default: str | None = None) -> list[str]:
+    """``load_prompt_texts`` of a dataset: a ``--dataset`` that was given must be there (else SystemExit naming it:
+    a silent fallback measured nothing that was asked for). The script's ``default`` may be absent (a machine
+    without ../shared): then :data:`BUILT_IN_PROMPTS`, saying so on stderr."""
+    import sys
+
+    if not path or not os.path.isfile(path):
+        if default is not None and path == default:
+            print(f"note: the default dataset {path} is not on this machine: using {len(BUILT_IN_PROMPTS)} built-in "
+                  f"prompts (give --dataset for real ones)", file=sys.stderr)
+            return list(BUILT_IN_PROMPTS)[:limit]
+        raise SystemExit(f"--dataset {path!r}: no such file (a JSONL of {{'turns': [...]}} records is needed)")
+    texts = load_prompt_texts(path, limit)
+    if not texts:
+        raise SystemExit(f"--dataset {path!r}: no record with a non-empty first turn")
+    return texts
+
+
+# ---- numbers that may not exist: None in JSON, "n/a" in tables ----------------------------------------------------
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """``numerator / denominator``, or None when either is missing or the denominator is 0 (nothing to compare)."""
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    value = numerator / denominator
+    return value if math.isfinite(value) else None
+
+
+def fmt(value: float | None, spec: str = ".2f", scale: float = 1.0) -> str:
+    """``value * scale`` formatted with ``spec``; "n/a" for None or a non-finite value."""
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    return format(value * scale, spec)
+
+
+def finite_or_none(value):
+    """A JSON-able copy of ``value`` with every NaN / infinity replaced by None (JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    if isinstance(value, np.generic) and np.issubdtype(value.dtype, np.floating):
+        return float(value) if np.isfinite(value) else None
+    return value
 
 
 def load_prompt_texts(path: str | None, limit: int = 256) -> list[str]:
@@ -245,4 +469,5 @@ def machine_note() -> dict:
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        json.dump(payload, f, indent=2, default=float)
+        # (NaN is a last guard here: the scripts write None where a value could not be measured)
+        json.dump(finite_or_none(payload), f, indent=2, default=float)

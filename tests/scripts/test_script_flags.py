@@ -1,0 +1,253 @@
+"""Bad flags of the scripts are usage errors (exit 2, one line naming the flag) before any model loads, and the
+helpers behind the QA fixes (nothing compared, a class that never waited, no ITL, ...) say so instead of passing.
+Argument parsing and pure functions only: no model is built here."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+_MODULES: dict = {}
+
+
+def script(filename: str):
+    """``scripts/<filename>`` as a module (``nightjar_jax.testing.load_script``'s way, registered in sys.modules
+    as well: a script's dataclasses resolve their string annotations through it)."""
+    if filename not in _MODULES:
+        import importlib.util
+        from pathlib import Path
+
+        name = "flags_" + filename.removesuffix(".py")
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[2] / "scripts" / filename)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        _MODULES[filename] = mod
+    return _MODULES[filename]
+
+
+BAD_FLAGS = [
+    ("check_lossless.py", ["--prompts", "0"], "--prompts"),
+    ("check_lossless.py", ["--model", "stories260k"], "SmolLM2's tokenizer"),
+    ("check_lossless.py", ["--weight-formats", ""], "--weight-formats"),
+    ("check_lossless.py", ["--planners", ""], "--planners"),
+    ("bench_priority.py", ["--urgent-interval", "0"], "--urgent-interval"),
+    ("bench_priority.py", ["--urgent-after", "-3"], "--urgent-after"),
+    ("bench_priority.py", ["--num-urgent", "0"], "--num-urgent"),
+    ("bench_priority.py", ["--num-background", "0"], "--num-background"),
+    ("bench_priority.py", ["--repeats", "0"], "--repeats"),
+    ("bench_priority.py", ["--max-num-seqs", "0"], "--max-num-seqs"),
+    ("bench_priority.py", ["--prompt-len", "0"], "--prompt-len"),
+    ("bench_priority.py", ["--model", "nosuch"], "--model"),
+    ("bench_priority.py", ["--draft", "nosuch"], "--draft"),
+    ("bench_linear.py", ["--repeats", "0"], "--repeats"),
+    ("bench_linear.py", ["--rows", ""], "--rows"),
+    ("bench_linear.py", ["--rows", "-2"], "--rows"),
+    ("bench_linear.py", ["--rows", "0"], "--rows"),
+    ("bench_linear.py", ["--verify", "-1"], "--verify"),
+    ("bench_linear.py", ["--context", "-5"], "--context"),
+    ("bench_structured.py", ["--batch-sizes", "0"], "--batch-sizes"),
+    ("bench_structured.py", ["--batch-sizes", ""], "--batch-sizes"),
+    ("bench_structured.py", ["--repeats", "0"], "--repeats"),
+    ("bench_structured.py", ["--max-tokens", "0"], "--max-tokens"),
+    ("measure_profile.py", ["--batch-sizes", "2,1"], "strictly increasing"),
+    ("measure_profile.py", ["--batch-sizes", "1,1"], "--batch-sizes"),
+    ("measure_profile.py", ["--batch-sizes", ""], "--batch-sizes"),
+    ("measure_profile.py", ["--batch-sizes", "0"], "--batch-sizes"),
+    ("measure_profile.py", ["--prompt-lens", "32,16"], "--prompt-lens"),
+    ("measure_profile.py", ["--prompt-lens", "1"], "--prompt-lens"),
+    ("measure_profile.py", ["--repeats", "0"], "--repeats"),
+    ("measure_profile.py", ["--output-len", "1"], "--output-len"),
+    ("bench_lookup.py", ["--prompts", "2"], "--prompts 2"),
+    ("bench_lookup.py", ["--prompts", "8", "--batch-size", "4"], "--prompts 8"),
+    ("bench_lookup.py", ["--trees", "0"], "--trees"),
+    ("device_check.py", ["--smoke", "--budget-s", "0"], "--budget-s"),
+    ("device_check.py", ["--smoke", "--budget-s", "-5"], "--budget-s"),
+    ("device_check_engine.py", ["--models", "nosuch"], "--models"),
+    ("device_check_engine.py", ["--models", ""], "--models"),
+    ("device_check_engine.py", ["--prompt-len", "0"], "--prompt-len"),
+    ("device_check_engine.py", ["--output-len", "0"], "--output-len"),
+    ("device_check_engine.py", ["--spec", "nosuch+tiny-mha"], "--spec"),
+    ("device_check_engine.py", ["--budget-s", "0"], "--budget-s"),
+    ("eval_draft.py", ["--gamma", "0"], "--gamma"),
+    ("bench_reload_acceptance.py", ["--gamma", "0"], "--gamma"),
+    ("bench_reload_acceptance.py", ["--max-tokens", "24", "--offload-at", "100", "--mark", "6"], "--offload-at 100"),
+    ("bench_reload_acceptance.py", ["--max-tokens", "24", "--offload-at", "4", "--mark", "30"], "--mark 30"),
+    # section 11 / 12 of the QA report
+    ("bench_engine.py", ["--batch-sizes", ""], "--batch-sizes"),
+    ("bench_engine.py", ["--batch-sizes", "0"], "--batch-sizes"),
+    ("bench_engine.py", ["--batch-sizes", "1,1"], "--batch-sizes"),
+    ("bench_engine.py", ["--repeats", "0"], "--repeats"),
+    ("bench_engine.py", ["--host-batch", "0"], "--host-batch"),
+    ("bench_engine.py", ["--output-len", "0"], "--output-len"),
+    ("bench_engine.py", ["--prompt-len", "0"], "--prompt-len"),
+    ("bench_engine.py", ["--model", "nosuch"], "--model"),
+    ("bench_logprobs.py", ["--batch-sizes", ""], "--batch-sizes"),
+    ("bench_logprobs.py", ["--output-len", "0"], "--output-len"),
+    ("bench_logprobs.py", ["--prompt-len", "0"], "--prompt-len"),
+    ("bench_logprobs.py", ["--score-len", "0"], "--score-len"),
+    ("bench_logprobs.py", ["--weight-format", "bogus"], "--weight-format"),
+    ("bench_logprobs.py", ["--score-len", "600"], "--score-len"),
+    ("bench_prefix_cache.py", ["--repeats", "0"], "--repeats"),
+    ("bench_prefix_cache.py", ["--num-prompts", "0"], "--num-prompts"),
+    ("bench_prefix_cache.py", ["--page-size", "0"], "--page-size"),
+    ("bench_mixed_batches.py", ["--repeats", "0"], "--repeats"),
+    ("bench_mixed_batches.py", ["--num-prompts", "0"], "--num-prompts"),
+    ("bench_mixed_batches.py", ["--max-tokens", "0"], "--max-tokens"),
+    ("bench_mixed_batches.py", ["--gamma", "0"], "--gamma"),
+    ("bench_mixed_batches.py", ["--draft-model", "nosuch"], "--draft-model"),
+    ("bench_sleep.py", ["--levels", ""], "--levels"),
+    ("bench_sleep.py", ["--levels", "3"], "--levels"),
+    ("bench_sleep.py", ["--levels", "0"], "--levels"),
+    ("bench_sleep.py", ["--repeats", "0"], "--repeats"),
+    ("bench_sleep.py", ["--max-tokens", "0"], "--max-tokens"),
+    ("bench_sleep.py", ["--num-prompts", "0"], "--num-prompts"),
+    ("bench_elastic.py", ["--rounds", "0"], "--rounds"),
+    ("bench_elastic.py", ["--num-prompts", "0"], "--num-prompts"),
+    ("bench_elastic.py", ["--kv-cache-bytes", "0"], "--kv-cache-bytes"),
+    ("bench_elastic.py", ["--persist-steps", "-1"], "--persist-steps"),
+    ("eval_weight_format.py", ["--model", "stories260k"], "SmolLM2's tokenizer"),
+    ("eval_weight_format.py", ["--max-prompt-tokens", "1"], "--max-prompt-tokens"),
+    ("kernel_spills.py", ["--out", __file__ + "/x.json"], "--out"),  # (under a file: checked before the compile)
+]
+
+
+@pytest.mark.parametrize("filename, argv, fragment", BAD_FLAGS, ids=[f"{f}:{' '.join(a)}" for f, a, _ in BAD_FLAGS])
+def test_bad_flag_is_a_usage_error(filename, argv, fragment, capsys, monkeypatch) -> None:
+    mod = script(filename)
+    monkeypatch.setattr(sys, "argv", [filename, *argv])
+    with pytest.raises(SystemExit) as exc:  # (a script without parse_args fails in main's, before any model loads)
+        getattr(mod, "parse_args", None)() if hasattr(mod, "parse_args") else mod.main()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert fragment in err[-1] and err[-1].startswith(f"{filename}: error:"), err
+
+
+SIM_BAD = [
+    (["--phase-seconds", "0"], "--phase-seconds"), (["--phase-seconds", "-5"], "--phase-seconds"),
+    (["--presets", "nosuch"], "--presets"), (["--presets", ""], "--presets"), (["--jobs", "0"], "--jobs"),
+    (["--gamma-max", "-1"], "--gamma-max"), (["--gamma-max", "0"], "--gamma-max"),
+    (["--rate-scale", "abc"], "--rate-scale"), (["--rate-scale", "inf"], "--rate-scale"),
+    (["--profile", "/nonexistent.json"], "--profile"), (["--gamma-max", "12"], "exceeds the profile"),
+    (["--seeds", "0,0"], "--seeds"),
+]
+
+
+@pytest.mark.parametrize("argv, fragment", SIM_BAD, ids=[" ".join(a) for a, _ in SIM_BAD])
+def test_sim_planners_bad_flags(argv, fragment, monkeypatch, capsys) -> None:
+    mod = script("sim_planners.py")
+    monkeypatch.setattr(sys, "argv", ["sim_planners.py", *argv])
+    with pytest.raises(SystemExit) as exc:
+        mod.main()
+    assert exc.value.code == 2
+    assert fragment in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_sim_planners_refuses_a_profile_too_small_for_its_workloads(tmp_path, monkeypatch, capsys) -> None:
+    """A profile whose KV budget cannot hold the longest request is one usage error, not a worker traceback."""
+    import json
+
+    from nightjar_jax.sim.profile import CostProfile
+
+    path = tmp_path / "small.json"
+    CostProfile.from_json(None).save(path)
+    small = json.loads(path.read_text())
+    small["kv_budget_pages"] = 8
+    path.write_text(json.dumps(small))
+    monkeypatch.setattr(sys, "argv", ["sim_planners.py", "--profile", str(path), "--phase-seconds", "5"])
+    with pytest.raises(SystemExit) as exc:
+        script("sim_planners.py").main()
+    assert exc.value.code == 2 and "can never fit" in capsys.readouterr().err
+
+
+# ---- 1. check_lossless: a run that compared nothing fails ---------------------------------------------------------
+def test_check_lossless_fails_when_no_prompt_fits(capsys) -> None:
+    mod = script("check_lossless.py")
+    assert mod.fitting_prompts([[1] * 10, [1] * 50], 8, 40) == [[1] * 10]
+    assert "1 prompts skipped" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no prompt checked"):
+        mod.fitting_prompts([[1] * 35, [1] * 50], 8, 40)
+
+
+# ---- 2. bench_priority: a class that never waited has no ratio ----------------------------------------------------
+def test_bench_priority_ratios_are_none_where_fcfs_is_zero() -> None:
+    mod = script("bench_priority.py")
+    medians = {("priority", "urgent", "ttft_steps"): 0.0, ("fcfs", "urgent", "ttft_steps"): 0.0,
+               ("priority", "urgent", "ttft_seconds"): 0.01, ("fcfs", "urgent", "ttft_seconds"): 0.02}
+    ratios = mod.policy_ratios(lambda policy, cls, key: medians.get((policy, cls, key), 1.0))
+    assert ratios["urgent_ttft_steps"] is None
+    assert ratios["urgent_ttft_seconds"] == 0.5 and ratios["wall_seconds"] == 1.0
+
+
+# ---- 3 / 9. bench_structured: no ITL at one token; the regex must match whole ------------------------------------
+def test_bench_structured_parse_and_missing_itl() -> None:
+    mod = script("bench_structured.py")
+    assert mod.parses("regex", "Once upon a time there was a dog.")
+    assert not mod.parses("regex", "C") and not mod.parses("regex", "Once upon a time there was a dog. And")
+    assert mod.parses("json object", '{"a": 1}') and not mod.parses("json schema", "C")
+    assert mod.parses("none", "anything")
+    assert mod.median_or_none([None, None]) is None and mod.median_or_none([None, 2.0, 4.0]) == 3.0
+
+
+def test_bench_structured_batch_sizes_kept_as_given() -> None:
+    args = script("bench_structured.py").parse_args(["--batch-sizes", "8,16"])
+    assert args.batch_sizes == "8,16" and script("bench_structured.py").MAX_NUM_SEQS == 8
+
+
+# ---- 3 / 5. measure_profile: nothing to fit is an error, the KV budget holds the simulator's longest request -----
+def test_measure_profile_fit_and_budget() -> None:
+    mod = script("measure_profile.py")
+    with pytest.raises(ValueError, match="no sample"):
+        mod.least_squares([], [])
+    assert mod.least_squares([10, 20], [1.0, 2.0]) == pytest.approx((0.0, 0.1), abs=1e-9)
+    assert mod.default_kv_budget_pages(64, 16, 4) == 64 * 64  # the default grid's budget is unchanged
+    from nightjar_jax.sim.workload import DEFAULT_OUTPUT_LENGTHS, DEFAULT_PROMPT_LENGTHS
+
+    longest = DEFAULT_PROMPT_LENGTHS.maximum + DEFAULT_OUTPUT_LENGTHS.maximum + 4 + 1
+    assert mod.default_kv_budget_pages(2, 16, 4) * 16 >= longest
+
+
+# ---- 4. bench_lookup: too few prompts after the length filter, before any engine loads ---------------------------
+def test_bench_lookup_needs_a_timed_group() -> None:
+    mod = script("bench_lookup.py")
+    mod.enough_prompts(3, 1, 384)
+    with pytest.raises(SystemExit, match="only 2 held-out prompts fit"):
+        mod.enough_prompts(2, 1, 64)
+
+
+# ---- 6. device checks: nothing ran is not ok; failed sections fail the run; --smoke keeps given flags -----------
+def test_device_check_all_ok_needs_a_case() -> None:
+    mod = script("device_check.py")
+    assert not mod.all_ok([])
+    assert not mod.all_ok([{"name": "a", "skipped": "budget"}])
+    assert mod.all_ok([{"ok": True}, {"skipped": "budget"}])
+    assert not mod.all_ok([{"ok": True}, {"ok": False}])
+
+
+def test_device_check_engine_smoke_honours_given_flags_and_failures_count() -> None:
+    mod = script("device_check_engine.py")
+    smoke = mod.parse_args(["--smoke"])
+    assert (smoke.models, smoke.batch_sizes, smoke.prompt_len, smoke.dtype) == ("tiny-gqa", "1,2", 16, "float32")
+    given = mod.parse_args(["--smoke", "--batch-sizes", "4", "--prompt-len", "24"])
+    assert (given.batch_sizes, given.prompt_len, given.models) == ("4", 24, "tiny-gqa")
+    full = mod.parse_args([])
+    assert (full.models, full.batch_sizes, full.dtype) == ("smollm2-135m-instruct,llama-7b", "1,16,64", "bfloat16")
+    assert mod.parse_args(["--spec", ""]).spec == ""
+    result = {"sections": [{"name": "ar a", "error": "X"}, {"name": "ar a (reference attention)"}]}
+    assert mod.failed_sections(result) == ["ar a"]
+    assert mod.failed_sections({"sections": [{"name": "ar a"}, {"name": "s", "skipped": "budget"}]}) == []
+
+
+# ---- 7. eval_draft: the header names the γ run ---------------------------------------------------------------------
+def test_eval_draft_header_names_gamma() -> None:
+    mod = script("eval_draft.py")
+    assert "(γ=2)" in mod.table_header(2) and "(γ=4)" not in mod.table_header(2)
+
+
+# ---- 8. bench_reload_acceptance: a draft that never moved compares nothing ----------------------------------------
+def test_bench_reload_acceptance_refuses_a_run_without_a_move() -> None:
+    mod = script("bench_reload_acceptance.py")
+    mod.check_moved({"offloads": 1, "reloads": 1}, 4)
+    with pytest.raises(SystemExit, match="never moved"):
+        mod.check_moved({"offloads": 0, "reloads": 0}, 100)
