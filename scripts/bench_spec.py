@@ -47,11 +47,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nightjar_jax.bench.common import (  # noqa: E402
     DEFAULT_DATASET,
+    draft_spec,
+    int_list,
     load_prompt_texts,
     machine_note,
     make_prompt_ids,
+    name_list,
+    non_negative_int,
     pages_needed,
+    positive_int,
     run_decode_workload,
+    writable_out,
     write_json,
 )
 
@@ -61,35 +67,49 @@ MODELS = {  # target -> best available draft: the distilled draft for SmolLM2 (i
 }
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma list from {list(MODELS)}")
+    p.add_argument("--models", default=",".join(MODELS), type=name_list(tuple(MODELS), as_text=True),
+                   help=f"comma list from {list(MODELS)}")
     p.add_argument("--drafts", default="",
                    help="comma list of drafts (presets or folders) to compare on each target, timed interleaved "
                         "(default: the target's best draft, MODELS)")
-    p.add_argument("--tree-nodes", default="0",
+    p.add_argument("--tree-nodes", default="0", type=int_list(0, as_text=True),
                    help="comma list of token-tree sizes per draft (0: the chain), timed interleaved")
-    p.add_argument("--prompt-lookup", default="0",
+    p.add_argument("--prompt-lookup", default="0", type=int_list(0, as_text=True),
                    help="comma list of n-gram lookup sizes per draft (prompt_lookup_max; 0: off, the engine's "
                         "default is 3), labelled +lookupN, timed interleaved")
-    p.add_argument("--prompt-lookup-min", type=int, default=2)
-    p.add_argument("--tree-min-gamma", type=int, default=1,
+    p.add_argument("--prompt-lookup-min", type=positive_int, default=2)
+    p.add_argument("--tree-min-gamma", type=positive_int, default=1,
                    help="tree variants use the tree at γ >= this, chains below (spec_tree_min_gamma)")
     p.add_argument("--planner", default="",
                    help="time this planner choosing γ (against forced AR) instead of every forced γ")
-    p.add_argument("--batch-sizes", default="1,4,16,64")
-    p.add_argument("--gamma-max", type=int, default=4)
-    p.add_argument("--gammas", default=None, help="comma list of γ to run (default 0..γ_max; 0 = AR is always run)")
-    p.add_argument("--prompt-len", type=int, default=32,
+    p.add_argument("--batch-sizes", default="1,4,16,64", type=int_list(1, as_text=True))
+    p.add_argument("--gamma-max", type=non_negative_int, default=4)
+    p.add_argument("--gammas", default=None, type=int_list(0, as_text=True),
+                   help="comma list of γ to run (default 0..γ_max; 0 = AR is always run)")
+    p.add_argument("--prompt-len", type=positive_int, default=32,
                    help="prompt tokens (with --chat: the longest prompt; shorter questions stay whole)")
     p.add_argument("--chat", action="store_true",
                    help="whole questions in the model's chat template (answers, not continued prose)")
-    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--output-len", type=positive_int, default=32)
     p.add_argument("--dataset", default=DEFAULT_DATASET, help="JSONL with 'turns'; synthetic ids if absent")
-    p.add_argument("--repeats", type=int, default=2, help="timed runs per cell (fastest kept; the machine is shared)")
+    p.add_argument("--repeats", type=positive_int, default=2,
+                   help="timed runs per cell (fastest kept; the machine is shared)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--out", default="results/bench_spec.json")
-    return p.parse_args()
+    p.add_argument("--out", default="results/bench_spec.json", type=writable_out)
+    args = p.parse_args(argv)
+    for draft in filter(None, args.drafts.split(",")):
+        try:
+            draft_spec(draft)
+        except argparse.ArgumentTypeError as exc:
+            p.error(f"argument --drafts: {exc}")
+    over = [g for g in (args.gammas or "").split(",") if g and int(g) > args.gamma_max]
+    if over:
+        p.error(f"argument --gammas: {','.join(over)} past --gamma-max {args.gamma_max} (the compiled maximum)")
+    if args.gamma_max == 0 and (args.planner or args.drafts):
+        p.error("--gamma-max 0 decodes plainly: a --planner or --drafts needs --gamma-max >= 1")
+    return args
 
 
 def bench_model(model: str, args: argparse.Namespace, batch_sizes: list[int], texts: list[str]) -> list[dict]:

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import distill_draft as dd  # noqa: E402
 import distill_eagle as de  # noqa: E402
 
+from nightjar_jax.bench.common import existing_file, positive_int, writable_out  # noqa: E402
 from nightjar_jax.spec.tree import chain_paths  # noqa: E402
 
 logger = logging.getLogger("fit_spec_tree")
@@ -202,23 +203,27 @@ def main() -> None:
     f = sub.add_parser("fit", help="count rank paths on the validation split and write the tree order")
     f.add_argument("--workdir", required=True, help="a distill_eagle.py train workdir")
     f.add_argument("--params", choices=["best", "last"], default="last")
-    f.add_argument("--data", nargs="+", required=True)
+    f.add_argument("--data", nargs="+", required=True, type=existing_file)
     f.add_argument("--features", required=True)
-    f.add_argument("--val-every", type=int, default=20, help="as distill_eagle.py train's --val-every")
-    f.add_argument("--rows", type=int, default=200, help="validation rows to use (a seeded sample)")
+    f.add_argument("--val-every", type=positive_int, default=20, help="as distill_eagle.py train's --val-every")
+    f.add_argument("--rows", type=positive_int, default=200, help="validation rows to use (a seeded sample)")
     f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--depths", type=int, default=5)
-    f.add_argument("--max-nodes", type=int, default=128)
-    f.add_argument("--max-rank", type=int, default=32)
-    f.add_argument("--out", required=True)
+    f.add_argument("--depths", type=positive_int, default=5)
+    f.add_argument("--max-nodes", type=positive_int, default=128)
+    f.add_argument("--max-rank", type=positive_int, default=32)
+    f.add_argument("--out", required=True, type=writable_out)
     r = sub.add_parser("replay", help="held-out greedy acceptance of trees of several sizes (offline)")
     r.add_argument("--workdir", required=True)
     r.add_argument("--params", choices=["best", "last"], default="last")
     r.add_argument("--reference", required=True, help="an eval_draft.py result (its sd_outputs)")
-    r.add_argument("--gamma", type=int, default=4)
+    r.add_argument("--gamma", type=positive_int, default=4)
     r.add_argument("--nodes", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 24, 32, 48, 64])
     r.add_argument("--out")
     args = ap.parse_args()
+    for flag in ("workdir", "features"):  # (a missing folder was a traceback deep in the loaders)
+        folder = getattr(args, flag, None)
+        if folder is not None and not os.path.isdir(folder):
+            ap.error(f"--{flag} {folder}: no such folder")
     {"fit": cmd_fit, "replay": cmd_replay}[args.cmd](args)
 
 

@@ -28,6 +28,19 @@ def script(filename: str):
 
 
 BAD_FLAGS = [
+    ("fit_spec_tree.py", ["fit", "--workdir", "/tmp", "--features", "/tmp", "--out", "/tmp/x.json", "--data",
+                          "/no/such.jsonl"], "--data"),
+    ("fit_spec_tree.py", ["fit", "--workdir", "/no/such", "--features", "/tmp", "--out", "/tmp/x.json", "--data",
+                          __file__], "--workdir /no/such: no such folder"),
+    ("bench_spec.py", ["--models", "nosuch"], "--models"),
+    ("bench_spec.py", ["--gammas", "5", "--gamma-max", "2"], "past --gamma-max 2"),
+    ("bench_spec.py", ["--batch-sizes", "0"], "--batch-sizes"),
+    ("bench_spec.py", ["--batch-sizes", ""], "--batch-sizes"),
+    ("bench_spec.py", ["--repeats", "0"], "--repeats"),
+    ("bench_spec.py", ["--output-len", "0"], "--output-len"),
+    ("bench_spec.py", ["--prompt-lookup", "-1"], "--prompt-lookup"),
+    ("bench_spec.py", ["--drafts", "nosuch"], "--drafts"),
+    ("bench_spec.py", ["--gamma-max", "0", "--planner", "nightjar"], "--gamma-max 0"),
     ("check_lossless.py", ["--prompts", "0"], "--prompts"),
     ("check_lossless.py", ["--model", "stories260k"], "SmolLM2's tokenizer"),
     ("check_lossless.py", ["--weight-formats", ""], "--weight-formats"),
@@ -121,7 +134,7 @@ def test_bad_flag_is_a_usage_error(filename, argv, fragment, capsys, monkeypatch
         getattr(mod, "parse_args", None)() if hasattr(mod, "parse_args") else mod.main()
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert fragment in err[-1] and err[-1].startswith(f"{filename}: error:"), err
+    assert fragment in err[-1] and err[-1].startswith((f"{filename}: error:", f"{filename} fit: error:")), err
 
 
 SIM_BAD = [
