@@ -425,7 +425,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
-    def tokenized(prompts: list[Any], params: SamplingParams, max_tokens_param: str | None) -> list[Any]:
+    def tokenized(prompts: list[Any], params: SamplingParams, max_tokens_param: str | None,
+                  chat: bool = False) -> list[Any]:
         """Each prompt as ``{"prompt", "prompt_token_ids"}`` (tokenized here, once, and cut to
         ``truncate_prompt_tokens``); with an explicit ``max_tokens`` (``max_tokens_param`` names it), a prompt whose
         length plus it passes the context length is a 400 (vLLM's rule) instead of a completion cut short. (A prompt
@@ -443,7 +444,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     400,
                     f"the prompt has {len(ids)} tokens and '{max_tokens_param}' asks for {max_tokens} more: "
                     f"{len(ids) + max_tokens} is past the context length {limit}; ask for at most "
-                    f"{limit - len(ids)}, or leave '{max_tokens_param}' out to generate up to the context length",
+                    f"{limit - len(ids)}" + (f", or leave '{max_tokens_param}' out to generate up to the context "
+                                             f"length" if chat else ""),  # (a completion's default is 16 tokens)
                     param=max_tokens_param,
                 )
             out.append({"prompt": text, "prompt_token_ids": ids})
@@ -457,7 +459,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         ``structured_param``: the field that set the output constraint, which its errors name; ``prompt_param``: the
         field the prompt came from (chat: ``messages``), which a prompt's errors name."""
         try:
-            prompts = await asyncio.to_thread(tokenized, prompts, params, max_tokens_param)
+            prompts = await asyncio.to_thread(tokenized, prompts, params, max_tokens_param, prompt_param == "messages")
         except APIError as exc:
             if exc.param == "prompt":
                 exc.param = prompt_param
@@ -510,7 +512,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         if max_tokens_param is not None:
             try:
                 prompts = await asyncio.to_thread(tokenized, prompts, SamplingParams(max_tokens=max_tokens),
-                                                  max_tokens_param)
+                                                  max_tokens_param, prompt_param == "messages")
             except APIError as exc:
                 if exc.param == "prompt":
                     exc.param = prompt_param

@@ -897,6 +897,15 @@ FIELD_CASES = [
 ]
 
 
+def test_the_context_error_says_what_leaving_max_tokens_out_does(server):
+    """Past the context, the 400 suggests leaving the field out only where that runs to the context: chat. A
+    completion's default is 16 tokens (OpenAI's and vLLM's), so there it names the most that fits alone."""
+    done = post(server, "/v1/completions", {**GOOD, "max_tokens": MAX_MODEL_LEN - 1}).json()["error"]["message"]
+    assert "ask for at most" in done and "leave" not in done
+    chat = post(server, "/v1/chat/completions", {**CHAT, "max_tokens": MAX_MODEL_LEN - 3}).json()["error"]["message"]
+    assert "leave 'max_tokens' out to generate up to the context length" in chat
+
+
 @pytest.mark.parametrize("name,path,body,raw,param,fragment", FIELD_CASES, ids=[c[0] for c in FIELD_CASES])
 def test_bad_input_names_the_field_and_what_it_takes(server, name, path, body, raw, param, fragment):
     resp = post(server, path, body, raw=raw)
