@@ -1104,10 +1104,11 @@ class LLMEngine:
             reason: FinishReason | None = None
             text_ids = [tok]
             if (tok in sp.stop_token_ids or tok in eos) and len(r.output_token_ids) > sp.min_tokens:
-                reason, r.stop_reason = FinishReason.STOP, tok
+                # (vLLM's stop_reason: a stop token id the request named; None for the end-of-sequence token)
+                reason, r.stop_reason = FinishReason.STOP, tok if tok in sp.stop_token_ids else None
                 text_ids = text_ids if sp.include_stop_str_in_output else []  # (vLLM's: the stop token's text too)
             elif r.grammar is not None and r.grammar.is_terminated:  # (complete; ended by an EOS under ignore_eos)
-                reason, r.stop_reason = FinishReason.STOP, tok
+                reason, r.stop_reason = FinishReason.STOP, tok if tok in sp.stop_token_ids else None
                 text_ids = text_ids if sp.include_stop_str_in_output else []  # (vLLM's: the stop token's text too)
             elif (sp.max_tokens is not None and len(r.output_token_ids) >= sp.max_tokens) or (
                 r.num_tokens >= self.max_model_len

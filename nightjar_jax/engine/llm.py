@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +44,12 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def _next_request_id(self) -> str:
+        """The next output's ``request_id``: "0", "1", ... over this LLM's whole life, as vLLM numbers them (each
+        call starting again at "0" gave two calls' outputs the same ids)."""
+        counter = self.__dict__.setdefault("_request_counter", itertools.count())
+        return str(next(counter))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (``enable_prefix_caching``); returns the pages forgotten."""
@@ -142,7 +149,7 @@ class LLM:
             comp: CompletionOutput = out.outputs[0]
             comp.index = j
             if results[i] is None:
-                out.request_id = str(i)
+                out.request_id = self._next_request_id()  # (counted across calls, as vLLM's request_counter)
                 results[i] = out
             else:
                 results[i].outputs.append(comp)

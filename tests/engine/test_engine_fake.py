@@ -146,6 +146,22 @@ def test_ids_given_by_the_engine_skip_ids_callers_chose():
     assert set(run_all(eng)) == {"1", *given}
 
 
+def test_stop_reason_is_the_stop_token_asked_for_and_none_at_eos():
+    """vLLM's ``stop_reason``: the id of a ``stop_token_ids`` token that ended the request, None when the
+    end-of-sequence token did (it was the EOS id: code telling a natural end from a stop token by ``is None`` erred);
+    an EOS also listed in stop_token_ids is named."""
+    cont = expected(PROMPTS[0], 10)
+    eng = fake_engine(eos=cont[3])
+    for rid, params in (("eos", greedy(10)), ("stopid", greedy(10, stop_token_ids=[cont[1]])),
+                        ("eos-named", greedy(10, stop_token_ids=[cont[3]]))):
+        eng.add_request(PROMPTS[0], params, request_id=rid)
+    finals = {}
+    while eng.has_unfinished_requests():
+        finals.update({o.request_id: o.outputs[0] for o in eng.step() if o.finished})
+    assert {rid: (c.finish_reason, c.stop_reason) for rid, c in finals.items()} == {
+        "eos": ("stop", None), "stopid": ("stop", cont[1]), "eos-named": ("stop", cont[3])}
+
+
 def test_a_request_id_is_a_non_empty_string():
     """vLLM's ids are strings: an int id came back as an int in the outputs, an empty one named nothing. Both are an
     error naming request_id; a duplicate of one in flight too."""

@@ -142,6 +142,15 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     assert a == b
 
 
+def test_generate_numbers_its_outputs_across_calls(llm):
+    """``RequestOutput.request_id`` from LLM.generate counts on across calls ("0", "1", then "2", ...), as vLLM's
+    request counter: each call started again at "0", so two calls' results shared ids."""
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    first = [int(o.request_id) for o in llm.generate(PROMPTS[:2], sp)]
+    second = [int(o.request_id) for o in llm.generate(PROMPTS[:2], sp)]
+    assert first[1] == first[0] + 1 and second == [first[1] + 1, first[1] + 2]
+
+
 def test_seeds_past_two_to_the_32_are_their_own(llm):
     """Seeds 5 and 5 + 2**32 sample different tokens in the engine (it took seeds mod 2**32: the same 30 tokens),
     and each is reproducible."""
