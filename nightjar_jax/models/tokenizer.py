@@ -207,6 +207,31 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.get_vocab().get(token)
 
+    # ---- the Hugging Face names vLLM users call on get_tokenizer() ------------------------------------------------
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first end-of-sequence id (HF's single id; :attr:`eos_token_ids` holds every one the engine stops on)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self._piece(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_token_id is None else self._piece(self.eos_token_id)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
+        """Vocabulary strings of ids (``▁the``, ``<0xE2>``), as HF's."""
+        return self._piece(ids) if isinstance(ids, int) else [self._piece(i) for i in ids]
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
     # ---- encode / decode ----------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -290,9 +315,15 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             chat_template: str | None = None, tools: list[dict] | None = None,
                             continue_final_message: bool = False,
-                            template_kwargs: dict[str, Any] | None = None) -> str:
+                            template_kwargs: dict[str, Any] | None = None, *, tokenize: bool = False,
+                            **kwargs: Any) -> str | list[int]:
         """Render ``messages`` with the model's chat template, or ``chat_template`` when given (jinja2, sandboxed like
         transformers); ``tools`` (OpenAI's function definitions) for templates that render them.
+
+        As transformers' (what code written for vLLM's ``get_tokenizer()`` calls): ``tokenize=True`` returns the
+        text's ids, encoded without adding special tokens (the template writes them); more keyword arguments are
+        template variables, as ``template_kwargs``. Unlike transformers, the text is the default (``tokenize``
+        false) and so is ``add_generation_prompt``.
 
         ``continue_final_message`` (transformers' and vLLM's): the text ends right after the last message's content,
         without its end-of-turn, so the model continues that message (a reply's start "prefilled"); not with
@@ -301,6 +332,16 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateArgumentError("continue_final_message continues the last message, add_generation_prompt "
                                             "starts a new one: set at most one of them", "continue_final_message")
+        unsupported = sorted(set(kwargs) & {"return_tensors", "return_dict", "padding", "truncation", "max_length",
+                                            "return_assistant_tokens_mask", "tokenizer_kwargs", "documents"})
+        if unsupported:
+            raise ValueError(f"apply_chat_template takes transformers' tokenize=True/False, not {unsupported}: it "
+                             f"returns the text or a plain list of ids")
+        if kwargs:
+            if template_kwargs is not None and not isinstance(template_kwargs, dict):
+                raise ChatTemplateArgumentError("template kwargs must be a dict of the template's variables",
+                                                "chat_template_kwargs")
+            template_kwargs = {**(template_kwargs or {}), **kwargs}
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise ChatTemplateArgumentError(f"template kwargs must be a dict of the template's variables, got "
                                             f"{type(template_kwargs).__name__}", "chat_template_kwargs")
@@ -351,8 +392,10 @@ class Tokenizer:
                 raise ValueError(f"the chat template could not render these messages: {e}") from None
 
         if continue_final_message:
-            return _render_to_final_message(render, list(messages))
-        return render(list(messages))
+            text = _render_to_final_message(render, list(messages))
+        else:
+            text = render(list(messages))
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def __repr__(self) -> str:
         return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, bos={self.bos_token_id}, " \

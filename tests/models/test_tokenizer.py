@@ -243,6 +243,25 @@ def test_token_bytes_rebuild_characters_split_over_tokens(request, name):
     assert tok.token_bytes(word) == tok.token_text(word).encode("utf-8")
 
 
+@needs_smollm
+def test_the_hugging_face_names_vllm_code_calls(stories, smollm):
+    """What code written for vLLM's ``get_tokenizer()`` (a transformers tokenizer there) calls: eos_token_id,
+    bos_token / eos_token, len(), convert_ids_to_tokens, batch_decode, and apply_chat_template's tokenize= and
+    template variables as keyword arguments (each raised TypeError or AttributeError)."""
+    assert (stories.eos_token_id, stories.bos_token, stories.eos_token, len(stories)) == (2, "<s>", "</s>", 512)
+    assert stories.convert_ids_to_tokens([1, 403]) == ["<s>", "\u2581Once"]
+    assert stories.convert_ids_to_tokens(1) == "<s>"
+    ids = stories.encode("Once upon a time")
+    assert stories.batch_decode([ids, ids[:2]]) == ["Once upon a time", "Once"]
+    text = smollm.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert isinstance(text, str) and text == smollm.apply_chat_template(MESSAGES)
+    assert smollm.apply_chat_template(MESSAGES, tokenize=True) == smollm.encode(text, add_special_tokens=False)
+    greeting = "{{ greeting }} {{ messages[0].content }}"
+    assert smollm.apply_chat_template(MESSAGES, chat_template=greeting, greeting="Hi") == "Hi " + MESSAGES[0]["content"]
+    with pytest.raises(ValueError, match="return_dict"):
+        smollm.apply_chat_template(MESSAGES, tokenize=True, return_dict=True)
+
+
 def test_transformers_tokenizer_adds_bos_once_to_text_that_starts_with_it(tmp_path):
     """A chat template renders ``{{ bos_token }}`` and the tokenizer adds BOS again (Llama-3's): the prompt gets one
     BOS, as the tokenizers-backed path already does (``Tokenizer.encode``)."""
