@@ -470,7 +470,7 @@ class LLMEngine:
                     f"token that does not stop, or drop min_tokens", "allowed_token_ids")
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             from nightjar_jax.models.tokenizer import IncrementalDetokenizer
 
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
@@ -617,7 +617,7 @@ class LLMEngine:
             for r, scored in zip(batch.requests, prompt_logprobs or [None] * len(batch.requests), strict=True):
                 for index, entry in scored or []:
                     if r.prompt_logprobs[index] is None:  # (a chunk recomputed after a preemption: keep the first)
-                        r.prompt_logprobs[index] = self._decode_logprobs(entry)
+                        r.prompt_logprobs[index] = self._decode_logprobs(entry, r)
             for i, (r, n, tok) in enumerate(zip(batch.requests, batch.num_new_tokens, sampled, strict=True)):
                 r.num_computed += n
                 self.scheduler.cache_computed(r)
@@ -1095,7 +1095,7 @@ class LLMEngine:
             if r.output_counts is not None:
                 r.output_counts[tok] = r.output_counts.get(tok, 0) + 1
             if logprobs is not None and r.output_logprobs is not None:
-                r.output_logprobs.append(self._decode_logprobs(logprobs[j]))
+                r.output_logprobs.append(self._decode_logprobs(logprobs[j], r))
                 r.cumulative_logprob += logprobs[j][tok].logprob
             r.token_times.append(now)
             new_ids.append(tok)
@@ -1122,9 +1122,10 @@ class LLMEngine:
         self.stats.num_generated_tokens += len(new_ids)
         return self._make_output(r, new_ids)
 
-    def _decode_logprobs(self, entry: dict) -> dict:
-        """Fill each entry's ``decoded_token`` (the token's own text) when there is a tokenizer."""
-        if self.tokenizer is not None:
+    def _decode_logprobs(self, entry: dict, r: Request) -> dict:
+        """Fill each entry's ``decoded_token`` (the token's own text) when there is a tokenizer (and the request
+        detokenizes)."""
+        if self.tokenizer is not None and r.sampling.detokenize:
             for token, lp in entry.items():
                 lp.decoded_token = self.tokenizer.token_text(token)
         return entry

@@ -146,6 +146,13 @@ class SamplingParams:
     # vLLM's: keep only the prompt's last k tokens (left truncation); -1: as many as the engine takes (its context
     # limit less the one token it must generate); None: the whole prompt (too long a prompt is an error)
     truncate_prompt_tokens: int | None = None
+    # vLLM's: False leaves the output's text empty and its log-probabilities' decoded_token None (token ids only, no
+    # detokenizing per step); stop strings need it
+    detokenize: bool = True
+    # vLLM's fields at the only values served here: best_of None (or n: no extra sequences to rank, as vLLM V1) and
+    # spaces_between_special_tokens True
+    best_of: int | None = None
+    spaces_between_special_tokens: bool = True
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -178,7 +185,13 @@ class SamplingParams:
                                       "min_tokens")
         checks = [
             *((isinstance(getattr(self, name), bool), name, "True or False")
-              for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")),
+              for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize")),
+            (not self.stop or self.detokenize is not False, "stop", "no stop strings with detokenize=False (they are "
+             "found in the text; stop_token_ids end a request without it)"),
+            (self.best_of is None or (_is_id(self.best_of) and self.best_of == self.n), "best_of",
+             "None or n (best_of > n ranks extra sequences, which is not served here, nor in vLLM V1)"),
+            (self.spaces_between_special_tokens is True, "spaces_between_special_tokens",
+             "True (the only value served here)"),
             (_is_id(self.n) and self.n >= 1, "n", "an integer >= 1"),
             (_is_number(self.temperature) and 0 <= self.temperature <= 100, "temperature", "a float in [0, 100]"),
             (_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a float in (0, 1]"),

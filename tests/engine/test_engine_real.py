@@ -142,6 +142,25 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     assert a == b
 
 
+def test_vllm_sampling_fields_detokenize_best_of_spaces(llm):
+    """vLLM's ``detokenize=False``: the same tokens, no text, log-probabilities without decoded tokens; stop strings
+    need the text. ``best_of`` (None or n) and ``spaces_between_special_tokens`` (True) are taken at the values
+    served; others are errors naming the field (each was a TypeError: an unexpected keyword)."""
+    import pytest
+
+    with_text = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, logprobs=1))[0].outputs[0]
+    ids_only = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, logprobs=1,
+                                                         detokenize=False))[0].outputs[0]
+    assert ids_only.token_ids == with_text.token_ids and ids_only.text == "" and with_text.text
+    assert all(lp.decoded_token is None for entry in ids_only.logprobs for lp in entry.values())
+    assert SamplingParams(n=2, best_of=2, temperature=1.0).best_of == 2
+    for kwargs, field in (({"stop": ["x"], "detokenize": False}, "stop"), ({"best_of": 3}, "best_of"),
+                          ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens")):
+        with pytest.raises(ValueError, match=f"SamplingParams.{field}=") as info:
+            SamplingParams(**kwargs)
+        assert info.value.field == field
+
+
 def test_generate_numbers_its_outputs_across_calls(llm):
     """``RequestOutput.request_id`` from LLM.generate counts on across calls ("0", "1", then "2", ...), as vLLM's
     request counter: each call started again at "0", so two calls' results shared ids."""
