@@ -55,6 +55,12 @@ _HELP = {
     "prompt_lookup_min": "the shortest suffix n-gram lookup matches (with --prompt-lookup-max > 0)",
     "planner": "who picks γ each step: a planner name (static, nightjar, banditspec, dsd, ...)",
     "kv_cache_bytes": "KV cache memory budget in bytes (suffixes K, M, G, KiB, MiB, GiB allowed)",
+    "gpu_memory_utilization": "vLLM's: the share of a GPU/TPU's memory the engine may hold; the KV pool gets it less "
+                              "what the weights hold, instead of --kv-cache-bytes (the CPU backend keeps "
+                              "--kv-cache-bytes, as vLLM's CPU backend)",
+    "trust_remote_code": "vLLM's flag, accepted: no checkpoint code is ever run here (every model is this package's "
+                         "Llama)",
+    "tensor_parallel_size": "vLLM's flag: 1, the only value (the engine runs on one device)",
     "num_pages": "KV pages (overrides --kv-cache-bytes)",
     "kv_cache_dtype": "KV pools' dtype: auto (the model's), or bfloat16 under a float32 model (opt-in, lossy: K/V "
                       "rounded when written; twice the tokens per byte, half the bytes attention reads)",

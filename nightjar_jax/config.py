@@ -206,6 +206,10 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int | None = None
     kv_cache_bytes: int = 256 * 2**20
+    # vLLM's: the share of the accelerator's memory the engine may hold; the KV pool gets it less what the weights
+    # (and anything else) already hold when the pool is sized, instead of kv_cache_bytes. On the CPU backend the pool
+    # is sized by kv_cache_bytes (as vLLM's CPU backend sizes it by VLLM_CPU_KVCACHE_SPACE). None: kv_cache_bytes.
+    gpu_memory_utilization: float | None = None
     kv_cache_dtype: str = "auto"
     # Elastic memory (Nightjar's offload, nightjar_jax/memory): "auto" moves the draft's weights to host memory
     # when KV pages stay short for offload_persist_steps steps and turns the device bytes it held (weights and
@@ -226,6 +230,9 @@ class CacheConfig:
         if self.num_pages is not None:
             _check_int("num_pages", self.num_pages, 2)
         _check_int("kv_cache_bytes", self.kv_cache_bytes, 1)
+        util = self.gpu_memory_utilization
+        _check(util is None or (isinstance(util, int | float) and not isinstance(util, bool) and 0 < util <= 1),
+               "gpu_memory_utilization", util, "None or a fraction in (0, 1]")
         resolve_kv_dtype(self.kv_cache_dtype, "float32")  # validates
         _check(self.draft_offload in DRAFT_OFFLOAD, "draft_offload", self.draft_offload, f"one of {DRAFT_OFFLOAD}")
         for name in ("offload_low_watermark", "reload_high_watermark"):
@@ -329,9 +336,18 @@ class EngineConfig:
     generation_config: str = "auto"
     # set on top of those: a dict, or JSON text, e.g. {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 256}
     override_generation_config: str | dict | None = None
+    # vLLM's: accepted, and nothing changes: no code is run from a checkpoint here (every architecture is this
+    # package's own Llama), so there is no remote code to trust
+    trust_remote_code: bool = False
+    # vLLM's: the engine runs on one device; 1 is the only value
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", self.model, "a preset, path or repo id")
+        _check(isinstance(self.trust_remote_code, bool), "trust_remote_code", self.trust_remote_code,
+               "true or false")
+        _check(self.tensor_parallel_size == 1 and not isinstance(self.tensor_parallel_size, bool),
+               "tensor_parallel_size", self.tensor_parallel_size, "1 (the engine runs on one device)")
         _check(self.load_format in LOAD_FORMATS, "load_format", self.load_format, f"one of {LOAD_FORMATS}")
         _check(self.dtype is None or self.dtype in DTYPES, "dtype", self.dtype, f"None or one of {DTYPES}")
         _check(

@@ -132,6 +132,18 @@ def available_memory_bytes(device) -> int | None:
     return None
 
 
+def memory_budget_bytes(device, utilization: float) -> int | None:
+    """vLLM's ``gpu_memory_utilization`` on an accelerator: that share of its allocator's limit less what it holds
+    now (the weights, loaded first), the bytes left for the KV pool; None on the CPU backend (or where the device
+    reports no limit)."""
+    if device.platform == "cpu":
+        return None
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(utilization * int(stats["bytes_limit"])) - int(stats.get("bytes_in_use", 0))
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -337,7 +349,20 @@ class LLMEngine:
         cache = self.config.cache
         if cache.num_pages is not None:
             return cache.num_pages
-        return max(2, cache.kv_cache_bytes // (self._pool_bytes_per_token() * cache.page_size))
+        budget = cache.kv_cache_bytes
+        device = jax.devices()[0]
+        if cache.gpu_memory_utilization is not None:
+            held = memory_budget_bytes(device, cache.gpu_memory_utilization)
+            if held is None:
+                logger.info("gpu_memory_utilization=%s: the %s backend's KV pool is sized by kv_cache_bytes (%d bytes)",
+                            cache.gpu_memory_utilization, device.platform, budget)
+            elif held < self._pool_bytes_per_token() * cache.page_size * 2:
+                raise ConfigError(f"gpu_memory_utilization={cache.gpu_memory_utilization} leaves "
+                                  f"{max(held, 0) / 2**30:.2f} GiB for the KV pool beside what {device.platform} "
+                                  f"already holds (the weights): raise it, or size the pool with num_pages")
+            else:
+                budget = held
+        return max(2, budget // (self._pool_bytes_per_token() * cache.page_size))
 
     def _pool_bytes_per_token(self) -> int:
         """The KV pools' bytes per token: the target's K/V, the draft's, and a feature draft's hidden states."""

@@ -187,6 +187,34 @@ def test_a_pool_larger_than_free_memory_is_a_config_error():
         fake_engine(num_pages=99_999_999_999)
 
 
+def test_gpu_memory_utilization_sizes_the_pool_on_accelerators(monkeypatch):
+    """vLLM's gpu_memory_utilization: on an accelerator the KV pool gets that share of the allocator's limit less
+    what it holds (the weights); too little is a ConfigError; the CPU backend keeps kv_cache_bytes (as vLLM's CPU
+    backend). vLLM's trust_remote_code is accepted and tensor_parallel_size takes 1 only."""
+    from types import SimpleNamespace
+
+    from nightjar_jax.config import ConfigError, make_engine_config
+    from nightjar_jax.engine import engine as engine_module
+
+    gpu = SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 1000, "bytes_in_use": 300})
+    assert engine_module.memory_budget_bytes(gpu, 0.9) == 600
+    assert engine_module.memory_budget_bytes(SimpleNamespace(platform="cpu"), 0.9) is None
+    by_bytes = fake_engine(num_pages=None, kv_cache_bytes=1 << 20).num_total_pages
+    assert fake_engine(num_pages=None, kv_cache_bytes=1 << 20, gpu_memory_utilization=0.5).num_total_pages == by_bytes
+    monkeypatch.setattr(engine_module, "memory_budget_bytes", lambda device, util: 1 << 18)  # (as on a GPU)
+    assert fake_engine(num_pages=None, kv_cache_bytes=1 << 20, gpu_memory_utilization=0.5).num_total_pages == \
+        by_bytes // 4
+    monkeypatch.setattr(engine_module, "memory_budget_bytes", lambda device, util: -5)
+    with pytest.raises(ConfigError, match="gpu_memory_utilization=0.5 leaves 0.00 GiB"):
+        fake_engine(num_pages=None, gpu_memory_utilization=0.5)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+            make_engine_config(gpu_memory_utilization=bad)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 is invalid: allowed 1"):
+        make_engine_config(tensor_parallel_size=2)
+    assert make_engine_config(trust_remote_code=True, tensor_parallel_size=1).trust_remote_code
+
+
 def test_prompt_larger_than_pool_is_rejected():
     eng = fake_engine(num_pages=4, max_model_len=256)  # 3 usable pages = 12 tokens
     with pytest.raises(ValueError, match="whole KV pool"):
