@@ -722,7 +722,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 if e.is_sleeping:
                     raise APIError(409, f"the engine is already asleep (level {e.sleep_level}): POST /wake_up first",
                                    type="conflict_error")
-                busy = len(e.scheduler.running) + len(e.scheduler.waiting) + beam_searches[0]
+                # (server_load: requests still being tokenized or compiling a constraint, not yet queued, count too)
+                busy = max(len(e.scheduler.running) + len(e.scheduler.waiting) + beam_searches[0], server_load[0])
                 if busy:
                     raise APIError(409, f"{busy} request(s) are in flight: sleep needs an idle engine; retry once "
                                         f"they finish (or cancel them)", type="conflict_error")

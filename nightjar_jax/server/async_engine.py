@@ -167,6 +167,16 @@ class AsyncEngine:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
             self._claimed.add(request_id)
 
+    def _claim_automatic_id(self) -> str:
+        """A group's own id ("req-N") for a caller that gave none (a beam search's steps), held like a caller's: an
+        id a caller holds is skipped (a Responses request_id "req-0" made a beam search's "req-0-0" a duplicate), and
+        a caller cannot take one in flight."""
+        with self._claim_lock:
+            while (base := f"req-{next(self._ids)}") in self._claimed:
+                pass
+            self._claimed.add(base)
+        return base
+
     def release(self, request_id: str | None) -> None:
         if request_id is not None:
             with self._claim_lock:
@@ -183,16 +193,18 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if request_id is not None:
             self.claim(request_id)
-        base = request_id or f"req-{next(self._ids)}"
+            base = request_id
+        else:
+            base = self._claim_automatic_id()
         ids = [f"{base}-{i}" for i in range(len(prompts))]
-        group = _Group(ids, asyncio.Queue(), loop, num_unfinished=len(ids), base=request_id)
+        group = _Group(ids, asyncio.Queue(), loop, num_unfinished=len(ids), base=base)
         ack = loop.create_future()
         self._send(_Add(group, prompts, params, ack, priority, bypass_drain))
         try:
             await ack
         except BaseException:
             if not group.added:  # (nothing was queued; a group queued before a cancellation holds it until it ends)
-                self.release(request_id)
+                self.release(base)
             raise
         return GroupStream(self, group)
 

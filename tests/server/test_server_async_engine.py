@@ -203,3 +203,25 @@ def test_group_priority_reaches_the_scheduler():
         ae.stop()
     assert finished == ["high", "mid", "low"]
     assert ae.engine.num_free_pages == ae.engine.num_total_pages
+
+
+def test_automatic_ids_never_meet_a_callers(async_engine):
+    """A group without a caller's id (a beam search's steps) gets "req-N", held like a caller's: ids callers hold
+    are skipped (a Responses request_id "req-0" made a beam step's "req-0-0" a duplicate, a 400 for a client that
+    sent no id), and a caller cannot take one in flight; each is free again once its group ended."""
+    async_engine.claim("req-0")
+    async_engine.claim("req-1")
+
+    async def run():
+        stream = await async_engine.add([[1, 2, 3]], [greedy(3)])
+        (rid,) = stream.request_ids
+        assert rid.rsplit("-", 1)[0] not in ("req-0", "req-1")
+        with pytest.raises(ValueError, match="already in use"):
+            async_engine.claim(rid.rsplit("-", 1)[0])
+        await drain(stream)
+        return rid.rsplit("-", 1)[0]
+
+    base = asyncio.run(run())
+    async_engine.claim(base)  # (released when its group ended)
+    for held in ("req-0", "req-1", base):
+        async_engine.release(held)

@@ -147,3 +147,30 @@ def test_greedy_tokens_are_exact_after_a_wake_up(engine):
     final = on_engine_thread(engine, go)
     assert final.outputs[0].token_ids == fake_greedy_continuation([3, 1, 4, 1, 5], 9, VOCAB)
     assert engine.num_free_pages == engine.num_total_pages
+
+
+def test_sleep_counts_requests_not_yet_queued(engine, monkeypatch):
+    """A request still being tokenized (or compiling its constraint) is in flight: POST /sleep is a 409 then, not a
+    200 that left the request a 503 once it reached the engine; the request is served whole."""
+    import threading
+
+    arrived, go_on = threading.Event(), threading.Event()
+    real = engine.tokenize_prompt
+
+    def slow_tokenize(prompt):
+        arrived.set()
+        go_on.wait(10)
+        return real(prompt)
+
+    monkeypatch.setattr(engine, "tokenize_prompt", slow_tokenize)
+    with app_client(engine, enable_sleep_mode=True) as client:
+        answers = []
+        sender = threading.Thread(target=lambda: answers.append(client.post("/v1/completions", json=BODY)))
+        sender.start()
+        assert arrived.wait(10)
+        refused = client.post("/sleep")
+        go_on.set()
+        sender.join(30)
+        assert refused.status_code == 409 and "in flight" in refused.json()["error"]["message"]
+        assert answers[0].status_code == 200 and answers[0].json()["usage"]["completion_tokens"] == 12
+        assert client.get("/is_sleeping").json() == {"is_sleeping": False}
