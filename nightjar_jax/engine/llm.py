@@ -48,7 +48,7 @@ class LLM:
     def _next_request_id(self) -> str:
         """The next output's ``request_id``: "0", "1", ... over this LLM's whole life, as vLLM numbers them (each
         call starting again at "0" gave two calls' outputs the same ids)."""
-        counter = self.__dict__.setdefault("_request_counter", itertools.count())
+        counter = self.__dict__.setdefault("_request_counter", itertools.count())  # (from_engine skips __init__)
         return str(next(counter))
 
     def reset_prefix_cache(self) -> int:

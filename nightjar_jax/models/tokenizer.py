@@ -536,7 +536,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The end of the ids: text held back for a character that never completed (a stray or cut UTF-8 byte)
-        comes out as a full decode writes it, U+FFFD, so the whole text equals ``decode`` of the ids."""
+        comes out too, each invalid byte as U+FFFD: pieces of characters as their own bytes decoded with
+        replacement (``Tokenizer.token_bytes``), anything else as a decode of the window reads it."""
         if self._read_offset == len(self.ids):
             return ""
         pending = self.ids[self._read_offset :]
