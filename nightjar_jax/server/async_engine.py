@@ -143,10 +143,21 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Abort whatever is still running, then end the engine thread."""
+        """Abort whatever is still running, then end the engine thread. Adds and calls still queued are answered
+        at once ("the engine is shutting down": the server's 503): the engine thread reads its queue only between
+        steps, and a long step (a compile) outlasted a short --shutdown-timeout, so their handlers were cancelled
+        waiting (bare 500s, cut streams)."""
         with self._cond:
             self._stopping = True
+            queued = [c for c in self._commands if isinstance(c, (_Add, _Call))]
+            for command in queued:
+                self._commands.remove(command)
             self._cond.notify()
+        for command in queued:
+            if isinstance(command, _Add):
+                self._resolve(command.ack, RuntimeError("the engine is shutting down"))
+            else:
+                self._settle(command.done, None, RuntimeError("the engine is shutting down"))
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 

@@ -225,3 +225,40 @@ def test_automatic_ids_never_meet_a_callers(async_engine):
     async_engine.claim(base)  # (released when its group ended)
     for held in ("req-0", "req-1", base):
         async_engine.release(held)
+
+
+def test_stop_answers_queued_adds_at_once(engine, monkeypatch):
+    """An add queued behind a long step (a compile on a fresh server) is answered "shutting down" as soon as the
+    engine stops, not after the step: a short --shutdown-timeout cancelled such handlers while they waited (bare
+    500s, cut streams). What runs is still aborted, and every page comes back."""
+    import threading
+    import time
+
+    ae = AsyncEngine(engine)
+    ae.start()
+    in_step, real_step = threading.Event(), engine.step
+
+    def slow_step():
+        in_step.set()
+        time.sleep(1.5)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+
+    async def go():
+        running = await ae.add([[1, 2, 3]], [greedy(50)])
+        await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 10)
+        queued = asyncio.ensure_future(ae.add([[4, 5]], [greedy(5)]))
+        await asyncio.sleep(0.05)  # (queued behind the step)
+        t0 = time.monotonic()
+        threading.Thread(target=ae.stop, daemon=True).start()
+        with pytest.raises(RuntimeError, match="shutting down"):
+            await queued
+        answered = time.monotonic() - t0
+        final = (await drain(running))[0][-1]
+        return answered, final
+
+    answered, final = asyncio.run(go())
+    ae._thread.join(10)
+    assert answered < 1.0 and final.outputs[0].finish_reason == "abort"
+    assert engine.num_free_pages == engine.num_total_pages
