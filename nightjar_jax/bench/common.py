@@ -64,26 +64,20 @@ def _int_at_least(text: str, minimum: int) -> int:
 
 def positive_float(text: str) -> float:
     """A finite float > 0."""
-    value = _finite_float(text, "> 0")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
+    return _finite_float(text, "> 0", lambda v: v > 0)
 
 
 def non_negative_float(text: str) -> float:
     """A finite float >= 0."""
-    value = _finite_float(text, ">= 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
+    return _finite_float(text, ">= 0", lambda v: v >= 0)
 
 
-def _finite_float(text: str, allowed: str) -> float:
+def _finite_float(text: str, allowed: str, ok: Callable[[float], bool]) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite number {allowed}, got {text!r}") from None
-    if not math.isfinite(value):
+        value = math.nan
+    if not (math.isfinite(value) and ok(value)):
         raise argparse.ArgumentTypeError(f"expected a finite number {allowed}, got {text!r}")
     return value
 

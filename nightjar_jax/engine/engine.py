@@ -25,6 +25,7 @@ from nightjar_jax.engine.generation_config import generation_defaults
 from nightjar_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nightjar_jax.engine.request import FinishReason, Request
 from nightjar_jax.engine.runner import EVICT_MAP_SHARE, DecodeResult, ModelHandle, ModelRunner
+from nightjar_jax.engine.sampler import fold_seeds
 from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams
 from nightjar_jax.engine.scheduler import ScheduledBatch, Scheduler
 from nightjar_jax.memory import ElasticPolicy, MemoryAction, PoolState
@@ -114,14 +115,22 @@ def setup_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def _accelerator_memory(device) -> tuple[int, int] | None:
+    """An accelerator allocator's (limit, bytes held), or None (the CPU backend, or a device without a limit)."""
+    if device.platform == "cpu":
+        return None
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+
+
 def available_memory_bytes(device) -> int | None:
     """Bytes free for new buffers on ``device``: an accelerator's allocator limit less what it holds, or on the CPU
     the host's ``MemAvailable`` (Linux); None where neither can be read (no check then)."""
     if device.platform != "cpu":
-        stats = device.memory_stats() or {}
-        if "bytes_limit" in stats:
-            return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-        return None
+        memory = _accelerator_memory(device)
+        return None if memory is None else memory[0] - memory[1]
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -136,12 +145,8 @@ def memory_budget_bytes(device, utilization: float) -> int | None:
     """vLLM's ``gpu_memory_utilization`` on an accelerator: that share of its allocator's limit less what it holds
     now (the weights, loaded first), the bytes left for the KV pool; None on the CPU backend (or where the device
     reports no limit)."""
-    if device.platform == "cpu":
-        return None
-    stats = device.memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return None
-    return int(utilization * int(stats["bytes_limit"])) - int(stats.get("bytes_in_use", 0))
+    memory = _accelerator_memory(device)
+    return None if memory is None else int(utilization * memory[0]) - memory[1]
 
 
 class LLMEngine:
@@ -483,7 +488,8 @@ class LLMEngine:
                                       "structured_outputs")
         if params.bad_words:
             grammar = self._with_bad_words(grammar, params, vocab)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        # (the PRNG key's 32 bits, folded once here rather than in every step's sampling tensors)
+        seed = int(fold_seeds(params.seed)) if params.seed is not None else self._rng.getrandbits(32)
         req = Request(request_id, [int(t) for t in ids], params, seed, prompt=text, grammar=grammar,
                       priority=priority)
         if params.min_tokens:

@@ -39,7 +39,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    seed: int  # resolved seed (the request's own or one drawn by the engine)
+    seed: int  # the PRNG key's 32-bit seed: the request's own folded (sampler.fold_seeds), or one the engine drew
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
     priority: int = 0  # scheduling_policy "priority": lower is served first (vLLM's)

@@ -48,7 +48,6 @@ from nightjar_jax.engine.sampler import (
     apply_logit_bias,
     apply_penalties,
     argmax,
-    fold_seeds,
     logprobs_bucket,
     processed_probs,
     sample,
@@ -1044,10 +1043,10 @@ class ModelRunner:
             sp = r.sampling
             # (top_k >= V keeps every token, as 0 does: clamped, any Python int fits the int32 column)
             temperature[i], top_k[i], top_p[i], min_p[i] = sp.temperature, min(sp.top_k, vocab), sp.top_p, sp.min_p
+            seeds[i] = r.seed  # (folded to 32 bits when the request was added)
             steps[i] = len(r.output_token_ids)
             if r.draft_limit is not None:
                 max_accept[i] = r.draft_limit
-        seeds[:len(requests)] = fold_seeds([r.seed for r in requests])
         bias_ids = bias_values = None
         biases = [_row_bias(r) for r in requests]
         widest = max((len(b) for b in biases), default=0)

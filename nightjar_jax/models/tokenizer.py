@@ -527,12 +527,10 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Sequence[int]) -> str:
         self.ids.extend(int(t) for t in token_ids)
-        decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
-        new_text = decode(self.ids[self._prefix_offset :], self.skip_special_tokens)
+        prefix_text, new_text = self._window()
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
-        return self._advance(prefix_text, new_text)
+        return self._advance(new_text[len(prefix_text) :])
 
     def flush(self) -> str:
         """The end of the ids: text held back for a character that never completed (a stray or cut UTF-8 byte)
@@ -545,19 +543,20 @@ class IncrementalDetokenizer:
             # (pieces of characters only, the usual case: their own bytes, each invalid one read as U+FFFD. A
             # byte-fallback decode of the window would turn the whole run of byte tokens, a complete "€" already
             # sent included, into one U+FFFD per byte: "€" + a stray byte came out as "€" + three U+FFFD)
-            delta = b"".join(self.tokenizer.token_bytes(i) for i in pending).decode("utf-8", "replace")
-            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-            self.text += delta
-            return delta
-        decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
-        new_text = decode(self.ids[self._prefix_offset :], self.skip_special_tokens)
+            return self._advance(b"".join(self.tokenizer.token_bytes(i) for i in pending).decode("utf-8", "replace"))
+        prefix_text, new_text = self._window()
         if len(new_text) <= len(prefix_text):
             return ""
-        return self._advance(prefix_text, new_text)
+        return self._advance(new_text[len(prefix_text) :])
 
-    def _advance(self, prefix_text: str, new_text: str) -> str:
-        delta = new_text[len(prefix_text) :]
+    def _window(self) -> tuple[str, str]:
+        """The text of the window's ids already read, and of all of them."""
+        decode = self.tokenizer.decode
+        return (decode(self.ids[self._prefix_offset : self._read_offset], self.skip_special_tokens),
+                decode(self.ids[self._prefix_offset :], self.skip_special_tokens))
+
+    def _advance(self, delta: str) -> str:
+        """Emit ``delta``: the ids so far are read."""
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         self.text += delta
         return delta
