@@ -309,7 +309,7 @@ def _top_k_top_p_threshold_by_sort(scaled: jax.Array, top_k: jax.Array, top_p: j
 
 
 def _filtered_logits(logits: jax.Array, st: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Temperature, top-k, top-p and min-p applied to logits [B, ..., V] f32; removed tokens get -inf.
+    """Temperature, min-p, top-k and top-p applied to logits [B, ..., V] f32, in that order; removed tokens get -inf.
 
     Returns (filtered [B, ..., V] f32, whose softmax is the processed distribution of the sampled rows;
     greedy [B, ..., 1] bool; argmax [B, ..., 1] int32 of the raw logits, for the greedy rows).
@@ -320,6 +320,13 @@ def _filtered_logits(logits: jax.Array, st: SamplingTensors) -> tuple[jax.Array,
     temperature = _per_row(st.temperature, ndim)  # [B, ..., 1] f32
     scaled = logits / jnp.where(greedy, 1.0, temperature)  # [B, ..., V] f32
 
+    # min-p first, as vLLM's sampler orders them (min-p is one of its logits processors, applied before top-k and
+    # top-p): top-p's nucleus is then taken over the mass min-p kept, renormalised. In log space:
+    # p(x) >= min_p * p_max  <=>  x >= x_max + log(min_p); log(0) = -inf keeps everything.
+    max_logit = jnp.max(scaled, axis=-1, keepdims=True)  # [B, ..., 1] f32; the top token survives every filter
+    min_p_floor = max_logit + jnp.log(_per_row(st.min_p, ndim))  # [B, ..., 1] f32
+    after_min_p = jnp.where(scaled >= min_p_floor, scaled, -jnp.inf)  # [B, ..., V] f32
+
     top_k = _per_row(jnp.where((st.top_k <= 0) | (st.top_k >= vocab), vocab, st.top_k), ndim)  # [B, ..., 1]
     top_p = _per_row(st.top_p, ndim)  # [B, ..., 1] f32
     needs_threshold = (st.temperature != 0) & ((st.top_k > 0) & (st.top_k < vocab) | (st.top_p < 1.0))  # [B] bool
@@ -327,14 +334,11 @@ def _filtered_logits(logits: jax.Array, st: SamplingTensors) -> tuple[jax.Array,
         jnp.any(needs_threshold),
         _top_k_top_p_threshold,
         lambda scaled, top_k, top_p: jnp.full(scaled.shape[:-1] + (1,), -jnp.inf, jnp.float32),
-        scaled,
+        after_min_p,
         top_k,
         top_p,
     )  # [B, ..., 1] f32
-    max_logit = jnp.max(scaled, axis=-1, keepdims=True)  # [B, ..., 1] f32; the top token survives top-k/p
-    # min-p in log space: p(x) >= min_p * p_max  <=>  x >= x_max + log(min_p); log(0) = -inf keeps everything.
-    min_p_floor = max_logit + jnp.log(_per_row(st.min_p, ndim))  # [B, ..., 1] f32
-    keep = (scaled >= threshold) & (scaled >= min_p_floor)  # [B, ..., V] bool
+    keep = (after_min_p >= threshold) & (scaled >= min_p_floor)  # [B, ..., V] bool
     top = argmax(logits)[..., None]  # [B, ..., 1] int32
     return jnp.where(keep, scaled, -jnp.inf), greedy, top
 
@@ -342,8 +346,9 @@ def _filtered_logits(logits: jax.Array, st: SamplingTensors) -> tuple[jax.Array,
 def processed_logprobs(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     """Log of the processed distribution: [B, ..., V] f32 logits -> [B, ..., V] f32 log-probabilities.
 
-    Temperature, then top-k, top-p (keep the smallest set with mass >= p; the top token always stays), min-p
-    (keep tokens with p >= min_p * p_max), renormalise. Removed tokens get -inf. Tokens tied with the last kept
+    Temperature, then min-p (keep tokens with p >= min_p * p_max), then top-k and top-p over what min-p kept
+    (keep the smallest set with mass >= p, renormalised; the top token always stays), as vLLM orders them;
+    renormalise. Removed tokens get -inf. Tokens tied with the last kept
     logit are all kept, so with ties top-k / top-p may keep slightly more than k / the minimal set. Greedy rows
     (temperature 0) give the one-hot of ``argmax(logits)`` (ties: lowest index): 0 there, -inf elsewhere.
     """

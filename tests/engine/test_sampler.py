@@ -150,6 +150,31 @@ def test_top_k_then_top_p_and_min_p() -> None:
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
 
 
+def test_min_p_before_top_k_and_top_p() -> None:
+    """vLLM's order: min-p first, then top-k and top-p over the renormalised mass min-p kept (its min-p is a
+    logits processor that runs before the top-k/top-p sampler)."""
+    logits = _logits(3, 32, seed=5)
+    st = SamplingTensors.create(3, temperature=1.0, top_k=[0, 3, 0], top_p=[0.6, 1.0, 0.9], min_p=[0.1, 0.02, 0.05])
+    probs = np.asarray(_probs(logits, st))
+    full = _softmax(logits)
+    for row, (k, p) in enumerate([(32, 0.6), (3, 1.0), (32, 0.9)]):
+        kept = full[row] >= float(st.min_p[row]) * full[row].max()
+        restricted = np.where(kept, full[row], 0.0)
+        order = np.argsort(-restricted)[:k]
+        top = np.zeros(32)
+        top[order] = restricted[order]
+        top /= top.sum()
+        expected = _minimal_nucleus(top, p) if p < 1 else _support(top)
+        assert _support(probs[row]) == expected, row
+        survivors = sorted(expected)
+        np.testing.assert_allclose(probs[row, survivors], full[row, survivors] / full[row, survivors].sum(), rtol=1e-4)
+    # Rows 0 and 2 tell the orders apart: top-p's nucleus over the whole distribution, then min-p, keeps more.
+    for row, p in [(0, 0.6), (2, 0.9)]:
+        min_p_kept = set(np.flatnonzero(full[row] >= float(st.min_p[row]) * full[row].max()).tolist())
+        other_order = _minimal_nucleus(full[row], p) & min_p_kept
+        assert _support(probs[row]) < other_order, row
+
+
 def test_skipping_the_threshold_search_does_not_change_other_rows() -> None:
     logits = _logits(4, 32, seed=4)
     # Row 1 is greedy, so its top_k must not trigger the top-k/top-p search: with row 3 sampled and unfiltered
