@@ -179,12 +179,18 @@ class Scheduler:
         """Prefix caching: whether the first page ``r`` would compute is one a running request is still prefilling
         (same tokens from the first): ``r`` waits to share it (admission stops, first come first served) instead of
         computing it beside it. A burst of requests behind one system prompt, or a request's ``n`` choices, computes
-        the prefix once; the running request's own chunks come first in every prefill step, so the wait ends."""
+        the prefix once; the running request's own chunks come first in every prefill step, so the wait ends. The
+        pages a prefilling request will register are all its full pages, the one holding its last prompt token
+        included (its own lookup stopped short of that one, so its hashes are extended here)."""
         hashes = self._prefix_hashes(r)
         hits = len(self.allocator.lookup(hashes))
         if hits == len(hashes):
             return False
-        return any(hashes[hits] in q.page_hashes[q.num_registered_pages:] for q in self.running if q.is_prefilling)
+        page_size = self.allocator.page_size
+        return any(
+            hashes[hits] in page_hashes(q.all_token_ids, page_size, q.page_hashes,
+                                        upto=q.num_tokens // page_size)[q.num_registered_pages:]
+            for q in self.running if q.is_prefilling)
 
     def _admit(self, r: Request) -> bool:
         hits, needed = self._admission(r)

@@ -206,6 +206,31 @@ def test_a_hit_starts_the_draft_after_the_pages_holding_its_kv():
     alloc.check()
 
 
+def test_a_waiter_shares_the_last_page_of_a_prompt_that_fills_its_pages():
+    """A prompt of exactly 4 pages is prefilling in chunks; a request that extends it by a page waits until all 4
+    are computed, the one holding the first's last token included, and shares them (it was admitted while the
+    first computed its 4th page, and computed that page itself: 12 cached tokens instead of 16)."""
+    alloc = PageAllocator(32, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12), alloc, 64, prefix_caching=True)
+    first = _request(0, list(range(1, 17)))  # 16 tokens: 4 full pages
+    longer = _request(1, list(range(1, 21)))  # the same 16 and 4 more
+    sched.add(first)
+    sched.add(longer)
+    assert sched.schedule_prefill().requests == [first]  # (it waits for page 0)
+    first.num_computed = 12
+    sched.cache_computed(first)
+    assert sched.schedule_prefill().requests == [first]  # it waits for page 3, which only the first is computing
+    first.num_computed = 16
+    sched.cache_computed(first)
+    batch = sched.schedule_prefill()
+    assert batch.requests == [longer] and batch.num_new_tokens == [4]
+    assert longer.block_table[:4] == first.block_table[:4] and longer.num_cached_tokens == 16
+    for r in (first, longer):
+        sched.finish(r, FinishReason.STOP)
+    assert alloc.num_free == 31
+    alloc.check()
+
+
 def test_pages_to_admit_counts_only_what_a_hit_does_not_cover():
     alloc = PageAllocator(8, 4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), alloc, 28, prefix_caching=True)
