@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import random
 import threading
@@ -427,7 +428,10 @@ class LLMEngine:
         priority: int = 0,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ``ValueError`` (nothing queued) on bad input.
-        ``priority`` (vLLM's; lower is served first) needs ``scheduling_policy="priority"`` unless it is 0."""
+        ``priority`` (vLLM's; lower is served first) needs ``scheduling_policy="priority"`` unless it is 0.
+        ``arrival_time``: when the request arrived, on vLLM's clock, ``time.time()`` (default: now); its metrics'
+        timestamps are ``time.monotonic()`` readings, so it is moved onto that clock (TTFT and end-to-end latency
+        then count from it)."""
         if self._asleep:
             raise EngineSleepingError(self._sleeping_message())
         params = sampling_params or SamplingParams()
@@ -440,6 +444,10 @@ class LLMEngine:
                                       f"where only 0 is allowed", "priority")
         if params.n != 1:
             raise InvalidRequestError("LLMEngine.add_request takes n=1; LLM.generate and the server fan n out", "n")
+        if arrival_time is not None and not (isinstance(arrival_time, (int, float)) and not isinstance(
+                arrival_time, bool) and math.isfinite(arrival_time)):
+            raise InvalidRequestError(f"arrival_time must be a finite number of seconds on time.time()'s clock, got "
+                                      f"{arrival_time!r}", "arrival_time")
         text, ids = self.truncate_prompt(*self.tokenize_prompt(prompt), params)
         vocab = self.target.config.vocab_size
         if not ids:
@@ -499,8 +507,8 @@ class LLMEngine:
                     f"allowed_token_ids {sorted(set(params.allowed_token_ids))[:5]} are all stop tokens (EOS or "
                     f"stop_token_ids), which min_tokens={params.min_tokens} bans: nothing could be generated; allow a "
                     f"token that does not stop, or drop min_tokens", "allowed_token_ids")
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
+        if arrival_time is not None:  # (time.time() -> time.monotonic(): the same seconds ago)
+            req.arrival_time = time.monotonic() - (time.time() - float(arrival_time))
         if self.tokenizer is not None and params.detokenize:
             from nightjar_jax.models.tokenizer import IncrementalDetokenizer
 
@@ -811,8 +819,9 @@ class LLMEngine:
         path, loaded as at start), an HF-named state dict of arrays (what ``load_checkpoint`` yields, e.g. params
         a JAX training step just wrote back in HF names), or a ``ModelHandle``; of the loaded model's architecture.
 
-        The new weights are built and checked before anything changes (a bad one raises ``ValueError``, the old
-        weights still served). Same layout: nothing recompiles; another layout of the same model (a GGUF target's
+        The new weights are built and checked before anything changes (a bad one raises ``ValueError``, a checkpoint
+        path that cannot be read an ``OSError`` such as ``FileNotFoundError``; the old weights still served).
+        Same layout: nothing recompiles; another layout of the same model (a GGUF target's
         4-bit blocks whose new values are off their grid come back as float32 panels) drops the compiled variants,
         which compile again on first use. Returns whether that happened. The prefix cache is reset (its pages hold
         the old weights' K/V); requests in flight go on under the new weights with the K/V they already computed,

@@ -394,3 +394,26 @@ def test_unknown_planner_is_an_error_without_a_draft_too():
                           ("nightjar:foo", "takes no ':' argument")]:  # (their arguments too: they were ignored)
         with pytest.raises(ValueError, match=message):
             fake_engine(planner=spec)
+
+
+def test_arrival_time_is_on_vllms_clock():
+    """``add_request(arrival_time=time.time())`` as vLLM takes it: latencies count from it (the metrics' own clock is
+    time.monotonic(); mixing the two gave TTFTs of about -1.8e9 s). A bad value is that request's error."""
+    import time
+
+    from nightjar_jax.engine.sampling_params import InvalidRequestError
+
+    engine = fake_engine()
+    engine.add_request([1, 2, 3], greedy(2), request_id="late", arrival_time=time.time() - 5.0)
+    engine.add_request([1, 2, 3], greedy(2), request_id="now")
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.metrics
+    assert 5.0 <= outs["late"].ttft < 60 and 5.0 <= outs["late"].e2e < 60
+    assert 0 <= outs["now"].ttft < 5.0
+    for bad in (float("nan"), "1.5", True):
+        with pytest.raises(InvalidRequestError, match="arrival_time"):
+            engine.add_request([1, 2, 3], greedy(2), arrival_time=bad)
+    assert not engine.has_unfinished_requests() and engine.num_free_pages == engine.num_total_pages
