@@ -57,6 +57,7 @@ from nightjar_jax.server.protocol import (
     UpdateWeightsRequest,
     chat_logprobs,
     completion_logprobs,
+    number_range,
     prompt_logprobs_json,
     top_entries,
 )
@@ -207,9 +208,10 @@ def _as_sent(value: Any, limit: int = 80) -> str:
         return short_repr(value, limit)
 
 
-def validation_error(exc: ValidationError) -> APIError:
+def validation_error(exc: ValidationError, model: type[BaseModel] | None = None) -> APIError:
     """The first error of a request body's validation, naming the field; a union field (e.g. ``prompt``) lists the
-    types it takes instead of pydantic's error per member type."""
+    types it takes instead of pydantic's error per member type; NaN or Infinity for a number (of ``model``) says
+    the range it takes."""
     errors = exc.errors()
     first = errors[0]
     loc = tuple(first["loc"])
@@ -218,6 +220,10 @@ def validation_error(exc: ValidationError) -> APIError:
         path = _field_path(loc)
         got = f" (got {_as_sent(first['input'])})" if path else ""
         msg = first["msg"].removeprefix("Value error, ")  # (a validator's own message reads as it was written)
+        if first["type"] == "finite_number" and loc and isinstance(loc[0], str):
+            allowed = number_range(model, loc[0])
+            msg = "must be a finite number" + (f" in {allowed}" if allowed.startswith(("[", "(")) else
+                                               f" {allowed}" if allowed else "")
         return APIError(400, f"'{path}': {msg}{got}" if path else msg, param=path or None)
     prefix = loc[:k]
     tags = list(dict.fromkeys(e["loc"][k] for e in errors if tuple(e["loc"][:k]) == prefix and len(e["loc"]) > k))
@@ -321,7 +327,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         try:
             return model.model_validate(data)
         except ValidationError as exc:
-            raise validation_error(exc) from None
+            raise validation_error(exc, model) from None
         except RecursionError:
             raise too_deep() from None
 
@@ -912,6 +918,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         model = check_model(req.model)
         req.check_unsupported()
         prompts = req.prompts()
+        if not req.add_special_tokens:  # text encoded as written, without the tokenizer's BOS (token ids as given)
+            encode = need_tokenizer().encode
+            prompts = await asyncio.to_thread(lambda: [
+                {"prompt": p, "prompt_token_ids": encode(p, add_special_tokens=False)} if isinstance(p, str) else p
+                for p in prompts])
         rid = response_id(req, request, "cmpl")
         as_ids = bool(req.return_tokens_as_token_ids)
         if req.echo and engine.tokenizer is None:
@@ -922,7 +933,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             results = await beam_search(req, prompts, check_max_tokens(req.max_tokens, "max_tokens"), request,
                                         max_tokens_param="max_tokens" if explicit else None, request_id=rid)
             choices = [{"index": i * req.n + j, "text": seq.text or "", "logprobs": None,
-                        "finish_reason": seq.finish_reason,
+                        "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
                         **({"prompt_token_ids": list(r.prompt_token_ids), "token_ids": list(seq.tokens)}
                            if req.return_token_ids else {})}
                        for i, r in enumerate(results) for j, seq in enumerate(r.sequences)]
@@ -982,6 +993,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     "text": text,
                     "logprobs": logprobs,
                     "finish_reason": comp.finish_reason,
+                    "stop_reason": comp.stop_reason if comp.finished else None,
                     **(prompt_part(out) if first else {}),  # (the prompt's, with a choice's first chunk)
                 }
                 if req.return_token_ids:
@@ -1010,7 +1022,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 text, ids = prompt_text + text, prompt_ids + ids
                 lps = None if lps is None else prompt_lps + lps
             logprobs = None if lps is None else completion_logprobs(ids, lps, 0, token_text, as_ids)[0]
-            choices.append({"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs,
+            choices.append({"index": i, "text": text, "finish_reason": finish,
+                            "stop_reason": None if req.prompt_only else comp.stop_reason, "logprobs": logprobs,
                             **prompt_part(o)})
             if req.return_token_ids:  # (the generated ids only, echo or not, as vLLM's)
                 choices[-1].update(prompt_token_ids=list(o.prompt_token_ids),
@@ -1074,7 +1087,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 if echoed:
                     message["content"] = echoed + (message["content"] or "")
                 choices.append({"index": j, "message": {"role": "assistant", **message}, "logprobs": None,
-                                "finish_reason": seq.finish_reason,
+                                "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
                                 **({"token_ids": list(seq.tokens)} if req.return_token_ids else {})})
             ids = {"prompt_token_ids": list(result.prompt_token_ids)} if req.return_token_ids else {}
             return {"id": rid, "object": "chat.completion", "created": int(time.time()),
@@ -1176,7 +1189,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     start, sent[index] = sent[index], len(comp.token_ids)
                     logprobs = chat_logprobs(comp.token_ids[start:], comp.logprobs[start:], num_top, as_ids,
                                              token_bytes)
-                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                          "stop_reason": comp.stop_reason if comp.finished else None}
                 if req.return_token_ids:
                     choice["token_ids"], ids_sent[index] = list(comp.token_ids[ids_sent[index]:]), len(comp.token_ids)
                 prompt = {}
@@ -1232,6 +1246,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 "logprobs": None if o.outputs[0].logprobs is None
                 else chat_logprobs(o.outputs[0].token_ids, o.outputs[0].logprobs, num_top, as_ids, token_bytes),
                 "finish_reason": finish,
+                "stop_reason": o.outputs[0].stop_reason,
                 **({"token_ids": list(o.outputs[0].token_ids)} if req.return_token_ids else {}),
             })
         prompt = {} if req.prompt_logprobs is None else {"prompt_logprobs": chat_prompt_logprobs(outs[0])}

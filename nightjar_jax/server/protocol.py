@@ -37,14 +37,37 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# The ranges of the number fields SamplingParams checks (pydantic only takes them as numbers), for the 400 of a
+# value that is no finite number
+_CHECKED_RANGES = {"presence_penalty": "[-2, 2]", "frequency_penalty": "[-2, 2]", "repetition_penalty": "(0, 100]",
+                   "logit_bias": "[-100, 100]"}
+
+
+def number_range(model: type[BaseModel] | None, name: str) -> str:
+    """The range the number field ``name`` of ``model`` takes, as ``[0, 100]`` or ``(0, 1]`` ("" when unknown)."""
+    if name in _CHECKED_RANGES:
+        return _CHECKED_RANGES[name]
+    field = model.model_fields.get(name) if model is not None else None
+    bounds = {k: getattr(m, k) for m in (field.metadata if field else ()) for k in ("ge", "gt", "le", "lt")
+              if getattr(m, k, None) is not None}
+    low = next(((k, v) for k, v in bounds.items() if k in ("ge", "gt")), None)
+    high = next(((k, v) for k, v in bounds.items() if k in ("le", "lt")), None)
+    if low and high:
+        return f"{'[' if low[0] == 'ge' else '('}{low[1]}, {high[1]}{']' if high[0] == 'le' else ')'}"
+    if low or high:
+        kind, value = low or high
+        return f"{ {'ge': '>=', 'gt': '>', 'le': '<=', 'lt': '<'}[kind]} {value}"
+    return ""
+
+
 # A token id is a JSON integer: not true / false or "5" (lax parsing would read them as 1 / 0 / 5).
 TokenId = StrictInt
 
 
 class _Strict(BaseModel):
     # unknown fields are 400s, and so are values of the wrong JSON type (as OpenAI's API answers): "5" or 5.0 for
-    # an integer, "yes" or 1 for a boolean (an integer for a number is fine)
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # an integer, "yes" or 1 for a boolean (an integer for a number is fine), NaN or Infinity for a number
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -110,25 +133,41 @@ class _SamplingFields(_Strict):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # vLLM's, None by default: accepted at their neutral values only too
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    logits_processors: list[Any] | None = None
 
     @field_validator("n", mode="before")
     @classmethod
     def _n_null(cls, value: Any) -> Any:
         return 1 if value is None else value  # (OpenAI's n is nullable: null is the default, 1)
 
-    def unsupported(self) -> list[tuple[str, bool]]:
-        """(field, is_set_to_a_value_this_server_cannot_honour) pairs."""
+    def unsupported(self) -> list[tuple[str, bool, str]]:
+        """(field, is_set_to_a_value_this_server_cannot_honour, what the 400 adds: "" or what to do instead)."""
         return [
-            ("best_of", self.best_of is not None and self.best_of != self.n),
-            ("spaces_between_special_tokens", not self.spaces_between_special_tokens),
-            ("store", bool(self.store)),
-            ("service_tier", self.service_tier not in (None, "auto", "default")),
+            ("best_of", self.best_of is not None and self.best_of != self.n, ""),
+            ("spaces_between_special_tokens", not self.spaces_between_special_tokens, ""),
+            ("store", bool(self.store), ""),
+            ("service_tier", self.service_tier not in (None, "auto", "default"), ""),
+            ("guided_decoding_backend", self.guided_decoding_backend not in (None, "xgrammar", "auto"),
+             "structured outputs run on xgrammar here: allowed 'xgrammar' or 'auto' (or leave it out)"),
+            ("guided_whitespace_pattern", self.guided_whitespace_pattern is not None, ""),
+            ("cache_salt", self.cache_salt is not None,
+             "every request shares the prefix cache (leave it out, or serve with --no-enable-prefix-caching)"),
+            ("kv_transfer_params", self.kv_transfer_params is not None, "no KV cache is transferred between servers"),
+            ("vllm_xargs", bool(self.vllm_xargs), ""),
+            ("logits_processors", bool(self.logits_processors), ""),
         ]
 
     def check_unsupported(self) -> None:
-        for name, bad in self.unsupported():
+        for name, bad, why in self.unsupported():
             if bad:
-                raise APIError(400, f"'{name}'={getattr(self, name)!r} is not supported by this server", param=name)
+                raise APIError(400, f"'{name}'={short_repr(getattr(self, name))} is not supported by this server"
+                                    + (f": {why}" if why else ""), param=name)
         if isinstance(self.stop, list) and not all(self.stop):
             raise APIError(400, "'stop' strings must be non-empty", param="stop")
         if isinstance(self.stop, str) and not self.stop:
@@ -233,6 +272,10 @@ class _SamplingFields(_Strict):
                 if not isinstance(schema, dict):
                     raise APIError(400, "'response_format' of type 'json_schema' needs 'json_schema': {'name': ..., "
                                         "'schema': {...}} with the schema an object", param="response_format")
+                if spec.get("name") is None:  # (OpenAI's and vLLM's required field)
+                    raise APIError(400, "'response_format.json_schema.name' is missing: 'response_format' of type "
+                                        "'json_schema' needs 'json_schema': {'name': ..., 'schema': {...}}",
+                                   param="response_format")
                 given.append(("response_format", {"json": schema}))
             elif kind != "text":
                 raise APIError(400, f"'response_format' type {short_repr(kind)} is not supported: allowed 'text', "
@@ -296,11 +339,15 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=16, ge=0)  # 0: only with echo (score the prompt, generate nothing)
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: whether a text prompt's encoding adds the tokenizer's special tokens (BOS); token ids are as given
+    add_special_tokens: bool = True
     suffix: str | None = None
+    prompt_embeds: str | list[str] | None = None  # (vLLM's: only null)
 
-    def unsupported(self) -> list[tuple[str, bool]]:
+    def unsupported(self) -> list[tuple[str, bool, str]]:
         return super().unsupported() + [
-            ("suffix", bool(self.suffix)),
+            ("suffix", bool(self.suffix), ""),
+            ("prompt_embeds", self.prompt_embeds is not None, "send the prompt as text or token ids"),
         ]
 
     def check_unsupported(self) -> None:
@@ -369,6 +416,32 @@ class ChatMessage(BaseModel):
                                  f"server runs read text; allowed {{\"type\": \"text\", \"text\": ...}} parts")
         return value
 
+    def check(self, i: int) -> None:
+        """OpenAI's rules for a message's shape, each a 400 naming the field (``messages[i].content``): content
+        given, and not an empty list of parts (an assistant's may be left out beside its tool calls or a refusal, as
+        the API's own answers carry them); ``tool_calls`` a list of ``{"function": {"name": ...}}``; a tool message
+        answers a ``tool_call_id``."""
+        at, extra = f"messages[{i}]", self.model_extra or {}
+        calls = extra.get("tool_calls")
+        if self.content == []:
+            raise APIError(400, f"'{at}.content' is an empty list: give a string or at least one text part",
+                           param=f"{at}.content")
+        if self.content is None and not (self.role == "assistant" and (calls or extra.get("refusal") is not None)):
+            needs = "an assistant message needs 'content' or 'tool_calls'" if self.role == "assistant" else \
+                f"a {self.role} message needs 'content'"
+            raise APIError(400, f"'{at}.content' is missing: {needs} (a string or a list of text parts)",
+                           param=f"{at}.content")
+        if calls is not None and not (isinstance(calls, list) and all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str) for c in calls)):
+            raise APIError(400, f"'{at}.tool_calls' must be a list of tool calls {{'id': ..., 'type': 'function', "
+                                f"'function': {{'name': <a string>, 'arguments': ...}}}}; got {short_repr(calls)}",
+                           param=f"{at}.tool_calls")
+        if self.role == "tool" and not isinstance(extra.get("tool_call_id"), str):
+            raise APIError(400, f"'{at}.tool_call_id' must be a string: a tool message needs 'tool_call_id', the id "
+                                f"of the call it answers; got {short_repr(extra.get('tool_call_id'))}",
+                           param=f"{at}.tool_call_id")
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -404,17 +477,32 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     modalities: list[str] | None = None
+    functions: Any = None  # (OpenAI's deprecated forms of tools and tool_choice)
+    function_call: Any = None
+    # vLLM's, accepted at their neutral values only (see unsupported)
+    documents: list[dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
     _tool_parser: str | None = PrivateAttr(default=None)  # the server's parser for tool_choice "auto", if any
 
-    def unsupported(self) -> list[tuple[str, bool]]:
+    def unsupported(self) -> list[tuple[str, bool, str]]:
         return super().unsupported() + [
-            ("reasoning_effort", self.reasoning_effort is not None),
-            ("verbosity", self.verbosity is not None),
-            ("audio", self.audio is not None),
-            ("prediction", self.prediction is not None),
-            ("web_search_options", self.web_search_options is not None),
-            ("modalities", self.modalities not in (None, ["text"])),
+            ("reasoning_effort", self.reasoning_effort is not None, ""),
+            ("verbosity", self.verbosity is not None, ""),
+            ("audio", self.audio is not None, ""),
+            ("prediction", self.prediction is not None, ""),
+            ("web_search_options", self.web_search_options is not None, ""),
+            ("modalities", self.modalities not in (None, ["text"]), ""),
+            ("functions", self.functions is not None, "OpenAI's deprecated 'functions': use 'tools'"),
+            ("function_call", self.function_call is not None, "OpenAI's deprecated 'function_call': use 'tool_choice'"),
+            ("documents", bool(self.documents), ""),
+            ("mm_processor_kwargs", bool(self.mm_processor_kwargs), "the models this server runs read text"),
+            ("thinking_token_budget", self.thinking_token_budget is not None, ""),
         ]
+
+    def served_tool_choice(self) -> Any:
+        """``tool_choice`` as served: "required" with an empty ``tools`` list is "none" (vLLM's rule, as OpenAI)."""
+        return "none" if self.tool_choice == "required" and self.tools == [] else self.tool_choice
 
     def allow_auto_tools(self, parser: str | None) -> None:
         """``tool_choice`` "auto" parses calls from free text with ``parser`` (the server's
@@ -429,7 +517,12 @@ class ChatCompletionRequest(_SamplingFields):
         ``tool_parsers.py``; a 400 when the server has no parser enabled), or None (no tools, or ``tool_choice``
         "none")."""
         if not self.tools:
-            if self.tool_choice not in (None, "none"):
+            choice = self.served_tool_choice()
+            fn = choice.get("function") if isinstance(choice, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+                raise APIError(400, f"'tool_choice' names the function {short_repr(fn['name'])}, which is not among "
+                                    f"'tools' (none given)", param="tool_choice")
+            if choice not in (None, "none"):
                 raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
             return None
         tools = []
@@ -507,6 +600,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        for i, message in enumerate(self.messages):
+            message.check(i)
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
 
@@ -516,7 +611,7 @@ class ChatCompletionRequest(_SamplingFields):
     def beam_conflicts(self) -> list[str]:
         return super().beam_conflicts() + [name for name, bad in [
             ("logprobs", bool(self.logprobs)), ("top_logprobs", self.top_logprobs is not None),
-            ("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none"))] if bad]
+            ("tools", bool(self.tools)), ("tool_choice", self.served_tool_choice() not in (None, "none"))] if bad]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -527,7 +622,7 @@ class TokenizeRequest(_Strict):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True  # (the ids the completion endpoints would see: they encode the same way)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -539,6 +634,8 @@ class TokenizeRequest(_Strict):
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+        for i, message in enumerate(self.messages or []):
+            message.check(i)
         for name in ("tools", "chat_template"):
             if getattr(self, name) and self.messages is None:
                 raise APIError(400, f"'{name}' goes with 'messages' (a chat template renders them), not with "
@@ -713,17 +810,17 @@ class ResponsesRequest(_Strict):
         for i, item in enumerate(self.input):
             role, content = item.get("role"), item.get("content")
             if item.get("type", "message") != "message" or role not in ("user", "system", "developer", "assistant"):
-                raise APIError(400, f"'input'[{i}] must be a message {{'role': 'user' | 'system' | 'developer' | "
+                raise APIError(400, f"'input[{i}]' must be a message {{'role': 'user' | 'system' | 'developer' | "
                                     f"'assistant', 'content': ...}}: other items (function calls, images, ...) are "
                                     f"not served", param=f"input[{i}]")
             if isinstance(content, list):
                 if not all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
                            and isinstance(p.get("text"), str) for p in content):
-                    raise APIError(400, f"'input'[{i}].content parts must be {{'type': 'input_text' | 'output_text', "
+                    raise APIError(400, f"'input[{i}].content' parts must be {{'type': 'input_text' | 'output_text', "
                                         f"'text': ...}}", param=f"input[{i}].content")
                 content = "\n".join(p["text"] for p in content)  # (as chat parts are joined)
             if not isinstance(content, str):
-                raise APIError(400, f"'input'[{i}].content must be text or a list of text parts",
+                raise APIError(400, f"'input[{i}].content' must be text or a list of text parts",
                                param=f"input[{i}].content")
             out.append({"role": role, "content": content})
         return out
