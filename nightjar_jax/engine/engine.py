@@ -238,6 +238,11 @@ class LLMEngine:
             raise ConfigError(f"spec_tree_nodes={config.spec.spec_tree_nodes} needs a draft model to rank a tree's "
                               f"candidates, and this engine has none (draft_model={config.spec.draft_model!r}): "
                               f"pass a draft_model, or leave spec_tree_nodes at 0")
+        if draft is None and config.cache.draft_offload == "auto":
+            # (it was ignored: elastic memory asked for, none given, and the config still read "auto")
+            raise ConfigError(f"draft_offload='auto' moves a draft model's weights to host memory to make KV pages, "
+                              f"and this engine has none (draft_model={config.spec.draft_model!r}): pass a "
+                              f"draft_model, or leave draft_offload 'off'")
         if draft is not None and not config.spec.num_speculative_tokens:
             logger.warning("num_speculative_tokens=0: the draft %s is loaded (its weights and KV pool take memory) but "
                            "never drafts; draft_model='none' decodes plainly without it", draft.config.name)

@@ -81,6 +81,7 @@ def test_the_planner_sees_the_ngram_steps():
     (dict(prompt_lookup_max=0), "needs prompt_lookup_max >= 1"),
     (dict(spec_tree_nodes=8), "spec_tree_nodes needs a draft model"),
     (dict(num_speculative_tokens=0), "needs num_speculative_tokens >= 1"),
+    (dict(draft_offload="auto"), r"draft_offload='auto' moves a draft model's weights .* \(draft_model='ngram'\)"),
 ])
 def test_ngram_configuration_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -92,6 +93,8 @@ def test_tree_without_a_draft_is_a_config_error(caplog):
     num_speculative_tokens=0 is loaded for nothing, which a warning says."""
     with pytest.raises(ConfigError, match=r"spec_tree_nodes=8 needs a draft model .*\(draft_model='none'\)"):
         fake_engine(draft_model="none", spec_tree_nodes=8)
+    with pytest.raises(ConfigError, match=r"draft_offload='auto' .* has none \(draft_model='none'\)"):
+        fake_engine(draft_model="none", draft_offload="auto")  # (elastic memory was off without a word)
     with caplog.at_level(logging.WARNING, logger="nightjar_jax"):
         eng = fake_engine(draft=True, num_speculative_tokens=0)
     assert eng.gamma_max == 0 and "num_speculative_tokens=0: the draft" in caplog.text
