@@ -7,6 +7,7 @@ Terms and the contract are defined in ``reference.py`` (the pure-jnp oracle); qu
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 
@@ -99,6 +100,26 @@ def _validate_tuning(tuning: dict, defaults: dict, backend: str, page_size: int,
     return params
 
 
+NOT_DIFFERENTIABLE = ("paged_attention's Pallas kernels are not differentiable; use paged_attention_reference for "
+                      "gradients")
+
+
+def _not_differentiable(body):
+    """``body`` behind a JVP rule that raises a clear error: the Pallas bodies have no backward, and ``jax.grad``
+    through them failed deep inside Pallas with an empty AssertionError (GPU) or NotImplementedError (TPU). The
+    forward pass is the body's, unchanged."""
+
+    @jax.custom_jvp
+    def call(*args):
+        return body(*args)
+
+    @call.defjvp
+    def _jvp(primals, tangents):
+        raise ValueError(NOT_DIFFERENTIABLE)
+
+    return call
+
+
 def paged_attention(
     q: jax.Array,  # [num_seqs, q_len, num_q_heads, head_dim] float32 | bfloat16
     k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim] float32 | bfloat16
@@ -119,6 +140,8 @@ def paged_attention(
 
     If q's dtype differs from the pages' dtype, the products run in the wider of the two (a float32 q over bfloat16
     pages: K and V widened to float32 tile by tile, as the reference does) and the output is returned in q's dtype.
+
+    Not differentiable (``jax.grad`` raises ``NOT_DIFFERENTIABLE``): use ``paged_attention_reference`` for gradients.
 
     backend: "gpu" (Pallas Triton body), "tpu" (Mosaic TPU body) or "auto" (TPU body on TPU, GPU body elsewhere).
     interpret: None -> interpret exactly when running on CPU. With backend="tpu", ``interpret=True`` uses the TPU
@@ -148,10 +171,8 @@ def paged_attention(
     page_size, head_dim = k_pages.shape[2], k_pages.shape[3]
     if backend == "gpu":
         params = _validate_tuning(tuning, GPU_TUNING_DEFAULTS, backend, page_size, head_dim, not interpret)
-        out = paged_attention_gpu(
-            q, k_pages, v_pages, block_tables, context_lens, tree_mask, k_ext, v_ext, scale=float(scale),
-            interpret=bool(interpret), **params
-        )
+        body = functools.partial(paged_attention_gpu, scale=float(scale), interpret=bool(interpret), **params)
+        out = _not_differentiable(body)(q, k_pages, v_pages, block_tables, context_lens, tree_mask, k_ext, v_ext)
         return out.astype(out_dtype)
     params = _validate_tuning(tuning, TPU_TUNING_DEFAULTS, backend, page_size, head_dim, not interpret)
     tpu_interpret = False
@@ -159,8 +180,6 @@ def paged_attention(
         from jax.experimental.pallas import tpu as pltpu
 
         tpu_interpret = pltpu.InterpretParams()
-    out = paged_attention_tpu(
-        q, k_pages, v_pages, block_tables, context_lens, tree_mask, k_ext, v_ext, scale=float(scale),
-        interpret=tpu_interpret, **params
-    )
+    body = functools.partial(paged_attention_tpu, scale=float(scale), interpret=tpu_interpret, **params)
+    out = _not_differentiable(body)(q, k_pages, v_pages, block_tables, context_lens, tree_mask, k_ext, v_ext)
     return out.astype(out_dtype)

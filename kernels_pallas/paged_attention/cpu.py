@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.cpu_build import CpuKernelLibrary
-from kernels_pallas.paged_attention.reference import check_scale, check_tree_mask
+from kernels_pallas.paged_attention.reference import check_tree_mask, validate_inputs
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGETS = {  # pool dtype -> FFI target name (q cast to the pool dtype)
@@ -90,10 +90,13 @@ def paged_attention_cpu(
                          f"must match k_pages {k_pages.shape} ({dtype}) in every dimension but the pages")
     if stacked and not 0 <= layer < k_pages.shape[0]:
         raise ValueError(f"layer {layer} of pools stacked over {k_pages.shape[0]} layers")
-    kvh, dim = k_pages.shape[stacked], k_pages.shape[-1]
-    if q.ndim != 4 or q.shape[3] != dim or q.shape[2] % kvh:
-        raise ValueError(f"q {q.shape} must be [seqs, q_len, heads, {dim}] with heads a multiple of num_kv_heads={kvh}")
-    check_scale(scale)
+    # The reference's checks (lenient: it computes in float32 whatever it is given, as this kernel casts) on one
+    # layer's pools, uint16 ones read as the bfloat16 they hold: dtypes (an integer q, float block tables or context
+    # lengths and a string scale were cast silently), sizes of at least 1 (page_size 0 divided by zero in the
+    # kernel: SIGFPE), and the values of concrete tables and lengths (an int64 id 2**32 + p read page p).
+    pool = jax.ShapeDtypeStruct(k_pages.shape[stacked:], jnp.bfloat16 if dtype == jnp.uint16 else dtype)
+    validate_inputs(q, pool, pool, block_tables, context_lens, scale, num_ext_pages=k_ext.shape[-3],
+                    lenient_dtypes=True)
     if tree_mask is None:
         tree_mask = jnp.zeros((0, 0), jnp.uint8)
     else:
@@ -107,8 +110,22 @@ def paged_attention_cpu(
         q_dtype, target = dtype, TARGETS[dtype]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q_dtype), vmap_method="sequential")
     out = call(
-        q.astype(q_dtype), k_pages, v_pages, k_ext, v_ext, block_tables.astype(jnp.int32),
-        context_lens.astype(jnp.int32), tree_mask.astype(jnp.uint8), scale=np.float32(scale),
+        q.astype(q_dtype), k_pages, v_pages, k_ext, v_ext, _as_int32(block_tables), _as_int32(context_lens),
+        tree_mask.astype(jnp.uint8), scale=np.float32(scale),
         layer=np.int64(-1 if layer is None else layer),
     )
     return out.astype(q.dtype)
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _as_int32(x: jax.Array) -> jax.Array:
+    """Block-table ids or context lengths of any integer type as the kernel's int32. Values outside int32's range
+    (wider types under jit: concrete ones were checked) saturate, so the kernel's range checks still refuse them,
+    instead of wrapping (an int64 id 2**32 + p read page p; a uint32 length 2**32 - 1 was reported as -1)."""
+    info = np.iinfo(x.dtype)
+    if info.min < _INT32.min or info.max > _INT32.max:
+        xp = np if isinstance(x, np.ndarray) else jnp  # (numpy: no truncating conversion to jax's int32 first)
+        x = xp.clip(x, max(info.min, _INT32.min), min(info.max, _INT32.max))
+    return jnp.asarray(x.astype(np.int32))

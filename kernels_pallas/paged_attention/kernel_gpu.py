@@ -91,10 +91,12 @@ def _paged_attention_gpu_kernel(
     num_keys = num_keys_needed(context_len, q_block, blocking)
     # Clamp so a context_len beyond the block table's capacity cannot read past it.
     num_iterations = jnp.minimum(lax.div(num_keys + block_k - 1, block_k), max_iterations)
+    # The q block's last visible page (within the table), where the ids past it are read (``visible_page_ids``).
+    last_page = jnp.clip(lax.div(num_keys + page_size - 1, page_size) - 1, 0, block_tables_ref.shape[0] - 1)
 
     def body(iteration, carry):
         acc, row_max, row_sum = carry
-        page_ids = block_tables_ref[pl.ds(iteration * pages_per_block, pages_per_block)]  # [pages_per_block]
+        page_ids = visible_page_ids(block_tables_ref, iteration, pages_per_block, last_page)  # [pages_per_block]
         k = _load_pages(k_pages_ref, ext_refs[0], page_ids).reshape(block_k, head_dim)
         v = _load_pages(v_pages_ref, ext_refs[1], page_ids).reshape(block_k, head_dim)
         start = iteration * block_k
@@ -120,6 +122,17 @@ def _paged_attention_gpu_kernel(
     acc_ref[...] = acc
     max_ref[...] = row_max
     sum_ref[...] = row_sum
+
+
+def visible_page_ids(block_tables_ref, iteration, pages_per_block: int, last_page) -> jax.Array:
+    """The page ids of loop iteration ``iteration`` (``[pages_per_block]``: logical pages ``iteration *
+    pages_per_block + j``), each logical page past ``last_page`` (the last one the q block sees) read as
+    ``last_page``, as the TPU body's index_map does. Block-table entries past a context are padding and may hold
+    anything (``validate_inputs`` checks only the pages a context covers): gathered as they are, a compiled body
+    loaded pages 1e6 or -7 pages away from the pool. The keys of a repeated page sit past the q block's last
+    position (or the context) and are masked as before."""
+    logical = iteration * pages_per_block + lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)
+    return block_tables_ref[jnp.minimum(logical, last_page)]
 
 
 def _load_pages(pool_ref, ext_ref, page_ids: jax.Array) -> jax.Array:

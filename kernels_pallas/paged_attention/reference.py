@@ -39,7 +39,8 @@ def validate_inputs(q, k_pages, v_pages, block_tables, context_lens, scale, num_
 
     ``lenient_dtypes`` (the reference, which computes in float32 whatever it is given, as the CPU kernel casts):
     float16 too, integer tables and lengths of any width, and any real scale (a numpy or concrete jax scalar);
-    the Pallas bodies take float32 / bfloat16, int32 and a Python float."""
+    the Pallas bodies take float32 / bfloat16, int32 and a real number (a Python or numpy scalar: it is baked into
+    the kernel as a Python float)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [num_seqs, q_len, num_q_heads, head_dim] (rank 4), got shape {q.shape}")
     if k_pages.ndim != 4:
@@ -76,8 +77,9 @@ def validate_inputs(q, k_pages, v_pages, block_tables, context_lens, scale, num_
     if lenient_dtypes:
         if isinstance(scale, bool) or not (isinstance(scale, numbers.Real) or getattr(scale, "shape", None) == ()):
             raise ValueError(f"scale must be a real number, got {type(scale).__name__}")
-    elif not isinstance(scale, (int, float)):
-        raise ValueError(f"scale must be a Python float (it is baked into the kernel), got {type(scale).__name__}")
+    elif not isinstance(scale, numbers.Real):  # (numpy scalars are numbers.Real too; check_scale refuses a bool)
+        raise ValueError(f"scale must be a Python or numpy real number (it is baked into the kernel), got "
+                         f"{type(scale).__name__}")
     check_scale(scale)
     if isinstance(block_tables, jax.core.Tracer) or isinstance(context_lens, jax.core.Tracer):
         return
@@ -159,20 +161,37 @@ def paged_attention_reference(
     # [num_seqs, kv_heads, group, q_len, num_keys]
     scores = jnp.einsum("sqhgd,shkd->shgqk", qg, k, precision=hi) * scale
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    row_valid = (query_pos >= 0)[:, None, None, :, None]  # [num_seqs, 1, 1, q_len, 1]
-    scores = jnp.where(row_valid, scores, 0.0)  # padding rows: finite scores, output zeroed below
+    # Rows that see no key get zeros, as in every kernel: left padding (a negative position), and under jit a tree
+    # row that allows none (a concrete mask with such a row is refused by check_tree_mask); softmax would give NaN.
+    sees = mask.any(axis=-1)  # [num_seqs, q_len]
+    scores = jnp.where(sees[:, None, None, :, None], scores, 0.0)  # finite scores, output zeroed below
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("shgqk,shkd->sqhgd", probs, v, precision=hi)
-    out = jnp.where((query_pos >= 0)[:, :, None, None, None], out, 0.0)
+    out = jnp.where(sees[:, :, None, None, None], out, 0.0)
     return out.reshape(num_seqs, q_len, num_q_heads, head_dim).astype(q.dtype)
 
 
 def check_tree_mask(tree_mask: jax.Array, q_len: int) -> None:
-    """The tree mask's shape contract (module docstring), shared by every implementation."""
+    """The tree mask's contract (module docstring), shared by every implementation: its shape and dtype, and, for a
+    concrete (not traced) mask, that each row allows a key at or before its own column ``M - q_len + i`` (a row holds
+    its ancestors and itself). A row allowing none saw nothing where the context is the window: the reference gave
+    NaN and every kernel 0. Under jit all give 0."""
     if tree_mask.ndim != 2 or tree_mask.shape[0] != q_len or tree_mask.shape[1] < q_len:
         raise ValueError(f"tree_mask {tree_mask.shape} must be [q_len={q_len}, M >= q_len]")
     if tree_mask.dtype != jnp.bool_:  # (the CPU kernel cast 0.5 to False, the reference failed on floats)
         raise ValueError(f"tree_mask dtype must be bool, got {tree_mask.dtype}")
+    if isinstance(tree_mask, jax.core.Tracer):
+        return
+    import numpy as np
+
+    window = tree_mask.shape[1]
+    own = window - q_len + np.arange(q_len)  # row i's own column
+    allowed = np.asarray(tree_mask) & (np.arange(window)[None, :] <= own[:, None])
+    empty = np.flatnonzero(~allowed.any(axis=1))
+    if empty.size:
+        i = int(empty[0])
+        raise ValueError(f"tree_mask row {i} allows no key at or before its own column {int(own[i])}: each row must "
+                         f"allow its ancestors and itself")
 
 
 def tree_visible(tree_mask: jax.Array, key_pos: jax.Array, context_lens: jax.Array) -> jax.Array:

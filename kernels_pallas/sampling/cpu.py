@@ -31,11 +31,14 @@ def unavailable_reason() -> str:
 
 
 def argmax_cpu(x: jax.Array) -> jax.Array:
-    """``x [..., V]`` float32 -> ``[...]`` int32: the lowest index of each row's maximum (its first NaN if any)."""
+    """``x [..., V]`` float32 -> ``[...]`` int32: the lowest index of each row's maximum (its first NaN if any); V = 0
+    raises ValueError, as ``jnp.argmax``."""
     if not available():
         raise RuntimeError(f"the CPU sampling kernel is unavailable: {unavailable_reason()}")
     if x.dtype != jnp.float32 or x.ndim < 1:
         raise ValueError(f"argmax_cpu takes float32 x [..., V]; got {x.dtype}{tuple(x.shape)}")
+    if x.shape[-1] == 0:  # (the kernel returned 0 for every row)
+        raise ValueError(f"argmax_cpu of an empty vocabulary (x {tuple(x.shape)}): no index to return, as jnp.argmax")
     lead = x.shape[:-1]
     rows = math.prod(lead)
     call = jax.ffi.ffi_call("nightjar_argmax_f32", jax.ShapeDtypeStruct((rows,), jnp.int32), vmap_method="sequential")

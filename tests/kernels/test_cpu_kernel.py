@@ -72,20 +72,75 @@ def test_head_sizes_cover_every_vector_path(head_dim, dtype):
         _check(case)
 
 
+def _traced(case, **kwargs):
+    """The kernel under jit with traced tables and lengths: its own range checks answer, not validate_inputs'."""
+    return jax.jit(lambda bt, cl: cpu.paged_attention_cpu(case.q, case.k_pages, case.v_pages, bt, cl,
+                                                          scale=case.scale, **kwargs))
+
+
 def test_bad_page_id_is_an_error_not_a_crash():
     case = make_case([5, 9], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
     bt = case.block_tables.at[1, 0].set(case.k_pages.shape[1] + 7)
     with pytest.raises(Exception, match=r"block-table entry is outside \[0, num_pages \+ extension pages\)"):
-        np.asarray(cpu.paged_attention_cpu(case.q, case.k_pages, case.v_pages, bt, case.context_lens,
-                                           scale=case.scale))
+        np.asarray(_traced(case)(bt, case.context_lens))
+    with pytest.raises(ValueError, match=r"block_tables\[1, 0\]=\d+ is out of range"):  # concrete: the shared check
+        cpu.paged_attention_cpu(case.q, case.k_pages, case.v_pages, bt, case.context_lens, scale=case.scale)
 
 
 def test_context_longer_than_the_block_table_is_an_error():
     case = make_case([5, 9], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
     too_long = jnp.asarray([5, 4 * case.block_tables.shape[1] + 1], jnp.int32)
     with pytest.raises(Exception, match="context length .* outside"):
-        np.asarray(cpu.paged_attention_cpu(case.q, case.k_pages, case.v_pages, case.block_tables, too_long,
-                                           scale=case.scale))
+        np.asarray(_traced(case)(case.block_tables, too_long))
+    with pytest.raises(ValueError, match=r"context_lens\[1\]=\d+ is out of range"):
+        cpu.paged_attention_cpu(case.q, case.k_pages, case.v_pages, case.block_tables, too_long, scale=case.scale)
+
+
+_NAMES = ("q", "k_pages", "v_pages", "block_tables", "context_lens")
+
+
+@pytest.mark.parametrize("change, message", [
+    # each was cast silently (an integer q gave integer zeros, a float table or length was truncated, a string
+    # scale parsed), crashed the process (page_size 0: SIGFPE in the kernel) or raised a bare ZeroDivisionError
+    (lambda a: {**a, "q": (a["q"] * 10).astype(jnp.int32)}, "q dtype int32 is not supported"),
+    (lambda a: {**a, "block_tables": a["block_tables"].astype(jnp.float32) + 0.7},
+     "block_tables dtype must be an integer type"),
+    (lambda a: {**a, "context_lens": a["context_lens"].astype(jnp.float32) + 0.9},
+     "context_lens dtype must be an integer type"),
+    (lambda a: {**a, "scale": "0.25"}, "scale must be a real number, got str"),
+    (lambda a: {**a, "block_tables": np.asarray(a["block_tables"], np.int64) + np.int64(2**32) * (
+        np.arange(a["block_tables"].shape[1]) == 0)}, r"block_tables\[0, 0\]=\d+ is out of range"),
+    (lambda a: {**a, "context_lens": np.asarray([2**32 - 1, 9], np.uint32)},
+     r"context_lens\[0\]=4294967295 is out of range"),
+    (lambda a: {**a, "k_pages": a["k_pages"][:, :, :0], "v_pages": a["v_pages"][:, :, :0],
+                "context_lens": jnp.zeros_like(a["context_lens"])}, r"page_size \(k_pages axis 2\) is 0"),
+    (lambda a: {**a, "k_pages": a["k_pages"][:0], "v_pages": a["v_pages"][:0]}, r"num_kv_heads .* is 0"),
+    (lambda a: {**a, "q": a["q"][:, :, :, :0], "k_pages": a["k_pages"][..., :0], "v_pages": a["v_pages"][..., :0]},
+     r"head_dim .* is 0"),
+], ids=["int-q", "float-table", "float-ctx", "str-scale", "int64-id", "uint32-ctx", "page-size-0", "kv-heads-0",
+        "head-dim-0"])
+def test_the_cpu_kernel_refuses_what_the_reference_refuses(change, message):
+    """The reverse of ``test_the_reference_takes_what_the_cpu_kernel_takes``: both run the reference's checks
+    (``validate_inputs``), so both raise the same ValueError before any kernel runs."""
+    case = make_case([5, 9], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
+    kwargs = change({**dict(zip(_NAMES, case.args, strict=True)), "scale": case.scale})
+    for attend in (paged_attention_reference, cpu.paged_attention_cpu):
+        with pytest.raises(ValueError, match=message):
+            attend(**kwargs)
+
+
+def test_wide_traced_ids_and_lengths_saturate_instead_of_wrapping():
+    """Under jit the values are not checked in Python: an int64 id 2**32 + p was cast to page p and read it, and
+    a uint32 length 2**32 - 1 was reported as -1. They now saturate to int32's range, which the kernel refuses."""
+    case = make_case([5, 9], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
+    with jax.enable_x64(True):
+        wide = jnp.asarray(np.asarray(case.block_tables, np.int64)).at[0, 0].add(2**32)
+        with pytest.raises(Exception, match=r"block-table entry is outside"):
+            np.asarray(_traced(case)(wide, case.context_lens))
+    with pytest.raises(Exception, match="context length 2147483647 outside"):
+        np.asarray(_traced(case)(case.block_tables, jnp.asarray([2**32 - 1, 9], jnp.uint32)))
+    good = _traced(case)(case.block_tables.astype(jnp.uint32), case.context_lens.astype(jnp.uint32))
+    assert_close(good, paged_attention_reference(*case.args, scale=case.scale))
 
 
 def test_pools_of_different_dtypes_or_shapes_are_rejected():

@@ -60,3 +60,9 @@ def test_leading_dimensions_and_the_sampler_dispatch():
 def test_bad_input_raises_clearly():
     with pytest.raises(ValueError, match="float32"):
         cpu.argmax_cpu(jnp.ones((2, 4), jnp.bfloat16))
+
+
+def test_an_empty_vocabulary_is_an_error():
+    # (the kernel returned index 0 for every row; jnp.argmax raises)
+    with pytest.raises(ValueError, match="empty vocabulary"):
+        cpu.argmax_cpu(jnp.zeros((2, 0), jnp.float32))

@@ -48,9 +48,12 @@ def test_cpu_kernel_reads_the_extension_in_place(case):
     with pytest.raises(ValueError, match="every dimension but the pages"):
         cpu.paged_attention_cpu(case.q, k, v, case.block_tables, case.context_lens, scale=case.scale,
                                 k_ext=ke[:1], v_ext=ve[:1])
-    with pytest.raises(Exception, match="extension pages"):  # an id past both pools
-        np.asarray(cpu.paged_attention_cpu(case.q, k, v, case.block_tables.at[0, 0].set(10_000),
-                                           case.context_lens, scale=case.scale, k_ext=ke, v_ext=ve))
+    bad = case.block_tables.at[0, 0].set(10_000)  # an id past both pools
+    with pytest.raises(ValueError, match=r"block_tables\[0, 0\]=10000 is out of range"):  # concrete: validate_inputs
+        cpu.paged_attention_cpu(case.q, k, v, bad, case.context_lens, scale=case.scale, k_ext=ke, v_ext=ve)
+    with pytest.raises(Exception, match="extension pages"):  # traced: the kernel's own check
+        np.asarray(jax.jit(lambda bt: cpu.paged_attention_cpu(case.q, k, v, bt, case.context_lens, scale=case.scale,
+                                                               k_ext=ke, v_ext=ve))(bad))
 
 
 @pytest.mark.parametrize("impl", ["reference", "pallas"])

@@ -386,3 +386,106 @@ def test_every_impl_refuses_a_non_finite_scale(scale):
     for impl in impls:
         with pytest.raises(ValueError, match="scale must be a (finite float32|real) number"):
             dispatch(*case.args, scale=scale, impl=impl)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_gpu_body_loads_no_padding_entry_past_the_context(monkeypatch, num_splits):
+    """Block-table entries past a context are padding and may hold anything (``validate_inputs`` checks only the
+    pages a context covers). The body gathered all ``pages_per_block`` ids of its last iteration, so a compiled one
+    loaded pages 1e6 or -7 pages off the pool; it now reads the last visible page's id instead (as the TPU body's
+    index_map does). The ids the body loads, logged while interpreted, all lie in the pool, and the output stays."""
+    case = make_case([3, 9, 6], q_len=2, num_q_heads=4, num_kv_heads=2, page_size=4)
+    q, k, v, table, ctx = case.args
+    num_pages = k.shape[1]
+    garbage = np.array(table)
+    for s, pages in enumerate(-(-np.asarray(ctx) // 4)):
+        garbage[s, pages:] = [10**6, -7, 2**31 - 1, 5 * num_pages][: garbage.shape[1] - pages]
+    seen = []
+    load = kernel_gpu._load_pages
+
+    def logged(pool_ref, ext_ref, page_ids):
+        jax.debug.callback(lambda ids: seen.append(np.asarray(ids)), page_ids)
+        return load(pool_ref, ext_ref, page_ids)
+
+    monkeypatch.setattr(kernel_gpu, "_load_pages", logged)
+    # __wrapped__: trace afresh (the jit cache may hold a body traced without the log)
+    out = kernel_gpu.paged_attention_gpu.__wrapped__(q, k, v, jnp.asarray(garbage), ctx, scale=case.scale,
+                                                     interpret=True, pages_per_block=4, num_splits=num_splits)
+    out = np.asarray(out)
+    jax.effects_barrier()
+    ids = np.concatenate(seen)
+    assert ids.size and ((ids >= 0) & (ids < num_pages)).all(), sorted(set(ids.tolist()))
+    assert_close(jnp.asarray(out), paged_attention_reference(*case.args, scale=case.scale))
+
+
+def test_visible_page_ids_repeat_the_last_visible_page():
+    table = jnp.asarray([7, 3, 10**6, -7, 5, 9, 1, 2], jnp.int32)
+    ids = kernel_gpu.visible_page_ids(table, jnp.int32(0), 4, jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(ids), [7, 3, 3, 3])
+    ids = kernel_gpu.visible_page_ids(table, jnp.int32(1), 4, jnp.int32(7))
+    np.testing.assert_array_equal(np.asarray(ids), [5, 9, 1, 2])
+
+
+def _tree_rows_case():
+    case = make_case([6, 3], q_len=3, num_q_heads=2, num_kv_heads=1, page_size=4)
+    mask = np.tril(np.ones((3, 3), bool))
+    mask[0, :] = False  # row 0 allows no key; with context 3 (= M) the query sees nothing
+    return case, mask
+
+
+def test_a_tree_row_that_allows_no_key_is_refused_or_zero():
+    """A concrete mask whose row allows no key at or before itself breaks the contract (ancestors and itself): the
+    reference gave NaN where the context is the window and every kernel 0. Concrete: every implementation refuses
+    it; traced (jit): the reference gives 0, as the kernels."""
+    from kernels_pallas.paged_attention import cpu
+
+    case, mask = _tree_rows_case()
+    impls = [paged_attention_reference, functools.partial(paged_attention, backend="gpu")]
+    if cpu.available():
+        impls.append(cpu.paged_attention_cpu)
+    for attend in impls:
+        with pytest.raises(ValueError, match=r"tree_mask row 0 allows no key at or before its own column 0"):
+            attend(*case.args, scale=case.scale, tree_mask=jnp.asarray(mask))
+    outs = [np.asarray(jax.jit(lambda m, f=f: f(*case.args, scale=case.scale, tree_mask=m))(jnp.asarray(mask)))
+            for f in impls]
+    want = outs[0]
+    assert np.isfinite(want).all() and not want[1, 0].any()  # sequence 1 (context 3 = M), query 0: zeros
+    assert want[0, 0].any()  # sequence 0 still sees the keys before the window
+    for got in outs[1:]:
+        assert_close(jnp.asarray(got), jnp.asarray(want))
+
+
+def test_a_tree_row_seeing_only_an_ancestor_is_accepted():
+    case, mask = _tree_rows_case()
+    mask[0, 0] = True
+    mask[1, 1] = False  # row 1 sees its parent (column 0) only
+    got = paged_attention(*case.args, scale=case.scale, tree_mask=jnp.asarray(mask), backend="gpu")
+    assert_close(got, paged_attention_reference(*case.args, scale=case.scale, tree_mask=jnp.asarray(mask)))
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.3), np.float64(0.3), np.int64(1)], ids=["f32", "f64", "i64"])
+def test_pallas_takes_numpy_scalar_scales(scale):
+    """A numpy real scale (the reference and the CPU kernel took it; the Pallas wrapper refused np.float32)."""
+    case = make_case([3, 5], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
+    assert_close(paged_attention(*case.args, scale=scale, backend="gpu"),
+                 paged_attention_reference(*case.args, scale=float(scale)))
+    with pytest.raises(ValueError, match="scale must be a Python or numpy real number"):
+        paged_attention(*case.args, scale="0.3", backend="gpu")
+    with pytest.raises(ValueError, match="scale must be a finite float32 number"):
+        paged_attention(*case.args, scale=np.float32("nan"), backend="gpu")
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_grad_through_the_pallas_bodies_is_a_clear_error(backend):
+    """jax.grad failed deep inside Pallas with an empty AssertionError (GPU) or NotImplementedError (TPU); the
+    forward pass (jit, vmap) is unchanged."""
+    case = make_case([3, 5], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=4)
+    q, k, v, table, ctx = case.args
+    attend = functools.partial(paged_attention, scale=case.scale, backend=backend)
+    with pytest.raises(ValueError, match="not differentiable; use paged_attention_reference for gradients"):
+        jax.grad(lambda x: attend(x, k, v, table, ctx).sum())(q)
+    if backend == "gpu":
+        want = paged_attention_reference(*case.args, scale=case.scale)
+        assert_close(jax.jit(attend)(*case.args), want)
+        batched = jax.vmap(lambda x: attend(x, k, v, table, ctx))(jnp.stack([q, 2 * q]))
+        assert_close(batched[0], want)
