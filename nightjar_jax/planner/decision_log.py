@@ -14,9 +14,11 @@ because planners see nothing but these fields (and their own seeded RNG).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
+import weakref
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,6 +39,10 @@ class DecisionLogger:
         self._pending: dict[str, Any] | None = None
         self._flush_every = max(1, flush_every)
         self.num_lines = 0
+        # closed at interpreter exit too (its buffered lines and a pending record written): a server's or an LLM's
+        # engine that nobody closed lost its last lines, or a lightly used server's whole log, on a clean exit
+        ref = weakref.ref(self)
+        atexit.register(lambda: (log := ref()) is not None and log.close())
 
     def on_select(self, **decision: Any) -> None:
         """Called by `Planner.select`: starts a record (writing the previous one if it had no observation)."""

@@ -269,6 +269,7 @@ class AsyncEngine:
                     for command in held:  # (never run: the engine stops)
                         self._handle(command)
                     self._abort_all()
+                    self._close_engine()
                     return
                 if engine.has_unfinished_requests():
                     try:
@@ -283,6 +284,14 @@ class AsyncEngine:
             self.error = exc
             logger.exception("engine thread died")
             self._abort_all(error=exc)
+            self._close_engine()
+
+    def _close_engine(self) -> None:
+        """The engine's shutdown (its planner's decision log written out), on the engine thread as it ends."""
+        try:
+            self.engine.close()
+        except Exception:  # pragma: no cover - the log's disk failing must not hide the shutdown
+            logger.exception("closing the engine failed")
 
     def _handle(self, command: Any) -> None:
         if isinstance(command, _Call):

@@ -45,3 +45,21 @@ def test_replay_reproduces_the_logged_decisions(tmp_path):
     assert result.replayed_gammas == gammas
     other = replay(path, make_planner("static:1", 4))
     assert other.num_matching < other.num_records  # another planner disagrees somewhere
+
+
+def test_a_log_nobody_closed_is_written_out_at_exit(tmp_path):
+    """A process that exits without closing its logger (an LLM's engine, a server's) still writes every line, the
+    pending decision included: lines sit in a buffer until the 64th, so a lightly used server's log was empty."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "exit.jsonl"
+    code = ("from nightjar_jax.planner import make_planner\n"
+            f"p = make_planner('nightjar', 3, decision_log={str(path)!r})\n"
+            "for b in (2, 5, 9):\n"
+            "    p.select(b)\n"
+            "    p.observe(p.last_gamma, b, b, 0.01)\n"
+            "p.select(4)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    records = read_log(path)
+    assert [r["batch_size"] for r in records] == [2, 5, 9, 4] and records[-1]["observed_gamma"] is None

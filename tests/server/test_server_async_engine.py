@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -131,6 +132,17 @@ def test_stop_aborts_in_flight(engine):
         asyncio.run(after())
 
 
+def test_stop_closes_the_engine_on_its_thread(engine, monkeypatch):
+    """Stopping ends with ``engine.close()`` (the planner's decision log written out), from the engine thread: a
+    server's --planner-log lost its buffered lines on a clean shutdown."""
+    closed = []
+    monkeypatch.setattr(engine, "close", lambda: closed.append(threading.current_thread().name))
+    ae = AsyncEngine(engine)
+    ae.start()
+    ae.stop()
+    assert not ae.is_alive and closed == ["nightjar-engine"]
+
+
 def test_http_answers_a_failed_step_with_500_and_a_stream_with_an_error_event(engine, monkeypatch):
     """Requests the engine failed on are not answered 200 with finish reason "error": a whole response is a 500
     naming the failure, a stream under way ends with an OpenAI-shaped error event before [DONE]; the server serves on
@@ -205,12 +217,14 @@ def test_group_priority_reaches_the_scheduler():
     assert ae.engine.num_free_pages == ae.engine.num_total_pages
 
 
-def test_automatic_ids_never_meet_a_callers(async_engine):
+def test_automatic_ids_never_meet_a_callers(async_engine, engine, monkeypatch):
     """A group without a caller's id (a beam search's steps) gets "req-N", held like a caller's: ids callers hold
     are skipped (a Responses request_id "req-0" made a beam step's "req-0-0" a duplicate, a 400 for a client that
     sent no id), and a caller cannot take one in flight; each is free again once its group ended."""
     async_engine.claim("req-0")
     async_engine.claim("req-1")
+    gate, step = threading.Event(), engine.step  # (the group stays in flight until checked: 3 fake steps could end
+    monkeypatch.setattr(engine, "step", lambda: (gate.wait(30), step())[1])  # it first on a busy machine)
 
     async def run():
         stream = await async_engine.add([[1, 2, 3]], [greedy(3)])
@@ -218,6 +232,7 @@ def test_automatic_ids_never_meet_a_callers(async_engine):
         assert rid.rsplit("-", 1)[0] not in ("req-0", "req-1")
         with pytest.raises(ValueError, match="already in use"):
             async_engine.claim(rid.rsplit("-", 1)[0])
+        gate.set()
         await drain(stream)
         return rid.rsplit("-", 1)[0]
 
