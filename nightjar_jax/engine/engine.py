@@ -278,6 +278,12 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._grammars = None  # structured outputs' GrammarBackend, built on first use
+        try:  # (its cache limit read now: a bad one is the start's error, not the first structured request's)
+            from nightjar_jax.engine.structured import grammar_cache_bytes
+
+            grammar_cache_bytes()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self._grammars_lock = threading.Lock()
         self._ids = itertools.count()
         self._prev_gamma = 0

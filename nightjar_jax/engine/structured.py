@@ -16,6 +16,8 @@ end-of-sequence tokens are allowed, and the request ends once the matcher accept
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 from typing import Any
 
@@ -190,8 +192,29 @@ def bad_word_sequences(tokenizer: Any, words: list[str]) -> list[list[int]]:
     return out
 
 
+CACHE_MB_ENV = "NIGHTJAR_XGRAMMAR_CACHE_MB"  # (vLLM's VLLM_XGRAMMAR_CACHE_MB)
+DEFAULT_CACHE_MB = 512
+
+
+def grammar_cache_bytes() -> int:
+    """The compiled-grammar cache's limit in bytes: ``NIGHTJAR_XGRAMMAR_CACHE_MB`` (default 512, as vLLM's), past
+    which xgrammar evicts the least recently used. Unbounded, it grew ~70 KB per distinct JSON schema on SmolLM2's
+    vocabulary for as long as a server ran (per-user tool schemas: gigabytes)."""
+    raw = os.environ.get(CACHE_MB_ENV, "").strip()
+    if not raw:
+        return DEFAULT_CACHE_MB << 20
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = float("nan")
+    if not (math.isfinite(mb) and mb > 0):
+        raise ValueError(f"{CACHE_MB_ENV}={raw!r} must be a positive number of megabytes (default {DEFAULT_CACHE_MB})")
+    return max(1, int(mb * (1 << 20)))
+
+
 class GrammarBackend:
-    """Compiles constraints against one tokenizer's vocabulary (xgrammar); built on the first structured request."""
+    """Compiles constraints against one tokenizer's vocabulary (xgrammar); built on the first structured request.
+    Compiled grammars are cached up to :func:`grammar_cache_bytes`."""
 
     def __init__(self, tokenizer: Any, vocab_size: int):
         try:
@@ -201,7 +224,13 @@ class GrammarBackend:
                                       f"'nightjar-jax[structured]' ({e})", "structured_outputs") from None
         self._xgr = xgr
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(_tokenizer_info(xgr, tokenizer, vocab_size))
+        self._compiler = xgr.GrammarCompiler(_tokenizer_info(xgr, tokenizer, vocab_size),
+                                             cache_limit_bytes=grammar_cache_bytes())
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes the compiled-grammar cache holds now."""
+        return int(self._compiler.get_cache_size_bytes())
 
     def compile(self, spec: StructuredOutputs) -> Any:
         c = self._compiler
