@@ -62,6 +62,16 @@ def _int_at_least(text: str, minimum: int) -> int:
     return value
 
 
+def float_at_least(minimum: float) -> Callable[[str], float]:
+    """A type for a finite float >= ``minimum``."""
+
+    def parse(text: str) -> float:
+        return _finite_float(text, f">= {minimum:g}", lambda v: v >= minimum)
+
+    parse.__name__ = f"float_at_least_{minimum:g}"
+    return parse
+
+
 def positive_float(text: str) -> float:
     """A finite float > 0."""
     return _finite_float(text, "> 0", lambda v: v > 0)
@@ -180,13 +190,25 @@ def existing_file(text: str) -> str:
 
 
 def writable_out(text: str) -> str:
-    """An output path whose folder exists or can be made (checked before the work, not after it)."""
+    """An output file path whose folder is writable, checked before the work, not after it: a missing folder is
+    created now (the scripts write with a plain ``open``, which would fail only after the whole run)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected an output file path, got ''")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: it is a folder (give a file path inside it)")
     folder = os.path.dirname(os.path.abspath(text))
     probe = folder
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
-    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe!r} is not a writable folder")
+    if not os.path.isdir(probe):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe!r} is a file, not a folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: cannot create its folder {folder!r} "
+                                         f"({error.strerror or error})") from None
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {folder!r} is not a writable folder")
     return text
 
 

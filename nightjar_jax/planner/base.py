@@ -40,6 +40,8 @@ from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+
 if TYPE_CHECKING:
     from nightjar_jax.planner.decision_log import DecisionLogger
 
@@ -78,9 +80,8 @@ class Planner(abc.ABC):
     Options: ClassVar[type] = NoOptions
 
     def __init__(self, gamma_max: int, options: Any = None, *, spec: str | None = None) -> None:
-        if isinstance(gamma_max, bool) or not isinstance(gamma_max, int) or gamma_max < 0:
-            raise ValueError(f"gamma_max must be an int >= 0, got {gamma_max!r}")
-        self.gamma_max = gamma_max
+        _check_gamma_max(gamma_max)
+        self.gamma_max = int(gamma_max)
         self.options = options if options is not None else self.Options()
         self.spec = spec or self.name  # the name make_planner was called with, e.g. "static:3"
         self.num_switches = 0
@@ -105,6 +106,9 @@ class Planner(abc.ABC):
         """
         _check_int("batch_size", batch_size, minimum=1, maximum=MAX_BATCH_SIZE)
         _check_int("queue_len", queue_len, minimum=0)
+        if not isinstance(draft_on_device, (bool, np.bool_)):  # (a string 'False' is truthy: speculation on)
+            raise ValueError(f"draft_on_device must be a bool, got {draft_on_device!r}")
+        draft_on_device = bool(draft_on_device)
         if free_pages is not None:
             _check_int("free_pages", free_pages, minimum=0)
             free_pages = int(free_pages)
@@ -215,21 +219,50 @@ class Planner(abc.ABC):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore counters and learned state saved by `state_dict` (the planner kind must match)."""
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a planner state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
-        base = state["spec"].split(":", 1)[0]
+        """Restore counters and learned state saved by `state_dict`.
+
+        The planner kind and gamma_max must match, and so must the options that give the state its meaning
+        (`_identity`: e.g. nightjar's bucket_edges, which map context ids to batch sizes; static's K). The state is
+        checked before anything is restored: a refused state leaves this planner as it was.
+        """
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"not a planner state (format {found!r}, expected {STATE_FORMAT!r})")
+        base = str(state["spec"]).split(":", 1)[0]
         if base != self.name or state["gamma_max"] != self.gamma_max:
             raise ValueError(
                 f"state is for planner {state['spec']!r} with gamma_max={state['gamma_max']}, "
                 f"this is {self.spec!r} with gamma_max={self.gamma_max}"
             )
+        if type(self)._identity is not Planner._identity:
+            try:
+                saved = make_planner(state["spec"], state["gamma_max"], **state["options"])._identity()
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"state for {state['spec']!r} has invalid options: {error}") from None
+            mine = self._identity()
+            differ = sorted(k for k in mine if saved.get(k) != mine[k])
+            if differ:
+                raise ValueError(
+                    f"state is for {state['spec']!r} with "
+                    + ", ".join(f"{k}={saved.get(k)!r}" for k in differ)
+                    + f"; this planner ({self.spec!r}) has "
+                    + ", ".join(f"{k}={mine[k]!r}" for k in differ)
+                    + ": the state means something else here; build the planner from the state instead "
+                    "(Planner.from_json / Planner.load)"
+                )
         counters = state["counters"]
-        self.num_switches = int(counters["num_switches"])
-        self.num_decisions = int(counters["num_decisions"])
-        self.num_observations = int(counters["num_observations"])
-        self.last_gamma = counters["last_gamma"]
+        values = {}
+        for field in ("num_switches", "num_decisions", "num_observations"):
+            _check_int(f"state counter {field}", counters[field], minimum=0)
+            values[field] = int(counters[field])
+        last_gamma = counters["last_gamma"]
+        if last_gamma is not None:
+            _check_int("state counter last_gamma", last_gamma, minimum=0, maximum=self.gamma_max)
+            last_gamma = int(last_gamma)
         self._load_learned_state(state["learned"])
+        for field, value in values.items():
+            setattr(self, field, value)
+        self.last_gamma = last_gamma
 
     def to_json(self) -> str:
         return json.dumps(self.state_dict())
@@ -262,7 +295,13 @@ class Planner(abc.ABC):
         return {}
 
     def _load_learned_state(self, learned: dict[str, Any]) -> None:
+        """Restore `_learned_state` output; validate it all before assigning anything (ValueError if malformed)."""
         del learned
+
+    def _identity(self) -> dict[str, Any]:
+        """Option values that give this planner's state its meaning; `load_state_dict` refuses a state saved
+        under other values. Default: none."""
+        return {}
 
     @classmethod
     def _options_from_spec_argument(cls, argument: str, gamma_max: int) -> dict[str, Any]:
@@ -318,8 +357,8 @@ def make_planner(
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"planner name must be a non-empty string, got {name!r}")
-    if isinstance(gamma_max, bool) or not isinstance(gamma_max, int) or gamma_max < 0:
-        raise ValueError(f"gamma_max must be an int >= 0, got {gamma_max!r}")
+    _check_gamma_max(gamma_max)
+    gamma_max = int(gamma_max)
     base, colon, argument = name.partition(":")
     cls = planner_class(name)
     if colon and not argument.strip():  # ("static:" acted as "static" without a word)
@@ -411,6 +450,21 @@ def check_number_option(
     if not ok:
         raise ValueError(f"{field} must be {allowed}{f' {note}' if note else ''}, got {value!r}")
     object.__setattr__(options, field, number)
+
+
+def check_arm_lists(gamma_max: int, **lists: Any) -> None:
+    """ValueError unless every list of a loaded state has one entry per arm (gamma_max + 1)."""
+    for field, values in lists.items():
+        if len(values) != gamma_max + 1:
+            raise ValueError(
+                f"state's learned {field} has {len(values)} entries, expected {gamma_max + 1} (one per arm "
+                f"0..{gamma_max})"
+            )
+
+
+def _check_gamma_max(gamma_max: Any) -> None:
+    if not is_int(gamma_max) or gamma_max < 0:
+        raise ValueError(f"gamma_max must be an int >= 0, got {gamma_max!r}")
 
 
 def _check_int(field: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:

@@ -2,7 +2,7 @@
 
 One line per decision (a `select` and the `observe` that followed it), e.g.
 
-    {"planner": "nightjar", "decision": 17, "context": 3, "batch_size": 9, "queue_len": 0, "free_pages": 812,
+    {"planner": "nightjar", "decision": 17, "context": 5, "batch_size": 9, "queue_len": 0, "free_pages": 812,
      "draft_on_device": true, "gamma": 2, "observed_gamma": 2, "num_tokens": 21, "seconds": 0.0113,
      "switch_seconds": 0.0, "reward": 206.5}
 
@@ -30,7 +30,12 @@ _OBSERVATION_FIELDS = ("observed_gamma", "num_tokens", "seconds", "switch_second
 
 
 class DecisionLogger:
-    """Writes one JSON line per planner decision to `path` (appends; `close()` or use as a context manager)."""
+    """Writes one JSON line per planner decision to `path` (appends; `close()` or use as a context manager).
+
+    The log is a diagnostic and must never break serving: a write or flush that fails (disk full, file system gone)
+    logs one warning naming the path and the error, and the logger stops (`failed` is set; later records are
+    dropped). Records that arrive after `close()` are dropped too (an engine closed and then stepped again).
+    """
 
     def __init__(self, path: str | Path, *, flush_every: int = 64) -> None:
         self.path = Path(path)
@@ -39,6 +44,7 @@ class DecisionLogger:
         self._pending: dict[str, Any] | None = None
         self._flush_every = max(1, flush_every)
         self.num_lines = 0
+        self.failed: OSError | None = None  # the error that stopped the log, if one did
         # closed at interpreter exit too (its buffered lines and a pending record written): a server's or an LLM's
         # engine that nobody closed lost its last lines, or a lightly used server's whole log, on a clean exit
         ref = weakref.ref(self)
@@ -58,12 +64,25 @@ class DecisionLogger:
         self._write(record)
 
     def _write(self, record: dict[str, Any]) -> None:
-        if self._file is None:
-            raise RuntimeError(f"DecisionLogger for {self.path} is closed")
-        self._file.write(json.dumps(record) + "\n")
-        self.num_lines += 1
-        if self.num_lines % self._flush_every == 0:
-            self._file.flush()
+        if self._file is None:  # closed, or stopped by a failed write
+            return
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self.num_lines += 1
+            if self.num_lines % self._flush_every == 0:
+                self._file.flush()
+        except OSError as error:
+            self._stop(error)
+
+    def _stop(self, error: OSError) -> None:
+        self.failed = error
+        logger.warning("decision log %s: %s; decision logging stopped (serving goes on)", self.path, error)
+        file, self._file = self._file, None
+        self._pending = None
+        try:
+            file.close()  # (flushes the buffer again, which fails the same way)
+        except OSError:
+            pass
 
     def close(self) -> None:
         if self._file is None:
@@ -71,7 +90,12 @@ class DecisionLogger:
         if self._pending is not None:
             self._write(self._pending)
             self._pending = None
-        self._file.close()
+        if self._file is None:  # the pending record's write failed
+            return
+        try:
+            self._file.close()
+        except OSError as error:
+            self._stop(error)
         self._file = None
 
     def __enter__(self) -> DecisionLogger:

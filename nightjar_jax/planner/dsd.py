@@ -7,13 +7,16 @@ Model (fitted online from `observe`):
   [0, 1] at which Σ_steps E(γ_step) equals the committed tokens per sequence observed over all γ > 0 steps
   (solved by bisection; E is increasing in α).
 - **step latency** ≈ a + b·batch + c·batch·γ, least squares (tiny ridge) over all observed steps, with
-  seconds excluding `switch_seconds`.
+  seconds excluding `switch_seconds`. The minimum-norm solution is taken when the system is rank-deficient:
+  at a constant batch size B the columns 1 and batch are collinear, so only a + b·B is determined, and the
+  minimum-norm split of it still predicts every γ at B exactly (a fixed-batch deployment is common).
 - **decision**: γ maximising batch·E(γ) / latency(batch, γ), the expected committed tokens per second.
   Both fits are refreshed every `refit_every` observations (cheap enough per step, but there is no need).
 
-Until both fits exist it cycles γ = 0, 1, ..., γ_max for `warmup_steps` decisions (a latency model needs
-steps at several γ: with one γ the batch and batch·γ columns are collinear), then uses `default_gamma` until
-the least-squares system is well-posed. Switching costs are ignored, as in the original systems.
+It first cycles γ = 0, 1, ..., γ_max for `warmup_steps` decisions, then uses `default_gamma` until steps at two
+different γ have been observed (with a single γ the cost of another γ is unknown: the batch and batch·γ columns
+are collinear). With `warmup_steps=0` it therefore stays at `default_gamma`. Switching costs are ignored, as in
+the original systems.
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from nightjar_jax.planner.base import Planner, check_int_option, check_number_option, register_planner
+from nightjar_jax.planner.base import (
+    Planner,
+    check_arm_lists,
+    check_int_option,
+    check_number_option,
+    register_planner,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +92,12 @@ class DsdPlanner(Planner):
         return 0.5 * (low + high)
 
     def latency_coefficients(self) -> np.ndarray | None:
-        """(a, b, c) of seconds ≈ a + b·batch + c·batch·γ, or None while under-determined."""
-        if np.linalg.matrix_rank(self.gram) < 3:
+        """(a, b, c) of seconds ≈ a + b·batch + c·batch·γ (minimum norm where the batch never varied), or None
+        before steps at two different γ."""
+        if sum(1 for n in self.steps_per_gamma if n > 0) < 2:
             return None
         regularised = self.gram + self.options.ridge * np.trace(self.gram) * np.eye(3)
-        return np.linalg.solve(regularised, self.moment)
+        return np.linalg.lstsq(regularised, self.moment, rcond=None)[0]
 
     # ------------------------------------------------------------------------------------------- planner
     def _select(self, batch_size: int, *, queue_len: int, free_pages: int | None) -> int:
@@ -119,16 +129,40 @@ class DsdPlanner(Planner):
         self.moment += x * step_seconds
 
     def _learned_state(self) -> dict[str, Any]:
+        fit = None
+        if self._fit is not None:  # (saved: a restored planner refitting early would decide differently)
+            alpha, coefficients = self._fit
+            fit = {
+                "alpha": alpha,
+                "coefficients": None if coefficients is None else coefficients.tolist(),
+                "fitted_at": self._fitted_at,
+            }
         return {
             "steps_per_gamma": list(self.steps_per_gamma),
             "tokens_per_seq_sum": list(self.tokens_per_seq_sum),
             "gram": self.gram.tolist(),
             "moment": self.moment.tolist(),
+            "fit": fit,
         }
 
     def _load_learned_state(self, learned: dict[str, Any]) -> None:
-        self.steps_per_gamma = [int(n) for n in learned["steps_per_gamma"]]
-        self.tokens_per_seq_sum = [float(s) for s in learned["tokens_per_seq_sum"]]
-        self.gram = np.array(learned["gram"], dtype=float)
-        self.moment = np.array(learned["moment"], dtype=float)
-        self._fit = None
+        steps_per_gamma = [int(n) for n in learned["steps_per_gamma"]]
+        tokens_per_seq_sum = [float(s) for s in learned["tokens_per_seq_sum"]]
+        check_arm_lists(self.gamma_max, steps_per_gamma=steps_per_gamma, tokens_per_seq_sum=tokens_per_seq_sum)
+        gram = np.array(learned["gram"], dtype=float)
+        moment = np.array(learned["moment"], dtype=float)
+        if gram.shape != (3, 3) or moment.shape != (3,):
+            raise ValueError(f"state's gram must be 3x3 and moment 3 long, got {gram.shape} and {moment.shape}")
+        fit, fitted_at = None, -1
+        if learned.get("fit") is not None:  # (a state saved before the fit was kept: refit at the next decision)
+            saved = learned["fit"]
+            coefficients = saved["coefficients"]
+            if coefficients is not None:
+                coefficients = np.array(coefficients, dtype=float)
+                if coefficients.shape != (3,):
+                    raise ValueError(f"state's fit coefficients must be 3 numbers, got {saved['coefficients']!r}")
+            alpha = None if saved["alpha"] is None else float(saved["alpha"])
+            fit, fitted_at = (alpha, coefficients), int(saved["fitted_at"])
+        self.steps_per_gamma, self.tokens_per_seq_sum = steps_per_gamma, tokens_per_seq_sum
+        self.gram, self.moment = gram, moment
+        self._fit, self._fitted_at = fit, fitted_at

@@ -61,6 +61,9 @@ class StaticPlanner(Planner):
     def _select(self, batch_size: int, *, queue_len: int, free_pages: int | None) -> int:
         return self.gamma
 
+    def _identity(self) -> dict[str, Any]:
+        return {"gamma": self.gamma}
+
 
 def default_table(gamma_max: int) -> tuple[tuple[int, int], ...]:
     """The default vLLM-style table for `gamma_max` (see module docstring)."""
@@ -108,6 +111,9 @@ class TablePlanner(Planner):
         too_big = [g for _, g in self.table if g > gamma_max]
         if too_big:
             raise ValueError(f"table gammas {too_big} exceed gamma_max={gamma_max}")
+
+    def _identity(self) -> dict[str, Any]:
+        return {"table": self.table}
 
     def _select(self, batch_size: int, *, queue_len: int, free_pages: int | None) -> int:
         for max_batch, gamma in self.table:

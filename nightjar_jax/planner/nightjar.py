@@ -101,6 +101,7 @@ import numpy as np
 
 from nightjar_jax.planner.base import (
     Planner,
+    check_arm_lists,
     check_int_option,
     check_number_option,
     register_planner,
@@ -109,6 +110,8 @@ from nightjar_jax.planner.base import (
 from nightjar_jax.planner.context import FINE_BUCKET_EDGES, bucket_of, validate_bucket_edges
 
 logger = logging.getLogger(__name__)
+
+ALL_SWITCH_WARN_EVERY = 1000  # an all-switch step warns on the 1st, 1001st, ... occurrence; the others log at debug
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +231,7 @@ class NightjarPlanner(Planner):
         super().__init__(gamma_max, options, spec=spec)
         self.contexts: dict[int, ContextState] = {}
         self._rng = np.random.default_rng(self.options.seed)
+        self._all_switch_steps = 0  # observations that were all switch time (for rate-limiting their warning)
 
     # ------------------------------------------------------------------------------------------- decisions
     def context_of(self, batch_size: int) -> int:
@@ -474,7 +478,11 @@ class NightjarPlanner(Planner):
                 state.switch_seconds = (1 - w) * state.switch_seconds + w * switch_seconds
         reward = step_reward(batch_size, num_tokens, seconds, switch_seconds)
         if reward is None:
-            logger.warning("step with no time outside the switch (seconds=%s); reward skipped", seconds)
+            self._all_switch_steps += 1
+            # (once, then every ALL_SWITCH_WARN_EVERY-th: a caller that only ever reports such steps warned per step)
+            level = logging.WARNING if self._all_switch_steps % ALL_SWITCH_WARN_EVERY == 1 else logging.DEBUG
+            logger.log(level, "step with no time outside the switch (seconds=%s); reward skipped (%d such steps so "
+                       "far; logged once every %d)", seconds, self._all_switch_steps, ALL_SWITCH_WARN_EVERY)
             return
         if state.pending_probe is not None:
             probed, state.pending_probe = state.pending_probe, None
@@ -521,6 +529,20 @@ class NightjarPlanner(Planner):
             "rng": self._rng.bit_generator.state,
         }
 
+    def _identity(self) -> dict[str, Any]:
+        return {"bucket_edges": self.options.bucket_edges}
+
     def _load_learned_state(self, learned: dict[str, Any]) -> None:
-        self.contexts = {int(c): ContextState(**s) for c, s in learned["contexts"].items()}
+        contexts = {int(c): ContextState(**s) for c, s in learned["contexts"].items()}
+        num_contexts = len(self.options.bucket_edges)
+        for context, state in contexts.items():
+            if not 0 <= context < num_contexts:
+                raise ValueError(f"state's context {context} is outside 0..{num_contexts - 1} (the bucket_edges)")
+            if state.num_arms != self.gamma_max + 1:
+                raise ValueError(f"state's context {context} has {state.num_arms} arms, expected {self.gamma_max + 1}")
+            check_arm_lists(self.gamma_max, **{
+                f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+                if isinstance(getattr(state, f.name), list)
+            })
         self._rng.bit_generator.state = learned["rng"]
+        self.contexts = contexts

@@ -1,8 +1,8 @@
 """Trace-driven simulator for evaluating planners (pure Python + numpy, no JAX).
 
 `CostProfile` (profile.py) holds the cost surface, `make_trace` (workload.py) draws a seeded request trace,
-`Simulator` (simulator.py) replays it under any planner, `build_oracles` (oracle.py) makes best-in-hindsight
-references, and `build_synthetic_profile` (synthetic.py) writes a clearly-labelled roofline *model* profile.
+`Simulator` (simulator.py) replays it under any planner, `build_oracles` (oracle.py) makes hindsight references
+(not upper bounds), and `build_synthetic_profile` (synthetic.py) writes a clearly-labelled roofline *model* profile.
 """
 
 from __future__ import annotations

@@ -1,9 +1,15 @@
-"""Best-in-hindsight oracles for the simulator, built from separate static-γ runs on the same trace.
+"""Hindsight oracles for the simulator, built from separate static-γ runs on the same trace.
 
 Vocabulary: a **cell** is a (phase, batch bucket) pair. The per-phase oracle plays, in each phase, the static
 γ whose run had the highest tokens per second per sequence over that phase's decode steps; the per-cell oracle
 does the same per (phase, bucket), falling back to the per-phase choice in cells a static run never visited.
-They know the future phase structure, so they are upper references, not deployable planners (not registered).
+They know the future phase structure, so they are not deployable planners (not registered).
+
+They are hindsight *references*, not upper bounds, not even over the static runs they are built from: the choice
+is made per phase on decode-only tokens per sequence-second of the static runs, while the rows are compared on
+tokens per busy second (prefill and switches included) of the oracle's own run, whose queue and batch sizes
+differ from those of every static run once it changes γ. A static row can beat them (static:2 beat oracle:phase
+by 0.62% on low-burst-low, seed 0, synthetic profile); `scripts/sim_planners.py` prints a note when one does.
 """
 
 from __future__ import annotations

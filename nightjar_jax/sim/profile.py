@@ -8,7 +8,7 @@ over tokens it skipped while γ = 0; **reload** moves the draft weights back fro
 
 JSON schema (`schema: "nightjar-jax/cost-profile/v1"`):
 
-    kind                      "measured" or "synthetic-model" (a model, not a measurement)
+    kind                      "measured" or "synthetic-model" (a model, not a measurement); required
     label, notes, device, target, draft   free text
     batch_sizes               [nb] increasing ints
     gammas                    [ng] = 0..gamma_max
@@ -18,7 +18,10 @@ JSON schema (`schema: "nightjar-jax/cost-profile/v1"`):
     prefill_seconds           {"fixed": s, "per_token": s}
     catchup_seconds           {"fixed": s, "per_token": s}
     reload_seconds            seconds to bring the draft back on device
-    kv_budget_pages, page_size, max_num_seqs   defaults for the simulator's memory and batch limits
+    kv_budget_pages, page_size, max_num_seqs   defaults for the simulator's memory and batch limits (ints >= 1)
+
+Every number is checked at construction (`ValueError` naming the JSON field and the allowed range): seconds are
+finite, step seconds > 0 and the other costs >= 0, acceptances in [0, 1], sizes ints >= 1.
 """
 
 from __future__ import annotations
@@ -26,9 +29,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import math
+import numbers
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from nightjar_jax.planner.base import is_int
 
 SCHEMA = "nightjar-jax/cost-profile/v1"
 PROFILES_DIR = Path(__file__).parent / "profiles"
@@ -41,6 +48,19 @@ def _axis_weights(axis: Sequence[float], x: float) -> tuple[int, float]:
         return 0, 0.0
     i = min(max(bisect.bisect_right(axis, x) - 1, 0), len(axis) - 2)
     return i, (x - axis[i]) / (axis[i + 1] - axis[i])
+
+
+_COST_FIELDS = {  # attribute -> its name in the JSON
+    "prefill_fixed_seconds": "prefill_seconds.fixed",
+    "prefill_seconds_per_token": "prefill_seconds.per_token",
+    "catchup_fixed_seconds": "catchup_seconds.fixed",
+    "catchup_seconds_per_token": "catchup_seconds.per_token",
+    "reload_seconds": "reload_seconds",
+}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +80,7 @@ class CostProfile:
     kv_budget_pages: int = 10_000
     page_size: int = 16
     max_num_seqs: int = 256
-    kind: str = "measured"
+    kind: str | None = None  # required: "measured" or "synthetic-model" (no default: the two must not be confused)
     label: str = ""
     notes: str = ""
     device: str = ""
@@ -69,22 +89,42 @@ class CostProfile:
 
     def __post_init__(self) -> None:
         nb, ng, nc = len(self.batch_sizes), len(self.gammas), len(self.context_lengths)
+        if self.kind is None:
+            raise ValueError(
+                "kind is required: 'measured' (measured by the engine, e.g. scripts/measure_profile.py) or "
+                "'synthetic-model' (a model, not a measurement)"
+            )
         if self.kind not in ("measured", "synthetic-model"):
             raise ValueError(f"kind must be 'measured' or 'synthetic-model', got {self.kind!r}")
         if list(self.gammas) != list(range(ng)):
             raise ValueError(f"gammas must be 0..gamma_max, got {list(self.gammas)}")
-        for name, axis in (("batch_sizes", self.batch_sizes), ("context_lengths", self.context_lengths)):
+        for name, axis, minimum in (("batch_sizes", self.batch_sizes, 1), ("context_lengths", self.context_lengths, 0)):
             if not axis or any(b <= a for a, b in zip(axis, axis[1:], strict=False)):
                 raise ValueError(f"{name} must be non-empty and strictly increasing, got {list(axis)}")
+            if not all(is_int(x) for x in axis) or axis[0] < minimum:
+                raise ValueError(f"{name} must be ints >= {minimum}, got {list(axis)}")
         shape = (len(self.step_seconds_grid), *{len(row) for row in self.step_seconds_grid})
         if shape != (nb, ng) or any(len(cell) != nc for row in self.step_seconds_grid for cell in row):
             raise ValueError(f"step_seconds must have shape [{nb}][{ng}][{nc}] (batch, gamma, context)")
-        if any(not (s > 0) for row in self.step_seconds_grid for cell in row for s in cell):
-            raise ValueError("step_seconds must all be > 0")
+        for ib, row in enumerate(self.step_seconds_grid):
+            for ig, cell in enumerate(row):
+                for ic, s in enumerate(cell):
+                    if not (_is_number(s) and 0 < s < math.inf):
+                        raise ValueError(f"step_seconds[{ib}][{ig}][{ic}] must be a finite number > 0, got {s!r}")
         if len(self.acceptance_per_position) != self.gamma_max:
             raise ValueError(f"acceptance_per_position must have gamma_max={self.gamma_max} entries")
-        if any(not 0 <= a <= 1 for a in self.acceptance_per_position):
-            raise ValueError("acceptance_per_position entries must be in [0, 1]")
+        if any(not (_is_number(a) and 0 <= a <= 1) for a in self.acceptance_per_position):
+            raise ValueError(
+                f"acceptance_per_position entries must be in [0, 1], got {list(self.acceptance_per_position)}"
+            )
+        for field, name in _COST_FIELDS.items():
+            value = getattr(self, field)
+            if not (_is_number(value) and 0 <= value < math.inf):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        for field in ("kv_budget_pages", "page_size", "max_num_seqs"):
+            value = getattr(self, field)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{field} must be an int >= 1, got {value!r}")
 
     @property
     def gamma_max(self) -> int:
@@ -93,8 +133,12 @@ class CostProfile:
     # ------------------------------------------------------------------------------------------- costs
     def step_seconds(self, batch_size: int, gamma: int, mean_context: float) -> float:
         """Seconds of one decode step (bilinear in batch and context on the grid; γ must be on the grid)."""
-        if not 0 <= gamma <= self.gamma_max:
-            raise ValueError(f"gamma must be in 0..{self.gamma_max} for this profile, got {gamma}")
+        if not is_int(gamma) or not 0 <= gamma <= self.gamma_max:
+            raise ValueError(f"gamma must be an int in 0..{self.gamma_max} for this profile, got {gamma!r}")
+        if not batch_size >= 1:  # (False for NaN)
+            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+        if not 0 <= mean_context < math.inf:
+            raise ValueError(f"mean_context must be a finite number >= 0, got {mean_context!r}")
         ib, tb = _axis_weights(self.batch_sizes, batch_size)
         ic, tc = _axis_weights(self.context_lengths, mean_context)
         nb, nc = len(self.batch_sizes), len(self.context_lengths)
@@ -116,6 +160,8 @@ class CostProfile:
 
     def expected_tokens(self, gamma: int) -> float:
         """Expected committed tokens per sequence per step: 1 + Σ_i Π_{j<=i} α_j."""
+        if not is_int(gamma) or not 0 <= gamma <= self.gamma_max:
+            raise ValueError(f"gamma must be an int in 0..{self.gamma_max} for this profile, got {gamma!r}")
         total, survive = 1.0, 1.0
         for alpha in self.acceptance_per_position[:gamma]:
             survive *= alpha
@@ -165,7 +211,7 @@ class CostProfile:
             kv_budget_pages=int(data.get("kv_budget_pages", 10_000)),
             page_size=int(data.get("page_size", 16)),
             max_num_seqs=int(data.get("max_num_seqs", 256)),
-            kind=data.get("kind", "measured"),
+            kind=data.get("kind"),
             label=data.get("label", ""),
             notes=data.get("notes", ""),
             device=data.get("device", ""),

@@ -25,12 +25,14 @@ import bisect
 import collections
 import dataclasses
 import logging
+import math
+import numbers
 from typing import Any
 
 import numpy as np
 
-from nightjar_jax.planner.base import Planner
-from nightjar_jax.planner.context import DEFAULT_BUCKET_EDGES, bucket_of
+from nightjar_jax.planner.base import Planner, is_int
+from nightjar_jax.planner.context import DEFAULT_BUCKET_EDGES, bucket_of, validate_bucket_edges
 from nightjar_jax.sim.profile import CostProfile
 from nightjar_jax.sim.workload import Trace
 
@@ -48,16 +50,20 @@ class SimConfig:
     bucket_edges: tuple[int, ...] = DEFAULT_BUCKET_EDGES  # for per-bucket statistics
 
     def __post_init__(self) -> None:
-        if self.gamma_max < 0:
-            raise ValueError(f"gamma_max must be >= 0, got {self.gamma_max}")
-        if self.max_num_seqs is not None and self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.kv_budget_pages is not None and self.kv_budget_pages < 1:
-            raise ValueError(f"kv_budget_pages must be >= 1, got {self.kv_budget_pages}")
-        if self.max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
-        if self.step_noise < 0:
-            raise ValueError(f"step_noise must be >= 0, got {self.step_noise}")
+        for field, minimum, none_allowed in (
+            ("gamma_max", 0, False),
+            ("max_num_seqs", 1, True),
+            ("kv_budget_pages", 1, True),
+            ("max_prefill_tokens", 1, False),
+            ("seed", 0, False),
+        ):
+            value = getattr(self, field)
+            if not (value is None and none_allowed) and (not is_int(value) or value < minimum):
+                raise ValueError(f"{field} must be an int >= {minimum}{' or None' if none_allowed else ''}, "
+                                 f"got {value!r}")
+        if not (isinstance(self.step_noise, numbers.Real) and 0 <= self.step_noise < math.inf):
+            raise ValueError(f"step_noise must be a finite number >= 0, got {self.step_noise!r}")
+        object.__setattr__(self, "bucket_edges", validate_bucket_edges(self.bucket_edges))
 
 
 @dataclasses.dataclass
@@ -145,6 +151,12 @@ class Simulator:
     """Replays one trace against one cost profile; `run(planner)` can be called for many planners."""
 
     def __init__(self, trace: Trace, profile: CostProfile, config: SimConfig | None = None) -> None:
+        if trace.num_requests == 0:
+            phases = [(p.name, p.duration_seconds, p.rate_per_second) for p in trace.phases]
+            raise ValueError(
+                f"the trace has no requests (its phases {phases} as (name, seconds, requests/s) drew none): nothing "
+                "to simulate; use longer phases or higher rates"
+            )
         self.trace, self.profile = trace, profile
         self.config = config or SimConfig()
         if self.config.gamma_max > profile.gamma_max:

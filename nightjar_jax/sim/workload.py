@@ -9,6 +9,7 @@ of chat datasets such as ShareGPT), clipped to [min, max].
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -20,10 +21,14 @@ class Phase:
     rate_per_second: float  # Poisson arrival rate in this phase
 
     def __post_init__(self) -> None:
-        if not self.duration_seconds > 0:
-            raise ValueError(f"phase {self.name!r}: duration_seconds must be > 0, got {self.duration_seconds}")
-        if not self.rate_per_second >= 0:
-            raise ValueError(f"phase {self.name!r}: rate_per_second must be >= 0, got {self.rate_per_second}")
+        if not 0 < self.duration_seconds < math.inf:
+            raise ValueError(
+                f"phase {self.name!r}: duration_seconds must be finite and > 0, got {self.duration_seconds}"
+            )
+        if not 0 <= self.rate_per_second < math.inf:
+            raise ValueError(
+                f"phase {self.name!r}: rate_per_second must be finite and >= 0, got {self.rate_per_second}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,15 +62,68 @@ def test_draft_off_device_means_gamma_zero(spec):
     assert planner.last_gamma == 0
 
 
+def _twin_envs(env: SyntheticEnv) -> SyntheticEnv:
+    twin = SyntheticEnv(seed=0)
+    twin.rng.bit_generator.state = env.rng.bit_generator.state
+    twin.previous_gamma = env.previous_gamma
+    return twin
+
+
 @pytest.mark.parametrize("spec", ALL_SPECS)
-def test_every_planner_round_trips_json_mid_run(spec):
+@pytest.mark.parametrize("steps", [1, 13, 121])  # (not multiples of dsd's refit_every: its fit is then stale)
+def test_every_planner_round_trips_json_mid_run_and_continues_identically(spec, steps):
+    """Equal JSON is not enough: dsd's cached fit was not saved, so a restored dsd refitted at once and decided
+    differently from the original, which kept its fit until `refit_every` more observations."""
     env = SyntheticEnv(seed=2)
     planner = make_planner(spec, 4)
-    run(planner, env, [3, 30, 60] * 40)
+    batches = np.random.default_rng(steps).choice([1, 2, 3, 30, 60], size=steps + 400)
+    run(planner, env, batches[:steps])
     clone = Planner.from_json(planner.to_json())
     assert type(clone) is type(planner) and clone.spec == planner.spec
     assert clone.to_json() == planner.to_json()
-    assert [clone.select(b) for b in (3, 30, 60)] == [planner.select(b) for b in (3, 30, 60)]
+    twin = _twin_envs(env)
+    assert run(clone, twin, batches[steps:])[0] == run(planner, env, batches[steps:])[0]
+
+
+def test_a_restored_dsd_keeps_the_fit_the_original_decides_with():
+    """The QA repro: fitted on batch-2 steps, then big-batch steps before the next refit."""
+
+    def step(p, b, g):
+        p.observe(g, b, round(b * sum(0.7**i for i in range(g + 1))), 0.01 + 0.001 * b * (1 + g))
+
+    original = make_planner("dsd", 4)
+    for i in range(11):
+        b = 2 if i < 10 else 64
+        step(original, b, original.select(b))
+    for _ in range(3):
+        step(original, 64, original.select(64))
+    restored = Planner.from_json(original.to_json())
+    for _ in range(20):
+        gamma = original.select(64)
+        assert restored.select(64) == gamma
+        step(original, 64, gamma)
+        step(restored, 64, gamma)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_dsd_adapts_when_the_batch_size_never_changes(batch):
+    """Its latency model a + b·batch + c·batch·γ is rank-deficient at one batch size; it stayed at default_gamma
+    for good. The minimum-norm fit predicts every γ at that batch exactly."""
+    env = SyntheticEnv(alpha=0.8, per_draft=0.0005, seed=0)
+    planner = make_planner("dsd", 4)
+    gammas, _ = run(planner, env, [batch] * 1500)
+    best = env.best_gamma(batch, 4)
+    assert best >= 3  # (not default_gamma: staying there fails)
+    assert np.bincount(gammas[-500:], minlength=5).argmax() == best
+    a, b, c = planner.latency_coefficients()
+    for gamma in range(5):
+        assert a + b * batch + c * batch * gamma == pytest.approx(env.seconds(batch, gamma), rel=0.05)
+
+
+def test_dsd_needs_two_different_gammas_before_it_fits():
+    planner = make_planner("dsd", 4, warmup_steps=0)
+    run(planner, SyntheticEnv(seed=1), [4] * 50)
+    assert planner.latency_coefficients() is None and planner.last_gamma == 1  # default_gamma, as documented
 
 
 def test_gamma_max_zero_always_ar():

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+from pathlib import Path
 
+import pytest
 from planner_synthetic_env import SyntheticEnv, run
 
 from nightjar_jax.planner import DecisionLogger, make_planner, read_log, replay
@@ -63,3 +67,79 @@ def test_a_log_nobody_closed_is_written_out_at_exit(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     records = read_log(path)
     assert [r["batch_size"] for r in records] == [2, 5, 9, 4] and records[-1]["observed_gamma"] is None
+
+
+class _FailingFile:
+    """A log file whose writes fail as on a full disk, once `fail` is set."""
+
+    def __init__(self) -> None:
+        self.fail, self.lines, self.closed = False, [], False
+
+    def write(self, text: str) -> int:
+        if self.fail:
+            raise OSError(28, "No space left on device")
+        self.lines.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.fail:
+            raise OSError(28, "No space left on device")
+
+    def close(self) -> None:
+        self.closed = True
+        self.flush()
+
+
+def test_a_failing_log_warns_once_stops_and_never_breaks_the_planner(tmp_path, caplog):
+    """A write error escaped select/observe (and LLMEngine.step) after the planner had already moved on."""
+    path = tmp_path / "full.jsonl"
+    log = DecisionLogger(path, flush_every=1)
+    log._file.close()
+    log._file = broken = _FailingFile()
+    planner = make_planner("nightjar", 3)
+    planner.attach_logger(log)
+    with caplog.at_level(logging.WARNING, logger="nightjar_jax.planner.decision_log"):
+        run(planner, SyntheticEnv(seed=1), [2, 5] * 5)
+        broken.fail = True
+        run(planner, SyntheticEnv(seed=1), [2, 5] * 50)
+        planner.close()
+    assert planner.num_decisions == planner.num_observations == 110
+    assert len(broken.lines) == 10 and broken.closed
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and str(path) in warnings[0].getMessage()
+    assert "No space left on device" in warnings[0].getMessage() and isinstance(log.failed, OSError)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_log_on_a_full_disk_does_not_fail_steps(caplog):
+    planner = make_planner("nightjar", 4, decision_log="/dev/full")
+    with caplog.at_level(logging.WARNING, logger="nightjar_jax.planner.decision_log"):
+        for _ in range(300):
+            planner.observe(planner.select(3), 3, 3, 0.01)
+        planner.close()
+    assert planner.num_observations == 300
+    assert sum("/dev/full" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_records_after_close_are_dropped(tmp_path):
+    """observe raised RuntimeError after close (having counted the observation); select logged nothing."""
+    path = tmp_path / "closed.jsonl"
+    planner = make_planner("static:2", 4, decision_log=path)
+    planner.observe(planner.select(1), 1, 3, 0.01)
+    planner.close()
+    planner.observe(planner.select(1), 1, 3, 0.01)
+    planner.select(1)
+    planner.close()
+    assert planner.num_observations == 2 and len(read_log(path)) == 1
+
+
+def test_the_documented_log_example_matches_what_the_code_writes():
+    """docs/planner.md showed "context": 6 for batch 9 (5 with the default fine buckets)."""
+    from nightjar_jax.planner import decision_log
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()
+    block = docs.split('```json\n', 1)[1].split("```", 1)[0]
+    planner = make_planner("nightjar", 4)
+    for example in (block, decision_log.__doc__.split("e.g.", 1)[1].split("}", 1)[0] + "}"):
+        record = json.loads(" ".join(example.split()))
+        assert record["context"] == planner.context_of(record["batch_size"]), example

@@ -8,6 +8,7 @@ docs/planner.md: an out-of-range or wrongly typed option names the field, the va
 from __future__ import annotations
 
 import json
+import logging
 import re
 import warnings
 
@@ -201,3 +202,74 @@ def test_numbers_of_any_kind_and_a_none_seed_are_accepted():
     for seconds in (np.array(0.01), np.float32(0.02), Decimal("0.03")):
         planner.observe(gamma=1, batch_size=2, num_tokens=3, seconds=seconds, switch_seconds=np.array(0.0))
     assert planner.num_observations == 3 and planner.select(2) in (0, 1, 2)
+
+
+def test_load_state_dict_refuses_a_state_that_means_something_else_here():
+    """Only the kind and gamma_max were checked: a nightjar state filed its statistics under context ids of other
+    batch sizes, static:3 loaded a static:2 state, last_gamma 9 entered a gamma_max=4 planner, and a 2-arm
+    banditspec state failed later inside select."""
+    source = make_planner("nightjar", 4)
+    for b in (1, 2, 3, 5, 9, 300):
+        source.observe(source.select(b), b, b, 0.01)
+    coarse = make_planner("nightjar", 4, bucket_edges=(1, 64))
+    before = coarse.to_json()
+    mismatch = r"bucket_edges=\(1, 2, 3, .*this planner \('nightjar'\) has bucket_edges=\(1, 64\)"
+    with pytest.raises(ValueError, match=mismatch):
+        coarse.load_state_dict(source.state_dict())
+    assert coarse.to_json() == before  # refused states change nothing
+    make_planner("nightjar", 4, explore_scale=0.9).load_state_dict(source.state_dict())  # tuning options may differ
+
+    with pytest.raises(ValueError, match="with gamma=2; this planner .* has gamma=3"):
+        make_planner("static:3", 4).load_state_dict(make_planner("static:2", 4).state_dict())
+    make_planner("static:4", 4).load_state_dict(make_planner("static", 4).state_dict())  # one planner, two names
+    with pytest.raises(ValueError, match="table="):
+        make_planner("table", 4).load_state_dict(make_planner("table", 4, table=((8, 1),)).state_dict())
+
+    state = source.state_dict()
+    state["counters"]["last_gamma"] = 9
+    target = make_planner("nightjar", 4)
+    with pytest.raises(ValueError, match=re.escape("last_gamma must be in 0..4, got 9")):
+        target.load_state_dict(state)
+    assert target.contexts == {} and target.last_gamma is None
+
+    state = make_planner("banditspec", 4).state_dict()
+    state["learned"]["counts"] = [1, 2]
+    with pytest.raises(ValueError, match=re.escape("learned counts has 2 entries, expected 5")):
+        make_planner("banditspec", 4).load_state_dict(state)
+    state = source.state_dict()
+    state["learned"]["contexts"]["99"] = state["learned"]["contexts"]["0"]
+    with pytest.raises(ValueError, match="context 99 is outside 0..17"):
+        make_planner("nightjar", 4).load_state_dict(state)
+
+
+def test_gamma_max_may_be_a_numpy_integer_but_not_a_bool_or_float():
+    for spec in ("nightjar", "dsd", "static", "table", "banditspec", "ar"):
+        planner = make_planner(spec, np.int64(4))
+        assert planner.gamma_max == 4 and type(planner.gamma_max) is int
+        json.loads(planner.to_json())
+    for bad in (True, np.float64(4.0), np.int64(-1)):
+        with pytest.raises(ValueError, match="gamma_max must be an int >= 0"):
+            make_planner("nightjar", bad)
+
+
+@pytest.mark.parametrize("spec", ["static", "nightjar", "dsd"])
+def test_draft_on_device_must_be_a_bool(spec):
+    """The string 'False' is truthy: it turned speculation on."""
+    planner = make_planner(spec, 4)
+    for bad in ("False", 0, None):
+        with pytest.raises(ValueError, match="draft_on_device must be a bool"):
+            planner.select(3, draft_on_device=bad)
+    assert planner.select(3, draft_on_device=np.bool_(False)) == 0 and planner.num_decisions == 1
+
+
+def test_steps_that_are_all_switch_warn_once_then_rarely(caplog):
+    """Nightjar warned on every such step."""
+    from nightjar_jax.planner.nightjar import ALL_SWITCH_WARN_EVERY
+
+    planner = make_planner("nightjar", 4)
+    with caplog.at_level(logging.DEBUG, logger="nightjar_jax.planner.nightjar"):
+        for _ in range(ALL_SWITCH_WARN_EVERY + 10):
+            planner.observe(planner.select(3), 3, 3, 0.01, switch_seconds=0.01)
+    records = [r for r in caplog.records if "no time outside the switch" in r.getMessage()]
+    assert len(records) == ALL_SWITCH_WARN_EVERY + 10
+    assert [i for i, r in enumerate(records) if r.levelno == logging.WARNING] == [0, ALL_SWITCH_WARN_EVERY]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 
 import pytest
 
@@ -85,7 +86,6 @@ def test_files_and_outputs(tmp_path, capsys) -> None:
     assert common.existing_file(str(f)) == str(f)
     with pytest.raises(argparse.ArgumentTypeError, match="no such file"):
         common.existing_file(str(tmp_path / "nope.json"))
-    assert common.writable_out(str(tmp_path / "new" / "deeper" / "o.json"))  # made when written
     with pytest.raises(argparse.ArgumentTypeError, match="cannot write"):
         common.writable_out(str(f / "o.json"))  # under a file
     with pytest.raises(SystemExit, match="no such file"):
@@ -112,3 +112,41 @@ def test_missing_numbers_are_none_and_na(tmp_path) -> None:
     assert "NaN" not in text and "Infinity" not in text
     assert json.loads(text) == {"a": None, "b": [1.0, None], "c": {"d": 2.5}}
     assert not any(isinstance(v, float) and math.isnan(v) for v in json.loads(text)["b"])
+
+
+def test_writable_out_creates_a_missing_folder_when_the_flag_is_parsed(tmp_path) -> None:
+    """It only checked that the folder *could* be made; the scripts then wrote with a plain open and failed with
+    FileNotFoundError after the whole run (sim_planners.py: exit 1, the code of "a check printed NO")."""
+    out = tmp_path / "new" / "deeper" / "o.json"
+    assert common.writable_out(str(out)) == str(out)
+    assert out.parent.is_dir() and not out.exists()
+    out.write_text("{}")  # what the scripts do at the end
+    f = tmp_path / "file"
+    f.write_text("")
+    for bad, message in [
+        (f / "sub" / "o.json", f"{str(f)!r} is a file, not a folder"),
+        (tmp_path, "it is a folder"),
+        ("", "expected an output file path"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+            common.writable_out(str(bad) if bad != "" else "")
+    p = _parser(out=common.writable_out)
+    assert p.parse_args(["--out", str(tmp_path / "made" / "x.json")]).out.endswith("x.json")
+    assert (tmp_path / "made").is_dir()
+
+
+def test_writable_out_refuses_a_folder_it_cannot_create(tmp_path, monkeypatch) -> None:
+    def refuse(path, exist_ok=False):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(common.os, "makedirs", refuse)
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot create its folder .*Permission denied"):
+        common.writable_out(str(tmp_path / "locked" / "o.json"))
+
+
+def test_float_at_least() -> None:
+    parse = common.float_at_least(1)
+    assert parse("1") == 1.0 and parse("2.5") == 2.5
+    for bad in ("0.5", "nan", "inf", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a finite number >= 1"):
+            parse(bad)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from nightjar_jax.sim import DEFAULT_PROFILE, CostProfile, build_synthetic_profile
+from nightjar_jax.sim.profile import PROFILES_DIR
 
 
 def test_checked_in_profile_loads_and_is_labelled_synthetic():
@@ -35,6 +37,7 @@ def test_interpolation_is_exact_on_the_grid_and_linear_between():
         prefill_seconds_per_token=0.01,
         catchup_fixed_seconds=0.2,
         catchup_seconds_per_token=0.001,
+        kind="synthetic-model",
     )
     assert profile.step_seconds(1, 0, 100) == 1.0 and profile.step_seconds(3, 1, 300) == 6.0
     assert profile.step_seconds(2, 0, 200) == pytest.approx(2.5)  # mean of the four corners
@@ -68,3 +71,50 @@ def test_synthetic_model_has_the_speculation_crossover():
     assert best(1, 512) >= 2  # memory-bound: speculate deeply
     assert best(256, 256) <= 1  # compute-bound: speculation barely pays or costs
     assert profile.step_seconds(256, 4, 512) > 2 * profile.step_seconds(1, 4, 512)
+
+
+def _mutated(change) -> dict:
+    data = json.loads(json.dumps(CostProfile.from_json().to_dict()))
+    change(data)
+    return data
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d["prefill_seconds"].update(fixed=float("nan")), "prefill_seconds.fixed must be a finite number"),
+        (lambda d: d["step_seconds"][0][0].__setitem__(0, float("inf")), "step_seconds[0][0][0] must be a finite"),
+        (lambda d: d["step_seconds"][1][2].__setitem__(3, -0.1), "step_seconds[1][2][3] must be a finite number > 0"),
+        (lambda d: d["catchup_seconds"].update(per_token=-1.0), "catchup_seconds.per_token must be a finite number"),
+        (lambda d: d.update(reload_seconds=float("inf")), "reload_seconds must be a finite number of seconds >= 0"),
+        (lambda d: d.update(page_size=0), "page_size must be an int >= 1, got 0"),
+        (lambda d: d.update(max_num_seqs=0), "max_num_seqs must be an int >= 1, got 0"),
+        (lambda d: d.update(kv_budget_pages=-3), "kv_budget_pages must be an int >= 1, got -3"),
+        (lambda d: d["acceptance_per_position"].__setitem__(0, float("nan")), "acceptance_per_position entries"),
+        (lambda d: d.update(batch_sizes=[0, *d["batch_sizes"][1:]]), "batch_sizes must be ints >= 1"),
+        (lambda d: d.pop("kind"), "kind is required: 'measured'"),
+    ],
+)
+def test_profile_values_are_checked_at_load_naming_the_field(change, message):
+    """They used to load and then poison the simulation (NaN tok/s) or fail in the middle of a run."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CostProfile.from_dict(_mutated(change))
+
+
+def test_every_shipped_profile_loads_and_says_its_kind():
+    paths = sorted(PROFILES_DIR.glob("*.json"))
+    assert len(paths) >= 3
+    for path in paths:
+        assert CostProfile.from_json(path).kind in ("measured", "synthetic-model")
+
+
+def test_cost_queries_refuse_what_is_off_the_profile():
+    profile = CostProfile.from_json()
+    assert profile.expected_tokens(0) == 1.0 and profile.expected_tokens(profile.gamma_max) > 1.0
+    for gamma in (-1, profile.gamma_max + 1, 1.0, True):
+        with pytest.raises(ValueError, match="gamma must be an int in 0"):
+            profile.expected_tokens(gamma)
+    with pytest.raises(ValueError, match="mean_context"):
+        profile.step_seconds(8, 1, float("nan"))
+    with pytest.raises(ValueError, match="batch_size"):
+        profile.step_seconds(0, 1, 100.0)

@@ -76,3 +76,33 @@ def test_oracles_follow_the_static_runs(profile, trace):
     result = simulator.run(per_phase)
     assert sum(result.gamma_counts.values()) == result.num_decode_steps
     assert set(result.gamma_counts) <= set(per_phase.per_phase.values())
+
+
+def test_a_trace_without_requests_is_a_clear_error(profile):
+    """It raised ZeroDivisionError from the result's throughput after the run."""
+    trace = make_trace([Phase("quiet", 10.0, 0.0)])
+    assert trace.num_requests == 0
+    with pytest.raises(ValueError, match=r"the trace has no requests .*'quiet'"):
+        Simulator(trace, profile)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"step_noise": float("nan")}, "step_noise must be a finite number >= 0"),
+        ({"max_num_seqs": 2.5}, "max_num_seqs must be an int >= 1 or None"),
+        ({"gamma_max": True}, "gamma_max must be an int >= 0"),
+        ({"bucket_edges": (2, 4)}, "bucket_edges must start at 1"),
+    ],
+)
+def test_sim_config_is_validated(options, message):
+    with pytest.raises(ValueError, match=message):
+        SimConfig(**options)
+    assert SimConfig(max_num_seqs=np.int64(4), bucket_edges=[1, 8]).bucket_edges == (1, 8)
+
+
+def test_phases_must_be_finite():
+    with pytest.raises(ValueError, match="rate_per_second must be finite"):
+        Phase("x", 1.0, float("inf"))
+    with pytest.raises(ValueError, match="duration_seconds must be finite"):
+        Phase("x", float("inf"), 1.0)
