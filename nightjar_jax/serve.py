@@ -1,7 +1,8 @@
 """``python -m nightjar_jax.serve``: load the engine, warm it up, and serve the OpenAI-compatible API.
 
 Shutdown on SIGINT / SIGTERM is graceful: uvicorn stops accepting connections, in-flight requests get
-``--shutdown-timeout`` seconds to finish, whatever is left is aborted (pages freed), and the process exits 0.
+``--shutdown-timeout`` seconds to finish, whatever is left is aborted (pages freed), and the process exits 0. A
+second SIGINT during it (uvicorn's force quit) cuts what is still running, closes the engine and exits 130.
 """
 
 from __future__ import annotations
@@ -46,7 +47,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     group.add_argument("--port", type=_bounded(int, "port", 0, 65535), default=8000,
                        help="port to bind (default: 8000; 0 picks a free one)")
-    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer <key>' on /v1/* (an unknown /v1 path too), /invocations, "
+                       "/tokenize, /detokenize, /reset_prefix_cache and the sleep and weight-update endpoints; "
+                       "/health, /ping, /load, /version, /metrics and the docs stay open (stricter than vLLM, which "
+                       "guards /v1 only); an empty key is no key: auth stays off")
     group.add_argument("--served-model-name", default=None, nargs="+",
                        help="model name in the API (default: --model); several: requests may name any of them, and "
                        "responses carry the first (vLLM's)")
@@ -120,8 +125,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help='CORS: allowed methods, a JSON list (default ["*"])')
     group.add_argument("--allowed-headers", type=_json_strings("allowed-headers"), default=["*"],
                        help='CORS: allowed headers, a JSON list (default ["*"])')
-    group.add_argument("--root-path", default=None,
-                       help="the path prefix a proxy serves this server under (ASGI root_path, as vLLM's)")
+    group.add_argument("--root-path", type=_root_path, default=None,
+                       help="the path prefix a proxy serves this server under (ASGI root_path, as vLLM's): it starts "
+                       "with '/', e.g. /api (a trailing '/' is dropped)")
     group.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key file")
     group.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate file")
     group.add_argument("--ssl-ca-certs", default=None, help="HTTPS: CA certificates to verify clients with")
@@ -134,6 +140,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="do not serve FastAPI's /docs, /redoc and /openapi.json")
     group.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     return parser
+
+
+def _root_path(text: str) -> str:
+    """An argparse type: an ASGI root path, "/api" (uvicorn took "api" and the log named http://host:8000api/v1)."""
+    if text and not text.startswith("/"):
+        raise argparse.ArgumentTypeError(f"root-path must start with '/', e.g. /{text}, got {text!r}")
+    return text.rstrip("/")
 
 
 def _json_strings(name: str):
@@ -304,37 +317,83 @@ class _Server:
 
 
 def check_ssl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """HTTPS takes a key and a certificate together, each a readable file; checked before the model loads."""
+    """HTTPS takes a key and a certificate together, each a readable file, and verifying clients takes CA
+    certificates; all are loaded here, before the model loads (uvicorn loads them after it: a traceback, minutes
+    later)."""
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         parser.error("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both): give both, or neither")
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
                        ("--ssl-ca-certs", args.ssl_ca_certs)):
         if path is not None and not Path(path).is_file():
             parser.error(f"{flag} {path}: no such file")
-    if args.ssl_keyfile is not None:  # (a bad pair failed after the model loaded, with a traceback)
-        import ssl
-
-        try:
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
-        except (ssl.SSLError, OSError) as exc:
-            parser.error(f"--ssl-certfile {args.ssl_certfile} / --ssl-keyfile {args.ssl_keyfile}: not a certificate "
-                         f"and its private key ({exc})")
     if args.ssl_ca_certs is not None and args.ssl_keyfile is None:
         parser.error("--ssl-ca-certs verifies clients of an HTTPS server: add --ssl-keyfile and --ssl-certfile")
+    if args.ssl_cert_reqs and args.ssl_ca_certs is None:  # (no CA to verify with: every client was refused)
+        parser.error(f"--ssl-cert-reqs {args.ssl_cert_reqs} verifies client certificates: it needs --ssl-ca-certs "
+                     f"(the CA certificates to verify them with)")
+    if args.ssl_keyfile is None:
+        return
+    import ssl
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    asked = []
+
+    def no_passphrase() -> bytes:  # (without a callback OpenSSL prompts on the terminal for one)
+        asked.append(True)
+        return b""
+
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password=no_passphrase)
+    except (ssl.SSLError, OSError) as exc:
+        try:
+            encrypted = bool(asked) or b"ENCRYPTED" in Path(args.ssl_keyfile).read_bytes()
+        except OSError:
+            encrypted = False
+        hint = "; the private key may be encrypted: no passphrase is taken, give an unencrypted key" if encrypted \
+            else ""
+        parser.error(f"--ssl-certfile {args.ssl_certfile} / --ssl-keyfile {args.ssl_keyfile}: not a certificate "
+                     f"and its private key ({exc}){hint}")
+    if args.ssl_ca_certs is not None:
+        try:
+            context.load_verify_locations(args.ssl_ca_certs)
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            parser.error(f"--ssl-ca-certs {args.ssl_ca_certs}: no CA certificates could be read from it ({exc})")
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
     """The server's listening socket, bound before the model loads (uvicorn binds after: a host that does not
-    resolve or a port in use failed only once minutes of loading and warm-up were spent). Port 0: a free one."""
+    resolve or a port in use failed only once minutes of loading and warm-up were spent). Port 0: a free one. It
+    listens at once: two SO_REUSEADDR sockets that do not listen yet may both bind one port, and the second server
+    started together with the first loaded its model, said it served, and never got a connection."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(backlog)
     except OSError:
         sock.close()
         raise
     sock.set_inheritable(True)
     return sock
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``; an empty one is none, as in vLLM (``--api-key "$KEY"`` with KEY unset), with a warning."""
+    if args.api_key == "":
+        logger.warning("--api-key is empty: API-key auth is off (no endpoint needs a key)")
+    return args.api_key or None
+
+
+def run_server(server, sock: socket.socket, async_engine) -> int:
+    """Serve until shut down: 0 after a graceful shutdown; 130 after a force quit (a second SIGINT: uvicorn cut
+    the requests still running and skipped the app's shutdown, so the engine is closed here)."""
+    server.run(sockets=[sock])
+    if server.force_exit:
+        logger.warning("forced quit: requests still running were cut off")
+        async_engine.stop(timeout=10.0)
+        return 130
+    logger.info("server stopped")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    key = api_key(args)
     import uvicorn
 
     from nightjar_jax.server.app import ServerSettings, build_app
@@ -365,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(
         served_model_name=args.served_model_name[0] if args.served_model_name else engine.config.model,
         served_model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
-        api_key=args.api_key,
+        api_key=key,
         max_body_bytes=args.max_body_bytes,
         tool_call_parser=tool_parser,
         reasoning_parser=thoughts,
@@ -379,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         enable_request_id_headers=args.enable_request_id_headers,
         disable_fastapi_docs=args.disable_fastapi_docs,
     )
-    app = build_app(AsyncEngine(engine), settings)
+    async_engine = AsyncEngine(engine)
+    app = build_app(async_engine, settings)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -397,9 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     server = _Server.make(config)
     logger.info("serving %s on %s://%s:%d%s/v1", settings.served_model_name, "https" if args.ssl_certfile else "http",
                 args.host, sock.getsockname()[1], args.root_path or "")
-    server.run(sockets=[sock])
-    logger.info("server stopped")
-    return 0
+    return run_server(server, sock, async_engine)
 
 
 if __name__ == "__main__":

@@ -721,8 +721,11 @@ class ModelRunner:
             if mine is None:
                 raise ValueError("new draft weights for an engine without a draft")
             if dataclasses.replace(new.config, name=mine.config.name) != mine.config:
-                raise ValueError(f"new weights for {mine.config.name} are of another architecture ({new.config}); "
-                                 f"only weights of the loaded model's config can replace its own")
+                from nightjar_jax.models.loader import config_differences
+
+                raise ValueError(f"new weights for {mine.config.name} are of another architecture (theirs vs the "
+                                 f"loaded model's: {', '.join(config_differences(new.config, mine.config))}); only "
+                                 f"weights of the loaded model's config can replace its own")
             same = new.treedef == mine.treedef and all(
                 (x.shape, x.dtype) == (y.shape, y.dtype) for x, y in zip(mine.leaves(), new.leaves(), strict=True))
             relayout.append(not same)

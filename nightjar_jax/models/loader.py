@@ -213,9 +213,56 @@ def load_checkpoint(
     return ckpt
 
 
+# the fields a preset fixes: its checkpoint must match them (the rest, e.g. rope_theta, is the checkpoint's own)
+PRESET_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "tie_word_embeddings", "head_vocab_size", "feature_size", "feature_layers")
+
+
+def read_config(model: str, *, load_format: str = "auto", dtype: str | None = None) -> tuple[ModelConfig | None, bool]:
+    """The config of checkpoint ``model`` read without its weights, and whether it is a preset's (of which only
+    :data:`PRESET_FIELDS` are fixed). Raises what :func:`load_checkpoint` raises for a path that does not exist, an
+    unknown preset or a preset without weights; (None, False) where the config comes only with the weights (a
+    llama2.c file, an HF repo id still to resolve)."""
+    dummy = load_format == "dummy"
+    fmt = "auto" if dummy else load_format
+    path = Path(model).expanduser()
+    preset = False
+    if path.exists():  # (load_checkpoint's order of cases)
+        fmt = _detect_format(path) if fmt == "auto" else fmt
+        if fmt in ("hf", "safetensors") and path.is_dir():
+            cfg = hf.read_config(path)
+        elif fmt == "orbax" and (path / orbax_io.CONFIG_FILE).exists():
+            cfg = orbax_io.read_config(path / orbax_io.CONFIG_FILE)
+        elif fmt == "gguf":
+            cfg = gguf_loader.config_from_gguf(gguf_loader._reader(path), source=str(path))
+        else:
+            return None, False
+    elif model.lower() in PRESETS:
+        found = get_preset(model)
+        if found.source is None and not dummy:
+            raise ValueError(f"preset {model!r} has no real weights; use load_format='dummy' (--load-format dummy)")
+        cfg, preset = found.config, True
+    elif _REPO_ID.match(model) and not model.startswith((".", "~")):
+        return None, False
+    elif "/" in model or model.startswith((".", "~")) or Path(model).suffix in (".gguf", ".bin"):
+        raise FileNotFoundError(f"model path {model!r} does not exist")
+    else:
+        get_preset(model)  # raises "unknown model preset ... known presets are [...]"
+        raise AssertionError("unreachable")
+    return (cfg.replace(dtype=dtype) if dtype is not None else cfg), preset
+
+
+def config_differences(got: ModelConfig, want: ModelConfig, fields: tuple[str, ...] | None = None) -> list[str]:
+    """``["vocab_size 49152 vs 512", ...]``: the fields (default every one but the name) where ``got`` and
+    ``want`` differ."""
+    import dataclasses
+
+    fields = fields or tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "name")
+    return [f"{k} {getattr(got, k)} vs {getattr(want, k)}" for k in fields if getattr(got, k) != getattr(want, k)]
+
+
 def _check_matches_preset(got: ModelConfig, want: ModelConfig, source: str) -> None:
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-            "tie_word_embeddings", "head_vocab_size", "feature_size", "feature_layers")
+    keys = PRESET_FIELDS
     diff = {k: (getattr(got, k), getattr(want, k)) for k in keys if getattr(got, k) != getattr(want, k)}
     if diff:
         raise ValueError(f"{source}: checkpoint does not match preset {want.name} (got, preset): {diff}")

@@ -39,13 +39,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
+from nightjar_jax.config import ModelConfig
 from nightjar_jax.engine.beam_search import BeamSearchOutput, expansion
 from nightjar_jax.engine.engine import SLEEP_TAGS
 from nightjar_jax.engine.outputs import RequestOutput
 from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, clip, short_repr
 from nightjar_jax.models.tokenizer import ChatTemplateArgumentError, IncrementalDetokenizer
 from nightjar_jax.server import reasoning_parsers, tool_parsers
-from nightjar_jax.server.async_engine import AsyncEngine, GroupStream
+from nightjar_jax.server.async_engine import AsyncEngine, EngineShuttingDown, GroupStream
 from nightjar_jax.server.metrics import ServerMetrics
 from nightjar_jax.server.protocol import (
     APIError,
@@ -254,6 +255,25 @@ def find_surrogate(value: Any, path: str = "") -> str | None:
     return None
 
 
+def check_checkpoint(spec: str, served: ModelConfig, engine_config) -> None:
+    """What loading checkpoint ``spec`` in place of a model of config ``served`` would refuse that can be told
+    without its weights, raised as the load raises it (``ValueError``, ``OSError``): a path that does not exist, an
+    unknown preset, and a checkpoint of another architecture, naming the fields that differ, where its config can
+    be read alone (``loader.read_config``). A derived draft (``@skip=``) has its own config: the load checks it."""
+    from nightjar_jax.models.loader import PRESET_FIELDS, config_differences, read_config
+    from nightjar_jax.spec.drafts import parse_draft_spec
+
+    base, skip, keep_first = parse_draft_spec(spec)
+    new, preset = read_config(base, load_format=engine_config.load_format, dtype=engine_config.dtype)
+    if new is None or skip is not None or keep_first is not None:
+        return
+    diff = config_differences(new, served, PRESET_FIELDS if preset else None)
+    if diff:
+        raise ValueError(f"{spec} is of another architecture than the served {served.name} (the checkpoint's vs the "
+                         f"served model's: {', '.join(diff)}); only weights of the served model's config can replace "
+                         f"its own")
+
+
 def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
     """The FastAPI app. The engine thread starts with the app (if not yet running) and stops when it shuts down."""
     engine = async_engine.engine
@@ -296,6 +316,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        if under_v1(request):  # (no route to authorize: an unknown /v1 path or method is a 401 first, as vLLM's)
+            try:
+                authorize(request)
+            except APIError as denied:
+                return JSONResponse(denied.body(), status_code=denied.status)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code)
 
@@ -307,8 +332,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     # (an unhandled exception is answered by _InternalErrors, inside the CORS and request-id middlewares)
 
     # ---- helpers ------------------------------------------------------------------------------------------------
+    def under_v1(request: Request) -> bool:
+        path, root = request.scope.get("path", ""), request.scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        return path == "/v1" or path.startswith("/v1/")
+
     def authorize(request: Request) -> None:
-        if settings.api_key is None:
+        if not settings.api_key:  # (an empty key is none, as vLLM's)
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
@@ -495,6 +526,13 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             names = {"structured_outputs": structured_param, "prompt": prompt_param}
             raise APIError(400, str(exc), param=names.get(field, field)) from None
         except RuntimeError as exc:
+            raise APIError(503, str(exc), type="server_error") from None
+
+    async def engine_call(fn, drain=None) -> Any:
+        """:meth:`AsyncEngine.call`; too late for a stopping engine: the 503 a request gets then."""
+        try:
+            return await async_engine.call(fn, drain=drain)
+        except EngineShuttingDown as exc:
             raise APIError(503, str(exc), type="server_error") from None
 
     beam_searches = [0]  # beam searches under way (each runs many engine steps, the engine idle between them)
@@ -689,7 +727,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         the next one starts cold. Requests in flight keep their pages and their outputs. A body is ignored, as
         vLLM's (clients send ``{}``)."""
         authorize(request)
-        forgotten = await async_engine.call(lambda e: e.reset_prefix_cache())
+        forgotten = await engine_call(lambda e: e.reset_prefix_cache())
         return {"success": True, "pages_forgotten": forgotten}
 
     @app.get("/version")
@@ -700,13 +738,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
 
     if settings.enable_sleep_mode:
         async def only_params(request: Request, allowed: tuple[str, ...]) -> None:
-            """Sleep-mode endpoints take query parameters only: an unknown one, or a body, is a 400 (a misspelt
-            ``level`` must not sleep at the default level)."""
+            """Sleep-mode endpoints take query parameters only: an unknown one, or a body other than ``{}``, is a 400 (a
+            misspelt ``level`` must not sleep at the default level)."""
             unknown = [k for k in request.query_params if k not in allowed]
             if unknown:
                 raise APIError(400, f"unknown query parameter {unknown[0]!r}: allowed {', '.join(allowed)}",
                                param=unknown[0])
-            if (await request.body()).strip():
+            body = (await request.body()).strip()
+            if body and b"".join(body.split()) != b"{}":  # ({}: what client wrappers send; vLLM ignores a body)
                 raise APIError(400, f"this endpoint takes no body: pass {' and '.join(allowed)} as query parameters "
                                     f"(?{allowed[0]}=...)", param=allowed[0])
 
@@ -740,7 +779,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 return e.sleep(level)
 
             try:
-                freed = await async_engine.call(go)
+                freed = await engine_call(go)
             except APIError:
                 raise
             except ValueError as exc:
@@ -763,7 +802,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 raise APIError(400, f"tags must be among {', '.join(SLEEP_TAGS)} (repeat the parameter for both), got "
                                     f"{bad[0]!r}", param="tags")
             try:
-                await async_engine.call(lambda e: e.wake_up(tags))
+                await engine_call(lambda e: e.wake_up(tags))
+            except APIError:
+                raise
             except Exception as exc:  # (the checkpoint of a level-2 sleep gone or unreadable: the server's fault)
                 logger.exception("wake_up failed")
                 raise APIError(500, f"waking the engine failed: {exc}; it is still asleep "
@@ -788,6 +829,17 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             authorize(request)
             req: UpdateWeightsRequest = await read_body(request, UpdateWeightsRequest)
             req.check()
+            for spec, handle, param in ((req.model_path, engine.target, "model_path"),
+                                        (req.draft_model_path, engine.draft, "draft_model_path")):
+                if spec is None:
+                    continue
+                if handle is None:
+                    raise APIError(400, "draft_model_path given, but this engine has no draft", param=param)
+                try:  # (before the wait: a typo or another model must not hold every request, nor load in full)
+                    await asyncio.to_thread(check_checkpoint, spec, handle.config, engine.config)
+                except (ValueError, OSError) as exc:
+                    raise APIError(400, f"the new weights could not be loaded: {exc}; the old ones are still "
+                                        f"served", param=param) from None
 
             def go(e):
                 try:
@@ -802,9 +854,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             updates_waiting[0] += 1
             updates_done.clear()
             try:
-                relayout = await async_engine.call(go, drain=lambda e: e.has_unfinished_requests() or beam_searches[0])
-            except RuntimeError as exc:  # (the engine stopped first: a shutdown)
-                raise APIError(503, str(exc), type="server_error") from None
+                relayout = await engine_call(go, drain=lambda e: e.has_unfinished_requests() or beam_searches[0])
             finally:
                 updates_waiting[0] -= 1
                 if not updates_waiting[0]:

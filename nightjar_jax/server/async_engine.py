@@ -31,6 +31,13 @@ from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingPar
 logger = logging.getLogger(__name__)
 
 
+class EngineShuttingDown(RuntimeError):
+    """An add or call that came too late: the engine is stopping (the server's 503)."""
+
+    def __init__(self) -> None:
+        super().__init__("the engine is shutting down")
+
+
 @dataclass
 class _Group:
     """Engine requests that belong to one HTTP request."""
@@ -155,9 +162,9 @@ class AsyncEngine:
             self._cond.notify()
         for command in queued:
             if isinstance(command, _Add):
-                self._resolve(command.ack, RuntimeError("the engine is shutting down"))
+                self._resolve(command.ack, EngineShuttingDown())
             else:
-                self._settle(command.done, None, RuntimeError("the engine is shutting down"))
+                self._settle(command.done, None, EngineShuttingDown())
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -200,7 +207,7 @@ class AsyncEngine:
         any member is bad (then nothing is queued). ``bypass_drain``: it goes ahead of a draining :meth:`call` that
         waits (the next step of work that call waits for)."""
         if self._stopping or not self.is_alive:
-            raise RuntimeError("the engine is shutting down")
+            raise EngineShuttingDown()
         loop = asyncio.get_running_loop()
         if request_id is not None:
             self.claim(request_id)
@@ -228,7 +235,7 @@ class AsyncEngine:
         is false (e.g. nothing in flight), the engine stepping meanwhile, and commands sent after it wait behind it
         (new requests are admitted after it: a weight update between two policies' samples)."""
         if self._stopping or not self.is_alive:
-            raise RuntimeError("the engine is shutting down")
+            raise EngineShuttingDown()
         done = asyncio.get_running_loop().create_future()
         self._send(_Call(fn, done, drain))
         return await done
@@ -296,7 +303,7 @@ class AsyncEngine:
     def _handle(self, command: Any) -> None:
         if isinstance(command, _Call):
             if self._stopping:
-                self._settle(command.done, None, RuntimeError("the engine is shutting down"))
+                self._settle(command.done, None, EngineShuttingDown())
                 return
             try:
                 result = command.fn(self.engine)
@@ -313,7 +320,7 @@ class AsyncEngine:
             return
         group = command.group
         if self._stopping:
-            self._resolve(command.ack, RuntimeError("the engine is shutting down"))
+            self._resolve(command.ack, EngineShuttingDown())
             return
         added: list[str] = []
         try:

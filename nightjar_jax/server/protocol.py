@@ -654,6 +654,10 @@ class UpdateWeightsRequest(_Strict):
         if self.model_path is None and self.draft_model_path is None:
             raise APIError(400, "give 'model_path' (the target's new checkpoint), 'draft_model_path' or both",
                            param="model_path")
+        for name in ("model_path", "draft_model_path"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():  # ("" was read as the current directory)
+                raise APIError(400, f"{name} must be a non-empty path", param=name)
         if self.load_format not in (None, "auto"):
             raise APIError(400, f"'load_format' {short_repr(self.load_format)} is not supported: checkpoints load as "
                                 "at start ('auto' or leave it out)", param="load_format")

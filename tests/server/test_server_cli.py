@@ -174,6 +174,7 @@ def test_serve_binds_before_the_model_loads(capsys, monkeypatch):
     (["--allowed-origins", "*"], "allowed-origins must be a JSON list of strings"),
     (["--allowed-headers", '[1]'], "allowed-headers must be a JSON list of strings"),
     (["--ssl-cert-reqs", "3"], "ssl-cert-reqs must be in [0, 2], got 3"),
+    (["--root-path", "api"], "root-path must start with '/', e.g. /api, got 'api'"),  # (logged http://h:8000api/v1)
 ])
 def test_server_flags_out_of_range_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -249,3 +250,144 @@ def test_vllm_speculative_config_sets_the_speculation_flags(spec, expected):
 def test_bad_speculative_configs_say_what_is_allowed(argv, message):
     with pytest.raises(ConfigError, match=message):
         engine_config_from_args(build_parser().parse_args(argv))
+
+
+def test_root_path_drops_a_trailing_slash():
+    assert build_parser().parse_args(["--root-path", "/api/"]).root_path == "/api"
+    assert build_parser().parse_args(["--root-path", ""]).root_path == ""  # (none)
+
+
+def test_a_second_bind_of_a_port_fails_at_once():
+    """Two servers started together on one port: the second bind fails (it listens at once; two SO_REUSEADDR
+    sockets not listening yet both bound, and the loser served nothing), and the socket handed on still serves."""
+    import asyncio
+    import errno
+
+    from nightjar_jax.serve import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    try:
+        with pytest.raises(OSError) as exc:
+            bind_socket("127.0.0.1", port).close()
+        assert exc.value.errno == errno.EADDRINUSE
+
+        async def serve_one():  # (as uvicorn takes the socket: loop.create_server(sock=...))
+            server = await asyncio.start_server(lambda r, w: (w.write(b"hi"), w.close()), sock=sock)
+            async with server:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                data = await reader.read()
+                writer.close()
+                return data
+
+        assert asyncio.run(serve_one()) == b"hi"
+    finally:
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    """A self-signed certificate, its key, the key encrypted, and a file that holds no certificate."""
+    pytest.importorskip("cryptography")
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder = tmp_path_factory.mktemp("tls")
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(key, hashes.SHA256()))
+    files = {"cert": folder / "cert.pem", "key": folder / "key.pem", "enc": folder / "enc.pem",
+             "garbage": folder / "garbage.pem"}
+    files["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    pem, pkcs8 = serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8
+    files["key"].write_bytes(key.private_bytes(pem, pkcs8, serialization.NoEncryption()))
+    files["enc"].write_bytes(key.private_bytes(pem, pkcs8, serialization.BestAvailableEncryption(b"pw")))
+    files["garbage"].write_text("not a certificate\n")
+    return {k: str(v) for k, v in files.items()}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ssl-ca-certs", "garbage"], "--ssl-ca-certs {garbage}: no CA certificates could be read from it"),
+    (["--ssl-cert-reqs", "2"], "--ssl-cert-reqs 2 verifies client certificates: it needs --ssl-ca-certs"),
+    (["--ssl-cert-reqs", "1"], "--ssl-cert-reqs 1 verifies client certificates: it needs --ssl-ca-certs"),
+    (["--ssl-keyfile", "enc"], "the private key may be encrypted: no passphrase is taken"),
+])
+def test_bad_tls_setups_are_usage_errors_before_the_model_loads(tls_files, flags, message, capsys, monkeypatch):
+    """A CA file that holds no certificate failed after the model loaded, with a traceback; client verification
+    without CA certificates refused every client; an encrypted key said only "Invalid argument"."""
+    import nightjar_jax.serve as serve
+
+    monkeypatch.setattr(serve, "load_engine", lambda args: pytest.fail("the model loaded before the TLS check"))
+    argv = ["--ssl-keyfile", tls_files["key"], "--ssl-certfile", tls_files["cert"]]
+    argv += [tls_files.get(f, f) for f in flags]
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--model", "stories260k", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message.format(**tls_files) in err and "Traceback" not in err
+
+
+def test_a_good_tls_setup_passes_the_check(tls_files):
+    from nightjar_jax.serve import check_ssl
+
+    parser = build_parser()
+    args = parser.parse_args(["--ssl-keyfile", tls_files["key"], "--ssl-certfile", tls_files["cert"],
+                              "--ssl-ca-certs", tls_files["cert"], "--ssl-cert-reqs", "2"])
+    check_ssl(args, parser)  # (no SystemExit)
+
+
+def test_an_empty_api_key_is_no_key(caplog):
+    """As vLLM's: --api-key "$KEY" with KEY unset leaves auth off, with a warning (it locked out every client that
+    sent no literal 'Bearer ' header)."""
+    from nightjar_jax.serve import api_key
+
+    assert api_key(build_parser().parse_args(["--api-key", ""])) is None
+    assert "--api-key is empty: API-key auth is off" in caplog.text
+    assert api_key(build_parser().parse_args(["--api-key", "k"])) == "k"
+    assert api_key(build_parser().parse_args([])) is None
+
+
+def test_a_forced_quit_closes_the_engine_and_exits_130(monkeypatch):
+    """A second SIGINT (uvicorn's force quit) cut the requests, skipped the app's shutdown (the engine's close:
+    the planner's decision log) and exited 0; now the engine is closed and the exit status says it was forced."""
+    import signal
+
+    import jax.numpy as jnp
+
+    import nightjar_jax.serve as serve
+    from nightjar_jax.config import make_engine_config
+    from nightjar_jax.engine.engine import LLMEngine
+    from nightjar_jax.engine.runner import ModelHandle
+    from nightjar_jax.testing import fake_model
+
+    fake = fake_model(97, max_len=64)
+    target = ModelHandle(fake.config, None, {"w": jnp.ones(8, jnp.float32)}, fns=fake.fns)
+    engine = LLMEngine(make_engine_config(model="fake", page_size=4, num_pages=16, max_num_seqs=2, max_model_len=64,
+                                          draft_model="none", compilation_cache_dir=None), target=target)
+    closed = []
+    monkeypatch.setattr(engine, "close", lambda: closed.append(True))
+    monkeypatch.setattr(serve, "load_engine", lambda args: engine)
+    make = serve._Server.make
+
+    def forced_server(config):
+        server = make(config)
+
+        def run(sockets):  # (the app started, then SIGINT twice)
+            config.app.state.async_engine.start()
+            server.handle_exit(signal.SIGINT, None)
+            server.handle_exit(signal.SIGINT, None)
+            for sock in sockets:
+                sock.close()
+
+        server.run = run
+        return server
+
+    monkeypatch.setattr(serve._Server, "make", staticmethod(forced_server))
+    assert serve.main(["--model", "fake", "--port", "0", "--warmup", "none"]) == 130
+    assert closed == [True]

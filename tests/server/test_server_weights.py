@@ -112,3 +112,41 @@ def test_an_update_waits_for_the_requests_in_flight(setup):
         ae.stop()
     assert old != new
     assert first_tokens == old and second_tokens == new
+
+
+def test_a_bad_update_is_refused_before_it_waits_or_loads(setup, tmp_path, monkeypatch):
+    """A path that does not exist, an empty one, or a checkpoint of another architecture (its config read alone) is
+    a 400 before the update waits for the requests in flight (which held every new request meanwhile) or loads a
+    whole second model; the error names the fields that differ, not the whole config."""
+    import json
+
+    from nightjar_jax.models.orbax_io import CONFIG_FILE, FORMAT_NAME, FORMAT_VERSION
+
+    llm, path = setup
+    other = tmp_path / "other"
+    other.mkdir()  # (its config alone: loading its weights would fail otherwise)
+    config = llm.engine.target.config.replace(vocab_size=1024, num_layers=7).to_dict()
+    (other / CONFIG_FILE).write_text(json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION, "config": config}))
+    ae = AsyncEngine(llm.engine)
+    with TestClient(build_app(ae, ServerSettings("s", enable_weight_updates=True))) as client:
+        before = text(client)
+
+        async def never(*args, **kwargs):
+            pytest.fail("a bad update reached the engine (a wait for the requests in flight, a load)")
+
+        monkeypatch.setattr(ae, "call", never)
+        for body, param, fragments in [
+            ({"model_path": "/nonexistent/typo"}, "model_path", ["model path '/nonexistent/typo' does not exist"]),
+            ({"model_path": ""}, "model_path", ["model_path must be a non-empty path"]),
+            ({"model_path": str(other)}, "model_path", ["of another architecture", "vocab_size 1024 vs 512",
+                                                        "num_layers 7 vs 5"]),
+            ({"model_path": "smollm2-135m-instruct"}, "model_path", ["vocab_size 49152 vs 512"]),  # (a preset's)
+            ({"model_path": "no-such-preset"}, "model_path", ["unknown model preset"]),
+            ({"model_path": path, "draft_model_path": "stories260k"}, "draft_model_path", ["has no draft"]),
+        ]:
+            bad = client.post("/update_weights_from_disk", json=body)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+            message = bad.json()["error"]["message"]
+            assert all(f in message for f in fragments) and "ModelConfig(" not in message, message
+        monkeypatch.undo()
+        assert text(client) == before
