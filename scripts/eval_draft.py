@@ -41,6 +41,7 @@ from distill_draft import ASSET_DIR, TARGET, chat_ids, heldout_ids, load_prompts
 from nightjar_jax.bench.common import (  # noqa: E402
     int_at_least,
     machine_note,
+    make_parent,
     non_negative_int,
     positive_int,
     run_decode_workload,
@@ -300,7 +301,7 @@ def main() -> None:
         "sd_outputs": outputs,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
+    Path(make_parent(args.out)).write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import distill_draft as dd  # noqa: E402
 import distill_eagle as de  # noqa: E402
 
-from nightjar_jax.bench.common import existing_file, positive_int, writable_out  # noqa: E402
+from nightjar_jax.bench.common import existing_file, make_parent, positive_int, writable_out  # noqa: E402
 from nightjar_jax.spec.tree import chain_paths  # noqa: E402
 
 logger = logging.getLogger("fit_spec_tree")
@@ -161,7 +161,7 @@ def cmd_fit(args: argparse.Namespace) -> None:
     for n in (8, 16, 32, 48, 64):
         steps, acc = replay(records, set([p for p in order if len(p) <= 4][:n]))
         print(f"  {n:3d} nodes (depth <= 4): {1 + acc / steps:.3f} on the validation rows")
-    Path(args.out).write_text(json.dumps({
+    Path(make_parent(args.out)).write_text(json.dumps({
         "what": "rank paths in decreasing frequency of the target's greedy continuation (scripts/fit_spec_tree.py)",
         "draft_workdir": str(args.workdir), "params": args.params, "data": args.data,
         "validation_rows": len(records), "val_every": args.val_every, "depths": args.depths,
@@ -192,8 +192,8 @@ def cmd_replay(args: argparse.Namespace) -> None:
     for r in rows:
         print(f"{r['tree']:>8s} {r['nodes']:6d} {r['target_steps']:13d} {r['mean_accepted_length']:22.3f}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"workdir": args.workdir, "gamma": args.gamma, "rows": rows}, indent=1)
-                                  + "\n")
+        Path(make_parent(args.out)).write_text(
+            json.dumps({"workdir": args.workdir, "gamma": args.gamma, "rows": rows}, indent=1) + "\n")
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nightjar_jax.bench.common import writable_out  # noqa: E402
+from nightjar_jax.bench.common import make_parent, writable_out  # noqa: E402
 
 KERNELS = ("linear", "paged_attention", "sampling")
 LABEL = re.compile(r"^(_Z\S+):$")
@@ -77,7 +77,7 @@ def main() -> None:
         print("(none)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        Path(make_parent(args.out)).write_text(json.dumps(rows, indent=1))
         print(f"wrote {args.out}")
 
 

@@ -37,6 +37,7 @@ from nightjar_jax.bench.common import (  # noqa: E402
     existing_file,
     float_at_least,
     int_list,
+    make_parent,
     name_list,
     positive_float,
     positive_int,
@@ -361,7 +362,7 @@ def main() -> int:
                     "vs_oracle_phase": vs_oracle.tolist(),
                 }
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        Path(make_parent(args.out)).write_text(json.dumps(report, indent=1))
         print(f"\nwrote {args.out}")
     return 0 if all_ok else 1
 

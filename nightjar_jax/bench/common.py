@@ -190,8 +190,10 @@ def existing_file(text: str) -> str:
 
 
 def writable_out(text: str) -> str:
-    """An output file path whose folder is writable, checked before the work, not after it: a missing folder is
-    created now (the scripts write with a plain ``open``, which would fail only after the whole run)."""
+    """An output file path that can be written, checked before the work, not after it: its folder exists or can be
+    made (its nearest existing ancestor is a writable folder). Nothing is created here: argparse also runs this on
+    a flag's default, before it reports another flag's error; the writers make the folder (:func:`write_json`,
+    :func:`make_parent`)."""
     if not text:
         raise argparse.ArgumentTypeError("expected an output file path, got ''")
     if os.path.isdir(text):
@@ -202,13 +204,8 @@ def writable_out(text: str) -> str:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe!r} is a file, not a folder")
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as error:
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: cannot create its folder {folder!r} "
-                                         f"({error.strerror or error})") from None
-    if not os.access(folder, os.W_OK):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {folder!r} is not a writable folder")
+    if not os.access(probe, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe!r} is not a writable folder")
     return text
 
 
@@ -482,8 +479,14 @@ def machine_note() -> dict:
     }
 
 
+def make_parent(path: str | os.PathLike) -> str | os.PathLike:
+    """Create ``path``'s folder if it is missing (a ``writable_out`` path, just before it is written); returns it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return path
+
+
 def write_json(path: str, payload: dict) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    make_parent(path)
     with open(path, "w") as f:
         # (NaN is a last guard here: the scripts write None where a value could not be measured)
         json.dump(finite_or_none(payload), f, indent=2, default=float)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import numbers
 import os
 import random
 import threading
@@ -440,9 +441,9 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; returns its id. Raises ``ValueError`` (nothing queued) on bad input.
         ``priority`` (vLLM's; lower is served first) needs ``scheduling_policy="priority"`` unless it is 0.
-        ``arrival_time``: when the request arrived, on vLLM's clock, ``time.time()`` (default: now); its metrics'
-        timestamps are ``time.monotonic()`` readings, so it is moved onto that clock (TTFT and end-to-end latency
-        then count from it)."""
+        ``arrival_time``: when the request arrived, on vLLM's clock, ``time.time()`` (default: now; a time in the
+        future counts as now); its metrics' timestamps (``RequestMetrics``) are ``time.monotonic()`` readings, so it
+        is moved onto that clock (TTFT and end-to-end latency then count from it)."""
         if self._asleep:
             raise EngineSleepingError(self._sleeping_message())
         params = sampling_params or SamplingParams()
@@ -455,10 +456,15 @@ class LLMEngine:
                                       f"where only 0 is allowed", "priority")
         if params.n != 1:
             raise InvalidRequestError("LLMEngine.add_request takes n=1; LLM.generate and the server fan n out", "n")
-        if arrival_time is not None and not (isinstance(arrival_time, (int, float)) and not isinstance(
-                arrival_time, bool) and math.isfinite(arrival_time)):
-            raise InvalidRequestError(f"arrival_time must be a finite number of seconds on time.time()'s clock, got "
-                                      f"{arrival_time!r}", "arrival_time")
+        if arrival_time is not None:
+            try:  # (numpy scalars are numbers.Real too; 10**400 overflows float())
+                ok = isinstance(arrival_time, numbers.Real) and not isinstance(arrival_time, bool) and math.isfinite(
+                    float(arrival_time))
+            except OverflowError:
+                ok = False
+            if not ok:
+                raise InvalidRequestError(f"arrival_time must be a finite number of seconds on time.time()'s clock, "
+                                          f"got {arrival_time!r}", "arrival_time")
         text, ids = self.truncate_prompt(*self.tokenize_prompt(prompt), params)
         vocab = self.target.config.vocab_size
         if not ids:
@@ -518,8 +524,8 @@ class LLMEngine:
                     f"allowed_token_ids {sorted(set(params.allowed_token_ids))[:5]} are all stop tokens (EOS or "
                     f"stop_token_ids), which min_tokens={params.min_tokens} bans: nothing could be generated; allow a "
                     f"token that does not stop, or drop min_tokens", "allowed_token_ids")
-        if arrival_time is not None:  # (time.time() -> time.monotonic(): the same seconds ago)
-            req.arrival_time = time.monotonic() - (time.time() - float(arrival_time))
+        if arrival_time is not None:  # (time.time() -> time.monotonic(): the same seconds ago; never in the future)
+            req.arrival_time = time.monotonic() - max(0.0, time.time() - float(arrival_time))
         if self.tokenizer is not None and params.detokenize:
             from nightjar_jax.models.tokenizer import IncrementalDetokenizer
 

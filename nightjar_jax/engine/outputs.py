@@ -39,6 +39,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
+    """A request's timestamps, ``time.monotonic()`` readings (differences are latencies; vLLM's are
+    ``time.time()``), and the latencies they give."""
+
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None

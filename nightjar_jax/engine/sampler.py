@@ -3,7 +3,8 @@
 Vocabulary
 - **logits**: the model's raw scores over the vocabulary, ``[B, ..., V] float32`` (``V`` = vocabulary size).
 - **processed distribution**: the distribution a request actually samples from, obtained from the logits by
-  temperature scaling, then top-k, then top-p (nucleus), then min-p, then renormalisation. A greedy request
+  temperature scaling, then min-p, then top-k, then top-p (nucleus) over what min-p kept (vLLM's order), then
+  renormalisation. A greedy request
   (temperature 0) has the one-hot distribution of ``argmax(logits)``.
 - **draft / target**: in speculative decoding (see ``nightjar_jax.spec.rejection``) the small draft model proposes
   tokens and the target model verifies them. Both must go through :func:`processed_probs` with the same

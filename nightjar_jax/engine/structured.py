@@ -194,6 +194,7 @@ def bad_word_sequences(tokenizer: Any, words: list[str]) -> list[list[int]]:
 
 CACHE_MB_ENV = "NIGHTJAR_XGRAMMAR_CACHE_MB"  # (vLLM's VLLM_XGRAMMAR_CACHE_MB)
 DEFAULT_CACHE_MB = 512
+MAX_CACHE_BYTES = 2**62  # (larger is unbounded in all but name)
 
 
 def grammar_cache_bytes() -> int:
@@ -209,7 +210,7 @@ def grammar_cache_bytes() -> int:
         mb = float("nan")
     if not (math.isfinite(mb) and mb > 0):
         raise ValueError(f"{CACHE_MB_ENV}={raw!r} must be a positive number of megabytes (default {DEFAULT_CACHE_MB})")
-    return max(1, int(mb * (1 << 20)))
+    return max(1, min(int(mb * (1 << 20)), MAX_CACHE_BYTES))  # (xgrammar takes an int64)
 
 
 class GrammarBackend:

@@ -18,6 +18,7 @@ import atexit
 import dataclasses
 import json
 import logging
+import threading
 import weakref
 from pathlib import Path
 from typing import IO, Any
@@ -45,6 +46,9 @@ class DecisionLogger:
         self._flush_every = max(1, flush_every)
         self.num_lines = 0
         self.failed: OSError | None = None  # the error that stopped the log, if one did
+        # (writes and close under one lock: the exit hook closes on the main thread while a server's engine thread,
+        # a daemon, may still be writing; a write to the just-closed file raised ValueError out of engine.step)
+        self._lock = threading.RLock()
         # closed at interpreter exit too (its buffered lines and a pending record written): a server's or an LLM's
         # engine that nobody closed lost its last lines, or a lightly used server's whole log, on a clean exit
         ref = weakref.ref(self)
@@ -52,27 +56,30 @@ class DecisionLogger:
 
     def on_select(self, **decision: Any) -> None:
         """Called by `Planner.select`: starts a record (writing the previous one if it had no observation)."""
-        if self._pending is not None:
-            self._write(self._pending)
-        self._pending = {**decision, **dict.fromkeys(_OBSERVATION_FIELDS)}
+        with self._lock:
+            if self._pending is not None:
+                self._write(self._pending)
+            self._pending = {**decision, **dict.fromkeys(_OBSERVATION_FIELDS)}
 
     def on_observe(self, *, gamma: int, **observation: Any) -> None:
         """Called by `Planner.observe`: completes the pending record and writes it."""
-        record = self._pending if self._pending is not None else {"decision": None, "gamma": None}
-        record.update(observed_gamma=gamma, **observation)
-        self._pending = None
-        self._write(record)
+        with self._lock:
+            record = self._pending if self._pending is not None else {"decision": None, "gamma": None}
+            record.update(observed_gamma=gamma, **observation)
+            self._pending = None
+            self._write(record)
 
     def _write(self, record: dict[str, Any]) -> None:
-        if self._file is None:  # closed, or stopped by a failed write
-            return
-        try:
-            self._file.write(json.dumps(record) + "\n")
-            self.num_lines += 1
-            if self.num_lines % self._flush_every == 0:
-                self._file.flush()
-        except OSError as error:
-            self._stop(error)
+        with self._lock:
+            if self._file is None:  # closed, or stopped by a failed write
+                return
+            try:
+                self._file.write(json.dumps(record) + "\n")
+                self.num_lines += 1
+                if self.num_lines % self._flush_every == 0:
+                    self._file.flush()
+            except OSError as error:
+                self._stop(error)
 
     def _stop(self, error: OSError) -> None:
         self.failed = error
@@ -85,18 +92,19 @@ class DecisionLogger:
             pass
 
     def close(self) -> None:
-        if self._file is None:
-            return
-        if self._pending is not None:
-            self._write(self._pending)
-            self._pending = None
-        if self._file is None:  # the pending record's write failed
-            return
-        try:
-            self._file.close()
-        except OSError as error:
-            self._stop(error)
-        self._file = None
+        with self._lock:
+            if self._file is None:
+                return
+            if self._pending is not None:
+                self._write(self._pending)
+                self._pending = None
+            if self._file is None:  # the pending record's write failed
+                return
+            try:
+                self._file.close()
+            except OSError as error:
+                self._stop(error)
+            self._file = None
 
     def __enter__(self) -> DecisionLogger:
         return self

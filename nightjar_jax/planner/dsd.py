@@ -15,8 +15,9 @@ Model (fitted online from `observe`):
 
 It first cycles γ = 0, 1, ..., γ_max for `warmup_steps` decisions, then uses `default_gamma` until steps at two
 different γ have been observed (with a single γ the cost of another γ is unknown: the batch and batch·γ columns
-are collinear). With `warmup_steps=0` it therefore stays at `default_gamma`. Switching costs are ignored, as in
-the original systems.
+are collinear), and, while every step observed had one batch size B, at batch sizes other than B (the fit predicts
+only B). With `warmup_steps=0` it therefore stays at `default_gamma`. Switching costs are ignored, as in the
+original systems.
 """
 
 from __future__ import annotations
@@ -99,6 +100,14 @@ class DsdPlanner(Planner):
         regularised = self.gram + self.options.ridge * np.trace(self.gram) * np.eye(3)
         return np.linalg.lstsq(regularised, self.moment, rcond=None)[0]
 
+    def only_batch_size(self) -> int | None:
+        """The batch size of every observed step when there was only one (None: several, or none yet). The fit
+        then predicts that batch size exactly and others not at all (the split of a + b·batch is arbitrary)."""
+        count, total, squares = self.gram[0, 0], self.gram[0, 1], self.gram[1, 1]
+        if count <= 0 or count * squares - total * total > 1e-9 * total * total:
+            return None
+        return round(total / count)
+
     # ------------------------------------------------------------------------------------------- planner
     def _select(self, batch_size: int, *, queue_len: int, free_pages: int | None) -> int:
         if self.num_decisions < self.warmup_steps:
@@ -107,7 +116,8 @@ class DsdPlanner(Planner):
             self._fit = (self.acceptance(), self.latency_coefficients())
             self._fitted_at = self.num_observations
         alpha, coefficients = self._fit
-        if alpha is None or coefficients is None:
+        only = self.only_batch_size()
+        if alpha is None or coefficients is None or (only is not None and batch_size != only):
             return min(self.options.default_gamma, self.gamma_max)
         a, b, c = coefficients
         best_gamma, best_rate = 0, -1.0

@@ -413,7 +413,16 @@ def test_arrival_time_is_on_vllms_clock():
                 outs[out.request_id] = out.metrics
     assert 5.0 <= outs["late"].ttft < 60 and 5.0 <= outs["late"].e2e < 60
     assert 0 <= outs["now"].ttft < 5.0
-    for bad in (float("nan"), "1.5", True):
+    for bad in (float("nan"), "1.5", True, 10**400):
         with pytest.raises(InvalidRequestError, match="arrival_time"):
             engine.add_request([1, 2, 3], greedy(2), arrival_time=bad)
+    import numpy as np
+
+    engine.add_request([1, 2, 3], greedy(2), request_id="numpy", arrival_time=np.float32(time.time()))
+    engine.add_request([1, 2, 3], greedy(2), request_id="future", arrival_time=time.time() + 30)  # (counts as now)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.metrics
+    assert outs["future"].ttft >= 0 and outs["numpy"].ttft is not None
     assert not engine.has_unfinished_requests() and engine.num_free_pages == engine.num_total_pages

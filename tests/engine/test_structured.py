@@ -399,6 +399,8 @@ def test_the_grammar_cache_is_bounded(llm, monkeypatch):
         backend.compile(StructuredOutputs(json={"type": "object", "properties": {f"field{i}": {"type": "string"}}}))
         sizes.append(backend.cache_bytes)
     assert 0 < max(sizes) <= int(0.03 * (1 << 20)), sizes
+    monkeypatch.setenv("NIGHTJAR_XGRAMMAR_CACHE_MB", "1e300")  # (past int64: xgrammar refused it at the first use)
+    assert grammar_cache_bytes() == 2**62
     for bad in ("0", "-1", "lots", "nan"):
         monkeypatch.setenv("NIGHTJAR_XGRAMMAR_CACHE_MB", bad)
         with pytest.raises(ConfigError, match="NIGHTJAR_XGRAMMAR_CACHE_MB=.* must be a positive number of megabytes"):

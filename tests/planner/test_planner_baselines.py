@@ -120,6 +120,18 @@ def test_dsd_adapts_when_the_batch_size_never_changes(batch):
         assert a + b * batch + c * batch * gamma == pytest.approx(env.seconds(batch, gamma), rel=0.05)
 
 
+def test_dsd_does_not_extrapolate_a_one_batch_size_fit():
+    """Fitted at batch 1 alone, the split of a + b·batch is arbitrary: at batch 64 it predicted 0.34 s for γ = 0
+    (true 0.042) and chose γ = 3 where 0 was best. Until a second batch size is seen, others get default_gamma."""
+    env = SyntheticEnv(alpha=0.8, base=0.02, per_seq=0.002, per_draft=0.0, seed=0)
+    planner = make_planner("dsd", 4)
+    run(planner, env, [1] * 40)
+    assert planner.only_batch_size() == 1 and planner.select(1) == env.best_gamma(1, 4) == 4
+    assert env.best_gamma(64, 4) == 0 and planner.select(64) == 1  # default_gamma (the one-batch fit chose 3)
+    run(planner, env, [64] * 20)
+    assert planner.only_batch_size() is None
+
+
 def test_dsd_needs_two_different_gammas_before_it_fits():
     planner = make_planner("dsd", 4, warmup_steps=0)
     run(planner, SyntheticEnv(seed=1), [4] * 50)

@@ -143,3 +143,30 @@ def test_the_documented_log_example_matches_what_the_code_writes():
     for example in (block, decision_log.__doc__.split("e.g.", 1)[1].split("}", 1)[0] + "}"):
         record = json.loads(" ".join(example.split()))
         assert record["context"] == planner.context_of(record["batch_size"]), example
+
+
+def test_a_close_from_another_thread_never_raises_into_the_writer(tmp_path):
+    """The exit hook closes the log on the main thread while a server's engine thread (a daemon) may be writing: a
+    write to the just-closed file raised ValueError out of Planner.observe, so out of engine.step."""
+    import threading
+
+    log = DecisionLogger(tmp_path / "race.jsonl", flush_every=1)
+    planner = make_planner("nightjar", 3)
+    planner.attach_logger(log)
+    errors = []
+
+    def writer():
+        try:
+            for _ in range(3000):
+                planner.select(4)
+                planner.observe(planner.last_gamma, 4, 4, 0.01)
+        except Exception as exc:  # noqa: BLE001 - what the test is about
+            errors.append(exc)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    while log.num_lines < 50:
+        pass
+    log.close()
+    thread.join()
+    assert errors == [] and log.num_lines == len(read_log(tmp_path / "race.jsonl"))

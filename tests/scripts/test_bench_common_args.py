@@ -114,13 +114,20 @@ def test_missing_numbers_are_none_and_na(tmp_path) -> None:
     assert not any(isinstance(v, float) and math.isnan(v) for v in json.loads(text)["b"])
 
 
-def test_writable_out_creates_a_missing_folder_when_the_flag_is_parsed(tmp_path) -> None:
-    """It only checked that the folder *could* be made; the scripts then wrote with a plain open and failed with
-    FileNotFoundError after the whole run (sim_planners.py: exit 1, the code of "a check printed NO")."""
+def test_writable_out_checks_and_the_writer_makes_the_folder(tmp_path, monkeypatch) -> None:
+    """Parsing only checks (argparse runs the type on a flag's default too, before it reports another flag's error:
+    creating folders there left stray ones behind failed runs); the writer makes a missing folder (sim_planners.py
+    wrote with a plain open and failed after the whole run, exit 1, the code of "a check printed NO")."""
     out = tmp_path / "new" / "deeper" / "o.json"
     assert common.writable_out(str(out)) == str(out)
-    assert out.parent.is_dir() and not out.exists()
-    out.write_text("{}")  # what the scripts do at the end
+    assert not (tmp_path / "new").exists()
+    p = argparse.ArgumentParser(prog="t")
+    p.add_argument("--out", type=common.writable_out, default=str(tmp_path / "default_dir" / "x.json"))
+    p.add_argument("--other", type=int)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--other", "x"])
+    assert p.parse_args([]).out.endswith("x.json") and not (tmp_path / "default_dir").exists()
+    assert common.make_parent(out) == out and out.parent.is_dir() and not out.exists()
     f = tmp_path / "file"
     f.write_text("")
     for bad, message in [
@@ -130,17 +137,8 @@ def test_writable_out_creates_a_missing_folder_when_the_flag_is_parsed(tmp_path)
     ]:
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
             common.writable_out(str(bad) if bad != "" else "")
-    p = _parser(out=common.writable_out)
-    assert p.parse_args(["--out", str(tmp_path / "made" / "x.json")]).out.endswith("x.json")
-    assert (tmp_path / "made").is_dir()
-
-
-def test_writable_out_refuses_a_folder_it_cannot_create(tmp_path, monkeypatch) -> None:
-    def refuse(path, exist_ok=False):
-        raise PermissionError(13, "Permission denied", path)
-
-    monkeypatch.setattr(common.os, "makedirs", refuse)
-    with pytest.raises(argparse.ArgumentTypeError, match="cannot create its folder .*Permission denied"):
+    monkeypatch.setattr(common.os, "access", lambda path, mode: False)
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a writable folder"):
         common.writable_out(str(tmp_path / "locked" / "o.json"))
 
 
