@@ -183,6 +183,35 @@ class LLMEngine:
             from kernels_pallas.paged_attention import import_pallas_backends
 
             import_pallas_backends()
+        # (what the config alone decides is checked before any weights load: a bad flag fails in seconds)
+        # draft_model "ngram" (vLLM's method): no draft model, n-gram lookup's copies are every step's drafts
+        no_draft = draft is None and self.resolve_draft_spec(config) is None
+        self.ngram_only = no_draft and (config.spec.draft_model or "").lower() == "ngram"
+        if self.ngram_only and not config.spec.num_speculative_tokens:
+            raise ConfigError("draft_model='ngram' speculates up to num_speculative_tokens copied tokens per step: it "
+                              "needs num_speculative_tokens >= 1 (got 0; draft_model='none' decodes plainly)")
+        if self.ngram_only and not config.spec.prompt_lookup_max:
+            raise ConfigError("draft_model='ngram' speculates with n-gram lookup's copies alone: it needs "
+                              "prompt_lookup_max >= 1 (got 0)")
+        if self.ngram_only and config.spec.spec_tree_nodes:
+            raise ConfigError("spec_tree_nodes needs a draft model to rank a tree's candidates: with "
+                              "draft_model='ngram' allowed 0")
+        if no_draft and not self.ngram_only and config.spec.spec_tree_nodes:
+            # (it was ignored: a user asking for trees got plain decoding without a word)
+            raise ConfigError(f"spec_tree_nodes={config.spec.spec_tree_nodes} needs a draft model to rank a tree's "
+                              f"candidates, and this engine has none (draft_model={config.spec.draft_model!r}): "
+                              f"pass a draft_model, or leave spec_tree_nodes at 0")
+        if no_draft and config.cache.draft_offload == "auto":
+            # (it was ignored: elastic memory asked for, none given, and the config still read "auto")
+            raise ConfigError(f"draft_offload='auto' moves a draft model's weights to host memory to make KV pages, "
+                              f"and this engine has none (draft_model={config.spec.draft_model!r}): pass a "
+                              f"draft_model, or leave draft_offload 'off'")
+        try:  # (the grammar cache's limit read now: a bad one is the start's error, not a structured request's)
+            from nightjar_jax.engine.structured import grammar_cache_bytes
+
+            grammar_cache_bytes()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if target is None:
             target, tokenizer = self._load(config.model, tokenizer_spec=config.tokenizer)
         draft_spec = self.resolve_draft_spec(config) if draft is None else None
@@ -223,27 +252,6 @@ class LLMEngine:
             self.max_model_len = pool_tokens
         self.scheduler = Scheduler(sched, self.allocator, self.max_model_len,
                                    prefix_caching=config.cache.enable_prefix_caching)
-        # draft_model "ngram" (vLLM's method): no draft model, n-gram lookup's copies are every step's drafts
-        self.ngram_only = draft is None and (config.spec.draft_model or "").lower() == "ngram"
-        if self.ngram_only and not config.spec.num_speculative_tokens:
-            raise ConfigError("draft_model='ngram' speculates up to num_speculative_tokens copied tokens per step: it "
-                              "needs num_speculative_tokens >= 1 (got 0; draft_model='none' decodes plainly)")
-        if self.ngram_only and not config.spec.prompt_lookup_max:
-            raise ConfigError("draft_model='ngram' speculates with n-gram lookup's copies alone: it needs "
-                              "prompt_lookup_max >= 1 (got 0)")
-        if self.ngram_only and config.spec.spec_tree_nodes:
-            raise ConfigError("spec_tree_nodes needs a draft model to rank a tree's candidates: with "
-                              "draft_model='ngram' allowed 0")
-        if draft is None and not self.ngram_only and config.spec.spec_tree_nodes:
-            # (it was ignored: a user asking for trees got plain decoding without a word)
-            raise ConfigError(f"spec_tree_nodes={config.spec.spec_tree_nodes} needs a draft model to rank a tree's "
-                              f"candidates, and this engine has none (draft_model={config.spec.draft_model!r}): "
-                              f"pass a draft_model, or leave spec_tree_nodes at 0")
-        if draft is None and config.cache.draft_offload == "auto":
-            # (it was ignored: elastic memory asked for, none given, and the config still read "auto")
-            raise ConfigError(f"draft_offload='auto' moves a draft model's weights to host memory to make KV pages, "
-                              f"and this engine has none (draft_model={config.spec.draft_model!r}): pass a "
-                              f"draft_model, or leave draft_offload 'off'")
         if draft is not None and not config.spec.num_speculative_tokens:
             logger.warning("num_speculative_tokens=0: the draft %s is loaded (its weights and KV pool take memory) but "
                            "never drafts; draft_model='none' decodes plainly without it", draft.config.name)
@@ -279,12 +287,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._grammars = None  # structured outputs' GrammarBackend, built on first use
-        try:  # (its cache limit read now: a bad one is the start's error, not the first structured request's)
-            from nightjar_jax.engine.structured import grammar_cache_bytes
-
-            grammar_cache_bytes()
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
         self._grammars_lock = threading.Lock()
         self._ids = itertools.count()
         self._prev_gamma = 0

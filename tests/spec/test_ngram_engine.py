@@ -6,6 +6,7 @@ configuration errors are clear. The sampled distribution: tests/spec/test_spec_d
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 
@@ -98,3 +99,25 @@ def test_tree_without_a_draft_is_a_config_error(caplog):
     with caplog.at_level(logging.WARNING, logger="nightjar_jax"):
         eng = fake_engine(draft=True, num_speculative_tokens=0)
     assert eng.gamma_max == 0 and "num_speculative_tokens=0: the draft" in caplog.text
+
+
+def test_config_errors_come_before_any_weights_load(monkeypatch):
+    """What the config alone decides (no draft for trees or elastic memory, ngram's needs, the grammar cache's limit)
+    is refused before the target loads: the model path here does not exist, and its error never comes."""
+    from nightjar_jax.config import make_engine_config
+    from nightjar_jax.engine.engine import LLMEngine
+
+    def config(**kw):
+        return make_engine_config(model="/nonexistent/model.gguf", compilation_cache_dir=None, **kw)
+
+    for kw, message in [(dict(draft_model="none", draft_offload="auto"), "draft_offload='auto'"),
+                        (dict(draft_model="none", spec_tree_nodes=4), "spec_tree_nodes=4 needs a draft model"),
+                        (dict(draft_model="ngram", prompt_lookup_max=0), "needs prompt_lookup_max >= 1")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            LLMEngine(config(**kw))
+    monkeypatch.setenv("NIGHTJAR_XGRAMMAR_CACHE_MB", "-1")
+    with pytest.raises(ConfigError, match="NIGHTJAR_XGRAMMAR_CACHE_MB"):
+        LLMEngine(config(draft_model="none"))
+    monkeypatch.delenv("NIGHTJAR_XGRAMMAR_CACHE_MB")
+    with pytest.raises(FileNotFoundError):  # (a good config gets as far as the load)
+        LLMEngine(config(draft_model="none"))
