@@ -288,7 +288,6 @@ def test_a_second_bind_of_a_port_fails_at_once():
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):
     """A self-signed certificate, its key, the key encrypted, and a file that holds no certificate."""
-    pytest.importorskip("cryptography")
     import datetime
 
     from cryptography import x509
