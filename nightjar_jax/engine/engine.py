@@ -185,7 +185,8 @@ class LLMEngine:
             import_pallas_backends()
         # (what the config alone decides is checked before any weights load: a bad flag fails in seconds)
         # draft_model "ngram" (vLLM's method): no draft model, n-gram lookup's copies are every step's drafts
-        no_draft = draft is None and self.resolve_draft_spec(config) is None
+        draft_spec = self.resolve_draft_spec(config) if draft is None else None
+        no_draft = draft is None and draft_spec is None
         self.ngram_only = no_draft and (config.spec.draft_model or "").lower() == "ngram"
         if self.ngram_only and not config.spec.num_speculative_tokens:
             raise ConfigError("draft_model='ngram' speculates up to num_speculative_tokens copied tokens per step: it "
@@ -214,7 +215,6 @@ class LLMEngine:
             raise ConfigError(str(exc)) from None
         if target is None:
             target, tokenizer = self._load(config.model, tokenizer_spec=config.tokenizer)
-        draft_spec = self.resolve_draft_spec(config) if draft is None else None
         if draft_spec is not None:
             draft, _ = self._load(draft_spec, tokenizer_spec=None)
         if draft is not None and draft.config.vocab_size != target.config.vocab_size:

@@ -125,6 +125,26 @@ def _detect_format(path: Path) -> str:
     raise ValueError(f"{path}: cannot tell the checkpoint format from the file name; pass load_format")
 
 
+def _source_kind(model: str) -> str:
+    """What ``model`` names, in the order :func:`load_checkpoint` and :func:`read_config` try: "path" (it exists),
+    "preset" or "repo" (an HF repo id); a path-like name that does not exist and an unknown name raise."""
+    if Path(model).expanduser().exists():
+        return "path"
+    if model.lower() in PRESETS:
+        return "preset"
+    if _REPO_ID.match(model) and not model.startswith((".", "~")):
+        return "repo"
+    if "/" in model or model.startswith((".", "~")) or Path(model).suffix in (".gguf", ".bin"):
+        raise FileNotFoundError(f"model path {model!r} does not exist")
+    get_preset(model)  # raises "unknown model preset ... known presets are [...]"
+    raise AssertionError("unreachable")
+
+
+def _check_has_weights(preset: Preset, model: str) -> None:
+    if preset.source is None:
+        raise ValueError(f"preset {model!r} has no real weights; use load_format='dummy' (--load-format dummy)")
+
+
 def _load_path(path: Path, fmt: str, *, want_weights: bool, want_tokenizer: bool = True) -> Checkpoint:
     """Read a local checkpoint of format ``fmt`` (``want_weights=False``: config and tokenizer only;
     ``want_tokenizer=False``: a llama2.c file's sibling tokenizer is not looked for, one was given)."""
@@ -169,17 +189,17 @@ def load_checkpoint(
     dummy = load_format == "dummy"
     fmt = "auto" if dummy else load_format
     path = Path(model).expanduser()
+    kind = _source_kind(model)
 
-    if path.exists():
+    if kind == "path":
         ckpt = _load_path(path, _detect_format(path) if fmt == "auto" else fmt, want_weights=not dummy,
                           want_tokenizer=tokenizer is None)
-    elif model.lower() in PRESETS:
+    elif kind == "preset":
         preset = get_preset(model)
         if dummy:
             ckpt = Checkpoint(preset.config, None, _preset_tokenizer_offline(preset), f"preset {model}", "dummy")
         else:
-            if preset.source is None:
-                raise ValueError(f"preset {model!r} has no real weights; use load_format='dummy' (--load-format dummy)")
+            _check_has_weights(preset, model)
             local = resolve_source(preset.source)
             ckpt = _load_path(local, _detect_format(local) if fmt == "auto" else fmt, want_weights=True)
             if preset.tokenizer is not None:
@@ -187,15 +207,10 @@ def load_checkpoint(
             _check_matches_preset(ckpt.config, preset.config, ckpt.source)
             ckpt.config = ckpt.config.replace(name=preset.config.name)
             ckpt.source = f"preset {model} ({ckpt.source})"
-    elif _REPO_ID.match(model) and not model.startswith((".", "~")):
+    else:  # an HF repo id
         folder = hf.snapshot_download_offline_aware(model)
         ckpt = _load_path(folder, "hf", want_weights=not dummy)
         ckpt.source = f"{model} ({folder})"
-    elif "/" in model or model.startswith((".", "~")) or Path(model).suffix in (".gguf", ".bin"):
-        raise FileNotFoundError(f"model path {model!r} does not exist")
-    else:
-        get_preset(model)  # raises "unknown model preset ... known presets are [...]"
-        raise AssertionError("unreachable")
 
     if dummy:
         ckpt.state_dict, ckpt.load_format = None, "dummy"
@@ -227,7 +242,8 @@ def read_config(model: str, *, load_format: str = "auto", dtype: str | None = No
     fmt = "auto" if dummy else load_format
     path = Path(model).expanduser()
     preset = False
-    if path.exists():  # (load_checkpoint's order of cases)
+    kind = _source_kind(model)
+    if kind == "path":
         fmt = _detect_format(path) if fmt == "auto" else fmt
         if fmt in ("hf", "safetensors") and path.is_dir():
             cfg = hf.read_config(path)
@@ -237,18 +253,13 @@ def read_config(model: str, *, load_format: str = "auto", dtype: str | None = No
             cfg = gguf_loader.config_from_gguf(gguf_loader._reader(path), source=str(path))
         else:
             return None, False
-    elif model.lower() in PRESETS:
+    elif kind == "preset":
         found = get_preset(model)
-        if found.source is None and not dummy:
-            raise ValueError(f"preset {model!r} has no real weights; use load_format='dummy' (--load-format dummy)")
+        if not dummy:
+            _check_has_weights(found, model)
         cfg, preset = found.config, True
-    elif _REPO_ID.match(model) and not model.startswith((".", "~")):
+    else:  # an HF repo id: its config is resolved with its weights
         return None, False
-    elif "/" in model or model.startswith((".", "~")) or Path(model).suffix in (".gguf", ".bin"):
-        raise FileNotFoundError(f"model path {model!r} does not exist")
-    else:
-        get_preset(model)  # raises "unknown model preset ... known presets are [...]"
-        raise AssertionError("unreachable")
     return (cfg.replace(dtype=dtype) if dtype is not None else cfg), preset
 
 
