@@ -1145,7 +1145,7 @@ class LLMEngine:
                 what = ("bad_words leave no allowed token" if r.grammar.field == "bad_words"
                         else "the structured output's constraint allows no token")
                 r.error = (f"{what} after the output so far (token {tok} came and was dropped): it cannot be "
-                           f"completed; the output so far is kept, the request ended")
+                           f"completed, and the request ended there")
                 r.error_field = r.grammar.field  # (a dead end of the constraint, not an engine fault)
                 self._detokenize(r, [], final=True)
                 self._finish(r, FinishReason.ERROR)

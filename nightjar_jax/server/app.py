@@ -670,10 +670,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
 
     async def stream_events(
         stream: GroupStream, size: int, n: int, chunk, include_usage: bool, first: list[dict] | None = None,
-        continuous_usage: bool = False, structured_param: str = "structured_outputs",
+        continuous_usage: bool = False, structured_param: str = "structured_outputs", generated: bool = True,
     ) -> AsyncIterator[str]:
         """SSE frames: ``chunk(index, out)`` per output (None = skip; with ``continuous_usage`` each carries its
-        request's usage so far), usage when asked, then ``[DONE]``."""
+        request's usage so far), usage when asked, then ``[DONE]``. ``generated`` False: the generated tokens are
+        not part of the answer (echo with max_tokens 0), and usage counts none."""
         finals: list[RequestOutput | None] = [None] * size
         try:
             for frame in first or []:
@@ -691,12 +692,12 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 body = chunk(index, out)
                 if body is not None:
                     if continuous_usage:
-                        body["usage"] = usage([out], 1)
+                        body["usage"] = usage([out], 1, generated)
                     yield sse(body)
                 if out.finished:
                     finals[index] = out
             if include_usage:
-                yield sse({**chunk(None, None), "choices": [], "usage": usage(finals, n)})  # type: ignore[arg-type]
+                yield sse({**chunk(None, None), "choices": [], "usage": usage(finals, n, generated)})  # type: ignore[arg-type]
             yield "data: [DONE]\n\n"
         finally:
             stream.abort()  # the client went away (generator cancelled / closed): free the pages now
@@ -1013,6 +1014,25 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                                                       req.prompt_logprobs)
             return {"prompt_logprobs": prompt_logprobs_json(lps)}
 
+        def whole_choice(i: int, o: RequestOutput) -> dict[str, Any]:
+            """Choice ``i`` of a finished output, whole (a non-streamed answer's; a streamed echo-only one's)."""
+            comp = o.outputs[0]
+            text, ids, lps, finish = comp.text, comp.token_ids, comp.logprobs, comp.finish_reason
+            if req.prompt_only:  # echo with max_tokens 0: the one generated token is not part of the answer
+                text, ids, lps, finish = "", [], None if lps is None else [], "length"
+            if req.echo:
+                prompt_text, prompt_ids, prompt_lps = echoed(o)
+                text, ids = prompt_text + text, prompt_ids + ids
+                lps = None if lps is None else prompt_lps + lps
+            logprobs = None if lps is None else completion_logprobs(ids, lps, 0, token_text, as_ids)[0]
+            choice = {"index": i, "text": text, "finish_reason": finish,
+                      "stop_reason": None if req.prompt_only else comp.stop_reason, "logprobs": logprobs,
+                      **prompt_part(o)}
+            if req.return_token_ids:  # (the generated ids only, echo or not, as vLLM's)
+                choice.update(prompt_token_ids=list(o.prompt_token_ids),
+                              token_ids=[] if req.prompt_only else list(comp.token_ids))
+            return choice
+
         if req.stream:
             sent = [0] * size  # per choice: tokens whose log-probabilities went out
             offsets = [0] * size  # per choice: text_offset of the next token
@@ -1023,6 +1043,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 if out is None:
                     return dict(base)
                 comp = out.outputs[0]
+                if req.prompt_only:  # (echo only: one chunk, the prompt, once the token that is not part of it came)
+                    return {**base, "choices": [whole_choice(index, out)]} if comp.finished else None
                 if not comp.delta_text and not comp.finished and (started[index] or not req.echo):
                     return None  # (its tokens' log-probabilities go with the next chunk that is sent)
                 text, ids, lps = comp.delta_text, comp.token_ids[sent[index]:], None
@@ -1054,30 +1076,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
 
             return StreamingResponse(
                 stream_events(stream, size, req.n, chunk, req.include_usage, continuous_usage=req.continuous_usage,
-                              structured_param=sfield),
+                              structured_param=sfield, generated=not req.prompt_only),
                 media_type="text/event-stream",
             )
         outs = await collect(stream, request, size)  # (a client gone: _ClientGone, answered 499 by its handler)
         failure = engine_failure(outs, sfield)
         if failure is not None:
             raise failure
-        choices = []
-        for i, o in enumerate(outs):
-            comp = o.outputs[0]
-            text, ids, lps, finish = comp.text, comp.token_ids, comp.logprobs, comp.finish_reason
-            if req.prompt_only:  # echo with max_tokens 0: the one generated token is not part of the answer
-                text, ids, lps, finish = "", [], None if lps is None else [], "length"
-            if req.echo:
-                prompt_text, prompt_ids, prompt_lps = echoed(o)
-                text, ids = prompt_text + text, prompt_ids + ids
-                lps = None if lps is None else prompt_lps + lps
-            logprobs = None if lps is None else completion_logprobs(ids, lps, 0, token_text, as_ids)[0]
-            choices.append({"index": i, "text": text, "finish_reason": finish,
-                            "stop_reason": None if req.prompt_only else comp.stop_reason, "logprobs": logprobs,
-                            **prompt_part(o)})
-            if req.return_token_ids:  # (the generated ids only, echo or not, as vLLM's)
-                choices[-1].update(prompt_token_ids=list(o.prompt_token_ids),
-                                   token_ids=[] if req.prompt_only else list(comp.token_ids))
+        choices = [whole_choice(i, o) for i, o in enumerate(outs)]
         return {**base, "choices": choices, "usage": usage(outs, req.n, generated=not req.prompt_only)}
 
     def answer(call: tuple[str, list], text: str, finish: str | None, one_call: bool = False

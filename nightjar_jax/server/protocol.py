@@ -355,9 +355,6 @@ class CompletionRequest(_SamplingFields):
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "'max_tokens'=0 needs 'echo': true (score the prompt only); otherwise at least 1",
                            param="max_tokens")
-        if self.max_tokens == 0 and self.stream:
-            raise APIError(400, "'max_tokens'=0 (echo the prompt only) is not supported with 'stream': true",
-                           param="max_tokens")
 
     def beam_conflicts(self) -> list[str]:
         return super().beam_conflicts() + [name for name, bad in [

@@ -190,6 +190,7 @@ def test_structured_outputs_through_the_api(spec_server):
     assert e["param"] == "guided_regex" and "allows no output at all" in e["message"]
     e = error(guided_regex="ab[^\\s\\S]", max_tokens=8)
     assert e["param"] == "guided_regex" and "could not be completed" in e["message"], e
+    assert "kept" not in e["message"], e  # (a 400 carries no output: it must not promise the output so far)
     with httpx.stream("POST", spec_server.url + "/v1/completions", timeout=60, json={
             "model": "stories260k", "prompt": "Hi", "guided_regex": "ab[^\\s\\S]", "max_tokens": 8,
             "stream": True}) as resp:
