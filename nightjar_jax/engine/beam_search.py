@@ -36,15 +36,21 @@ MAX_LENGTH_PENALTY = 1e6
 
 @dataclass(frozen=True)
 class BeamSearchParams:
-    """vLLM's ``BeamSearchParams``: ``beam_width`` sequences kept per step (and returned), up to ``max_tokens``
-    generated tokens each; ``ignore_eos`` keeps end-of-sequence tokens as ordinary tokens; ``length_penalty`` is the
-    exponent of the length in the ranking score (1: the mean log-probability per token; 0: the sum, which favours
-    short sequences; > 1 favours long ones)."""
+    """vLLM's ``BeamSearchParams``, its fields in its order: ``beam_width`` sequences kept per step (and returned),
+    up to ``max_tokens`` generated tokens each; ``ignore_eos`` keeps end-of-sequence tokens as ordinary tokens;
+    ``temperature`` is taken as vLLM takes it and changes nothing (the search ranks by the model's own
+    log-probabilities and samples nothing; vLLM's steps sample one token that at most adds a candidate);
+    ``length_penalty`` is the exponent of the length in the ranking score (1: the mean log-probability per token; 0:
+    the sum, which favours short sequences; > 1 favours long ones); ``include_stop_str_in_output`` keeps the
+    end-of-sequence token that finished a sequence at the end of its tokens (its text follows the tokenizer's
+    ``skip_special_tokens``; the score's length never counts it)."""
 
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
+    temperature: float = 0.0
     length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -53,6 +59,9 @@ class BeamSearchParams:
              f"{MAX_LOGPROBS})"),
             (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
             (isinstance(self.ignore_eos, bool), "ignore_eos", "a boolean"),
+            (isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+             and 0 <= self.temperature <= 100, "temperature", "a number in [0, 100] (it changes nothing: see above)"),
+            (isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a boolean"),
             (isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool)
              and abs(self.length_penalty) <= MAX_LENGTH_PENALTY, "length_penalty",
              f"a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]"),
@@ -70,9 +79,11 @@ class BeamSearchParams:
 
 @dataclass
 class BeamSearchSequence:
-    """One sequence of a beam search: its generated ``tokens`` (an end-of-sequence token that finished it is not
-    among them, as vLLM's ``include_stop_str_in_output=False``), each token's log-probability, their sum and the
-    length-penalized ``score`` it was ranked by; ``text`` is filled once the search is done."""
+    """One sequence of a beam search: its generated ``tokens`` (an end-of-sequence token that finished it is among
+    them only with ``include_stop_str_in_output``; unlike vLLM's ``LLM.beam_search``, the prompt's are not: they are
+    ``BeamSearchOutput.prompt_token_ids``), each token's log-probability, their sum and the length-penalized
+    ``score`` it was ranked by; ``text`` (the tokens' text, decoded after the prompt's so that a first token's
+    leading space is kept, as ``generate`` keeps it) is filled once the search is done."""
 
     tokens: list[int]
     logprobs: list[float] = field(default_factory=list)
@@ -105,7 +116,13 @@ def _log_neg_score(seq: BeamSearchSequence, length_penalty: float) -> float:
     in log space so that no ``length_penalty`` overflows it (``length ** 1e6`` would)."""
     if seq.cum_logprob >= 0:
         return -math.inf
-    return math.log(-seq.cum_logprob) - length_penalty * math.log(max(len(seq.tokens), 1))
+    return math.log(-seq.cum_logprob) - length_penalty * math.log(max(_length(seq), 1))
+
+
+def _length(seq: BeamSearchSequence) -> int:
+    """The generated tokens a score counts: an end-of-sequence token kept at the end is not one (as vLLM's)."""
+    kept_eos = seq.stop_reason is not None and bool(seq.tokens) and seq.tokens[-1] == seq.stop_reason
+    return len(seq.tokens) - kept_eos
 
 
 def beam_score(seq: BeamSearchSequence, length_penalty: float) -> float:
@@ -149,7 +166,9 @@ class BeamSearch:
         for beam, tops in zip(self.beams, expansions, strict=True):
             for token, logprob in tops.items():
                 if token in self.eos_ids:
-                    done = BeamSearchSequence(beam.tokens, beam.logprobs, beam.cum_logprob + logprob, "stop", token)
+                    keep = self.params.include_stop_str_in_output
+                    done = BeamSearchSequence(beam.tokens + [token] * keep, beam.logprobs + [logprob] * keep,
+                                              beam.cum_logprob + logprob, "stop", token)
                     self.finished.append(done)
                 else:
                     candidates.append(beam.extend(token, logprob))
@@ -171,14 +190,17 @@ class BeamSearch:
         self.beams = live
 
     def best(self, detokenize=None) -> BeamSearchOutput:
-        """The ``beam_width`` best sequences by score (``detokenize(ids)`` fills their text when given)."""
+        """The ``beam_width`` best sequences by score (``detokenize(ids)`` fills their text when given: the text of
+        prompt + tokens past the prompt's, so that a first token's leading space stays, as in ``generate``)."""
         lp = self.params.length_penalty
         for seq in self.finished:
             seq.score = beam_score(seq, lp)
         ranked = sorted(self.finished, key=lambda s: _log_neg_score(s, lp))[: self.params.beam_width]
         if detokenize is not None:
+            head = detokenize(self.prompt_ids)
             for seq in ranked:
-                seq.text = detokenize(seq.tokens)
+                whole = detokenize(self.prompt_ids + seq.tokens)
+                seq.text = whole[len(head):] if whole.startswith(head) else detokenize(seq.tokens)
         return BeamSearchOutput(self.prompt, self.prompt_ids, ranked)
 
 

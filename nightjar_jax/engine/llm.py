@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from nightjar_jax.config import make_engine_config
@@ -84,7 +84,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool | None = None,
+        use_tqdm: bool | Callable[..., Any] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. ``n > 1`` fans a prompt out into
@@ -127,13 +127,16 @@ class LLM:
                 engine.abort_request(rid)
             raise
         finals: dict[str, RequestOutput] = {}
-        bar = _progress(len(children), use_tqdm)
+        left = [sp.n for sp in params]  # per prompt: sequences still running (the bar counts prompts, as vLLM's)
+        bar = _progress(len(prompts), use_tqdm)
         try:
             while len(finals) < len(children):
                 for out in engine.step():
                     if out.finished and out.request_id in children:
                         finals[out.request_id] = out
-                        if bar is not None:
+                        i = children[out.request_id][0]
+                        left[i] -= 1
+                        if bar is not None and not left[i]:
                             bar.update(1)
         except BaseException:  # a failed step, or Ctrl-C in a notebook: the next call must not inherit these requests
             for rid in children:
@@ -157,7 +160,7 @@ class LLM:
 
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, *,
-                    use_tqdm: bool | None = None) -> list[BeamSearchOutput]:
+                    use_tqdm: bool | Callable[..., Any] | None = None) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: for each prompt, the ``params.beam_width`` best sequences of a beam search
         (``nightjar_jax/engine/beam_search.py``), best first. Every search step asks the engine, in one batch over
         all prompts' live beams, for each beam's most likely next tokens (``generate`` with one greedy token and
@@ -195,7 +198,7 @@ class LLM:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
-        use_tqdm: bool | None = None,
+        use_tqdm: bool | Callable[..., Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -244,12 +247,17 @@ def _child_params(sp: SamplingParams, index: int) -> SamplingParams:
         return sp
     import dataclasses
 
-    return dataclasses.replace(sp, n=1, seed=None if sp.seed is None else (sp.seed + index) % 2**63)
+    # (best_of goes with n: a child of one sequence ranks nothing)
+    return dataclasses.replace(sp, n=1, best_of=None, seed=None if sp.seed is None else (sp.seed + index) % 2**63)
 
 
-def _progress(total: int, use_tqdm: bool | None, desc: str = "generate"):
+def _progress(total: int, use_tqdm, desc: str = "generate"):
+    """A progress bar over ``total`` prompts, as vLLM's ``use_tqdm``: True, False, None (shown from 64 prompts) or a
+    callable that makes the bar in tqdm's place (``tqdm(total=, desc=, unit=)``)."""
     if use_tqdm is False or (use_tqdm is None and total < 64):
         return None
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc=desc, unit="req")
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit="req")

@@ -87,6 +87,22 @@ def test_width_one_is_greedy_and_eos_rules():
                                                                          ignore_eos=True)).sequences)
 
 
+def test_include_stop_str_in_output_keeps_the_eos_token_and_the_ranking():
+    """vLLM's ``include_stop_str_in_output``: a sequence that an end-of-sequence token finished keeps it last, with
+    its log-probability; the scores (whose length never counts it) and the ranking are unchanged. ``temperature``
+    is taken and changes nothing."""
+    params = dict(beam_width=6, max_tokens=4, length_penalty=1.0)
+    plain = run_toy([1, 0, 2], BeamSearchParams(**params)).sequences
+    kept = run_toy([1, 0, 2], BeamSearchParams(**params, include_stop_str_in_output=True, temperature=0.8)).sequences
+    assert any(s.finish_reason == "stop" for s in plain)
+    for a, b in zip(plain, kept, strict=True):
+        assert (a.score, a.cum_logprob, a.finish_reason, a.stop_reason) == (b.score, b.cum_logprob, b.finish_reason,
+                                                                            b.stop_reason)
+        eos = [EOS] if a.finish_reason == "stop" else []
+        assert b.tokens == a.tokens + eos and len(b.logprobs) == len(b.tokens)
+        assert sum(b.logprobs) == pytest.approx(b.cum_logprob)  # (with the EOS token's, kept)
+
+
 @pytest.mark.parametrize("length_penalty", [1e6, -1e6])
 def test_extreme_length_penalties_rank_without_overflow(length_penalty):
     """``length ** 1e6`` overflows a float: the ranking is computed in log space, longest first for a huge
@@ -111,6 +127,8 @@ def test_the_context_ends_the_beams():
     (dict(beam_width=2, max_tokens=4, length_penalty=float("nan")), "length_penalty"),
     (dict(beam_width=2, max_tokens=4, length_penalty=1e308), "length_penalty"),
     (dict(beam_width=2, max_tokens=4, ignore_eos="yes"), "ignore_eos"),
+    (dict(beam_width=2, max_tokens=4, temperature=-1), "temperature"),
+    (dict(beam_width=2, max_tokens=4, include_stop_str_in_output=1), "include_stop_str_in_output"),
 ])
 def test_bad_parameters_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequestError, match=f"BeamSearchParams.{field}=.* is invalid: allowed") as err:
@@ -123,9 +141,12 @@ def stories():
     return LLM("stories260k", max_model_len=128, num_pages=96, max_num_seqs=8, max_num_batched_tokens=64)
 
 
-def test_width_one_through_the_engine_is_greedy_decoding(stories):
-    g = stories.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=12, logprobs=0))[0].outputs[0]
-    (out,) = stories.beam_search("Once upon a time", BeamSearchParams(beam_width=1, max_tokens=12))
+@pytest.mark.parametrize("prompt", ["Once upon a time", "The dog"])
+def test_width_one_through_the_engine_is_greedy_decoding(stories, prompt):
+    """Same tokens, log-probability and text as greedy ``generate`` (after "The dog" the first token's leading
+    space is part of the text: the sequence is decoded after its prompt)."""
+    g = stories.generate([prompt], SamplingParams(temperature=0, max_tokens=12, logprobs=0))[0].outputs[0]
+    (out,) = stories.beam_search(prompt, BeamSearchParams(beam_width=1, max_tokens=12))
     (seq,) = out.sequences
     assert seq.tokens == g.token_ids and seq.text == g.text
     assert seq.cum_logprob == pytest.approx(g.cumulative_logprob, abs=1e-4)
@@ -149,7 +170,8 @@ def test_beam_sequences_carry_the_models_log_probabilities(stories):
             assert seq.logprobs == pytest.approx(lps, abs=1e-4)
             if seq.finish_reason == "length":
                 assert seq.cum_logprob == pytest.approx(sum(lps), abs=1e-3)
-            assert seq.text == engine.tokenizer.decode(seq.tokens)
+            head = engine.tokenizer.decode(out.prompt_token_ids)
+            assert seq.text == engine.tokenizer.decode(out.prompt_token_ids + seq.tokens)[len(head):]
     assert engine.num_free_pages == engine.num_total_pages and not engine.has_unfinished_requests()
 
 

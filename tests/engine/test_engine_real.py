@@ -196,6 +196,30 @@ def test_n_completions(llm):
     top = llm.generate([PROMPTS[0]], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=2**63 - 1))[0]
     wrapped = llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, max_tokens=8, seed=0))[0]
     assert top.outputs[1].token_ids == wrapped.outputs[0].token_ids  # seed + 1 wraps to 0 (it used to raise)
+    # best_of = n (as ported vLLM code writes it) runs: it raised, each sequence's params having n=1 beside best_of
+    ranked = llm.generate([PROMPTS[0]], SamplingParams(n=3, best_of=3, temperature=1.0, max_tokens=8, seed=7))[0]
+    assert [c.token_ids for c in ranked.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_use_tqdm_takes_a_bar_factory_and_counts_prompts(llm):
+    """vLLM's ``use_tqdm`` may be a callable that makes the bar (it was taken as True: the default bar); the bar
+    counts prompts, not their n sequences."""
+    made = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            self.kwargs, self.n, self.closed = kwargs, 0, False
+            made.append(self)
+
+        def update(self, k):
+            self.n += k
+
+        def close(self):
+            self.closed = True
+
+    llm.generate(PROMPTS[:2], SamplingParams(n=2, temperature=1.0, max_tokens=3, seed=1), use_tqdm=Bar)
+    (bar,) = made
+    assert bar.kwargs["total"] == 2 and bar.n == 2 and bar.closed
 
 
 def test_a_failed_or_interrupted_generate_leaves_no_request_behind(llm, monkeypatch):
