@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -243,6 +244,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def clone(self) -> SamplingParams:
+        """vLLM's: a deep copy (its lists, dicts and constraint too), to change without touching this one."""
+        return copy.deepcopy(self)
 
 
 def _is_count(x: object) -> bool:

@@ -261,6 +261,18 @@ def test_bad_sampling_values_raise_with_field_names():
     assert len(str(info.value)) < 250
 
 
+def test_sampling_params_clone_is_a_deep_copy():
+    """vLLM's ``SamplingParams.clone()``: equal, and changing the copy's lists or dicts leaves the original alone."""
+    from nightjar_jax.engine.sampling_params import SamplingParams
+
+    sp = SamplingParams(temperature=0.5, stop=["x"], logit_bias={3: 1.0}, structured_outputs={"choice": ["a", "b"]})
+    copy = sp.clone()
+    assert copy == sp and copy is not sp
+    copy.stop.append("y")
+    copy.logit_bias[4] = 2.0
+    assert sp.stop == ["x"] and sp.logit_bias == {3: 1.0} and copy.structured_outputs is not sp.structured_outputs
+
+
 def test_top_k_past_int32_samples_as_top_k_off():
     """top_k at or past the vocabulary keeps every token; 2**31 and more used to overflow the int32 sampling column
     and fail the whole batch's step."""
