@@ -32,7 +32,7 @@ class LLM:
         if not isinstance(model, str) or not model:
             raise ValueError(f"model={model!r} is invalid: allowed a preset name, a local path or an HF repo id "
                              f"(leave it out for the default, {DEFAULT_MODEL})")
-        self.engine = LLMEngine(make_engine_config(model=model, **kwargs))
+        self.engine = LLMEngine(make_engine_config(model=model, **_vllm_options(kwargs)))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
@@ -240,6 +240,29 @@ def _text_parts(content: Any) -> list[str] | None:
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
         return None
     return [p["text"] for p in content]
+
+
+# vLLM's LLM options that tune what this engine does not have (CUDA graphs, per-step stats logging): taken, when a
+# boolean, and nothing changes (every step here runs a compiled variant; stats are kept, not logged per step)
+_VLLM_NO_OPS = ("enforce_eager", "disable_log_stats")
+
+
+def _vllm_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``LLM(**kwargs)`` as the engine takes them: vLLM's ``block_size`` is ``page_size`` (the KV cache's tokens per
+    page), and :data:`_VLLM_NO_OPS` are dropped."""
+    kwargs = dict(kwargs)
+    for name in _VLLM_NO_OPS:
+        if name in kwargs:
+            value = kwargs.pop(name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={short_repr(value)} is invalid: allowed True or False (vLLM's option; it "
+                                 f"changes nothing here)")
+            logger.info("%s=%s is vLLM's option and changes nothing here", name, value)
+    if "block_size" in kwargs:
+        if kwargs.get("page_size") is not None:
+            raise ValueError("block_size and page_size are one option (vLLM's name and this engine's): give one")
+        kwargs["page_size"] = kwargs.pop("block_size")
+    return kwargs
 
 
 def _child_params(sp: SamplingParams, index: int) -> SamplingParams:

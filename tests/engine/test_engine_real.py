@@ -414,3 +414,16 @@ def test_generate_priorities_need_the_priority_policy(llm):
     assert llm.generate(["Once"], sp, priority=[0])[0].outputs[0].token_ids == \
         llm.generate(["Once"], sp)[0].outputs[0].token_ids
     assert llm.engine.num_free_pages == llm.engine.num_total_pages
+
+
+def test_vllm_llm_options_block_size_and_no_ops():
+    """vLLM's ``LLM(block_size=)`` is the page size; ``enforce_eager`` / ``disable_log_stats`` (booleans) are taken
+    and change nothing (each was a ConfigError: an unknown option); bad values and two names of one option fail
+    before the model loads."""
+    llm = LLM("stories260k", block_size=8, enforce_eager=True, disable_log_stats=False, max_model_len=64,
+              num_pages=16, max_num_seqs=2)
+    assert llm.engine.config.cache.page_size == 8
+    with pytest.raises(ValueError, match=r"enforce_eager='yes' is invalid: allowed True or False"):
+        LLM("stories260k", enforce_eager="yes")
+    with pytest.raises(ValueError, match="block_size and page_size are one option"):
+        LLM("stories260k", block_size=8, page_size=16)
