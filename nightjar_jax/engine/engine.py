@@ -1194,14 +1194,18 @@ class LLMEngine:
 
         While stop strings are set, the last ``max(len(stop)) - 1`` characters are held back from the streamed
         text until it is clear they do not start a stop string.
+
+        The last ids' bytes that never completed a character (``max_tokens`` cut one) end the text as U+FFFD
+        (``IncrementalDetokenizer.flush``; vLLM drops them, here the text shows the output was cut inside a
+        character, as a whole decode does), but that replacement character is made up: no stop string matches in it
+        (``stop=["\ufffd"]`` reported a stop there).
         """
         if r.detokenizer is None:
             return False
         emitted = r.output_text
         checked = len(emitted) + len(r.held_text)  # (text whose stop strings earlier calls looked for)
         full = emitted + r.held_text + (r.detokenizer.add(ids) if ids else "")
-        if final:  # (the last ids: bytes that never completed a character read as decode writes them, U+FFFD)
-            full += r.detokenizer.flush()
+        unfinished = r.detokenizer.flush() if final else ""  # (U+FFFD for bytes that never completed a character)
         sp = r.sampling
         stopped = False
         if sp.stop and not r.under_min_tokens:
@@ -1213,7 +1217,8 @@ class LLMEngine:
             if hits:
                 i, s = min(hits, key=lambda hit: (hit[0] + len(hit[1]), hit[0]))
                 full = full[: i + len(s)] if sp.include_stop_str_in_output else full[: max(i, len(emitted))]
-                r.stop_reason, stopped, final = s, True, True
+                r.stop_reason, stopped, final, unfinished = s, True, True, ""
+        full += unfinished
         hold = 0 if (final or not sp.stop) else max(len(s) for s in sp.stop) - 1
         visible = max(len(emitted), len(full) - hold)
         r.new_text += full[len(emitted) : visible]

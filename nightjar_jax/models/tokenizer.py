@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -222,6 +224,22 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return None if self.eos_token_id is None else self._piece(self.eos_token_id)
 
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """transformers' ``special_tokens_map``: each named special token this tokenizer has (``bos_token``,
+        ``eos_token``, ``unk_token``, ``pad_token``, ...), what a chat template sees under those names. A bare
+        ``tokenizer.json`` or ``.model`` knows its BOS, EOS and unknown token (its model's ``unk_token``, the
+        SentencePiece unknown piece); a transformers tokenizer, those its configuration names."""
+        if self.hf_tokenizer is not None:
+            return {name: str(token) for name, token in self.hf_tokenizer.special_tokens_map.items()
+                    if isinstance(token, str)}
+        named = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        if isinstance(self.backend, _SentencePieceBackend):
+            named["unk_token"] = self._piece(self.backend.sp.unk_id()) if self.backend.sp.unk_id() >= 0 else None
+        else:
+            named["unk_token"] = getattr(self.backend.model, "unk_token", None)
+        return {name: token for name, token in named.items() if token}
+
     def __len__(self) -> int:
         return self.vocab_size
 
@@ -314,11 +332,18 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             chat_template: str | None = None, tools: list[dict] | None = None,
-                            continue_final_message: bool = False,
+                            continue_final_message: bool = False, documents: list[dict] | None = None,
                             template_kwargs: dict[str, Any] | None = None, *, tokenize: bool = False,
                             **kwargs: Any) -> str | list[int]:
         """Render ``messages`` with the model's chat template, or ``chat_template`` when given (jinja2, sandboxed like
-        transformers); ``tools`` (OpenAI's function definitions) for templates that render them.
+        transformers); ``tools`` (OpenAI's function definitions) and ``documents`` (transformers' RAG documents,
+        dicts with "title" and "text") for templates that render them.
+
+        The template sees what transformers' gives it: ``messages``, ``tools``, ``documents``,
+        ``add_generation_prompt``, each named special token the tokenizer has (``bos_token``, ``eos_token``,
+        ``unk_token``, ``pad_token``, ...), the template kwargs; ``raise_exception``, ``strftime_now``, its
+        ``tojson`` (HTML left unescaped), ``{% break %}`` / ``{% continue %}`` and ``{% generation %}`` (rendered as
+        written). :func:`_compile_chat_template` builds that environment.
 
         As transformers' (what code written for vLLM's ``get_tokenizer()`` calls): ``tokenize=True`` returns the
         text's ids, encoded without adding special tokens (the template writes them); more keyword arguments are
@@ -333,7 +358,7 @@ class Tokenizer:
             raise ChatTemplateArgumentError("continue_final_message continues the last message, add_generation_prompt "
                                             "starts a new one: set at most one of them", "continue_final_message")
         unsupported = sorted(set(kwargs) & {"return_tensors", "return_dict", "padding", "truncation", "max_length",
-                                            "return_assistant_tokens_mask", "tokenizer_kwargs", "documents"})
+                                            "return_assistant_tokens_mask", "tokenizer_kwargs"})
         if unsupported:
             raise ValueError(f"apply_chat_template takes transformers' tokenize=True/False, not {unsupported}: it "
                              f"returns the text or a plain list of ids")
@@ -347,7 +372,7 @@ class Tokenizer:
                                             f"{type(template_kwargs).__name__}", "chat_template_kwargs")
         reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "raise_exception",
                     "self"}  # (jinja's own name for the template)
-        clash = sorted(reserved & set(template_kwargs or {}))
+        clash = sorted((reserved | ({"documents"} if documents is not None else set())) & set(template_kwargs or {}))
         if clash:
             raise ChatTemplateArgumentError(f"template kwargs may not set {', '.join(clash)}: the chat request's own "
                                             f"fields do", "chat_template_kwargs")
@@ -356,38 +381,23 @@ class Tokenizer:
             raise ValueError(f"{self.source}: this tokenizer has no chat template; use a plain-text prompt instead "
                              "or pass a chat_template")
         from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        # transformers' tojson (jinja's own escapes <, >, & and ' for HTML, which a prompt must not see)
-        env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: \
-            json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-        vocab_inv = {v: k for k, v in self.get_vocab().items()} if self.backend is not None else None
-
-        def token_str(i: int | None) -> str:
-            if i is None:
-                return ""
-            if vocab_inv is not None:
-                return vocab_inv.get(i, "")
-            return self.hf_tokenizer.convert_ids_to_tokens(i)
-
-        eos = self.eos_token_ids[0] if self.eos_token_ids else None
         try:
-            compiled = env.from_string(template)
+            compiled = _compile_chat_template(template)
         except TemplateError as e:  # (a syntax error: jinja's own type would leave the library's errors)
             raise ValueError(f"the chat template does not parse: {e}") from None
+        # transformers' variables: its special_tokens_map (each named special token the tokenizer has), the
+        # template kwargs (which may replace those, not bos/eos: reserved above), the conversation, tools, documents
+        variables = {**self.special_tokens_map, **(template_kwargs or {}), "tools": tools,
+                     "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token or "",
+                     "eos_token": self.eos_token or ""}
+        if documents is not None or "documents" not in variables:  # (a template kwarg "documents": as before)
+            variables["documents"] = documents
 
         def render(conversation: list) -> str:
             # (variables as one dict: a template kwarg named like render's own parameters, "self", is a variable)
             try:
-                return compiled.render({**(template_kwargs or {}), "messages": conversation,
-                                        "add_generation_prompt": add_generation_prompt,
-                                        "bos_token": token_str(self.bos_token_id), "eos_token": token_str(eos),
-                                        "tools": tools})
+                return compiled.render({**variables, "messages": conversation})
             except TemplateError as e:  # (raise_exception, an undefined variable's attribute, ...)
                 raise ValueError(f"the chat template could not render these messages: {e}") from None
 
@@ -410,19 +420,86 @@ class ChatTemplateArgumentError(ValueError):
         self.field = field
 
 
+@functools.lru_cache(maxsize=16)
+def _compile_chat_template(template: str) -> Any:
+    """``template`` compiled in transformers' chat-template environment (``render_jinja_template``'s, read from
+    transformers 5): sandboxed, ``trim_blocks`` / ``lstrip_blocks``, the ``loopcontrols`` extension (``{% break %}``,
+    ``{% continue %}``) and ``{% generation %}...{% endgeneration %}`` (transformers' AssistantTracker marks the
+    assistant's text for ``return_assistant_tokens_mask``; here the body renders as written, as there), the globals
+    ``raise_exception``, ``strftime_now``, ``dict`` and ``namespace`` (transformers' hardened ones: no dict
+    attributes, no underscore names on a namespace), and ``tojson`` as ``json.dumps`` (jinja's escapes HTML
+    characters). A template that does not parse raises jinja's ``TemplateError``."""
+    import datetime
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.exceptions import SecurityError, TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> list:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format: str) -> str:
+        return datetime.datetime.now().strftime(format)
+
+    class TemplateDict:  # (``dict(...)`` builds a dict; the type itself, and its attributes, stay out of reach)
+        def __call__(self, *args: Any, **kwargs: Any) -> dict:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):  # (no underscore attributes: CPython internals stay out)
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check_name(name: Any) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise SecurityError(f"chat templates cannot store underscore-prefixed attributes on a namespace, "
+                                    f"got {name!r}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
+                       namespace=TemplateNamespace)
+    return env.from_string(template)
+
+
 _CUT = "\ue000nightjar-continue\ue001"  # (private-use characters: no message holds them)
 
 
 def _render_to_final_message(render, messages: list[dict[str, Any]]) -> str:
     """The conversation rendered and cut right after its last message's content. The content is rendered with a
     marker after it, and the text cut where the marker landed; a template that rewrites the content (and loses the
-    marker) is cut after the last place the content occurs as written, else stripped (templates often trim)."""
+    marker) is cut after the last place the content occurs as written, else stripped (templates often trim). An empty
+    content continues where the marker lands, as in transformers (which marks it the same way)."""
     if not messages:
         raise ChatTemplateArgumentError("continue_final_message needs a message to continue", "continue_final_message")
     content = messages[-1].get("content")
     if isinstance(content, list):  # (OpenAI's content parts)
         content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    if not isinstance(content, str) or not content.strip():
+    if not isinstance(content, str):  # (empty text continues too, as transformers': the reply from its start)
         raise ChatTemplateArgumentError("continue_final_message needs a last message with text to continue",
                                         "continue_final_message")
     marked = render([*messages[:-1], {**messages[-1], "content": content + _CUT}])
@@ -431,7 +508,7 @@ def _render_to_final_message(render, messages: list[dict[str, Any]]) -> str:
         trimmed = content != content.rstrip() and content not in render(messages)  # (the template trims it)
         return text.rstrip() if trimmed else text
     text = render(messages)
-    for piece in (content, content.strip()):
+    for piece in filter(None, (content, content.strip())):  # (empty: found anywhere, so nowhere to cut)
         at = text.rfind(piece)
         if at >= 0:
             return text[:at + len(piece)]
@@ -468,9 +545,33 @@ class _SentencePieceBackend:
 
         self.sp = sentencepiece.SentencePieceProcessor(model_file=path)
         self._special = {i for i in range(self.sp.get_piece_size()) if self.sp.is_control(i) or self.sp.is_unknown(i)}
+        # The pieces whose text in a prompt stands for the piece itself (transformers' added tokens): control and
+        # unknown pieces ("<s>", "</s>", "<unk>"), and in a BPE model the user-defined ones too (transformers'
+        # converter makes those added tokens for BPE only; a Unigram model's stay with SentencePiece, which emits
+        # them whole). The longest first, so "<s>" never wins over a longer piece starting with it.
+        pieces = {self.sp.id_to_piece(i): i for i in sorted(self._special | _bpe_user_defined_ids(self.sp))}
+        pieces = {piece: i for piece, i in pieces.items() if piece}
+        self._added = pieces
+        self._added_pattern = re.compile("|".join(re.escape(p) for p in sorted(pieces, key=len, reverse=True))) \
+            if pieces else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> _Encoding:
-        return self._Encoding(list(self.sp.encode(text)))
+        """Ids for ``text``, added tokens' text ("<s>", "</s>") read as those tokens, as transformers and the
+        vocabulary's ``tokenizer.json`` do: the text is split at them and each piece between encoded alone, so
+        the piece after one starts with SentencePiece's dummy-prefix space, as the converted ``tokenizer.json``
+        (legacy, Llama 2's) has it. ``sp.encode`` alone spells "<s>" out as the pieces "<", "s", ">"."""
+        if self._added_pattern is None:
+            return self._Encoding(list(self.sp.encode(text)))
+        ids: list[int] = []
+        start = 0
+        for match in self._added_pattern.finditer(text):
+            if match.start() > start:
+                ids.extend(self.sp.encode(text[start : match.start()]))
+            ids.append(self._added[match.group()])
+            start = match.end()
+        if start < len(text):
+            ids.extend(self.sp.encode(text[start:]))
+        return self._Encoding(ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:
@@ -485,6 +586,23 @@ class _SentencePieceBackend:
 
     def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
         return {self.sp.id_to_piece(i): i for i in range(self.sp.get_piece_size())}
+
+
+def _bpe_user_defined_ids(sp: Any) -> set[int]:
+    """A BPE SentencePiece model's user-defined pieces (type 4), read from its model proto. The Python API has no
+    ``is_user_defined``, and the proto's classes need protobuf, an optional package here: without it the set is
+    empty and SentencePiece reads those pieces whole as before (only the dummy prefix after one differs)."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError:  # (protobuf missing)
+        logger.debug("protobuf is not installed: user-defined SentencePiece pieces are not split out of text")
+        return set()
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(sp.serialized_model_proto())
+    if proto.trainer_spec.model_type != sentencepiece_model_pb2.TrainerSpec.BPE:
+        return set()
+    user_defined = sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
+    return {i for i, piece in enumerate(proto.pieces) if piece.type == user_defined}
 
 
 @functools.lru_cache(maxsize=1)
@@ -511,7 +629,9 @@ class IncrementalDetokenizer:
 
     ``prompt_ids``: the window starts on the prompt's last :data:`PROMPT_CONTEXT` ids (read, never emitted), so the
     first generated token reads as it does after the prompt: a SentencePiece ``▁upon`` after "Once" streams
-    " upon", where decoded alone its leading space would be stripped.
+    " upon", where decoded alone its leading space would be stripped. A prompt that ends inside a character (its
+    decode ends in U+FFFD) which the output completes: the character is the output's (the text is what a decode of
+    prompt + output has past the prompt's complete characters), so the text joined always reads the whole decode.
     """
 
     PROMPT_CONTEXT = 5  # (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
@@ -528,9 +648,15 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int]) -> str:
         self.ids.extend(int(t) for t in token_ids)
         prefix_text, new_text = self._window()
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        start = len(prefix_text)
+        if prefix_text.endswith("\ufffd") and not new_text.startswith(prefix_text):
+            # The text read ends inside a character (only the prompt's can: output text is held until its characters
+            # complete) and the new ids complete it: U+FFFD became the character, so the text is new from where the
+            # two differ. (vLLM's length diff read "ab\ufffd" -> "ab😀" as nothing new and the emoji never came.)
+            start = len(os.path.commonprefix([prefix_text, new_text]))
+        if len(new_text) <= start or new_text.endswith("\ufffd"):
             return ""
-        return self._advance(new_text[len(prefix_text) :])
+        return self._advance(new_text[start:])
 
     def flush(self) -> str:
         """The end of the ids: text held back for a character that never completed (a stray or cut UTF-8 byte)

@@ -901,6 +901,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         try:
             return tok.apply_chat_template(rendered, add_generation_prompt=req.add_generation_prompt,
                                            tools=req.tools or None, continue_final_message=req.continue_final_message,
+                                           documents=getattr(req, "documents", None),  # (chat's; /tokenize has none)
                                            template_kwargs=req.chat_template_kwargs,
                                            chat_template=req.chat_template or None)  # ("": the server's, as vLLM)
         except APIError:

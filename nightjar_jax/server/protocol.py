@@ -476,8 +476,8 @@ class ChatCompletionRequest(_SamplingFields):
     modalities: list[str] | None = None
     functions: Any = None  # (OpenAI's deprecated forms of tools and tool_choice)
     function_call: Any = None
+    documents: list[dict[str, Any]] | None = None  # vLLM's (RAG): the chat template's documents
     # vLLM's, accepted at their neutral values only (see unsupported)
-    documents: list[dict[str, Any]] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
     _tool_parser: str | None = PrivateAttr(default=None)  # the server's parser for tool_choice "auto", if any
@@ -492,7 +492,6 @@ class ChatCompletionRequest(_SamplingFields):
             ("modalities", self.modalities not in (None, ["text"]), ""),
             ("functions", self.functions is not None, "OpenAI's deprecated 'functions': use 'tools'"),
             ("function_call", self.function_call is not None, "OpenAI's deprecated 'function_call': use 'tool_choice'"),
-            ("documents", bool(self.documents), ""),
             ("mm_processor_kwargs", bool(self.mm_processor_kwargs), "the models this server runs read text"),
             ("thinking_token_budget", self.thinking_token_budget is not None, ""),
         ]

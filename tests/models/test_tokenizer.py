@@ -52,6 +52,40 @@ def test_sentencepiece_model_matches_tokenizer_json(stories):
         assert sp.decode(sp.encode(text)) == text
 
 
+LLAMA2 = Path("/work/shared/tokenizers/llama2")  # tests only, when present
+SPECIAL_TEXTS = ["<s>Once upon a time", "Once<s>upon", "<s> Once</s> x", "<s>[INST] Hi [/INST]</s>", "<unk>x",
+                 "<s><s>\nHi", "x <s>  y", " <s>", "</s>", "<S>x"]
+
+
+@pytest.mark.parametrize("folder", [STORIES, LLAMA2], ids=["stories260K", "llama2"])
+def test_sentencepiece_model_reads_special_tokens_in_text_as_tokenizer_json(folder):
+    """A ``.model`` read "<s>" in text as the pieces "<", "s", ">" (sp.encode alone); transformers and the same
+    vocabulary's tokenizer.json read the tokens, and encode the text after one with its own dummy-prefix space."""
+    json_file, model = folder / "tokenizer.json", next(folder.glob("*.model"), None)
+    if not json_file.exists() or model is None:
+        pytest.skip(f"{folder}: no tokenizer.json and .model pair here")
+    reference, sp = Tokenizer.from_pretrained(json_file), Tokenizer.from_pretrained(model)
+    for text in SPECIAL_TEXTS:
+        for add_special_tokens in (True, False):
+            assert sp.encode(text, add_special_tokens) == reference.encode(text, add_special_tokens), text
+    assert sp.encode("<s>Once upon a time") == sp.encode("Once upon a time")  # (BOS once)
+
+
+def test_sentencepiece_bpe_user_defined_pieces_split_text_as_added_tokens(tmp_path):
+    """transformers' converter makes a BPE model's user-defined pieces added tokens: the text after one restarts
+    with the dummy prefix, as after "<s>"."""
+    pb = pytest.importorskip("sentencepiece.sentencepiece_model_pb2")
+    proto = pb.ModelProto()
+    proto.ParseFromString((STORIES / "tok512.model").read_bytes())
+    assert proto.pieces[299].piece == "ing"
+    proto.pieces[299].type = pb.ModelProto.SentencePiece.USER_DEFINED
+    (tmp_path / "user.model").write_bytes(proto.SerializeToString())
+    tok = Tokenizer.from_pretrained(tmp_path / "user.model")
+    sp = tok.backend.sp
+    assert tok.encode("Once ing upon", False) == [*sp.encode("Once "), 299, *sp.encode(" upon")]
+    assert tok.encode("ing", False) == [299] and sp.encode("ing") == [410, 299]
+
+
 def test_decode_out_of_range_ids_alike_in_both_backends(stories):
     """Ids past the vocabulary (a model's padded rows) decode to nothing in both backends (SentencePiece raised
     IndexError); a negative id is a ValueError naming the range (it was an OverflowError from the Rust side)."""
@@ -310,7 +344,8 @@ def test_continue_final_message_and_template_kwargs(stories):
         assert out.endswith("<|im_start|>assistant\n" + last), out
     with pytest.raises(ChatTemplateArgumentError, match="may not set self"):
         stories.apply_chat_template(MESSAGES, chat_template=thinking, template_kwargs={"self": 1})
-    for last, match in [("  ", "a last message with text"), ("gone", "does not render the last message")]:
+    for last, match in [(None, "a last message with text"), ("  ", "does not render the last message"),
+                        ("gone", "does not render the last message")]:  # (transformers: "does not appear")
         with pytest.raises(ChatTemplateArgumentError, match=match):
             stories.apply_chat_template([*MESSAGES, {"role": "assistant", "content": last}], False,
                                         chat_template="{{ messages[0]['content'] }}", continue_final_message=True)
@@ -324,3 +359,80 @@ def test_a_corrupt_sentencepiece_model_is_a_value_error_naming_it(tmp_path):
         for arg in (path, tmp_path):  # the file, and a folder holding it
             with pytest.raises(ValueError, match=f"^{path}: not a readable SentencePiece model"):
                 Tokenizer.from_pretrained(arg)
+
+
+TRANSFORMERS_TEMPLATES = [
+    "{% for m in messages %}{{ m.content }}{% if loop.index == 1 %}{% break %}{% endif %}{% endfor %}",
+    "{% for m in messages %}{% if m.role == 'user' %}{% continue %}{% endif %}{{ m.content }}{% endfor %}",
+    "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}<a>{{ m.content }}</a>{% endgeneration %}"
+    "{% endif %}{% endfor %}",
+    "{{ strftime_now('%Y') }}|{{ bos_token }}{{ eos_token }}|{{ unk_token }}|{{ pad_token }}",
+    "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}"
+    "{{ dict(a=1) | tojson }}{{ {'x': '<&>'} | tojson(indent=1) }}",
+    "{% for d in documents or [] %}[{{ d.title }}] {{ d.text }}\n{% endfor %}{{ documents is none }}",
+]
+
+
+@pytest.mark.parametrize("template", TRANSFORMERS_TEMPLATES)
+def test_chat_template_environment_is_transformers(tmp_path, template):
+    """The template renders as transformers' apply_chat_template renders it: loop controls, the {% generation %}
+    tag, strftime_now, namespace/dict, tojson, every named special token (a pad token the tokenizer_config names
+    rendered empty), documents (refused before). The namespace / dict one checks transformers' hardened globals
+    keep jinja's behaviour; each other failed or differed."""
+    pytest.importorskip("transformers")
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizers.Tokenizer.from_file(str(STORIES / "tokenizer.json")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "pad_token": "</s>"}))
+    ours = Tokenizer.from_pretrained(tmp_path)
+    hf = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    conversation = [*MESSAGES, {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "Why?"}]
+    for documents in (None, [{"title": "T", "text": "Paris is in France."}]):
+        expected = hf.apply_chat_template(conversation, chat_template=template, documents=documents, tokenize=False)
+        assert ours.apply_chat_template(conversation, False, chat_template=template, documents=documents) == expected
+    sp = Tokenizer.from_pretrained(STORIES / "tok512.model")  # (a bare vocabulary: BOS, EOS and unknown token)
+    assert sp.special_tokens_map == {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+
+
+def test_chat_template_documents_and_namespace_guard(stories):
+    """``documents`` reach the template (they were refused as "not transformers' tokenize"); one given twice (also
+    as a template kwarg) is an error; a namespace takes no underscore attribute (transformers' guard)."""
+    template = "{% for d in documents %}{{ d.text }}|{% endfor %}{{ messages[0].content }}"
+    documents = [{"title": "a", "text": "DOC"}]
+    assert stories.apply_chat_template(MESSAGES, chat_template=template, documents=documents).startswith("DOC|What")
+    assert stories.apply_chat_template(MESSAGES, chat_template=template, template_kwargs={"documents": documents},
+                                       ).startswith("DOC|What")  # (as before)
+    with pytest.raises(ChatTemplateArgumentError, match="may not set documents"):
+        stories.apply_chat_template(MESSAGES, chat_template=template, documents=documents,
+                                    template_kwargs={"documents": documents})
+    with pytest.raises(ValueError, match="underscore"):
+        stories.apply_chat_template(MESSAGES, chat_template="{% set ns = namespace(_x=1) %}")
+
+
+def test_continue_final_message_with_empty_content_is_transformers():
+    """An empty last message continues from its start, as transformers renders it (it was refused)."""
+    transformers = pytest.importorskip("transformers")
+    chatml = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(STORIES / "tokenizer.json"), chat_template=chatml)
+    ours = Tokenizer.from_pretrained(STORIES / "tokenizer.json")
+    for conversation in ([{"role": "user", "content": ""}], [*MESSAGES, {"role": "assistant", "content": ""}]):
+        expected = hf.apply_chat_template(conversation, tokenize=False, continue_final_message=True)
+        assert expected.endswith("<|im_start|>" + conversation[-1]["role"] + "\n")
+        assert ours.apply_chat_template(conversation, False, chat_template=chatml,
+                                        continue_final_message=True) == expected
+
+
+def test_incremental_detokenizer_completes_the_prompts_last_character(stories):
+    """The prompt ends after the first byte of "😀" (its text ends in U+FFFD) and the output completes it: the
+    emoji streams (the length diff saw "ab\ufffd" -> "ab😀" as nothing new and dropped it); left incomplete, the
+    prompt's U+FFFD is not the output's."""
+    ids = stories.encode("ab😀cd", add_special_tokens=False)
+    cut = next(i for i, t in enumerate(ids) if "\ufffd" in stories.token_text(t)) + 1
+    detok = IncrementalDetokenizer(stories, prompt_ids=ids[:cut])
+    deltas = [detok.add([t]) for t in ids[cut:]] + [detok.flush()]
+    assert deltas == ["", "", "😀", "c", "d", ""] and detok.text == "😀cd"
+    detok = IncrementalDetokenizer(stories, prompt_ids=ids[:cut])
+    assert detok.add(ids[-2:]) + detok.flush() == "cd"

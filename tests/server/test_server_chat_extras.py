@@ -201,6 +201,21 @@ def test_request_chat_template_and_cache_control(client, llm):
     assert chat(client, msgs)["usage"]["prompt_tokens"] == len(llm.engine.tokenizer.encode("user: Hi\nassistant:"))
     resp = client.post("/v1/chat/completions", json={"messages": msgs, "chat_template": "{% for %}"})
     assert resp.status_code == 400 and "could not apply the chat template" in resp.json()["error"]["message"]
+    # continue_final_message: a template that drops the last message leaves no place to continue (a 400); an empty
+    # last message continues from its start, as transformers renders it
+    drops = "{% for m in messages %}{{ m['role'] }}:{% endfor %}"
+    resp = client.post("/v1/chat/completions", json={"messages": msgs, "chat_template": drops, "max_tokens": 2,
+                                                     "continue_final_message": True, "add_generation_prompt": False})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "continue_final_message"
+    assert "does not render the last message" in resp.json()["error"]["message"]
+    empty = [{"role": "user", "content": ""}]
+    ids = client.post("/tokenize", json={"messages": empty, "chat_template": OTHER_TEMPLATE,
+                                         "continue_final_message": True, "add_generation_prompt": False}).json()
+    assert ids["tokens"] == llm.engine.tokenizer.encode("[user] ")
+    # vLLM's documents (RAG) reach the template
+    rag = "{% for d in documents %}[{{ d.title }}] {{ d.text }}\n{% endfor %}{{ messages[0].content }}"
+    body = chat(client, msgs, chat_template=rag, documents=[{"title": "A", "text": "cats purr"}])
+    assert body["usage"]["prompt_tokens"] == len(llm.engine.tokenizer.encode("[A] cats purr\nHi"))
     resp = client.post("/tokenize", json={"prompt": "Hi", "chat_template": OTHER_TEMPLATE})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template"
     # an empty template is the server's own (vLLM's `request.chat_template or ...`); it read as "no template"

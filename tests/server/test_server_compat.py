@@ -119,7 +119,6 @@ NOT_SERVED = [
     ("/v1/completions", "vllm_xargs", {"a": 1}, "is not supported by this server"),
     ("/v1/chat/completions", "logits_processors", ["my.module:Proc"], "is not supported by this server"),
     ("/v1/completions", "prompt_embeds", "AAAA", "send the prompt as text or token ids"),
-    ("/v1/chat/completions", "documents", [{"title": "t", "text": "x"}], "is not supported by this server"),
     ("/v1/chat/completions", "mm_processor_kwargs", {"x": 1}, "is not supported by this server"),
     ("/v1/chat/completions", "thinking_token_budget", 100, "is not supported by this server"),
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}], "use 'tools'"),

@@ -1,0 +1,69 @@
+"""Incremental detokenization's edges in the engine (``LLMEngine._append`` -> ``_detokenize``): a prompt that ends
+inside a UTF-8 character the output completes, and an output cut inside one by ``max_tokens``. The ids are fed
+through ``_append`` as a step would commit them, so the test picks them (the model would not)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from nightjar_jax import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLM("stories260k", max_model_len=128, max_num_seqs=2, num_pages=32).engine
+
+
+def _commit(engine, prompt_ids: list[int], output_ids: list[int], params: SamplingParams):
+    """Queue a request for ``prompt_ids`` and commit ``output_ids`` one at a time; (last output, streamed deltas)."""
+    request_id = engine.add_request({"prompt_token_ids": prompt_ids}, params)
+    request = engine.requests[request_id]
+    deltas, out = [], None
+    try:
+        for tok in output_ids:
+            out = engine._append(request, [tok], time.monotonic())
+            deltas.append(out.outputs[0].delta_text)
+            if out.finished:
+                break
+    finally:
+        if not request.is_finished:
+            engine.abort_request(request_id)
+    return out.outputs[0], deltas
+
+
+def _byte_pieces(tok, ids: list[int]) -> list[int]:
+    return [i for i, t in enumerate(ids) if "\ufffd" in tok.token_text(t)]
+
+
+def test_an_output_that_completes_the_prompts_last_character_streams_it(engine):
+    """The prompt's ids end after the first byte of "😀": its decode ends in U+FFFD, and the output's three bytes
+    complete the emoji. The text is what decode(prompt + output) has past the prompt's complete text: "😀cd" (the
+    length diff read "ab\ufffd" -> "ab😀" as nothing new, and the text was "cd")."""
+    tok = engine.tokenizer
+    ids = tok.encode("ab😀cd")
+    first_byte = _byte_pieces(tok, ids)[0]
+    prompt, output = ids[: first_byte + 1], ids[first_byte + 1 :]
+    assert tok.decode(prompt).endswith("\ufffd") and tok.decode(prompt + output) == "ab😀cd"
+    comp, deltas = _commit(engine, prompt, output, SamplingParams(temperature=0, max_tokens=len(output)))
+    assert comp.text == "😀cd" and "".join(deltas) == comp.text and comp.finish_reason == "length"
+    # the output leaves it incomplete (a stray "c" after it): the prompt's U+FFFD stays the prompt's
+    comp, deltas = _commit(engine, prompt, output[-2:], SamplingParams(temperature=0, max_tokens=2))
+    assert comp.text == "cd" == "".join(deltas)
+
+
+def test_a_character_cut_by_max_tokens_ends_the_text_and_matches_no_stop_string(engine):
+    """max_tokens cuts "😀" after a byte: the text ends in U+FFFD (the output was cut inside a character, as a
+    decode shows), which is made up and matches no stop string: stop=["\ufffd"] reported finish_reason "stop"."""
+    tok = engine.tokenizer
+    ids = tok.encode("Hi 😀", add_special_tokens=False)
+    cut = _byte_pieces(tok, ids)[1]  # (two of the emoji's four bytes)
+    for stop in ([], ["\ufffd"], [" \ufffd"]):
+        params = SamplingParams(temperature=0, max_tokens=cut, stop=stop)
+        comp, deltas = _commit(engine, [1], ids, params)
+        assert (comp.text, comp.finish_reason, comp.stop_reason) == ("Hi \ufffd", "length", None), stop
+        assert "".join(deltas) == comp.text
+    # a stop string in the complete text before it still stops there
+    comp, _ = _commit(engine, [1], ids, SamplingParams(temperature=0, max_tokens=cut, stop=["i "]))
+    assert (comp.text, comp.finish_reason, comp.stop_reason) == ("H", "stop", "i ")
