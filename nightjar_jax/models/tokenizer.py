@@ -85,6 +85,17 @@ def default_chat_template(vocab: dict[str, int]) -> str | None:
     return None
 
 
+class BatchEncoding(dict):
+    """transformers' ``BatchEncoding`` as ``tokenizer(text)`` returns it: a dict whose keys read as attributes too
+    (``enc["input_ids"]``, ``enc.input_ids``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 class Tokenizer:
     """Text <-> ids for one model.
 
@@ -239,6 +250,48 @@ class Tokenizer:
         else:
             named["unk_token"] = getattr(self.backend.model, "unk_token", None)
         return {name: token for name, token in named.items() if token}
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The padding id a transformers tokenizer names (None for a bare ``tokenizer.json`` or ``.model``: they
+        name none; the engine never pads)."""
+        return None if self.hf_tokenizer is None else self.hf_tokenizer.pad_token_id
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        """transformers': the named special tokens (:attr:`special_tokens_map`), each once."""
+        return list(dict.fromkeys(self.special_tokens_map.values()))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """transformers': the ids of :attr:`all_special_tokens`."""
+        vocab = self.get_vocab()
+        return [vocab[t] for t in self.all_special_tokens if t in vocab]
+
+    @property
+    def name_or_path(self) -> str:
+        """Where the tokenizer came from (transformers' name)."""
+        return self.source
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
+        """Ids of vocabulary strings (``▁the``), as HF's; a string not in the vocabulary is the unknown token's id
+        (None when there is none)."""
+        vocab = self.get_vocab()
+        unk = vocab.get(self.special_tokens_map.get("unk_token", ""))
+        if isinstance(tokens, str):
+            return vocab.get(tokens, unk)
+        return [vocab.get(t, unk) for t in tokens]
+
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> BatchEncoding:
+        """transformers' ``tokenizer(text)``: ``input_ids`` and ``attention_mask`` (all ones: nothing is padded) of
+        a text, or lists of them for a list of texts; read as a dict or as attributes."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids))
+        if not isinstance(text, (list, tuple)) or not all(isinstance(t, str) for t in text):
+            raise TypeError(f"tokenizer(text) takes a string or a list of strings, got {type(text).__name__}")
+        ids_list = [self.encode(t, add_special_tokens) for t in text]
+        return BatchEncoding(input_ids=ids_list, attention_mask=[[1] * len(ids) for ids in ids_list])
 
     def __len__(self) -> int:
         return self.vocab_size

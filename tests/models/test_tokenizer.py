@@ -296,6 +296,30 @@ def test_the_hugging_face_names_vllm_code_calls(stories, smollm):
         smollm.apply_chat_template(MESSAGES, tokenize=True, return_dict=True)
 
 
+def test_more_hugging_face_names_answer_as_transformers(stories, tmp_path):
+    """``tokenizer(text)``, ``convert_tokens_to_ids``, ``all_special_ids`` / ``all_special_tokens``, ``pad_token_id``
+    and ``name_or_path`` (each an AttributeError or "not callable"), compared with transformers' own tokenizer over
+    the same tokenizer.json."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(STORIES / "tokenizer.json"), bos_token="<s>", eos_token="</s>",
+                                 unk_token="<unk>")
+    enc = stories("Once upon a time")
+    assert enc["input_ids"] == enc.input_ids == stories.encode("Once upon a time")
+    assert enc.attention_mask == [1] * len(enc.input_ids)
+    both = stories(["Once", "upon a time"], add_special_tokens=False)
+    assert both.input_ids == hf(["Once", "upon a time"], add_special_tokens=False).input_ids
+    assert both.attention_mask == [[1], [1, 1, 1]]
+    pieces = ["\u2581Once", "<s>", "no-such-piece"]
+    assert stories.convert_tokens_to_ids(pieces) == hf.convert_tokens_to_ids(pieces)
+    assert stories.convert_tokens_to_ids("\u2581Once") == hf.convert_tokens_to_ids("\u2581Once") == 403
+    assert sorted(stories.all_special_ids) == sorted(hf.all_special_ids)
+    assert sorted(stories.all_special_tokens) == sorted(hf.all_special_tokens)
+    assert stories.pad_token_id is None and stories.name_or_path.endswith("tokenizer.json")
+    with pytest.raises(TypeError, match="a string or a list of strings"):
+        stories(5)
+
+
 def test_transformers_tokenizer_adds_bos_once_to_text_that_starts_with_it(tmp_path):
     """A chat template renders ``{{ bos_token }}`` and the tokenizer adds BOS again (Llama-3's): the prompt gets one
     BOS, as the tokenizers-backed path already does (``Tokenizer.encode``)."""
