@@ -1358,20 +1358,27 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
 
         def response(status: str, out: RequestOutput | None = None, reasoning: str = "", text: str = ""
                      ) -> dict[str, Any]:
+            # (what the request asked for, as OpenAI echoes it; temperature / top_p: the values the sampling used)
             body: dict[str, Any] = {
-                "id": rid, "object": "response", "created_at": created, "model": model, "status": status,
-                "error": None, "incomplete_details": None, "instructions": req.instructions,
+                "id": rid, "object": "response", "created_at": created, "completed_at": None, "model": model,
+                "status": status, "error": None, "incomplete_details": None, "instructions": req.instructions,
                 "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
-                "parallel_tool_calls": True, "temperature": req.temperature, "top_p": req.top_p,
-                "tool_choice": "auto", "tools": [], "text": req.text or {"format": {"type": "text"}},
-                "output": [], "usage": None,
+                "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": params.temperature,
+                "top_p": params.top_p, "tool_choice": req.tool_choice or "auto", "tools": [],
+                "text": req.text or {"format": {"type": "text"}}, "truncation": req.truncation or "disabled",
+                "user": req.user, "service_tier": "default", "output": [], "usage": None,
             }
             if out is not None:
                 comp = out.outputs[0]
+                body["completed_at"] = int(time.time()) if status == "completed" else None
                 done = "completed" if status == "completed" else "incomplete"
                 body["output"] = [thought(reasoning, "completed")] * bool(reasoning) + [message(text, done)]
                 if status == "incomplete":
                     body["incomplete_details"] = {"reason": "max_output_tokens"}
+                if status == "failed":  # (aborted: a shutdown, or the request was cut off)
+                    body["error"] = {"code": "server_error", "message": "the request was aborted before it finished "
+                                     "(the server is shutting down, or the request was cancelled): its output is cut "
+                                     "short"}
                 counts = usage([out], 1)
                 thinking = thought_tokens(out, len(comp.text) - len(text)) if reasoning else 0
                 body["usage"] = {
@@ -1396,7 +1403,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             return count
 
         def status_of(out: RequestOutput) -> str:
-            return "incomplete" if out.outputs[0].finish_reason == "length" else "completed"
+            """OpenAI's status for a finished output: "incomplete" (max_output_tokens cut it), "failed" (aborted:
+            OpenAI has no status for a cut-off foreground response; chat's finish reason there is "abort") or
+            "completed"."""
+            return {"length": "incomplete", "abort": "failed"}.get(out.outputs[0].finish_reason, "completed")
 
         if not req.stream:
             (out,) = await collect(stream, request, 1)
@@ -1457,11 +1467,23 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                         yield event("response.output_text.done", **at, text=text, logprobs=[])
                         yield event("response.content_part.done", **at, part={**empty, "text": text})
                         yield event("response.output_item.done", output_index=at["output_index"],
-                                    item=message(text, status))
+                                    item=message(text, "completed" if status == "completed" else "incomplete"))
                         yield event(f"response.{status}", response=response(status, out, reasoning, text))
             finally:
                 stream.abort()  # the client went away (generator cancelled / closed): free the pages now
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}", operation_id="delete_response")
+    @app.post("/v1/responses/{response_id}/cancel", operation_id="cancel_response")
+    @app.get("/v1/responses/{response_id}/input_items", operation_id="response_input_items")
+    async def stored_response(request: Request, response_id: str):
+        """OpenAI's stored-response endpoints: nothing is stored here (``store`` is refused), so each is a 404 that
+        says so (not a bare "Not Found")."""
+        authorize(request)
+        raise APIError(404, f"response '{clip(response_id, 80)}' not found: this server does not store responses "
+                            f"(stateless: 'store' is false, and a response cannot be read back, listed or cancelled "
+                            f"afterwards)", type="invalid_request_error", param="response_id")
 
     return app

@@ -833,8 +833,8 @@ class ResponsesRequest(_Strict):
         if isinstance(fmt, dict) and fmt.get("type") == "json_object":
             return {"type": "json_object"}
         if (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)
-                and isinstance(fmt.get("name", "output"), str)):
-            return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt["schema"]}}
+                and isinstance(fmt.get("name"), str) and fmt["name"]):  # (OpenAI's: the name is required)
+            return {"type": "json_schema", "json_schema": {"name": fmt["name"], "schema": fmt["schema"]}}
         raise APIError(400, "'text.format' must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
                             "'json_schema', 'name': <a string>, 'schema': {...}}", param="text")
 

@@ -4,6 +4,7 @@ requests already running; the Responses API counts a thought's tokens as generat
 
 from __future__ import annotations
 
+import json
 import threading
 
 from fastapi.testclient import TestClient
@@ -47,3 +48,59 @@ def test_responses_count_the_thoughts_generated_tokens():
         body = resp.json()
     assert [item["type"] for item in body["output"]] == ["reasoning", "message"]
     assert body["usage"]["output_tokens"] == 20 and body["usage"]["output_tokens_details"]["reasoning_tokens"] == 20
+
+
+def test_responses_cut_off_fail_and_stored_ones_are_not_found(monkeypatch):
+    """A response aborted before its end (a shutdown, a cancel) is "failed" with an error saying so, whole or
+    streamed (``response.failed``): it read "completed". The response echoes what the request asked for and what the
+    sampling used; a json_schema format needs its name (it was set to "output"); the stored-response endpoints are
+    404s that say nothing is stored (a bare "Not Found")."""
+    import time
+
+    llm = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=64)
+    llm.engine.tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                                          "{% endfor %}assistant:")
+    engine, step = llm.engine, llm.engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.02), step())[1])  # (slow: the abort lands mid-way)
+    async_engine = AsyncEngine(engine)
+    body = {"input": "Hi", "max_output_tokens": 100, "temperature": 0}
+    with TestClient(build_app(async_engine, ServerSettings("s"))) as client:
+        for stream in (False, True):
+            answer = {}
+
+            def ask(stream=stream, answer=answer):
+                answer["resp"] = client.post("/v1/responses", json={**body, "stream": stream})
+
+            asker = threading.Thread(target=ask)
+            asker.start()
+            deadline = time.monotonic() + 60
+            while not engine.requests and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)
+            async_engine.abort(list(engine.requests))
+            asker.join(60)
+            resp = answer["resp"]
+            assert resp.status_code == 200, resp.text
+            if stream:
+                events = [line for line in resp.text.splitlines() if line.startswith("event: ")]
+                assert events[-1] == "event: response.failed", events[-3:]
+                final = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: ")][-1]
+                result = final["response"]
+            else:
+                result = resp.json()
+            assert result["status"] == "failed" and "aborted before it finished" in result["error"]["message"]
+            assert 0 < result["usage"]["output_tokens"] < 100 and result["output"][0]["status"] == "incomplete"
+        assert engine.num_free_pages == engine.num_total_pages
+        monkeypatch.setattr(engine, "step", step)
+        done = client.post("/v1/responses", json={**body, "max_output_tokens": 3, "parallel_tool_calls": False,
+                                                  "tool_choice": "none", "user": "u", "truncation": "disabled"}).json()
+        assert (done["parallel_tool_calls"], done["tool_choice"], done["user"], done["truncation"]) == (
+            False, "none", "u", "disabled")
+        assert (done["temperature"], done["top_p"], done["completed_at"]) == (0.0, 1.0, None)  # (cut: incomplete)
+        unnamed = client.post("/v1/responses", json={**body, "text": {"format": {"type": "json_schema",
+                                                                                 "schema": {"type": "object"}}}})
+        assert unnamed.status_code == 400 and unnamed.json()["error"]["param"] == "text"
+        for method, path in (("GET", "resp_1"), ("DELETE", "resp_1"), ("POST", "resp_1/cancel"),
+                             ("GET", "resp_1/input_items")):
+            gone = client.request(method, f"/v1/responses/{path}")
+            assert gone.status_code == 404 and "does not store responses" in gone.json()["error"]["message"], path
