@@ -38,11 +38,13 @@ def _generate(args: argparse.Namespace) -> int:
     chat = args.chat
     if chat is None:  # auto: instruct models with a chat template get their template
         chat = engine.tokenizer is not None and bool(getattr(engine.tokenizer, "chat_template", None))
+    if engine.tokenizer is None:  # (the engine's own message asks for token ids, which this command has no flag for)
+        sys.stderr.write("error: this model has no tokenizer to read --prompt with: pass --tokenizer (a "
+                         "tokenizer.json or SentencePiece .model file, or a folder with one)\n")
+        return 2
     start = time.perf_counter()
     try:
         if chat:  # (a model without a template, or a bad one: the one-line error below)
-            if engine.tokenizer is None:
-                raise ValueError("--chat needs the model's tokenizer and chat template; this model has no tokenizer")
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         engine.add_request(prompt, params, request_id="cli")
     except ValueError as exc:  # e.g. a prompt longer than the context or than the whole KV pool

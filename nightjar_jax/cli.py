@@ -12,6 +12,7 @@ import dataclasses
 import json
 import re
 import typing
+from pathlib import Path
 from typing import Any
 
 from nightjar_jax.config import (
@@ -200,12 +201,25 @@ def speculative_config(text: str) -> dict[str, Any]:
     return out
 
 
+def check_cache_dir(path: str) -> None:
+    """``--compilation-cache-dir``: a folder, or one that can be made (the engine makes it); a path that is a file,
+    or lies under one, is a ``ConfigError`` naming the flag (it was ``[Errno 17] File exists: ...``)."""
+    found = Path(path).expanduser().absolute()
+    while not found.exists() and found != found.parent:  # the nearest part of the path that exists
+        found = found.parent
+    if not found.is_dir():
+        raise ConfigError(f"--compilation-cache-dir {path}: {found} is a file: it needs a directory (made if "
+                          f"missing), or '' to turn the compilation cache off")
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the :class:`EngineConfig` from parsed flags; flags left unset keep the dataclass defaults.
     ``--speculative-config`` sets the speculation fields it names; the same field also given as its own flag with
     another value is a ``ConfigError``."""
     flat = {name: getattr(args, name, None) for name in engine_config_fields()}
     given = {k: v for k, v in flat.items() if v is not None}
+    if given.get("compilation_cache_dir"):
+        check_cache_dir(given["compilation_cache_dir"])
     text = getattr(args, "speculative_config", None)
     if text is not None:
         for name, value in speculative_config(text).items():

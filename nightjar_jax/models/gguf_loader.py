@@ -69,7 +69,20 @@ def _reader(path: str | Path):
     try:
         return gguf.GGUFReader(str(path), "r")
     except Exception as e:  # noqa: BLE001 - gguf raises ValueError/struct errors on bad files
-        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+        cause = (str(e).strip().splitlines() or [""])[0]
+        if any(own in cause for own in _GGUF_READER_MESSAGES):  # (gguf's own words say what is wrong)
+            raise ValueError(f"{path}: not a readable GGUF file ({cause}): allowed a GGUF file of version 2 or 3 "
+                             f"(as llama.cpp writes them)") from None
+        # numpy's errors from reading counts and offsets past the end ("index 0 is out of bounds", "When changing
+        # to a larger dtype ...", "cannot reshape ..."): they say nothing of the file
+        cause = cause if len(cause) <= 80 else cause[:77] + "..."
+        raise ValueError(f"{path}: truncated or corrupt GGUF header / tensor table ({type(e).__name__}: {cause}): "
+                         f"download or convert the file again") from None
+
+
+# what gguf.GGUFReader says of a file that is not a GGUF it reads (anything else it raises is numpy's, on a file cut
+# short or with counts and offsets that point past its end)
+_GGUF_READER_MESSAGES = ("GGUF magic invalid", "which we cannot handle", "cannot mmap an empty file")
 
 
 def _meta(reader: Any, key: str, default: Any = None) -> Any:
@@ -236,8 +249,12 @@ def tokenizer_from_gguf(reader: Any, *, source: str) -> Tokenizer:
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if kind == "gpt2":
         pre = _meta(reader, "tokenizer.ggml.pre", "default")
+        raw_merges = _meta(reader, "tokenizer.ggml.merges")
+        if not raw_merges:  # (it loaded: every word came out as single characters)
+            raise ValueError(f"{source}: GGUF key tokenizer.ggml.merges is missing or empty: a gpt2 (byte-level BPE) "
+                             f"vocabulary needs its merges; convert the model again with llama.cpp")
         merges = []
-        for i, m in enumerate(_meta(reader, "tokenizer.ggml.merges") or []):
+        for i, m in enumerate(raw_merges):
             pair = tuple(m.split(" ", 1)) if isinstance(m, str) else ()
             if len(pair) != 2:
                 raise ValueError(f"{source}: GGUF key tokenizer.ggml.merges[{i}]={m!r} is invalid: allowed two "

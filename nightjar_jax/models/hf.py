@@ -79,9 +79,15 @@ def _real(key: str, value: Any) -> float:
 def _config_from_hf(hf: dict[str, Any], source: str, name: str | None) -> ModelConfig:
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
-    if model_type not in ("llama", "mistral") and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"{source}: architectures={archs!r} is invalid: allowed a list of class names, e.g. "
+                         f"{list(SUPPORTED_ARCHITECTURES[:1])}")
+    # architectures names the class transformers builds, so it decides when given (a Qwen2ForCausalLM with
+    # model_type "llama" loaded, and ran Llama's graph over Qwen2's weights); model_type only when it is absent
+    unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+    if unsupported or (not archs and model_type not in ("llama", "mistral")):
         raise ValueError(
-            f"{source}: unsupported architecture {archs or model_type!r} (model_type={model_type!r}); "
+            f"{source}: unsupported architecture {unsupported or model_type!r} (model_type={model_type!r}); "
             f"only Llama-family models ({', '.join(SUPPORTED_ARCHITECTURES)}) are supported"
         )
     if model_type == "mistral" and hf.get("sliding_window") is not None:
@@ -94,17 +100,27 @@ def _config_from_hf(hf: dict[str, Any], source: str, name: str | None) -> ModelC
         raise ValueError(f"{source}: hidden_act={act!r} is unsupported (SwiGLU with silu only)")
 
     # transformers >= 5 writes rope_parameters (with rope_theta inside); older versions rope_scaling + rope_theta
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(rope_key) or {}
+    if not isinstance(rope, dict):  # (dict("abc") was "dictionary update sequence element #0 ...")
+        raise ValueError(f"{rope_key}={rope!r} is invalid: allowed null or an object with rope_type 'default' or "
+                         f"'llama3' and its factors")
+    rope = dict(rope)
     rope_theta = _real("rope_theta", rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         rope_scaling = None
     elif rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in keys if k not in rope]
+        if missing:
+            raise ValueError(f"{rope_key} of rope_type 'llama3' is missing {missing}: allowed an object with "
+                             f"{list(keys)}")
         rope_scaling = RopeScaling(
-            factor=_real("factor", rope["factor"]),
-            low_freq_factor=_real("low_freq_factor", rope["low_freq_factor"]),
-            high_freq_factor=_real("high_freq_factor", rope["high_freq_factor"]),
-            original_max_position_embeddings=_whole("original_max_position_embeddings",
+            factor=_real(f"{rope_key}.factor", rope["factor"]),
+            low_freq_factor=_real(f"{rope_key}.low_freq_factor", rope["low_freq_factor"]),
+            high_freq_factor=_real(f"{rope_key}.high_freq_factor", rope["high_freq_factor"]),
+            original_max_position_embeddings=_whole(f"{rope_key}.original_max_position_embeddings",
                                                     rope["original_max_position_embeddings"]),
         )
     else:
@@ -117,23 +133,37 @@ def _config_from_hf(hf: dict[str, Any], source: str, name: str | None) -> ModelC
     if dtype is None:
         raise ValueError(f"{source}: dtype {torch_dtype!r} is unsupported (allowed: {sorted(_HF_DTYPES)})")
     num_heads = _whole("num_attention_heads", hf["num_attention_heads"])
+    # only null / absent means "as many as num_attention_heads", as in transformers (`or` read 0 as that too; the
+    # load then failed on k_proj's shape)
+    kv_heads = hf.get("num_key_value_heads")
+    kv_heads = num_heads if kv_heads is None else _whole("num_key_value_heads", kv_heads)
+    if kv_heads < 1 or (num_heads > 0 and num_heads % kv_heads):
+        raise ValueError(f"num_key_value_heads={kv_heads} is invalid: allowed a positive divisor of "
+                         f"num_attention_heads={num_heads} (or null: num_attention_heads)")
+    vocab_size = _whole("vocab_size", hf["vocab_size"])
+    bos = hf.get("bos_token_id")
+    if bos is not None and not 0 <= _whole("bos_token_id", bos) < vocab_size:
+        # (eos ids were range-checked by ModelConfig; a bos outside the vocabulary loaded, then every text prompt
+        # failed with an out-of-range token id)
+        raise ValueError(f"bos_token_id={bos!r} is invalid: allowed null or an id in [0, {vocab_size}) (vocab_size "
+                         f"is {vocab_size})")
     tied = hf.get("tie_word_embeddings") or False  # (null: untied, as transformers reads it)
     if not isinstance(tied, bool):  # (bool("false") is True)
         raise ValueError(f"tie_word_embeddings={tied!r} must be true or false")
     return ModelConfig(
-        vocab_size=_whole("vocab_size", hf["vocab_size"]),
+        vocab_size=vocab_size,
         hidden_size=_whole("hidden_size", hf["hidden_size"]),
         intermediate_size=_whole("intermediate_size", hf["intermediate_size"]),
         num_layers=_whole("num_hidden_layers", hf["num_hidden_layers"]),
         num_heads=num_heads,
-        num_kv_heads=_whole("num_key_value_heads", hf.get("num_key_value_heads") or num_heads),
+        num_kv_heads=kv_heads,
         head_dim=hf.get("head_dim"),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         rms_norm_eps=_real("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=tied,
         max_position_embeddings=_whole("max_position_embeddings", hf.get("max_position_embeddings", 2048)),
-        bos_token_id=hf.get("bos_token_id"),
+        bos_token_id=None if bos is None else _whole("bos_token_id", bos),
         eos_token_ids=eos_ids,
         dtype=dtype,
         name=name or hf.get("_name_or_path") or model_type or "llama",
@@ -286,7 +316,8 @@ def snapshot_download_offline_aware(repo_id: str, *, timeout_s: float = 10.0, lo
     """
     message = (
         f"cannot download {repo_id}: no network / not in local HF cache; "
-        "pass a local folder or use --load-format dummy"
+        "pass a local folder, run once with network (the model is then read from the HF cache) or use "
+        "--load-format dummy"
     )
     try:
         from huggingface_hub import snapshot_download
@@ -303,7 +334,10 @@ def snapshot_download_offline_aware(repo_id: str, *, timeout_s: float = 10.0, lo
         logger.info("downloading %s from the HF hub", repo_id)
         return Path(snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, etag_timeout=timeout_s))
     except Exception as e:  # noqa: BLE001 - connection errors come in many types
-        raise ValueError(f"{message} ({type(e).__name__}: {str(e)[:200]})") from e
+        # (huggingface_hub's messages run over several lines: the first says what failed, e.g. a ConnectError)
+        cause = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        cause = cause if len(cause) <= 120 else cause[:117] + "..."
+        raise ValueError(f"{message} ({type(e).__name__}: {cause})") from None
 
 
 def cast_dtype(name: str) -> str:

@@ -218,6 +218,10 @@ def load_checkpoint(
         ckpt.tokenizer = _load_tokenizer(tokenizer)
     if dtype is not None:
         ckpt.config = ckpt.config.replace(dtype=dtype)
+    elif ckpt.config.dtype == "bfloat16" and any(a.dtype == np.float16 for a in (ckpt.state_dict or {}).values()):
+        # (an HF torch_dtype float16 reads as bfloat16: float16 is no compute dtype here; say so, it changes values)
+        logger.warning("%s: its float16 weights run as bfloat16 (float16 is not a compute dtype here); pass "
+                       "dtype='float32' (--dtype float32) to run them in float32", ckpt.source)
     if ckpt.tokenizer is not None and ckpt.tokenizer.vocab_size > ckpt.config.vocab_size:
         raise ValueError(
             f"{ckpt.tokenizer.source}: tokenizer has {ckpt.tokenizer.vocab_size} tokens but the model's vocab_size "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import jax
@@ -189,10 +191,17 @@ def test_folder_without_weights(tmp_path):
         load_checkpoint(str(tmp_path / ".."))  # neither config.json nor an orbax checkpoint
 
 
-def test_unsupported_architecture(tmp_path):
+def test_unsupported_architecture(tmp_path, tiny_weights):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(ValueError, match=r"config\.json: unsupported architecture.*GPT2LMHeadModel"):
         load_checkpoint(str(tmp_path))
+    # architectures decides when given: a Qwen2 model with model_type "llama" loaded and ran as a Llama
+    _write_hf(tmp_path / "qwen", tiny_weights, architectures=["Qwen2ForCausalLM"])
+    with pytest.raises(ValueError, match=r"config\.json: unsupported architecture \['Qwen2ForCausalLM'\] "
+                                         r"\(model_type='llama'\)"):
+        load_checkpoint(str(tmp_path / "qwen"))
+    _write_hf(tmp_path / "type", tiny_weights, model_type="qwen2")  # (a supported class: its type is not read)
+    assert load_checkpoint(str(tmp_path / "type")).config.num_layers == TINY.num_layers
 
 
 @pytest.mark.parametrize(
@@ -245,6 +254,57 @@ def test_hf_repo_id_offline(monkeypatch):
         load_checkpoint("some-org/some-model")
 
 
+def test_hf_repo_id_download_error_is_one_line(monkeypatch):
+    """huggingface_hub's error text runs over three lines: the CLI printed them all after "error:"."""
+    import huggingface_hub
+
+    def no_network(repo_id, **kwargs):
+        raise OSError("Got: ConnectError: [Errno -2] Name or service not known\nAn error happened while trying to "
+                      "locate the files on the Hub, and we cannot find the\nappropriate snapshot folder")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+    with pytest.raises(ValueError) as info:
+        load_checkpoint("some-org/some-model")
+    assert "\n" not in str(info.value)
+    assert str(info.value).startswith("cannot download some-org/some-model: no network / not in local HF cache; "
+                                      "pass a local folder, run once with network")
+    assert str(info.value).endswith("(OSError: Got: ConnectError: [Errno -2] Name or service not known)")
+
+
+def test_a_compilation_cache_dir_that_is_a_file_names_the_flag(tmp_path):
+    """It was "error: [Errno 17] File exists: '...'" when the engine made the folder."""
+    import argparse
+
+    from nightjar_jax.cli import add_engine_args, engine_config_from_args
+    from nightjar_jax.config import ConfigError
+
+    parser = add_engine_args(argparse.ArgumentParser())
+    (tmp_path / "afile").write_text("x")
+    for path in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        with pytest.raises(ConfigError, match=f"^--compilation-cache-dir {path}: {tmp_path / 'afile'} is a file: it "
+                                              f"needs a directory"):
+            engine_config_from_args(parser.parse_args(["--compilation-cache-dir", str(path)]))
+    new = tmp_path / "new" / "cache"
+    assert engine_config_from_args(parser.parse_args(["--compilation-cache-dir", str(new)])).compilation_cache_dir \
+        == str(new)
+
+
+def test_float16_weights_say_they_run_as_bfloat16(tmp_path, tiny_weights, caplog):
+    """float16 is no compute dtype here: an HF torch_dtype float16 ran as bfloat16 without a word."""
+    half = {k: v.astype(np.float16) for k, v in tiny_weights.items()}
+    _write_hf(tmp_path, half, dtype="float16")
+    with caplog.at_level("WARNING", logger="nightjar_jax.models.loader"):
+        assert load_checkpoint(str(tmp_path)).config.dtype == "bfloat16"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path}: its float16 weights run as bfloat16 (float16 is not a compute dtype here); pass "
+        f"dtype='float32' (--dtype float32) to run them in float32"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nightjar_jax.models.loader"):
+        assert load_checkpoint(str(tmp_path), dtype="float32").config.dtype == "float32"
+    assert not caplog.records
+
+
 def test_preset_without_weights_and_bad_args():
     with pytest.raises(ValueError, match="no real weights; use load_format='dummy'"):
         load_checkpoint("tiny-gqa")
@@ -292,7 +352,19 @@ def test_a_bad_hf_config_is_a_value_error_naming_it(tmp_path, config, message):
     ({"vocab_size": 512.7}, "vocab_size=512.7 must be an integer"),  # (int() truncated it to 512)
     ({"rms_norm_eps": "abc"}, "rms_norm_eps='abc' must be a number"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false' must be true or false"),  # (bool("false"))
-    ({"num_key_value_heads": 3}, "num_kv_heads=3 is invalid"),  # (ModelConfig's check, now naming the file)
+    ({"num_key_value_heads": 3},  # (ModelConfig's check named num_kv_heads, not the file's field)
+     r"num_key_value_heads=3 is invalid: allowed a positive divisor of num_attention_heads=4"),
+    ({"num_key_value_heads": 0},  # (read as num_attention_heads; the load then failed on k_proj's shape)
+     r"num_key_value_heads=0 is invalid: allowed a positive divisor of num_attention_heads=4 \(or null"),
+    ({"num_key_value_heads": -2}, "num_key_value_heads=-2 is invalid"),
+    ({"bos_token_id": "1"}, "bos_token_id='1' must be an integer"),  # (loaded)
+    ({"bos_token_id": 9999},  # (loaded; then every text prompt failed with an out-of-range token id)
+     r"bos_token_id=9999 is invalid: allowed null or an id in \[0, 512\)"),
+    ({"rope_scaling": "abc"},  # ("dictionary update sequence element #0 has length 1; 2 is required")
+     "rope_scaling='abc' is invalid: allowed null or an object with rope_type"),
+    ({"rope_scaling": [1]}, r"rope_scaling=\[1\] is invalid: allowed null or an object"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},  # (was "missing required field 'low_freq_factor'")
+     r"rope_scaling of rope_type 'llama3' is missing \['low_freq_factor'"),
 ])
 def test_config_values_are_checked_naming_the_file(tmp_path, tiny_weights, overrides, message):
     _write_hf(tmp_path, tiny_weights, **overrides)
@@ -398,11 +470,27 @@ def test_a_null_tie_word_embeddings_reads_as_untied(tmp_path, tiny_weights):
      r"GGUF key tokenizer.ggml.scores has 100 entries: allowed one per token of tokenizer.ggml.tokens \(512\)"),
     ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.merges": ["abc", "a b"]},  # (TypeError from tokenizers)
      r"GGUF key tokenizer.ggml.merges\[0\]='abc' is invalid: allowed two tokens separated by a space"),
+    ({"tokenizer.ggml.model": "gpt2"},  # (loaded: every word came out as single characters, raw ▁ pieces)
+     "GGUF key tokenizer.ggml.merges is missing or empty: a gpt2 \\(byte-level BPE\\) vocabulary needs its merges"),
 ])
 def test_corrupt_gguf_metadata_names_the_file_and_key(tmp_path, meta, message):
     path = tmp_path / "bad.gguf"
     _write_stories_gguf(path, meta)
     with pytest.raises(ValueError, match=f"^{path}: {message}"):
+        load_checkpoint(str(path))
+
+
+@pytest.mark.parametrize("cut", [
+    lambda data: data[:500],  # (numpy's "When changing to a larger dtype, its size must be a divisor ...")
+    lambda data: data[:8] + (1000).to_bytes(8, "little") + data[16:],  # tensor count past the table (IndexError)
+    lambda data: data[:16] + (17).to_bytes(8, "little") + data[24:],  # metadata key count one too many
+], ids=["cut-at-500-bytes", "1000-tensors", "17-metadata-keys"])
+def test_a_truncated_or_corrupt_gguf_says_so(tmp_path, cut):
+    path = tmp_path / "cut.gguf"
+    _write_stories_gguf(path)
+    path.write_bytes(cut(path.read_bytes()))
+    with pytest.raises(ValueError, match=rf"^{path}: truncated or corrupt GGUF header / tensor table \(\w+: .*\): "
+                                         "download or convert the file again$"):
         load_checkpoint(str(path))
 
 
@@ -452,6 +540,47 @@ def test_a_corrupt_orbax_params_metadata_names_the_folder(tmp_path, tiny_weights
     (out / "params" / "_METADATA").write_text("garbage")  # (a bare JSONDecodeError naming no file)
     with pytest.raises(ValueError, match=f"^{out / 'params'}: not a readable orbax checkpoint"):
         load_checkpoint(str(out))
+
+
+def _cut_orbax_data(params: Path) -> None:
+    for data_file in (params / "ocdbt.process_0" / "d").iterdir():
+        data_file.write_bytes(data_file.read_bytes()[: data_file.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damage, cause", [
+    (lambda params: (shutil.rmtree(params), params.mkdir()), "No structure could be identified for the checkpoint."),
+    (lambda params: (shutil.rmtree(params), params.write_text("x")), "Found incomplete checkpoint."),
+    (lambda params: (params / "manifest.ocdbt").unlink(),  # (with tensorstore's JSON spec, hundreds of characters)
+     'NOT_FOUND: Error opening "zarr" driver: Metadata at "[^"]+" does not exist'),
+    (_cut_orbax_data, r'OUT_OF_RANGE: Error reading "[^"]+": Requested byte range'),
+], ids=["empty", "a-file", "no-manifest", "data-cut"])
+def test_an_unreadable_orbax_params_folder_is_one_line(tmp_path, tiny_weights, damage, cause):
+    """Each was orbax's or tensorstore's own text, naming no checkpoint or (a missing manifest) a JSON spec."""
+    out = save_orbax(tmp_path / "ck", TINY, tiny_weights)
+    damage(out / "params")
+    with pytest.raises(ValueError) as info:
+        load_checkpoint(str(out))
+    assert "\n" not in str(info.value) and "tensorstore_spec" not in str(info.value)
+    assert re.match(rf"^{out / 'params'}: not a readable orbax checkpoint \({cause}.*\): it is incomplete or "
+                    r"damaged; write it again with save_orbax \(or copy it whole\)$", str(info.value)), str(info.value)
+
+
+def test_a_failed_orbax_restore_prints_nothing_after_it(tmp_path, tiny_weights, monkeypatch):
+    """orbax closed its event loop as soon as one read failed; the reads still in flight then ended on tensorstore's
+    threads, each in a "RuntimeError: Event loop is closed" that Python reports as unraisable (a bare traceback on
+    stderr, after serve's one-line error)."""
+    import sys
+    import time
+
+    out = save_orbax(tmp_path / "ck", TINY, tiny_weights)
+    _cut_orbax_data(out / "params")
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda report: unraisable.append(repr(report.exc_value)))
+    for _ in range(3):
+        with pytest.raises(ValueError, match="not a readable orbax checkpoint"):
+            load_checkpoint(str(out))
+    time.sleep(0.5)  # (time for the reads to end)
+    assert unraisable == []
 
 
 def test_save_orbax_tokenizer_is_what_load_finds(tmp_path, tiny_weights):

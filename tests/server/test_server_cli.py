@@ -120,7 +120,7 @@ def test_main_help(capsys):
     (["--model", "stories260k", "--chat"], "this tokenizer has no chat template"),
     (["--model", "stories260k", "--seed", str(2**63)], "seed=9223372036854775808 is invalid"),
     (["--model", "stories260k", "--max-model-len", "4096"], "is more than stories260k's context of 512 tokens"),
-    (["--model", "stories260k", "--compilation-cache-dir", __file__], "File exists"),
+    (["--model", "stories260k", "--compilation-cache-dir", __file__], "it needs a directory"),
     (["--model", "stories260k", "--planner", "static:x"], "must be 'static:K' with an int K"),
 ])
 def test_generate_reports_bad_flags_in_one_line(argv, message, capsys):
@@ -129,6 +129,24 @@ def test_generate_reports_bad_flags_in_one_line(argv, message, capsys):
     assert main(["generate", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_generate_without_a_tokenizer_points_to_the_flag(tmp_path, capsys):
+    """A llama2.c file with no tokenizer beside it: generate's error names --tokenizer (the engine's own message asked
+    for prompt token ids, which the command has no flag for); with --tokenizer it generates."""
+    import shutil
+
+    from nightjar_jax.__main__ import main
+    from nightjar_jax.models.loader import ASSETS_DIR
+
+    model = tmp_path / "model.bin"
+    shutil.copy(ASSETS_DIR / "stories260K" / "stories260K.bin", model)
+    argv = ["generate", "--model", str(model), "--draft-model", "none", "--prompt", "Once", "--max-tokens", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: this model has no tokenizer") and "--tokenizer" in err
+    assert main([*argv, "--tokenizer", str(ASSETS_DIR / "stories260K" / "tok512.model")]) == 0
+    assert capsys.readouterr().out.strip()
 
 
 def test_serve_reports_a_bad_model_and_exits_2(caplog):
