@@ -864,6 +864,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             return {"success": True, "message": f"updated the {' and '.join(parts)} weights", "recompiles": relayout}
 
     @app.get("/metrics")
+    @app.head("/metrics", operation_id="metrics_head")
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -7,7 +7,9 @@ queries and hits) are read from the engine at scrape time by :class:`_EngineColl
 
 The same figures are also exported under vLLM's names (``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``,
 ``vllm:time_to_first_token_seconds``, ``vllm:spec_decode_num_accepted_tokens_total``, ..., each labelled
-``model_name``), so dashboards and autoscalers built for vLLM read this server as they read vLLM.
+``model_name``), so dashboards and autoscalers built for vLLM read this server as they read vLLM; with vLLM's
+per-request histograms too: prompt and generated tokens (``vllm:request_prompt_tokens``, 1-2-5 buckets up to the
+context) and the queue, prefill, decode and inference phases (``vllm:request_queue_time_seconds``, ...).
 """
 
 from __future__ import annotations
@@ -19,6 +21,17 @@ from nightjar_jax.engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def one_two_five_buckets(limit: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``limit`` (the context length), ``limit`` last."""
+    out, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale >= limit:
+                return (*out, limit)
+            out.append(step * scale)
+        scale *= 10
 
 
 class _EngineCollector:
@@ -162,6 +175,17 @@ class ServerMetrics:
                                   buckets=_LATENCY_BUCKETS, registry=r).labels(self.model_name)
         self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish", name,
                                   buckets=_E2E_BUCKETS, registry=r).labels(self.model_name)
+        # vLLM's per-request phases (its Grafana dashboard's queue / prefill / decode panels) and token counts
+        phases = {"queue": "Arrival to first scheduled (waiting in the queue)",
+                  "prefill": "First scheduled to first token", "decode": "First token to the last",
+                  "inference": "First scheduled to finish (running, preempted spells included)"}
+        self.vllm_phases = {phase: Histogram(f"vllm:request_{phase}_time_seconds", doc, name, buckets=_E2E_BUCKETS,
+                                             registry=r).labels(self.model_name) for phase, doc in phases.items()}
+        tokens = one_two_five_buckets(engine.max_sequence_len)
+        self.vllm_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request", name,
+                                            buckets=tokens, registry=r).labels(self.model_name)
+        self.vllm_generation_tokens = Histogram("vllm:request_generation_tokens", "Generated tokens per request",
+                                                name, buckets=tokens, registry=r).labels(self.model_name)
         self.requests = Counter(
             "nightjar_requests", "Finished engine requests by finish reason", ["finish_reason"], registry=r
         )
@@ -210,6 +234,14 @@ class ServerMetrics:
         if m.e2e is not None:
             self.e2e.observe(m.e2e)
             self.vllm_e2e.observe(m.e2e)
+        self.vllm_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.vllm_generation_tokens.observe(len(out.outputs[0].token_ids))
+        scheduled, first, end = m.first_scheduled_time, m.first_token_time, m.finish_time
+        spans = {"queue": (m.arrival_time, scheduled), "prefill": (scheduled, first),
+                 "decode": (first, m.token_times[-1] if m.token_times else None), "inference": (scheduled, end)}
+        for phase, (start, stop) in spans.items():  # (a request aborted before a phase began has none)
+            if start is not None and stop is not None:
+                self.vllm_phases[phase].observe(max(0.0, stop - start))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -277,6 +277,7 @@ def test_metrics_under_vllms_names(llm):
             assert client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 5}).status_code == 200
         lines = dict(line.rsplit(" ", 1) for line in client.get("/metrics").text.splitlines()
                      if line and not line.startswith("#"))
+        assert client.head("/metrics").status_code == 200  # (a 405: probes that HEAD it read the server as down)
     label = '{model_name="served"}'
     for vllm, ours in [("vllm:num_requests_running", "nightjar_num_requests_running"),
                        ("vllm:num_requests_waiting", "nightjar_num_requests_waiting"),
@@ -290,6 +291,12 @@ def test_metrics_under_vllms_names(llm):
     assert lines['vllm:request_success_total{finished_reason="length",model_name="served"}'] == "2.0"
     for histogram in ("time_to_first_token", "e2e_request_latency", "inter_token_latency"):
         assert lines[f"vllm:{histogram}_seconds_count{label}"] == lines[f"nightjar_{histogram}_seconds_count"]
+    # vLLM's per-request token counts and phases (its dashboard's panels): one sample per request
+    assert lines[f"vllm:request_generation_tokens_sum{label}"] == "10.0"
+    prompt = len(llm.engine.tokenizer.encode("Once"))
+    assert lines[f"vllm:request_prompt_tokens_sum{label}"] == f"{2.0 * prompt}"
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert lines[f"vllm:request_{phase}_time_seconds_count{label}"] == "2.0", phase
 
 
 def test_vllm_gauges_and_histograms_read_as_vllms(llm):
@@ -302,12 +309,21 @@ def test_vllm_gauges_and_histograms_read_as_vllms(llm):
 
     metrics = ServerMetrics(llm.engine, "m")
     times = [1.0, 1.5, 1.5, 1.5, 2.0]  # (a step that committed three tokens, then one more)
-    out = SimpleNamespace(finished=True, outputs=[SimpleNamespace(finish_reason="stop")],
-                          metrics=RequestMetrics(0.0, 0.1, 1.0, 2.0, times))
+    out = SimpleNamespace(finished=True, outputs=[SimpleNamespace(finish_reason="stop", token_ids=[5] * 5)],
+                          prompt_token_ids=[1, 2, 3], metrics=RequestMetrics(0.0, 0.1, 1.0, 2.5, times))
     metrics.on_output(out)
     lines = dict(line.rsplit(" ", 1) for line in metrics.render().decode().splitlines() if not line.startswith("#"))
     assert lines['vllm:inter_token_latency_seconds_count{model_name="m"}'] == "2.0"
     assert lines["nightjar_inter_token_latency_seconds_count"] == "4.0"
+    # the phases: queued 0.1 s, prefill to the first token 0.9 s, decode to the last token 1.0 s, inference 2.4 s
+    for phase, seconds in (("queue", 0.1), ("prefill", 0.9), ("decode", 1.0), ("inference", 2.4)):
+        assert float(lines[f'vllm:request_{phase}_time_seconds_sum{{model_name="m"}}']) == pytest.approx(seconds)
+    assert lines['vllm:request_prompt_tokens_bucket{le="5.0",model_name="m"}'] == "1.0"
+    assert lines['vllm:request_prompt_tokens_bucket{le="2.0",model_name="m"}'] == "0.0"
+    from nightjar_jax.server.metrics import one_two_five_buckets
+
+    assert one_two_five_buckets(512) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 512)
+    assert one_two_five_buckets(500) == (1, 2, 5, 10, 20, 50, 100, 200, 500)
     settings = ServerSettings("s", enable_sleep_mode=True)
     with TestClient(build_app(AsyncEngine(llm.engine), settings)) as client:
         assert client.post("/sleep?level=1").status_code == 200
