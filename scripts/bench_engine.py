@@ -41,6 +41,7 @@ from nightjar_jax.bench.common import (  # noqa: E402
     make_prompt_ids,
     memory_bandwidth_gbs,
     model_spec,
+    non_negative_int,
     pages_needed,
     positive_int,
     run_decode_workload,
@@ -53,7 +54,7 @@ from nightjar_jax.config import KV_CACHE_DTYPES, WEIGHT_FORMATS  # noqa: E402
 logger = logging.getLogger("bench_engine")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=model_spec, default="smollm2-135m-instruct")
     p.add_argument("--batch-sizes", type=int_list(1, as_text=True), default="1,4,16,32,64")
@@ -62,7 +63,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dataset", default=DEFAULT_DATASET, help="JSONL with 'turns'; synthetic ids if absent")
     p.add_argument("--host-batch", type=positive_int, default=32, help="batch size for the host-side share")
     p.add_argument("--bandwidth-mib", type=positive_int, default=1024)
-    p.add_argument("--interleaved-steps", type=positive_int, default=160,
+    p.add_argument("--interleaved-steps", type=non_negative_int, default=160,
                    help="batch-1 decode steps each followed by one read of the weights' bytes (0: skip)")
     p.add_argument("--threads", type=positive_int, default=2, help="torch threads for the peer")
     p.add_argument("--no-peer", action="store_true")
@@ -86,7 +87,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=positive_int, default=2, help="timed runs per batch size (best kept)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", type=writable_out, default="results/bench_engine.json")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 # ---- nightjar-jax ---------------------------------------------------------------------------------------------
@@ -302,7 +303,7 @@ def main() -> None:
     if 1 in batch_sizes and args.interleaved_steps > 0:
         inter = interleaved_batch1(llm, all_prompts[0], args.interleaved_steps, ReadProbe(weight_bytes))
         print(f"interleaved batch 1 ({inter['steps']} steps, each followed by a read of the weights' "
-              f"{weight_bytes / 1e6:.0f} MB): step median {inter['step_ms_median']:.2f} ms, read median "
+              f"{weight_bytes / 2**20:.0f} MiB): step median {inter['step_ms_median']:.2f} ms, read median "
               f"{inter['read_ms_median']:.2f} ms ({inter['read_gbs_median']:.1f} GB/s, peak "
               f"{inter['read_gbs_peak']:.1f}); step / its read: median {inter['step_over_read_median']:.2f}x "
               f"(quartiles {inter['step_over_read_quartiles'][0]:.2f}-{inter['step_over_read_quartiles'][1]:.2f}); "
@@ -375,7 +376,7 @@ def main() -> None:
     if 1 in peer:
         goals["peer_batch1_tpot_over_floor"] = peer[1]["tpot_ms"] / (1e3 * floor_s)
     print()
-    print(f"floor (batch 1): {1e3 * floor_s:.1f} ms/token = weights {weight_bytes / 1e6:.0f} MB / "
+    print(f"floor (batch 1): {1e3 * floor_s:.1f} ms/token = weights {weight_bytes / 2**20:.0f} MiB / "
           f"{bw['best_gbs']:.1f} GB/s (the best bandwidth measured in this run)")
     for r in paired:
         print(f"  batch-1 run: TPOT {r['tpot_ms']:.2f} ms; bandwidth around it: peak {r['bandwidth_gbs']:.1f} GB/s "

@@ -113,7 +113,7 @@ def main() -> None:
     print(f"\n{args.model} + {engine.draft.config.name if engine.draft else 'no draft'} (loaded in {load_s:.1f} s): "
           f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy; medians of {args.repeats} cycles; a warm batch "
           f"{warm:.2f} s\n")
-    print("| level | device MB freed | of it weights / KV MB | host MB held asleep | sleep s | wake s | "
+    print("| level | device MiB freed | of it weights / KV MiB | host MiB held asleep | sleep s | wake s | "
           "first batch after / warm | new compiles | outputs |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for level in levels:

@@ -1,4 +1,4 @@
-"""Issue 5 benchmark: speculative decoding tokens/s for AR (γ = 0) and γ = 1..γ_max at several batch sizes.
+r"""Issue 5 benchmark: speculative decoding tokens/s for AR (γ = 0) and γ = 1..γ_max at several batch sizes.
 
 For each model (a target plus its best available draft) one ``LLM`` is built with ``num_speculative_tokens =
 γ_max``; γ is forced per step (``engine._select_gamma``) so every (batch, γ) cell reuses that engine's compiled
@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nightjar_jax.bench.common import (  # noqa: E402
     DEFAULT_DATASET,
+    check_planner,
     draft_spec,
     int_list,
     load_prompt_texts,
@@ -60,6 +61,7 @@ from nightjar_jax.bench.common import (  # noqa: E402
     writable_out,
     write_json,
 )
+from nightjar_jax.planner import known_planners  # noqa: E402
 
 MODELS = {  # target -> best available draft: the distilled draft for SmolLM2 (issue 8), a layer-skip copy for stories
     "smollm2-135m-instruct": "smollm2-eagle",
@@ -83,7 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tree-min-gamma", type=positive_int, default=1,
                    help="tree variants use the tree at γ >= this, chains below (spec_tree_min_gamma)")
     p.add_argument("--planner", default="",
-                   help="time this planner choosing γ (against forced AR) instead of every forced γ")
+                   help="time this planner choosing γ (against forced AR) instead of every forced γ: one of "
+                        f"{known_planners()}, or NAME:ARG (static:K)")
     p.add_argument("--batch-sizes", default="1,4,16,64", type=int_list(1, as_text=True))
     p.add_argument("--gamma-max", type=non_negative_int, default=4)
     p.add_argument("--gammas", default=None, type=int_list(0, as_text=True),
@@ -109,6 +112,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"argument --gammas: {','.join(over)} past --gamma-max {args.gamma_max} (the compiled maximum)")
     if args.gamma_max == 0 and (args.planner or args.drafts):
         p.error("--gamma-max 0 decodes plainly: a --planner or --drafts needs --gamma-max >= 1")
+    if args.planner:  # (an unknown name was the engine's ValueError, after the models loaded)
+        try:
+            check_planner(args.planner, args.gamma_max)
+        except argparse.ArgumentTypeError as exc:
+            p.error(f"argument --planner: {exc}")
     return args
 
 

@@ -25,13 +25,21 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from nightjar_jax.bench.common import (  # noqa: E402
+    check_planner,
     draft_spec,
+    int_in_range,
     name_list,
+    planner_list,
     positive_int,
     smollm2_model,
     writable_out,
 )
 from nightjar_jax.config import WEIGHT_FORMATS  # noqa: E402
+from nightjar_jax.planner import known_planners  # noqa: E402
+
+# distill_draft.heldout_ids(): the first 2 MT-Bench questions of each of its 8 categories and the first 4 Spec-Bench
+# questions of each of its 5 own categories (eval_draft.py keeps the 28 of them under 384 tokens; this script all)
+NUM_HELDOUT_PROMPTS = 36
 
 
 def first_difference(want: list[int], got: list[int]) -> int | None:
@@ -81,16 +89,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the draft (default: the target preset's paired draft)")
     ap.add_argument("--weight-formats", default="auto,w4a8", type=name_list(WEIGHT_FORMATS),
                     help=f"comma-separated engine weight formats, each of {WEIGHT_FORMATS}")
-    ap.add_argument("--planners", default="static:4,nightjar", type=name_list(),
-                    help="comma-separated planners for the SD runs")
+    ap.add_argument("--planners", default="static:4,nightjar", type=planner_list(),
+                    help="comma-separated planners for the SD runs, each one of "
+                         f"{known_planners()}, or NAME:ARG (static:K)")
     ap.add_argument("--gamma", type=positive_int, default=4, help="num_speculative_tokens (γ_max)")
-    ap.add_argument("--prompts", type=positive_int, default=16, help="first N held-out prompts (at most 28)")
+    ap.add_argument("--prompts", type=int_in_range(1, NUM_HELDOUT_PROMPTS), default=16,
+                    help=f"first N held-out prompts (at most {NUM_HELDOUT_PROMPTS})")
     ap.add_argument("--max-tokens", type=positive_int, default=128)
     ap.add_argument("--max-model-len", type=positive_int, default=1024)
     ap.add_argument("--max-num-seqs", type=positive_int, default=1,
                     help="the SD engines' batch (the reference decodes one prompt at a time)")
     ap.add_argument("--out", default="results/check_lossless.json", type=writable_out)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for planner in args.planners:  # (its argument against --gamma: "static:8" at --gamma 4 failed after the models)
+        try:
+            check_planner(planner, args.gamma)
+        except argparse.ArgumentTypeError as exc:
+            ap.error(f"argument --planners: {exc}")
+    return args
 
 
 def fitting_prompts(prompts: list[list[int]], max_tokens: int, max_model_len: int) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""Distil a small Llama draft for SmolLM2-135M-Instruct (issue 8): data, training, export.
+r"""Distil a small Llama draft for SmolLM2-135M-Instruct (issue 8): data, training, export.
 
 Vocabulary
 - target: SmolLM2-135M-Instruct (30 layers, hidden 576, tied 49,152-token head), the model being served.
@@ -51,6 +51,15 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from nightjar_jax.bench.common import (  # noqa: E402
+    existing_file,
+    float_in_range,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    writable_out,
+)
 from nightjar_jax.models.llama import HEAD_TOKEN_IDS  # noqa: E402  (int32 ids of a subset head's rows)
 
 TARGET = "smollm2-135m-instruct"
@@ -728,16 +737,17 @@ def cmd_train(args: argparse.Namespace) -> None:
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
+    # (main's parse_args refuses these first, check_train_args; kept for callers that build the args themselves)
+    if args.teacher and not args.head_vocab:
+        raise SystemExit("--teacher needs --head-vocab N (the KD loss is over the subset head's ids)")
+    if not 0.0 <= args.kd_weight <= 1.0:
+        raise SystemExit(f"--kd-weight {args.kd_weight}: allowed 0..1 (the top-k term's share of the loss)")
     workdir = Path(args.workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = draft_config(args.hidden, args.num_layers, args.intermediate, args.head_vocab)
     (workdir / "draft_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     rows = load_rows(args.data)
     teacher = load_teacher(Path(args.teacher), rows) if args.teacher else None
-    if teacher is not None and not args.head_vocab:
-        raise SystemExit("--teacher needs --head-vocab N (the KD loss is over the subset head's ids)")
-    if not 0.0 <= args.kd_weight <= 1.0:
-        raise SystemExit(f"--kd-weight {args.kd_weight}: allowed 0..1 (the top-k term's share of the loss)")
     if args.prompt_text:
         rows += prompt_text_rows({r["id"] for r in rows}, max(BUCKETS))
     val_ids = sorted({r["id"] for r in rows})[:: max(1, args.val_every)]  # a fixed 1-in-N slice of train prompts
@@ -1027,12 +1037,61 @@ def cmd_export(args: argparse.Namespace) -> None:
     check_export(paged, ref, out)
 
 
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+# train's flags that set the draft's shape, by the draft_config.json field each one sets (a resumed run must match)
+SHAPE_FLAGS = {"hidden_size": "--hidden", "num_layers": "--num-layers", "intermediate_size": "--intermediate",
+               "head_vocab_size": "--head-vocab"}
+
+
+def latest_checkpoint_step(workdir: Path) -> int | None:
+    """The newest step ``train``'s orbax manager holds in ``workdir/ckpt`` (a finished step is a folder named by
+    the step; one being written has a temporary suffix), None when it holds none."""
+    ckpt = workdir / "ckpt"
+    if not ckpt.is_dir():
+        return None
+    return max((int(p.name) for p in ckpt.iterdir() if p.is_dir() and p.name.isdigit()), default=None)
+
+
+def check_train_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``train``'s flags against each other and its --workdir, before any data or model loads (each was a traceback
+    or a silent surprise after them): a usage error naming the flag."""
+    workdir = Path(args.workdir)
+    if workdir.exists() and not workdir.is_dir():
+        parser.error(f"argument --workdir: {args.workdir!r} is a file, not a folder")
+    if args.teacher and not Path(args.teacher).is_dir():
+        parser.error(f"argument --teacher: {args.teacher!r}: no such folder (give `teacher`'s --out)")
+    if args.teacher and not args.head_vocab:
+        parser.error("argument --teacher: needs --head-vocab N (the KD loss is over the subset head's ids)")
+    if args.kd_weight is None:
+        args.kd_weight = 0.5
+    elif not args.teacher:
+        parser.error("argument --kd-weight: weighs the --teacher term of the loss: give --teacher too")
+    step = latest_checkpoint_step(workdir)
+    if step is None:
+        return
+    if not args.resume:
+        parser.error(f"{args.workdir} holds a checkpoint at step {step}: pass --resume to continue, or use an empty "
+                     "folder")
+    saved = workdir / "draft_config.json"  # (train writes it at its start: the shape the checkpoint holds)
+    if not saved.is_file():
+        return
+    config = json.loads(saved.read_text())
+    given = {"hidden_size": args.hidden, "num_layers": args.num_layers, "intermediate_size": args.intermediate,
+             "head_vocab_size": args.head_vocab or None}
+    differ = [field for field in SHAPE_FLAGS if config.get(field) != given[field]]
+    if differ:
+        def flags(values: dict) -> str:
+            return " ".join(f"{SHAPE_FLAGS[f]} {values.get(f) or 0}" for f in differ)
+
+        parser.error(f"argument --resume: the checkpoint in {args.workdir} (step {step}) was trained with "
+                     f"{flags(config)}, not {flags(given)} ({saved.name}): give the same flags to resume, or use an "
+                     "empty folder")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="target responses to the train prompts (JSONL, resumable)")
-    g.add_argument("--data", required=True)
+    g.add_argument("--data", required=True, type=writable_out, help="the responses' JSONL (written; resumed)")
     g.add_argument("--batch-size", type=int, default=32)
     g.add_argument("--chunk", type=int, default=64, help="prompts per generate() call (a resume point)")
     g.add_argument("--num-sampled", type=int, default=0, help="extra temperature-0.7 responses per prompt")
@@ -1040,49 +1099,54 @@ def main() -> None:
     g.add_argument("--self-prompts", default="", help="also answer the kept prompts of this self-prompts JSONL")
     g.set_defaults(fn=cmd_generate)
     sp = sub.add_parser("self-prompts", help="the target writes user prompts (Magpie); JSONL, resumable")
-    sp.add_argument("--out", required=True)
+    sp.add_argument("--out", required=True, type=writable_out)
     sp.add_argument("--num", type=int, required=True, help="attempts (seeds 0..num-1) the file should hold")
     sp.add_argument("--batch-size", type=int, default=64)
     sp.add_argument("--chunk", type=int, default=128)
     sp.add_argument("--max-tokens", type=int, default=96)
     sp.set_defaults(fn=cmd_self_prompts)
     t = sub.add_parser("train", help="train the draft (orbax checkpoints in --workdir/ckpt, --resume)")
-    t.add_argument("--data", required=True, nargs="+",
+    t.add_argument("--data", required=True, nargs="+", type=existing_file,
                    help="one or more response files (generate's JSONL; .jsonl.gz too, e.g. data/distill/smollm2)")
     t.add_argument("--workdir", required=True)
     t.add_argument("--resume", action="store_true")
     t.add_argument("--init-from", default="", help="start from this exported draft's weights (same architecture)")
-    t.add_argument("--hidden", type=int, default=184)
-    t.add_argument("--num-layers", type=int, default=2)
-    t.add_argument("--intermediate", type=int, default=640)
-    t.add_argument("--head-vocab", type=int, default=0,
+    t.add_argument("--hidden", type=positive_int, default=184)
+    t.add_argument("--num-layers", type=positive_int, default=2)
+    t.add_argument("--intermediate", type=positive_int, default=640)
+    t.add_argument("--head-vocab", type=non_negative_int, default=0,
                    help="untied LM head over the N most frequent response ids (0: tied head over all 49,152)")
-    t.add_argument("--steps", type=int, default=2000)
-    t.add_argument("--tokens-per-batch", type=int, default=4096)
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--num-candidates", type=int, default=8192, help="softmax candidates per batch (sampled softmax)")
+    t.add_argument("--steps", type=positive_int, default=2000)
+    t.add_argument("--tokens-per-batch", type=positive_int, default=4096)
+    t.add_argument("--lr", type=positive_float, default=3e-3)
+    t.add_argument("--num-candidates", type=positive_int, default=8192,
+                   help="softmax candidates per batch (sampled softmax)")
     t.add_argument("--num-frequent", type=int, default=4096, help="most frequent response ids, always candidates")
     t.add_argument("--embedding-lr-scale", type=float, default=0.1, help="the PCA-initialised embedding learns slower")
-    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--warmup", type=non_negative_int, default=50)
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--clip", type=float, default=1.0)
     t.add_argument("--prompt-weight", type=float, default=0.2, help="loss weight of prompt tokens (response: 1)")
-    t.add_argument("--val-every", type=int, default=20, help="every N-th train prompt id is kept for validation")
-    t.add_argument("--eval-every", type=int, default=100)
-    t.add_argument("--save-minutes", type=float, default=3.0)
-    t.add_argument("--max-minutes", type=float, default=0.0, help="stop (checkpointed) after this long; 0: no limit")
+    t.add_argument("--val-every", type=positive_int, default=20,
+                   help="every N-th train prompt id is kept for validation")
+    t.add_argument("--eval-every", type=positive_int, default=100)
+    t.add_argument("--save-minutes", type=non_negative_float, default=3.0)
+    t.add_argument("--max-minutes", type=non_negative_float, default=0.0,
+                   help="stop (checkpointed) after this long; 0: no limit")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--prompt-text", action="store_true", help="also train on prompts that have no response yet")
     t.add_argument("--teacher", default="", help="`teacher`'s output folder: also distil the target's top-k logits")
-    t.add_argument("--kd-weight", type=float, default=0.5,
-                   help="with --teacher: weight of the top-k cross-entropy (1 - it: the sampled token's)")
+    t.add_argument("--kd-weight", type=float_in_range(0, 1), default=None,
+                   help="with --teacher: weight of the top-k cross-entropy, 0..1 (1 - it: the sampled token's; "
+                        "default 0.5)")
     t.set_defaults(fn=cmd_train)
     for name, fn, reader, what in (
         ("teacher", cmd_teacher, "train", "the target's top-k log-probabilities at the response positions"),
         ("features", cmd_features, "distill_eagle.py train", "the target's final hidden state at every position"),
     ):  # one cache-free target pass over the training rows each, in resumable parts
         tp = sub.add_parser(name, help=f"{what} (resumable)")
-        tp.add_argument("--data", required=True, nargs="+", help=f"the response files `{reader}` will read, same order")
+        tp.add_argument("--data", required=True, nargs="+", type=existing_file,
+                        help=f"the response files `{reader}` will read, same order")
         tp.add_argument("--out", required=True)
         tp.add_argument("--tokens-per-batch", type=int, default=2048)
         tp.add_argument("--rows-per-part", type=int, default=256)
@@ -1099,7 +1163,15 @@ def main() -> None:
                    help="the last step's weights, or those of the best validation top-1 (default)")
     e.add_argument("--dtype", default="float32", help="compute dtype recorded in the config (weights stay bf16)")
     e.set_defaults(fn=cmd_export)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.cmd == "train":
+        check_train_args(t, args)
+    return args
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args()
     args.fn(args)
 
 

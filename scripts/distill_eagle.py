@@ -52,6 +52,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import distill_draft as dd  # noqa: E402
 
+from nightjar_jax.bench.common import make_parent, writable_out  # noqa: E402
+
 logger = logging.getLogger("distill_eagle")
 
 
@@ -481,7 +483,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     for name, (steps, acc) in [("all", tot), *per_source.items()]:
         print(f"{name:12s} {steps:12d} {1 + acc / max(steps, 1):20.3f}")
     if args.out:
-        Path(args.out).write_text(json.dumps({
+        Path(make_parent(args.out)).write_text(json.dumps({
             "workdir": str(workdir), "params": args.params, "gamma": args.gamma,
             "mean_accepted_length": 1 + tot[1] / max(tot[0], 1),
             "per_source": {k: 1 + v[1] / max(v[0], 1) for k, v in per_source.items()},
@@ -564,7 +566,7 @@ def main() -> None:
     s.add_argument("--reference", default="results/eval_draft.json",
                    help="an eval_draft.py result: its sd_outputs are the target's greedy responses")
     s.add_argument("--gamma", type=int, default=4)
-    s.add_argument("--out", default="")
+    s.add_argument("--out", default=None, type=writable_out, help="also write the result as JSON here")
     s.set_defaults(fn=cmd_simulate)
     e = sub.add_parser("export", help="bf16 orbax checkpoint folder + a paged-forward check")
     e.add_argument("--workdir", required=True)

@@ -24,7 +24,14 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from nightjar_jax.bench.common import int_at_least, machine_note, positive_int, smollm2_model, write_json  # noqa: E402
+from nightjar_jax.bench.common import (  # noqa: E402
+    int_at_least,
+    machine_note,
+    positive_int,
+    smollm2_model,
+    writable_out,
+    write_json,
+)
 from nightjar_jax.config import WEIGHT_FORMATS  # noqa: E402
 
 PAGE = 16
@@ -82,7 +89,7 @@ def compare(ref: np.ndarray, cand: np.ndarray, tokens: list[int]) -> dict:
             "max_abs_logit_diff": float(np.abs(ref - cand).max())}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct", type=smollm2_model,
                     help="a model with SmolLM2's tokenizer (the prompts are SmolLM2 token ids)")
@@ -91,10 +98,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=positive_int, default=28, help="held-out chat prompts (eval_draft.py's)")
     ap.add_argument("--max-prompt-tokens", type=int_at_least(2), default=512,
                     help="longer held-out prompts are skipped (>= 2: a prompt's next tokens are compared)")
-    ap.add_argument("--out", default="results/eval_weight_format.json")
-    args = ap.parse_args()
-    if args.prompts < 1:
-        raise SystemExit("--prompts must be at least 1")
+    ap.add_argument("--out", default="results/eval_weight_format.json", type=writable_out)
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
 
     from distill_draft import chat_ids, load_prompts, target_tokenizer
 

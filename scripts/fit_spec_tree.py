@@ -218,7 +218,7 @@ def main() -> None:
     r.add_argument("--reference", required=True, help="an eval_draft.py result (its sd_outputs)")
     r.add_argument("--gamma", type=positive_int, default=4)
     r.add_argument("--nodes", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 24, 32, 48, 64])
-    r.add_argument("--out")
+    r.add_argument("--out", type=writable_out, help="also write the rows as JSON here")
     args = ap.parse_args()
     for flag in ("workdir", "features"):  # (a missing folder was a traceback deep in the loaders)
         folder = getattr(args, flag, None)

@@ -36,7 +36,14 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from nightjar_jax.config import WEIGHT_FORMATS  # noqa: E402
+from nightjar_jax.bench.common import (  # noqa: E402
+    int_list,
+    make_parent,
+    model_spec,
+    positive_int,
+    writable_out,
+)
+from nightjar_jax.config import KV_CACHE_DTYPES, WEIGHT_FORMATS  # noqa: E402
 
 CUSTOM_CALL = re.compile(r"%(\S+) = .*? custom-call\(.*?custom_call_target=\"([^\"]+)\"")
 
@@ -95,30 +102,28 @@ def compare_spins(replay, spins: list[int], rounds: int, block: int = 15) -> lis
     return rows
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--prompt-len", type=int, default=200, help="tokens of context before the traced step")
+    ap.add_argument("--model", default="smollm2-135m-instruct", type=model_spec)
+    ap.add_argument("--batch-size", type=positive_int, default=1)
+    ap.add_argument("--prompt-len", type=positive_int, default=200, help="tokens of context before the traced step")
     ap.add_argument("--verify", action="store_true", help="trace the verify step at --gamma instead of plain decode")
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--gamma", type=positive_int, default=4)
+    ap.add_argument("--steps", type=positive_int, default=20)
     ap.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
                     help="the engine's CPU kernel weights (EngineConfig.weight_format)")
-    ap.add_argument("--compare-spin-us", default="",
+    ap.add_argument("--compare-spin-us", default="", type=int_list(0, allow_empty=True),
                     help="comma-separated helper-thread spins (microseconds) to time the step under, interleaved")
-    ap.add_argument("--rounds", type=int, default=8, help="--compare-spin-us: rounds of 15 calls per setting")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="the K/V pools' dtype (auto: the model's, or bfloat16)")
-    ap.add_argument("--out", default="results/profile_step.json")
-    args = ap.parse_args()
-    try:
-        spins = [int(v) for v in args.compare_spin_us.split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"--compare-spin-us takes comma-separated integers, got {args.compare_spin_us!r}") from None
-    if any(v < 0 for v in spins) or args.rounds < 1:
-        raise SystemExit("--compare-spin-us values must be >= 0 and --rounds at least 1")
-    if args.batch_size < 1 or args.steps < 1 or args.prompt_len < 1 or args.gamma < 1:
-        raise SystemExit("--batch-size, --steps, --prompt-len and --gamma must be at least 1")
+    ap.add_argument("--rounds", type=positive_int, default=8, help="--compare-spin-us: rounds of 15 calls per setting")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="the K/V pools' dtype (auto: the model's, or bfloat16)")
+    ap.add_argument("--out", default="results/profile_step.json", type=writable_out)
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    spins = args.compare_spin_us
 
     import jax
 
@@ -184,8 +189,7 @@ def main() -> None:
     print("| op | ms per step | share | calls per step |\n|---|---:|---:|---:|")
     for r in rows[:20]:
         print(f"| {r['op']} | {r['ms_per_step']:.3f} | {r['ms_per_step'] / total:.1%} | {r['calls_per_step']:.0f} |")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
+    with open(make_parent(args.out), "w") as f:
         json.dump({"module": module, "batch_size": args.batch_size, "steps": args.steps, "rows": rows,
                    "ops_ms_per_step": total, "wall_ms": walls, "wall_ms_median": wall,
                    "dispatch_ms": dispatches, "dispatch_ms_median": float(np.median(dispatches)),

@@ -72,6 +72,16 @@ def float_at_least(minimum: float) -> Callable[[str], float]:
     return parse
 
 
+def float_in_range(minimum: float, maximum: float) -> Callable[[str], float]:
+    """A type for a finite float from ``minimum`` to ``maximum``."""
+
+    def parse(text: str) -> float:
+        return _finite_float(text, f"from {minimum:g} to {maximum:g}", lambda v: minimum <= v <= maximum)
+
+    parse.__name__ = f"float_in_range_{minimum:g}_{maximum:g}"
+    return parse
+
+
 def positive_float(text: str) -> float:
     """A finite float > 0."""
     return _finite_float(text, "> 0", lambda v: v > 0)
@@ -191,9 +201,13 @@ def existing_file(text: str) -> str:
 
 def writable_out(text: str) -> str:
     """An output file path that can be written, checked before the work, not after it: its folder exists or can be
-    made (its nearest existing ancestor is a writable folder). Nothing is created here: argparse also runs this on
-    a flag's default, before it reports another flag's error; the writers make the folder (:func:`write_json`,
-    :func:`make_parent`)."""
+    made (its nearest existing ancestor is a writable folder). ``os.access`` reads mode bits only (root passes them
+    even on ``/proc``, where nothing can be made), so the check also makes what the writer will make, a file in the
+    folder or a folder in the nearest existing ancestor, and removes it at once: nothing is left behind here (argparse
+    also runs this on a flag's default, before it reports another flag's error); the writers make the folder
+    (:func:`write_json`, :func:`make_parent`)."""
+    import tempfile
+
     if not text:
         raise argparse.ArgumentTypeError("expected an output file path, got ''")
     if os.path.isdir(text):
@@ -206,7 +220,85 @@ def writable_out(text: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe!r} is a file, not a folder")
     if not os.access(probe, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe!r} is not a writable folder")
+    if os.path.exists(text):  # (rewritten in place: the file itself must open for writing; "a" changes nothing)
+        if os.path.isfile(text):
+            try:
+                open(text, "a").close()
+            except OSError as exc:
+                raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror}") from None
+        return text
+    try:
+        if probe == folder:
+            fd, made = tempfile.mkstemp(prefix=".writable_out-", dir=probe)
+            os.close(fd)
+            os.unlink(made)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".writable_out-", dir=probe))
+    except OSError as exc:
+        what = "a file" if probe == folder else "a folder"
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe!r} is not a writable folder ({what} cannot "
+                                         f"be made in it: {exc.strerror})") from None
     return text
+
+
+def int_in_range(minimum: int, maximum: int) -> Callable[[str], int]:
+    """A type for an integer from ``minimum`` to ``maximum``."""
+
+    def parse(text: str) -> int:
+        value = _int_at_least(text, minimum)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"expected an integer from {minimum} to {maximum}, got {value}")
+        return value
+
+    parse.__name__ = f"int_in_range_{minimum}_{maximum}"
+    return parse
+
+
+# ---- planners: the names of nightjar_jax.planner's registry, checked before any model loads --------------------------
+
+
+def planner_spec(text: str) -> str:
+    """A planner of ``nightjar_jax.planner``'s registry: a registered name, or ``NAME:ARG`` where that planner takes
+    an argument (``static:2``). Its argument's form and range against γ_max: :func:`check_planner`."""
+    from nightjar_jax.planner import known_planners  # (registers the planners; never imports JAX)
+    from nightjar_jax.planner.base import planner_class
+
+    try:
+        planner_class(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"unknown planner {text!r}: expected one of {known_planners()} (NAME:ARG "
+                                         "where the planner takes one, e.g. 'static:2')") from None
+    return text
+
+
+def planner_list(*, as_text: bool = False) -> Callable[[str], list[str] | str]:
+    """A type for a non-empty comma list of :func:`planner_spec` entries without duplicates."""
+    names = name_list()
+
+    def parse(text: str) -> list[str] | str:
+        specs = names(text)
+        for spec in specs:
+            planner_spec(spec)
+        return text if as_text else specs
+
+    parse.__name__ = "planner_list"
+    return parse
+
+
+def check_planner(spec: str, gamma_max: int) -> None:
+    """ArgumentTypeError unless the engine can build planner ``spec`` at ``gamma_max`` (``num_speculative_tokens``)
+    as ``LLMEngine._make_planner`` does: a registered name, and an argument of the right form and range ("static:x",
+    "static:8" past γ_max 4). Call it once the flags are parsed: γ_max is another flag."""
+    from nightjar_jax.planner import make_planner
+
+    planner_spec(spec)
+    try:
+        if gamma_max == 0:  # (the engine decodes plainly, and checks the spec against the largest γ_max it allows)
+            make_planner("static:1" if spec == "static" else spec, 16)
+        else:
+            make_planner(f"static:{gamma_max}" if spec == "static" else spec, gamma_max)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"planner {spec!r} at γ_max {gamma_max}: {exc}") from None
 
 
 BUILT_IN_PROMPTS = ("Once upon a time", "The cat sat on the mat and")

@@ -148,3 +148,57 @@ def test_float_at_least() -> None:
     for bad in ("0.5", "nan", "inf", "x"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected a finite number >= 1"):
             parse(bad)
+
+
+def test_writable_out_tries_what_the_writer_will_make(tmp_path) -> None:
+    """os.access reads mode bits, which root passes everywhere: ``--out /proc/nope/x.json`` was accepted and the
+    writer failed after the whole run. The check now makes (and removes) a file or folder where the writer will."""
+    before = sorted(tmp_path.iterdir())
+    for good in (tmp_path / "o.json", tmp_path / "new" / "deeper" / "o.json"):
+        assert common.writable_out(str(good)) == str(good)
+    assert sorted(tmp_path.iterdir()) == before  # nothing left behind
+    existing = tmp_path / "kept.json"
+    existing.write_text("{}")
+    assert common.writable_out(str(existing)) == str(existing) and existing.read_text() == "{}"
+    import os
+
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    for bad in ("/proc/nope/x.json", "/proc/x.json"):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape("'/proc' is not a writable folder")):
+            common.writable_out(bad)
+
+
+def test_planner_types_take_the_registry(capsys) -> None:
+    from nightjar_jax.planner import known_planners
+
+    for name in [*known_planners(), "static:2"]:
+        assert common.planner_spec(name) == name
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"unknown planner 'bogus': expected one of "
+                                                                   f"{known_planners()}")):
+        common.planner_spec("bogus")
+    parse = common.planner_list()
+    assert parse("static:4,nightjar") == ["static:4", "nightjar"]
+    assert common.planner_list(as_text=True)("ar,dsd") == "ar,dsd"
+    for bad in ("nightjar,bogus", "", "ar,ar", "x:1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)
+    common.check_planner("static", 4)
+    common.check_planner("nightjar", 0)
+    for bad, gamma_max in (("static:8", 4), ("static:x", 4), ("nightjar:foo", 4), ("static:", 2)):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"planner {bad!r} at γ_max {gamma_max}: ")):
+            common.check_planner(bad, gamma_max)
+
+
+def test_ranges() -> None:
+    parse = common.int_in_range(1, 36)
+    assert parse("1") == 1 and parse("36") == 36
+    with pytest.raises(argparse.ArgumentTypeError, match="expected an integer from 1 to 36, got 37"):
+        parse("37")
+    with pytest.raises(argparse.ArgumentTypeError, match="expected an integer >= 1"):
+        parse("0")
+    unit = common.float_in_range(0, 1)
+    assert unit("0") == 0.0 and unit("1") == 1.0
+    for bad in ("-0.1", "1.5", "nan", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a finite number from 0 to 1"):
+            unit(bad)
