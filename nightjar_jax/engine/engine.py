@@ -110,8 +110,14 @@ def setup_compilation_cache(path: str | None) -> None:
 
     if path == "":
         return
+    source = "compilation_cache_dir" if path else "NIGHTJAR_JAX_CACHE" if os.environ.get("NIGHTJAR_JAX_CACHE") else None
     path = path or os.environ.get("NIGHTJAR_JAX_CACHE") or os.path.expanduser("~/.cache/nightjar_jax/jax_cache")
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:  # (a file on the way: "[Errno 17] File exists", which named neither what nor why)
+        where = f"{source} {path}" if source else f"the default cache folder {path} (NIGHTJAR_JAX_CACHE changes it)"
+        raise ConfigError(f"{where}: cannot make the compilation cache folder ({exc.strerror}): it needs a "
+                          f"directory, or '' (compilation_cache_dir) to turn the cache off") from None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -438,3 +438,18 @@ def test_arrival_time_is_on_vllms_clock():
                 outs[out.request_id] = out.metrics
     assert outs["future"].ttft >= 0 and outs["numpy"].ttft is not None
     assert not engine.has_unfinished_requests() and engine.num_free_pages == engine.num_total_pages
+
+
+def test_a_compilation_cache_path_through_a_file_names_its_source(tmp_path, monkeypatch):
+    """NIGHTJAR_JAX_CACHE (or compilation_cache_dir) at or under a file is a ConfigError naming where the path came
+    from (it was "[Errno 17] File exists: ..."); nothing of JAX's configuration changes."""
+    from nightjar_jax.config import ConfigError
+    from nightjar_jax.engine.engine import setup_compilation_cache
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv("NIGHTJAR_JAX_CACHE", str(blocker / "cache"))
+    with pytest.raises(ConfigError, match=r"^NIGHTJAR_JAX_CACHE .*a-file/cache: cannot make the compilation cache"):
+        setup_compilation_cache(None)
+    with pytest.raises(ConfigError, match=r"^compilation_cache_dir .*a-file: cannot make .* it needs a directory"):
+        setup_compilation_cache(str(blocker))
