@@ -52,7 +52,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import distill_draft as dd  # noqa: E402
 
-from nightjar_jax.bench.common import make_parent, writable_out  # noqa: E402
+from nightjar_jax.bench.common import (  # noqa: E402
+    existing_file,
+    float_in_range,
+    make_parent,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    writable_out,
+)
 
 logger = logging.getLogger("distill_eagle")
 
@@ -529,34 +538,48 @@ def cmd_export(args: argparse.Namespace) -> None:
     dd.check_export(paged, ref, out)
 
 
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+def existing_folder(text: str) -> str:
+    """A type for a folder that exists (``--features``: ``distill_draft.py features``'s --out)."""
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: no such folder")
+    return text
+
+
+def new_or_folder(text: str) -> str:
+    """A type for a work folder: one that exists, or a path where one can be made (not a file)."""
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    return text
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(required=True)
     t = sub.add_parser("train", help="train the feature draft on stored target features")
-    t.add_argument("--data", required=True, nargs="+")
-    t.add_argument("--features", required=True)
-    t.add_argument("--workdir", required=True)
+    t.add_argument("--data", required=True, nargs="+", type=existing_file)
+    t.add_argument("--features", required=True, type=existing_folder)
+    t.add_argument("--workdir", required=True, type=new_or_folder)
     t.add_argument("--init-from", default="", help="a workdir's *_params.npz to start from")
-    t.add_argument("--intermediate", type=int, default=1536)
-    t.add_argument("--num-layers", type=int, default=1,
+    t.add_argument("--intermediate", type=positive_int, default=1536)
+    t.add_argument("--num-layers", type=positive_int, default=1,
                    help="decoder layers; with --init-from a shallower draft, the new layers start as no-ops")
-    t.add_argument("--head-vocab", type=int, default=8192)
+    t.add_argument("--head-vocab", type=positive_int, default=8192)
     t.add_argument("--freeze-head", action="store_true", help="keep the target's head rows")
-    t.add_argument("--depths", type=int, default=3, help="chain depths unrolled in training")
-    t.add_argument("--depth-decay", type=float, default=0.8, help="loss weight of depth j: decay ** (j - 1)")
-    t.add_argument("--reg-weight", type=float, default=1.0, help="weight of the feature regression")
-    t.add_argument("--steps", type=int, default=2000)
-    t.add_argument("--tokens-per-batch", type=int, default=4096)
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--warmup", type=int, default=50)
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--clip", type=float, default=1.0)
-    t.add_argument("--prompt-weight", type=float, default=0.2)
-    t.add_argument("--val-every", type=int, default=20)
-    t.add_argument("--eval-every", type=int, default=100)
-    t.add_argument("--max-minutes", type=float, default=0.0)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--depths", type=positive_int, default=3, help="chain depths unrolled in training")
+    t.add_argument("--depth-decay", type=float_in_range(0, 1), default=0.8,
+                   help="loss weight of depth j: decay ** (j - 1)")
+    t.add_argument("--reg-weight", type=non_negative_float, default=1.0, help="weight of the feature regression")
+    t.add_argument("--steps", type=positive_int, default=2000)
+    t.add_argument("--tokens-per-batch", type=positive_int, default=4096)
+    t.add_argument("--lr", type=positive_float, default=1e-3)
+    t.add_argument("--warmup", type=non_negative_int, default=50)
+    t.add_argument("--weight-decay", type=non_negative_float, default=0.01)
+    t.add_argument("--clip", type=positive_float, default=1.0)
+    t.add_argument("--prompt-weight", type=non_negative_float, default=0.2)
+    t.add_argument("--val-every", type=positive_int, default=20)
+    t.add_argument("--eval-every", type=positive_int, default=100)
+    t.add_argument("--max-minutes", type=non_negative_float, default=0.0)
+    t.add_argument("--seed", type=non_negative_int, default=0)
     t.add_argument("--final-only", action="store_true",
                    help="read only the final state where the features hold more layers (a control for fusion)")
     t.set_defaults(fn=cmd_train)
@@ -565,7 +588,7 @@ def main() -> None:
     s.add_argument("--params", choices=("best", "last"), default="best")
     s.add_argument("--reference", default="results/eval_draft.json",
                    help="an eval_draft.py result: its sd_outputs are the target's greedy responses")
-    s.add_argument("--gamma", type=int, default=4)
+    s.add_argument("--gamma", type=positive_int, default=4)
     s.add_argument("--out", default=None, type=writable_out, help="also write the result as JSON here")
     s.set_defaults(fn=cmd_simulate)
     e = sub.add_parser("export", help="bf16 orbax checkpoint folder + a paged-forward check")
@@ -574,7 +597,12 @@ def main() -> None:
     e.add_argument("--params", choices=("best", "last"), default="best")
     e.add_argument("--dtype", default="float32", help="compute dtype recorded in the config (weights stay bf16)")
     e.set_defaults(fn=cmd_export)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args()
     args.fn(args)
 
 

@@ -114,3 +114,31 @@ def test_train_resume_names_the_model_shape_flags_that_differ(data, tmp_path, ca
     err = train_error(["--data", data, "--workdir", str(wd), "--resume"], capsys)  # every default differs
     assert ("--hidden 64 --num-layers 1 --intermediate 128 --head-vocab 512, not --hidden 184 --num-layers 2 "
             "--intermediate 640 --head-vocab 0") in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+    (["--lr", "-1"], "argument --lr: expected a finite number > 0"),
+    (["--depth-decay", "1.5"], "argument --depth-decay: expected a finite number from 0 to 1"),
+    (["--data", "/no/such.jsonl"], "argument --data"),
+    (["--features", "/no/such/folder"], "argument --features: '/no/such/folder': no such folder"),
+])
+def test_distill_eagle_train_flags_are_checked_before_anything_loads(argv, message, data, tmp_path, capsys):
+    """``distill_eagle.py train`` took any number (a negative learning rate trained; 0 steps failed inside optax)
+    and paths that do not exist (a traceback once its data loaded): usage errors naming the flag now."""
+    eagle = load_script("distill_eagle.py", "distill_eagle_flags")
+    base = {"--data": data, "--features": str(tmp_path), "--workdir": str(tmp_path / "w")}
+    given = dict(zip(argv[::2], argv[1::2], strict=True))
+    flat = [x for k, v in {**base, **given}.items() for x in (k, v)]
+    with pytest.raises(SystemExit) as exc:
+        eagle.parse_args(["train", *flat])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in err, err
+    workdir_file = tmp_path / "file"
+    workdir_file.write_text("")
+    with pytest.raises(SystemExit):
+        eagle.parse_args(["train", "--data", data, "--features", str(tmp_path), "--workdir", str(workdir_file)])
+    assert "is a file, not a folder" in capsys.readouterr().err
+    args = eagle.parse_args(["train", *[x for k, v in base.items() for x in (k, v)]])
+    assert args.steps == 2000 and args.lr == 1e-3
