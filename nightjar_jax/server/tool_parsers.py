@@ -117,7 +117,8 @@ class ToolCallStream:
     start: str = "<tool_call>"
     end: str = "</tool_call>"
     _held: str = ""  # outside a block: a tail that could begin the start tag
-    _body: str | None = None  # inside a block: its text so far
+    _body: list[str] | None = None  # inside a block: its text so far, in the pieces that came (joined once it closes)
+    _tail: str = ""  # inside a block: its text's last len(end) - 1 characters (where an end tag may have begun)
     calls: list[ToolCall] = field(default_factory=list)  # every call so far
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -133,13 +134,19 @@ class ToolCallStream:
                     self._held = text[len(text) - keep:]
                     break
                 content.append(text[:at])
-                self._body, text = "", text[at + len(self.start):]
+                self._body, self._tail, text = [], "", text[at + len(self.start):]
             else:
-                body = self._body + text
-                at = body.find(self.end)
+                # (only the new text and the tail before it can hold the end tag: searching, or joining, the whole
+                # block at every piece made a long call's stream quadratic, seconds for a 280 KB block)
+                probe = self._tail + text
+                at = probe.find(self.end)
                 if at < 0:
-                    self._body = body
+                    self._body.append(text)
+                    self._tail = probe[max(0, len(probe) - (len(self.end) - 1)):]
                     break
+                body = "".join(self._body)
+                body = body[:len(body) - len(self._tail)] + probe
+                at += len(body) - len(probe)
                 lead, found = _block(body[:at], self.start)
                 if found is None:
                     content.append(self.start + body[:at] + self.end)
@@ -153,8 +160,8 @@ class ToolCallStream:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The end of the output: held text and an unclosed block become content."""
-        rest = self._held if self._body is None else self.start + self._body
-        self._held, self._body = "", None
+        rest = self._held if self._body is None else self.start + "".join(self._body)
+        self._held, self._body, self._tail = "", None, ""
         return rest, []
 
 

@@ -222,3 +222,15 @@ def test_required_calls_stream_cut_short():
     (first,) = stream.feed('me": "f", "parameters": {"a": [1, 2')
     assert first["function"] == {"name": "f", "arguments": '{"a": [1, 2'}
     assert stream.feed("") == []
+
+
+def test_a_long_block_streamed_in_small_pieces_equals_parse():
+    """A tool call that writes 100 KB, fed 4 characters at a time (the stream looks for the end tag in the new text
+    and the tail before it only, and joins the block once it closes): the same call and content as parse."""
+    text = 'Here: <tool_call>{"name": "f", "arguments": {"code": "' + "x = 1; " * 15000 + '"}}</tool_call> done'
+    stream = tool_parsers.make_stream("hermes")
+    pieces = [stream.feed(text[i:i + 4]) for i in range(0, len(text), 4)]
+    rest, more = stream.finish()
+    content, calls = tool_parsers.parse(text, "hermes")
+    assert "".join(c for c, _ in pieces) + rest == content == "Here:  done"
+    assert [c for _, found in pieces for c in found] + more == calls and len(calls) == 1
