@@ -159,10 +159,21 @@ class ToolCallStream:
         return "".join(content), calls
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """The end of the output: held text and an unclosed block become content."""
-        rest = self._held if self._body is None else self.start + "".join(self._body)
+        """The end of the output: held text becomes content, and so does an unclosed block, unless its text is a
+        whole call (as vLLM's hermes parser reads ``<tool_call>(.*)`` at the end: a ``stop`` at ``</tool_call>``, or
+        an end-of-sequence token before it), which is a call."""
+        if self._body is None:
+            rest, found = self._held, []
+        else:
+            body = "".join(self._body)
+            lead, calls = _block(body, self.start)
+            if calls:
+                rest, found = (self.start + lead) if lead is not None else "", calls
+            else:
+                rest, found = self.start + body, []
         self._held, self._body, self._tail = "", None, ""
-        return rest, []
+        self.calls += found
+        return rest, found
 
 
 def _block(body: str, start: str) -> tuple[str | None, list[ToolCall] | None]:

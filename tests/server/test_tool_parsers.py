@@ -37,6 +37,10 @@ CASES = [
     # cut before the block closed (max_tokens): content, not lost
     ('Let me look. <tool_call>{"name": "get_weather", "argu', 'Let me look. <tool_call>{"name": "get_weather", "argu',
      []),
+    # a last block never closed that holds a whole call (a stop at </tool_call>, or EOS before it): a call, as
+    # vLLM's hermes parser reads it (it was content)
+    ('Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "Sure. ",
+     [ToolCall("get_weather", '{"city": "Paris"}')]),
     # strict JSON only: NaN / Infinity and nesting past the recursion limit are not calls (kept as written)
     ('<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>',
      '<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>', []),
