@@ -69,12 +69,15 @@ def test_runs_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert got["spins"][0]["ratio"] == 1.0 and got["spins"][1]["median_ms"] > 0
 
 
-def test_bad_spin_list_is_a_clear_error(monkeypatch):
+def test_bad_spin_list_is_a_clear_error(monkeypatch, capsys):
+    """A usage error (exit 2) naming the flag, before any model loads."""
     import sys
 
     import pytest
 
     prof = load_script("profile_step.py", "profile_step_bad")
     monkeypatch.setattr(sys, "argv", ["profile_step.py", "--compare-spin-us", "0,x"])
-    with pytest.raises(SystemExit, match="comma-separated integers"):
+    with pytest.raises(SystemExit) as exc:
         prof.main()
+    assert exc.value.code == 2
+    assert "argument --compare-spin-us: expected a comma list of integers >= 0" in capsys.readouterr().err
