@@ -16,6 +16,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import jax
@@ -28,7 +29,7 @@ from nightjar_jax.engine.outputs import CompletionOutput, RequestMetrics, Reques
 from nightjar_jax.engine.request import FinishReason, Request
 from nightjar_jax.engine.runner import EVICT_MAP_SHARE, DecodeResult, ModelHandle, ModelRunner
 from nightjar_jax.engine.sampler import fold_seeds
-from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams
+from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, short_repr
 from nightjar_jax.engine.scheduler import ScheduledBatch, Scheduler
 from nightjar_jax.memory import ElasticPolicy, MemoryAction, PoolState
 from nightjar_jax.planner.base import MAX_STEP_SECONDS
@@ -451,9 +452,18 @@ class LLMEngine:
         ``priority`` (vLLM's; lower is served first) needs ``scheduling_policy="priority"`` unless it is 0.
         ``arrival_time``: when the request arrived, on vLLM's clock, ``time.time()`` (default: now; a time in the
         future counts as now); its metrics' timestamps (``RequestMetrics``) are ``time.monotonic()`` readings, so it
-        is moved onto that clock (TTFT and end-to-end latency then count from it)."""
+        is moved onto that clock (TTFT and end-to-end latency then count from it).
+
+        vLLM's ``LLMEngine.add_request(request_id, prompt, params)`` order is read too: a ``SamplingParams`` in the
+        third place (where this order has the request id) can only mean it."""
+        if isinstance(request_id, SamplingParams) and not isinstance(sampling_params, SamplingParams):
+            request_id, prompt, sampling_params = prompt, sampling_params, request_id  # (vLLM's order)
         if self._asleep:
             raise EngineSleepingError(self._sleeping_message())
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams (or None for the defaults), got "
+                            f"{short_repr(sampling_params)}: the order is add_request(prompt, sampling_params, "
+                            f"request_id), or vLLM's add_request(request_id, prompt, sampling_params)")
         params = sampling_params or SamplingParams()
         if not (isinstance(priority, int) and not isinstance(priority, bool)):
             raise InvalidRequestError(f"priority must be an integer (lower is served first), got {priority!r}",
@@ -618,8 +628,11 @@ class LLMEngine:
                 self._grammars = GrammarBackend(self.tokenizer, self.target.config.vocab_size)
             return self._grammars
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Finish a request at once with reason ``abort``; its pages are freed immediately."""
+    def abort_request(self, request_id: str | Iterable[str]) -> RequestOutput | None | list[RequestOutput | None]:
+        """Finish a request at once with reason ``abort``; its pages are freed immediately. Its final output, or
+        None when no such request is unfinished; several ids (vLLM's iterable): a list of those."""
+        if not isinstance(request_id, str):
+            return [self.abort_request(rid) for rid in list(request_id)]
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return None
@@ -655,6 +668,14 @@ class LLMEngine:
     def draft_offloaded(self) -> bool:
         """Whether the draft is in host memory now (elastic memory)."""
         return self.draft is not None and not self.runner.draft_on_device
+
+    def get_num_unfinished_requests(self) -> int:
+        """vLLM's: requests waiting or running."""
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def get_tokenizer(self):
+        """vLLM's: the model's tokenizer (None when it has none)."""
+        return self.tokenizer
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -427,3 +427,26 @@ def test_vllm_llm_options_block_size_and_no_ops():
         LLM("stories260k", enforce_eager="yes")
     with pytest.raises(ValueError, match="block_size and page_size are one option"):
         LLM("stories260k", block_size=8, page_size=16)
+
+
+def test_llm_engine_takes_vllms_call_forms(llm):
+    """vLLM's ``LLMEngine`` calls: ``add_request(request_id, prompt, params)`` (its order; this engine's is prompt
+    first, so the id was read as the prompt), ``abort_request`` of several ids, ``get_num_unfinished_requests``,
+    ``get_tokenizer``; a non-SamplingParams in the params' place is a TypeError naming both orders."""
+    engine = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    assert engine.add_request("vllm-order", PROMPTS[0], sp) == "vllm-order"
+    assert engine.add_request(PROMPTS[0], sp, "ours") == "ours"
+    assert engine.get_num_unfinished_requests() == 2 and engine.get_tokenizer() is engine.tokenizer
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["vllm-order"].outputs[0].token_ids == done["ours"].outputs[0].token_ids
+    assert done["vllm-order"].prompt == PROMPTS[0]
+    engine.add_request("a", PROMPTS[0], sp)
+    engine.add_request("b", PROMPTS[1], sp)
+    outs = engine.abort_request(["a", "b", "never"])
+    assert [o.outputs[0].finish_reason if o else None for o in outs] == ["abort", "abort", None]
+    assert engine.get_num_unfinished_requests() == 0 and engine.num_free_pages == engine.num_total_pages
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams .* vLLM's add_request"):
+        engine.add_request(PROMPTS[0], "not params")
