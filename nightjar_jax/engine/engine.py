@@ -1231,8 +1231,10 @@ class LLMEngine:
             return False
         emitted = r.output_text
         checked = len(emitted) + len(r.held_text)  # (text whose stop strings earlier calls looked for)
-        full = emitted + r.held_text + (r.detokenizer.add(ids) if ids else "")
-        unfinished = r.detokenizer.flush() if final else ""  # (U+FFFD for bytes that never completed a character)
+        # (the last ids' held text: its whole characters, then U+FFFD for bytes that never completed one)
+        full = emitted + r.held_text + (r.detokenizer.add(ids) if ids else "") + (
+            r.detokenizer.flush() if final else "")
+        real = len(full.rstrip("\ufffd")) if final else len(full)  # (a stop must end before a made-up U+FFFD)
         sp = r.sampling
         stopped = False
         if sp.stop and not r.under_min_tokens:
@@ -1240,12 +1242,11 @@ class LLMEngine:
             # not a stop (and its start may have gone out already). The one that ends first wins (then the longer):
             # where the tokens happen to split the text does not change where it stops
             hits = [(full.find(s, max(0, checked - len(s) + 1)), s) for s in sp.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
+            hits = [(i, s) for i, s in hits if i >= 0 and i + len(s) <= real]
             if hits:
                 i, s = min(hits, key=lambda hit: (hit[0] + len(hit[1]), hit[0]))
                 full = full[: i + len(s)] if sp.include_stop_str_in_output else full[: max(i, len(emitted))]
-                r.stop_reason, stopped, final, unfinished = s, True, True, ""
-        full += unfinished
+                r.stop_reason, stopped, final = s, True, True
         hold = 0 if (final or not sp.stop) else max(len(s) for s in sp.stop) - 1
         visible = max(len(emitted), len(full) - hold)
         r.new_text += full[len(emitted) : visible]

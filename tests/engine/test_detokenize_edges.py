@@ -67,3 +67,21 @@ def test_a_character_cut_by_max_tokens_ends_the_text_and_matches_no_stop_string(
     # a stop string in the complete text before it still stops there
     comp, _ = _commit(engine, [1], ids, SamplingParams(temperature=0, max_tokens=cut, stop=["i "]))
     assert (comp.text, comp.finish_reason, comp.stop_reason) == ("H", "stop", "i ")
+
+
+def test_a_stop_string_in_the_last_steps_whole_characters_stops_before_a_cut_one(engine):
+    """One step commits "Hi" and the first byte of "😀" together (a speculative step commits several tokens), and
+    max_tokens ends there: the text held for the incomplete character holds "Hi" too, and a stop string in those
+    whole characters stops the output (kept out of the search with the made-up U+FFFD, it was missed: "Hi\ufffd",
+    finish reason "length")."""
+    tok = engine.tokenizer
+    ids = tok.encode("Hi😀", add_special_tokens=False)
+    first_byte = _byte_pieces(tok, ids)[0]
+    output = ids[: first_byte + 1]
+    for stop, include, text in ((["Hi"], False, ""), (["Hi"], True, "Hi"), (["i"], False, "H")):
+        params = SamplingParams(temperature=0, max_tokens=len(output), stop=stop, include_stop_str_in_output=include)
+        request_id = engine.add_request({"prompt_token_ids": [1]}, params)
+        out = engine._append(engine.requests[request_id], output, time.monotonic())
+        assert out.finished and (out.outputs[0].text, out.outputs[0].finish_reason, out.outputs[0].stop_reason) == (
+            text, "stop", stop[0]), stop
+    assert engine.num_free_pages == engine.num_total_pages
