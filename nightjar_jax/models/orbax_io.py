@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -180,21 +181,52 @@ class _DrainingEventLoop(asyncio.SelectorEventLoop):
         super().close()
 
 
-class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
+class _DrainingPolicy(asyncio.AbstractEventLoopPolicy):
+    """The policy in place with one change: the loops it makes are :class:`_DrainingEventLoop`. Every thread's loop
+    stays the inner policy's (``get_event_loop`` / ``set_event_loop`` go to it), so a thread that reads or sets its
+    loop while a restore runs elsewhere sees what it would see without it."""
+
+    def __init__(self, inner: asyncio.AbstractEventLoopPolicy):
+        self.inner = inner
+
+    def get_event_loop(self) -> asyncio.AbstractEventLoop:
+        return self.inner.get_event_loop()
+
+    def set_event_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.inner.set_event_loop(loop)
+
     def new_event_loop(self) -> asyncio.AbstractEventLoop:
         return _DrainingEventLoop()
+
+    def __getattr__(self, name: str) -> Any:  # (the child-watcher calls of Pythons that have them)
+        if name == "inner":  # (not set yet: no recursion)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+_POLICY_LOCK = threading.Lock()
+_policy_users: list = [0, None]  # restores under way, and the policy to put back when the last one ends
 
 
 @contextlib.contextmanager
 def _draining_event_loops():
     """New event loops made inside are :class:`_DrainingEventLoop` (orbax makes its loops with
-    ``asyncio.new_event_loop``); the policy before is restored after."""
-    previous = asyncio.get_event_loop_policy()
-    asyncio.set_event_loop_policy(_DrainingPolicy())
+    ``asyncio.new_event_loop`` where no loop runs in the restoring thread; where one runs, it makes its own and this
+    changes nothing). Restores in several threads share one swap: the first puts the draining policy in, the last
+    puts the one before back."""
+    with _POLICY_LOCK:
+        if _policy_users[0] == 0:
+            _policy_users[1] = asyncio.get_event_loop_policy()
+            asyncio.set_event_loop_policy(_DrainingPolicy(_policy_users[1]))
+        _policy_users[0] += 1
     try:
         yield
     finally:
-        asyncio.set_event_loop_policy(previous)
+        with _POLICY_LOCK:
+            _policy_users[0] -= 1
+            if _policy_users[0] == 0:
+                asyncio.set_event_loop_policy(_policy_users[1])
+                _policy_users[1] = None
 
 
 def read_config(meta_path: Path) -> ModelConfig:

@@ -618,3 +618,52 @@ def test_llama2c_sibling_tokenizer_is_unambiguous(tmp_path):
     (tmp_path / "tokenizer.model").unlink()
     with pytest.raises(ValueError, match=f"^{tmp_path / 'a.model'}: not a readable SentencePiece model"):
         load_checkpoint(str(model))
+
+
+def test_restores_in_several_threads_share_one_event_loop_policy_swap():
+    """The draining policy (``orbax_io._draining_event_loops``) goes in with the first restore under way and out with
+    the last: two overlapping restores (A in, B in, A out, B out) used to leave A's draining policy in for good. While
+    one runs, another thread's own loop is still its own, and new loops drain."""
+    import asyncio
+    import threading
+
+    from nightjar_jax.models.orbax_io import _DrainingEventLoop, _draining_event_loops
+
+    before = asyncio.get_event_loop_policy()
+    mine = asyncio.new_event_loop()
+    asyncio.set_event_loop(mine)
+    a_in, b_in, a_out, checked = (threading.Event() for _ in range(4))
+    seen = {}
+
+    def restore_a():
+        with _draining_event_loops():
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def restore_b():
+        a_in.wait(10)
+        with _draining_event_loops():
+            b_in.set()
+            a_out.wait(10)
+            fresh = asyncio.new_event_loop()
+            seen["fresh"] = type(fresh)
+            fresh.close()
+            checked.wait(10)
+
+    try:
+        threads = [threading.Thread(target=restore_a), threading.Thread(target=restore_b)]
+        for t in threads:
+            t.start()
+        a_out.wait(10)  # (A is out, B still in: the swap stays)
+        seen["main loop"] = asyncio.get_event_loop()
+        seen["during"] = asyncio.get_event_loop_policy() is not before
+        checked.set()
+        for t in threads:
+            t.join(20)
+        assert seen["during"] and asyncio.get_event_loop_policy() is before
+        assert seen["fresh"] is _DrainingEventLoop
+        assert seen["main loop"] is mine and asyncio.get_event_loop() is mine  # (this thread's own loop throughout)
+    finally:
+        asyncio.set_event_loop(None)
+        mine.close()
