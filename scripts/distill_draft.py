@@ -740,6 +740,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     # (main's parse_args refuses these first, check_train_args; kept for callers that build the args themselves)
     if args.teacher and not args.head_vocab:
         raise SystemExit("--teacher needs --head-vocab N (the KD loss is over the subset head's ids)")
+    if args.kd_weight is None:  # (the flag's default: 0.5 where a teacher is given; no teacher, no KD term)
+        args.kd_weight = 0.5
     if not 0.0 <= args.kd_weight <= 1.0:
         raise SystemExit(f"--kd-weight {args.kd_weight}: allowed 0..1 (the top-k term's share of the loss)")
     workdir = Path(args.workdir).absolute()

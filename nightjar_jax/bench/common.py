@@ -201,9 +201,10 @@ def existing_file(text: str) -> str:
 
 def writable_out(text: str) -> str:
     """An output file path that can be written, checked before the work, not after it: its folder exists or can be
-    made (its nearest existing ancestor is a writable folder). ``os.access`` reads mode bits only (root passes them
-    even on ``/proc``, where nothing can be made), so the check also makes what the writer will make, a file in the
-    folder or a folder in the nearest existing ancestor, and removes it at once: nothing is left behind here (argparse
+    made (its nearest existing ancestor is a writable folder), or it is a writable file. ``os.access`` reads mode
+    bits only (root passes them even on ``/proc``, where nothing can be made), so for a new file the check also makes
+    what the writer will make, a file in the folder or a folder in the nearest existing ancestor, and removes it at
+    once: nothing is left behind here (argparse
     also runs this on a flag's default, before it reports another flag's error); the writers make the folder
     (:func:`write_json`, :func:`make_parent`)."""
     import tempfile
@@ -220,12 +221,10 @@ def writable_out(text: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe!r} is a file, not a folder")
     if not os.access(probe, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe!r} is not a writable folder")
-    if os.path.exists(text):  # (rewritten in place: the file itself must open for writing; "a" changes nothing)
-        if os.path.isfile(text):
-            try:
-                open(text, "a").close()
-            except OSError as exc:
-                raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror}") from None
+    if os.path.exists(text):  # (rewritten in place: the file must be writable; it is not opened here, which a
+        # watcher of close-writes would read as rewritten)
+        if not os.access(text, os.W_OK):
+            raise argparse.ArgumentTypeError(f"cannot write {text!r}: the file is not writable")
         return text
     try:
         if probe == folder:

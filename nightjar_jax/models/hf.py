@@ -22,7 +22,8 @@ from nightjar_jax.config import DTYPES, ModelConfig, RopeScaling
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+# (LLaMAForCausalLM: the name early conversions wrote, which vLLM's registry maps to Llama too)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "LLaMAForCausalLM")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model"]
 

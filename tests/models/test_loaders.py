@@ -202,6 +202,8 @@ def test_unsupported_architecture(tmp_path, tiny_weights):
         load_checkpoint(str(tmp_path / "qwen"))
     _write_hf(tmp_path / "type", tiny_weights, model_type="qwen2")  # (a supported class: its type is not read)
     assert load_checkpoint(str(tmp_path / "type")).config.num_layers == TINY.num_layers
+    _write_hf(tmp_path / "old", tiny_weights, architectures=["LLaMAForCausalLM"])  # (early conversions' name)
+    assert load_checkpoint(str(tmp_path / "old")).config.num_layers == TINY.num_layers
 
 
 @pytest.mark.parametrize(
@@ -627,7 +629,7 @@ def test_restores_in_several_threads_share_one_event_loop_policy_swap():
     import asyncio
     import threading
 
-    from nightjar_jax.models.orbax_io import _DrainingEventLoop, _draining_event_loops
+    from nightjar_jax.models.orbax_io import _draining_event_loops, _DrainingEventLoop
 
     before = asyncio.get_event_loop_policy()
     mine = asyncio.new_event_loop()
