@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from nightjar_jax.config import ModelConfig
-from nightjar_jax.models.hf import read_safetensors, write_safetensors
+from nightjar_jax.models.hf import first_line, read_safetensors, write_safetensors
 from nightjar_jax.models.llama2c import interleaved_to_rotate_half
 from nightjar_jax.models.tokenizer import Tokenizer, default_chat_template
 
@@ -69,15 +69,14 @@ def _reader(path: str | Path):
     try:
         return gguf.GGUFReader(str(path), "r")
     except Exception as e:  # noqa: BLE001 - gguf raises ValueError/struct errors on bad files
-        cause = (str(e).strip().splitlines() or [""])[0]
+        cause = first_line(e, 10**6)
         if any(own in cause for own in _GGUF_READER_MESSAGES):  # (gguf's own words say what is wrong)
             raise ValueError(f"{path}: not a readable GGUF file ({cause}): allowed a GGUF file of version 2 or 3 "
                              f"(as llama.cpp writes them)") from None
         # numpy's errors from reading counts and offsets past the end ("index 0 is out of bounds", "When changing
         # to a larger dtype ...", "cannot reshape ..."): they say nothing of the file
-        cause = cause if len(cause) <= 80 else cause[:77] + "..."
-        raise ValueError(f"{path}: truncated or corrupt GGUF header / tensor table ({type(e).__name__}: {cause}): "
-                         f"download or convert the file again") from None
+        raise ValueError(f"{path}: truncated or corrupt GGUF header / tensor table ({type(e).__name__}: "
+                         f"{first_line(e)}): download or convert the file again") from None
 
 
 # what gguf.GGUFReader says of a file that is not a GGUF it reads (anything else it raises is numpy's, on a file cut

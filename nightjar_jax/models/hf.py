@@ -336,9 +336,15 @@ def snapshot_download_offline_aware(repo_id: str, *, timeout_s: float = 10.0, lo
         return Path(snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, etag_timeout=timeout_s))
     except Exception as e:  # noqa: BLE001 - connection errors come in many types
         # (huggingface_hub's messages run over several lines: the first says what failed, e.g. a ConnectError)
-        cause = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-        cause = cause if len(cause) <= 120 else cause[:117] + "..."
-        raise ValueError(f"{message} ({type(e).__name__}: {cause})") from None
+        raise ValueError(f"{message} ({type(e).__name__}: {first_line(e, 120)})") from None
+
+
+def first_line(error: object, limit: int = 80) -> str:
+    """The first non-blank line of an error's message, cut to ``limit`` characters (ending "..." when cut): the
+    loaders' one-line errors quote a library's cause with it (huggingface_hub's, orbax's and numpy's run over
+    lines)."""
+    line = next((part.strip() for part in str(error).splitlines() if part.strip()), "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def cast_dtype(name: str) -> str:

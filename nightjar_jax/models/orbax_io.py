@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from nightjar_jax.config import ModelConfig, RopeScaling
+from nightjar_jax.models.hf import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -155,10 +156,9 @@ def load_orbax(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], Pa
 def _short_cause(exc: Exception, params: Path, limit: int = 160) -> str:
     """The first line of a restore error, without tensorstore's JSON spec or the folder the message already names:
     ``OUT_OF_RANGE: Error reading "model.norm.weight/0.0" ...: Requested byte range [0, 128) is not valid ...``."""
-    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    text = first_line(exc, 10**6) or type(exc).__name__
     text = text.split(" [tensorstore_spec=")[0].replace(f' in OCDBT database at local file "{params}/"', "")
-    text = text.replace(f" at {params}", "").replace(str(params), "params/")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return first_line(text.replace(f" at {params}", "").replace(str(params), "params/"), limit)
 
 
 class _DrainingEventLoop(asyncio.SelectorEventLoop):
