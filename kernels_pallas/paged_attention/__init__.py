@@ -14,8 +14,9 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.paged_attention.kernel_gpu import GPU_TUNING_DEFAULTS, paged_attention_gpu
+from kernels_pallas.paged_attention.kernel_gpu import GPU_TUNING_DEFAULTS, choose_gpu_tiles, paged_attention_gpu
 from kernels_pallas.paged_attention.kernel_tpu import TPU_TUNING_DEFAULTS, paged_attention_tpu
+from kernels_pallas.paged_attention.layout import QueryBlocking
 from kernels_pallas.paged_attention.reference import check_tree_mask, paged_attention_reference, validate_inputs
 
 __all__ = ["import_pallas_backends", "paged_attention", "paged_attention_reference"]
@@ -81,7 +82,7 @@ def _validate_tuning(tuning: dict, defaults: dict, backend: str, page_size: int,
             f"unknown tuning parameters {sorted(unknown)} for backend {backend!r}; allowed: {sorted(defaults)}"
         )
     params = {**defaults, **tuning}
-    for name in ("pages_per_block", "block_rows"):
+    for name in ("pages_per_block", "block_rows", *(("num_stages",) if "num_stages" in params else ())):
         value = params[name]
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -150,7 +151,9 @@ def paged_attention(
       bodies read each page in place from the pool that holds it (``kernel_gpu.py``, ``kernel_tpu.py``).
     tuning: ``GPU_TUNING_DEFAULTS`` / ``TPU_TUNING_DEFAULTS`` keys (pages_per_block, block_rows; GPU also
       num_warps, num_stages, and num_splits: key ranges per (sequence, KV head, q block) merged afterwards, 1 = no
-      split, 0 = chosen from the grid's size; see ``kernel_gpu.py``).
+      split, 0 = chosen from the grid's size; see ``kernel_gpu.py``). Compiled GPU: pages_per_block and num_stages
+      left unset are chosen by ``kernel_gpu.choose_gpu_tiles`` (a key tile of >= 16 keys within the shared-memory
+      budget); values given that cannot work are a ValueError. Compiled TPU: ``kernel_tpu.check_compiled_tpu_shapes``.
     """
     _validate_extension(k_pages, k_ext, v_ext)
     validate_inputs(q, k_pages, v_pages, block_tables, context_lens, scale,
@@ -171,6 +174,11 @@ def paged_attention(
     page_size, head_dim = k_pages.shape[2], k_pages.shape[3]
     if backend == "gpu":
         params = _validate_tuning(tuning, GPU_TUNING_DEFAULTS, backend, page_size, head_dim, not interpret)
+        if not interpret:  # a key tile tl.dot takes, within the shared-memory budget (kernel_gpu.choose_gpu_tiles)
+            rows = QueryBlocking.choose(q.shape[1], q.shape[2] // k_pages.shape[0], params["block_rows"]).block_rows
+            params["pages_per_block"], params["num_stages"] = choose_gpu_tiles(
+                page_size, head_dim, jnp.dtype(q.dtype).itemsize, block_rows=rows, extension=k_ext is not None,
+                pages_per_block=tuning.get("pages_per_block"), num_stages=tuning.get("num_stages"))
         body = functools.partial(paged_attention_gpu, scale=float(scale), interpret=bool(interpret), **params)
         out = _not_differentiable(body)(q, k_pages, v_pages, block_tables, context_lens, tree_mask, k_ext, v_ext)
         return out.astype(out_dtype)

@@ -56,6 +56,81 @@ GPU_TUNING_DEFAULTS = {
 # Programs a split grid aims for in ``auto_num_splits`` (an H200 has 132 multiprocessors).
 SPLIT_TARGET_PROGRAMS = 128
 
+# Keys per loop iteration the compiled body needs at least: the key tile (block_k = pages_per_block * page_size) is
+# N of ``q @ k.T`` and K of ``p @ v``, and Triton's tl.dot needs >= 16 along both (TritonGPUAccelerateMatmul
+# failed for sm_80 and sm_90 on tiles of 2 and 4 keys: page 1 with pages_per_block 2 or 4, page 2 with 1).
+MIN_BLOCK_K = 16
+# Shared memory one compiled program may plan for, in bytes. 96 KiB is under every sm_80+ part's per-block
+# maximum (99 KiB on sm_86 / sm_89, 163 KiB on an A100, 227 KiB on an H100 / H200), leaving A100 and H100 room for
+# what ``shared_memory_bytes`` does not model. Without a bound the defaults asked for far more (Triton compiled
+# for sm_80, ``metadata.shared``): bf16 page 64, head_dim 128, 4 pages per block 208,896 B; f32 page 128,
+# head_dim 64 430,080 B, which no GPU can launch.
+SHARED_MEMORY_BUDGET = 96 * 1024
+
+
+def shared_memory_bytes(block_k: int, head_dim: int, itemsize: int, num_stages: int, block_rows: int,
+                        extension: bool = False) -> int:
+    """Shared memory of one compiled program: ``2 * num_stages - 1`` K/V tiles ``[block_k, head_dim]`` (twice that
+    with an extension pool, whose masked loads are pipelined too) plus the q tile ``[block_rows, head_dim]`` and the
+    probabilities ``[block_rows, block_k]``. Fitted to Triton 3.x for sm_80 (``metadata.shared`` of the lowered
+    body): exact for one pool over bf16 / f32, pages 16..128, head_dim 64..256, 1 or 2 stages (e.g. bf16 page 16,
+    head_dim 128, 4 pages, 16 rows, 2 stages: 3 * 16,384 + 16 * 192 * 2 = 55,296 B); an upper bound with an
+    extension (measured 5 tiles where this counts 6). ``itemsize``: the wider of q's and the pools' dtypes."""
+    tiles = (2 * num_stages - 1) * (2 if extension else 1)
+    return (tiles * block_k * head_dim + block_rows * (head_dim + block_k)) * itemsize
+
+
+def choose_gpu_tiles(page_size: int, head_dim: int, itemsize: int, *, block_rows: int, extension: bool = False,
+                     pages_per_block: int | None = None, num_stages: int | None = None,
+                     budget: int = SHARED_MEMORY_BUDGET) -> tuple[int, int]:
+    """``(pages_per_block, num_stages)`` for the compiled GPU body: a key tile of at least ``MIN_BLOCK_K`` keys
+    whose ``shared_memory_bytes`` fit ``budget``. ``None`` = the caller left it to us: pages_per_block starts at the
+    default raised to the 16-key minimum and is halved (not below it) until the tile fits at the default num_stages;
+    if none does, num_stages 1 with the widest tile that fits. A caller's value is kept, or refused with a
+    ValueError naming it and what fits; a page too large for any tile is a ValueError naming the page size that fits.
+    ``page_size`` and ``head_dim`` are powers of two (checked by the wrapper), so the minimum is exact.
+
+    Example (bf16, head_dim 128, 16 rows): page 1 -> (16, 2); page 16 -> (4, 2); page 64 -> (1, 2); page 128 ->
+    (2, 1); f32 page 128, head_dim 64 -> (2, 1); f32 page 256, head_dim 256 -> ValueError (page_size <= 64)."""
+    min_pages = max(1, MIN_BLOCK_K // page_size)
+
+    def fits(ppb: int, stages: int) -> bool:
+        return shared_memory_bytes(ppb * page_size, head_dim, itemsize, stages, block_rows, extension) <= budget
+
+    if pages_per_block is not None and pages_per_block < min_pages:
+        raise ValueError(f"pages_per_block={pages_per_block} with page_size={page_size} gives a key tile of "
+                         f"{pages_per_block * page_size} keys; the compiled GPU (Triton) kernel needs at least "
+                         f"{MIN_BLOCK_K} (tl.dot): use pages_per_block >= {min_pages}, or leave it unset")
+    stage_options = [num_stages] if num_stages is not None else [GPU_TUNING_DEFAULTS["num_stages"], 1]
+    if pages_per_block is not None:
+        ppb_options = [pages_per_block]
+    else:
+        ppb = max(GPU_TUNING_DEFAULTS["pages_per_block"], min_pages)
+        ppb_options = [ppb >> i for i in range(ppb.bit_length()) if ppb >> i >= min_pages]
+    for stages in stage_options:  # the deepest pipeline first, then the widest tile
+        for ppb in ppb_options:
+            if fits(ppb, stages):
+                return ppb, stages
+    dtype = {2: "bfloat16", 4: "float32"}.get(itemsize, f"{itemsize}-byte")
+    need = shared_memory_bytes(ppb_options[-1] * page_size, head_dim, itemsize, stage_options[-1], block_rows,
+                               extension)
+    where = (f"page_size={page_size}, head_dim={head_dim}, {dtype}, {block_rows} rows"
+             + (", an extension pool" if extension else ""))
+    given = ", ".join(f"{name}={value}" for name, value in (("pages_per_block", pages_per_block),
+                                                            ("num_stages", num_stages)) if value is not None)
+    for stages in range(stage_options[0], 0, -1):  # a caller's value that cannot fit: what would, deepest first
+        widest = [p for p in (1 << i for i in range(16)) if p >= min_pages and fits(p, stages)]
+        if widest:
+            raise ValueError(f"{given} needs ~{need} bytes of GPU shared memory ({where}), over the {budget}-byte "
+                             f"budget: pages_per_block <= {widest[-1]} with num_stages={stages} fits, or leave "
+                             f"them unset")
+    fitting = [p for p in (1 << i for i in range(12))
+               if shared_memory_bytes(max(p, MIN_BLOCK_K), head_dim, itemsize, 1, block_rows, extension) <= budget]
+    hint = f"page_size <= {fitting[-1]} at this head_dim" if fitting else "a smaller head_dim"
+    raise ValueError(f"one key tile of {max(page_size, MIN_BLOCK_K)} keys needs ~{need} bytes of GPU shared memory "
+                     f"({where}, num_stages={stage_options[-1]}), over the {budget}-byte budget of the compiled GPU "
+                     f"kernel: use {hint}" + (", or a bfloat16 pool and q" if itemsize > 2 else ""))
+
 
 def _paged_attention_gpu_kernel(
     block_tables_ref,  # [padded_pages_per_seq] int32 (this sequence's row)

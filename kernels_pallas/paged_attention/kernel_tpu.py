@@ -12,6 +12,14 @@ second pool. Each of the ``pages_per_block`` K and V inputs then comes in twice,
 a page's DMA to the pool that holds it and park the other pool's input on its page 0, which the pipeline fetches
 again only when the parked index changes (a sequence that alternates between the pools: at most one more page DMA
 per page), and the body reads the input of the page's pool (the page id is in SMEM).
+
+Limits of the compiled body, refused before lowering (``check_compiled_tpu_shapes``): bfloat16 pools with page_size
+1 (Mosaic does not verify them), and block tables over ``SMEM_BUDGET`` bytes of scalar memory.
+
+Not vmappable under the TPU interpreter (jax 0.10.2): ``jax.vmap`` over q or the pools adds a fifth grid axis that
+the interpreter zips with the four ``dimension_semantics`` ("safe_zip() argument 1 has length 4 but argument 0 has
+length 5"). The vmapped body does lower to Mosaic, but that was not run on a TPU. The engine never vmaps attention:
+sequences are the grid's first axis.
 """
 
 from __future__ import annotations
@@ -45,6 +53,31 @@ TPU_TUNING_DEFAULTS = {
     "pages_per_block": 2,  # pages DMA'd per grid step (K and V each passed this many times)
     "block_rows": 128,  # target rows (queries x group) per q block
 }
+
+# Scalar memory (SMEM) the compiled body lets its prefetched block table and context lengths take, in bytes: half
+# of the 1 MiB SMEM of TPUs up to v6e, the margin vLLM's TPU backend keeps (vllm-project/vllm#16871); a table past
+# the whole 1 MiB fails at compile time with RESOURCE_EXHAUSTED ("space=smem ... prefetched SMEM operand").
+SMEM_BUDGET = 512 * 1024
+
+
+def check_compiled_tpu_shapes(page_size: int, pool_dtype, num_seqs: int, padded_pages_per_seq: int) -> None:
+    """Refuse, before lowering, what the compiled (Mosaic) body cannot take:
+
+    - a 16-bit pool (bfloat16) with page_size 1: Mosaic fails to verify the ``[1, head_dim]`` page blocks
+      ("'vector.broadcast' op failed to verify that source operand and result have same element type"); float32
+      pools with page 1 and bfloat16 pools with pages 2..16 lower (QA, jax 0.10.2, ``jax.export`` for "tpu");
+    - a block table (plus the context lengths) over ``SMEM_BUDGET`` bytes of scalar memory.
+
+    The TPU interpreter takes both, so interpreted calls are not checked."""
+    if page_size == 1 and jnp.dtype(pool_dtype).itemsize == 2:
+        raise ValueError(f"page_size=1 with a {jnp.dtype(pool_dtype).name} KV pool does not lower to Mosaic (the "
+                         f"compiled TPU kernel): use page_size >= 2 or a float32 pool")
+    smem_bytes = 4 * num_seqs * (padded_pages_per_seq + 1)
+    if smem_bytes > SMEM_BUDGET:
+        raise ValueError(f"the block table [{num_seqs}, {padded_pages_per_seq}] int32 (after padding to a multiple "
+                         f"of pages_per_block) and the context lengths take {smem_bytes} bytes of TPU scalar memory, "
+                         f"over the {SMEM_BUDGET}-byte budget of the compiled TPU kernel: call it on fewer sequences "
+                         f"at a time, or with a larger page_size (fewer pages per sequence)")
 
 
 def _paged_attention_tpu_kernel(
@@ -121,10 +154,17 @@ def _paged_attention_tpu_kernel(
         out_ref[...] = normalise(acc_ref[...], row_sum_ref[...]).astype(out_ref.dtype)
 
 
-def _page_index_map(j, *, blocking, pages_per_block, page_size, padded_pages_per_seq, pool=None, base_pages=0):
+def _page_index_map(j, *, blocking, pages_per_block, page_size, padded_pages_per_seq, total_pages, pool=None,
+                    base_pages=0):
     """index_map of the ``j``-th K (or V) input: the physical page of logical page ``step * ppb + j``. With an
     extension pool (``base_pages`` > 0) ``pool`` says which input this is ("base" or "ext"): its page index in that
-    pool, page 0 when the other pool holds the page."""
+    pool, page 0 when the other pool holds the page.
+
+    A q block that sees no key (context 0, or only left padding) DMAs the reserved page 0: the body skips every
+    step, and the table's first entry is then padding, which may hold anything (the interpreter raised on 10**6, a
+    compiled body would have DMA'd from past the pool). Other ids are clamped into the pools (``total_pages``: base
+    plus extension), as the GPU body reads no page outside them: an id out of range under jit (unchecked there)
+    becomes a wrong page, not an out-of-bounds DMA."""
 
     def index_map(seq, kv_head, q_block, step, block_tables_ref, context_lens_ref):
         num_keys = num_keys_needed(context_lens_ref[seq], q_block, blocking)
@@ -132,6 +172,7 @@ def _page_index_map(j, *, blocking, pages_per_block, page_size, padded_pages_per
         # Past the last visible page, repeat it: same block index as the previous step -> no new DMA.
         logical_page = jnp.minimum(step * pages_per_block + j, last_page)
         page = block_tables_ref[seq * padded_pages_per_seq + logical_page]
+        page = jnp.where(num_keys > 0, jnp.clip(page, 0, total_pages - 1), 0)
         if pool == "base":
             page = jnp.where(page < base_pages, page, 0)
         elif pool == "ext":
@@ -167,10 +208,13 @@ def paged_attention_tpu(
     num_seqs, q_len, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     base_pages = 0 if k_ext is None else num_pages
+    total_pages = num_pages + (0 if k_ext is None else k_ext.shape[1])
     blocking = QueryBlocking.choose(q_len, num_q_heads // num_kv_heads, block_rows)
     q_folded = fold_queries(q, num_kv_heads, blocking)  # [num_seqs, num_kv_heads, num_q_blocks * rows, head_dim]
     block_tables = pad_block_tables(block_tables, pages_per_block)
     padded_pages_per_seq = block_tables.shape[1]
+    if not interpret:
+        check_compiled_tpu_shapes(page_size, k_pages.dtype, num_seqs, padded_pages_per_seq)
     row_query_index = jnp.asarray(blocking.row_query_index())  # [num_q_blocks * rows, 1]
     rows = blocking.block_rows
     words = () if tree_mask is None else tree_words(tree_mask, blocking)
@@ -185,6 +229,7 @@ def paged_attention_tpu(
                     pages_per_block=pages_per_block,
                     page_size=page_size,
                     padded_pages_per_seq=padded_pages_per_seq,
+                    total_pages=total_pages,
                     pool=pool,
                     base_pages=base_pages,
                 ),
