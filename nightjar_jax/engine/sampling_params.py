@@ -11,6 +11,10 @@ from typing import Any
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (OpenAI's API takes up to 300)
 MAX_BAD_WORDS = 1024  # entries of one request's bad_words (each checked on the host per position)
+MAX_STOP_STRINGS = 1024  # entries of one request's stop (each looked for in the new text of every step, on the host)
+# the smallest repetition penalty: a positive float32 logit divided by less (1e-308 is 0 in float32) left the float
+# range (inf, and NaN for a 0 logit)
+MIN_REPETITION_PENALTY = 1e-6
 
 
 class InvalidRequestError(ValueError):
@@ -202,7 +206,8 @@ class SamplingParams:
              "None or an integer in [0, 2**63)"),
             (self.max_tokens is None or (_is_id(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
              "None or an integer >= 1"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings"),
+            (all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= MAX_STOP_STRINGS, "stop",
+             f"at most {MAX_STOP_STRINGS} non-empty strings"),
             (all(_is_id(t) for t in self.stop_token_ids), "stop_token_ids", "non-negative integers"),
             (_is_count(self.logprobs), "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]"),
             (_is_count(self.prompt_logprobs), "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]"),
@@ -213,8 +218,9 @@ class SamplingParams:
              "a float in [-2, 2]"),
             (_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
              "a float in [-2, 2]"),
-            (_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100, "repetition_penalty",
-             "a float in (0, 100] (1: off)"),
+            (_is_number(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100,
+             "repetition_penalty",
+             "a float in [0.000001, 100] (1: off; smaller divides a float32 logit past its range)"),
             (self.logit_bias is None or (isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS
                                          and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                  and _is_number(v) and -100 <= v <= 100

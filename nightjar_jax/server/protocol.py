@@ -39,8 +39,8 @@ class APIError(Exception):
 
 # The ranges of the number fields SamplingParams checks (pydantic only takes them as numbers), for the 400 of a
 # value that is no finite number
-_CHECKED_RANGES = {"presence_penalty": "[-2, 2]", "frequency_penalty": "[-2, 2]", "repetition_penalty": "(0, 100]",
-                   "logit_bias": "[-100, 100]"}
+_CHECKED_RANGES = {"presence_penalty": "[-2, 2]", "frequency_penalty": "[-2, 2]",
+                   "repetition_penalty": "[0.000001, 100]", "logit_bias": "[-100, 100]"}
 
 
 def number_range(model: type[BaseModel] | None, name: str) -> str:
@@ -59,6 +59,11 @@ def number_range(model: type[BaseModel] | None, name: str) -> str:
         return f"{ {'ge': '>=', 'gt': '>', 'le': '<=', 'lt': '<'}[kind]} {value}"
     return ""
 
+
+# Per request: the sequences a completions request may queue (its prompts x n), and the tools of a chat request
+# (OpenAI's limit)
+MAX_SEQUENCES_PER_REQUEST = 4096
+MAX_TOOLS = 128
 
 # A token id is a JSON integer: not true / false or "5" (lax parsing would read them as 1 / 0 / 5).
 TokenId = StrictInt
@@ -95,7 +100,7 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     presence_penalty: float | None = 0.0  # [-2, 2] (SamplingParams checks); speculative steps count drafts
     frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = None  # vLLM's: (0, 100], 1 (or none) = off; over prompt and output tokens
+    repetition_penalty: float | None = None  # vLLM's: [1e-6, 100], 1 (or none) = off; over prompt and output tokens
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     allowed_token_ids: list[TokenId] | None = None  # vLLM's: the only tokens the output may hold
     bad_words: list[str] | None = None  # vLLM's: words the output may not contain
@@ -388,6 +393,10 @@ class CompletionRequest(_SamplingFields):
             prompts = [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[union-attr]
         if not prompts or not all(prompts):
             raise APIError(400, "'prompt' is empty: give at least one non-empty prompt", param="prompt")
+        if len(prompts) * self.n > MAX_SEQUENCES_PER_REQUEST:  # (10 KB of prompts x n=128 queued 256,000 sequences)
+            raise APIError(400, f"{len(prompts)} prompts x n={self.n} is {len(prompts) * self.n} sequences: allowed at "
+                                f"most {MAX_SEQUENCES_PER_REQUEST} per request (send the rest in more requests)",
+                           param="prompt")
         return prompts
 
 
@@ -521,6 +530,8 @@ class ChatCompletionRequest(_SamplingFields):
             if choice not in (None, "none"):
                 raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
             return None
+        if len(self.tools) > MAX_TOOLS:  # (a "required" call's grammar over thousands of tools took seconds and GBs)
+            raise APIError(400, f"{len(self.tools)} tools: allowed at most {MAX_TOOLS}, as OpenAI's", param="tools")
         tools = []
         for i, tool in enumerate(self.tools):
             fn = tool.get("function") if tool.get("type") == "function" else None

@@ -252,7 +252,10 @@ def test_bad_sampling_values_raise_with_field_names():
                           ({"top_k": True}, "top_k"), ({"seed": False}, "seed"), ({"stop": 5}, "stop"),
                           ({"stop_token_ids": 5}, "stop_token_ids"), ({"stop_token_ids": [True]}, "stop_token_ids"),
                           ({"ignore_eos": "no"}, "ignore_eos"), ({"skip_special_tokens": 0}, "skip_special_tokens"),
-                          ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output")]:
+                          ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+                          # (1e-308 is 0 in float32: logits / 0 were inf and NaN; 100,000 stop strings took every
+                          # step seconds of host time, for every request in the batch)
+                          ({"repetition_penalty": 1e-308}, "repetition_penalty"), ({"stop": ["q"] * 1025}, "stop")]:
         with pytest.raises(ValueError, match=field) as info:
             SamplingParams(**kwargs)
         assert info.value.field == field

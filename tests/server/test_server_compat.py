@@ -212,7 +212,7 @@ def test_json_schema_needs_a_name(client):
     ("temperature", "NaN", "in [0, 100]"), ("temperature", "Infinity", "in [0, 100]"),
     ("top_p", "NaN", "in (0, 1]"), ("min_p", "-Infinity", "in [0, 1)"),
     ("presence_penalty", "NaN", "in [-2, 2]"), ("frequency_penalty", "Infinity", "in [-2, 2]"),
-    ("repetition_penalty", "NaN", "in (0, 100]"), ("length_penalty", "NaN", ""),
+    ("repetition_penalty", "NaN", "in [0.000001, 100]"), ("length_penalty", "NaN", ""),
 ])
 def test_a_number_that_is_not_finite_says_so(client, field, value, allowed):
     for path, body in (("/v1/completions", '"prompt": "Once"'),
