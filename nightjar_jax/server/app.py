@@ -369,6 +369,13 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     async def read_json(request: Request) -> dict[str, Any]:
         """The body as a JSON object, within --max-body-bytes (read once: a second read, e.g. by the handler that
         /invocations hands the request to, gets the same bytes)."""
+        kind = request.headers.get("content-type")
+        if kind:  # (as FastAPI's JSON bodies, and so vLLM's: none, or a JSON media type; a browser sends text/plain or
+            # a form cross-site without asking first, and it was read as JSON)
+            media = kind.split(";")[0].strip().lower()
+            if not (media == "application/json" or (media.startswith("application/") and media.endswith("+json"))):
+                raise APIError(415, f"the request body is read as JSON: send it with Content-Type: application/json "
+                                    f"(got {clip(kind, 80)!r})", type="invalid_request_error")
         raw = getattr(request, "_body", None)  # (Starlette's own cache of a body read: Request.body() sets it)
         if raw is None:
             raw = await _read_limited(request)
