@@ -92,6 +92,12 @@ class ServerSettings:
     disable_fastapi_docs: bool = False
 
 
+def _printable_id(value: str) -> bool:
+    """Whether a request id (an X-Request-Id header's) is printable ASCII: it names the response and is sent back in
+    a header, where control characters and raw bytes were echoed."""
+    return all(" " <= c <= "~" for c in value)
+
+
 class _RequestIdHeaders:
     """ASGI middleware (vLLM's ``--enable-request-id-headers``): every HTTP response carries ``X-Request-Id``, the
     request's own header or a new id. Pure ASGI, so streams and disconnects pass through untouched."""
@@ -103,8 +109,9 @@ class _RequestIdHeaders:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         # (the first such header, as the request's own id reads it)
-        sent = next((v for k, v in scope.get("headers") or [] if k.lower() == b"x-request-id" and v), None) \
-            or uuid.uuid4().hex.encode()
+        sent = next((v for k, v in scope.get("headers") or [] if k.lower() == b"x-request-id" and v), None)
+        if sent is None or not _printable_id(sent.decode("latin-1")):  # (control bytes are not sent back: a new id)
+            sent = uuid.uuid4().hex.encode()
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
@@ -452,6 +459,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         if header is not None and len(header) > 256:  # (an empty one: as if none was sent)
             raise APIError(400, f"the X-Request-Id header has {len(header)} characters: allowed at most 256",
                            param="request_id")
+        if header and not _printable_id(header):  # (it names the response and goes back in a header)
+            raise APIError(400, "the X-Request-Id header holds control or non-ASCII characters: allowed printable "
+                                "ASCII", param="request_id")
         return f"{prefix}-{header or req.request_id or uuid.uuid4().hex}"
 
     def make_params(req, max_tokens: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:

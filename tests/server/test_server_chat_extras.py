@@ -258,6 +258,11 @@ def test_cors_request_id_headers_and_docs(llm):
         assert resp.headers["x-request-id"] == "rid-7" and resp.json()["id"] == "cmpl-rid-7"
         fresh = client.post("/v1/completions", json=body).headers["x-request-id"]
         assert len(fresh) == 32 and fresh != "rid-7"
+        # control characters or raw bytes in the id (they named the response and were echoed in the header): a 400,
+        # its answer carrying a new id
+        bad = client.post("/v1/completions", json=body, headers=[("X-Request-Id", b"a\x01b\x7fc")])
+        assert bad.status_code == 400 and "printable ASCII" in bad.json()["error"]["message"]
+        assert len(bad.headers["x-request-id"]) == 32
         with client.stream("POST", "/v1/completions", json={**body, "stream": True},
                            headers={"X-Request-Id": "s-1"}) as stream:
             assert stream.headers["x-request-id"] == "s-1"
