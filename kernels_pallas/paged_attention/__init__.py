@@ -175,9 +175,11 @@ def paged_attention(
     if backend == "gpu":
         params = _validate_tuning(tuning, GPU_TUNING_DEFAULTS, backend, page_size, head_dim, not interpret)
         if not interpret:  # a key tile tl.dot takes, within the shared-memory budget (kernel_gpu.choose_gpu_tiles)
+            # (chosen as if an extension pool were there, whether or not it is: a step before and after a draft
+            # offload gets one tile, and so one order of arithmetic; the rows are this call's q block's)
             rows = QueryBlocking.choose(q.shape[1], q.shape[2] // k_pages.shape[0], params["block_rows"]).block_rows
             params["pages_per_block"], params["num_stages"] = choose_gpu_tiles(
-                page_size, head_dim, jnp.dtype(q.dtype).itemsize, block_rows=rows, extension=k_ext is not None,
+                page_size, head_dim, jnp.dtype(q.dtype).itemsize, block_rows=rows, extension=True,
                 pages_per_block=tuning.get("pages_per_block"), num_stages=tuning.get("num_stages"))
         body = functools.partial(paged_attention_gpu, scale=float(scale), interpret=bool(interpret), **params)
         out = _not_differentiable(body)(q, k_pages, v_pages, block_tables, context_lens, tree_mask, k_ext, v_ext)

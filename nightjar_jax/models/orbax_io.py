@@ -198,6 +198,13 @@ class _DrainingPolicy(asyncio.AbstractEventLoopPolicy):
     def new_event_loop(self) -> asyncio.AbstractEventLoop:
         return _DrainingEventLoop()
 
+    # (asyncio subprocesses ask the policy for its child watcher on Python 3.11-3.13; the abstract base's raise)
+    def get_child_watcher(self) -> Any:
+        return self.inner.get_child_watcher()
+
+    def set_child_watcher(self, watcher: Any) -> None:
+        self.inner.set_child_watcher(watcher)
+
     def __getattr__(self, name: str) -> Any:  # (the child-watcher calls of Pythons that have them)
         if name == "inner":  # (not set yet: no recursion)
             raise AttributeError(name)

@@ -257,7 +257,7 @@ def test_penalties_outside_their_range_are_clear_errors(field):
     with pytest.raises(ValueError, match=rf"{field}=2.5 is invalid: allowed a float in \[-2, 2\]"):
         SamplingParams(**{field: 2.5})
     for bad in (0, -1.0, 101.0, True):
-        with pytest.raises(ValueError, match=r"repetition_penalty=.* is invalid: allowed a float in \(0, 100\]"):
+        with pytest.raises(ValueError, match=r"repetition_penalty=.* is invalid: allowed a float in \[0.000001, 100\]"):
             SamplingParams(repetition_penalty=bad)
 
 

@@ -110,13 +110,24 @@ def test_compiled_gpu_wrapper_bounds_shared_memory(monkeypatch):
     calls = _capture_gpu_params(monkeypatch)
     case = make_case([1, 130], q_len=1, num_q_heads=2, num_kv_heads=1, page_size=128, head_dim=64, spare_pages=0)
     paged_attention(*case.args, scale=case.scale, backend="gpu", interpret=False)
-    assert (calls[-1]["pages_per_block"], calls[-1]["num_stages"]) == (2, 1)
+    assert (calls[-1]["pages_per_block"], calls[-1]["num_stages"]) == (1, 1)  # (sized for an extension pool too)
     with pytest.raises(ValueError, match=r"pages_per_block=4, num_stages=2 needs .* over the 98304-byte budget: "
-                                         r"pages_per_block <= 2 with num_stages=1 fits"):
+                                         r"pages_per_block <= 1 with num_stages=1 fits"):
         paged_attention(*case.args, scale=case.scale, backend="gpu", interpret=False, pages_per_block=4,
                         num_stages=2)
     with pytest.raises(ValueError, match="num_stages must be a positive int"):
         paged_attention(*case.args, scale=case.scale, backend="gpu", interpret=False, num_stages=0)
+
+
+def test_compiled_gpu_tile_is_the_same_with_and_without_an_extension_pool(monkeypatch):
+    """A draft offload adds an extension pool: the tile (and so the order of the arithmetic) stays the one chosen
+    before it (bf16, head_dim 128, page 16 took 4 pages without the pool and 2 with it)."""
+    calls = _capture_gpu_params(monkeypatch)
+    case = make_case([1, 40], q_len=1, num_q_heads=4, num_kv_heads=2, page_size=16, head_dim=128, dtype=BF16)
+    paged_attention(*case.args, scale=case.scale, backend="gpu", interpret=False)
+    k_pages, v_pages = case.args[1], case.args[2]
+    paged_attention(*case.args, scale=case.scale, backend="gpu", interpret=False, k_ext=k_pages, v_ext=v_pages)
+    assert [(c["pages_per_block"], c["num_stages"]) for c in calls] == [(2, 2), (2, 2)]
 
 
 @pytest.mark.parametrize("page_size, pages_per_block", [(1, 16), (2, 8)])

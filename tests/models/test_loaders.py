@@ -669,3 +669,32 @@ def test_restores_in_several_threads_share_one_event_loop_policy_swap():
     finally:
         asyncio.set_event_loop(None)
         mine.close()
+
+
+def test_an_asyncio_subprocess_starts_while_a_restore_runs():
+    """Another thread's asyncio subprocess during a restore (the server's loop while /update_weights_from_disk loads
+    an orbax checkpoint): the draining policy hands the child-watcher calls to the policy it wraps (its abstract
+    base raised NotImplementedError on Python 3.11-3.13)."""
+    import asyncio
+    import sys
+    import threading
+
+    from nightjar_jax.models.orbax_io import _draining_event_loops
+
+    async def run_true():
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+        return await proc.wait()
+
+    result = {}
+
+    def other_thread():
+        try:
+            result["rc"] = asyncio.run(run_true())
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            result["error"] = repr(exc)
+
+    with _draining_event_loops():
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join(60)
+    assert result == {"rc": 0}, result

@@ -1227,6 +1227,20 @@ def test_a_beam_search_sent_while_an_update_waits_runs_after_it(server, client):
     assert ended > times["update"][1], f"the search ended {times['update'][1] - ended:.2f} s before the update"
 
 
+def test_the_body_is_read_as_json_only_under_a_json_media_type(server):
+    """As FastAPI reads vLLM's bodies: no Content-Type, application/json (with a charset) or application/*+json; a
+    text/plain or form body (what a browser may send cross-site without a preflight) was read as JSON too, now a 415."""
+    body = json.dumps({"model": MODEL, "prompt": "Once", "max_tokens": 2}).encode()
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for kind, status in ((None, 200), ("application/json; charset=utf-8", 200), ("application/vnd.api+json", 200),
+                         ("text/plain", 415), ("application/x-www-form-urlencoded", 415)):
+        headers = {**auth, **({"Content-Type": kind} if kind else {})}
+        resp = httpx.post(server.url + "/v1/completions", content=body, headers=headers, timeout=60)
+        assert resp.status_code == status, (kind, resp.text)
+        if status == 415:
+            assert "send it with Content-Type: application/json" in resp.json()["error"]["message"]
+
+
 def test_zz_sigterm_graceful_shutdown(server):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 32, "stream": True, "temperature": 0}
     frames: list[str] = []
@@ -1267,16 +1281,3 @@ def test_zz_sigterm_graceful_shutdown(server):
     reasons = {json.loads(f[6:])["choices"][0]["finish_reason"] for f in long_frames[:-1]}
     assert "abort" in reasons and "Exception in ASGI application" not in server.logs()
 
-
-def test_the_body_is_read_as_json_only_under_a_json_media_type(server):
-    """As FastAPI reads vLLM's bodies: no Content-Type, application/json (with a charset) or application/*+json; a
-    text/plain or form body (what a browser may send cross-site without a preflight) was read as JSON too, now a 415."""
-    body = json.dumps({"model": MODEL, "prompt": "Once", "max_tokens": 2}).encode()
-    auth = {"Authorization": f"Bearer {API_KEY}"}
-    for kind, status in ((None, 200), ("application/json; charset=utf-8", 200), ("application/vnd.api+json", 200),
-                         ("text/plain", 415), ("application/x-www-form-urlencoded", 415)):
-        headers = {**auth, **({"Content-Type": kind} if kind else {})}
-        resp = httpx.post(server.url + "/v1/completions", content=body, headers=headers, timeout=60)
-        assert resp.status_code == status, (kind, resp.text)
-        if status == 415:
-            assert "send it with Content-Type: application/json" in resp.json()["error"]["message"]
