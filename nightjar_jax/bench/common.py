@@ -223,8 +223,11 @@ def writable_out(text: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe!r} is not a writable folder")
     if os.path.exists(text):  # (rewritten in place: the file must be writable; it is not opened here, which a
         # watcher of close-writes would read as rewritten)
-        if not os.access(text, os.W_OK):
-            raise argparse.ArgumentTypeError(f"cannot write {text!r}: the file is not writable")
+        read_only = bool(os.statvfs(text).f_flag & os.ST_RDONLY)  # (os.access passes root on a read-only mount)
+        if not os.path.isfile(text) or read_only or not os.access(text, os.W_OK):
+            what = "not a regular file" if not os.path.isfile(text) else "on a read-only file system" if read_only \
+                else "not writable"
+            raise argparse.ArgumentTypeError(f"cannot write {text!r}: it is {what}")
         return text
     try:
         if probe == folder:

@@ -447,6 +447,7 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        params: SamplingParams | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ``ValueError`` (nothing queued) on bad input.
         ``priority`` (vLLM's; lower is served first) needs ``scheduling_policy="priority"`` unless it is 0.
@@ -455,7 +456,11 @@ class LLMEngine:
         is moved onto that clock (TTFT and end-to-end latency then count from it).
 
         vLLM's ``LLMEngine.add_request(request_id, prompt, params)`` order is read too: a ``SamplingParams`` in the
-        third place (where this order has the request id) can only mean it."""
+        third place (where this order has the request id) can only mean it; ``params=`` is vLLM's keyword."""
+        if params is not None:
+            if sampling_params is not None:
+                raise TypeError("add_request takes sampling_params or vLLM's params, not both")
+            sampling_params = params
         if isinstance(request_id, SamplingParams) and not isinstance(sampling_params, SamplingParams):
             request_id, prompt, sampling_params = prompt, sampling_params, request_id  # (vLLM's order)
         if self._asleep:

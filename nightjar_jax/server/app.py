@@ -377,8 +377,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         """The body as a JSON object, within --max-body-bytes (read once: a second read, e.g. by the handler that
         /invocations hands the request to, gets the same bytes)."""
         kind = request.headers.get("content-type")
-        if kind:  # (as FastAPI's JSON bodies, and so vLLM's: none, or a JSON media type; a browser sends text/plain or
-            # a form cross-site without asking first, and it was read as JSON)
+        if kind:  # (none, or a JSON media type, as FastAPI reads JSON bodies; vLLM asks for application/json itself.
+            # A browser sends text/plain or a form cross-site without asking first, and it was read as JSON)
             media = kind.split(";")[0].strip().lower()
             if not (media == "application/json" or (media.startswith("application/") and media.endswith("+json"))):
                 raise APIError(415, f"the request body is read as JSON: send it with Content-Type: application/json "

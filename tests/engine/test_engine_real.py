@@ -437,11 +437,13 @@ def test_llm_engine_takes_vllms_call_forms(llm):
     sp = SamplingParams(temperature=0, max_tokens=4)
     assert engine.add_request("vllm-order", PROMPTS[0], sp) == "vllm-order"
     assert engine.add_request(PROMPTS[0], sp, "ours") == "ours"
-    assert engine.get_num_unfinished_requests() == 2 and engine.get_tokenizer() is engine.tokenizer
+    assert engine.add_request(request_id="kw", prompt=PROMPTS[0], params=sp) == "kw"  # (vLLM's keywords)
+    assert engine.get_num_unfinished_requests() == 3 and engine.get_tokenizer() is engine.tokenizer
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert done["vllm-order"].outputs[0].token_ids == done["ours"].outputs[0].token_ids
+    assert done["vllm-order"].outputs[0].token_ids == done["ours"].outputs[0].token_ids == done["kw"].outputs[
+        0].token_ids
     assert done["vllm-order"].prompt == PROMPTS[0]
     engine.add_request("a", PROMPTS[0], sp)
     engine.add_request("b", PROMPTS[1], sp)
