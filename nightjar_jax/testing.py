@@ -81,6 +81,20 @@ def fake_model(
     return ModelHandle(config, None, {}, fns=(hidden_fn, logits_fn))
 
 
+# A plain chat template (stories260K ships none): "<role>: <content>" lines, then "assistant:"
+PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def stories_chat_llm():
+    """stories260K without a draft, small pools and :data:`PLAIN_CHAT_TEMPLATE`: the model of the in-process server
+    tests (each file builds its own, module-scoped)."""
+    from nightjar_jax import LLM
+
+    llm = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=64)
+    llm.engine.tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    return llm
+
+
 def load_script(filename: str, module_name: str):
     """Import ``scripts/<filename>`` of a source checkout as a fresh module named ``module_name`` (tests of the
     command-line tools; each call builds a new module, so a test may patch its globals)."""

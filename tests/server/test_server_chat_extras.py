@@ -10,19 +10,16 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from nightjar_jax import LLM
 from nightjar_jax.server.app import ServerSettings, build_app
 from nightjar_jax.server.async_engine import AsyncEngine
+from nightjar_jax.testing import stories_chat_llm
 
-TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 OTHER_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}"
 
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=64)
-    llm.engine.tokenizer.chat_template = TEMPLATE
-    return llm
+    return stories_chat_llm()
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from nightjar_jax import LLM
 from nightjar_jax.engine.structured import GrammarBackend
 from nightjar_jax.server.app import ServerSettings, build_app
 from nightjar_jax.server.async_engine import AsyncEngine
+from nightjar_jax.testing import stories_chat_llm
 
 
 def test_a_constraint_compiles_off_the_engine_thread(monkeypatch):
@@ -39,9 +40,7 @@ def test_responses_count_the_thoughts_generated_tokens():
     """deepseek_r1 reads an output without ``<think>`` as all thought: its reasoning tokens are every generated
     token. They were the thought's text encoded again, which this tokenizer splits into one more token (a leading
     space of its own): 21 reasoning tokens of 20."""
-    llm = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=64)
-    llm.engine.tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                                          "{% endfor %}assistant:")
+    llm = stories_chat_llm()
     with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s", reasoning_parser="deepseek_r1"))) as client:
         resp = client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 20, "temperature": 0})
         assert resp.status_code == 200, resp.text
@@ -57,9 +56,7 @@ def test_responses_cut_off_fail_and_stored_ones_are_not_found(monkeypatch):
     404s that say nothing is stored (a bare "Not Found")."""
     import time
 
-    llm = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=64)
-    llm.engine.tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                                          "{% endfor %}assistant:")
+    llm = stories_chat_llm()
     engine, step = llm.engine, llm.engine.step
     monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.02), step())[1])  # (slow: the abort lands mid-way)
     async_engine = AsyncEngine(engine)
