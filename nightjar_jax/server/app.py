@@ -898,6 +898,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             return text
         return {"prompt": text, "prompt_token_ids": need_tokenizer().encode(text, add_special_tokens=False)}
 
+    def prompt_text(prompt: str | dict[str, Any]) -> str:
+        """A chat prompt's rendered text (``chat_prompt`` returns it, or it with its token ids)."""
+        return prompt if isinstance(prompt, str) else prompt["prompt"]
+
     def render_chat(req: ChatCompletionRequest | TokenizeRequest) -> str:
         """A request's chat messages through the model's template (what /v1/chat/completions and /tokenize both
         encode): a template that renders tools (``tools``) or a conversation's tool calls and results gets them;
@@ -1150,14 +1154,16 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             else ""
         if req.use_beam_search:
             max_tokens = check_max_tokens(req.requested_max_tokens(), param)
-            (result,) = await beam_search(req, [await asyncio.to_thread(chat_prompt, req)], max_tokens, request,
+            beam_prompt = await asyncio.to_thread(chat_prompt, req)
+            (result,) = await beam_search(req, [beam_prompt], max_tokens, request,
                                           prompt_param="messages", request_id=rid,
                                           max_tokens_param=None if max_tokens is None else param)
             choices = []
             for j, seq in enumerate(result.sequences):
                 message: dict[str, Any] = {"content": seq.text or ""}
                 if settings.reasoning_parser is not None:
-                    reasoning, text = reasoning_parsers.split(message["content"], settings.reasoning_parser)
+                    reasoning, text = reasoning_parsers.split(message["content"], settings.reasoning_parser,
+                                                              prompt_text(beam_prompt))
                     message = {"content": text or None, "reasoning_content": reasoning}
                 if echoed:
                     message["content"] = echoed + (message["content"] or "")
@@ -1202,7 +1208,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             named_ids = [f"chatcmpl-tool-{uuid.uuid4().hex}" for _ in range(size)] if (
                 constrained and call[0] == "named") else []
             named_started = [False] * size
-            thoughts = [ReasoningStream(settings.reasoning_parser) for _ in range(size)] if thinks else []
+            thoughts = [ReasoningStream(settings.reasoning_parser, prompt_text(prompt)) for _ in range(size)
+                        ] if thinks else []
 
             def text_delta(index, comp) -> tuple[str, str]:
                 """This output's new text as (reasoning, content): what the reasoning parser is sure of."""
@@ -1307,7 +1314,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             text, finish = o.outputs[0].text, o.outputs[0].finish_reason
             reasoning = None
             if thinks:
-                reasoning, text = reasoning_parsers.split(text, settings.reasoning_parser)
+                reasoning, text = reasoning_parsers.split(text, settings.reasoning_parser, prompt_text(prompt))
             message = {"content": text}
             if call is not None:
                 message, finish = answer(call, text or "", finish, one_call)
@@ -1431,8 +1438,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             failure = engine_failure([out], "text")
             if failure is not None:
                 raise failure
-            reasoning, text = (reasoning_parsers.split(out.outputs[0].text, settings.reasoning_parser) if thinks
-                               else (None, out.outputs[0].text))
+            reasoning, text = (reasoning_parsers.split(out.outputs[0].text, settings.reasoning_parser, prompt)
+                               if thinks else (None, out.outputs[0].text))
             return response(status_of(out), out, reasoning or "", text or "")
 
         async def events() -> AsyncIterator[str]:
@@ -1444,7 +1451,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 data = json.dumps({"type": kind, "sequence_number": seq - 1, **fields}, ensure_ascii=False)
                 return f"event: {kind}\ndata: {data}\n\n"
 
-            splitter = ReasoningStream(settings.reasoning_parser) if thinks else None
+            splitter = ReasoningStream(settings.reasoning_parser, prompt) if thinks else None
             reasoning, text, phase = "", "", "start"  # phase: "start", "thinking", "answering"
             empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             at = {"item_id": mid, "output_index": 0, "content_index": 0}  # (the message's place; 1 after a thought)

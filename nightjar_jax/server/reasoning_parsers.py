@@ -9,6 +9,11 @@ answer write their thoughts between ``<think>`` and ``</think>``; the chat API r
 - ``qwen3`` (Qwen3, SmolLM3): the model opens the thought itself, or not at all when thinking is off. An output that
   starts with ``<think>`` reasons until ``</think>``; any other output is all content.
 
+The prompt decides first, for both (vLLM reads the prompt's tokens the same way): a prompt that ends with ``<think>``
+(Qwen3-Thinking-2507 and Qwen3.5 templates, DeepSeek-R1-0528's) leaves the output inside the thought, and one that ends
+with ``</think>`` (thinking turned off: ``<think>\n\n</think>``) leaves it all content. Only the prompt's end counts
+(trailing whitespace aside): earlier turns' thoughts say nothing about this one.
+
 Streaming (:class:`ReasoningStream`) holds back only what could still be one of the tags; joined, its pieces equal
 :func:`split` of the whole text, whatever the pieces (:func:`split` is the stream fed once).
 """
@@ -29,12 +34,18 @@ class ReasoningStream:
     and the content that are now certain."""
 
     parser: str
+    prompt: str = ""  # the rendered prompt (its end may open or close the thought)
     _state: str = "opening"  # "opening": the output's start (a start tag may come); "thinking"; "answering"
     _held: str = ""
+    _opened: bool = False  # the output starts inside the thought (deepseek_r1, or a prompt that opened it)
 
     def __post_init__(self) -> None:
         if self.parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {self.parser!r}: choose one of {', '.join(REASONING_PARSERS)}")
+        end = self.prompt.rstrip()
+        self._opened = self.parser == "deepseek_r1" or end.endswith(START)
+        if end.endswith(END):  # (thinking off: the template wrote an empty thought)
+            self._state = "answering"
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """``text``'s reasoning and content that are now certain; ``final``: the output ends with it (also
@@ -53,7 +64,7 @@ class ReasoningStream:
             opened = text.startswith(START)
             if opened:
                 text = text[len(START):]
-            if opened or self.parser == "deepseek_r1":
+            if opened or self._opened:
                 self._state = "thinking"
             else:
                 self._state = "answering"
@@ -68,16 +79,16 @@ class ReasoningStream:
         return reasoning, text
 
     def finish(self) -> tuple[str, str]:
-        """The end of the output: held text is what its state says (a lone start of the output: content for qwen3,
-        reasoning for deepseek_r1)."""
+        """The end of the output: held text is what its state says (a lone start of the output: reasoning where the
+        output starts inside the thought, else content)."""
         held, self._held = self._held, ""
-        if self._state == "thinking" or (self._state == "opening" and self.parser == "deepseek_r1"):
+        if self._state == "thinking" or (self._state == "opening" and self._opened):
             return held, ""
         return "", held
 
 
-def split(text: str, parser: str) -> tuple[str | None, str | None]:
-    """The reasoning and the content of a whole output (None where empty)."""
-    stream = ReasoningStream(parser)
+def split(text: str, parser: str, prompt: str = "") -> tuple[str | None, str | None]:
+    """The reasoning and the content of a whole output after ``prompt`` (None where empty)."""
+    stream = ReasoningStream(parser, prompt)
     reasoning, content = stream.feed(text, final=True)
     return reasoning or None, content or None

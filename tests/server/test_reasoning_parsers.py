@@ -27,18 +27,33 @@ CASES = [
     ("qwen3", "<think></think>Paris.", None, "Paris."),
 ]
 
+# (parser, prompt, output, reasoning, content): the prompt's end opens or closes the thought
+PROMPT_CASES = [
+    ("qwen3", "<|im_start|>assistant\n<think>\n", "Let me see.</think>Paris.", "Let me see.", "Paris."),
+    ("qwen3", "<|im_start|>assistant\n<think>\n", "cut by max_tokens", "cut by max_tokens", None),
+    ("qwen3", "<|im_start|>assistant\n<think>\n", "<think>again</think>Paris.", "again", "Paris."),
+    ("qwen3", "assistant\n<think>\n\n</think>\n\n", "Paris.", None, "Paris."),  # (thinking off)
+    ("deepseek_r1", "assistant\n<think>\n\n</think>\n\n", "Paris.</think>", None, "Paris.</think>"),
+    ("deepseek_r1", "<｜Assistant｜><think>\n", "a</think>b", "a", "b"),
+    # an earlier turn's thought is not this one's
+    ("qwen3", "<think>old</think>old answer\nuser: hi\nassistant:", "Paris.", None, "Paris."),
+    ("deepseek_r1", "<think>old</think>old answer\nuser: hi\nassistant:", "a</think>b", "a", "b"),
+    ("qwen3", "", "Paris.</think>", None, "Paris.</think>"),
+]
+ALL_CASES = [(parser, "", *rest) for parser, *rest in CASES] + PROMPT_CASES
 
-@pytest.mark.parametrize("parser,text,reasoning,content", CASES)
-def test_split(parser, text, reasoning, content):
-    assert split(text, parser) == (reasoning, content)
+
+@pytest.mark.parametrize("parser,prompt,text,reasoning,content", ALL_CASES)
+def test_split(parser, prompt, text, reasoning, content):
+    assert split(text, parser, prompt) == (reasoning, content)
 
 
-@pytest.mark.parametrize("parser,text,reasoning,content", CASES)
-def test_streamed_in_any_pieces_equals_split(parser, text, reasoning, content):
+@pytest.mark.parametrize("parser,prompt,text,reasoning,content", ALL_CASES)
+def test_streamed_in_any_pieces_equals_split(parser, prompt, text, reasoning, content):
     rng = random.Random(0)
     for sizes in [[1] * len(text), [2] * len(text), [3] * len(text)] + [
             [rng.randint(1, 9) for _ in text] for _ in range(20)]:
-        stream, at, out_r, out_c = ReasoningStream(parser), 0, "", ""
+        stream, at, out_r, out_c = ReasoningStream(parser, prompt), 0, "", ""
         for size in sizes:
             if at >= len(text):
                 break

@@ -1,6 +1,7 @@
 """The server in process over stories260K, for what the subprocess tests' settings do not cover: a structured
 output's constraint compiles off the engine's thread, before its request is queued, so a slow one does not stall the
-requests already running; the Responses API counts a thought's tokens as generated (deepseek_r1's parser)."""
+requests already running; the Responses API counts a thought's tokens as generated (deepseek_r1's parser); a
+prompt that opens the thought makes the output reasoning (qwen3's parser)."""
 
 from __future__ import annotations
 
@@ -101,3 +102,26 @@ def test_responses_cut_off_fail_and_stored_ones_are_not_found(monkeypatch):
                              ("GET", "resp_1/input_items")):
             gone = client.request(method, f"/v1/responses/{path}")
             assert gone.status_code == 404 and "does not store responses" in gone.json()["error"]["message"], path
+
+
+def test_a_prompt_that_opens_the_thought_makes_the_output_reasoning():
+    """qwen3 reads an output as a thought when the template's prompt opened it (``<think>`` at its end, as
+    Qwen3-Thinking-2507's and Qwen3.5's templates end): the whole 12-token output, never closed, is reasoning in chat,
+    streamed chat and the Responses API. It was all content: qwen3 looked for the start tag in the output only."""
+    llm = stories_chat_llm()
+    llm.engine.tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: <think>\n")
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "temperature": 0}
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s", reasoning_parser="qwen3"))) as client:
+        message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert message["content"] is None and message["reasoning_content"], message
+        chunks = [json.loads(line[6:]) for line in client.post(
+            "/v1/chat/completions", json={**body, "stream": True}).text.splitlines()
+            if line.startswith("data: {")]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
+        assert not any(d.get("content") for d in deltas)
+        resp = client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 12, "temperature": 0}).json()
+        assert [item["type"] for item in resp["output"]] == ["reasoning", "message"]
+        assert resp["usage"]["output_tokens_details"]["reasoning_tokens"] == 12
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
