@@ -24,7 +24,7 @@ import numpy as np
 
 from nightjar_jax.cache.allocator import PageAllocator
 from nightjar_jax.config import ConfigError, EngineConfig, dtype_bytes
-from nightjar_jax.engine.generation_config import generation_defaults
+from nightjar_jax.engine.generation_config import generation_defaults, generation_eos_ids
 from nightjar_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nightjar_jax.engine.request import FinishReason, Request
 from nightjar_jax.engine.runner import EVICT_MAP_SHARE, DecodeResult, ModelHandle, ModelRunner
@@ -301,9 +301,15 @@ class LLMEngine:
         # planner: the next switch from γ = 0 to γ > 0 pays them (DESIGN.md, "Planner": the switch cost includes a
         # reload when the draft was on host)
         self._uncharged_reload_seconds = 0.0
+        # the model's end-of-sequence ids, its tokenizer's, and those its generation_config.json lists (vLLM adds
+        # them to every request's stop ids: instruct models' end-of-turn tokens); a constraint may end at any of them
+        extra_eos = generation_eos_ids(config, target.config.vocab_size)
         self._eos_ids = frozenset(target.config.eos_token_ids) | frozenset(
             getattr(tokenizer, "eos_token_ids", ()) or ()
-        )
+        ) | frozenset(extra_eos)
+        if tokenizer is not None and hasattr(tokenizer, "eos_token_ids"):
+            missing = tuple(t for t in extra_eos if t not in tokenizer.eos_token_ids)
+            tokenizer.eos_token_ids = tuple(tokenizer.eos_token_ids) + missing
         logger.info(
             "engine ready: target %s, draft %s, %d KV pages x %d tokens (%s), max_model_len %d, γ_max %d, planner %s",
             target.config.name, draft.config.name if draft else None, num_pages, config.cache.page_size,

@@ -13,6 +13,10 @@ command line) sets any of them on top, ``max_new_tokens`` or ``max_tokens`` alik
 ignores the model's file (the engine's own defaults, :class:`SamplingParams`'s), and a folder or file path reads
 that one instead.
 
+The file's ``eos_token_id`` (one id or a list) ends generation too, whatever the mode, as vLLM adds it to every
+request's stop ids: instruct models list their end-of-turn tokens there (Llama 3's ``<|eot_id|>``, Qwen2.5's
+``<|im_end|>``) beside the config's end-of-sequence id. ``ignore_eos`` ignores them with the rest.
+
 Only local files are read: a folder given as the model, a preset whose source is a shipped asset or an HF repo in
 the local cache, an HF repo id in the local cache. GGUF and llama2.c checkpoints carry no such file.
 """
@@ -66,19 +70,25 @@ def _model_path(model: str) -> Path | None:
     return None
 
 
-def read_file(path: Path) -> dict[str, Any]:
-    """The sampling defaults ``path`` (a ``generation_config.json``, or a folder holding one) recommends, as
-    :class:`SamplingParams` fields; {} when there is no such file. A file that is not a JSON object, or a value
-    :class:`SamplingParams` refuses, is a :class:`ConfigError` naming the file."""
+def _read_json(path: Path) -> tuple[Path, dict[str, Any]]:
+    """``path``'s ``generation_config.json`` (or ``path`` itself, a file) and its object; {} when there is none."""
     file = path / FILE_NAME if path.is_dir() else path
     if not file.is_file():
-        return {}
+        return file, {}
     try:
         raw = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ConfigError(f"{file}: not readable as JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: must hold a JSON object, got {type(raw).__name__}")
+    return file, raw
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """The sampling defaults ``path`` (a ``generation_config.json``, or a folder holding one) recommends, as
+    :class:`SamplingParams` fields; {} when there is no such file. A file that is not a JSON object, or a value
+    :class:`SamplingParams` refuses, is a :class:`ConfigError` naming the file."""
+    file, raw = _read_json(path)
     found = {field: raw[key] for key, field in KEYS.items()  # (true == 1.0 too, but it is no number: checked)
              if raw.get(key) is not None and not (key in _HF_DEFAULTS and not isinstance(raw[key], bool)
                                                   and raw[key] == _HF_DEFAULTS[key])}
@@ -114,6 +124,29 @@ def parse_override(value: str | dict | None) -> dict[str, Any]:
         raise ConfigError("override_generation_config sets both max_tokens and max_new_tokens (the same value): "
                           "give one of them")
     return _checked({KEYS.get(k, k): v for k, v in value.items()}, "override_generation_config")
+
+
+def read_eos_ids(path: Path, vocab_size: int) -> tuple[int, ...]:
+    """The end-of-sequence ids ``path``'s ``generation_config.json`` lists (``eos_token_id``: one id or a list);
+    () when there is no file or no such key. Another value, or an id outside the vocabulary, is a
+    :class:`ConfigError` naming the file."""
+    file, raw = _read_json(path)
+    value = raw.get("eos_token_id")
+    if value is None:
+        return ()
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        raise ConfigError(f"{file}: eos_token_id={value!r} is invalid: allowed a token id or a list of token ids "
+                          f"in [0, {vocab_size - 1}]")
+    return tuple(ids)
+
+
+def generation_eos_ids(config: EngineConfig, vocab_size: int) -> tuple[int, ...]:
+    """The end-of-sequence ids of the generation config ``config`` reads (the model's file under "auto" and "vllm",
+    as vLLM reads it in both; the named one otherwise), which end every request's generation."""
+    mode = config.generation_config
+    folder = _model_folder(config.model) if mode in GENERATION_CONFIG_MODES else Path(mode).expanduser()
+    return () if folder is None else read_eos_ids(folder, vocab_size)
 
 
 def generation_defaults(config: EngineConfig) -> dict[str, Any]:

@@ -212,7 +212,7 @@ class SamplingParams:
             (_is_count(self.logprobs), "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]"),
             (_is_count(self.prompt_logprobs), "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]"),
             (isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool) and self.min_tokens >= 0
-             and (self.max_tokens is None or self.min_tokens <= self.max_tokens), "min_tokens",
+             and (not _is_id(self.max_tokens) or self.min_tokens <= self.max_tokens), "min_tokens",
              "an integer >= 0 and at most max_tokens"),
             (_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
              "a float in [-2, 2]"),

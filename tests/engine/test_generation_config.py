@@ -12,7 +12,13 @@ from fastapi.testclient import TestClient
 from nightjar_jax import LLM, SamplingParams
 from nightjar_jax.cli import add_engine_args, engine_config_from_args
 from nightjar_jax.config import ConfigError, ModelConfig, make_engine_config
-from nightjar_jax.engine.generation_config import generation_defaults, parse_override, read_file
+from nightjar_jax.engine.generation_config import (
+    generation_defaults,
+    generation_eos_ids,
+    parse_override,
+    read_eos_ids,
+    read_file,
+)
 from nightjar_jax.models.hf import write_safetensors
 from nightjar_jax.models.llama import random_state
 from nightjar_jax.models.loader import load_checkpoint
@@ -61,6 +67,8 @@ def test_read_as_vllm_reads_it(tmp_path):
     ('{"top_p": 2.0}', "top_p"),
     ('{"max_new_tokens": 0}', "max_tokens"),
     ('{"temperature": true}', "temperature"),  # (true == 1.0, transformers' default: it was skipped, not refused)
+    # (a string: "'<=' not supported between instances of 'int' and 'str'", from min_tokens' check)
+    ('{"max_new_tokens": "50"}', r"max_tokens='50' is invalid: allowed None or an integer >= 1"),
 ])
 def test_a_bad_file_names_itself_and_the_field(tmp_path, text, fragment):
     path = tmp_path / "generation_config.json"
@@ -68,6 +76,21 @@ def test_a_bad_file_names_itself_and_the_field(tmp_path, text, fragment):
     with pytest.raises(ConfigError, match=fragment) as info:
         read_file(path)
     assert str(path) in str(info.value)
+
+
+def test_eos_ids_read_from_the_file(tmp_path):
+    path = tmp_path / "generation_config.json"
+    assert read_eos_ids(path, 128) == ()  # (no file)
+    for value, ids in [([2, 9], (2, 9)), (9, (9,)), (None, ())]:
+        path.write_text(json.dumps({"temperature": 0.6, "eos_token_id": value}))
+        assert read_eos_ids(path, 128) == ids
+        assert read_eos_ids(tmp_path, 128) == ids  # (the folder holding it)
+    for bad in ([2, 128], -1, "2", [True], 2.0):
+        path.write_text(json.dumps({"eos_token_id": bad}))
+        with pytest.raises(ConfigError, match=r"eos_token_id=.* is invalid: allowed a token id or a list of token "
+                                              r"ids in \[0, 127\]") as info:
+            read_eos_ids(path, 128)
+        assert str(path) in str(info.value)
 
 
 def test_override():
@@ -133,6 +156,27 @@ def test_llm_generates_with_the_models_defaults(tmp_path):
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
     with pytest.raises(ConfigError, match="override_generation_config"):  # (before any weights load)
         LLM(str(folder), override_generation_config={"temperature": "hot"})
+
+
+def test_its_eos_ids_end_generation_in_every_mode(tmp_path):
+    """The file's ``eos_token_id`` list ends generation, as vLLM adds it to every request's stop ids (instruct models'
+    end-of-turn tokens live there, e.g. Llama 3's <|eot_id|>), under "auto" and "vllm" alike; ``ignore_eos`` runs
+    past it. It was never read: generation ran on to max_tokens."""
+    ckpt = load_checkpoint("stories260k")
+    folder = save_orbax(tmp_path / "m", ckpt.config, ckpt.state_dict)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    plain = LLM(str(folder), max_model_len=128, num_pages=64).generate([PROMPT], params)[0].outputs[0].token_ids
+    end = plain[3]
+    assert end not in plain[:3] and end not in ckpt.config.eos_token_ids
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, end]}))
+    assert generation_eos_ids(make_engine_config(model=str(folder)), 512) == (2, end)
+    for mode in ("auto", "vllm"):
+        llm = LLM(str(folder), max_model_len=128, num_pages=64, generation_config=mode)
+        out = llm.generate([PROMPT], params)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason) == (plain[:4], "stop")
+        out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+        assert (out.token_ids, out.finish_reason) == (plain, "length")
+        assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
 
 
 @pytest.fixture(scope="module")
