@@ -219,11 +219,12 @@ def load_chat_template(spec: str) -> str:
 def check_template_syntax(text: str, where: str) -> str:
     """``text`` when it parses as a Jinja template (the chat template's syntax: one that does not fails every chat
     request with a 400 while completions work, so the server refuses it at start instead); else a ``ValueError``."""
-    from jinja2 import Environment
     from jinja2.exceptions import TemplateSyntaxError
 
-    try:
-        Environment(trim_blocks=True, lstrip_blocks=True).parse(text)
+    from nightjar_jax.models.tokenizer import compile_chat_template
+
+    try:  # (in the environment it renders in: transformers', with {% break %} and {% generation %})
+        compile_chat_template(text)
     except TemplateSyntaxError as exc:
         raise ValueError(f"{where}: the chat template does not parse: {exc} (line {exc.lineno})") from None
     return text

@@ -30,7 +30,7 @@ import numpy as np
 from nightjar_jax.config import ModelConfig
 from nightjar_jax.models.hf import first_line, read_safetensors, write_safetensors
 from nightjar_jax.models.llama2c import interleaved_to_rotate_half
-from nightjar_jax.models.tokenizer import Tokenizer, default_chat_template
+from nightjar_jax.models.tokenizer import Tokenizer, model_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ def tokenizer_from_gguf(reader: Any, *, source: str) -> Tokenizer:
     bos, eos, eot = (_token_id_key(reader, f"tokenizer.ggml.{k}_token_id", len(tokens),
                                    "the number of tokenizer.ggml.tokens", source) for k in ("bos", "eos", "eot"))
     eos_ids = tuple(dict.fromkeys(t for t in (eos, eot) if t is not None))
-    template = _meta(reader, "tokenizer.chat_template") or default_chat_template(vocab)
+    template = model_chat_template(_meta(reader, "tokenizer.chat_template"), vocab)
     return Tokenizer(
         backend,
         bos_token_id=None if bos is None else int(bos),
@@ -425,7 +425,8 @@ def _load_cached(path: Path, stamp: str, *, name: str | None, with_tokenizer: bo
         tokenizer = Tokenizer(
             tokenizers.Tokenizer.from_str(tok_path.read_text(encoding="utf-8")),
             bos_token_id=t["bos_token_id"], eos_token_ids=t["eos_token_ids"], add_bos=t["add_bos"],
-            chat_template=t["chat_template"], source=str(path),
+            chat_template=model_chat_template(t["chat_template"], {}), source=str(path),  # (a cache written before
+            # SmolLM2's own template was served as SMOLLM2_CHAT_TEMPLATE holds the former)
         )
     return cfg, read_safetensors(cached), tokenizer
 

@@ -77,6 +77,28 @@ CHATML_CHAT_TEMPLATE = (
 )
 
 
+# SmolLM2-Instruct's own template (its tokenizer_config.json's, and its GGUF's): no tools, and an assistant turn
+# without content (a tool call) fails on None. SMOLLM2_CHAT_TEMPLATE renders every conversation this one renders
+# the same, and tools, calls and results too, so a checkpoint shipping this one is served with that one.
+SMOLLM2_SHIPPED_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def model_chat_template(shipped: str | None, vocab: dict[str, int]) -> str | None:
+    """The template a tokenizer serves: the one it ships (SmolLM2's own as :data:`SMOLLM2_CHAT_TEMPLATE`, which adds
+    tools), or one inferred from its special tokens when it ships none."""
+    if shipped == SMOLLM2_SHIPPED_TEMPLATE:
+        return SMOLLM2_CHAT_TEMPLATE
+    return shipped or default_chat_template(vocab)
+
+
 def default_chat_template(vocab: dict[str, int]) -> str | None:
     """A template inferred from the special tokens, for tokenizers that ship none (None: no chat support)."""
     if "<|im_start|>" in vocab and "<|im_end|>" in vocab:
@@ -199,7 +221,7 @@ class Tokenizer:
     def _wrap_transformers(cls, hf: Any, source: str, add_bos: bool) -> Tokenizer:
         eos = hf.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        template = getattr(hf, "chat_template", None) or default_chat_template(hf.get_vocab())
+        template = model_chat_template(getattr(hf, "chat_template", None), hf.get_vocab())
         # transformers adds BOS itself (post-processor / add_bos_token) when add_special_tokens=True
         return cls(
             hf_tokenizer=hf, bos_token_id=hf.bos_token_id, eos_token_ids=eos_ids, add_bos=add_bos,
@@ -396,7 +418,7 @@ class Tokenizer:
         ``add_generation_prompt``, each named special token the tokenizer has (``bos_token``, ``eos_token``,
         ``unk_token``, ``pad_token``, ...), the template kwargs; ``raise_exception``, ``strftime_now``, its
         ``tojson`` (HTML left unescaped), ``{% break %}`` / ``{% continue %}`` and ``{% generation %}`` (rendered as
-        written). :func:`_compile_chat_template` builds that environment.
+        written). :func:`compile_chat_template` builds that environment.
 
         As transformers' (what code written for vLLM's ``get_tokenizer()`` calls): ``tokenize=True`` returns the
         text's ids, encoded without adding special tokens (the template writes them); more keyword arguments are
@@ -436,7 +458,7 @@ class Tokenizer:
         from jinja2.exceptions import TemplateError
 
         try:
-            compiled = _compile_chat_template(template)
+            compiled = compile_chat_template(template)
         except TemplateError as e:  # (a syntax error: jinja's own type would leave the library's errors)
             raise ValueError(f"the chat template does not parse: {e}") from None
         # transformers' variables: its special_tokens_map (each named special token the tokenizer has), the
@@ -474,7 +496,7 @@ class ChatTemplateArgumentError(ValueError):
 
 
 @functools.lru_cache(maxsize=16)
-def _compile_chat_template(template: str) -> Any:
+def compile_chat_template(template: str) -> Any:
     """``template`` compiled in transformers' chat-template environment (``render_jinja_template``'s, read from
     transformers 5): sandboxed, ``trim_blocks`` / ``lstrip_blocks``, the ``loopcontrols`` extension (``{% break %}``,
     ``{% continue %}``) and ``{% generation %}...{% endgeneration %}`` (transformers' AssistantTracker marks the

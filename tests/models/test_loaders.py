@@ -336,6 +336,22 @@ def test_gguf_caches_weights_config_and_tokenizer(tmp_path, monkeypatch):
     assert tok2.chat_template == tok.chat_template
 
 
+def test_gguf_with_smollm2s_own_template_serves_the_one_with_tools(tmp_path):
+    """SmolLM2's GGUF ships its own template, which ignores tools: the tokenizer serves SMOLLM2_CHAT_TEMPLATE
+    instead, loaded from the file and from a metadata cache written before (which holds the shipped one)."""
+    from nightjar_jax.models import gguf_loader
+    from nightjar_jax.models.tokenizer import SMOLLM2_CHAT_TEMPLATE, SMOLLM2_SHIPPED_TEMPLATE
+
+    path = tmp_path / "stories.gguf"
+    _write_stories_gguf(path, {"tokenizer.chat_template": SMOLLM2_SHIPPED_TEMPLATE})
+    assert gguf_loader.load_gguf(path, name="s", dequant_cache=True)[2].chat_template == SMOLLM2_CHAT_TEMPLATE
+    meta_path = path.with_name(path.name + ".meta.json")
+    meta = json.loads(meta_path.read_text())
+    meta["tokenizer"]["chat_template"] = SMOLLM2_SHIPPED_TEMPLATE
+    meta_path.write_text(json.dumps(meta))
+    assert gguf_loader.load_gguf(path, name="s", dequant_cache=True)[2].chat_template == SMOLLM2_CHAT_TEMPLATE
+
+
 @pytest.mark.parametrize("config, message", [
     ([1, 2], "must be a JSON object \\(an HF config\\), got list"),
     ({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1},

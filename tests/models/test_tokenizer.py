@@ -10,9 +10,11 @@ import pytest
 from nightjar_jax.models.loader import ASSETS_DIR
 from nightjar_jax.models.tokenizer import (
     SMOLLM2_CHAT_TEMPLATE,
+    SMOLLM2_SHIPPED_TEMPLATE,
     ChatTemplateArgumentError,
     IncrementalDetokenizer,
     Tokenizer,
+    model_chat_template,
 )
 
 STORIES = ASSETS_DIR / "stories260K"
@@ -157,6 +159,25 @@ CONVERSATIONS = [
 def test_smollm2_template_without_tools_renders_as_before(stories, conversation, gen):
     assert stories.apply_chat_template(conversation, gen, chat_template=SMOLLM2_CHAT_TEMPLATE) == \
         stories.apply_chat_template(conversation, gen, chat_template=SMOLLM2_PLAIN)
+
+
+def test_smollm2s_own_template_is_served_as_the_one_with_tools(stories, tmp_path):
+    """SmolLM2's own template (its GGUF's and tokenizer_config.json's) ignores tools and fails on a tool call's
+    empty content; a tokenizer shipping it serves SMOLLM2_CHAT_TEMPLATE, which renders every conversation it renders
+    the same. The default model's GGUF shipped it, so its tools never reached the prompt."""
+    assert model_chat_template(SMOLLM2_SHIPPED_TEMPLATE, {}) == SMOLLM2_CHAT_TEMPLATE
+    assert model_chat_template("{{ messages }}", {}) == "{{ messages }}"
+    assert model_chat_template(None, {"<|im_start|>": 1, "<|im_end|>": 2}) is not None  # (inferred)
+    for conversation in CONVERSATIONS:
+        for gen in (True, False):
+            assert stories.apply_chat_template(conversation, gen, chat_template=SMOLLM2_SHIPPED_TEMPLATE) == \
+                stories.apply_chat_template(conversation, gen, chat_template=SMOLLM2_CHAT_TEMPLATE)
+    # through transformers: a tokenizer_config.json with SmolLM2's own template
+    import shutil
+
+    shutil.copy(STORIES / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": SMOLLM2_SHIPPED_TEMPLATE}))
+    assert Tokenizer.from_pretrained(tmp_path).chat_template == SMOLLM2_CHAT_TEMPLATE
 
 
 def test_smollm2_template_renders_tools_calls_and_results(stories):

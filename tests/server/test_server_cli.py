@@ -94,6 +94,12 @@ def test_chat_template_string_or_file(tmp_path):
     path.write_text("{% for m in messages %}{{ m }}")
     with pytest.raises(ValueError, match="does not parse"):
         load_chat_template(str(path))
+    # what transformers' environment adds parses, as it renders (each was refused: "unknown tag 'generation'")
+    for text in ("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
+                 "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}{% endfor %}",
+                 "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}{{ m.content }}"
+                 "{% endfor %}"):
+        assert load_chat_template(text) == text
 
 
 def test_main_help(capsys):
