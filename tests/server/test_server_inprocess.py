@@ -125,3 +125,30 @@ def test_a_prompt_that_opens_the_thought_makes_the_output_reasoning():
         assert [item["type"] for item in resp["output"]] == ["reasoning", "message"]
         assert resp["usage"]["output_tokens_details"]["reasoning_tokens"] == 12
     assert llm.engine.num_free_pages == llm.engine.num_total_pages
+
+
+def test_templates_get_tool_call_arguments_as_objects_and_earlier_thoughts():
+    """As vLLM renders a conversation: an assistant's tool-call ``arguments`` (a JSON string in the API) reach the
+    template as an object (``{}`` for none; a string that is no JSON object stays as written), and its
+    ``reasoning_content`` / ``reasoning`` reach it too. The arguments were the string (``| tojson`` wrote it quoted
+    again) and the thought was dropped."""
+    llm = stories_chat_llm()
+    llm.engine.tokenizer.chat_template = (
+        "{% for m in messages %}{{ m.role }}[{{ m.reasoning_content or m.reasoning or '' }}]"
+        "{% for tc in m.tool_calls or [] %}<{{ tc.function.name }} {{ tc.function.arguments | tojson }}>"
+        "{% endfor %}{{ m.content or '' }}\n{% endfor %}assistant:")
+
+    def call(arguments):
+        return {"id": "c", "type": "function", "function": {"name": "get", "arguments": arguments}}
+
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "reasoning_content": "look it up",
+                 "tool_calls": [call('{"city": "Paris"}'), call(""), call("not json"), call({"city": "Nice"})]},
+                {"role": "tool", "tool_call_id": "c", "content": "sunny"},
+                {"role": "assistant", "content": "Sunny.", "reasoning": "said it"}]
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s"))) as client:
+        resp = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False})
+        assert resp.status_code == 200, resp.text
+        text = client.post("/detokenize", json={"tokens": resp.json()["tokens"]}).json()["prompt"]
+    assert 'assistant[look it up]<get {"city": "Paris"}><get {}><get "not json"><get {"city": "Nice"}>' in text
+    assert "assistant[said it]Sunny." in text
