@@ -15,6 +15,8 @@ repeats everything per seed: full tables for the first seed, then a summary over
 Metrics: tok/s = output tokens / (first arrival .. last finish), which is arrival-limited (nearly equal for all
 planners) whenever the system keeps up; tok/busy-s = output tokens / device-busy seconds (what the policy costs
 to serve the trace); per-phase tok/s of wall time (a saturated phase shows capacity); request latency.
+Exit status: 0 when nightjar (cold start) passes every check the script prints after its tables ("yes"), 1 when
+one says NO, 2 for bad flags or profiles.
 """
 
 from __future__ import annotations

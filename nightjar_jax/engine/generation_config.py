@@ -160,8 +160,10 @@ def generation_defaults(config: EngineConfig) -> dict[str, Any]:
             raise ConfigError(f"generation_config={mode!r}: no such file or folder (allowed: "
                               f"{', '.join(GENERATION_CONFIG_MODES)}, or a folder / {FILE_NAME} path)")
         found = {} if folder is None else read_file(folder)
-    found.update(parse_override(config.override_generation_config))
+    override = parse_override(config.override_generation_config)
+    found.update(override)
     if found:
-        logger.info("default sampling parameters from the model's generation config (a request's own values win): "
-                    "%s", found)
+        source = {"auto": "the model's generation config", "vllm": "the engine"}.get(mode, mode)
+        logger.info("default sampling parameters from %s%s (a request's own values win): %s", source,
+                    " and override_generation_config" if override else "", found)
     return found
