@@ -12,6 +12,7 @@ from nightjar_jax.engine.beam_search import BeamSearchOutput, BeamSearchParams, 
 from nightjar_jax.engine.engine import LLMEngine
 from nightjar_jax.engine.outputs import CompletionOutput, RequestOutput
 from nightjar_jax.engine.sampling_params import SamplingParams, short_repr
+from nightjar_jax.models.tokenizer import template_message
 
 logger = logging.getLogger(__name__)
 
@@ -224,9 +225,9 @@ class LLM:
                     raise ValueError(f"each message must be a dict with a string 'role' and a 'content' that is a "
                                      f"string or a list of text parts ({{'type': 'text', 'text': ...}}; or None "
                                      f"beside 'tool_calls'): got {short_repr(m)}")
-        conversations = [[{**m, "content": (m["content"] if isinstance(m["content"], str)
-                                            else "\n".join(_text_parts(m["content"]) or []))} for m in c]
-                         for c in conversations]
+        conversations = [[template_message({**m, "content": (m["content"] if isinstance(m["content"], str)
+                                                             else "\n".join(_text_parts(m["content"]) or []))})
+                          for m in c] for c in conversations]
         prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
                                                  chat_template=chat_template, tools=tools,
                                                  continue_final_message=continue_final_message,

@@ -99,6 +99,32 @@ def model_chat_template(shipped: str | None, vocab: dict[str, int]) -> str | Non
     return shipped or default_chat_template(vocab)
 
 
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message as templates take it (vLLM's convention, and transformers' tool templates'): an assistant's
+    tool-call ``arguments`` a JSON object, not the API's JSON string (``{}`` for none; a string that is no JSON object
+    stays as written)."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        return message
+    return {**message, "tool_calls": [_template_call(call) for call in calls]}
+
+
+def _template_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if not arguments:
+        arguments = {}
+    elif isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments)
+        except ValueError:
+            decoded = None
+        arguments = decoded if isinstance(decoded, dict) else arguments
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 def default_chat_template(vocab: dict[str, int]) -> str | None:
     """A template inferred from the special tokens, for tokenizers that ship none (None: no chat support)."""
     if "<|im_start|>" in vocab and "<|im_end|>" in vocab:

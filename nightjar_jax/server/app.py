@@ -44,7 +44,7 @@ from nightjar_jax.engine.beam_search import BeamSearchOutput, expansion
 from nightjar_jax.engine.engine import SLEEP_TAGS
 from nightjar_jax.engine.outputs import RequestOutput
 from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, clip, short_repr
-from nightjar_jax.models.tokenizer import ChatTemplateArgumentError, IncrementalDetokenizer
+from nightjar_jax.models.tokenizer import ChatTemplateArgumentError, IncrementalDetokenizer, template_message
 from nightjar_jax.server import reasoning_parsers, tool_parsers
 from nightjar_jax.server.async_engine import AsyncEngine, EngineShuttingDown, GroupStream
 from nightjar_jax.server.metrics import ServerMetrics
@@ -898,22 +898,6 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             return text
         return {"prompt": text, "prompt_token_ids": need_tokenizer().encode(text, add_special_tokens=False)}
 
-    def template_call(call: dict[str, Any]) -> dict[str, Any]:
-        """An assistant message's tool call as chat templates take it (vLLM's, transformers' convention): its
-        ``arguments`` a JSON object, not the API's string (``{}`` for none); a string that is not a JSON object stays
-        as written."""
-        function = call.get("function")
-        arguments = function.get("arguments") if isinstance(function, dict) else None
-        if not arguments:
-            arguments = {}
-        elif isinstance(arguments, str):
-            try:
-                decoded = json.loads(arguments)
-            except ValueError:
-                decoded = None
-            arguments = decoded if isinstance(decoded, dict) else arguments
-        return {**call, "function": {**function, "arguments": arguments}} if isinstance(function, dict) else call
-
     def prompt_text(prompt: str | dict[str, Any]) -> str:
         """A chat prompt's rendered text (``chat_prompt`` returns it, or it with its token ids)."""
         return prompt if isinstance(prompt, str) else prompt["prompt"]
@@ -932,9 +916,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         rendered = [{"role": m.role, "content": m.text(),
                      **{k: v for k in extra if (v := getattr(m, k, None) or (m.model_extra or {}).get(k))}}
                     for m in req.messages]
-        for message in rendered:
-            if message["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
-                message["tool_calls"] = [template_call(call) for call in message["tool_calls"]]
+        rendered = [template_message(m) for m in rendered]
         if req.chat_template is not None and not settings.trust_request_chat_template:
             raise APIError(400, "'chat_template' was sent with the request, but this server renders only its own "
                                 "template: leave 'chat_template' out, or start the server with "

@@ -318,6 +318,12 @@ def test_chat_renders_conversations_with_the_template(llm):
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]
     (out,) = llm.chat(called, sp, chat_template=with_tools, tools=tools)
     assert out.prompt == "tool get_weather\nuser: Tell me a story.\nassistant: \nassistant:"
+    # the call's arguments reach the template as an object (vLLM's LLM.chat), not the API's JSON string
+    args_template = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}" \
+                    "{% endfor %}{% endfor %}"
+    called[-1]["tool_calls"][0]["function"]["arguments"] = '{"city": "Paris"}'
+    assert llm.chat(called, SamplingParams(max_tokens=1), chat_template=args_template)[0].prompt == \
+        '{"city": "Paris"}'
     (cont,) = llm.chat([*chat, {"role": "assistant", "content": "Once"}], sp, chat_template=template,
                        add_generation_prompt=False, continue_final_message=True)
     assert cont.prompt == "user: Tell me a story.\nassistant: Once"
