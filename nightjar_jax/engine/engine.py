@@ -295,6 +295,10 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._grammars = None  # structured outputs' GrammarBackend, built on first use
         self._grammars_lock = threading.Lock()
+        # held while a step or a draft move changes the engine's state: a reader on another thread (the server's
+        # /metrics scrape) takes it to see the state between steps, never an offload half made (the draft gone, its
+        # extension pool not yet attached: every page looked used)
+        self.state_lock = threading.RLock()
         self._ids = itertools.count()
         self._prev_gamma = 0
         # seconds of draft reloads the memory policy made while requests were in the engine, not yet charged to the
@@ -701,6 +705,10 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        with self.state_lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         if self._asleep:  # (asleep, the engine holds no request: nothing to do)
             return []
         t0 = time.perf_counter()
@@ -1038,6 +1046,10 @@ class LLMEngine:
 
     def _offload_draft(self) -> None:
         """Draft weights to host memory, its pools released, and an extension KV pool of the bytes they held."""
+        with self.state_lock:
+            self._offload_draft_locked()
+
+    def _offload_draft_locked(self) -> None:
         t0 = time.perf_counter()
         freed = self.runner.offload_draft()
         self.allocator.forget_draft()  # (its K/V pool went: no cached page holds the draft's K/V now)
@@ -1058,6 +1070,10 @@ class LLMEngine:
         """Live extension pages migrate into free base pages, the extension goes, and the draft comes back; every
         request's draft KV is then caught up before its next speculative step (the offload set every
         ``num_draft_computed`` to 0, and nothing advances it while the draft is away). Returns its seconds."""
+        with self.state_lock:
+            return self._reload_draft_locked()
+
+    def _reload_draft_locked(self) -> float:
         t0 = time.perf_counter()
         moved = 0
         if self.allocator.num_extension:

@@ -293,3 +293,53 @@ def test_metrics_show_the_offloaded_draft_and_the_extension():
     m = scrape()
     assert m["nightjar_draft_offloaded"] == 0 and m["nightjar_draft_reloads_total"] == 1
     assert m["nightjar_kv_pages_total"] == before["nightjar_kv_pages_total"] == m["nightjar_kv_pages_free"]
+
+
+def test_a_scrape_never_sees_an_offload_half_made(monkeypatch):
+    """/metrics reads the engine from the HTTP thread. An offload drops the draft before it attaches the extension
+    pool; a scrape in between read the draft offloaded, no extension and every page used (2 of 132 scrapes under
+    load). Scrapes now read between steps and moves (``LLMEngine.state_lock``): one started mid-offload waits for
+    its end and sees the extension."""
+    import threading
+
+    from prometheus_client import generate_latest
+
+    from nightjar_jax.server.metrics import ServerMetrics
+
+    engine = fake_engine(draft=True, draft_offload="auto")
+    metrics = ServerMetrics(engine)
+    attach, scraped, halfway = engine.allocator.attach_extension, {}, threading.Event()
+
+    def slow_attach(pages):  # (the window: the draft is gone, the extension not yet there)
+        halfway.set()
+        scraper.join(timeout=0.5)
+        assert scraper.is_alive()  # (the scrape waits for the offload to end)
+        return attach(pages)
+
+    def scrape():
+        halfway.wait()
+        lines = generate_latest(metrics.registry).decode().splitlines()
+        scraped.update({line.split()[0]: float(line.split()[1]) for line in lines
+                        if line and not line.startswith("#")})
+
+    monkeypatch.setattr(engine.allocator, "attach_extension", slow_attach)
+    scraper = threading.Thread(target=scrape)
+    scraper.start()
+    engine._offload_draft()
+    scraper.join(timeout=30)
+    ext = engine.allocator.num_extension
+    assert ext > 0 and scraped["nightjar_draft_offloaded"] == 1 and scraped["nightjar_kv_extension_pages"] == ext
+    assert scraped["nightjar_kv_pages_free"] == scraped["nightjar_kv_pages_total"] == engine.num_total_pages
+    # a step holds the lock too
+    held = []
+    schedule = engine.scheduler.schedule_prefill
+
+    def probing():
+        probe = threading.Thread(target=lambda: held.append(not engine.state_lock.acquire(blocking=False)))
+        probe.start()
+        probe.join()
+        return schedule()
+
+    monkeypatch.setattr(engine.scheduler, "schedule_prefill", probing)
+    engine.step()
+    assert held == [True]
