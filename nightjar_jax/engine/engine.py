@@ -432,8 +432,13 @@ class LLMEngine:
         name = spec.planner
         if self.gamma_max == 0:  # (nothing to plan, but a misspelt planner is still an error, not ignored)
             planner_class(name)
-            # its arguments' form too (static:x, nightjar:foo), against the largest γ_max the config allows
-            make_planner("static:1" if name == "static" else name, 16)
+            if name.startswith("static:"):  # (a fixed γ: checked against this γ_max, as with a draft)
+                try:
+                    make_planner(name, 0)
+                except ValueError as e:
+                    raise ValueError(f"{e} (γ_max is 0 here: no draft, or num_speculative_tokens=0)") from None
+            else:  # its arguments' form (nightjar:foo), against the largest γ_max the config allows
+                make_planner("static:1" if name == "static" else name, 16)
             name = "ar"
         elif name == "static":
             name = f"static:{self.gamma_max}"

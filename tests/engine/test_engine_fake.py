@@ -409,6 +409,13 @@ def test_unknown_planner_is_an_error_without_a_draft_too():
                           ("nightjar:foo", "takes no ':' argument")]:  # (their arguments too: they were ignored)
         with pytest.raises(ValueError, match=message):
             fake_engine(planner=spec)
+    # a fixed γ is checked against this γ_max, 0, as it is with a draft (static:5 passed; static:17 named 16)
+    for spec in ("static:5", "static:17"):
+        with pytest.raises(ValueError, match=rf"static gamma K={spec[7:]} exceeds gamma_max=0; use K in 0\.\.0 "
+                                             r"\(γ_max is 0 here: no draft, or num_speculative_tokens=0\)"):
+            fake_engine(planner=spec)
+    assert fake_engine(planner="static:0").planner.name == "ar"
+    assert fake_engine(planner="static").planner.name == "ar"
 
 
 def test_arrival_time_is_on_vllms_clock():
