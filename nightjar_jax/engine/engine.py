@@ -252,10 +252,12 @@ class LLMEngine:
             # A request can never hold more tokens than the (base) pool: past it, it would be preempted and then never
             # admitted again (the engine spun forever). vLLM refuses to start here; the pool is sized by bytes by
             # default (often below a model's 8K context), so the context is capped instead: a request ends with
-            # finish reason "length" when it fills the pool.
-            logger.info("the KV pool holds %d tokens, fewer than max_model_len %d: requests end (finish reason "
-                        "'length') at %d tokens; raise kv_cache_bytes / num_pages for longer ones", pool_tokens,
-                        self.max_model_len, pool_tokens)
+            # finish reason "length" when it fills the pool. A max_model_len asked for explicitly is a warning (the
+            # model's own context, a default, only an info line).
+            logger.log(logging.WARNING if sched.max_model_len is not None else logging.INFO,
+                       "the KV pool holds %d tokens, fewer than max_model_len %d: requests end (finish reason "
+                       "'length') at %d tokens; raise kv_cache_bytes / num_pages for longer ones", pool_tokens,
+                       self.max_model_len, pool_tokens)
             self.max_model_len = pool_tokens
         self.scheduler = Scheduler(sched, self.allocator, self.max_model_len,
                                    prefix_caching=config.cache.enable_prefix_caching)

@@ -221,6 +221,16 @@ def test_prompt_larger_than_pool_is_rejected():
         eng.add_request(list(range(1, 20)), greedy(2))
 
 
+def test_a_max_model_len_the_pool_cannot_hold_is_a_warning(caplog):
+    """An explicit max_model_len over what the pool holds is capped with a warning (vLLM refuses to start); it was an
+    info line, unseen at the default log level. The model's own context, left as the default, stays an info line."""
+    with caplog.at_level("INFO", logger="nightjar_jax.engine.engine"):
+        assert fake_engine(num_pages=4, max_model_len=256).max_model_len == 12
+        assert fake_engine(num_pages=4).max_model_len == 12
+    levels = [r.levelname for r in caplog.records if "fewer than max_model_len" in r.getMessage()]
+    assert levels == ["WARNING", "INFO"]
+
+
 @pytest.mark.parametrize("draft", [False, True], ids=["ar", "spec"])
 def test_a_request_that_fills_the_pool_ends_with_length(draft):
     """A pool smaller than max_model_len caps the context at what the pool holds: a request growing past it used to
