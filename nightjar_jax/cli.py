@@ -12,6 +12,7 @@ import dataclasses
 import json
 import re
 import typing
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from nightjar_jax.config import (
     LINEAR_IMPLS,
     LOAD_FORMATS,
     SCHEDULING_POLICIES,
+    VLLM_DTYPES,
     WEIGHT_FORMATS,
     ConfigError,
     EngineConfig,
@@ -35,10 +37,14 @@ from nightjar_jax.config import (
 # traceback at debug level) and exit with code 2.
 STARTUP_ERRORS = (ValueError, OSError)  # (OSError: a cache dir that is a file, a log path that is a folder, ...)
 
-_CHOICES = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "attention_impl": ATTENTION_IMPLS,
+_CHOICES = {"dtype": (*DTYPES, *VLLM_DTYPES), "load_format": LOAD_FORMATS, "attention_impl": ATTENTION_IMPLS,
             "linear_impl": LINEAR_IMPLS, "weight_format": WEIGHT_FORMATS, "kv_cache_dtype": KV_CACHE_DTYPES,
             "draft_offload": DRAFT_OFFLOAD, "scheduling_policy": SCHEDULING_POLICIES}
 _HELP = {
+    "dtype": "weights' and activations' dtype: the checkpoint's own when left out (vLLM's auto); vLLM's float is "
+             "float32, and half / float16 run as bfloat16 (no float16 compute here)",
+    "max_model_len": "the longest sequence (prompt + output) in tokens; vLLM's forms too: 4096, 4k (4000), 4K (4096), "
+                     "25.6k",
     "scheduling_policy": "fcfs: requests in arrival order; priority: by each request's 'priority' (lower first, "
                          "ties by arrival), the lowest priority preempted first",
     "model": "a preset name (e.g. stories260k), a local folder / GGUF file, or a Hugging Face repo id",
@@ -97,6 +103,21 @@ def parse_bytes(text: str) -> int:
     return int(m.group(1)) * _UNITS[unit]
 
 
+_TOKEN_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_token_count(text: str) -> int:
+    """vLLM's human-readable token counts: ``"4096"``, ``"4k"`` (4000), ``"4K"`` (4096), ``"25.6k"`` (25600)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgKMG]?)\s*", text)
+    if m is None or (not m.group(2) and "." in m.group(1)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count: an integer, or one with k / m / g "
+                                         "(powers of 1000) or K / M / G (of 1024), e.g. 4096, 4k, 4K")
+    value = Decimal(m.group(1)) * _TOKEN_UNITS[m.group(2)]  # (exact: 25.6 * 1000 is 25600.000000000004 in floats)
+    if value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens ({value})")
+    return int(value)
+
+
 def _field_types() -> dict[str, Any]:
     """Flat field name -> its annotation (resolved), over EngineConfig and its nested sections."""
     hints = typing.get_type_hints(EngineConfig)
@@ -133,6 +154,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         kwargs: dict[str, Any] = dict(dest=name, default=None, type=kind)
         if name == "kv_cache_bytes":
             kwargs["type"] = parse_bytes
+        if name == "max_model_len":
+            kwargs["type"] = parse_token_count
         if name in _CHOICES:
             kwargs["choices"] = _CHOICES[name]
         if kind is bool:  # --flag / --no-flag
@@ -145,6 +168,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="vLLM's form of the speculation flags, e.g. '{\"method\": \"ngram\", "
                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' or '{\"model\": <draft>, "
                        "\"num_speculative_tokens\": 4}'; keys: " + ", ".join(SPECULATIVE_CONFIG_KEYS))
+    # vLLM's launch flags, so its command lines run here: one alias, and switches with nothing to switch
+    vllm = parser.add_argument_group("vLLM's flags with no effect here, or another name here")
+    vllm.add_argument("--block-size", type=int, default=None, dest="block_size",
+                      help="vLLM's name of --page-size (the KV cache's tokens per page)")
+    vllm.add_argument("--enforce-eager", action="store_true",
+                      help="accepted; changes nothing (no CUDA graphs here: every step is one compiled XLA program)")
+    vllm.add_argument("--disable-log-stats", action="store_true",
+                      help="accepted; changes nothing (the engine logs no periodic stats: see /metrics)")
+    vllm.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                      help="prefill is always chunked here (by --max-num-batched-tokens), as in vLLM V1: "
+                      "--no-enable-chunked-prefill is an error")
     return parser
 
 
@@ -218,6 +252,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     another value is a ``ConfigError``."""
     flat = {name: getattr(args, name, None) for name in engine_config_fields()}
     given = {k: v for k, v in flat.items() if v is not None}
+    block_size = getattr(args, "block_size", None)
+    if block_size is not None:
+        if given.get("page_size", block_size) != block_size:
+            raise ConfigError(f"--block-size {block_size} and --page-size {given['page_size']} are one option "
+                              "(vLLM's name and this engine's): give one")
+        given["page_size"] = block_size
+    if getattr(args, "enable_chunked_prefill", None) is False:
+        raise ConfigError("--no-enable-chunked-prefill: prefill is always chunked here (by --max-num-batched-tokens, "
+                          "as in vLLM V1); leave the flag out")
     if given.get("compilation_cache_dir"):
         check_cache_dir(given["compilation_cache_dir"])
     text = getattr(args, "speculative_config", None)

@@ -8,6 +8,7 @@ the field, the value it got and what is allowed. CLI flags map 1:1 onto these fi
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -349,7 +350,8 @@ class EngineConfig:
         _check(self.tensor_parallel_size == 1 and not isinstance(self.tensor_parallel_size, bool),
                "tensor_parallel_size", self.tensor_parallel_size, "1 (the engine runs on one device)")
         _check(self.load_format in LOAD_FORMATS, "load_format", self.load_format, f"one of {LOAD_FORMATS}")
-        _check(self.dtype is None or self.dtype in DTYPES, "dtype", self.dtype, f"None or one of {DTYPES}")
+        _check(self.dtype is None or self.dtype in DTYPES, "dtype", self.dtype,
+               f"None or one of {DTYPES} (make_engine_config also takes vLLM's {', '.join(VLLM_DTYPES)})")
         _check(
             self.attention_impl in ATTENTION_IMPLS, "attention_impl", self.attention_impl, f"one of {ATTENTION_IMPLS}"
         )
@@ -376,11 +378,29 @@ def engine_config_fields() -> dict[str, str]:
     return out
 
 
+# vLLM's other --dtype values: "auto" is the checkpoint's own (None here), "float" float32, and "half" / "float16"
+# bfloat16 (float16 is no compute dtype here; vLLM's CPU backend casts it to bfloat16 the same way, with a warning)
+VLLM_DTYPES = {"auto": None, "float": "float32", "half": "bfloat16", "float16": "bfloat16"}
+
+
+def engine_dtype(dtype: str | None) -> str | None:
+    """An engine ``dtype`` from vLLM's values too (:data:`VLLM_DTYPES`); others pass through to be checked."""
+    if isinstance(dtype, str) and dtype in VLLM_DTYPES:
+        if dtype in ("half", "float16"):
+            logging.getLogger(__name__).warning("dtype=%s runs as bfloat16 (float16 is not a compute dtype here)",
+                                                dtype)
+        return VLLM_DTYPES[dtype]
+    return dtype
+
+
 def make_engine_config(**kwargs: Any) -> EngineConfig:
     """Build an :class:`EngineConfig` from flat keyword arguments (``max_num_seqs=8, page_size=16, ...``).
 
-    ``None`` values are ignored so callers can pass unset CLI flags through.
+    ``None`` values are ignored so callers can pass unset CLI flags through. ``dtype`` also takes vLLM's ``auto``,
+    ``float``, ``half`` and ``float16`` (:data:`VLLM_DTYPES`).
     """
+    if "dtype" in kwargs:
+        kwargs = {**kwargs, "dtype": engine_dtype(kwargs["dtype"])}
     fields = engine_config_fields()
     unknown = sorted(set(kwargs) - set(fields))
     if unknown:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from nightjar_jax.cli import STARTUP_ERRORS, add_engine_args, engine_config_from_args
+from nightjar_jax.engine.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger("nightjar_jax.serve")
 
@@ -139,6 +140,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--disable-fastapi-docs", action="store_true",
                        help="do not serve FastAPI's /docs, /redoc and /openapi.json")
     group.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    group.add_argument("--uvicorn-log-level", default=None,
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's log level (default: --log-level)")
+    group.add_argument("--max-logprobs", type=_bounded(int, "max-logprobs", 0, MAX_LOGPROBS), default=MAX_LOGPROBS,
+                       help=f"the most log-probabilities per token a request may ask for (logprobs, top_logprobs, "
+                       f"prompt_logprobs), 0 to {MAX_LOGPROBS} (default: {MAX_LOGPROBS}, as vLLM's)")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log each generation request as it is queued: its id, prompt lengths and sampling "
+                       "parameters (not the prompt's text)")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="vLLM's older flag: requests are not logged unless --enable-log-requests")
     return parser
 
 
@@ -439,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         allowed_headers=tuple(args.allowed_headers),
         enable_request_id_headers=args.enable_request_id_headers,
         disable_fastapi_docs=args.disable_fastapi_docs,
+        max_logprobs=args.max_logprobs,
+        log_requests=args.enable_log_requests,
     )
     async_engine = AsyncEngine(engine)
     app = build_app(async_engine, settings)
@@ -446,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         app,
         host=args.host,
         port=args.port,
-        log_level=args.log_level,
+        log_level=args.uvicorn_log_level or args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
         lifespan="on",
         access_log=not args.disable_uvicorn_access_log,

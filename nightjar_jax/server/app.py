@@ -43,7 +43,7 @@ from nightjar_jax.config import ModelConfig
 from nightjar_jax.engine.beam_search import BeamSearchOutput, expansion
 from nightjar_jax.engine.engine import SLEEP_TAGS
 from nightjar_jax.engine.outputs import RequestOutput
-from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, clip, short_repr
+from nightjar_jax.engine.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams, clip, short_repr
 from nightjar_jax.models.tokenizer import ChatTemplateArgumentError, IncrementalDetokenizer, template_message
 from nightjar_jax.server import reasoning_parsers, tool_parsers
 from nightjar_jax.server.async_engine import AsyncEngine, EngineShuttingDown, GroupStream
@@ -90,6 +90,8 @@ class ServerSettings:
     allowed_headers: tuple[str, ...] = ("*",)
     enable_request_id_headers: bool = False
     disable_fastapi_docs: bool = False
+    max_logprobs: int = MAX_LOGPROBS  # vLLM's --max-logprobs: the most log-probabilities per token a request may ask
+    log_requests: bool = False  # vLLM's --enable-log-requests: a log line per generation request queued
 
 
 def _printable_id(value: str) -> bool:
@@ -467,17 +469,23 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     def make_params(req, max_tokens: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:
         """The engine's sampling parameters; a bad value is a 400 naming the API's field (``top_logprobs`` for the
         chat API's per-token count, ``logprobs`` for the prompt's, ...)."""
+        chat = isinstance(req, ChatCompletionRequest)
+        names = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs" if chat else "logprobs",
+                 "prompt_logprobs": "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs",
+                 "structured_outputs": req.structured_field()}
         try:
-            return req.sampling_params(max_tokens, engine.generation_defaults)
+            params = req.sampling_params(max_tokens, engine.generation_defaults)
         except InvalidRequestError as exc:
-            chat = isinstance(req, ChatCompletionRequest)
-            names = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs" if chat else "logprobs",
-                     "prompt_logprobs": "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs",
-                     "structured_outputs": req.structured_field()}
             name = names.get(exc.field, exc.field)
             raise APIError(400, str(exc).replace(f"SamplingParams.{exc.field}", f"'{name}'"), param=name) from None
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
+        for field in ("logprobs", "prompt_logprobs"):  # (serve --max-logprobs, vLLM's)
+            asked = getattr(params, field)
+            if asked is not None and asked > settings.max_logprobs:
+                raise APIError(400, f"'{names[field]}' asks for {asked} log-probabilities per token, more than this "
+                                    f"server's --max-logprobs {settings.max_logprobs}", param=names[field])
+        return params
 
     def tokenized(prompts: list[Any], params: SamplingParams, max_tokens_param: str | None,
                   chat: bool = False) -> list[Any]:
@@ -535,6 +543,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             stream = await async_engine.add(members, member_params, request_id=request_id, priority=priority)
             stream.prompt_token_ids = [list(m["prompt_token_ids"]) for m in members]  # (per member, before output)
             stream.prompt_tokens = [len(ids) for ids in stream.prompt_token_ids]  # (usage before output)
+            if settings.log_requests:  # (the prompts' lengths, not their text)
+                logger.info("request %s queued: %d prompt(s) of %s tokens, n=%d, priority %d, %s", request_id,
+                            len(prompts), [len(p["prompt_token_ids"]) for p in prompts], n, priority, params)
             return stream
         except ValueError as exc:
             field = getattr(exc, "field", None) or "prompt"

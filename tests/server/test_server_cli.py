@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from nightjar_jax.cli import add_engine_args, engine_config_from_args, parse_bytes
-from nightjar_jax.config import ConfigError, EngineConfig, engine_config_fields
+from nightjar_jax.config import ConfigError, EngineConfig, engine_config_fields, make_engine_config
 from nightjar_jax.serve import build_parser, load_chat_template
 
 
@@ -72,6 +72,38 @@ def test_bad_values():
         parser.parse_args(["--dtype", "float8"])
     with pytest.raises(ConfigError, match="max_num_seqs"):
         engine_config_from_args(parser.parse_args(["--max-num-seqs", "0"]))
+
+
+@pytest.mark.parametrize("argv, fields", [
+    (["--dtype", "auto"], {"dtype": None}),  # (vLLM's: the checkpoint's own)
+    (["--dtype", "float"], {"dtype": "float32"}),
+    (["--dtype", "half"], {"dtype": "bfloat16"}),
+    (["--dtype", "float16"], {"dtype": "bfloat16"}),
+    (["--block-size", "8"], {"page_size": 8}),
+    (["--block-size", "8", "--page-size", "8"], {"page_size": 8}),
+    (["--max-model-len", "4k"], {"max_model_len": 4000}),
+    (["--max-model-len", "4K"], {"max_model_len": 4096}),
+    (["--max-model-len", "25.6k"], {"max_model_len": 25600}),
+    (["--max-model-len", "1M"], {"max_model_len": 2**20}),
+    (["--enforce-eager", "--disable-log-stats", "--enable-chunked-prefill"], {}),
+])
+def test_vllm_launch_flags_run_here(argv, fields):
+    """A vLLM command line's flags: --dtype auto / float / half, --block-size, --max-model-len 4k, and switches with
+    nothing to switch here. Each was an argparse error ("unrecognized arguments", "invalid choice: 'auto'")."""
+    config = engine_config_from_args(build_parser().parse_args(["--model", "stories260k", *argv]))
+    assert config == make_engine_config(model="stories260k", **fields)
+    args = build_parser().parse_args(["--disable-log-requests", "--enable-log-requests", "--uvicorn-log-level",
+                                      "warning", "--max-logprobs", "5"])
+    assert (args.enable_log_requests, args.uvicorn_log_level, args.max_logprobs) == (True, "warning", 5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--block-size", "8", "--page-size", "16"], "--block-size 8 and --page-size 16 are one option"),
+    (["--no-enable-chunked-prefill"], "prefill is always chunked here"),
+])
+def test_vllm_launch_flags_that_cannot_hold(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        engine_config_from_args(build_parser().parse_args(argv))
 
 
 def test_parse_bytes():
@@ -199,6 +231,10 @@ def test_serve_binds_before_the_model_loads(capsys, monkeypatch):
     (["--allowed-headers", '[1]'], "allowed-headers must be a JSON list of strings"),
     (["--ssl-cert-reqs", "3"], "ssl-cert-reqs must be in [0, 2], got 3"),
     (["--root-path", "api"], "root-path must start with '/', e.g. /api, got 'api'"),  # (logged http://h:8000api/v1)
+    (["--max-logprobs", "21"], "max-logprobs must be in [0, 20], got 21"),
+    (["--max-model-len", "1.5"], "'1.5' is not a token count"),
+    (["--max-model-len", "0.0001k"], "'0.0001k' is not a whole number of tokens (0.1000)"),
+    (["--dtype", "fp8"], "invalid choice: 'fp8'"),
 ])
 def test_server_flags_out_of_range_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -152,3 +152,25 @@ def test_templates_get_tool_call_arguments_as_objects_and_earlier_thoughts():
         text = client.post("/detokenize", json={"tokens": resp.json()["tokens"]}).json()["prompt"]
     assert 'assistant[look it up]<get {"city": "Paris"}><get {}><get "not json"><get {"city": "Nice"}>' in text
     assert "assistant[said it]Sunny." in text
+
+
+def test_max_logprobs_and_request_logging(caplog):
+    """vLLM's ``--max-logprobs`` caps what a request may ask (completions' logprobs, chat's top_logprobs,
+    prompt_logprobs: a 400 naming the field), and ``--enable-log-requests`` logs each request as it is queued."""
+    llm = stories_chat_llm()
+    settings = ServerSettings("s", max_logprobs=2, log_requests=True)
+    with TestClient(build_app(AsyncEngine(llm.engine), settings)) as client, caplog.at_level("INFO"):
+        ok = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2, "logprobs": 2,
+                                                  "request_id": "logged-1"})
+        assert ok.status_code == 200, ok.text
+        assert len(ok.json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= 2
+        for path, body, field in [
+                ("/v1/completions", {"prompt": "Once", "max_tokens": 2, "logprobs": 3}, "logprobs"),
+                ("/v1/completions", {"prompt": "Once", "max_tokens": 2, "prompt_logprobs": 5}, "prompt_logprobs"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                                          "logprobs": True, "top_logprobs": 3}, "top_logprobs")]:
+            resp = client.post(path, json=body)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == field, resp.text
+            assert "more than this server's --max-logprobs 2" in resp.json()["error"]["message"]
+    assert any("request cmpl-logged-1 queued: 1 prompt(s)" in r.getMessage() for r in caplog.records)
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
