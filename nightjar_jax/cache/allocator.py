@@ -27,16 +27,24 @@ import hashlib
 from collections.abc import Sequence
 
 
+def salt_hash(salt: str | None) -> bytes:
+    """The chain's start for requests salted with ``salt`` (b"" without one)."""
+    if not salt:
+        return b""
+    return hashlib.blake2b(b"nightjar-cache-salt\0" + salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 def page_hashes(token_ids: Sequence[int], page_size: int, start: list[bytes] | None = None,
-                upto: int | None = None) -> list[bytes]:
+                upto: int | None = None, salt: str | None = None) -> list[bytes]:
     """Chained hashes of the full pages of ``token_ids``: page ``j``'s hash covers every token of pages ``0 .. j``
     (a 16-byte BLAKE2b of the previous page's hash and its own tokens). ``start``: hashes already computed for the
-    first pages (extended in place and returned); ``upto``: hash at most this many pages."""
+    first pages (extended in place and returned); ``upto``: hash at most this many pages. ``salt`` (vLLM's
+    ``cache_salt``) starts the chain from its own hash, so only requests with the same salt share pages."""
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size={page_size!r} must be an integer >= 1")
     out = [] if start is None else start
     full = len(token_ids) // page_size if upto is None else min(upto, len(token_ids) // page_size)
-    prev = out[-1] if out else b""
+    prev = out[-1] if out else salt_hash(salt)
     for j in range(len(out), full):
         h = hashlib.blake2b(prev, digest_size=16)
         try:

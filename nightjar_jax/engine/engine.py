@@ -506,6 +506,10 @@ class LLMEngine:
                 raise InvalidRequestError(f"arrival_time must be a finite number of seconds on time.time()'s clock, "
                                           f"got {arrival_time!r}", "arrival_time")
         text, ids = self.truncate_prompt(*self.tokenize_prompt(prompt), params)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise InvalidRequestError(f"cache_salt must be a non-empty string (or left out), got "
+                                      f"{short_repr(cache_salt)}", "cache_salt")
         vocab = self.target.config.vocab_size
         if not ids:
             raise _prompt_error("the prompt is empty: at least one token is required")
@@ -556,7 +560,7 @@ class LLMEngine:
         # (the PRNG key's 32 bits, folded once here rather than in every step's sampling tensors)
         seed = int(fold_seeds(params.seed)) if params.seed is not None else self._rng.getrandbits(32)
         req = Request(request_id, [int(t) for t in ids], params, seed, prompt=text, grammar=grammar,
-                      priority=priority)
+                      priority=priority, cache_salt=cache_salt)
         if params.min_tokens:
             req.stop_ids = self._stop_ids(params, vocab)
             if params.allowed_token_ids and set(params.allowed_token_ids) <= set(req.stop_ids):

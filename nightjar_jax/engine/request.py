@@ -77,6 +77,7 @@ class Request:
     # many of its pages are registered, how many of those are marked as holding the draft's K/V too (its first
     # pages), and the prompt tokens its first admission found cached
     page_hashes: list[bytes] = field(default_factory=list, repr=False)
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache pages
     num_registered_pages: int = 0
     num_draft_cached_pages: int = 0
     num_cached_tokens: int = 0

@@ -169,7 +169,8 @@ class Scheduler:
         if not self._looks_up(r):
             return []
         usable = (r.num_tokens - 1) // self.allocator.page_size
-        return page_hashes(r.all_token_ids, self.allocator.page_size, r.page_hashes, upto=usable)[:usable]
+        return page_hashes(r.all_token_ids, self.allocator.page_size, r.page_hashes, upto=usable,
+                           salt=r.cache_salt)[:usable]
 
     def _cached_prefix(self, r: Request) -> list[int]:
         """The cached pages ``r`` would start with: the longest run of its full pages registered."""
@@ -189,7 +190,7 @@ class Scheduler:
         page_size = self.allocator.page_size
         return any(
             hashes[hits] in page_hashes(q.all_token_ids, page_size, q.page_hashes,
-                                        upto=q.num_tokens // page_size)[q.num_registered_pages:]
+                                        upto=q.num_tokens // page_size, salt=q.cache_salt)[q.num_registered_pages:]
             for q in self.running if q.is_prefilling)
 
     def _admit(self, r: Request) -> bool:
@@ -224,7 +225,7 @@ class Scheduler:
         page_size = self.allocator.page_size
         full = min(r.num_computed, r.num_tokens) // page_size
         if full > r.num_registered_pages:
-            hashes = page_hashes(r.all_token_ids, page_size, r.page_hashes, upto=full)
+            hashes = page_hashes(r.all_token_ids, page_size, r.page_hashes, upto=full, salt=r.cache_salt)
             for j in range(r.num_registered_pages, full):
                 self.allocator.register(r.block_table[j], hashes[j])
             r.num_registered_pages = full

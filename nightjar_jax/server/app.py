@@ -515,8 +515,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
 
     async def add_group(prompts: list[Any], params: SamplingParams, n: int, request_id: str,
                         max_tokens_param: str | None = None, priority: int = 0,
-                        structured_param: str = "structured_outputs", prompt_param: str = "prompt") -> GroupStream:
-        """Queue ``prompts`` x ``n`` members at ``priority``; ``max_tokens_param``: the field that set
+                        structured_param: str = "structured_outputs", prompt_param: str = "prompt",
+                        cache_salt: str | None = None) -> GroupStream:
+        """Queue ``prompts`` x ``n`` members at ``priority`` (their prefix-cache pages salted with ``cache_salt``,
+        vLLM's); ``max_tokens_param``: the field that set
         ``params.max_tokens`` explicitly (None: a default), checked against each prompt's length;
         ``structured_param``: the field that set the output constraint, which its errors name; ``prompt_param``: the
         field the prompt came from (chat: ``messages``), which a prompt's errors name."""
@@ -536,7 +538,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         members, member_params = [], []
         for prompt in prompts:
             for j in range(n):
-                members.append(prompt)
+                members.append(prompt if cache_salt is None else {**prompt, "cache_salt": cache_salt})
                 seed = None if params.seed is None else (params.seed + j) % 2**63
                 member_params.append(dataclasses.replace(params, seed=seed) if n > 1 else params)
         try:
@@ -1030,7 +1032,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None and not req.prompt_only
         sfield = req.structured_field()
         stream = await add_group(prompts, params, req.n, rid, max_tokens_param="max_tokens" if explicit else None,
-                                 priority=req.priority, structured_param=sfield)
+                                 priority=req.priority, structured_param=sfield, cache_salt=req.cache_salt)
         size, now = len(prompts) * req.n, int(time.time())
         base = {"id": rid, "object": "text_completion", "created": now, "model": model}
 
@@ -1192,7 +1194,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         explicit = req.requested_max_tokens() is not None
         sfield = req.structured_field()
         stream = await add_group([prompt], params, req.n, rid, max_tokens_param=param if explicit else None,
-                                 priority=req.priority, structured_param=sfield, prompt_param="messages")
+                                 priority=req.priority, structured_param=sfield, prompt_param="messages",
+                                 cache_salt=req.cache_salt)
         size, now = req.n, int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model}
 

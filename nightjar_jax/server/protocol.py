@@ -141,7 +141,8 @@ class _SamplingFields(_Strict):
     # vLLM's, None by default: accepted at their neutral values only too
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
-    cache_salt: str | None = None
+    # vLLM's: prefix-cache pages are shared only between requests with the same salt (tenants kept apart)
+    cache_salt: str | None = Field(default=None, min_length=1)
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     logits_processors: list[Any] | None = None
@@ -161,8 +162,6 @@ class _SamplingFields(_Strict):
             ("guided_decoding_backend", self.guided_decoding_backend not in (None, "xgrammar", "auto"),
              "structured outputs run on xgrammar here: allowed 'xgrammar' or 'auto' (or leave it out)"),
             ("guided_whitespace_pattern", self.guided_whitespace_pattern is not None, ""),
-            ("cache_salt", self.cache_salt is not None,
-             "every request shares the prefix cache (leave it out, or serve with --no-enable-prefix-caching)"),
             ("kv_transfer_params", self.kv_transfer_params is not None, "no KV cache is transferred between servers"),
             ("vllm_xargs", bool(self.vllm_xargs), ""),
             ("logits_processors", bool(self.logits_processors), ""),

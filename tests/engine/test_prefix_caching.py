@@ -302,6 +302,29 @@ def test_a_burst_behind_one_prefix_computes_it_once():
     engine.allocator.check()
 
 
+def test_a_cache_salt_shares_pages_only_with_the_same_salt():
+    """vLLM's ``cache_salt`` (a prompt dict's key): requests share prefix-cache pages only with requests of the same
+    salt, so one tenant cannot time another's prompts through cache hits; unsalted ones share among themselves."""
+    assert page_hashes(SHARED, 4, salt="a") != page_hashes(SHARED, 4) != page_hashes(SHARED, 4, salt="b")
+    assert page_hashes(SHARED, 4, salt="a") == page_hashes(SHARED, 4, salt="a")
+    uncached = fake_engine(enable_prefix_caching=False)
+    want = [o.token_ids for o in generate_outputs(uncached, PROMPTS[:2], [greedy(6)] * 2)]
+    engine = fake_engine()
+    cached = []
+    for prompt, salt in [(PROMPTS[0], "a"), (PROMPTS[1], "b"), (PROMPTS[1], None), (PROMPTS[1], "a")]:
+        (out,) = generate_outputs(engine, [prompt if salt is None else {"prompt_token_ids": prompt,
+                                                                       "cache_salt": salt}], [greedy(6)])
+        assert out.token_ids == want[PROMPTS.index(prompt)]
+        cached.append(engine.stats.num_prefix_cache_hits)
+    # "b" and the unsalted request found nothing of "a"'s; the second "a" found its 3 shared pages
+    assert cached == [0, 0, 0, 12]
+    for bad in ("", 5):
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            engine.add_request({"prompt_token_ids": PROMPTS[0], "cache_salt": bad}, greedy(2))
+    assert engine.num_free_pages == engine.num_total_pages
+    engine.allocator.check()
+
+
 def test_on_by_default_off_by_flag():
     import argparse
 

@@ -111,7 +111,6 @@ CHAT_NEUTRAL = [("documents", None), ("mm_processor_kwargs", None), ("mm_process
 NOT_SERVED = [
     ("/v1/completions", "guided_decoding_backend", "outlines", "allowed 'xgrammar' or 'auto'"),
     ("/v1/chat/completions", "guided_whitespace_pattern", r"[\n ]*", "is not supported by this server"),
-    ("/v1/completions", "cache_salt", "tenant-a", "is not supported by this server"),
     ("/v1/completions", "kv_transfer_params", {"do_remote_decode": True}, "is not supported by this server"),
     ("/v1/completions", "vllm_xargs", {"a": 1}, "is not supported by this server"),
     ("/v1/chat/completions", "logits_processors", ["my.module:Proc"], "is not supported by this server"),

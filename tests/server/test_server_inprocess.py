@@ -174,3 +174,26 @@ def test_max_logprobs_and_request_logging(caplog):
             assert "more than this server's --max-logprobs 2" in resp.json()["error"]["message"]
     assert any("request cmpl-logged-1 queued: 1 prompt(s)" in r.getMessage() for r in caplog.records)
     assert llm.engine.num_free_pages == llm.engine.num_total_pages
+
+
+def test_cache_salt_keeps_tenants_prefix_caches_apart():
+    """vLLM's ``cache_salt``: a prompt computed under one salt is a cache hit for the same salt only (usage's
+    ``cached_tokens``); an empty salt is a 400. It was a 400 whatever its value."""
+    llm = stories_chat_llm()
+    prompt = "Once upon a time there was a little girl named Lily. She loved to play outside in the park."
+
+    def cached(salt, path="/v1/completions"):
+        body = {"max_tokens": 2, "temperature": 0, **({} if salt is None else {"cache_salt": salt})}
+        body |= {"prompt": prompt} if path == "/v1/completions" else {"messages": [{"role": "user", "content": prompt}]}
+        resp = client.post(path, json=body)
+        assert resp.status_code == 200, resp.text
+        return (resp.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s"))) as client:
+        assert cached("tenant-a") == 0
+        assert cached("tenant-b") == 0 and cached(None) == 0
+        assert cached("tenant-a") > 0 and cached("tenant-b") > 0 and cached(None) > 0
+        assert cached("tenant-c", "/v1/chat/completions") == 0 and cached("tenant-c", "/v1/chat/completions") > 0
+        resp = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "cache_salt": ""})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt", resp.text
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
