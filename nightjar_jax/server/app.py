@@ -616,7 +616,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             live = [s for s in searches if not s.done]
             asks = [(s, ids) for s in live for ids in s.pending()]
             try:
-                group = await async_engine.add([{"prompt_token_ids": ids} for _, ids in asks], [step] * len(asks),
+                salt = {"cache_salt": req.cache_salt} if getattr(req, "cache_salt", None) else {}
+                group = await async_engine.add([{"prompt_token_ids": ids, **salt} for _, ids in asks],
+                                               [step] * len(asks),
                                                priority=req.priority, bypass_drain=True)  # (one search, one set of
                 # weights: its steps go ahead of a weight update that waits for it)
             except ValueError as exc:

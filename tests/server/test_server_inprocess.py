@@ -196,4 +196,10 @@ def test_cache_salt_keeps_tenants_prefix_caches_apart():
         assert cached("tenant-c", "/v1/chat/completions") == 0 and cached("tenant-c", "/v1/chat/completions") > 0
         resp = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "cache_salt": ""})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt", resp.text
+        # a beam search's steps are salted too
+        prompt = "The sun was shining and the birds were singing in the tall green trees by the river bank."
+        beam = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "n": 2, "use_beam_search": True,
+                                                    "cache_salt": "tenant-d"})
+        assert beam.status_code == 200, beam.text
+        assert cached(None) == 0 and cached("tenant-d") > 0
     assert llm.engine.num_free_pages == llm.engine.num_total_pages
