@@ -48,7 +48,7 @@ _HELP = {
     "scheduling_policy": "fcfs: requests in arrival order; priority: by each request's 'priority' (lower first, "
                          "ties by arrival), the lowest priority preempted first",
     "model": "a preset name (e.g. stories260k), a local folder / GGUF file, or a Hugging Face repo id",
-    "tokenizer": "tokenizer folder or file (default: the model's own)",
+    "tokenizer": "tokenizer folder or file (None: the model's own)",
     "draft_model": "draft model for speculative decoding (same spec forms as --model), auto (the target preset's "
                    "shipped draft), none, or ngram (no draft model: n-gram lookup's copies alone)",
     "num_speculative_tokens": "γ_max: the most draft tokens per step",
@@ -88,7 +88,7 @@ _HELP = {
     "weight_format": "CPU kernel weights: compact (GGUF Q4_1 / Q8_0 and bfloat16 values in those layouts, the same "
                      "results from a fifth to a half of the bytes), auto (compact plus float32 for products of more "
                      "than 8 rows), f32, w4a8 (opt-in, lossy: Q4_1 weights times int8-quantized activations, "
-                     "AVX512-VNNI)",
+                     "AVX512-VNNI, or AVX2's vpmaddubsw)",
 }
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 

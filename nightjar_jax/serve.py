@@ -105,7 +105,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--shutdown-timeout",
         type=_bounded(float, "shutdown-timeout", 0.0),
         default=30.0,
-        help="seconds in-flight requests get to finish on SIGINT/SIGTERM before being aborted",
+        help="seconds in-flight requests get to finish on SIGINT/SIGTERM before being aborted (default: 30)",
     )
     group.add_argument(
         "--warmup",
@@ -270,7 +270,8 @@ def load_engine(args: argparse.Namespace):
         if template is not None:
             engine.tokenizer.chat_template = template
         if args.warmup != "none":
-            bar.set_postfix_str("compiling (warm-up request)")
+            bar.set_postfix_str("compiling (every step variant, then a warm-up request)" if args.warmup == "full"
+                                else "compiling (warm-up request)")
             t0 = time.perf_counter()
             if args.warmup == "full":
                 # decode, prefill chunks, the draft's catch-up; with --draft-offload auto, the extended layout's too
@@ -471,8 +472,10 @@ def main(argv: list[str] | None = None) -> int:
         ssl_cert_reqs=args.ssl_cert_reqs,
     )
     server = _Server.make(config)
-    logger.info("serving %s on %s://%s:%d%s/v1", settings.served_model_name, "https" if args.ssl_certfile else "http",
-                args.host, sock.getsockname()[1], args.root_path or "")
+    logger.info("serving %s on %s://%s:%d/v1%s", settings.served_model_name, "https" if args.ssl_certfile else "http",
+                args.host, sock.getsockname()[1],
+                f" (behind a proxy that serves it under {args.root_path} and strips that prefix)"
+                if args.root_path else "")
     return run_server(server, sock, async_engine)
 
 

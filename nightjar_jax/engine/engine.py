@@ -318,7 +318,8 @@ class LLMEngine:
             tokenizer.eos_token_ids = tuple(tokenizer.eos_token_ids) + missing
         logger.info(
             "engine ready: target %s, draft %s, %d KV pages x %d tokens (%s), max_model_len %d, γ_max %d, planner %s",
-            target.config.name, draft.config.name if draft else None, num_pages, config.cache.page_size,
+            target.config.name, draft.config.name if draft else None, self.allocator.num_usable,
+            config.cache.page_size,
             config.cache.kv_dtype(target.config.dtype),
             self.max_model_len, gamma_max, self.planner,
         )
