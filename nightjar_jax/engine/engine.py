@@ -297,9 +297,9 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._grammars = None  # structured outputs' GrammarBackend, built on first use
         self._grammars_lock = threading.Lock()
-        # held while a step or a draft move changes the engine's state: a reader on another thread (the server's
-        # /metrics scrape) takes it to see the state between steps, never an offload half made (the draft gone, its
-        # extension pool not yet attached: every page looked used)
+        # held while the draft moves (offload, reload): a reader on another thread (the server's /metrics scrape)
+        # takes it never to see a move half made (the draft gone, its extension pool not yet attached: every page
+        # looked used). Not held across a step: the engine loop would take it again at once and starve the reader.
         self.state_lock = threading.RLock()
         self._ids = itertools.count()
         self._prev_gamma = 0
@@ -717,10 +717,6 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        with self.state_lock:
-            return self._step()
-
-    def _step(self) -> list[RequestOutput]:
         if self._asleep:  # (asleep, the engine holds no request: nothing to do)
             return []
         t0 = time.perf_counter()

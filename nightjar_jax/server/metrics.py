@@ -3,8 +3,8 @@
 Latency histograms and the per-finish-reason counter are fed by the engine thread as outputs finish
 (``ServerMetrics.on_output``); the gauges and engine counters (pages, queue lengths, γ, decode steps per γ, a tree's
 nodes, drafted / accepted tokens overall, per draft position and from n-gram lookup, planner switches, prefix cache
-queries and hits) are read from the engine at scrape time by :class:`_EngineCollector`, between two engine steps
-(under ``LLMEngine.state_lock``).
+queries and hits) are read from the engine at scrape time by :class:`_EngineCollector`, never in the middle of a draft
+offload or reload (under ``LLMEngine.state_lock``).
 
 The same figures are also exported under vLLM's names (``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``,
 ``vllm:time_to_first_token_seconds``, ``vllm:spec_decode_num_accepted_tokens_total``, ..., each labelled
@@ -43,7 +43,7 @@ class _EngineCollector:
         self.model_name = model_name
 
     def collect(self):
-        # (read between engine steps: a step or draft move under way would show its half-made state)
+        # (never in the middle of a draft move, which would show its half-made state)
         with self.engine.state_lock:
             families = [*self._nightjar(), *self._vllm()]
         yield from families
