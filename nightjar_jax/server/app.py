@@ -898,7 +898,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     @app.get("/metrics")
     @app.head("/metrics", operation_id="metrics_head")
     async def prometheus_metrics():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # (rendered off the event loop: a scrape during a draft move waits for it, and /health and the streams must
+        # not wait with it)
+        body = await asyncio.to_thread(metrics.render)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def need_tokenizer():
         if engine.tokenizer is None:

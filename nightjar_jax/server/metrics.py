@@ -99,7 +99,9 @@ class _EngineCollector:
 
         yield gauge("nightjar_num_requests_running", "Requests in the running batch", len(e.scheduler.running))
         yield gauge("nightjar_num_requests_waiting", "Requests waiting to be scheduled", len(e.scheduler.waiting))
-        yield gauge("nightjar_kv_pages_total", "Usable KV cache pages", e.num_total_pages)
+        # (a gauge: the extension pool comes and goes; "_total" would read as a counter, reset at every reload)
+        yield gauge("nightjar_kv_pages_usable", "Usable KV cache pages (the base pool's, plus an extension pool's "
+                    "while the draft is offloaded)", e.num_total_pages)
         yield gauge("nightjar_kv_pages_free", "Free KV cache pages (0 while the KV cache sleeps: it holds none)",
                     0 if "kv_cache" in e.asleep_parts else e.num_free_pages)
         yield gauge("nightjar_spec_gamma", "Speculation length γ of the latest decode step", stats.last_gamma)

@@ -288,11 +288,11 @@ def test_metrics_show_the_offloaded_draft_and_the_extension():
     ext = engine.allocator.num_extension
     assert ext > 0 and m["nightjar_draft_offloaded"] == 1 and m["nightjar_kv_extension_pages"] == ext
     assert m["nightjar_draft_offloads_total"] == 1
-    assert m["nightjar_kv_pages_total"] == before["nightjar_kv_pages_total"] + ext
+    assert m["nightjar_kv_pages_usable"] == before["nightjar_kv_pages_usable"] + ext
     engine._reload_draft()
     m = scrape()
     assert m["nightjar_draft_offloaded"] == 0 and m["nightjar_draft_reloads_total"] == 1
-    assert m["nightjar_kv_pages_total"] == before["nightjar_kv_pages_total"] == m["nightjar_kv_pages_free"]
+    assert m["nightjar_kv_pages_usable"] == before["nightjar_kv_pages_usable"] == m["nightjar_kv_pages_free"]
 
 
 def test_a_scrape_never_sees_an_offload_half_made(monkeypatch):
@@ -330,4 +330,4 @@ def test_a_scrape_never_sees_an_offload_half_made(monkeypatch):
     scraper.join(timeout=30)
     ext = engine.allocator.num_extension
     assert ext > 0 and scraped["nightjar_draft_offloaded"] == 1 and scraped["nightjar_kv_extension_pages"] == ext
-    assert scraped["nightjar_kv_pages_free"] == scraped["nightjar_kv_pages_total"] == engine.num_total_pages
+    assert scraped["nightjar_kv_pages_free"] == scraped["nightjar_kv_pages_usable"] == engine.num_total_pages

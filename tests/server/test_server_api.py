@@ -1015,7 +1015,7 @@ def _wait_pages_free(server, timeout=20.0) -> dict[str, float]:
     deadline = time.time() + timeout
     while time.time() < deadline:
         m = server.metrics()
-        if m["nightjar_kv_pages_free"] == m["nightjar_kv_pages_total"] and m["nightjar_num_requests_running"] == 0:
+        if m["nightjar_kv_pages_free"] == m["nightjar_kv_pages_usable"] and m["nightjar_num_requests_running"] == 0:
             return m
         time.sleep(0.1)
     raise AssertionError(f"pages not freed: {server.metrics()}")
@@ -1044,7 +1044,7 @@ def test_disconnect_mid_stream_frees_pages(server):
                 if seen >= 2:
                     break
             m = server.metrics()
-            assert m["nightjar_kv_pages_free"] < m["nightjar_kv_pages_total"]  # still generating
+            assert m["nightjar_kv_pages_free"] < m["nightjar_kv_pages_usable"]  # still generating
     m = _wait_pages_free(server)
     assert m['nightjar_requests_total{finish_reason="abort"}'] == before + 8
 

@@ -203,3 +203,27 @@ def test_cache_salt_keeps_tenants_prefix_caches_apart():
         assert beam.status_code == 200, beam.text
         assert cached(None) == 0 and cached("tenant-d") > 0
     assert llm.engine.num_free_pages == llm.engine.num_total_pages
+
+
+def test_a_waiting_metrics_scrape_does_not_stall_the_event_loop():
+    """/metrics waits out a draft move (``LLMEngine.state_lock``); it renders off the event loop, so /health answers
+    meanwhile. Rendered on the loop, a scrape stalled /health and every stream for as long as it waited (seconds
+    under load, when steps held the lock)."""
+    import time
+
+    llm = stories_chat_llm()
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s"))) as client:
+        scraped = {}
+        with llm.engine.state_lock:  # (as a draft move holds it)
+            scraper = threading.Thread(target=lambda: scraped.update(resp=client.get("/metrics")))
+            scraper.start()
+            time.sleep(0.3)
+            prober = threading.Thread(target=lambda: scraped.update(health=client.get("/health")))
+            prober.start()
+            prober.join(timeout=5)
+            answered = not prober.is_alive()
+            still_waiting = scraper.is_alive()
+        scraper.join(timeout=30)
+        prober.join(timeout=30)
+        assert answered and still_waiting and scraped["health"].status_code == 200
+        assert scraped["resp"].status_code == 200 and "nightjar_kv_pages_usable" in scraped["resp"].text
