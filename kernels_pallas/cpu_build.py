@@ -159,3 +159,28 @@ def spin_us(value: int | None = None) -> int | None:
         lib.NightjarSpinUs.restype = ctypes.c_int64
         return int(lib.NightjarSpinUs())
     return None
+
+
+NOT_DIFFERENTIABLE = ("the CPU kernels ({target}) are not differentiable: for gradients build the model with "
+                      "attention_impl='reference' and linear_impl='xla' (init_model(config, attention_impl="
+                      "'reference', linear_impl='xla')), whose pure-XLA paths compute the same values")
+
+
+def ffi_call(target: str, result_shape_dtypes, **kwargs):
+    """``jax.ffi.ffi_call`` behind a JVP rule that raises a clear error: the C++ kernels have no derivative, and
+    ``jax.grad`` through one failed with JAX's generic "The FFI call to ... cannot be differentiated". The forward
+    pass is the kernel's, unchanged. The returned callable takes the arrays and the kernel's attributes."""
+    call = jax.ffi.ffi_call(target, result_shape_dtypes, **kwargs)
+
+    def invoke(*args, **attributes):
+        @jax.custom_jvp
+        def kernel(*arrays):
+            return call(*arrays, **attributes)
+
+        @kernel.defjvp
+        def _jvp(primals, tangents):
+            raise ValueError(NOT_DIFFERENTIABLE.format(target=target))
+
+        return kernel(*args)
+
+    return invoke

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from kernels_pallas.cpu_build import CpuKernelLibrary, _cpu_flags, cpu_vendor
+from kernels_pallas.cpu_build import CpuKernelLibrary, _cpu_flags, cpu_vendor, ffi_call
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 _TARGETS = {False: "nightjar_linear_f32", True: "nightjar_linear_nt_f32"}
@@ -631,7 +631,7 @@ def linear_cpu(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.A
     """``x [..., K] @ w`` (``w [K, N]``, or ``[N, K]`` when ``transposed``) -> ``[..., N]`` float32."""
     x2 = _rows(x, [w], transposed=transposed)
     n = out_features(w, transposed=transposed)
-    call = jax.ffi.ffi_call(_TARGETS[transposed], jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+    call = ffi_call(_TARGETS[transposed], jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
                             vmap_method="sequential")
     (w_op,), layers = _operands(w)
     return call(x2, w_op, layers=layers).reshape(*x.shape[:-1], n)
@@ -645,7 +645,7 @@ def linear_many_cpu(x: jax.Array, ws: list[jax.Array] | tuple[jax.Array, ...]) -
     x2 = _rows(x, ws)
     outs = tuple(jax.ShapeDtypeStruct((x2.shape[0], out_features(w)), jnp.float32) for w in ws)
     ops, layers = _operands(*ws)
-    ys = jax.ffi.ffi_call(_MANY_TARGETS[len(ws)], outs, vmap_method="sequential")(x2, *ops, layers=layers)
+    ys = ffi_call(_MANY_TARGETS[len(ws)], outs, vmap_method="sequential")(x2, *ops, layers=layers)
     return [y.reshape(*x.shape[:-1], out_features(w)) for y, w in zip(ys, ws, strict=True)]
 
 
@@ -667,7 +667,7 @@ def rms_linear_many_cpu(x: jax.Array, gain: jax.Array, ws: list[jax.Array] | tup
     _gain(x, gain)
     outs = tuple(jax.ShapeDtypeStruct((x2.shape[0], out_features(w)), jnp.float32) for w in ws)
     ops, layers = _operands(gain, *ws)
-    ys = jax.ffi.ffi_call(_RMS_TARGETS[len(ws)], outs, vmap_method="sequential")(x2, *ops, eps=np.float32(eps),
+    ys = ffi_call(_RMS_TARGETS[len(ws)], outs, vmap_method="sequential")(x2, *ops, eps=np.float32(eps),
                                                                                     layers=layers)
     return [y.reshape(*x.shape[:-1], out_features(w)) for y, w in zip(ys, ws, strict=True)]
 
@@ -679,7 +679,7 @@ def rms_swiglu_cpu(x: jax.Array, gain: jax.Array, w_gate: jax.Array, w_up: jax.A
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_gate {w_gate.shape} and w_up {w_up.shape} must have the same shape [K, N]")
     n = out_features(w_gate)
-    call = jax.ffi.ffi_call("nightjar_rms_swiglu_f32", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+    call = ffi_call("nightjar_rms_swiglu_f32", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
                             vmap_method="sequential")
     ops, layers = _operands(gain, w_gate, w_up)
     return call(x2, *ops, eps=np.float32(eps), layers=layers).reshape(*x.shape[:-1], n)
@@ -692,7 +692,7 @@ def linear_residual_cpu(x: jax.Array, w: jax.Array, r: jax.Array) -> jax.Array:
     if r.dtype != jnp.float32 or r.shape != (*x.shape[:-1], n):
         raise ValueError(f"residual r must be float32 {(*x.shape[:-1], n)} for x {x.shape} @ w {w.shape}; "
                          f"got {r.dtype}{r.shape}")
-    call = jax.ffi.ffi_call("nightjar_linear_residual_f32", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+    call = ffi_call("nightjar_linear_residual_f32", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
                             vmap_method="sequential")
     (w_op,), layers = _operands(w)
     return call(x2, w_op, r.reshape(x2.shape[0], n), layers=layers).reshape(*x.shape[:-1], n)
@@ -722,7 +722,7 @@ def attn_out_mlp_cpu(a: jax.Array, r: jax.Array, w_o: jax.Array, gain: jax.Array
                          f"float32 [I, H] with H = {h}, all [K, N] or all packed [N / 16, K, 16]")
     y_shape = jax.ShapeDtypeStruct((a2.shape[0], h), jnp.float32)
     if next_gain is None:
-        call = jax.ffi.ffi_call("nightjar_attn_out_mlp_f32", y_shape, vmap_method="sequential")
+        call = ffi_call("nightjar_attn_out_mlp_f32", y_shape, vmap_method="sequential")
         ops, layers = _operands(w_o, gain, w_gate, w_up, w_down)
         return call(a2, r2, *ops, eps=np.float32(eps), layers=layers).reshape(r.shape)
     if next_ws is None or len(next_ws) != 3 or next_eps is None:
@@ -732,7 +732,7 @@ def attn_out_mlp_cpu(a: jax.Array, r: jax.Array, w_o: jax.Array, gain: jax.Array
     if any(is_packed(w) != is_packed(w_o) for w in next_ws):
         raise ValueError("the next q/k/v must be packed [N / 16, K, 16] exactly when the layer's weights are")
     outs = (y_shape, *(jax.ShapeDtypeStruct((a2.shape[0], out_features(w)), jnp.float32) for w in next_ws))
-    call = jax.ffi.ffi_call("nightjar_attn_out_mlp_qkv_f32", outs, vmap_method="sequential")
+    call = ffi_call("nightjar_attn_out_mlp_qkv_f32", outs, vmap_method="sequential")
     ops, layers = _operands(w_o, gain, w_gate, w_up, w_down, next_gain, *next_ws)
     y, *qkv = call(a2, r2, *ops, eps=np.float32(eps), eps_next=np.float32(next_eps), layers=layers)
     lead = a.shape[:-1]

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.cpu_build import CpuKernelLibrary
+from kernels_pallas.cpu_build import CpuKernelLibrary, ffi_call
 from kernels_pallas.paged_attention.reference import check_tree_mask, validate_inputs
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
@@ -108,7 +108,7 @@ def paged_attention_cpu(
         q_dtype, target = jnp.dtype(jnp.float32), F32_Q_BF16_KV
     else:
         q_dtype, target = dtype, TARGETS[dtype]
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q_dtype), vmap_method="sequential")
+    call = ffi_call(target, jax.ShapeDtypeStruct(q.shape, q_dtype), vmap_method="sequential")
     out = call(
         q.astype(q_dtype), k_pages, v_pages, k_ext, v_ext, _as_int32(block_tables), _as_int32(context_lens),
         tree_mask.astype(jnp.uint8), scale=np.float32(scale),

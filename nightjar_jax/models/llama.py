@@ -500,6 +500,19 @@ def kv_values(pages: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(pages, jnp.bfloat16) if pages.dtype == jnp.uint16 else pages
 
 
+@jax.custom_jvp
+def _bfloat16_bits(values: jax.Array) -> jax.Array:
+    """``values`` rounded to bfloat16, as ``uint16`` bit patterns (a CPU pool's storage, :func:`kv_storage_dtype`)."""
+    return jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
+
+
+@_bfloat16_bits.defjvp
+def _bfloat16_bits_jvp(primals, tangents):  # (integer bits carry no derivative: gradients were silently zero)
+    raise ValueError("a bfloat16 K/V pool is held as uint16 bit patterns on the CPU backend and carries no gradient "
+                     "(k_proj and v_proj would get zeros): for gradients use a float32 pool, "
+                     "allocate_kv_cache(config, num_pages, page_size, dtype='float32')")
+
+
 def write_kv_pages(pages: jax.Array, page_ids: jax.Array, slots: jax.Array, values: jax.Array,
                    layer: int | None = None, mode: str | None = None) -> jax.Array:
     """``pages [KVH, num_pages, page_size, D]`` with ``values [KVH, num_seqs, q_len, D]`` (rounded to the pool's
@@ -507,7 +520,7 @@ def write_kv_pages(pages: jax.Array, page_ids: jax.Array, slots: jax.Array, valu
     values' bfloat16 bit patterns. With ``layer``, ``pages`` holds every layer (``[L, KVH, ...]``, :class:`StackedKV`)
     and that layer's are written. ``mode="drop"``: writes to a page id past the pool's last are dropped."""
     if pages.dtype == jnp.uint16:
-        values = jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
+        values = _bfloat16_bits(values)
     values = values.astype(pages.dtype)
     if layer is None:
         return pages.at[:, page_ids, slots].set(values, mode=mode)
