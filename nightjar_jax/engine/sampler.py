@@ -73,9 +73,11 @@ def top_k_ids(x: jax.Array, k: int) -> jax.Array:
     ``lax.top_k``. Inside a token tree's draft program XLA:CPU lowered ``lax.top_k`` with k = 1 to a full sort of
     the 49,152-id rows (~5 ms per row, against ~0.05 ms for one pass here), while larger k took its TopK call.
     """
+    vocab = x.shape[-1]
+    if not 0 <= k <= vocab:  # (k passes of argmax found id 0 again past the row's end)
+        raise ValueError(f"top_k_ids: k={k} must be in [0, {vocab}], the entries of a row")
     if k > ITERATED_TOP_K:
         return jax.lax.top_k(x, k)[1].astype(jnp.int32)
-    vocab = x.shape[-1]
     ids = jnp.arange(vocab, dtype=jnp.int32)
     out = []
     for _ in range(k):
@@ -103,7 +105,7 @@ class SamplingTensors(NamedTuple):
     temperature: jax.Array  # [B] float32; 0 means greedy
     top_k: jax.Array  # [B] int32; 0 (or >= V) means off
     top_p: jax.Array  # [B] float32 in (0, 1]; 1 means off
-    min_p: jax.Array  # [B] float32 in [0, 1); 0 means off
+    min_p: jax.Array  # [B] float32 in [0, 1]; 0 means off, 1 keeps only the most likely tokens
     seeds: jax.Array  # [B] uint32 per-request seed
     steps: jax.Array  # [B] int32 number of tokens this request has generated so far
     # logit_bias (None when no row has one): ids [B, M] int32 and values [B, M] float32 added to the logits before
@@ -146,6 +148,14 @@ class SamplingTensors(NamedTuple):
             seeds=column(fold_seeds(seeds), np.uint32),
             steps=column(steps, np.int32),
         )
+
+
+def check_rows(rows: int, given: int, what: str = "the SamplingTensors' rows") -> None:
+    """A ``ValueError`` unless ``given`` (per-row tensors' length) is ``rows`` (the batch's): one row's tensors
+    broadcast over a batch, every row on one PRNG key, with no error."""
+    if given != rows:
+        raise ValueError(f"{what}: {given} for a batch of {rows} rows (one per row: SamplingTensors.create(batch, "
+                         f"...) with the batch's size)")
 
 
 def apply_logit_bias(logits: jax.Array, st: SamplingTensors) -> jax.Array:
@@ -315,6 +325,7 @@ def _filtered_logits(logits: jax.Array, st: SamplingTensors) -> tuple[jax.Array,
     Returns (filtered [B, ..., V] f32, whose softmax is the processed distribution of the sampled rows;
     greedy [B, ..., 1] bool; argmax [B, ..., 1] int32 of the raw logits, for the greedy rows).
     """
+    check_rows(logits.shape[0], st.temperature.shape[0])
     logits = logits.astype(jnp.float32)
     ndim, vocab = logits.ndim, logits.shape[-1]
     greedy = _per_row(st.temperature == 0, ndim)  # [B, ..., 1] bool
@@ -377,9 +388,11 @@ def sample_from_probs(probs: jax.Array, keys: jax.Array) -> jax.Array:
     token inside it. The Gumbel-max trick (``jax.random.categorical``) needs V random numbers per row; on CPU,
     for 64 x 49152, that took ~350 ms against ~20 ms here. Tokens of probability 0 are never drawn: the chosen
     index is the first whose cumulative mass exceeds the target, and when float rounding pushes the target past
-    the end it is clamped to the last token (block) with positive mass.
+    the end it is clamped to the last token (block) with positive mass. A row with no mass at all draws token 0 (as
+    a NaN row does; it drew an id past the vocabulary).
     """
     batch, vocab = probs.shape
+    check_rows(batch, keys.shape[0], "keys")
     num_blocks = -(-vocab // _CDF_BLOCK)
     probs = jnp.pad(probs, ((0, 0), (0, num_blocks * _CDF_BLOCK - vocab)))  # [B, num_blocks * BLOCK] f32
     blocks = probs.reshape(batch, num_blocks, _CDF_BLOCK)  # [B, num_blocks, BLOCK] f32
@@ -395,7 +408,8 @@ def sample_from_probs(probs: jax.Array, keys: jax.Array) -> jax.Array:
     remaining = target - (block_cumulative[rows, block] - block_mass[rows, block])  # [B] f32
     last_within = _CDF_BLOCK - 1 - jnp.argmax((within > 0)[:, ::-1], axis=-1)  # [B] int32
     offset = jnp.minimum(jnp.sum(jnp.cumsum(within, axis=-1) <= remaining[:, None], axis=-1), last_within)
-    return (block * _CDF_BLOCK + offset).astype(jnp.int32)  # [B] int32
+    drawn = (block * _CDF_BLOCK + offset).astype(jnp.int32)  # [B] int32
+    return jnp.where(block_cumulative[:, -1] > 0, drawn, 0)
 
 
 def sample_from_logprobs(log_probs: jax.Array, keys: jax.Array) -> jax.Array:
@@ -409,6 +423,7 @@ def sample(logits: jax.Array, st: SamplingTensors, salt: int = SALT_SAMPLE) -> j
     Greedy rows get exactly ``argmax(logits)``; the others a draw from the processed distribution with
     ``request_keys(st, salt)``. When every row is greedy only the argmax runs.
     """
+    check_rows(logits.shape[0], st.temperature.shape[0])
     top = argmax(logits)  # [B] int32
 
     def draw(logits: jax.Array) -> jax.Array:

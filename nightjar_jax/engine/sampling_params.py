@@ -201,7 +201,7 @@ class SamplingParams:
             (_is_number(self.temperature) and 0 <= self.temperature <= 100, "temperature", "a float in [0, 100]"),
             (_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a float in (0, 1]"),
             (_is_id(self.top_k), "top_k", "an integer >= 0 (0 or -1: off)"),
-            (_is_number(self.min_p) and 0 <= self.min_p < 1, "min_p", "a float in [0, 1)"),
+            (_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a float in [0, 1]"),
             (self.seed is None or (_is_id(self.seed) and self.seed < 2**63), "seed",
              "None or an integer in [0, 2**63)"),
             (self.max_tokens is None or (_is_id(self.max_tokens) and self.max_tokens >= 1), "max_tokens",

@@ -86,7 +86,7 @@ class _SamplingFields(_Strict):
     temperature: float | None = Field(default=None, ge=0, le=100)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0, lt=1)
+    min_p: float | None = Field(default=None, ge=0, le=1)  # (vLLM's range; 1 keeps only the most likely tokens)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None

@@ -47,6 +47,7 @@ from nightjar_jax.engine.sampler import (
     SALT_VERIFY,
     SamplingTensors,
     argmax,
+    check_rows,
     processed_probs,
     request_keys,
     sample,
@@ -128,6 +129,11 @@ def rejection_sample(
     num_accepted [B] int32 in [0, γ].
     """
     batch, gamma = draft_tokens.shape
+    check_rows(batch, st.temperature.shape[0])
+    for name, probs, positions in (("draft_probs", draft_probs, gamma), ("target_probs", target_probs, gamma + 1)):
+        if probs.shape[:2] != (batch, positions):
+            raise ValueError(f"rejection_sample: {name} has shape {tuple(probs.shape)}, needs [{batch}, {positions}, "
+                             f"V] for draft_tokens [{batch}, {gamma}]")
     draft_tokens = draft_tokens.astype(jnp.int32)
     greedy = st.temperature == 0  # [B] bool
     keys = request_keys(st, salt)  # [B] key
@@ -244,6 +250,7 @@ def tree_rejection_sample(
     path [B, depth + 1]) as :func:`tree_greedy_verify`.
     """
     batch = tokens.shape[0]
+    check_rows(batch, st.temperature.shape[0])
     rows = jnp.arange(batch)
     children = jnp.asarray(tree.children)
     keys = request_keys(st, salt)  # [B] key

@@ -22,6 +22,8 @@ from nightjar_jax.engine.sampler import (
     request_keys,
     sample,
     sample_from_logprobs,
+    sample_from_probs,
+    top_k_ids,
 )
 
 NUM_DRAWS = 20_000
@@ -306,3 +308,54 @@ def test_apply_penalties_counts_the_drafts_before_each_position(shape) -> None:
         assert not np.allclose(want, committed)
     # no penalties in the batch: unchanged
     np.testing.assert_array_equal(apply_penalties(raw, st._replace(penalties=None)), raw)
+
+
+def test_per_row_tensors_must_match_the_batch():
+    """One row's SamplingTensors against a batch of 4 broadcast (every row on one PRNG key, four equal draws) with
+    no error; two rows against 4 failed deep in XLA ("div got incompatible shapes"). Both are a ValueError now."""
+    import jax.numpy as jnp
+
+    from nightjar_jax.spec.rejection import rejection_sample
+
+    logits = jnp.zeros((4, 8), jnp.float32)
+    for rows in (1, 2):
+        st = SamplingTensors.create(rows, temperature=1.0)
+        with pytest.raises(ValueError, match=f"SamplingTensors' rows: {rows} for a batch of 4 rows"):
+            sample(logits, st)
+        with pytest.raises(ValueError, match=f"SamplingTensors' rows: {rows} for a batch of 4 rows"):
+            rejection_sample(jnp.zeros((4, 2), jnp.int32), jnp.full((4, 2, 8), 1 / 8), jnp.full((4, 3, 8), 1 / 8), st)
+    st = SamplingTensors.create(4, temperature=1.0)
+    with pytest.raises(ValueError, match=r"target_probs has shape \(4, 2, 8\), needs \[4, 3, V\]"):
+        rejection_sample(jnp.zeros((4, 2), jnp.int32), jnp.full((4, 2, 8), 1 / 8), jnp.full((4, 2, 8), 1 / 8), st)
+    assert sample(logits, st).shape == (4,)
+
+
+def test_a_row_without_mass_draws_a_token_of_the_vocabulary():
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    for vocab in (8, 300, 600):  # (it drew 255, 511, 767: the padded block's last id)
+        probs = jnp.zeros((2, vocab)).at[1, 3].set(1.0)
+        assert sample_from_probs(probs, keys).tolist() == [0, 3]
+
+
+def test_top_k_ids_past_the_row_is_an_error():
+    import jax.numpy as jnp
+
+    x = jnp.asarray([[1.0, 2.0, 3.0]])
+    assert top_k_ids(x, 3).tolist() == [[2, 1, 0]]
+    for k in (4, 10):  # (4: id 0 twice, no error; 10: lax.top_k's own message)
+        with pytest.raises(ValueError, match=rf"top_k_ids: k={k} must be in \[0, 3\]"):
+            top_k_ids(x, k)
+
+
+def test_min_p_of_one_keeps_only_the_most_likely_tokens():
+    """vLLM takes min_p in [0, 1]; 1 keeps the tokens as likely as the most likely (it was refused: [0, 1))."""
+    import jax.numpy as jnp
+
+    from nightjar_jax.engine.sampling_params import SamplingParams
+
+    assert SamplingParams(min_p=1.0).min_p == 1.0
+    logits = jnp.asarray([[0.0, 2.0, 2.0, 1.0]])
+    probs = processed_probs(logits, SamplingTensors.create(1, temperature=1.0, min_p=1.0))
+    assert np.allclose(np.asarray(probs), [[0.0, 0.5, 0.5, 0.0]])

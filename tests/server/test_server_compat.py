@@ -206,7 +206,7 @@ def test_json_schema_needs_a_name(client):
 
 @pytest.mark.parametrize("field,value,allowed", [
     ("temperature", "NaN", "in [0, 100]"), ("temperature", "Infinity", "in [0, 100]"),
-    ("top_p", "NaN", "in (0, 1]"), ("min_p", "-Infinity", "in [0, 1)"),
+    ("top_p", "NaN", "in (0, 1]"), ("min_p", "-Infinity", "in [0, 1]"),
     ("presence_penalty", "NaN", "in [-2, 2]"), ("frequency_penalty", "Infinity", "in [-2, 2]"),
     ("repetition_penalty", "NaN", "in [0.000001, 100]"), ("length_penalty", "NaN", ""),
 ])
