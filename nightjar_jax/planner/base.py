@@ -223,8 +223,17 @@ class Planner(abc.ABC):
 
         The planner kind and gamma_max must match, and so must the options that give the state its meaning
         (`_identity`: e.g. nightjar's bucket_edges, which map context ids to batch sizes; static's K). The state is
-        checked before anything is restored: a refused state leaves this planner as it was.
+        checked before anything is restored: a refused state leaves this planner as it was. A malformed one (a key
+        missing, a value of the wrong type) is a ValueError too.
         """
+        try:
+            self._load_state_dict(state)
+        except (KeyError, TypeError, AttributeError, IndexError, OverflowError) as error:
+            what = f"no {error}" if isinstance(error, KeyError) else str(error)
+            raise ValueError(f"malformed planner state ({type(error).__name__}: {what}): load a state saved by "
+                             f"state_dict / to_json") from None
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(f"not a planner state (format {found!r}, expected {STATE_FORMAT!r})")
@@ -453,13 +462,24 @@ def check_number_option(
 
 
 def check_arm_lists(gamma_max: int, **lists: Any) -> None:
-    """ValueError unless every list of a loaded state has one entry per arm (gamma_max + 1)."""
+    """ValueError unless every list of a loaded state has one entry per arm (gamma_max + 1), each None (no value yet)
+    or a finite number >= 0 (counts, sums of rewards and seconds, variances: none is negative), or a list of them.
+    A negative count or a NaN sum was taken and failed later, inside a decision ("math domain error")."""
+    def bad(value: Any) -> bool:
+        if isinstance(value, list):
+            return any(bad(v) for v in value)
+        if value is None:
+            return False
+        return isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+
     for field, values in lists.items():
         if len(values) != gamma_max + 1:
             raise ValueError(
                 f"state's learned {field} has {len(values)} entries, expected {gamma_max + 1} (one per arm "
                 f"0..{gamma_max})"
             )
+        if bad(list(values)):
+            raise ValueError(f"state's learned {field} must hold finite numbers >= 0 (or None), got {values!r}")
 
 
 def _check_gamma_max(gamma_max: Any) -> None:

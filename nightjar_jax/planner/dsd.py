@@ -163,13 +163,15 @@ class DsdPlanner(Planner):
         moment = np.array(learned["moment"], dtype=float)
         if gram.shape != (3, 3) or moment.shape != (3,):
             raise ValueError(f"state's gram must be 3x3 and moment 3 long, got {gram.shape} and {moment.shape}")
+        if not (np.isfinite(gram).all() and np.isfinite(moment).all()):  # (None reads as NaN)
+            raise ValueError("state's gram and moment must hold finite numbers")
         fit, fitted_at = None, -1
         if learned.get("fit") is not None:  # (a state saved before the fit was kept: refit at the next decision)
             saved = learned["fit"]
             coefficients = saved["coefficients"]
             if coefficients is not None:
                 coefficients = np.array(coefficients, dtype=float)
-                if coefficients.shape != (3,):
+                if coefficients.shape != (3,) or not np.isfinite(coefficients).all():
                     raise ValueError(f"state's fit coefficients must be 3 numbers, got {saved['coefficients']!r}")
             alpha = None if saved["alpha"] is None else float(saved["alpha"])
             fit, fitted_at = (alpha, coefficients), int(saved["fitted_at"])

@@ -242,6 +242,39 @@ def test_load_state_dict_refuses_a_state_that_means_something_else_here():
         make_planner("nightjar", 4).load_state_dict(state)
 
 
+def _trained(spec: str):
+    planner = make_planner(spec, 3)
+    for i in range(60):
+        b = 1 + i % 5
+        planner.observe(planner.select(b), b, 2 * b, 0.01 + 0.001 * (i % 3))
+    return planner
+
+
+@pytest.mark.parametrize("spec, corrupt, message", [
+    # taken, then failed inside a later decision ("math domain error", "cannot convert float NaN to integer")
+    ("banditspec", lambda s: s["learned"]["counts"].__setitem__(3, -5), "learned counts must hold finite numbers"),
+    ("banditspec", lambda s: s["learned"]["reward_sums"].__setitem__(0, float("nan")),
+     "learned reward_sums must hold finite numbers"),
+    ("dsd", lambda s: s["learned"]["gram"][0].__setitem__(0, None), "gram and moment must hold finite numbers"),
+    ("nightjar", lambda s: next(iter(s["learned"]["contexts"].values()))["reward_sum"].__setitem__(1, float("inf")),
+     "learned reward_sum must hold finite numbers"),
+    # a KeyError, a TypeError, an OverflowError
+    ("banditspec", lambda s: s.pop("counters"), r"malformed planner state \(KeyError: no 'counters'\)"),
+    ("dsd", lambda s: s.__setitem__("counters", "x"), r"malformed planner state \(TypeError"),
+    ("nightjar", lambda s: s["learned"].pop("rng"), r"malformed planner state \(KeyError: no 'rng'\)"),
+])
+def test_a_corrupt_learned_state_is_refused_whole(spec, corrupt, message):
+    """A state whose learned values are out of their domain, or whose keys or types are wrong, is a ValueError at
+    load, and the planner is left as it was."""
+    state = json.loads(_trained(spec).to_json())
+    corrupt(state)
+    target = make_planner(spec, 3)
+    before = target.to_json()
+    with pytest.raises(ValueError, match=message):
+        target.load_state_dict(state)
+    assert target.to_json() == before
+
+
 def test_gamma_max_may_be_a_numpy_integer_but_not_a_bool_or_float():
     for spec in ("nightjar", "dsd", "static", "table", "banditspec", "ar"):
         planner = make_planner(spec, np.int64(4))
