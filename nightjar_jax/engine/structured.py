@@ -213,6 +213,78 @@ def grammar_cache_bytes() -> int:
     return max(1, min(int(mb * (1 << 20)), MAX_CACHE_BYTES))  # (xgrammar takes an int64)
 
 
+# xgrammar's string formats (json_schema_converter.cc); another is compiled as any string
+XGRAMMAR_STRING_FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri", "uri-reference",
+    "uri-template", "json-pointer", "relative-json-pointer"})
+# keywords xgrammar (0.2) compiles as if absent: an output breaking them still ends with finish reason "stop"
+_IGNORED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
+                     "dependentSchemas", "dependentRequired", "patternProperties")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")  # name -> schema
+_SCHEMA_VALUES = ("items", "additionalProperties", "additionalItems", "propertyNames", "unevaluatedItems",
+                  "unevaluatedProperties")  # a schema (or a list of them: tuple-form items)
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_REF_ANNOTATIONS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description",
+                              "examples", "default"})
+
+
+def unenforced_schema_feature(schema: Any) -> str | None:
+    """The first place a JSON schema asks for what the grammar backend would compile as if it were absent, as
+    "``keyword`` at ``path``" (None: every constraint is enforced). Outputs breaking such a constraint came back
+    with finish reason "stop" (``uniqueItems`` gave ``[1, 1, 2]``; an ``allOf`` of two objects let any JSON through);
+    vLLM's xgrammar backend refuses these schemas the same way (``has_xgrammar_unsupported_json_features``)."""
+
+    def walk(node: Any, path: str) -> str | None:
+        if not isinstance(node, dict):
+            return None
+        for keyword in _IGNORED_KEYWORDS:
+            if keyword in node:
+                return f"'{keyword}' at {path}"
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            return f"'allOf' of {len(node['allOf'])} schemas at {path} (one is enforced)"
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            if not (ref == "#" or ref.startswith("#/")):
+                return f"'$ref' to {ref!r} at {path} (only this schema's own '#/...' definitions are read)"
+            beside = sorted(set(node) - _REF_ANNOTATIONS)
+            if beside:
+                return f"'{beside[0]}' beside '$ref' at {path}"
+        types = node.get("type")
+        types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+        if "multipleOf" in node and types != {"integer"}:
+            return f"'multipleOf' on a non-integer at {path} (type 'integer' only)"
+        if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+            return f"'minLength' / 'maxLength' beside '{'pattern' if 'pattern' in node else 'format'}' at {path}"
+        if "format" in node and node["format"] not in XGRAMMAR_STRING_FORMATS:
+            return (f"'format': {clip(json.dumps(node['format']), 40)} at {path} (allowed: "
+                    f"{', '.join(sorted(XGRAMMAR_STRING_FORMATS))})")
+        required, properties = node.get("required"), node.get("properties")
+        if node.get("additionalProperties") is False and isinstance(required, list) and isinstance(properties, dict):
+            missing = [r for r in required if r not in properties]
+            if missing:
+                return (f"'required' {clip(json.dumps(missing), 60)} at {path}, which 'properties' lacks and "
+                        "'additionalProperties': false forbids (no object satisfies it)")
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                for name, sub in node[key].items():
+                    if (found := walk(sub, f"{path}/{key}/{name}")) is not None:
+                        return found
+        for key in _SCHEMA_VALUES:
+            value = node.get(key)
+            for i, sub in enumerate(value if isinstance(value, list) else [value]):
+                suffix = f"/{i}" if isinstance(value, list) else ""
+                if (found := walk(sub, f"{path}/{key}{suffix}")) is not None:
+                    return found
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                for i, sub in enumerate(node[key]):
+                    if (found := walk(sub, f"{path}/{key}/{i}")) is not None:
+                        return found
+        return None
+
+    return walk(schema, "#")
+
+
 class GrammarBackend:
     """Compiles constraints against one tokenizer's vocabulary (xgrammar); built on the first structured request.
     Compiled grammars are cached up to :func:`grammar_cache_bytes`."""
@@ -235,6 +307,16 @@ class GrammarBackend:
 
     def compile(self, spec: StructuredOutputs) -> Any:
         c = self._compiler
+        if spec.json is not None:
+            try:
+                parsed = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+            except ValueError:
+                parsed = None  # (not JSON: the compile below says so)
+            unenforced = unenforced_schema_feature(parsed)
+            if unenforced is not None:
+                raise InvalidRequestError(
+                    f"structured outputs: the JSON schema asks for {unenforced}, which the grammar backend (xgrammar) "
+                    "cannot enforce: an output could break it; drop or rewrite that part", "structured_outputs")
         try:
             if spec.json_object or spec.json is not None:  # (compact JSON: a small model may loop on whitespace)
                 schema = {"type": "object"} if spec.json_object else spec.json

@@ -187,6 +187,12 @@ def test_ignore_eos_still_ends_a_complete_output(llm):
     ({"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "the json constraint does not compile"),
     ({"json": "{not json"}, "the json constraint does not compile"),
     ({"grammar": "root ::= missing_rule"}, "the grammar constraint does not compile"),
+    # what xgrammar would compile as if it were absent (an output breaking it ended with "stop"): refused whole
+    ({"json": {"type": "array", "items": {"enum": [1, 2, 3]}, "uniqueItems": True}},
+     r"the JSON schema asks for 'uniqueItems' at #, which the grammar backend \(xgrammar\) cannot enforce"),
+    ({"json": json.dumps({"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-z]+$",
+                                                                  "maxLength": 3}}})},
+     r"'minLength' / 'maxLength' beside 'pattern' at #/properties/s"),
 ])
 def test_a_bad_constraint_is_that_requests_error_only(llm, spec, message):
     engine = llm.engine
@@ -405,3 +411,33 @@ def test_the_grammar_cache_is_bounded(llm, monkeypatch):
         monkeypatch.setenv("NIGHTJAR_XGRAMMAR_CACHE_MB", bad)
         with pytest.raises(ConfigError, match="NIGHTJAR_XGRAMMAR_CACHE_MB=.* must be a positive number of megabytes"):
             fake_engine()
+
+
+@pytest.mark.parametrize("schema, found", [
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, "'contains' at #"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "'not' at #/properties/a"),
+    ({"allOf": [{"type": "object", "required": ["a"]}, {"type": "object", "required": ["b"]}]},
+     "'allOf' of 2 schemas at # (one is enforced)"),
+    ({"type": "object", "properties": {"k": {}}, "if": {"required": ["k"]}, "then": {"required": ["v"]}}, "'if' at #"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "'dependentRequired' at #"),
+    ({"$ref": "https://example.com/s.json"}, "'$ref' to 'https://example.com/s.json' at #"),
+    ({"$defs": {"A": {"type": "object"}}, "$ref": "#/$defs/A", "required": ["b"]}, "'required' beside '$ref' at #"),
+    ({"type": "number", "multipleOf": 0.5}, "'multipleOf' on a non-integer at #"),
+    ({"type": "string", "format": "uri", "maxLength": 2083}, "'minLength' / 'maxLength' beside 'format' at #"),
+    ({"type": "array", "items": [{"type": "string", "format": "color"}]}, "'format': \"color\" at #/items/0"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"], "additionalProperties": False},
+     "'required' [\"b\"] at #, which 'properties' lacks"),
+    # enforced: none found (a property merely named like a keyword is no keyword)
+    ({"type": "object", "properties": {"uniqueItems": {"type": "integer", "multipleOf": 5, "minimum": 0},
+                                       "when": {"type": "string", "format": "date-time"},
+                                       "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+                                       "ref": {"$ref": "#/$defs/R", "description": "d"}},
+      "$defs": {"R": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "null"}]}},
+      "required": ["when"], "additionalProperties": False}, None),
+    ({"allOf": [{"type": "object"}]}, None),
+])
+def test_unenforced_schema_features_are_found(schema, found):
+    from nightjar_jax.engine.structured import unenforced_schema_feature
+
+    got = unenforced_schema_feature(schema)
+    assert got == found if found is None else got.startswith(found), got
