@@ -81,10 +81,21 @@ class StructuredOutputs:
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> StructuredOutputs:
-        """From a request body's ``structured_outputs`` object (vLLM's), unknown keys refused."""
+        """From a request body's ``structured_outputs`` object (vLLM's), unknown keys refused. vLLM's
+        ``disable_any_whitespace`` is taken either way (JSON is written compact here, which any-whitespace JSON
+        allows too), and ``whitespace_pattern`` / ``structural_tag`` at null only."""
         if not isinstance(spec, dict):
             raise InvalidRequestError("structured_outputs must be an object with one of "
                                       f"{', '.join(STRUCTURED_KINDS)}", "structured_outputs")
+        spec = dict(spec)
+        if not isinstance(spec.pop("disable_any_whitespace", False), bool):
+            raise InvalidRequestError("structured_outputs.disable_any_whitespace must be true or false",
+                                      "structured_outputs")
+        for key in ("whitespace_pattern", "structural_tag"):
+            if spec.get(key, None) is not None:
+                raise InvalidRequestError(f"structured_outputs.{key} is not supported here (JSON is written compact): "
+                                          "leave it out", "structured_outputs")
+            spec.pop(key, None)
         unknown = sorted(set(spec) - set(STRUCTURED_KINDS))
         if unknown:
             raise InvalidRequestError(f"structured_outputs has unknown keys {unknown}: allowed "

@@ -36,6 +36,14 @@ def test_exactly_one_valid_constraint():
         StructuredOutputs(choice=["a", ""])
     with pytest.raises(InvalidRequestError, match="unknown keys \\['pattern'\\]"):
         StructuredOutputs.from_dict({"pattern": "x"})
+    # vLLM's other keys: disable_any_whitespace either way (compact JSON is any-whitespace JSON too), the two others
+    # at null (each was "unknown keys")
+    for flag in (True, False):
+        assert StructuredOutputs.from_dict({"json_object": True, "disable_any_whitespace": flag}).json_object
+    assert StructuredOutputs.from_dict({"regex": "a", "whitespace_pattern": None, "structural_tag": None}).regex
+    for key, value in (("whitespace_pattern", "[ ]?"), ("structural_tag", "{}"), ("disable_any_whitespace", "yes")):
+        with pytest.raises(InvalidRequestError, match=f"structured_outputs.{key}"):
+            StructuredOutputs.from_dict({"json_object": True, key: value})
     sp = SamplingParams(structured_outputs={"choice": ["yes", "no"]})  # (vLLM's object, as a dict)
     assert sp.structured_outputs == StructuredOutputs(choice=("yes", "no"))
     with pytest.raises(InvalidRequestError, match="structured_outputs=.* allowed None, a StructuredOutputs or a dict"):
