@@ -161,7 +161,8 @@ class BothConstraints(TokenConstraint):
 
     def accept(self, token: int) -> bool:
         if not self.first.accept(token):
-            self.field = self.first.field
+            # (the two together allowing nothing here: bad_words, the second, banned all the constraint allows)
+            self.field = self.second.field if not self.allowed().any() else self.first.field
             return False
         if not self.second.accept(token):
             self.first.rollback(1)

@@ -366,6 +366,32 @@ def test_bad_words_beside_a_structured_output(llm, plain_llm):
     assert plain_llm.engine.num_free_pages == plain_llm.engine.num_total_pages
 
 
+def test_a_dead_end_of_both_constraints_is_blamed_on_bad_words():
+    """A structured output that allows only what bad_words ban: the dead end is bad_words' (it named the structured
+    output, which is fine alone). A token the structured output refuses while others remain is still its own."""
+    from nightjar_jax.engine.structured import BothConstraints, TokenConstraint
+
+    class Only(TokenConstraint):
+        def __init__(self, ids, field):
+            self.ids, self.field, self.vocab_size = set(ids), field, 4
+
+        def allowed(self):
+            return np.isin(np.arange(4), sorted(self.ids))
+
+        def accept(self, token):
+            return token in self.ids
+
+        def rollback(self, n):
+            pass
+
+    both = BothConstraints(Only([1], "structured_outputs"), Only([2, 3], "bad_words"))
+    assert not both.allowed().any() and not both.accept(0) and both.field == "bad_words"
+    both = BothConstraints(Only([1, 2], "structured_outputs"), Only([2, 3], "bad_words"))
+    assert both.allowed().tolist() == [False, False, True, False]
+    assert not both.accept(3) and both.field == "structured_outputs"
+    assert not both.accept(1) and both.field == "bad_words"
+
+
 def test_bad_words_walk_and_values():
     """``BadWords`` alone: a one-token word banned everywhere, a longer one's last token after the rest of it, the
     walk's masks after each draft (a tree's branches too), rolled back; bad values are clear errors."""
