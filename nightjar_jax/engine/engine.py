@@ -27,7 +27,7 @@ from nightjar_jax.config import ConfigError, EngineConfig, dtype_bytes
 from nightjar_jax.engine.generation_config import generation_defaults, generation_eos_ids
 from nightjar_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nightjar_jax.engine.request import FinishReason, Request
-from nightjar_jax.engine.runner import EVICT_MAP_SHARE, DecodeResult, ModelHandle, ModelRunner
+from nightjar_jax.engine.runner import EVICT_MAP_SHARE, EVICT_REGROWTH_SHARE, DecodeResult, ModelHandle, ModelRunner
 from nightjar_jax.engine.sampler import fold_seeds
 from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, short_repr
 from nightjar_jax.engine.scheduler import ScheduledBatch, Scheduler
@@ -283,6 +283,8 @@ class LLMEngine:
         self.memory: ElasticPolicy | None = None  # elastic memory (draft offload); None: off or no draft
         self._planner_speculates = False  # the planner chose γ > 0 for the last decode step it was asked about
         self._num_compiled_seen = 0  # runner.num_compiled() at the last memory-map check
+        self._maps_after_eviction: int | None = None  # the process's memory maps right after this engine's last drop
+        self._warned_maps_elsewhere = False
         if config.cache.draft_offload == "auto" and draft is not None:
             if self.runner.draft_device_bytes() < self.runner.target_page_bytes():
                 logger.warning("draft_offload=auto is off: the draft's %d device bytes would not make one KV page "
@@ -794,10 +796,24 @@ class LLMEngine:
         if compiled == self._num_compiled_seen:
             return
         short = self.runner.maps_short(EVICT_MAP_SHARE)
-        if short:
+        usage = self.runner.map_usage() if short else None
+        if short and usage is not None and self._maps_after_eviction is not None and (
+                usage[0] - self._maps_after_eviction < EVICT_REGROWTH_SHARE * usage[1]):
+            # The last eviction left the process short: what holds its maps is not this engine's variants (another
+            # engine's, other libraries'). Dropping the few compiled since would only compile them again at once, and
+            # did so every step (~2 s a step), so this engine waits until its own have grown again.
+            if not self._warned_maps_elsewhere:
+                self._warned_maps_elsewhere = True
+                logger.warning("this process stays short of memory maps after this engine dropped its compiled "
+                               "variants: other engines or libraries in the process hold them. It drops its own "
+                               "again only after they grow by %d maps. %s",
+                               int(EVICT_REGROWTH_SHARE * usage[1]), short)
+        elif short:
             dropped = self.runner.evict_compiled()
             self.stats.num_compile_evictions += 1
             logger.warning("dropped all %d compiled step variants (they compile again on use): %s", dropped, short)
+            after = self.runner.map_usage()
+            self._maps_after_eviction = None if after is None else after[0]
         self._num_compiled_seen = self.runner.num_compiled()
 
     # ---- sleep mode ---------------------------------------------------------------------------------------------

@@ -88,6 +88,9 @@ logger = logging.getLogger(__name__)
 # compiled on first use), and a step that compiled drops every compiled variant past the second (LLMEngine)
 WARMUP_MAP_SHARE = 0.6
 EVICT_MAP_SHARE = 0.85
+# after a drop that left the process short (the maps are held elsewhere), the next waits until the process holds
+# this share of the limit more than right after it: the engine's own variants grew enough for a drop to help
+EVICT_REGROWTH_SHARE = 0.05
 
 
 class _MapsShort(Exception):
@@ -1393,6 +1396,11 @@ class ModelRunner:
         short = self.maps_short(WARMUP_MAP_SHARE)
         if short:
             raise _MapsShort(short)
+
+    @staticmethod
+    def map_usage() -> tuple[int, int] | None:
+        """:func:`memory_map_usage`: the process's memory maps and the limit (None: unknown)."""
+        return memory_map_usage()
 
     def maps_short(self, share: float) -> str | None:
         """Why compiling more variants is unsafe, or None. On the CPU backend XLA maps every kernel of a compiled

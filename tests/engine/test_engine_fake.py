@@ -345,7 +345,7 @@ def test_compiles_stay_within_the_process_memory_maps(monkeypatch, caplog):
     """On the CPU backend every compiled variant maps ~250 memory regions and a compile past vm.max_map_count kills
     the process: a warm-up that finds 60% of them used stops with a warning that says how to fix it, and past 85% a
     step that compiled drops every compiled variant (the maps are freed; variants compile again on use, outputs
-    unchanged)."""
+    unchanged), once while the process stays short after it (maps held elsewhere), again after it grows by 5%."""
     import logging
 
     import jax
@@ -374,8 +374,17 @@ def test_compiles_stay_within_the_process_memory_maps(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         eng.add_request([3, 4, 5, 6, 7, 8, 9, 10, 11], greedy(6), request_id="b")
         assert run_all(eng) == {"b": expected([3, 4, 5, 6, 7, 8, 9, 10, 11], 6)}
-    assert eng.stats.num_compile_evictions >= 1 and "dropped all" in caplog.text
-    assert eng.runner.num_compiled() <= 2  # (what the steps after the last drop compiled again)
+    # one drop: the process stayed at 90% after it (the maps are held elsewhere), so the variants compiled since are
+    # kept, with one warning (they were dropped after every step that compiled one, ~2 s a step with SmolLM2)
+    assert eng.stats.num_compile_evictions == 1 and caplog.text.count("dropped all") == 1
+    assert caplog.text.count("other engines or libraries in the process hold them") == 1
+    assert eng.runner.num_compiled() > 2
+    # the process grows by 5% of the limit more: this engine's variants may hold them, and it drops them again
+    usage["used"] = 96
+    with caplog.at_level(logging.WARNING):
+        eng.add_request([3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], greedy(3), request_id="c")
+        assert run_all(eng) == {"c": expected([3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], 3)}
+    assert eng.stats.num_compile_evictions == 2
     assert eng.num_free_pages == eng.num_total_pages
 
 
