@@ -27,7 +27,14 @@ from nightjar_jax.config import ConfigError, EngineConfig, dtype_bytes
 from nightjar_jax.engine.generation_config import generation_defaults, generation_eos_ids
 from nightjar_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nightjar_jax.engine.request import FinishReason, Request
-from nightjar_jax.engine.runner import EVICT_MAP_SHARE, EVICT_REGROWTH_SHARE, DecodeResult, ModelHandle, ModelRunner
+from nightjar_jax.engine.runner import (
+    EVICT_CEILING_SHARE,
+    EVICT_MAP_SHARE,
+    EVICT_REGROWTH_SHARE,
+    DecodeResult,
+    ModelHandle,
+    ModelRunner,
+)
 from nightjar_jax.engine.sampler import fold_seeds
 from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, short_repr
 from nightjar_jax.engine.scheduler import ScheduledBatch, Scheduler
@@ -796,9 +803,12 @@ class LLMEngine:
         if compiled == self._num_compiled_seen:
             return
         short = self.runner.maps_short(EVICT_MAP_SHARE)
+        if not short:
+            self._maps_after_eviction = None  # (the process recovered: a next shortage drops at once)
         usage = self.runner.map_usage() if short else None
         if short and usage is not None and self._maps_after_eviction is not None and (
-                usage[0] - self._maps_after_eviction < EVICT_REGROWTH_SHARE * usage[1]):
+                usage[0] - self._maps_after_eviction < EVICT_REGROWTH_SHARE * usage[1]
+                and usage[0] < EVICT_CEILING_SHARE * usage[1]):  # (near the limit it drops whatever holds the maps)
             # The last eviction left the process short: what holds its maps is not this engine's variants (another
             # engine's, other libraries'). Dropping the few compiled since would only compile them again at once, and
             # did so every step (~2 s a step), so this engine waits until its own have grown again.
@@ -806,8 +816,8 @@ class LLMEngine:
                 self._warned_maps_elsewhere = True
                 logger.warning("this process stays short of memory maps after this engine dropped its compiled "
                                "variants: other engines or libraries in the process hold them. It drops its own "
-                               "again only after they grow by %d maps. %s",
-                               int(EVICT_REGROWTH_SHARE * usage[1]), short)
+                               "again only after they grow by %d maps, or past %d%% of the limit. %s",
+                               int(EVICT_REGROWTH_SHARE * usage[1]), int(100 * EVICT_CEILING_SHARE), short)
         elif short:
             dropped = self.runner.evict_compiled()
             self.stats.num_compile_evictions += 1

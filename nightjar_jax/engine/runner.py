@@ -91,6 +91,7 @@ EVICT_MAP_SHARE = 0.85
 # after a drop that left the process short (the maps are held elsewhere), the next waits until the process holds
 # this share of the limit more than right after it: the engine's own variants grew enough for a drop to help
 EVICT_REGROWTH_SHARE = 0.05
+EVICT_CEILING_SHARE = 0.95  # ... but past this share it drops after every step that compiled, whatever the cause
 
 
 class _MapsShort(Exception):
