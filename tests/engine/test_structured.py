@@ -457,8 +457,8 @@ def test_the_grammar_cache_is_bounded(llm, monkeypatch):
     ({"$ref": "https://example.com/s.json"}, "'$ref' to 'https://example.com/s.json' at #"),
     ({"$defs": {"A": {"type": "object"}}, "$ref": "#/$defs/A", "required": ["b"]}, "'required' beside '$ref' at #"),
     ({"type": "number", "multipleOf": 0.5}, "'multipleOf' on a non-integer at #"),
-    ({"type": "string", "format": "uri", "maxLength": 2083}, "'minLength' / 'maxLength' beside 'format' at #"),
-    ({"type": "array", "items": [{"type": "string", "format": "color"}]}, "'format': \"color\" at #/items/0"),
+    ({"type": "array", "items": [{"type": "string", "pattern": "^a+$", "minLength": 2}]},
+     "'minLength' / 'maxLength' beside 'pattern' at #/items/0"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"], "additionalProperties": False},
      "'required' [\"b\"] at #, which 'properties' lacks"),
     # enforced: none found (a property merely named like a keyword is no keyword)
@@ -469,6 +469,13 @@ def test_the_grammar_cache_is_bounded(llm, monkeypatch):
       "$defs": {"R": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "null"}]}},
       "required": ["when"], "additionalProperties": False}, None),
     ({"allOf": [{"type": "object"}]}, None),
+    # what pydantic and OpenAPI generate (a format is an annotation; annotations beside a $ref)
+    ({"type": "object", "properties": {"url": {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083},
+                                       "blob": {"type": "string", "format": "binary"},
+                                       "n": {"type": "integer", "format": "int64"},
+                                       "k": {"type": ["integer", "null"], "multipleOf": 5},
+                                       "old": {"$ref": "#/$defs/R", "deprecated": True, "readOnly": True}},
+      "$defs": {"R": {"type": "string"}}}, None),
 ])
 def test_unenforced_schema_features_are_found(schema, found):
     from nightjar_jax.engine.structured import unenforced_schema_feature
