@@ -318,13 +318,10 @@ class LLMEngine:
         self._uncharged_reload_seconds = 0.0
         # the model's end-of-sequence ids, its tokenizer's, and those its generation_config.json lists (vLLM adds
         # them to every request's stop ids: instruct models' end-of-turn tokens); a constraint may end at any of them
-        extra_eos = generation_eos_ids(config, target.config.vocab_size)
+        # (the tokenizer, which engines over one target may share, is left as it is)
         self._eos_ids = frozenset(target.config.eos_token_ids) | frozenset(
             getattr(tokenizer, "eos_token_ids", ()) or ()
-        ) | frozenset(extra_eos)
-        if tokenizer is not None and hasattr(tokenizer, "eos_token_ids"):
-            missing = tuple(t for t in extra_eos if t not in tokenizer.eos_token_ids)
-            tokenizer.eos_token_ids = tuple(tokenizer.eos_token_ids) + missing
+        ) | frozenset(generation_eos_ids(config, target.config.vocab_size))
         logger.info(
             "engine ready: target %s, draft %s, %d KV pages x %d tokens (%s), max_model_len %d, γ_max %d, planner %s",
             target.config.name, draft.config.name if draft else None, self.allocator.num_usable,
@@ -661,7 +658,7 @@ class LLMEngine:
                                               "structured_outputs")
                 from nightjar_jax.engine.structured import GrammarBackend
 
-                self._grammars = GrammarBackend(self.tokenizer, self.target.config.vocab_size)
+                self._grammars = GrammarBackend(self.tokenizer, self.target.config.vocab_size, self._eos_ids)
             return self._grammars
 
     def abort_request(self, request_id: str | Iterable[str]) -> RequestOutput | None | list[RequestOutput | None]:

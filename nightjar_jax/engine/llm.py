@@ -172,6 +172,9 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}")
         searches = [self.engine.new_beam_search(p, params) for p in prompts]
+        # (each search's steps carry its prompt's cache_salt: they share prefix-cache pages with that tenant only)
+        salts = {id(s): {"cache_salt": p["cache_salt"]} if isinstance(p, dict) and p.get("cache_salt") else {}
+                 for s, p in zip(searches, prompts, strict=True)}
         step = params.step_params()
         width = 2 * params.beam_width
         bar = _progress(len(searches), use_tqdm, desc="beam search")
@@ -179,7 +182,8 @@ class LLM:
             while not all(s.done for s in searches):
                 live = [s for s in searches if not s.done]
                 asks = [(s, ids) for s in live for ids in s.pending()]
-                outs = self.generate([{"prompt_token_ids": ids} for _, ids in asks], step, use_tqdm=False)
+                outs = self.generate([{"prompt_token_ids": ids, **salts[id(s)]} for s, ids in asks], step,
+                                     use_tqdm=False)
                 for s in live:
                     mine = [out for (owner, _), out in zip(asks, outs, strict=True) if owner is s]
                     s.advance([expansion(o.outputs[0].logprobs[0], width) for o in mine])

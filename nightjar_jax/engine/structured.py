@@ -286,7 +286,7 @@ class GrammarBackend:
     """Compiles constraints against one tokenizer's vocabulary (xgrammar); built on the first structured request.
     Compiled grammars are cached up to :func:`grammar_cache_bytes`."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Any = None):
         try:
             import xgrammar as xgr
         except ImportError as e:  # (optional dependency)
@@ -294,7 +294,7 @@ class GrammarBackend:
                                       f"'nightjar-jax[structured]' ({e})", "structured_outputs") from None
         self._xgr = xgr
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(_tokenizer_info(xgr, tokenizer, vocab_size),
+        self._compiler = xgr.GrammarCompiler(_tokenizer_info(xgr, tokenizer, vocab_size, eos_ids),
                                              cache_limit_bytes=grammar_cache_bytes())
 
     @property
@@ -334,9 +334,10 @@ class GrammarBackend:
         return RequestGrammar(self._xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, self._xgr)
 
 
-def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int) -> Any:
+def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, eos_ids: Any = None) -> Any:
     """xgrammar's view of the vocabulary: every token's bytes, from the transformers tokenizer (or one wrapping the
-    ``tokenizers`` backend), and the end-of-sequence ids that end a complete output."""
+    ``tokenizers`` backend), and the end-of-sequence ids that end a complete output (``eos_ids``: the engine's,
+    which its generation config may add to; None: the tokenizer's)."""
     from transformers import PreTrainedTokenizerFast
 
     hf = tokenizer.hf_tokenizer
@@ -346,7 +347,7 @@ def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int) -> Any:
             raise InvalidRequestError("structured outputs need a HF tokenizer (tokenizer.json); this model's "
                                       f"tokenizer is {type(backend).__name__}", "structured_outputs")
         hf = PreTrainedTokenizerFast(tokenizer_object=backend)
-    stop = list(tokenizer.eos_token_ids)
+    stop = sorted(eos_ids) if eos_ids is not None else list(tokenizer.eos_token_ids)
     if not stop:
         raise InvalidRequestError("structured outputs need an end-of-sequence token: this tokenizer has none",
                                   "structured_outputs")

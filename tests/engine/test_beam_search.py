@@ -183,6 +183,19 @@ def test_beams_share_their_cached_pages(stories):
     assert engine.stats.num_prefix_cache_hits > hits  # (the prompt's full pages computed once for every beam)
 
 
+def test_a_salted_beam_search_shares_pages_with_its_salt_only(stories):
+    """A prompt dict's cache_salt reaches the search's steps (they were sent unsalted): a later request of the same
+    prompt finds its pages under that salt only."""
+    engine = stories.engine
+    prompt = "The sun was shining and the birds were singing in the tall green trees by the river bank today."
+    stories.beam_search({"prompt": prompt, "cache_salt": "tenant-b"}, BeamSearchParams(beam_width=2, max_tokens=3))
+    params = SamplingParams(temperature=0, max_tokens=1)
+    (plain,) = stories.generate([prompt], params, use_tqdm=False)
+    (salted,) = stories.generate([{"prompt": prompt, "cache_salt": "tenant-b"}], params, use_tqdm=False)
+    assert plain.num_cached_tokens == 0 and salted.num_cached_tokens > 0
+    assert engine.num_free_pages == engine.num_total_pages
+
+
 def test_a_bad_prompt_fails_before_anything_runs(stories):
     engine = stories.engine
     steps = engine.stats.num_steps

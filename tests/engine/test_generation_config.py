@@ -206,3 +206,21 @@ def test_the_server_fills_unset_fields_from_them(served):
     body = resp.json()
     assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["finish_reason"] == "length"
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+
+
+def test_its_eos_ids_stay_the_engines_own(tmp_path):
+    """Engines over one target share its tokenizer (LLM.from_engine): one engine's generation-config eos ids reach
+    its own stop ids only. They were added to the shared tokenizer's eos_token_ids, which every engine over it then
+    stopped at."""
+    from nightjar_jax import LLMEngine
+
+    ckpt = load_checkpoint("stories260k")
+    folder = save_orbax(tmp_path / "m", ckpt.config, ckpt.state_dict)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 298]}))
+    base = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=64)
+    tok = base.engine.tokenizer
+    before = tuple(tok.eos_token_ids)
+    engine = LLMEngine(make_engine_config(model=str(folder), draft_model="none", max_model_len=128, num_pages=64),
+                       target=base.engine.target, tokenizer=tok)
+    assert 298 in engine._eos_ids and 298 not in base.engine._eos_ids
+    assert tuple(tok.eos_token_ids) == before
