@@ -78,8 +78,9 @@ CHATML_CHAT_TEMPLATE = (
 
 
 # SmolLM2-Instruct's own template (its tokenizer_config.json's, and its GGUF's): no tools, and an assistant turn
-# without content (a tool call) fails on None. SMOLLM2_CHAT_TEMPLATE renders every conversation this one renders
-# the same, and tools, calls and results too, so a checkpoint shipping this one is served with that one.
+# without content (a tool call) fails on None. SMOLLM2_CHAT_TEMPLATE renders every conversation without tool calls
+# or tool results the same, and those in SmolLM2's form (a tool result as a user turn in <tool_response> tags, where
+# this one wrote a "tool" turn), so a checkpoint shipping this one is served with that one.
 SMOLLM2_SHIPPED_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -20,6 +20,7 @@ given). When the client goes away the whole group is aborted, which frees its KV
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -287,6 +288,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     """The FastAPI app. The engine thread starts with the app (if not yet running) and stops when it shuts down."""
     engine = async_engine.engine
     metrics = metrics or ServerMetrics(engine, settings.served_model_name)
+    metrics_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nightjar-metrics")
     if metrics.on_output not in async_engine.hooks.on_output:
         async_engine.hooks.on_output.append(metrics.on_output)
     model_names = {settings.served_model_name, engine.config.model, *settings.served_model_aliases}
@@ -299,6 +301,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         yield
         logger.info("shutting down: aborting %d in-flight request(s)", async_engine.num_active_groups)
         await asyncio.get_running_loop().run_in_executor(None, async_engine.stop)
+        metrics_executor.shutdown(wait=False)
 
     docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if settings.disable_fastapi_docs else {}
     app = FastAPI(title="nightjar-jax", lifespan=lifespan, **docs)
@@ -899,8 +902,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     @app.head("/metrics", operation_id="metrics_head")
     async def prometheus_metrics():
         # (rendered off the event loop: a scrape during a draft move waits for it, and /health and the streams must
-        # not wait with it)
-        body = await asyncio.to_thread(metrics.render)
+        # not wait with it; in a thread of its own, so waiting scrapes hold none of the default pool's, which
+        # prepares chat and completion requests)
+        body = await asyncio.get_running_loop().run_in_executor(metrics_executor, metrics.render)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def need_tokenizer():
