@@ -49,6 +49,9 @@ _HELP = {
                          "ties by arrival), the lowest priority preempted first",
     "model": "a preset name (e.g. stories260k), a local folder / GGUF file, or a Hugging Face repo id",
     "tokenizer": "tokenizer folder or file (None: the model's own)",
+    "reasoning_parser": "a thinking model's <think> format (vLLM's): deepseek_r1 (the template opens the thought) or "
+                        "qwen3 (the model opens it, or not); structured outputs start after the thought, and serve "
+                        "returns chat answers' thoughts as reasoning_content",
     "draft_model": "draft model for speculative decoding (same spec forms as --model), auto (the target preset's "
                    "shipped draft), none, or ngram (no draft model: n-gram lookup's copies alone)",
     "num_speculative_tokens": "γ_max: the most draft tokens per step",

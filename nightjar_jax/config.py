@@ -24,6 +24,8 @@ WEIGHT_FORMATS = ("auto", "compact", "f32", "w4a8")  # how the CPU kernel holds 
 LOAD_FORMATS = ("auto", "hf", "safetensors", "gguf", "llama2c", "orbax", "dummy")
 KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: each model's own dtype
 DRAFT_OFFLOAD = ("off", "auto")  # elastic memory: never move the draft, or offload / reload it by load
+# vLLM's --reasoning-parser: how a thinking model marks its thought (nightjar_jax/engine/reasoning.py)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's: arrival order, or each request's priority (lower first)
 
 
@@ -337,6 +339,9 @@ class EngineConfig:
     generation_config: str = "auto"
     # set on top of those: a dict, or JSON text, e.g. {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 256}
     override_generation_config: str | dict | None = None
+    # vLLM's: a thinking model's parser (deepseek_r1, qwen3): a structured output starts after the thought
+    # (nightjar_jax/engine/reasoning.py); the server also splits chat answers' thoughts off as reasoning_content
+    reasoning_parser: str | None = None
     # vLLM's: accepted, and nothing changes: no code is run from a checkpoint here (every architecture is this
     # package's own Llama), so there is no remote code to trust
     trust_remote_code: bool = False
@@ -360,6 +365,8 @@ class EngineConfig:
         _check_int("seed", self.seed, 0, 2**63 - 1)
         _check(isinstance(self.generation_config, str) and bool(self.generation_config), "generation_config",
                self.generation_config, "auto, vllm, or a folder / generation_config.json path")
+        _check(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
+               self.reasoning_parser, f"None or one of {REASONING_PARSERS}")
         _check(self.override_generation_config is None or isinstance(self.override_generation_config, (str, dict)),
                "override_generation_config", self.override_generation_config, "None, a dict or a JSON object's text")
 

@@ -76,12 +76,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "is only a list of calls, [f(a=1)], as Llama 3.2 and 4 write them)",
     )
     group.add_argument(
-        "--reasoning-parser",
-        default=None,
-        help="split a thinking model's <think> text from its chat answers, returned as reasoning_content (vLLM's): "
-        "deepseek_r1 (the template opens the thought) or qwen3 (the model opens it, or not)",
-    )
-    group.add_argument(
         "--enable-sleep-mode",
         action="store_true",
         help="serve vLLM's sleep-mode endpoints: POST /sleep?level=1 moves the weights to host memory and frees the "
@@ -187,7 +181,7 @@ def reasoning_parser(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     """The --reasoning-parser, checked before the model loads (None: off)."""
     if args.reasoning_parser is None:
         return None
-    from nightjar_jax.server.reasoning_parsers import REASONING_PARSERS
+    from nightjar_jax.config import REASONING_PARSERS
 
     if args.reasoning_parser not in REASONING_PARSERS:
         parser.error(f"--reasoning-parser must be one of: {', '.join(REASONING_PARSERS)}; "

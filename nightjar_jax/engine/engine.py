@@ -305,6 +305,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._grammars = None  # structured outputs' GrammarBackend, built on first use
+        self._thought_tags = None  # reasoning_parser's ThoughtTags (reasoning.py), built with the grammar backend
         self._grammars_lock = threading.Lock()
         # held while the draft moves (offload, reload): a reader on another thread (the server's /metrics scrape)
         # takes it never to see a move half made (the draft gone, its extension pool not yet attached: every page
@@ -562,6 +563,8 @@ class LLMEngine:
             raise InvalidRequestError("the structured output's constraint allows no output at all (no token but an "
                                       "end-of-sequence one can start it): give one that some non-empty text matches",
                                       "structured_outputs")
+        if grammar is not None and self.config.reasoning_parser is not None:
+            grammar = self._after_thought(grammar, ids)
         if params.bad_words:
             grammar = self._with_bad_words(grammar, params, vocab)
         # (the PRNG key's 32 bits, folded once here rather than in every step's sampling tensors)
@@ -648,6 +651,18 @@ class LLMEngine:
                                       "bad_words")
         return bad if grammar is None else BothConstraints(grammar, bad)
 
+    def _after_thought(self, grammar, ids: list[int]):
+        """A structured output under ``reasoning_parser``: applied after the output's thought (``reasoning.py``), or
+        from the first token when the prompt closed one (thinking turned off)."""
+        from nightjar_jax.engine.reasoning import ANSWERING, AfterThought, thought_phase
+
+        phase = thought_phase(self.config.reasoning_parser,
+                              self.tokenizer.decode(ids[-16:], skip_special_tokens=False))  # (its end decides)
+        if phase == ANSWERING:
+            return grammar
+        self.grammar_backend()  # (the tags: built with it)
+        return AfterThought(grammar, self._thought_tags, phase)
+
     def grammar_backend(self):
         """Structured outputs' compiler for this engine's vocabulary, built on the first call (seconds: xgrammar reads
         the vocabulary; the server calls it off the engine's thread before it queues the first such request)."""
@@ -659,6 +674,10 @@ class LLMEngine:
                 from nightjar_jax.engine.structured import GrammarBackend
 
                 self._grammars = GrammarBackend(self.tokenizer, self.target.config.vocab_size, self._eos_ids)
+                if self.config.reasoning_parser is not None:  # (the vocabulary's bytes, read here once: ~0.2 s)
+                    from nightjar_jax.engine.reasoning import ThoughtTags
+
+                    self._thought_tags = ThoughtTags(self.tokenizer, self.target.config.vocab_size)
             return self._grammars
 
     def abort_request(self, request_id: str | Iterable[str]) -> RequestOutput | None | list[RequestOutput | None]:

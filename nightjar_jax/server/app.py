@@ -44,7 +44,14 @@ from nightjar_jax.config import ModelConfig
 from nightjar_jax.engine.beam_search import BeamSearchOutput, expansion
 from nightjar_jax.engine.engine import SLEEP_TAGS
 from nightjar_jax.engine.outputs import RequestOutput
-from nightjar_jax.engine.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams, clip, short_repr
+from nightjar_jax.engine.sampling_params import (
+    MAX_LOGPROBS,
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutputs,
+    clip,
+    short_repr,
+)
 from nightjar_jax.models.tokenizer import ChatTemplateArgumentError, IncrementalDetokenizer, template_message
 from nightjar_jax.server import reasoning_parsers, tool_parsers
 from nightjar_jax.server.async_engine import AsyncEngine, EngineShuttingDown, GroupStream
@@ -287,12 +294,29 @@ def check_checkpoint(spec: str, served: ModelConfig, engine_config) -> None:
 def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
     """The FastAPI app. The engine thread starts with the app (if not yet running) and stops when it shuts down."""
     engine = async_engine.engine
+    # the engine's reasoning parser starts structured outputs after the thought (engine/reasoning.py); the server
+    # splits answers with it too, unless told another one
+    gated = getattr(engine.config, "reasoning_parser", None)
+    if gated is not None and settings.reasoning_parser not in (None, gated):
+        raise ValueError(f"the server's reasoning_parser {settings.reasoning_parser!r} is not its engine's {gated!r}: "
+                         "structured outputs start after the engine's thought, and the answers would be split by "
+                         "another; give the same one (or None: the engine's)")
+    if gated is not None and settings.reasoning_parser is None:
+        settings = dataclasses.replace(settings, reasoning_parser=gated)
     metrics = metrics or ServerMetrics(engine, settings.served_model_name)
     metrics_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nightjar-metrics")
     if metrics.on_output not in async_engine.hooks.on_output:
         async_engine.hooks.on_output.append(metrics.on_output)
     model_names = {settings.served_model_name, engine.config.model, *settings.served_model_aliases}
     created = int(time.time())
+
+    def splits_thought(spec: StructuredOutputs | None) -> bool:
+        """A chat answer's thought is split off (reasoning_content): a reasoning parser is set, and the request has
+        no structured output or one that starts after the thought (the engine's parser), or a regex or grammar,
+        which may write one; else a JSON schema, JSON object or choice applies from the first token and leaves no
+        room for a thought."""
+        return settings.reasoning_parser is not None and (spec is None or gated is not None or spec.regex is not None
+                                                          or spec.grammar is not None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -1217,11 +1241,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             return prompt_logprobs_json(lps and top_entries(lps, list(out.prompt_token_ids), req.prompt_logprobs))
 
         constrained = call is not None and call[0] != "auto"  # (a named or required call: the output is JSON)
-        # reasoning split from the answer (--reasoning-parser); a JSON schema, JSON object or choice constraint (and
-        # so a named or required tool call) leaves no room for a thought, a regex or grammar may write one
+        # reasoning split from the answer (--reasoning-parser): a named or required tool call's arguments follow it
         spec = params.structured_outputs
-        thinks = settings.reasoning_parser is not None and (spec is None or spec.regex is not None
-                                                            or spec.grammar is not None)
+        thinks = splits_thought(spec)
         if req.stream:
             sent = [0] * size  # per choice: tokens whose log-probabilities went out
             prompt_sent = [False] * size  # per choice: prompt_logprobs went out
@@ -1263,22 +1285,24 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 comp = out.outputs[0]
                 if constrained:  # a tool call's arguments stream as the model writes them (as vLLM's)
                     delta, finish = {}, comp.finish_reason
+                    reasoning, text = text_delta(index, comp)  # (the arguments follow a thought)
                     if named_ids:  # (the output is the named function's arguments)
-                        if not named_started[index]:
+                        if not named_started[index] and (text or comp.finished):
                             named_started[index] = True
                             delta = {"tool_calls": [{"index": 0, "id": named_ids[index], "type": "function",
-                                                     "function": {"name": call[1][0]["name"],
-                                                                  "arguments": comp.delta_text}}]}
-                        elif comp.delta_text:
-                            delta = {"tool_calls": [{"index": 0, "function": {"arguments": comp.delta_text}}]}
+                                                     "function": {"name": call[1][0]["name"], "arguments": text}}]}
+                        elif text:
+                            delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
                     else:  # required: the calls of a JSON array, each once its name is complete
-                        calls = required[index].feed(comp.delta_text)
+                        calls = required[index].feed(text)
                         if calls:
                             delta = {"tool_calls": calls}
                         if comp.finished:  # (as answered whole: content when no call got a name, else the calls)
                             whole, finish = answer(call, required[index].text, finish)
                             if "tool_calls" not in whole and whole.get("content"):
                                 delta = {"content": whole["content"]}
+                    if reasoning:
+                        delta = {"reasoning_content": reasoning, **delta}
                     if not delta and not comp.finished:
                         return None  # (its tokens' log-probabilities go with the next chunk that is sent)
                 else:
@@ -1394,8 +1418,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                                  prompt_param="input")
         created = int(time.time())
         spec = params.structured_outputs
-        thinks = settings.reasoning_parser is not None and (spec is None or spec.regex is not None
-                                                            or spec.grammar is not None)
+        thinks = splits_thought(spec)
 
         def message(text: str, status: str) -> dict[str, Any]:
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nightjar_jax.config import REASONING_PARSERS  # noqa: F401 (the names, for callers)
+from nightjar_jax.engine.reasoning import ANSWERING, END, START, THINKING, thought_phase
 from nightjar_jax.server.tool_parsers import prefix_tail
-
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
-START, END = "<think>", "</think>"
 
 
 @dataclass
@@ -40,11 +39,9 @@ class ReasoningStream:
     _opened: bool = False  # the output starts inside the thought (deepseek_r1, or a prompt that opened it)
 
     def __post_init__(self) -> None:
-        if self.parser not in REASONING_PARSERS:
-            raise ValueError(f"unknown reasoning parser {self.parser!r}: choose one of {', '.join(REASONING_PARSERS)}")
-        end = self.prompt.rstrip()
-        self._opened = self.parser == "deepseek_r1" or end.endswith(START)
-        if end.endswith(END):  # (thinking off: the template wrote an empty thought)
+        phase = thought_phase(self.parser, self.prompt)  # (the engine's reading of the prompt, reasoning.py)
+        self._opened = phase == THINKING
+        if phase == ANSWERING:  # (thinking off: the template wrote an empty thought)
             self._state = "answering"
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
