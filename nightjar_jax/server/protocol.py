@@ -481,6 +481,8 @@ class ChatCompletionRequest(_SamplingFields):
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     modalities: list[str] | None = None
     functions: Any = None  # (OpenAI's deprecated forms of tools and tool_choice)
     function_call: Any = None
@@ -497,6 +499,8 @@ class ChatCompletionRequest(_SamplingFields):
             ("audio", self.audio is not None, ""),
             ("prediction", self.prediction is not None, ""),
             ("web_search_options", self.web_search_options is not None, ""),
+            ("moderation", self.moderation is not None, ""),
+            ("prompt_cache_options", bool(self.prompt_cache_options), ""),
             ("modalities", self.modalities not in (None, ["text"]), ""),
             ("functions", self.functions is not None, "OpenAI's deprecated 'functions': use 'tools'"),
             ("function_call", self.function_call is not None, "OpenAI's deprecated 'function_call': use 'tool_choice'"),
@@ -782,6 +786,12 @@ class ResponsesRequest(_Strict):
     prompt: dict[str, Any] | None = None
     conversation: str | dict[str, Any] | None = None
     max_tool_calls: int | None = None
+    moderation: dict[str, Any] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    access_programs: Any = None
+    background_options: dict[str, Any] | None = None
+    context_management: list[Any] | None = None
+    image: dict[str, Any] | None = None
 
     def check(self) -> None:
         unsupported = [
@@ -802,6 +812,14 @@ class ResponsesRequest(_Strict):
             ("conversation", self.conversation is not None,
              "conversations are not stored here: send the whole conversation as 'input'"),
             ("max_tool_calls", self.max_tool_calls is not None, "tools are served on /v1/chat/completions"),
+            ("moderation", self.moderation is not None, "no moderation is run here"),
+            ("prompt_cache_options", bool(self.prompt_cache_options),
+             "prefix caching needs no options: it finds shared prefixes by their tokens"),
+            ("access_programs", bool(self.access_programs), "not served"),
+            ("background_options", bool(self.background_options), "responses run in the foreground"),
+            ("context_management", bool(self.context_management),
+             "no context is managed here: send the conversation as 'input'"),
+            ("image", bool(self.image), "the models this server runs write text"),
         ]
         for name, bad, why in unsupported:
             if bad:

@@ -277,7 +277,8 @@ def test_common_openai_fields_accepted(client):
     neutral = dict(n=None, extra_body={"safety_identifier": "s1", "prompt_cache_key": "k1", "reasoning_effort": None,
                                        "spaces_between_special_tokens": True,
                                        "verbosity": None, "modalities": ["text"], "audio": None, "prediction": None,
-                                       "web_search_options": None, "prompt_cache_retention": None})
+                                       "web_search_options": None, "prompt_cache_retention": None,
+                                       "moderation": None, "prompt_cache_options": {}})
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                  max_tokens=2, stream=True, **neutral,
                                                  stream_options={"include_usage": True, "include_obfuscation": False}))
@@ -285,7 +286,9 @@ def test_common_openai_fields_accepted(client):
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=None, extra_body={
         "safety_identifier": "s1", "prompt_cache_key": "k1"}).choices[0].text is not None
     responses = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, extra_body={
-        "safety_identifier": "s1", "prompt": None, "conversation": None, "max_tool_calls": None})
+        "safety_identifier": "s1", "prompt": None, "conversation": None, "max_tool_calls": None, "moderation": None,
+        "prompt_cache_options": {}, "access_programs": None, "background_options": None, "context_management": None,
+        "image": None})
     assert responses.usage.output_tokens == 2
 
 
@@ -582,7 +585,9 @@ def test_responses_api(client, server):
                                                                             "max_output_tokens"),
                          ({"max_output_tokens": True}, "max_output_tokens"), ({"input": "hello " * 300}, "input"),
                          ({"text": {"format": {"type": "json_schema", "name": 5, "schema": {}}}}, "text"),
-                         ({"background": True}, "background"), ({"reasoning": {"effort": "high"}}, "reasoning")]:
+                         ({"background": True}, "background"), ({"reasoning": {"effort": "high"}}, "reasoning"),
+                         ({"moderation": {"model": "m"}}, "moderation"),
+                         ({"context_management": [{"type": "compaction"}]}, "context_management")]:
         bad = post(server, "/v1/responses", {"model": MODEL, "input": "hi", **extra})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (extra, bad.text)
     neutral = {"background": False, "include": [], "stream_options": {"include_obfuscation": False},
@@ -889,6 +894,8 @@ FIELD_CASES = [
      None, "spaces_between_special_tokens", "is not supported"),
     ("reasoning_effort on a model without it", "/v1/chat/completions", {**CHAT, "reasoning_effort": "high"}, None,
      "reasoning_effort", "is not supported"),
+    ("moderation asked for", "/v1/chat/completions", {**CHAT, "moderation": {"model": "m"}}, None, "moderation",
+     "is not supported"),
     ("audio output", "/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, None, "modalities",
      "is not supported"),
     ("a stored prompt", "/v1/responses", {"input": "x", "prompt": {"id": "p1"}}, None, "prompt",
