@@ -459,7 +459,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         if name is not None and name not in model_names:
             raise APIError(
                 404,
-                f"the model '{name}' does not exist; this server serves '{settings.served_model_name}'",
+                f"the model '{name}' does not exist; this server serves '{settings.served_model_name}'"
+                + "".join(f" (also named '{alias}')" for alias in settings.served_model_aliases),
                 type="not_found_error",
                 param="model",
                 code="model_not_found",

@@ -81,6 +81,9 @@ def test_models_and_health(server, client):
     assert client.models.retrieve("tiny").id == "tiny"
     answer = client.completions.create(model="tiny", prompt="Once", max_tokens=2)
     assert answer.model == MODEL  # (responses carry the first name, as vLLM)
+    with pytest.raises(openai.NotFoundError, match="does not exist; this server serves 'tiny-stories' .also named "
+                                                   "'tiny'."):
+        client.completions.create(model="gpt-4", prompt="Once", max_tokens=2)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("gpt-4")
     assert httpx.get(server.url + f"/v1/models/{MODEL}").status_code == 401  # (no key)
