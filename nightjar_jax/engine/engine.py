@@ -565,6 +565,8 @@ class LLMEngine:
                                       "structured_outputs")
         if grammar is not None and self.config.reasoning_parser is not None:
             grammar = self._after_thought(grammar, ids)
+        if grammar is not None and (params.allowed_token_ids or params.min_tokens):
+            self._check_first_token(grammar, params, vocab)
         if params.bad_words:
             grammar = self._with_bad_words(grammar, params, vocab)
         # (the PRNG key's 32 bits, folded once here rather than in every step's sampling tensors)
@@ -628,6 +630,40 @@ class LLMEngine:
         bans until it is reached; an id past the vocabulary never comes."""
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_ids)
         return tuple(sorted(t for t in stop if t < vocab))
+
+    def _check_first_token(self, grammar, params: SamplingParams, vocab: int) -> None:
+        """A structured output beside ``allowed_token_ids`` or ``min_tokens`` (vLLM applies both with it: a token must
+        pass all): an error naming the field when together they leave no token to start with."""
+        first = grammar.allowed()
+        if params.allowed_token_ids:
+            if not first[params.allowed_token_ids].any():
+                raise InvalidRequestError(
+                    f"allowed_token_ids {short_repr(sorted(params.allowed_token_ids))} hold no token the structured "
+                    f"output can start with: allow one it can, or drop allowed_token_ids", "allowed_token_ids")
+            first = first & np.isin(np.arange(vocab), params.allowed_token_ids)
+        if params.min_tokens:
+            first[list(self._stop_ids(params, vocab))] = False
+            if not first.any():
+                raise InvalidRequestError(
+                    f"min_tokens={params.min_tokens} bans the stop tokens (EOS, stop_token_ids), and the structured "
+                    f"output allows nothing else to start with: drop min_tokens", "min_tokens")
+
+    def _dead_end_field(self, r: Request) -> str:
+        """The field a constraint's dead end is blamed on (its mask left the step's row nothing to draw from):
+        ``bad_words``, ``allowed_token_ids`` or ``min_tokens`` where they banned every token it allows, else the
+        constraint's own."""
+        if r.grammar.field == "bad_words":
+            return "bad_words"
+        mask = r.grammar.allowed()
+        if r.sampling.allowed_token_ids:
+            if not mask[r.sampling.allowed_token_ids].any():
+                return "allowed_token_ids"
+            mask = mask & np.isin(np.arange(len(mask)), r.sampling.allowed_token_ids)
+        if r.stop_ids and r.under_min_tokens:
+            mask[list(r.stop_ids)] = False
+            if not mask.any():
+                return "min_tokens"
+        return r.grammar.field
 
     def _with_bad_words(self, grammar, params: SamplingParams, vocab: int):
         """``bad_words`` as a token constraint (``structured.BadWords``), beside a structured output's if any. Words
@@ -1244,14 +1280,23 @@ class LLMEngine:
         eos = self._eos_ids if not sp.ignore_eos else ()
         new_ids: list[int] = []
         for j, tok in enumerate(tokens):
-            if r.grammar is not None and not r.grammar.accept(tok):  # (its mask allowed only what it accepts)
+            dead = None
+            if r.stop_ids and r.under_min_tokens and tok in r.stop_ids:
+                dead = "min_tokens"  # (banned there: drawn only from a row with nothing left, as a constraint leaves)
+            elif r.grammar is not None and not r.grammar.accept(tok):  # (its mask allowed only what it accepts)
+                dead = self._dead_end_field(r)
+            if dead is not None:
                 # a dead end: the step's row had nothing left to draw from (e.g. bad_words beside allowed_token_ids
-                # at a later position), and what it returned is not kept
-                what = ("bad_words leave no allowed token" if r.grammar.field == "bad_words"
-                        else "the structured output's constraint allows no token")
-                r.error = (f"{what} after the output so far (token {tok} came and was dropped): it cannot be "
-                           f"completed, and the request ended there")
-                r.error_field = r.grammar.field  # (a dead end of the constraint, not an engine fault)
+                # at a later position, or a structured output complete before min_tokens), and what it returned is
+                # not kept
+                what = {"bad_words": "bad_words leave no allowed token",
+                        "allowed_token_ids": "allowed_token_ids hold no token the structured output allows",
+                        "min_tokens": f"min_tokens={sp.min_tokens} bans the stop tokens, the only ones the "
+                                      f"constraints allow"}.get(dead,
+                                                                "the structured output's constraint allows no token")
+                r.error = (f"{what} after the output's {len(r.output_token_ids)} tokens: it cannot be completed, and "
+                           f"the request ended there")
+                r.error_field = dead  # (a dead end of the constraints, not an engine fault)
                 self._detokenize(r, [], final=True)
                 self._finish(r, FinishReason.ERROR)
                 break

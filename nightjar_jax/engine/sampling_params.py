@@ -192,13 +192,6 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise InvalidRequestError(f"SamplingParams.structured_outputs={short_repr(self.structured_outputs)} is "
                                       "invalid: allowed None, a StructuredOutputs or a dict", "structured_outputs")
-        if self.structured_outputs is not None and self.allowed_token_ids:  # (two masks that may share no token)
-            raise InvalidRequestError("SamplingParams.allowed_token_ids is invalid with structured_outputs: allowed "
-                                      "None (the constraint decides which tokens may come)", "allowed_token_ids")
-        if self.structured_outputs is not None and self.min_tokens:  # (a complete output allows only EOS)
-            raise InvalidRequestError(f"SamplingParams.min_tokens={short_repr(self.min_tokens)} is invalid with "
-                                      "structured_outputs: allowed 0 (the constraint decides where the output ends)",
-                                      "min_tokens")
         checks = [
             *((isinstance(getattr(self, name), bool), name, "True or False")
               for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize")),

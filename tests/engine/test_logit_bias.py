@@ -110,8 +110,7 @@ def test_allowed_token_ids_in_sampled_rows_and_errors():
     for bad in ([], [-1], ["3"]):
         with pytest.raises(ValueError, match="allowed_token_ids"):
             SamplingParams(allowed_token_ids=bad)
-    with pytest.raises(ValueError, match="allowed_token_ids is invalid with structured_outputs"):
-        SamplingParams(allowed_token_ids=[3], structured_outputs={"choice": ["a"]})
+    assert SamplingParams(allowed_token_ids=[3], structured_outputs={"choice": ["a"]}).allowed_token_ids == [3]
     # every allowed token a stop token that min_tokens bans: nothing could be generated (it used to sample banned ones)
     eos_engine = fake_engine(eos=7)
     for allowed, stops in [([7], []), ([7, 9], [9])]:

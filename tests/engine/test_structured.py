@@ -48,8 +48,7 @@ def test_exactly_one_valid_constraint():
     assert sp.structured_outputs == StructuredOutputs(choice=("yes", "no"))
     with pytest.raises(InvalidRequestError, match="structured_outputs=.* allowed None, a StructuredOutputs or a dict"):
         SamplingParams(structured_outputs="json")
-    with pytest.raises(InvalidRequestError, match="min_tokens=3 is invalid with structured_outputs: allowed 0"):
-        SamplingParams(min_tokens=3, structured_outputs={"regex": "[a-z]+"})
+    assert SamplingParams(min_tokens=3, structured_outputs={"regex": "[a-z]+"}).min_tokens == 3  # (vLLM's: both)
 
 
 # ---- the engine (stories260K) ---------------------------------------------------------------------------------------
@@ -188,6 +187,48 @@ def test_ignore_eos_still_ends_a_complete_output(llm):
                             structured_outputs=StructuredOutputs(choice=["yes", "no"]))
     out = _generate(llm, ["Is it sunny?"], params)[0]
     assert out.finish_reason == "stop" and out.text in ("yes", "no")
+
+
+def test_allowed_token_ids_and_min_tokens_beside_a_constraint(llm, plain_llm):
+    """As vLLM applies them with a structured output: a token must pass the constraint and ``allowed_token_ids``, and
+    ``min_tokens`` bans the stop tokens until it is met, speculating or not (greedy: the tokens of plain decoding).
+    Where together they leave nothing, at the start it is the request's error naming the field, later the request
+    ends with finish reason "error" naming it (a choice complete before min_tokens allows only EOS). Both were
+    refused with any structured output."""
+    yes, no = ([int(t) for t in _generate(llm, ["Hi"], SamplingParams(temperature=0, max_tokens=8,
+                structured_outputs=StructuredOutputs(choice=[word])))[0].token_ids if t not in llm.engine._eos_ids]
+               for word in ("yes", "no"))  # (the tokens that spell each as an output)
+    choice = StructuredOutputs(choice=["yes", "no"])
+    digits = StructuredOutputs(regex="[0-9]+")
+    pick = SamplingParams(temperature=0, max_tokens=8, structured_outputs=choice,
+                          allowed_token_ids=no + sorted(llm.engine._eos_ids))  # (the end too: a complete choice's)
+    longer = SamplingParams(temperature=0, max_tokens=12, structured_outputs=digits, min_tokens=6)
+    sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=12, structured_outputs=digits, min_tokens=6)
+    for engine_llm in (llm, plain_llm):
+        outs = _generate(engine_llm, ["Is it sunny?", "Once upon a time", "The little dog"], [pick, longer, sampled])
+        assert outs[0].text == "no" and outs[0].finish_reason == "stop"
+        assert all(len(o.token_ids) >= 6 and re.fullmatch("[0-9]+", o.text) for o in outs[1:]), outs
+    assert [o.token_ids for o in _generate(llm, ["Once upon a time"], longer)] == [
+        o.token_ids for o in _generate(plain_llm, ["Once upon a time"], longer)]
+    engine = llm.engine
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids .* hold no token the structured output can start "
+                                                  "with") as err:
+        engine.add_request("Hi", SamplingParams(max_tokens=4, structured_outputs=choice, allowed_token_ids=[5, 6]))
+    assert err.value.field == "allowed_token_ids"
+    with pytest.raises(InvalidRequestError, match="min_tokens=1 bans the stop tokens") as err:
+        engine.add_request("Hi", SamplingParams(max_tokens=4, structured_outputs=choice, min_tokens=1,
+                                                allowed_token_ids=yes[:1], stop_token_ids=yes[:1]))
+    assert err.value.field == "min_tokens"
+    for params, field in [  # (a choice complete, min_tokens not met; a space no allowed token starts)
+        (SamplingParams(temperature=0, max_tokens=8, structured_outputs=choice, min_tokens=max(len(yes), len(no)) + 2),
+         "min_tokens"),
+        (SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputs(choice=["yes yes"]),
+                        allowed_token_ids=yes), "allowed_token_ids"),
+    ]:
+        (out,) = llm.generate(["Is it sunny?"], params, use_tqdm=False)
+        assert out.outputs[0].finish_reason == "error" and out.error_field == field, (field, out)
+        assert out.outputs[0].text in ("yes", "no"), out  # (the output before the dead end kept)
+    assert not engine.has_unfinished_requests() and engine.num_free_pages == engine.num_total_pages
 
 
 @pytest.mark.parametrize("spec, message", [
