@@ -36,7 +36,7 @@ from nightjar_jax.engine.runner import (
     ModelRunner,
 )
 from nightjar_jax.engine.sampler import fold_seeds
-from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, short_repr
+from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, child_params, short_repr
 from nightjar_jax.engine.scheduler import ScheduledBatch, Scheduler
 from nightjar_jax.memory import ElasticPolicy, MemoryAction, PoolState
 from nightjar_jax.planner.base import MAX_STEP_SECONDS
@@ -303,6 +303,10 @@ class LLMEngine:
         self.stats = EngineStats(accepted_per_position=[0] * gamma_max, drafted_per_position=[0] * gamma_max)
         self.record_steps = record_steps
         self.requests: dict[str, Request] = {}
+        # add_request with n > 1 (_add_parent): each parent's sequences not finished yet, and each sequence's parent
+        # and index
+        self._parents: dict[str, int] = {}
+        self._child_of: dict[str, tuple[str, int]] = {}
         self._rng = random.Random(config.seed)
         self._grammars = None  # structured outputs' GrammarBackend, built on first use
         self._thought_tags = None  # reasoning_parser's ThoughtTags (reasoning.py), built with the grammar backend
@@ -503,7 +507,7 @@ class LLMEngine:
                                       f"--scheduling-policy priority); this engine serves in arrival order (fcfs), "
                                       f"where only 0 is allowed", "priority")
         if params.n != 1:
-            raise InvalidRequestError("LLMEngine.add_request takes n=1; LLM.generate and the server fan n out", "n")
+            return self._add_parent(prompt, params, request_id, arrival_time, priority)
         if arrival_time is not None:
             try:  # (numpy scalars are numbers.Real too; 10**400 overflows float())
                 ok = isinstance(arrival_time, numbers.Real) and not isinstance(arrival_time, bool) and math.isfinite(
@@ -550,12 +554,7 @@ class LLMEngine:
         if request_id is not None and not (isinstance(request_id, str) and request_id):
             raise InvalidRequestError(f"request_id must be a non-empty string (or None: the engine numbers it), got "
                                       f"{request_id!r}", "request_id")
-        if request_id is None:
-            request_id = str(next(self._ids))
-            while request_id in self.requests:  # (a caller's own id may be a number the counter reaches)
-                request_id = str(next(self._ids))
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        request_id = self._free_request_id(request_id)
         grammar = None if params.structured_outputs is None else self.grammar_backend().matcher(
             params.structured_outputs)
         if grammar is not None and set(np.flatnonzero(grammar.allowed()).tolist()) <= set(self._eos_ids):
@@ -590,6 +589,45 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.stats.num_prompt_tokens += len(ids)
+        return request_id
+
+    def _free_request_id(self, request_id: str | None) -> str:
+        """``request_id`` when no running request (or n > 1 parent) holds it, else an error; None: the next number
+        free."""
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while request_id in self.requests or request_id in self._parents:  # (a caller's id may be a number)
+                request_id = str(next(self._ids))
+        if request_id in self.requests or request_id in self._parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        return request_id
+
+    def _add_parent(self, prompt, params: SamplingParams, request_id: str | None, arrival_time: float | None,
+                    priority: int) -> str:
+        """vLLM's ``n > 1`` in ``add_request``: ``n`` requests of one sequence each, ids ``"{i}_{request_id}"``
+        (``sampling_params.child_params``: seed ``seed + i`` when seeded), whose outputs come back under the
+        parent's id with their ``index``; an output is ``finished`` once every sequence is. Aborting the parent's
+        id aborts them all."""
+        if request_id is not None and not (isinstance(request_id, str) and request_id):
+            raise InvalidRequestError(f"request_id must be a non-empty string (or None: the engine numbers it), got "
+                                      f"{request_id!r}", "request_id")
+        request_id = self._free_request_id(request_id)
+        ids = [f"{i}_{request_id}" for i in range(params.n)]
+        taken = [c for c in ids if c in self.requests or c in self._parents]
+        if taken:
+            raise InvalidRequestError(f"request id {taken[0]!r}, one of the n={params.n} sequences of "
+                                      f"{request_id!r}, is already in use", "request_id")
+        added: list[str] = []
+        try:  # (the first raises for a bad request, before anything is queued)
+            for i, child in enumerate(ids):
+                added.append(self.add_request(prompt, child_params(params, i), request_id=child,
+                                              arrival_time=arrival_time, priority=priority))
+        except BaseException:
+            self.abort_request(added)
+            raise
+        self._parents[request_id] = params.n
+        for i, child in enumerate(ids):
+            self._child_of[child] = (request_id, i)
         return request_id
 
     def truncate_prompt(self, text: str | None, ids: list[int], params: SamplingParams
@@ -721,6 +759,10 @@ class LLMEngine:
         None when no such request is unfinished; several ids (vLLM's iterable): a list of those."""
         if not isinstance(request_id, str):
             return [self.abort_request(rid) for rid in list(request_id)]
+        if request_id in self._parents:  # (n > 1: every sequence; the last output is the finished one)
+            outs = [self.abort_request(child) for child, (parent, _) in list(self._child_of.items())
+                    if parent == request_id]
+            return next((o for o in reversed(outs) if o is not None), None)
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return None
@@ -1399,6 +1441,16 @@ class LLMEngine:
                                  list(r.token_times))
         if r.is_finished:
             self.requests.pop(r.request_id, None)
-        return RequestOutput(r.request_id, r.prompt, list(r.prompt_token_ids), [comp], r.is_finished, metrics,
-                             r.error, r.error_field, prompt_logprobs=r.prompt_logprobs_snapshot(),
-                             num_cached_tokens=r.num_cached_tokens)
+        out = RequestOutput(r.request_id, r.prompt, list(r.prompt_token_ids), [comp], r.is_finished, metrics,
+                            r.error, r.error_field, prompt_logprobs=r.prompt_logprobs_snapshot(),
+                            num_cached_tokens=r.num_cached_tokens)
+        link = self._child_of.get(r.request_id)
+        if link is not None:  # one of n sequences: under its parent's id, finished with the last of them
+            out.request_id, comp.index = link
+            if r.is_finished:
+                del self._child_of[r.request_id]
+                self._parents[out.request_id] -= 1
+                if not self._parents[out.request_id]:
+                    del self._parents[out.request_id]
+            out.finished = out.request_id not in self._parents
+        return out

@@ -11,7 +11,7 @@ from nightjar_jax.config import make_engine_config
 from nightjar_jax.engine.beam_search import BeamSearchOutput, BeamSearchParams, expansion
 from nightjar_jax.engine.engine import LLMEngine
 from nightjar_jax.engine.outputs import CompletionOutput, RequestOutput
-from nightjar_jax.engine.sampling_params import SamplingParams, short_repr
+from nightjar_jax.engine.sampling_params import SamplingParams, child_params, short_repr
 from nightjar_jax.models.tokenizer import template_message
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class LLM:
         try:
             for i, (prompt, sp, prio) in enumerate(zip(prompts, params, priorities, strict=True)):
                 for j in range(sp.n):
-                    child = _child_params(sp, j)
+                    child = child_params(sp, j)
                     rid = engine.add_request(prompt, child, request_id=f"gen-{id(self)}-{i}-{j}", priority=prio)
                     children[rid] = (i, j)
         except Exception:
@@ -268,15 +268,6 @@ def _vllm_options(kwargs: dict[str, Any]) -> dict[str, Any]:
             raise ValueError("block_size and page_size are one option (vLLM's name and this engine's): give one")
         kwargs["page_size"] = kwargs.pop("block_size")
     return kwargs
-
-
-def _child_params(sp: SamplingParams, index: int) -> SamplingParams:
-    if sp.n == 1:
-        return sp
-    import dataclasses
-
-    # (best_of goes with n: a child of one sequence ranks nothing)
-    return dataclasses.replace(sp, n=1, best_of=None, seed=None if sp.seed is None else (sp.seed + index) % 2**63)
 
 
 def _progress(total: int, use_tqdm, desc: str = "generate"):

@@ -272,3 +272,14 @@ def _is_id(x: object) -> bool:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def child_params(sp: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of sequence ``index`` of ``sp.n`` (n = 1 each; seed ``(seed + index) mod 2**63`` when seeded,
+    so the n sequences differ and each is reproducible)."""
+    if sp.n == 1:
+        return sp
+    import dataclasses
+
+    # (best_of goes with n: a child of one sequence ranks nothing)
+    return dataclasses.replace(sp, n=1, best_of=None, seed=None if sp.seed is None else (sp.seed + index) % 2**63)

@@ -146,6 +146,43 @@ def test_ids_given_by_the_engine_skip_ids_callers_chose():
     assert set(run_all(eng)) == {"1", *given}
 
 
+def test_add_request_with_n_runs_n_sequences_under_one_id():
+    """vLLM's ``LLMEngine.add_request`` with ``n > 1``: sequences ``"{i}_{id}"`` (seeds ``seed + i``, as
+    ``LLM.generate`` gives them), each output under the parent's id with its ``index``, ``finished`` with the last
+    sequence; aborting the parent aborts them all, its pages back at once. It was an error."""
+    from nightjar_jax.engine.llm import LLM
+    from nightjar_jax.engine.sampling_params import SamplingParams
+
+    eng = fake_engine(draft=True, num_speculative_tokens=2)
+    sampled = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6)
+    assert eng.add_request(PROMPTS[0], sampled, request_id="p") == "p"
+    assert sorted(eng.requests) == ["0_p", "1_p", "2_p"]
+    finals, flags = {}, []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            assert out.request_id == "p" and len(out.outputs) == 1
+            flags.append(out.finished)
+            if out.outputs[0].finished:
+                finals[out.outputs[0].index] = out.outputs[0].token_ids
+    assert flags[-1] and not any(flags[:-1]) and sorted(finals) == [0, 1, 2]
+    (whole,) = LLM.from_engine(eng).generate([PROMPTS[0]], sampled, use_tqdm=False)
+    assert {c.index: c.token_ids for c in whole.outputs} == finals
+    eng.add_request(PROMPTS[0], SamplingParams(n=2, max_tokens=40), request_id="q")
+    eng.step()
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request(PROMPTS[0], greedy(2), request_id="q")  # (the parent's id is taken too)
+    with pytest.raises(ValueError, match="'1_r', one of the n=2 sequences of 'r', is already in use"):
+        eng.add_request(PROMPTS[1], greedy(2), request_id="1_r") and eng.add_request(
+            PROMPTS[0], SamplingParams(n=2, max_tokens=2), request_id="r")
+    last = eng.abort_request("q")
+    assert last.request_id == "q" and last.finished and last.outputs[0].finish_reason == "abort"
+    assert set(eng.requests) == {"1_r"}
+    with pytest.raises(ValueError, match="max_tokens"):  # (a bad request: nothing of it queued)
+        eng.add_request(PROMPTS[0], SamplingParams(n=2, max_tokens=0))
+    run_all(eng)
+    assert not eng.requests and eng.num_free_pages == eng.num_total_pages
+
+
 def test_stop_reason_is_the_stop_token_asked_for_and_none_at_eos():
     """vLLM's ``stop_reason``: the id of a ``stop_token_ids`` token that ended the request, None when the
     end-of-sequence token did (it was the EOS id: code telling a natural end from a stop token by ``is None`` erred);
