@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nightjar_jax.bench.common import (  # noqa: E402
     DEFAULT_DATASET,
+    dataset_texts,
     draft_spec,
-    load_prompt_texts,
     machine_note,
     make_prompt_ids,
     model_spec,
@@ -119,9 +119,11 @@ def main() -> None:
     ap.add_argument("--warmup", action="store_true",
                     help="compile every greedy decode variant first (LLMEngine.warmup without prefill chunks: for auto "
                          "the extended layout's too)")
-    ap.add_argument("--dataset", default=DEFAULT_DATASET)
+    ap.add_argument("--dataset", default=DEFAULT_DATASET,
+                    help="JSONL with 'turns' (the default, where absent: built-in prompts)")
     ap.add_argument("--out", type=writable_out, default="results/bench_elastic.json")
     args = ap.parse_args()
+    texts = dataset_texts(args.dataset, default=DEFAULT_DATASET)  # (before the models load)
 
     from nightjar_jax import LLM
 
@@ -140,7 +142,7 @@ def main() -> None:
     engine = llms["off"].engine
     tok = engine.tokenizer
     chat = tok is not None and getattr(tok, "chat_template", None) is not None
-    prompts, source = make_prompt_ids(tok, load_prompt_texts(args.dataset), args.num_prompts, args.prompt_len,
+    prompts, source = make_prompt_ids(tok, texts, args.num_prompts, args.prompt_len,
                                       engine.target.config.vocab_size, chat=chat)
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     for r in range(args.warmup_rounds + args.rounds):  # the first compile (the extended layout's variants too)

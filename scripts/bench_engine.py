@@ -33,10 +33,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nightjar_jax.bench.common import (  # noqa: E402
     DEFAULT_DATASET,
     ReadProbe,
+    dataset_texts,
     host_share,
     int_at_least,
     int_list,
-    load_prompt_texts,
     machine_note,
     make_prompt_ids,
     memory_bandwidth_gbs,
@@ -49,7 +49,7 @@ from nightjar_jax.bench.common import (  # noqa: E402
     writable_out,
     write_json,
 )
-from nightjar_jax.config import KV_CACHE_DTYPES, WEIGHT_FORMATS  # noqa: E402
+from nightjar_jax.config import DTYPES, KV_CACHE_DTYPES, VLLM_DTYPES, WEIGHT_FORMATS  # noqa: E402
 
 logger = logging.getLogger("bench_engine")
 
@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=int_list(1, as_text=True), default="1,4,16,32,64")
     p.add_argument("--prompt-len", type=positive_int, default=32)
     p.add_argument("--output-len", type=int_at_least(2), default=32)
-    p.add_argument("--dataset", default=DEFAULT_DATASET, help="JSONL with 'turns'; synthetic ids if absent")
+    p.add_argument("--dataset", default=DEFAULT_DATASET, help="JSONL with 'turns' (the default, where absent: "
+                   "synthetic ids)")
     p.add_argument("--host-batch", type=positive_int, default=32, help="batch size for the host-side share")
     p.add_argument("--bandwidth-mib", type=positive_int, default=1024)
     p.add_argument("--interleaved-steps", type=non_negative_int, default=160,
@@ -85,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time a second engine holding one array per layer and weight kind "
                         "(NIGHTJAR_STACK_LAYERS=0; the engine stacks them over the layers on the CPU kernels)")
     p.add_argument("--repeats", type=positive_int, default=2, help="timed runs per batch size (best kept)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", choices=(*DTYPES, *VLLM_DTYPES))
     p.add_argument("--out", type=writable_out, default="results/bench_engine.json")
     return p.parse_args(argv)
 
@@ -210,6 +211,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     max_batch = max(batch_sizes + [args.host_batch])
+    texts = dataset_texts(args.dataset, default=DEFAULT_DATASET, fallback=())  # (before the minutes of loading)
     from nightjar_jax import LLM
 
     meta = machine_note()
@@ -255,7 +257,6 @@ def main() -> None:
     print(f"weights {weight_bytes / 2**20:.0f} MiB read by a batch-1 step ({f32_bytes / 2**20:.0f} MiB as float32, "
           f"{state_bytes(llm.engine.runner.target.model_state()) / 2**20:.0f} MiB held) -> batch-1 "
           f"floor {1e3 * floor_s:.1f} ms/token ({1 / floor_s:.1f} tok/s)", flush=True)
-    texts = load_prompt_texts(args.dataset)
     all_prompts, source = make_prompt_ids(llm.get_tokenizer(), texts, max_batch, args.prompt_len,
                                           llm.engine.target.config.vocab_size)
 

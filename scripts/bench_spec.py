@@ -7,7 +7,9 @@ timed greedy runs (fastest kept) of ``--output-len`` tokens per sequence on real
 engine's step log (decode steps only; prefill excluded):
 
 - tok/s: committed tokens / (decode-step seconds - draft catch-up seconds). Catch-up is the draft's own prefill
-  of the prompt on the first speculative step; it is excluded like the target's prefill and reported apart.
+  of the prompt on the first speculative step; it is excluded like the target's prefill and reported apart. The
+  JSON rows' ``tpot_ms``, ``draft_share`` and ``verify_share`` are over the same seconds (``decode_seconds``
+  there is the steps' whole wall, catch-up included, ``catchup_seconds`` apart).
 - mean accepted length: committed tokens per sequence per decode step (1.0 for AR).
 - draft / verify split: seconds in ``propose`` vs the target's verify pass, as a share of decode time.
 
@@ -46,11 +48,15 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nightjar_jax.bench.common import (  # noqa: E402
+    BUILT_IN_PROMPTS,
     DEFAULT_DATASET,
     check_planner,
+    dataset_texts,
+    draft_gap,
     draft_spec,
+    int_at_least,
+    int_in_range,
     int_list,
-    load_prompt_texts,
     machine_note,
     make_prompt_ids,
     name_list,
@@ -61,6 +67,7 @@ from nightjar_jax.bench.common import (  # noqa: E402
     writable_out,
     write_json,
 )
+from nightjar_jax.config import DTYPES, VLLM_DTYPES  # noqa: E402
 from nightjar_jax.planner import known_planners  # noqa: E402
 
 MODELS = {  # target -> best available draft: the distilled draft for SmolLM2 (issue 8), a layer-skip copy for stories
@@ -75,13 +82,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma list from {list(MODELS)}")
     p.add_argument("--drafts", default="",
                    help="comma list of drafts (presets or folders) to compare on each target, timed interleaved "
-                        "(default: the target's best draft, MODELS)")
+                        "(default: the target's best draft, MODELS); none drafts nothing, so it is refused where a "
+                        "γ > 0 runs")
     p.add_argument("--tree-nodes", default="0", type=int_list(0, as_text=True),
                    help="comma list of token-tree sizes per draft (0: the chain), timed interleaved")
     p.add_argument("--prompt-lookup", default="0", type=int_list(0, as_text=True),
                    help="comma list of n-gram lookup sizes per draft (prompt_lookup_max; 0: off, the engine's "
                         "default is 3), labelled +lookupN, timed interleaved")
-    p.add_argument("--prompt-lookup-min", type=positive_int, default=2)
+    p.add_argument("--prompt-lookup-min", type=int_in_range(1, 64), default=2,
+                   help="shortest n-gram the lookup matches (prompt_lookup_min; at most each --prompt-lookup > 0)")
     p.add_argument("--tree-min-gamma", type=positive_int, default=1,
                    help="tree variants use the tree at γ >= this, chains below (spec_tree_min_gamma)")
     p.add_argument("--planner", default="",
@@ -95,14 +104,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompt tokens (with --chat: the longest prompt; shorter questions stay whole)")
     p.add_argument("--chat", action="store_true",
                    help="whole questions in the model's chat template (answers, not continued prose)")
-    p.add_argument("--output-len", type=positive_int, default=32)
-    p.add_argument("--dataset", default=DEFAULT_DATASET, help="JSONL with 'turns'; synthetic ids if absent")
+    p.add_argument("--output-len", type=int_at_least(2), default=32,
+                   help="tokens per sequence (>= 2: the first comes from the prefill, the rest are timed)")
+    p.add_argument("--dataset", default=DEFAULT_DATASET,
+                   help="JSONL with 'turns' (the default, where absent: synthetic ids; with --chat built-in "
+                        "prompts)")
     p.add_argument("--repeats", type=positive_int, default=2,
                    help="timed runs per cell (fastest kept; the machine is shared)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", choices=(*DTYPES, *VLLM_DTYPES))
     p.add_argument("--out", default="results/bench_spec.json", type=writable_out)
     args = p.parse_args(argv)
-    for draft in filter(None, args.drafts.split(",")):
+    drafts = args.drafts.split(",") if args.drafts else []
+    if not all(d.strip() for d in drafts):
+        p.error(f"argument --drafts: {args.drafts!r} has an empty entry: name each draft (leave --drafts out for "
+                "each target's best draft)")
+    for draft in drafts:
         try:
             draft_spec(draft)
         except argparse.ArgumentTypeError as exc:
@@ -112,6 +128,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"argument --gammas: {','.join(over)} past --gamma-max {args.gamma_max} (the compiled maximum)")
     if args.gamma_max == 0 and (args.planner or args.drafts):
         p.error("--gamma-max 0 decodes plainly: a --planner or --drafts needs --gamma-max >= 1")
+    lookups = [int(n) for n in args.prompt_lookup.split(",")]
+    if any(0 < n < args.prompt_lookup_min for n in lookups):
+        p.error(f"argument --prompt-lookup-min: {args.prompt_lookup_min} is past a --prompt-lookup of "
+                f"{args.prompt_lookup}: allowed at most each size > 0")
+    speculates = args.gamma_max > 0 and (args.planner or args.gammas is None
+                                          or any(int(g) > 0 for g in args.gammas.split(",")))
+    for draft in drafts if speculates else ():  # (every γ > 0 cell of a draft-less entry timed plain decoding)
+        gap = next(filter(None, (draft_gap(draft, m, n) for m in args.models.split(",") for n in lookups)), None)
+        if gap:
+            p.error(f"argument --drafts: {gap}: its γ > 0 cells would time plain decoding (name a draft, or "
+                    "--gammas 0 for plain decoding only)")
+    if args.chat:  # (a tokenizer without one failed after the models loaded)
+        from nightjar_jax.models.loader import load_checkpoint
+
+        plain = [m for m in args.models.split(",")
+                 if getattr(load_checkpoint(m, load_format="dummy").tokenizer, "chat_template", None) is None]
+        if plain:
+            p.error(f"argument --chat: {', '.join(plain)} has no chat template: drop --chat, or give --models "
+                    "without it")
     if args.planner:  # (an unknown name was the engine's ValueError, after the models loaded)
         try:
             check_planner(args.planner, args.gamma_max)
@@ -170,11 +205,12 @@ def bench_model(model: str, args: argparse.Namespace, batch_sizes: list[int], te
                     runs[d].append(run_decode_workload(llms[d], prompts, args.output_len, gamma))
             for d in drafts:
                 run = min(runs[d], key=lambda r: (r.decode_seconds - r.catchup_seconds) / r.committed_tokens)
-                spec_seconds = run.decode_seconds - run.catchup_seconds
+                spec_seconds = run.decode_seconds - run.catchup_seconds  # (catch-up excluded, like prefill)
                 row = run.as_dict()
                 row.update(model=model, draft=d, tree_nodes=variants[d][1], prompt_lookup_max=variants[d][2],
                            prompt_source=source,
                            tokens_per_second=run.committed_tokens / spec_seconds,
+                           tpot_ms=1e3 * spec_seconds / run.num_decode_steps / run.mean_accepted_length,
                            draft_share=run.draft_seconds / spec_seconds,
                            verify_share=run.verify_seconds / spec_seconds)
                 rows.append(row)
@@ -224,7 +260,7 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     meta = machine_note()
     print(f"# {meta['date']}  cpus={meta['cpu_count']}  load={meta['loadavg_at_start']}", flush=True)
-    texts = load_prompt_texts(args.dataset)
+    texts = dataset_texts(args.dataset, default=DEFAULT_DATASET, fallback=BUILT_IN_PROMPTS if args.chat else ())
     rows = []
     for model in args.models.split(","):
         rows += bench_model(model, args, batch_sizes, texts)

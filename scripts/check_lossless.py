@@ -11,7 +11,8 @@ kernel whose row's result depends on the other rows of its call shows here withi
     python scripts/check_lossless.py --weight-formats w4a8 --prompts 28 --max-tokens 256 --out results/lossless.json
     python scripts/check_lossless.py --max-num-seqs 4     # SD batched: verify steps of 4 sequences' rows
 
-Prints a table and writes JSON; exits 1 when any output differs (so it can gate a change).
+Prints a table and writes JSON; exits 1 when any output differs (so it can gate a change), 3 when nothing was
+checked (no prompt fits, or a speculative run drafted no token: its outputs are plain decoding's), 2 on a bad flag.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from nightjar_jax.bench.common import (  # noqa: E402
     check_planner,
+    draft_gap,
     draft_spec,
     int_in_range,
     name_list,
@@ -40,6 +42,7 @@ from nightjar_jax.planner import known_planners  # noqa: E402
 # distill_draft.heldout_ids(): the first 2 MT-Bench questions of each of its 8 categories and the first 4 Spec-Bench
 # questions of each of its 5 own categories (eval_draft.py keeps the 28 of them under 384 tokens; this script all)
 NUM_HELDOUT_PROMPTS = 36
+DIFFERS, NOTHING_CHECKED = 1, 3  # exit codes (2: argparse's usage error)
 
 
 def first_difference(want: list[int], got: list[int]) -> int | None:
@@ -86,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default="smollm2-135m-instruct", type=smollm2_model,
                     help="a model with SmolLM2's tokenizer (the prompts are SmolLM2 token ids)")
     ap.add_argument("--draft", default="auto", type=draft_spec,
-                    help="the draft (default: the target preset's paired draft)")
+                    help="the draft (default: the target preset's paired draft; 'ngram': n-gram lookup's copies); "
+                         "not none: a run that drafts nothing checks nothing")
     ap.add_argument("--weight-formats", default="auto,w4a8", type=name_list(WEIGHT_FORMATS),
                     help=f"comma-separated engine weight formats, each of {WEIGHT_FORMATS}")
     ap.add_argument("--planners", default="static:4,nightjar", type=planner_list(),
@@ -101,6 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the SD engines' batch (the reference decodes one prompt at a time)")
     ap.add_argument("--out", default="results/check_lossless.json", type=writable_out)
     args = ap.parse_args(argv)
+    gap = draft_gap(args.draft, args.model)
+    if gap:
+        ap.error(f"argument --draft: {gap}: the check compares speculative decoding with plain decoding, so it needs "
+                 "'auto' (a model with a paired draft), 'ngram' or a draft model")
     for planner in args.planners:  # (its argument against --gamma: "static:8" at --gamma 4 failed after the models)
         try:
             check_planner(planner, args.gamma)
@@ -110,17 +118,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def fitting_prompts(prompts: list[list[int]], max_tokens: int, max_model_len: int) -> list[list[int]]:
-    """The prompts with room for ``max_tokens`` under ``max_model_len``; SystemExit when none has (a run that
-    compared nothing must not pass as lossless)."""
+    """The prompts with room for ``max_tokens`` under ``max_model_len``; SystemExit(NOTHING_CHECKED) when none has
+    (a run that compared nothing must not pass as lossless)."""
     fit = [p for p in prompts if len(p) + max_tokens <= max_model_len]
     if len(fit) < len(prompts):
         print(f"{len(prompts) - len(fit)} prompts skipped: prompt + --max-tokens over --max-model-len {max_model_len}")
     if not fit:
         shortest = min((len(p) for p in prompts), default=0)
-        raise SystemExit(f"no prompt checked: none of the {len(prompts)} prompts fits --max-tokens {max_tokens} in "
-                         f"--max-model-len {max_model_len} (the shortest has {shortest} tokens); raise "
-                         "--max-model-len or lower --max-tokens")
+        print(f"no prompt checked: none of the {len(prompts)} prompts fits --max-tokens {max_tokens} in "
+              f"--max-model-len {max_model_len} (the shortest has {shortest} tokens); raise --max-model-len or lower "
+              "--max-tokens", file=sys.stderr)
+        raise SystemExit(NOTHING_CHECKED)
     return fit
+
+
+def exit_code(rows: list[dict]) -> int:
+    """DIFFERS when any output left plain decoding's; else NOTHING_CHECKED, said on stderr, when a speculative run
+    drafted no token (its outputs are plain decoding's: equal without checking anything); else 0."""
+    if any(r["differing"] for r in rows):
+        return DIFFERS
+    idle = [f"{r['weight_format']} / {r['planner']}" for r in rows if r.get("drafted") == 0]
+    if idle:
+        print(f"nothing checked: the speculative run(s) {idle} drafted no token (the planner never speculated, or "
+              "the draft proposed nothing): their outputs are plain decoding's", file=sys.stderr)
+        return NOTHING_CHECKED
+    return 0
 
 
 def main() -> None:
@@ -147,7 +169,7 @@ def main() -> None:
         json.dump({"model": args.model, "draft": args.draft, "max_tokens": args.max_tokens, "rows": rows}, f,
                   indent=1)
     print(f"wrote {args.out}")
-    sys.exit(1 if any(r["differing"] for r in rows) else 0)
+    sys.exit(exit_code(rows))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 from distill_draft import ASSET_DIR, TARGET, chat_ids, heldout_ids, load_prompts, target_tokenizer  # noqa: E402
 
 from nightjar_jax.bench.common import (  # noqa: E402
+    draft_gap,
+    draft_model,
+    float_in_range,
     int_at_least,
+    int_in_range,
     machine_note,
     make_parent,
     non_negative_int,
@@ -190,17 +194,19 @@ def is_feature_draft(draft: str) -> bool:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", default=str(ASSET_DIR.parent / "smollm2-eagle"),
-                    help="a draft checkpoint folder (default: the default pair's feature draft)")
+    ap.add_argument("--draft", default=str(ASSET_DIR.parent / "smollm2-eagle"), type=draft_model,
+                    help="a draft checkpoint folder or preset ('auto': the target's paired draft; default: the "
+                         "default pair's feature draft)")
     ap.add_argument("--gamma", type=positive_int, default=4)
     ap.add_argument("--tree-nodes", type=non_negative_int, default=0,
                     help="verify a token tree of this many nodes (0: a chain)")
     ap.add_argument("--tree-file", default=None,
                     help="the tree's rank-path order (spec_tree_file; default: nightjar_jax/spec/default_tree.json)")
-    ap.add_argument("--prompt-lookup-max", type=int, default=0,
+    ap.add_argument("--prompt-lookup-max", type=int_in_range(0, 64), default=0,
                     help="n-gram lookup drafts (SpecConfig.prompt_lookup_max; 0: the draft's only)")
-    ap.add_argument("--prompt-lookup-min", type=int, default=2)
-    ap.add_argument("--temperature", type=float, default=0.0,
+    ap.add_argument("--prompt-lookup-min", type=int_in_range(1, 64), default=2,
+                    help="shortest n-gram the lookup matches (at most --prompt-lookup-max when that is > 0)")
+    ap.add_argument("--temperature", type=float_in_range(0, 100), default=0.0,
                     help="sampling temperature of the acceptance runs (0: greedy, the goal's setting); the cost runs "
                          "stay greedy")
     ap.add_argument("--seed", type=int, default=0, help="per-prompt seeds seed + i (sampled acceptance runs)")
@@ -211,7 +217,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="tokens per cost run (>= 2: the first comes from the prefill)")
     ap.add_argument("--limit", type=non_negative_int, default=0, help="first N held-out prompts only (smoke runs)")
     ap.add_argument("--out", default="results/eval_draft.json", type=writable_out)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.prompt_lookup_max and args.prompt_lookup_min > args.prompt_lookup_max:
+        ap.error(f"argument --prompt-lookup-min: {args.prompt_lookup_min} is past --prompt-lookup-max "
+                 f"{args.prompt_lookup_max}: allowed at most it")
+    if args.draft.lower() == "auto":  # (the cost runs load the draft alone: by its name)
+        gap = draft_gap(args.draft, TARGET)
+        if gap:
+            ap.error(f"argument --draft: {gap}")
+        from nightjar_jax.models.presets import default_draft_for
+
+        args.draft = default_draft_for(TARGET)
+    return args
+
+
+def fitting_prompts(prompts: list[dict], max_prompt_tokens: int) -> tuple[list[dict], list[dict]]:
+    """(the prompts of at most ``max_prompt_tokens`` ids, the longer ones); SystemExit when none fits (the
+    acceptance runs had nothing to run)."""
+    fit = [p for p in prompts if len(p["ids"]) <= max_prompt_tokens]
+    if not fit:
+        shortest = min((len(p["ids"]) for p in prompts), default=0)
+        raise SystemExit(f"no prompt fits --max-prompt-tokens {max_prompt_tokens}: the shortest of the "
+                         f"{len(prompts)} held-out prompts has {shortest} tokens")
+    return fit, [p for p in prompts if len(p["ids"]) > max_prompt_tokens]
 
 
 def main() -> None:
@@ -219,10 +247,8 @@ def main() -> None:
     args = parse_args()
 
     tok = target_tokenizer()
-    prompts, skipped = [], []
-    for p in load_prompts("heldout"):
-        ids = chat_ids(tok, p["text"])
-        (prompts if len(ids) <= args.max_prompt_tokens else skipped).append(p | {"ids": ids})
+    prompts, skipped = fitting_prompts([p | {"ids": chat_ids(tok, p["text"])} for p in load_prompts("heldout")],
+                                       args.max_prompt_tokens)
     if args.limit:
         prompts = prompts[: args.limit]
     logger.info(

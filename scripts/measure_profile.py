@@ -40,10 +40,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nightjar_jax.bench.common import (  # noqa: E402
     DEFAULT_DATASET,
-    draft_spec,
+    dataset_texts,
+    draft_gap,
+    draft_model,
     int_at_least,
     int_list,
-    load_prompt_texts,
     machine_note,
     make_prompt_ids,
     model_spec,
@@ -52,6 +53,7 @@ from nightjar_jax.bench.common import (  # noqa: E402
     run_decode_workload,
     writable_out,
 )
+from nightjar_jax.config import DTYPES, VLLM_DTYPES  # noqa: E402
 from nightjar_jax.sim.profile import CostProfile  # noqa: E402
 
 MIN_PROMPT_LEN = 2  # a one-token prompt takes no prefill step to time (seen: "prefill: nan ms (0 steps)")
@@ -60,11 +62,14 @@ MIN_PROMPT_LEN = 2  # a one-token prompt takes no prefill step to time (seen: "p
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="stories260k", type=model_spec)
-    p.add_argument("--draft", default="stories260k@skip=2", type=draft_spec)
+    p.add_argument("--draft", default="stories260k@skip=2", type=draft_model,
+                   help="the draft model whose cost and acceptance are measured ('auto': the target's paired draft)")
     # (the profile's axes must be strictly increasing: checked here, not after the minutes of measuring)
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", type=int_list(1, increasing=True, as_text=True),
                    help="strictly increasing batch sizes")
-    p.add_argument("--gamma-max", type=int, default=4)
+    # (0 wrote NaN acceptance rates into the JSON: there is no speculation to measure)
+    p.add_argument("--gamma-max", type=positive_int, default=4,
+                   help="largest γ measured (>= 1: the profile holds speculative steps and the draft's acceptance)")
     p.add_argument("--prompt-lens", default="64,384", type=int_list(MIN_PROMPT_LEN, increasing=True, as_text=True),
                    help=f"strictly increasing prompt lengths >= {MIN_PROMPT_LEN} (context axis = p + output_len//2)")
     p.add_argument("--output-len", type=int_at_least(2), default=24,
@@ -73,13 +78,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="timed runs per cell (median over their full-batch steps)")
     p.add_argument("--max-model-len", type=positive_int, default=512)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--dataset", default=DEFAULT_DATASET, help="JSONL with 'turns'; synthetic ids if absent")
+    p.add_argument("--dtype", default="float32", choices=(*DTYPES, *VLLM_DTYPES))
+    p.add_argument("--dataset", default=DEFAULT_DATASET, help="JSONL with 'turns' (the default, where absent: "
+                   "synthetic ids)")
     p.add_argument("--kv-budget-pages", type=positive_int, default=None,
                    help="simulator KV budget written to the profile (default: max batch × 1024 tokens of pages)")
     p.add_argument("--device-note", default=None, help="device description (default: JAX backend + platform)")
     p.add_argument("--out", default="nightjar_jax/sim/profiles/measured_profile.json", type=writable_out)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    gap = draft_gap(args.draft, args.model)
+    if gap:  # ("auto" for a target without a pair: an IndexError after the models loaded)
+        p.error(f"argument --draft: {gap}: the profile measures a draft model's cost and acceptance")
+    return args
 
 
 def default_kv_budget_pages(max_batch: int, page_size: int, gamma_max: int) -> int:
@@ -158,14 +168,11 @@ def main() -> None:
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     prompt_lens = [int(p) for p in args.prompt_lens.split(",")]
-    if args.gamma_max < 1:
-        # (0 wrote NaN acceptance rates into the JSON: there is no speculation to measure)
-        raise SystemExit(f"--gamma-max {args.gamma_max}: the profile measures speculative steps up to γ_max and the "
-                         f"draft's acceptance at it; allowed 1 or more")
     gammas = list(range(args.gamma_max + 1))
     max_batch = max(batch_sizes)
     if max(prompt_lens) + args.output_len + args.gamma_max + 2 > args.max_model_len:
         raise SystemExit("longest prompt + output + γ_max + 2 must fit in --max-model-len")
+    texts = dataset_texts(args.dataset, default=DEFAULT_DATASET, fallback=())  # (before the model loads)
     meta = machine_note()
     started = time.perf_counter()
     print(f"# {meta['date']}  cpus={meta['cpu_count']}  load={meta['loadavg_at_start']}", flush=True)
@@ -175,7 +182,6 @@ def main() -> None:
               num_pages=pages_needed(max_batch, max(prompt_lens), args.output_len, args.gamma_max),
               dtype=args.dtype, draft_model=args.draft, num_speculative_tokens=args.gamma_max)
     engine = llm.engine
-    texts = load_prompt_texts(args.dataset)
     vocab = engine.target.config.vocab_size
     prompts = {p: make_prompt_ids(llm.get_tokenizer(), texts, max_batch, p, vocab)[0] for p in prompt_lens}
     source = make_prompt_ids(llm.get_tokenizer(), texts, 1, 8, vocab)[1]

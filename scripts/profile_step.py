@@ -37,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nightjar_jax.bench.common import (  # noqa: E402
+    draft_gap,
     int_list,
     make_parent,
     model_spec,
@@ -118,7 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="the K/V pools' dtype (auto: the model's, or bfloat16)")
     ap.add_argument("--out", default="results/profile_step.json", type=writable_out)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.verify and draft_gap("auto", args.model):  # (else the engine's ValueError on static:γ, γ_max 0)
+        ap.error(f"argument --verify: it needs a draft, and {args.model} has no default draft installed")
+    return args
 
 
 def main() -> None:
@@ -135,8 +139,6 @@ def main() -> None:
               max_model_len=args.prompt_len + 64, max_num_batched_tokens=max(512, args.prompt_len),
               prompt_lookup_max=0, weight_format=args.weight_format, kv_cache_dtype=args.kv_cache_dtype)
     runner = llm.engine.runner
-    if args.verify and runner.draft is None:
-        raise SystemExit(f"--verify needs a draft: {args.model} has no default draft")
     step_fn, captured = getattr(runner, name), []
 
     def capture(*a):

@@ -192,6 +192,33 @@ def draft_spec(text: str) -> str:
     return model_spec(text)
 
 
+def draft_model(text: str) -> str:
+    """A draft model: "auto" (the target's paired draft; :func:`draft_gap` once the target is known) or a model
+    (``model_spec``). Not "none" / "" / "ngram" (n-gram lookup's copies): they draft with no model."""
+    if text.lower() in ("", "none", "ngram"):
+        raise argparse.ArgumentTypeError(f"{text!r} is no draft model, and one is needed: expected 'auto' (the "
+                                         "target's paired draft), a preset, a checkpoint path or a Hugging Face "
+                                         "repo id")
+    return text if text.lower() == "auto" else model_spec(text)
+
+
+def draft_gap(draft: str, model: str, lookup: int = 3) -> str | None:
+    """Why ``draft`` (a :func:`draft_spec`) gives target ``model`` nothing to speculate with, or None when it drafts:
+    "none" / "", "auto" where ``model`` has no paired draft installed (``LLMEngine.resolve_draft_spec``), "ngram"
+    where n-gram lookup is off (``lookup``: ``prompt_lookup_max``; the engine's default is 3)."""
+    name = draft.lower()
+    if name in ("", "none"):
+        return f"{draft!r} is no draft"
+    if name == "ngram" and lookup == 0:
+        return "'ngram' drafts only by n-gram lookup, which is off here (prompt_lookup_max 0)"
+    if name == "auto":
+        from nightjar_jax.models.presets import default_draft_for
+
+        if default_draft_for(model) is None:
+            return f"'auto' is no draft for {model!r}: it has no paired draft installed (name one)"
+    return None
+
+
 def existing_file(text: str) -> str:
     """A path to a file that exists."""
     if not os.path.isfile(text):
@@ -306,17 +333,20 @@ def check_planner(spec: str, gamma_max: int) -> None:
 BUILT_IN_PROMPTS = ("Once upon a time", "The cat sat on the mat and")
 
 
-def dataset_texts(path: str, limit: int = 256, *, default: str | None = None) -> list[str]:
+def dataset_texts(path: str, limit: int = 256, *, default: str | None = None,
+                  fallback: tuple[str, ...] = BUILT_IN_PROMPTS) -> list[str]:
     """``load_prompt_texts`` of a dataset: a ``--dataset`` that was given must be there (else SystemExit naming it:
     a silent fallback measured nothing that was asked for). The script's ``default`` may be absent (a machine
-    without ../shared): then :data:`BUILT_IN_PROMPTS`, saying so on stderr."""
+    without ../shared): then ``fallback``, saying so on stderr (``()``: no texts, for scripts whose
+    :func:`make_prompt_ids` then makes synthetic token ids)."""
     import sys
 
     if not path or not os.path.isfile(path):
         if default is not None and path == default:
-            print(f"note: the default dataset {path} is not on this machine: using {len(BUILT_IN_PROMPTS)} built-in "
-                  f"prompts (give --dataset for real ones)", file=sys.stderr)
-            return list(BUILT_IN_PROMPTS)[:limit]
+            using = f"{len(fallback)} built-in prompts" if fallback else "synthetic token ids"
+            print(f"note: the default dataset {path} is not on this machine: using {using} (give --dataset for real "
+                  "ones)", file=sys.stderr)
+            return list(fallback)[:limit]
         raise SystemExit(f"--dataset {path!r}: no such file (a JSONL of {{'turns': [...]}} records is needed)")
     texts = load_prompt_texts(path, limit)
     if not texts:

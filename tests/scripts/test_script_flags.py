@@ -138,6 +138,29 @@ BAD_FLAGS = [
     ("profile_step.py", ["--compare-spin-us", "1,x"], "argument --compare-spin-us"),
     ("profile_step.py", ["--kv-cache-dtype", "float16"], "argument --kv-cache-dtype"),
     ("profile_step.py", ["--model", "nosuch"], "argument --model"),
+    # a run that speculates nothing (no draft, or γ > 0 cells of plain decoding) is refused before the models load
+    ("check_lossless.py", ["--draft", "none"], "argument --draft: 'none' is no draft"),
+    ("check_lossless.py", ["--planners", "static:2", "--draft", "none"], "argument --draft: 'none' is no draft"),
+    ("bench_spec.py", ["--drafts", "none"], "argument --drafts: 'none' is no draft"),
+    ("bench_spec.py", ["--drafts", ","], "argument --drafts: ',' has an empty entry"),
+    ("bench_spec.py", ["--drafts", "ngram"], "argument --drafts: 'ngram' drafts only by n-gram lookup"),
+    ("bench_spec.py", ["--models", "stories260k", "--drafts", "auto"], "argument --drafts: 'auto' is no draft"),
+    ("bench_spec.py", ["--output-len", "1"], "argument --output-len: expected an integer >= 2"),
+    ("bench_spec.py", ["--dtype", "float99"], "argument --dtype: invalid choice: 'float99'"),
+    ("bench_spec.py", ["--prompt-lookup-min", "5", "--prompt-lookup", "3"], "argument --prompt-lookup-min: 5 is past"),
+    ("bench_spec.py", ["--chat", "--models", "stories260k"], "argument --chat: stories260k has no chat template"),
+    ("bench_engine.py", ["--dtype", "float99"], "argument --dtype: invalid choice: 'float99'"),
+    ("measure_profile.py", ["--draft", "none"], "argument --draft: 'none' is no draft model, and one is needed"),
+    ("measure_profile.py", ["--draft", "ngram"], "argument --draft: 'ngram' is no draft model, and one is needed"),
+    ("measure_profile.py", ["--draft", "auto"], "argument --draft: 'auto' is no draft for 'stories260k'"),
+    ("measure_profile.py", ["--gamma-max", "0"], "argument --gamma-max: expected an integer >= 1"),
+    ("measure_profile.py", ["--dtype", "float99"], "argument --dtype: invalid choice"),
+    ("eval_draft.py", ["--draft", "nosuch"], "argument --draft: unknown model 'nosuch'"),
+    ("eval_draft.py", ["--draft", "none"], "argument --draft: 'none' is no draft model"),
+    ("eval_draft.py", ["--temperature", "-1"], "argument --temperature: expected a finite number from 0 to 100"),
+    ("eval_draft.py", ["--prompt-lookup-max", "-1"], "argument --prompt-lookup-max: expected an integer >= 0"),
+    ("eval_draft.py", ["--prompt-lookup-max", "2", "--prompt-lookup-min", "3"], "argument --prompt-lookup-min: 3"),
+    ("profile_step.py", ["--model", "stories260k", "--verify"], "argument --verify: it needs a draft"),
 ]
 
 
@@ -270,8 +293,98 @@ def test_check_lossless_fails_when_no_prompt_fits(capsys) -> None:
     mod = script("check_lossless.py")
     assert mod.fitting_prompts([[1] * 10, [1] * 50], 8, 40) == [[1] * 10]
     assert "1 prompts skipped" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="no prompt checked"):
+    with pytest.raises(SystemExit) as exc:  # (not 1: that says the outputs differ)
         mod.fitting_prompts([[1] * 35, [1] * 50], 8, 40)
+    assert exc.value.code == mod.NOTHING_CHECKED == 3 and "no prompt checked" in capsys.readouterr().err
+
+
+def test_check_lossless_fails_when_nothing_was_drafted(capsys) -> None:
+    """A speculative run that drafted no token decoded plainly: its equal outputs checked nothing (it passed with
+    drafted=0). Its exit code is neither 0 nor 1 (outputs differ), which wins where both hold."""
+    mod = script("check_lossless.py")
+    ref = {"weight_format": "auto", "planner": "ar (reference, batch 1)", "differing": []}
+    sd = {"weight_format": "auto", "planner": "nightjar", "differing": [], "drafted": 12}
+    assert mod.exit_code([ref, sd]) == 0
+    assert mod.exit_code([ref, sd, sd | {"planner": "ar", "drafted": 0}]) == mod.NOTHING_CHECKED
+    assert "['auto / ar'] drafted no token" in capsys.readouterr().err
+    differing = sd | {"differing": [{"prompt": 0, "first_token": 3}]}
+    assert mod.exit_code([ref, differing, sd | {"drafted": 0}]) == mod.DIFFERS == 1
+
+
+# ---- 2. a --dataset that was given must exist (it silently became synthetic prompts) -----------------------------
+@pytest.mark.parametrize("filename", ["bench_engine.py", "bench_spec.py", "measure_profile.py", "bench_elastic.py"])
+def test_missing_dataset_is_an_error_before_any_model_loads(filename, monkeypatch, capsys) -> None:
+    import nightjar_jax
+
+    mod = script(filename)
+    monkeypatch.setattr(nightjar_jax, "LLM", None)  # (a model load would fail here with a TypeError, not exit)
+    monkeypatch.setattr(mod, "memory_bandwidth_gbs", None, raising=False)  # (bench_engine's first minute)
+    monkeypatch.setattr(sys, "argv", [filename, "--dataset", "/no/such.jsonl", "--out", "/tmp/flags_x.json"])
+    with pytest.raises(SystemExit, match=r"--dataset '/no/such.jsonl': no such file"):
+        mod.main()
+
+
+@pytest.mark.parametrize("filename", ["bench_engine.py", "bench_spec.py", "measure_profile.py"])
+def test_missing_default_dataset_keeps_synthetic_prompts(filename, monkeypatch, tmp_path, capsys) -> None:
+    """Where the default dataset is absent (no ../shared) these scripts go on with their synthetic token ids."""
+    import nightjar_jax
+
+    mod = script(filename)
+    monkeypatch.setattr(mod, "DEFAULT_DATASET", str(tmp_path / "question.jsonl"))
+    monkeypatch.setattr(nightjar_jax, "LLM", None)  # (past the dataset: the first model load fails, TypeError)
+    monkeypatch.setattr(mod, "memory_bandwidth_gbs", None, raising=False)
+    monkeypatch.setattr(sys, "argv", [filename, "--out", str(tmp_path / "x.json")])
+    with pytest.raises(TypeError):
+        mod.main()
+    assert "is not on this machine: using synthetic token ids" in capsys.readouterr().err
+
+
+# ---- 4 / 9. bench_spec: tok/s and TPOT over the same seconds (catch-up excluded) ------------------------------
+def test_bench_spec_tpot_and_tokens_per_second_share_their_seconds(monkeypatch) -> None:
+    from nightjar_jax.bench.common import DecodeRun
+
+    mod = script("bench_spec.py")
+    run = DecodeRun(batch_size=4, gamma=2, num_decode_steps=10, decode_seconds=1.5, committed_tokens=80,
+                    draft_seconds=0.3, verify_seconds=0.6, catchup_seconds=0.5, total_seconds=2.0,
+                    mean_accepted_length=2.0, gamma_steps={2: 10})
+
+    class FakeLLM:
+        def __init__(self, *a, **k):
+            self.engine = type("E", (), {"target": type("T", (), {"config": type("C", (), {"vocab_size": 512})})})
+
+        def get_tokenizer(self):
+            return None
+
+    import nightjar_jax
+
+    monkeypatch.setattr(nightjar_jax, "LLM", FakeLLM)
+    monkeypatch.setattr(mod, "run_decode_workload", lambda *a, **k: run)
+    args = mod.parse_args(["--models", "stories260k", "--batch-sizes", "4", "--gammas", "2", "--gamma-max", "2",
+                           "--repeats", "1"])
+    rows = mod.bench_model("stories260k", args, [4], [])
+    row = next(r for r in rows if r["gamma"] == 2)
+    assert row["tokens_per_second"] == pytest.approx(80 / 1.0)
+    # batch x tokens per sequence per second: tok/s x TPOT (s) = batch
+    assert row["tokens_per_second"] * row["tpot_ms"] / 1e3 == pytest.approx(row["batch_size"])
+
+
+# ---- 5. eval_draft: no prompt under --max-prompt-tokens is an error, not an IndexError in summarize -------------
+def test_eval_draft_no_fitting_prompt_is_an_error() -> None:
+    mod = script("eval_draft.py")
+    prompts = [{"id": "a", "ids": [1] * 5}, {"id": "b", "ids": [1] * 9}]
+    fit, skipped = mod.fitting_prompts(prompts, 5)
+    assert [p["id"] for p in fit] == ["a"] and [p["id"] for p in skipped] == ["b"]
+    with pytest.raises(SystemExit, match="no prompt fits --max-prompt-tokens 1: the shortest .* has 5 tokens"):
+        mod.fitting_prompts(prompts, 1)
+
+
+def test_eval_draft_auto_names_the_paired_draft() -> None:
+    from nightjar_jax.models.presets import default_draft_for
+
+    mod = script("eval_draft.py")
+    if default_draft_for(mod.TARGET) is None:
+        pytest.skip("the target's paired draft is not installed here")
+    assert mod.parse_args(["--draft", "auto"]).draft == default_draft_for(mod.TARGET)
 
 
 # ---- 2. bench_priority: a class that never waited has no ratio ----------------------------------------------------
