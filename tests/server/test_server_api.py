@@ -863,9 +863,9 @@ FIELD_CASES = [
     ("allowed_token_ids all stop tokens under min_tokens", "/v1/completions",
      {**GOOD, "max_tokens": 8, "allowed_token_ids": [2], "min_tokens": 3}, None, "allowed_token_ids",
      "are all stop tokens"),
-    ("allowed_token_ids with a format", "/v1/completions",
+    ("allowed_token_ids that cannot start a format", "/v1/completions",
      {**GOOD, "allowed_token_ids": [403], "response_format": {"type": "json_object"}}, None, "allowed_token_ids",
-     "invalid with structured_outputs"),
+     "hold no token the structured output can start with"),
     ("a body nested too deeply", "/v1/completions", None, b'{"prompt": "a", "x": ' + b"[" * 50000 + b"]" * 50000
      + b"}", None, "nested too deeply"),
     ("a number past 4300 digits", "/v1/completions", None, b'{"prompt": "a", "priority": ' + b"9" * 5000 + b"}",
