@@ -728,10 +728,15 @@ class LLMEngine:
     def _after_thought(self, grammar, ids: list[int]):
         """A structured output under ``reasoning_parser``: applied after the output's thought (``reasoning.py``), or
         from the first token when the prompt closed one (thinking turned off)."""
-        from nightjar_jax.engine.reasoning import ANSWERING, AfterThought, thought_phase
+        from nightjar_jax.engine.reasoning import ANSWERING, END, AfterThought, thought_phase
 
-        phase = thought_phase(self.config.reasoning_parser,
-                              self.tokenizer.decode(ids[-16:], skip_special_tokens=False))  # (its end decides)
+        tail = 16  # (the prompt's end decides, trailing whitespace aside: read back until a tag would show)
+        while True:
+            end = self.tokenizer.decode(ids[-tail:], skip_special_tokens=False)
+            if len(end.rstrip()) >= len(END) or tail >= len(ids):
+                break
+            tail *= 4
+        phase = thought_phase(self.config.reasoning_parser, end)
         if phase == ANSWERING:
             return grammar
         self.grammar_backend()  # (the tags: built with it)

@@ -70,7 +70,7 @@ from nightjar_jax.server.protocol import (
     prompt_logprobs_json,
     top_entries,
 )
-from nightjar_jax.server.reasoning_parsers import ReasoningStream
+from nightjar_jax.server.reasoning_parsers import REASONING_PARSERS, ReasoningStream
 
 logger = logging.getLogger(__name__)
 
@@ -297,6 +297,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     # the engine's reasoning parser starts structured outputs after the thought (engine/reasoning.py); the server
     # splits answers with it too, unless told another one
     gated = getattr(engine.config, "reasoning_parser", None)
+    if settings.reasoning_parser is not None and settings.reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser={settings.reasoning_parser!r} is invalid: allowed None or one of "
+                         f"{', '.join(REASONING_PARSERS)}")
     if gated is not None and settings.reasoning_parser not in (None, gated):
         raise ValueError(f"the server's reasoning_parser {settings.reasoning_parser!r} is not its engine's {gated!r}: "
                          "structured outputs start after the engine's thought, and the answers would be split by "

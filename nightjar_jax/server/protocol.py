@@ -499,7 +499,7 @@ class ChatCompletionRequest(_SamplingFields):
             ("audio", self.audio is not None, ""),
             ("prediction", self.prediction is not None, ""),
             ("web_search_options", self.web_search_options is not None, ""),
-            ("moderation", self.moderation is not None, ""),
+            ("moderation", bool(self.moderation), ""),
             ("prompt_cache_options", bool(self.prompt_cache_options), ""),
             ("modalities", self.modalities not in (None, ["text"]), ""),
             ("functions", self.functions is not None, "OpenAI's deprecated 'functions': use 'tools'"),
@@ -790,7 +790,7 @@ class ResponsesRequest(_Strict):
     prompt_cache_options: dict[str, Any] | None = None
     access_programs: Any = None
     background_options: dict[str, Any] | None = None
-    context_management: list[Any] | None = None
+    context_management: Any = None
     image: dict[str, Any] | None = None
 
     def check(self) -> None:
@@ -812,7 +812,7 @@ class ResponsesRequest(_Strict):
             ("conversation", self.conversation is not None,
              "conversations are not stored here: send the whole conversation as 'input'"),
             ("max_tool_calls", self.max_tool_calls is not None, "tools are served on /v1/chat/completions"),
-            ("moderation", self.moderation is not None, "no moderation is run here"),
+            ("moderation", bool(self.moderation), "no moderation is run here"),
             ("prompt_cache_options", bool(self.prompt_cache_options),
              "prefix caching needs no options: it finds shared prefixes by their tokens"),
             ("access_programs", bool(self.access_programs), "not served"),

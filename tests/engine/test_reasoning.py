@@ -164,7 +164,7 @@ KWARGS = dict(max_model_len=256, num_pages=64, max_num_seqs=4)
 @pytest.fixture(scope="module")
 def engines():
     """SmolLM2 under qwen3: plain decoding, and speculative decoding (its shipped draft, γ = 4) over the same target;
-    and the plain one without a parser."""
+    the plain one without a parser, and one under deepseek_r1."""
     pytest.importorskip("xgrammar")
     from nightjar_jax import LLM
     from nightjar_jax.config import make_engine_config
@@ -184,7 +184,8 @@ def engines():
 
     return {"plain": plain, "spec": over_target(draft_model="smollm2-draft", num_speculative_tokens=4,
                                                 planner="static", reasoning_parser="qwen3"),
-            "none": over_target(draft_model="none")}
+            "none": over_target(draft_model="none"),
+            "deepseek": over_target(draft_model="none", reasoning_parser="deepseek_r1")}
 
 
 def _texts(llm, prompts, spec):
@@ -219,6 +220,17 @@ def test_the_constraint_starts_after_the_thought(engines, spec, holds):
     assert all(holds(o.text) for o in _texts(engines["none"], prompts, spec))
 
 
+def test_the_prompts_end_is_read_past_trailing_whitespace(engines):
+    """deepseek_r1 starts an output in the thought unless the prompt closed it: a ``</think>`` followed by twenty
+    whitespace tokens still closes it (the engine read the prompt's last 16 tokens, all whitespace, and left the
+    choice unconstrained: the output was more whitespace)."""
+    closed = FEW_SHOT + "<think>easy</think>" + " \n" * 20
+    (out,) = _texts(engines["deepseek"], [closed], {"choice": ["two", "2"]})
+    assert out.text in ("two", "2"), out.text
+    (thought,) = _texts(engines["deepseek"], [FEW_SHOT + "<think>"], {"choice": ["two", "2"]})
+    assert thought.text.startswith("easy</think>") and thought.text.endswith(("two", "2")), thought.text
+
+
 def test_the_server_splits_the_thought_before_the_answer_and_a_tool_calls_arguments(engines):
     """Chat under the engine's parser: a JSON schema's answer and a named tool call's arguments follow the thought,
     whole and streamed (the thought as ``reasoning_content``); an app told another parser than its engine's is an
@@ -240,6 +252,8 @@ def test_the_server_splits_the_thought_before_the_answer_and_a_tool_calls_argume
     try:
         with pytest.raises(ValueError, match="reasoning_parser 'deepseek_r1' is not its engine's 'qwen3'"):
             build_app(AsyncEngine(engine), ServerSettings("s", reasoning_parser="deepseek_r1"))
+        with pytest.raises(ValueError, match="reasoning_parser='bogus' is invalid: allowed None or one of"):
+            build_app(AsyncEngine(engines["none"].engine), ServerSettings("s", reasoning_parser="bogus"))
         with TestClient(build_app(AsyncEngine(engine), ServerSettings("s"))) as client:
             for extra in bodies:
                 body = {"messages": [{"role": "user", "content": FEW_SHOT + "<think>"}], "max_tokens": 16,

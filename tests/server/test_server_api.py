@@ -289,8 +289,8 @@ def test_common_openai_fields_accepted(client):
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=None, extra_body={
         "safety_identifier": "s1", "prompt_cache_key": "k1"}).choices[0].text is not None
     responses = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, extra_body={
-        "safety_identifier": "s1", "prompt": None, "conversation": None, "max_tool_calls": None, "moderation": None,
-        "prompt_cache_options": {}, "access_programs": None, "background_options": None, "context_management": None,
+        "safety_identifier": "s1", "prompt": None, "conversation": None, "max_tool_calls": None, "moderation": {},
+        "prompt_cache_options": {}, "access_programs": None, "background_options": None, "context_management": [],
         "image": None})
     assert responses.usage.output_tokens == 2
 
