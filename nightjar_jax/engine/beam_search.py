@@ -8,9 +8,9 @@ log-probability live on. With prefix caching (on by default) a beam's full pages
 the beams that extend it, so a step recomputes only each beam's last, partly filled page.
 
 The search ends when no beam is left or the beams hold ``max_tokens`` tokens (or the context is full); the
-``beam_width`` best sequences of those finished and those still live are returned, ranked by vLLM's (and HF's)
-length-penalized score ``cum_logprob / length ** length_penalty`` (``length``: the generated tokens, the
-end-of-sequence token excluded).
+``beam_width`` best sequences of those finished and those still live are returned, ranked by vLLM's
+length-penalized score ``cum_logprob / length ** length_penalty`` (``length``: the prompt's tokens and the generated
+ones, the end-of-sequence token excluded, as vLLM counts them; HF's counts the generated ones alone).
 
 Vocabulary:
 - **beam**: a prompt's partial output with its cumulative log-probability (:class:`BeamSearchSequence`).
@@ -111,12 +111,12 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def _log_neg_score(seq: BeamSearchSequence, length_penalty: float) -> float:
+def _log_neg_score(seq: BeamSearchSequence, length_penalty: float, prompt_len: int = 0) -> float:
     """``log(-score)`` (scores are <= 0: log-probabilities): the ranking key, best first when ascending, computed
     in log space so that no ``length_penalty`` overflows it (``length ** 1e6`` would)."""
     if seq.cum_logprob >= 0:
         return -math.inf
-    return math.log(-seq.cum_logprob) - length_penalty * math.log(max(_length(seq), 1))
+    return math.log(-seq.cum_logprob) - length_penalty * math.log(max(prompt_len + _length(seq), 1))
 
 
 def _length(seq: BeamSearchSequence) -> int:
@@ -125,11 +125,12 @@ def _length(seq: BeamSearchSequence) -> int:
     return len(seq.tokens) - kept_eos
 
 
-def beam_score(seq: BeamSearchSequence, length_penalty: float) -> float:
-    """``cum_logprob / length ** length_penalty`` over the generated tokens (at least 1); -inf or -0.0 where an
+def beam_score(seq: BeamSearchSequence, length_penalty: float, prompt_len: int = 0) -> float:
+    """``cum_logprob / length ** length_penalty``, ``length`` the prompt's ``prompt_len`` tokens and the generated
+    ones (at least 1; vLLM's ``get_beam_search_score``, whose sequences hold the prompt); -inf or -0.0 where an
     extreme ``length_penalty`` takes it past a float's range (the ranking itself never is: :func:`_log_neg_score`)."""
     try:
-        return -math.exp(_log_neg_score(seq, length_penalty))
+        return -math.exp(_log_neg_score(seq, length_penalty, prompt_len))
     except OverflowError:
         return -math.inf
 
@@ -192,10 +193,10 @@ class BeamSearch:
     def best(self, detokenize=None) -> BeamSearchOutput:
         """The ``beam_width`` best sequences by score (``detokenize(ids)`` fills their text when given: the text of
         prompt + tokens past the prompt's, so that a first token's leading space stays, as in ``generate``)."""
-        lp = self.params.length_penalty
+        lp, prompt_len = self.params.length_penalty, len(self.prompt_ids)
         for seq in self.finished:
-            seq.score = beam_score(seq, lp)
-        ranked = sorted(self.finished, key=lambda s: _log_neg_score(s, lp))[: self.params.beam_width]
+            seq.score = beam_score(seq, lp, prompt_len)
+        ranked = sorted(self.finished, key=lambda s: _log_neg_score(s, lp, prompt_len))[: self.params.beam_width]
         if detokenize is not None:
             head = detokenize(self.prompt_ids)
             for seq in ranked:

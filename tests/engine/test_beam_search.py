@@ -47,9 +47,9 @@ def exhaustive(prompt: list[int], max_tokens: int, length_penalty: float) -> lis
             cum = sum(toy_logprobs(prompt + list(tokens[:i]))[t] for i, t in enumerate(tokens))
             if n < max_tokens:
                 end = cum + toy_logprobs(prompt + list(tokens))[EOS]
-                found.append((end / max(n, 1) ** length_penalty, list(tokens), "stop"))
-            else:
-                found.append((cum / max(n, 1) ** length_penalty, list(tokens), "length"))
+                found.append((end / (len(prompt) + n) ** length_penalty, list(tokens), "stop"))
+            else:  # (vLLM's length: the prompt's tokens and the generated ones, the end-of-sequence token not)
+                found.append((cum / (len(prompt) + n) ** length_penalty, list(tokens), "length"))
     return sorted(found, key=lambda f: -f[0])
 
 
@@ -63,7 +63,7 @@ def test_a_wide_enough_beam_finds_the_best_sequences_of_an_exhaustive_search(len
     assert [s.tokens for s in out.sequences] == [tokens for _, tokens, _ in best]
     assert [s.finish_reason for s in out.sequences] == [reason for _, _, reason in best]
     for seq, (score, _, _) in zip(out.sequences, best, strict=True):
-        assert seq.score == pytest.approx(score) and seq.score == beam_score(seq, length_penalty)
+        assert seq.score == pytest.approx(score) and seq.score == beam_score(seq, length_penalty, len(prompt))
         assert seq.cum_logprob == pytest.approx(sum(seq.logprobs) + (toy_logprobs(prompt + seq.tokens)[EOS]
                                                                        if seq.finish_reason == "stop" else 0))
         assert (seq.stop_reason == EOS) == (seq.finish_reason == "stop")
