@@ -1,7 +1,8 @@
 """nightjar-jax: a pure-JAX LLM serving engine with load-adaptive speculative decoding.
 
 Public API (imported lazily, so ``import nightjar_jax.planner`` stays JAX-free):
-``LLM``, ``SamplingParams``, ``StructuredOutputs``, ``EngineConfig``, ``ModelConfig``, ``CacheConfig``,
+``LLM``, ``SamplingParams``, ``StructuredOutputs`` (vLLM's ``StructuredOutputsParams``), ``TextPrompt``,
+``TokensPrompt``, ``EngineConfig``, ``ModelConfig``, ``CacheConfig``,
 ``SchedulerConfig``, ``SpecConfig``, ``LLMEngine``, ``RequestOutput``, ``CompletionOutput``, ``BeamSearchParams``,
 ``EngineSleepingError``, ``make_planner``.
 """
@@ -20,6 +21,9 @@ _EXPORTS = {
     "BeamSearchParams": "nightjar_jax.engine.beam_search",
     "EngineSleepingError": "nightjar_jax.engine.engine",
     "StructuredOutputs": "nightjar_jax.engine.sampling_params",
+    "StructuredOutputsParams": "nightjar_jax.engine.sampling_params",
+    "TextPrompt": "nightjar_jax.engine.inputs",
+    "TokensPrompt": "nightjar_jax.engine.inputs",
     "RequestOutput": "nightjar_jax.engine.outputs",
     "CompletionOutput": "nightjar_jax.engine.outputs",
     "EngineConfig": "nightjar_jax.config",

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from nightjar_jax.cli import STARTUP_ERRORS, add_engine_args, engine_config_from_args
 from nightjar_jax.engine.sampling_params import MAX_LOGPROBS
+from nightjar_jax.models.tokenizer import load_chat_template  # noqa: F401 (serve's --chat-template; tests import it here)
 
 logger = logging.getLogger("nightjar_jax.serve")
 
@@ -203,37 +204,6 @@ def tool_call_parser(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     if name not in TOOL_CALL_PARSERS:
         parser.error(f"--tool-call-parser must be one of: {', '.join(TOOL_CALL_PARSERS)}; got {name!r}")
     return name
-
-
-def load_chat_template(spec: str) -> str:
-    """``--chat-template``: a file's text, or the template itself. As in vLLM, a value without jinja's characters
-    (``{``, ``}``, a newline) that is no readable file is a path that does not exist: a ``ValueError``, not a
-    template that renders its own name."""
-    path = Path(spec)
-    try:
-        text = path.read_text() if len(spec) < 4096 and path.is_file() else None
-    except OSError:
-        text = None
-    if text is not None:
-        return check_template_syntax(text, f"--chat-template {spec}")
-    if not any(c in spec for c in "{}\n"):
-        raise ValueError(f"--chat-template {spec!r} looks like a path, but no such file can be read (give a readable "
-                         "file, or the template itself)")
-    return check_template_syntax(spec, "--chat-template")
-
-
-def check_template_syntax(text: str, where: str) -> str:
-    """``text`` when it parses as a Jinja template (the chat template's syntax: one that does not fails every chat
-    request with a 400 while completions work, so the server refuses it at start instead); else a ``ValueError``."""
-    from jinja2.exceptions import TemplateSyntaxError
-
-    from nightjar_jax.models.tokenizer import compile_chat_template
-
-    try:  # (in the environment it renders in: transformers', with {% break %} and {% generation %})
-        compile_chat_template(text)
-    except TemplateSyntaxError as exc:
-        raise ValueError(f"{where}: the chat template does not parse: {exc} (line {exc.lineno})") from None
-    return text
 
 
 def load_engine(args: argparse.Namespace):

@@ -646,6 +646,10 @@ class LLMEngine:
         """A prompt (text, token ids, or ``{"prompt": ..., "prompt_token_ids": ...}``) as ``(text, ids)``: the ids
         :meth:`add_request` would queue (a server that checks lengths first passes them back as the dict)."""
         if isinstance(prompt, dict):
+            unserved = [k for k in ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids") if prompt.get(k)]
+            if unserved:  # (vLLM's multimodal inputs: dropped without a word, the model never saw the image)
+                raise _prompt_error(f"a prompt's {unserved[0]!r} is not served: the models this engine runs read "
+                                    "text (give 'prompt' or 'prompt_token_ids' alone)")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple, np.ndarray)):

@@ -12,7 +12,7 @@ from nightjar_jax.engine.beam_search import BeamSearchOutput, BeamSearchParams, 
 from nightjar_jax.engine.engine import LLMEngine
 from nightjar_jax.engine.outputs import CompletionOutput, RequestOutput
 from nightjar_jax.engine.sampling_params import SamplingParams, child_params, short_repr
-from nightjar_jax.models.tokenizer import template_message
+from nightjar_jax.models.tokenizer import load_chat_template, template_message
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,17 @@ class LLM:
         llm = cls.__new__(cls)
         llm.engine = engine
         return llm
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name of :attr:`engine`."""
+        return self.engine
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _VLLM_UNSERVED:  # (vLLM's methods this engine does not have: say so, not a bare AttributeError)
+            raise AttributeError(f"LLM.{name} is vLLM's {_VLLM_UNSERVED[name]}, which nightjar-jax does not serve: it "
+                                 "generates text (generate, chat, beam_search)")
+        raise AttributeError(f"'LLM' object has no attribute {name!r}")
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -232,6 +243,8 @@ class LLM:
         conversations = [[template_message({**m, "content": (m["content"] if isinstance(m["content"], str)
                                                              else "\n".join(_text_parts(m["content"]) or []))})
                           for m in c] for c in conversations]
+        if chat_template is not None:  # (a file's path read, as serve --chat-template; a name that is no file refused)
+            chat_template = load_chat_template(chat_template, "chat_template")
         prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
                                                  chat_template=chat_template, tools=tools,
                                                  continue_final_message=continue_final_message,
@@ -247,15 +260,26 @@ def _text_parts(content: Any) -> list[str] | None:
     return [p["text"] for p in content]
 
 
-# vLLM's LLM options that tune what this engine does not have (CUDA graphs, per-step stats logging): taken, when a
-# boolean, and nothing changes (every step here runs a compiled variant; stats are kept, not logged per step)
-_VLLM_NO_OPS = ("enforce_eager", "disable_log_stats")
+# vLLM's LLM options that tune what this engine does not have (CUDA graphs, per-step stats logging; chunked prefill is
+# always on): taken, when a boolean, and nothing changes (every step here runs a compiled variant; stats are kept,
+# not logged per step)
+_VLLM_NO_OPS = ("enforce_eager", "disable_log_stats", "enable_chunked_prefill")
+
+# vLLM's LLM methods for what this engine does not do: name -> what they are
+_VLLM_UNSERVED = {
+    "encode": "pooling (embeddings, rewards) API", "embed": "embedding API", "classify": "classification API",
+    "score": "scoring (cross-encoder) API", "reward": "reward-model API", "apply_model": "model-access hook",
+    "collective_rpc": "worker RPC", "start_profile": "profiler hook", "stop_profile": "profiler hook",
+}
 
 
 def _vllm_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``LLM(**kwargs)`` as the engine takes them: vLLM's ``block_size`` is ``page_size`` (the KV cache's tokens per
     page), and :data:`_VLLM_NO_OPS` are dropped."""
     kwargs = dict(kwargs)
+    if kwargs.get("enable_chunked_prefill") is False:
+        raise ValueError("enable_chunked_prefill=False: prefill is always chunked here (by max_num_batched_tokens, as "
+                         "in vLLM V1); leave it out")
     for name in _VLLM_NO_OPS:
         if name in kwargs:
             value = kwargs.pop(name)
@@ -263,6 +287,23 @@ def _vllm_options(kwargs: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"{name}={short_repr(value)} is invalid: allowed True or False (vLLM's option; it "
                                  f"changes nothing here)")
             logger.info("%s=%s is vLLM's option and changes nothing here", name, value)
+    spec = kwargs.pop("speculative_config", None)
+    if spec is not None:  # (vLLM's dict, or its JSON text, read as serve --speculative-config reads it)
+        import json
+
+        from nightjar_jax.cli import speculative_config
+
+        if not isinstance(spec, (dict, str)):
+            raise ValueError(f"speculative_config={short_repr(spec)} is invalid: allowed a dict (vLLM's) or its JSON")
+        try:
+            text = spec if isinstance(spec, str) else json.dumps(spec)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"speculative_config={short_repr(spec)} is not JSON data: {exc}") from None
+        for name, value in speculative_config(text).items():
+            if kwargs.get(name) is not None and kwargs[name] != value:
+                raise ValueError(f"speculative_config sets {name}={value!r} but {name}={kwargs[name]!r} is given too: "
+                                 "give it once")
+            kwargs[name] = value
     if "block_size" in kwargs:
         if kwargs.get("page_size") is not None:
             raise ValueError("block_size and page_size are one option (vLLM's name and this engine's): give one")

@@ -83,14 +83,15 @@ class StructuredOutputs:
     def from_dict(cls, spec: dict[str, Any]) -> StructuredOutputs:
         """From a request body's ``structured_outputs`` object (vLLM's), unknown keys refused. vLLM's
         ``disable_any_whitespace`` is taken either way (JSON is written compact here, which any-whitespace JSON
-        allows too), and ``whitespace_pattern`` / ``structural_tag`` at null only."""
+        allows too), ``disable_fallback`` too (there is one backend, xgrammar, and no fallback to disable), and
+        ``whitespace_pattern`` / ``structural_tag`` at null only."""
         if not isinstance(spec, dict):
             raise InvalidRequestError("structured_outputs must be an object with one of "
                                       f"{', '.join(STRUCTURED_KINDS)}", "structured_outputs")
         spec = dict(spec)
-        if not isinstance(spec.pop("disable_any_whitespace", False), bool):
-            raise InvalidRequestError("structured_outputs.disable_any_whitespace must be true or false",
-                                      "structured_outputs")
+        for key in ("disable_any_whitespace", "disable_fallback"):
+            if not isinstance(spec.pop(key, False), bool):
+                raise InvalidRequestError(f"structured_outputs.{key} must be true or false", "structured_outputs")
         for key in ("whitespace_pattern", "structural_tag"):
             if spec.get(key, None) is not None:
                 raise InvalidRequestError(f"structured_outputs.{key} is not supported here (JSON is written compact): "
@@ -283,3 +284,6 @@ def child_params(sp: SamplingParams, index: int) -> SamplingParams:
 
     # (best_of goes with n: a child of one sequence ranks nothing)
     return dataclasses.replace(sp, n=1, best_of=None, seed=None if sp.seed is None else (sp.seed + index) % 2**63)
+
+
+StructuredOutputsParams = StructuredOutputs  # (vLLM's name)

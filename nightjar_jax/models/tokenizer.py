@@ -522,6 +522,35 @@ class ChatTemplateArgumentError(ValueError):
         self.field = field
 
 
+def load_chat_template(spec: str, where: str = "--chat-template") -> str:
+    """``--chat-template`` (``where``: the option's name; ``LLM.chat``'s ``chat_template`` too): a file's text, or
+    the template itself. As in vLLM, a value without jinja's characters (``{``, ``}``, a newline) that is no readable
+    file is a path that does not exist: a ``ValueError``, not a template that renders its own name."""
+    path = Path(spec)
+    try:
+        text = path.read_text() if len(spec) < 4096 and path.is_file() else None
+    except OSError:
+        text = None
+    if text is not None:
+        return check_template_syntax(text, f"{where} {spec}")
+    if not any(c in spec for c in "{}\n"):
+        raise ValueError(f"{where} {spec!r} looks like a path, but no such file can be read (give a readable file, "
+                         "or the template itself)")
+    return check_template_syntax(spec, where)
+
+
+def check_template_syntax(text: str, where: str) -> str:
+    """``text`` when it parses as a Jinja template (the chat template's syntax: one that does not fails every chat
+    request with a 400 while completions work, so the server refuses it at start instead); else a ``ValueError``."""
+    from jinja2.exceptions import TemplateSyntaxError
+
+    try:  # (in the environment it renders in: transformers', with {% break %} and {% generation %})
+        compile_chat_template(text)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"{where}: the chat template does not parse: {exc} (line {exc.lineno})") from None
+    return text
+
+
 @functools.lru_cache(maxsize=16)
 def compile_chat_template(template: str) -> Any:
     """``template`` compiled in transformers' chat-template environment (``render_jinja_template``'s, read from

@@ -423,16 +423,54 @@ def test_generate_priorities_need_the_priority_policy(llm):
 
 
 def test_vllm_llm_options_block_size_and_no_ops():
-    """vLLM's ``LLM(block_size=)`` is the page size; ``enforce_eager`` / ``disable_log_stats`` (booleans) are taken
-    and change nothing (each was a ConfigError: an unknown option); bad values and two names of one option fail
+    """vLLM's ``LLM(block_size=)`` is the page size; ``enforce_eager`` / ``disable_log_stats`` /
+    ``enable_chunked_prefill`` (booleans) are taken and change nothing, ``speculative_config`` (a dict) sets the
+    speculation options (each was a ConfigError: an unknown option); bad values and two names of one option fail
     before the model loads."""
     llm = LLM("stories260k", block_size=8, enforce_eager=True, disable_log_stats=False, max_model_len=64,
-              num_pages=16, max_num_seqs=2)
+              num_pages=16, max_num_seqs=2, enable_chunked_prefill=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
     assert llm.engine.config.cache.page_size == 8
+    spec = llm.engine.config.spec  # (vLLM's speculative_config dict, read as serve --speculative-config reads it)
+    assert (spec.draft_model, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 2, 3)
+    assert llm.llm_engine is llm.engine  # (vLLM's name)
     with pytest.raises(ValueError, match=r"enforce_eager='yes' is invalid: allowed True or False"):
         LLM("stories260k", enforce_eager="yes")
     with pytest.raises(ValueError, match="block_size and page_size are one option"):
         LLM("stories260k", block_size=8, page_size=16)
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False: prefill is always chunked here"):
+        LLM("stories260k", enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="speculative_config sets num_speculative_tokens=2 but "
+                                         "num_speculative_tokens=3 is given too"):
+        LLM("stories260k", num_speculative_tokens=3,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="key 'bogus' is not supported"):
+        LLM("stories260k", speculative_config={"bogus": 1})
+    # vLLM's methods this engine does not serve say so (a bare AttributeError named nothing)
+    with pytest.raises(AttributeError, match="LLM.embed is vLLM's embedding API, which nightjar-jax does not serve"):
+        llm.embed(["x"])
+    assert not hasattr(llm, "encode") and not hasattr(llm, "no_such_thing")
+
+
+def test_vllm_prompt_types_and_chat_template_files(llm, tmp_path):
+    """``TokensPrompt`` / ``TextPrompt`` (vLLM's prompt dicts) generate as their text does; a prompt's
+    ``multi_modal_data`` is refused (the model never saw it: it was dropped without a word); ``LLM.chat``'s
+    ``chat_template`` reads a file, as ``serve --chat-template`` does, and a name that is no file is an error (it
+    was rendered as the template: the prompt was the name)."""
+    from nightjar_jax import TextPrompt, TokensPrompt
+
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    by_ids, by_text = llm.generate([TokensPrompt(prompt_token_ids=ids), TextPrompt(prompt=PROMPTS[0])], GREEDY)
+    assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+    with pytest.raises(ValueError, match="a prompt's 'multi_modal_data' is not served"):
+        llm.generate({"prompt": PROMPTS[0], "multi_modal_data": {"image": 1}}, GREEDY)
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[-1]['content'] }}")
+    chat = llm.chat([{"role": "user", "content": PROMPTS[0]}], GREEDY, chat_template=str(template))[0]
+    assert chat.prompt == PROMPTS[0] and chat.outputs[0].token_ids == by_text.outputs[0].token_ids
+    with pytest.raises(ValueError, match="chat_template 'chatml' looks like a path, but no such file can be read"):
+        llm.chat([{"role": "user", "content": "Hi"}], GREEDY, chat_template="chatml")
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_llm_engine_takes_vllms_call_forms(llm):

@@ -38,10 +38,12 @@ def test_exactly_one_valid_constraint():
         StructuredOutputs.from_dict({"pattern": "x"})
     # vLLM's other keys: disable_any_whitespace either way (compact JSON is any-whitespace JSON too), the two others
     # at null (each was "unknown keys")
-    for flag in (True, False):
+    for flag in (True, False):  # (disable_fallback too: one backend, no fallback to turn off)
         assert StructuredOutputs.from_dict({"json_object": True, "disable_any_whitespace": flag}).json_object
+        assert StructuredOutputs.from_dict({"json_object": True, "disable_fallback": flag}).json_object
     assert StructuredOutputs.from_dict({"regex": "a", "whitespace_pattern": None, "structural_tag": None}).regex
-    for key, value in (("whitespace_pattern", "[ ]?"), ("structural_tag", "{}"), ("disable_any_whitespace", "yes")):
+    for key, value in (("whitespace_pattern", "[ ]?"), ("structural_tag", "{}"), ("disable_any_whitespace", "yes"),
+                       ("disable_fallback", "yes")):
         with pytest.raises(InvalidRequestError, match=f"structured_outputs.{key}"):
             StructuredOutputs.from_dict({"json_object": True, key: value})
     sp = SamplingParams(structured_outputs={"choice": ["yes", "no"]})  # (vLLM's object, as a dict)
