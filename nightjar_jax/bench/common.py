@@ -408,7 +408,9 @@ def make_prompt_ids(tokenizer, texts: list[str], num: int, prompt_len: int, voca
     """``num`` prompts of exactly ``prompt_len`` token ids: real text (cut / repeated to length) when a tokenizer
     and texts exist, else synthetic ids. With ``chat``: each question whole in the tokenizer's chat template (what
     a chat server sees; the model answers rather than continues prose), the questions whose prompt fits in
-    ``prompt_len`` tokens, in turn. Returns (prompts, source description)."""
+    ``prompt_len`` tokens, in turn. Returns (prompts, source description; "built-in" for :data:`BUILT_IN_PROMPTS`,
+    a missing default dataset's fallback)."""
+    origin = "built-in" if texts and list(texts) == list(BUILT_IN_PROMPTS)[:len(texts)] else "dataset"
     if chat:
         if tokenizer is None or not texts or not hasattr(tokenizer, "apply_chat_template"):
             raise ValueError("chat prompts need a dataset of questions and a tokenizer with a chat template")
@@ -417,7 +419,7 @@ def make_prompt_ids(tokenizer, texts: list[str], num: int, prompt_len: int, voca
         if not fitting:
             raise ValueError(f"no question of the dataset fits in {prompt_len} tokens with the chat template: raise "
                              "the prompt length")
-        return [fitting[i % len(fitting)] for i in range(num)], "dataset-chat"
+        return [fitting[i % len(fitting)] for i in range(num)], f"{origin}-chat"
     if tokenizer is not None and texts:
         out = []
         for i in range(num):
@@ -427,7 +429,7 @@ def make_prompt_ids(tokenizer, texts: list[str], num: int, prompt_len: int, voca
                 ids += list(tokenizer.encode(" " + texts[(i + j) % len(texts)]))
                 j += 1
             out.append(ids[:prompt_len])
-        return out, "dataset"
+        return out, origin
     rng = np.random.default_rng(seed)
     return [rng.integers(1, vocab_size, prompt_len).tolist() for _ in range(num)], "synthetic"
 

@@ -1333,7 +1333,9 @@ class LLMEngine:
         for j, tok in enumerate(tokens):
             dead = None
             if r.stop_ids and r.under_min_tokens and tok in r.stop_ids:
-                dead = "min_tokens"  # (banned there: drawn only from a row with nothing left, as a constraint leaves)
+                # (banned there: drawn only from a row with nothing left, as the constraints together may leave;
+                # which field left it so, the constraint's mask says)
+                dead = "min_tokens" if r.grammar is None else self._dead_end_field(r)
             elif r.grammar is not None and not r.grammar.accept(tok):  # (its mask allowed only what it accepts)
                 dead = self._dead_end_field(r)
             if dead is not None:

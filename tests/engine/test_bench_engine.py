@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from nightjar_jax import LLM, SamplingParams
-from nightjar_jax.bench.common import ReadProbe, make_prompt_ids, state_bytes
+from nightjar_jax.bench.common import BUILT_IN_PROMPTS, ReadProbe, make_prompt_ids, state_bytes
 from nightjar_jax.testing import load_script
 
 
@@ -55,6 +55,9 @@ def test_chat_prompts_keep_whole_questions_that_fit() -> None:
     texts = ["short?", "a much longer question than the limit allows?", "mid question"]
     prompts, source = make_prompt_ids(tok, texts, 5, 22, vocab_size=256, chat=True)
     assert source == "dataset-chat"
+    # a missing default dataset's fallback says so (it read "dataset-chat": two questions over and over)
+    assert make_prompt_ids(tok, list(BUILT_IN_PROMPTS), 3, 40, vocab_size=256, chat=True)[1] == "built-in-chat"
+    assert make_prompt_ids(tok, list(BUILT_IN_PROMPTS), 3, 8, vocab_size=256)[1] == "built-in"
     fits = [tok.encode("<u>short?</u><a>"), tok.encode("<u>mid question</u><a>")]
     assert prompts == [fits[0], fits[1], fits[0], fits[1], fits[0]]  # the long one skipped, the others in turn
     with pytest.raises(ValueError, match="no question of the dataset fits in 5 tokens"):

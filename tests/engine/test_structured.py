@@ -230,6 +230,12 @@ def test_allowed_token_ids_and_min_tokens_beside_a_constraint(llm, plain_llm):
         (out,) = llm.generate(["Is it sunny?"], params, use_tqdm=False)
         assert out.outputs[0].finish_reason == "error" and out.error_field == field, (field, out)
         assert out.outputs[0].text in ("yes", "no"), out  # (the output before the dead end kept)
+    # under min_tokens a row with nothing left may draw a stop id (greedy: token 0, here one): the field blamed is
+    # still the one that left nothing, allowed_token_ids (it read min_tokens)
+    (out,) = llm.generate(["Is it sunny?"], SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputs(choice=["yes yes"]), min_tokens=5,
+        allowed_token_ids=[*yes, 0], stop_token_ids=[0]), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "error" and out.error_field == "allowed_token_ids", out
     assert not engine.has_unfinished_requests() and engine.num_free_pages == engine.num_total_pages
 
 
