@@ -2,7 +2,7 @@
 
 Public API (imported lazily, so ``import nightjar_jax.planner`` stays JAX-free):
 ``LLM``, ``SamplingParams``, ``StructuredOutputs`` (vLLM's ``StructuredOutputsParams``), ``TextPrompt``,
-``TokensPrompt``, ``EngineConfig``, ``ModelConfig``, ``CacheConfig``,
+``TokensPrompt``, ``RequestOutputKind``, ``EngineConfig``, ``ModelConfig``, ``CacheConfig``,
 ``SchedulerConfig``, ``SpecConfig``, ``LLMEngine``, ``RequestOutput``, ``CompletionOutput``, ``BeamSearchParams``,
 ``EngineSleepingError``, ``make_planner``.
 """
@@ -22,6 +22,7 @@ _EXPORTS = {
     "EngineSleepingError": "nightjar_jax.engine.engine",
     "StructuredOutputs": "nightjar_jax.engine.sampling_params",
     "StructuredOutputsParams": "nightjar_jax.engine.sampling_params",
+    "RequestOutputKind": "nightjar_jax.engine.sampling_params",
     "TextPrompt": "nightjar_jax.engine.inputs",
     "TokensPrompt": "nightjar_jax.engine.inputs",
     "RequestOutput": "nightjar_jax.engine.outputs",

@@ -36,7 +36,13 @@ from nightjar_jax.engine.runner import (
     ModelRunner,
 )
 from nightjar_jax.engine.sampler import fold_seeds
-from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams, child_params, short_repr
+from nightjar_jax.engine.sampling_params import (
+    InvalidRequestError,
+    RequestOutputKind,
+    SamplingParams,
+    child_params,
+    short_repr,
+)
 from nightjar_jax.engine.scheduler import ScheduledBatch, Scheduler
 from nightjar_jax.memory import ElasticPolicy, MemoryAction, PoolState
 from nightjar_jax.planner.base import MAX_STEP_SECONDS
@@ -307,6 +313,7 @@ class LLMEngine:
         # and index
         self._parents: dict[str, int] = {}
         self._child_of: dict[str, tuple[str, int]] = {}
+        self._parent_finals: dict[str, list[CompletionOutput]] = {}  # FINAL_ONLY parents: the sequences done so far
         self._rng = random.Random(config.seed)
         self._grammars = None  # structured outputs' GrammarBackend, built on first use
         self._thought_tags = None  # reasoning_parser's ThoughtTags (reasoning.py), built with the grammar backend
@@ -1439,15 +1446,22 @@ class LLMEngine:
         r.finish_time = time.monotonic()
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
 
-    def _make_output(self, r: Request, new_ids: list[int]) -> RequestOutput:
+    def _make_output(self, r: Request, new_ids: list[int]) -> RequestOutput | None:
+        """The request's output after a step (``SamplingParams.output_kind``: everything so far, the step's delta,
+        or None until it finishes)."""
+        kind = r.sampling.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not r.is_finished:
+            return None
         delta, r.new_text = r.new_text, ""
+        logprobs = None if r.output_logprobs is None else list(r.output_logprobs)
         comp = CompletionOutput(
             index=0, text=r.output_text, token_ids=list(r.output_token_ids),
             finish_reason=r.finish_reason.value if r.finish_reason else None, stop_reason=r.stop_reason,
-            delta_text=delta, delta_token_ids=new_ids,
-            logprobs=None if r.output_logprobs is None else list(r.output_logprobs),
-            cumulative_logprob=r.cumulative_logprob,
+            delta_text=delta, delta_token_ids=new_ids, logprobs=logprobs, cumulative_logprob=r.cumulative_logprob,
         )
+        if kind == RequestOutputKind.DELTA:
+            comp.text, comp.token_ids = delta, list(new_ids)
+            comp.logprobs = None if logprobs is None else logprobs[len(logprobs) - len(new_ids):]
         metrics = RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finish_time,
                                  list(r.token_times))
         if r.is_finished:
@@ -1464,4 +1478,10 @@ class LLMEngine:
                 if not self._parents[out.request_id]:
                     del self._parents[out.request_id]
             out.finished = out.request_id not in self._parents
+            if kind == RequestOutputKind.FINAL_ONLY:  # (every sequence in one output, once the last is done)
+                finals = self._parent_finals.setdefault(out.request_id, [])
+                finals.append(comp)
+                if not out.finished:
+                    return None
+                out.outputs = sorted(self._parent_finals.pop(out.request_id), key=lambda c: c.index)
         return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -11,7 +12,7 @@ from nightjar_jax.config import make_engine_config
 from nightjar_jax.engine.beam_search import BeamSearchOutput, BeamSearchParams, expansion
 from nightjar_jax.engine.engine import LLMEngine
 from nightjar_jax.engine.outputs import CompletionOutput, RequestOutput
-from nightjar_jax.engine.sampling_params import SamplingParams, child_params, short_repr
+from nightjar_jax.engine.sampling_params import RequestOutputKind, SamplingParams, child_params, short_repr
 from nightjar_jax.models.tokenizer import load_chat_template, template_message
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,8 @@ class LLM:
             for i, (prompt, sp, prio) in enumerate(zip(prompts, params, priorities, strict=True)):
                 for j in range(sp.n):
                     child = child_params(sp, j)
+                    if child.output_kind != RequestOutputKind.FINAL_ONLY:  # (it reads finished outputs, as vLLM's)
+                        child = dataclasses.replace(child, output_kind=RequestOutputKind.FINAL_ONLY)
                     rid = engine.add_request(prompt, child, request_id=f"gen-{id(self)}-{i}-{j}", priority=prio)
                     children[rid] = (i, j)
         except Exception:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,14 @@ def short_repr(value: object, limit: int = 80) -> str:
 def clip(text: str, limit: int = 80) -> str:
     """``text`` cut to ``limit`` characters, ending in " ..." when cut."""
     return text if len(text) <= limit else text[: limit - 4] + " ..."
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's: what a request's outputs from ``LLMEngine.step`` carry (``SamplingParams.output_kind``)."""
+
+    CUMULATIVE = 0  # every step: everything so far (text, token ids, log-probabilities), and the step's delta_*
+    DELTA = 1  # every step: what the step added (text and token_ids are the delta; cumulative_logprob the sum)
+    FINAL_ONLY = 2  # nothing until the request finishes, then everything (n > 1: every sequence, in one output)
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -166,6 +175,8 @@ class SamplingParams:
     # vLLM's: False leaves the output's text empty and its log-probabilities' decoded_token None (token ids only, no
     # detokenizing per step); stop strings need it
     detokenize: bool = True
+    # vLLM's: what LLMEngine.step's outputs of the request carry (RequestOutputKind); LLM.generate reads finished ones
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # vLLM's fields at the only values served here: best_of None (or n: no extra sequences to rank, as vLLM V1) and
     # spaces_between_special_tokens True
     best_of: int | None = None
@@ -193,6 +204,12 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise InvalidRequestError(f"SamplingParams.structured_outputs={short_repr(self.structured_outputs)} is "
                                       "invalid: allowed None, a StructuredOutputs or a dict", "structured_outputs")
+        if self.output_kind in tuple(RequestOutputKind) and not isinstance(self.output_kind, bool):
+            self.output_kind = RequestOutputKind(self.output_kind)
+        else:
+            raise InvalidRequestError(f"SamplingParams.output_kind={short_repr(self.output_kind)} is invalid: allowed "
+                                      f"a RequestOutputKind ({', '.join(k.name for k in RequestOutputKind)})",
+                                      "output_kind")
         checks = [
             *((isinstance(getattr(self, name), bool), name, "True or False")
               for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize")),

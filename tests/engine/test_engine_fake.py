@@ -183,6 +183,42 @@ def test_add_request_with_n_runs_n_sequences_under_one_id():
     assert not eng.requests and eng.num_free_pages == eng.num_total_pages
 
 
+def test_output_kind_says_what_each_step_returns():
+    """vLLM's ``SamplingParams.output_kind``: CUMULATIVE (everything so far, each step), DELTA (the step's tokens and
+    text; joined, the whole), FINAL_ONLY (one output, at the end; n > 1: every sequence in it); ``LLM.generate``
+    returns whole outputs whatever the kind."""
+    from nightjar_jax import RequestOutputKind
+    from nightjar_jax.engine.llm import LLM
+    from nightjar_jax.engine.sampling_params import SamplingParams
+
+    eng = fake_engine(draft=True, num_speculative_tokens=2)
+    want = expected(PROMPTS[0], 10)
+    seen: dict[str, list] = {"c": [], "d": [], "f": [], "n": []}
+    for rid, kind, n in (("c", RequestOutputKind.CUMULATIVE, 1), ("d", RequestOutputKind.DELTA, 1),
+                         ("f", RequestOutputKind.FINAL_ONLY, 1), ("n", RequestOutputKind.FINAL_ONLY, 3)):
+        eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, n=n, output_kind=kind),
+                        request_id=rid)
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen[out.request_id].append(out)
+    assert len(seen["c"]) > 2 and seen["c"][-1].outputs[0].token_ids == want
+    assert [t for o in seen["d"] for t in o.outputs[0].token_ids] == want and len(seen["d"]) == len(seen["c"])
+    assert all(o.outputs[0].token_ids == o.outputs[0].delta_token_ids for o in seen["d"])
+    assert len(seen["f"]) == 1 and seen["f"][0].finished and seen["f"][0].outputs[0].token_ids == want
+    (whole,) = seen["n"]
+    assert whole.finished and [c.index for c in whole.outputs] == [0, 1, 2]
+    assert all(c.token_ids == want for c in whole.outputs) and not eng._parent_finals
+    (delta_gen,) = LLM.from_engine(eng).generate(
+        [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10, output_kind=RequestOutputKind.DELTA),
+        use_tqdm=False)
+    assert delta_gen.outputs[0].token_ids == want
+    for bad in (3, "delta", True):
+        with pytest.raises(ValueError, match="output_kind=.* is invalid: allowed a RequestOutputKind"):
+            SamplingParams(output_kind=bad)
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
+    assert eng.num_free_pages == eng.num_total_pages
+
+
 def test_stop_reason_is_the_stop_token_asked_for_and_none_at_eos():
     """vLLM's ``stop_reason``: the id of a ``stop_token_ids`` token that ended the request, None when the
     end-of-sequence token did (it was the EOS id: code telling a natural end from a stop token by ``is None`` erred);
