@@ -6,8 +6,9 @@ taught it, and a parser finds the calls in what it wrote. Three parsers:
 
 - ``hermes``: calls between ``<tool_call>`` and ``</tool_call>`` tags (Hermes, Qwen 2/2.5/3, SmolLM2 and SmolLM3).
   A block holds one call ``{"name": ..., "arguments": {...}}`` or a JSON list of them (SmolLM2's form; ``[]`` is
-  "no call"); ``"parameters"`` is read as ``"arguments"``, and arguments given as a JSON string are kept as that
-  string.
+  "no call"); ``"parameters"`` is read as ``"arguments"``, arguments given as a JSON string are kept as that
+  string, and ``null`` or ``""`` are no arguments, ``{}`` (vLLM passes ``"null"`` / ``"\"\""`` on, which is no
+  JSON object; here such a block was no call at all).
 
 - ``llama3_json`` (Llama 3.1 / 3.2 / 3.3 instruct): an answer that is a call is only the call, one JSON object
   ``{"name": ..., "parameters": {...}}`` (or several separated by ``;``), maybe after ``<|python_tag|>``. An answer
@@ -92,6 +93,8 @@ def _calls_of(value: Any) -> list[ToolCall] | None:
         if not isinstance(name, str) or not name or not _encodes(name):  # (a function name is plain text)
             return None
         arguments = item.get("arguments", item.get("parameters", {}))
+        if arguments is None or arguments == "":  # (a function without arguments, as small models write it)
+            arguments = {}
         if isinstance(arguments, str):
             try:
                 parsed = strict_json(arguments)

@@ -27,6 +27,9 @@ CASES = [
      '{"city": "Zürich"}}</tool_call>', "\n", [ToolCall("a", '{"q": 1}'), ToolCall("b", '{"city": "Zürich"}')]),
     # "[]": no call; the block is gone
     ("<tool_call>[]</tool_call>No tool fits.", "No tool fits.", []),
+    # arguments null or "": no arguments (they were no call, the block left in the content)
+    ('<tool_call>{"name": "a", "arguments": null}</tool_call><tool_call>{"name": "b", "arguments": ""}</tool_call>',
+     "", [ToolCall("a", "{}"), ToolCall("b", "{}")]),
     # not a call: kept as written, tags and all
     ("<tool_call>oops</tool_call>", "<tool_call>oops</tool_call>", []),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
