@@ -16,6 +16,7 @@ condition (no busy spin). Only that thread calls into the engine; other threads 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -25,10 +26,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nightjar_jax.engine.engine import EngineSleepingError
-from nightjar_jax.engine.outputs import RequestOutput
+from nightjar_jax.engine.outputs import CompletionOutput, RequestOutput
 from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# stop() waits this long for the engine thread to abort the running requests between two steps, then answers their
+# groups itself (a step may be a compile of seconds; the server stops the engine a second before uvicorn's
+# --shutdown-timeout cancels the handlers)
+STOP_GRACE_S = 0.25
 
 
 class EngineShuttingDown(RuntimeError):
@@ -48,6 +54,7 @@ class _Group:
     num_unfinished: int = 0
     added: bool = False  # every member is in the engine (set by the engine thread)
     base: str | None = None  # the caller's request id, held (AsyncEngine.claim) until every member finished
+    last: dict[int, RequestOutput] = field(default_factory=dict)  # per member: its latest output
 
     def push(self, item: Any) -> None:
         try:
@@ -135,6 +142,8 @@ class AsyncEngine:
         self._commands: deque = deque()
         self._cond = threading.Condition()
         self._groups: dict[str, tuple[_Group, int]] = {}  # engine request id -> (group, member index)
+        # held while _groups changes: the engine thread delivers, and stop() may close the groups beside it
+        self._groups_lock = threading.Lock()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
@@ -153,7 +162,9 @@ class AsyncEngine:
         """Abort whatever is still running, then end the engine thread. Adds and calls still queued are answered
         at once ("the engine is shutting down": the server's 503): the engine thread reads its queue only between
         steps, and a long step (a compile) outlasted a short --shutdown-timeout, so their handlers were cancelled
-        waiting (bare 500s, cut streams)."""
+        waiting (bare 500s, cut streams). For the same reason, when the engine thread has not aborted the running
+        requests within :data:`STOP_GRACE_S` (a step still runs), their groups are answered from here: each member
+        its latest output, finish reason "abort" (:meth:`_close_groups`); the engine aborts them after the step."""
         with self._cond:
             self._stopping = True
             queued = [c for c in self._commands if isinstance(c, (_Add, _Call))]
@@ -166,7 +177,30 @@ class AsyncEngine:
             else:
                 self._settle(command.done, None, EngineShuttingDown())
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+            self._thread.join(min(timeout, STOP_GRACE_S))
+            if self._thread.is_alive():
+                self._close_groups()
+                self._thread.join(max(0.0, timeout - STOP_GRACE_S))
+
+    def _close_groups(self) -> None:
+        """Answer every running group now, without the engine (its thread is in a step): each unfinished member's
+        latest output again as finished with reason "abort" (no output yet: an empty one). Outputs the engine gives
+        them later are dropped (:meth:`_deliver` finds no group); the engine thread aborts them as it stops."""
+        with self._groups_lock:
+            entries = list(self._groups.items())
+            self._groups.clear()
+        for rid, (group, index) in entries:
+            last = group.last.get(index)
+            if last is None:
+                out = RequestOutput(rid, None, [], [CompletionOutput(0, "", [], finish_reason="abort")], True)
+            else:
+                out = dataclasses.replace(last, finished=True, outputs=[dataclasses.replace(
+                    last.outputs[0], finish_reason="abort", stop_reason=None, delta_text="", delta_token_ids=[])])
+            group.push((index, out))
+            group.num_unfinished -= 1
+            if group.num_unfinished == 0:
+                self.release(group.base)
+                group.push(None)
 
     @property
     def is_alive(self) -> bool:
@@ -276,6 +310,8 @@ class AsyncEngine:
                     for command in held:  # (never run: the engine stops)
                         self._handle(command)
                     self._abort_all()
+                    for rid in list(engine.requests):  # (those whose groups stop() answered: their pages back)
+                        engine.abort_request(rid)
                     self._close_engine()
                     return
                 if engine.has_unfinished_requests():
@@ -327,11 +363,13 @@ class AsyncEngine:
             for i, (rid, prompt, sp) in enumerate(zip(group.request_ids, command.prompts, command.params, strict=True)):
                 self.engine.add_request(prompt, sp, request_id=rid, priority=command.priority)
                 added.append(rid)
-                self._groups[rid] = (group, i)
+                with self._groups_lock:
+                    self._groups[rid] = (group, i)
         except Exception as exc:  # ValueError: bad input; anything else (e.g. the tokenizer choking) is one too
             for rid in added:
                 self.engine.abort_request(rid)
-                self._groups.pop(rid, None)
+                with self._groups_lock:
+                    self._groups.pop(rid, None)
             if not isinstance(exc, (ValueError, EngineSleepingError)):  # (asleep: the server answers 503)
                 logger.warning("add_request failed: %r", exc)
                 exc = ValueError(f"the prompt could not be processed: {exc}")
@@ -361,22 +399,25 @@ class AsyncEngine:
             pass
 
     def _deliver(self, out: RequestOutput) -> None:
-        entry = self._groups.get(out.request_id)
-        if entry is None:
-            return
-        group, index = entry
+        with self._groups_lock:  # (stop() may have answered the group already: _close_groups)
+            entry = self._groups.get(out.request_id)
+            if entry is None:
+                return
+            if out.finished:
+                del self._groups[out.request_id]
+            group, index = entry
+            group.last[index] = out
+            group.push((index, out))
+            if out.finished:
+                group.num_unfinished -= 1
+                if group.num_unfinished == 0:
+                    self.release(group.base)
+                    group.push(None)
         for hook in self.hooks.on_output:
             try:
                 hook(out)
             except Exception:  # metrics must never break serving
                 logger.exception("output hook failed")
-        group.push((index, out))
-        if out.finished:
-            del self._groups[out.request_id]
-            group.num_unfinished -= 1
-            if group.num_unfinished == 0:
-                self.release(group.base)
-                group.push(None)
 
     def _abort_all(self, error: BaseException | None = None) -> None:
         for rid in list(self._groups):
@@ -390,9 +431,12 @@ class AsyncEngine:
                     out.outputs[0].finish_reason = "error"
                     out.error = str(error)
                 self._deliver(out)
-            elif rid in self._groups:  # already gone from the engine: close the member by hand
-                group, _ = self._groups.pop(rid)
-                group.num_unfinished -= 1
-                if group.num_unfinished == 0:
-                    self.release(group.base)
-                    group.push(None)
+            else:  # already gone from the engine: close the member by hand
+                with self._groups_lock:
+                    entry = self._groups.pop(rid, None)
+                    if entry is not None:
+                        group = entry[0]
+                        group.num_unfinished -= 1
+                        if group.num_unfinished == 0:
+                            self.release(group.base)
+                            group.push(None)

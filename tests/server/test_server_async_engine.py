@@ -277,3 +277,43 @@ def test_stop_answers_queued_adds_at_once(engine, monkeypatch):
     ae._thread.join(10)
     assert answered < 1.0 and final.outputs[0].finish_reason == "abort"
     assert engine.num_free_pages == engine.num_total_pages
+
+
+def test_stop_answers_running_groups_while_a_long_step_runs(engine, monkeypatch):
+    """A stop that comes while a step runs for seconds (a compile under new load) answers the running groups at
+    once: each member's latest output again, finished with reason "abort" (streams end, handlers answer before
+    uvicorn's --shutdown-timeout cancels them: QA saw bare 500s and cut streams). The step's own outputs after it
+    are dropped, the engine aborts the requests as it stops, and every page comes back."""
+    import time
+
+    ae = AsyncEngine(engine)
+    ae.start()
+    in_step, real_step, slow = threading.Event(), engine.step, threading.Event()
+
+    def maybe_slow_step():
+        if slow.is_set():
+            in_step.set()
+            time.sleep(3.0)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", maybe_slow_step)
+
+    async def go():
+        running = await ae.add([[1, 2, 3], [4, 5]], [greedy(100), greedy(100)])
+        first = await running.next(timeout=10)  # (a token out before the long step)
+        slow.set()
+        await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 10)
+        t0 = time.monotonic()
+        threading.Thread(target=ae.stop, daemon=True).start()
+        outs = await drain(running)
+        return first, outs, time.monotonic() - t0
+
+    first, outs, answered = asyncio.run(go())
+    assert answered < 1.5, answered  # (the step runs 3 s)
+    finals = {i: outs[i][-1] for i in outs}
+    assert set(finals) == {0, 1} and all(o.finished and o.outputs[0].finish_reason == "abort" for o in finals.values())
+    if first[0] in finals:  # (the member that had an output kept its tokens)
+        assert finals[first[0]].outputs[0].token_ids[:len(first[1].outputs[0].token_ids)] == first[
+            1].outputs[0].token_ids
+    ae._thread.join(10)
+    assert not ae.is_alive and engine.num_free_pages == engine.num_total_pages
