@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "γ > 0 runs")
     p.add_argument("--tree-nodes", default="0", type=int_list(0, as_text=True),
                    help="comma list of token-tree sizes per draft (0: the chain), timed interleaved")
-    p.add_argument("--prompt-lookup", default="0", type=int_list(0, as_text=True),
+    p.add_argument("--prompt-lookup", default="0", type=int_list(0, as_text=True, maximum=64),
                    help="comma list of n-gram lookup sizes per draft (prompt_lookup_max; 0: off, the engine's "
                         "default is 3), labelled +lookupN, timed interleaved")
     p.add_argument("--prompt-lookup-min", type=int_in_range(1, 64), default=2,

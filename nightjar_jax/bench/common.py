@@ -103,12 +103,13 @@ def _finite_float(text: str, allowed: str, ok: Callable[[float], bool]) -> float
 
 
 def int_list(minimum: int = 1, *, increasing: bool = False, allow_empty: bool = False,
-             as_text: bool = False) -> Callable[[str], list[int] | str]:
-    """A type for a comma list of integers >= ``minimum`` without duplicates (``increasing``: strictly increasing;
-    ``allow_empty``: "" gives [], for flags whose empty value turns a part off; ``as_text``: the text itself once
-    checked, for scripts that split it later and record it as given)."""
+             as_text: bool = False, maximum: int | None = None) -> Callable[[str], list[int] | str]:
+    """A type for a comma list of integers >= ``minimum`` (and <= ``maximum`` when given) without duplicates
+    (``increasing``: strictly increasing; ``allow_empty``: "" gives [], for flags whose empty value turns a part off;
+    ``as_text``: the text itself once checked, for scripts that split it later and record it as given)."""
     order = "strictly increasing" if increasing else "no duplicates"
-    allowed = f"a comma list of integers >= {minimum} ({order})"
+    bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+    allowed = f"a comma list of integers {bounds} ({order})"
 
     def parse(text: str) -> list[int]:
         items = [x.strip() for x in text.split(",")]
@@ -120,7 +121,7 @@ def int_list(minimum: int = 1, *, increasing: bool = False, allow_empty: bool = 
             values = [int(x) for x in items]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
-        if min(values) < minimum:
+        if min(values) < minimum or (maximum is not None and max(values) > maximum):
             raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}")
         if increasing and any(b <= a for a, b in zip(values, values[1:], strict=False)):
             raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}")

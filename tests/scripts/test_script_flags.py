@@ -148,6 +148,8 @@ BAD_FLAGS = [
     ("bench_spec.py", ["--output-len", "1"], "argument --output-len: expected an integer >= 2"),
     ("bench_spec.py", ["--dtype", "float99"], "argument --dtype: invalid choice: 'float99'"),
     ("bench_spec.py", ["--prompt-lookup-min", "5", "--prompt-lookup", "3"], "argument --prompt-lookup-min: 5 is past"),
+    ("bench_spec.py", ["--prompt-lookup", "0,65"],
+     "argument --prompt-lookup: expected a comma list of integers in [0, 64]"),
     ("bench_spec.py", ["--chat", "--models", "stories260k"], "argument --chat: stories260k has no chat template"),
     ("bench_engine.py", ["--dtype", "float99"], "argument --dtype: invalid choice: 'float99'"),
     ("measure_profile.py", ["--draft", "none"], "argument --draft: 'none' is no draft model, and one is needed"),
