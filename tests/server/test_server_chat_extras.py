@@ -53,8 +53,12 @@ def test_request_id_names_the_response(client):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "request_id"
 
 
-def test_a_request_id_in_flight_is_a_400(client, llm):
+def test_a_request_id_in_flight_is_a_400(client, llm, monkeypatch):
     """Two requests in flight may not share an id: the second is a 400 naming request_id, the first is served."""
+    import time
+
+    step = llm.engine.step  # (paced: on a loaded machine the first request finished before the second came)
+    monkeypatch.setattr(llm.engine, "step", lambda: (time.sleep(0.01), step())[1])
     body = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "stream": True, "request_id": "dup"}
     with client.stream("POST", "/v1/completions", json=body) as first:
         lines = first.iter_lines()
