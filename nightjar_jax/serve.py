@@ -287,7 +287,11 @@ class _Server:
                 timeout = self.config.timeout_graceful_shutdown
                 if async_engine is None or timeout is None:
                     return
-                timer = threading.Timer(max(0.0, timeout - min(1.0, timeout / 2)), async_engine.stop)
+                from nightjar_jax.server.async_engine import STOP_GRACE_S
+
+                margin = min(1.0, timeout / 2)  # (a step still running then: its requests answered in half of it)
+                timer = threading.Timer(max(0.0, timeout - margin), async_engine.stop,
+                                        kwargs={"grace": min(STOP_GRACE_S, margin / 2)})
                 timer.daemon = True
                 timer.start()
 

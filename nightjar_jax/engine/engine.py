@@ -772,7 +772,9 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | Iterable[str]) -> RequestOutput | None | list[RequestOutput | None]:
         """Finish a request at once with reason ``abort``; its pages are freed immediately. Its final output, or
-        None when no such request is unfinished; several ids (vLLM's iterable): a list of those."""
+        None when no such request is unfinished (or when it is one of an ``n > 1`` FINAL_ONLY request's sequences
+        and not its last: the parent's one output comes with the last); several ids (vLLM's iterable): a list of
+        those."""
         if not isinstance(request_id, str):
             return [self.abort_request(rid) for rid in list(request_id)]
         if request_id in self._parents:  # (n > 1: every sequence; the last output is the finished one)
@@ -1462,12 +1464,16 @@ class LLMEngine:
         if kind == RequestOutputKind.DELTA:
             comp.text, comp.token_ids = delta, list(new_ids)
             comp.logprobs = None if logprobs is None else logprobs[len(logprobs) - len(new_ids):]
+        elif kind == RequestOutputKind.FINAL_ONLY:  # (its one output: everything is the delta)
+            comp.delta_token_ids = list(r.output_token_ids)
         metrics = RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finish_time,
                                  list(r.token_times))
         if r.is_finished:
             self.requests.pop(r.request_id, None)
+        # (DELTA: the prompt's log-probabilities with the first output that carries tokens, once, as vLLM's)
+        once = kind != RequestOutputKind.DELTA or len(r.output_token_ids) <= len(new_ids)
         out = RequestOutput(r.request_id, r.prompt, list(r.prompt_token_ids), [comp], r.is_finished, metrics,
-                            r.error, r.error_field, prompt_logprobs=r.prompt_logprobs_snapshot(),
+                            r.error, r.error_field, prompt_logprobs=r.prompt_logprobs_snapshot() if once else None,
                             num_cached_tokens=r.num_cached_tokens)
         link = self._child_of.get(r.request_id)
         if link is not None:  # one of n sequences: under its parent's id, finished with the last of them

@@ -661,6 +661,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             failure = engine_failure(outs)
             if failure is not None:
                 raise failure
+            if any(o.outputs[0].finish_reason == "abort" for o in outs):  # (a shutdown cut the step)
+                raise APIError(503, "the engine is shutting down", type="server_error")
             for s in live:
                 s.advance([expansion(o.outputs[0].logprobs[0], width)
                            for (owner, _), o in zip(asks, outs, strict=True) if owner is s])

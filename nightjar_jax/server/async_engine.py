@@ -55,6 +55,9 @@ class _Group:
     added: bool = False  # every member is in the engine (set by the engine thread)
     base: str | None = None  # the caller's request id, held (AsyncEngine.claim) until every member finished
     last: dict[int, RequestOutput] = field(default_factory=dict)  # per member: its latest output
+    # per member, once it is in the engine: (prompt text, prompt ids, asked for logprobs), for a shutdown's answer
+    # to a member without an output yet (_close_groups)
+    prompts: dict[int, tuple[str | None, list[int], bool]] = field(default_factory=dict)
 
     def push(self, item: Any) -> None:
         try:
@@ -158,12 +161,12 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="nightjar-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 30.0, grace: float = STOP_GRACE_S) -> None:
         """Abort whatever is still running, then end the engine thread. Adds and calls still queued are answered
         at once ("the engine is shutting down": the server's 503): the engine thread reads its queue only between
         steps, and a long step (a compile) outlasted a short --shutdown-timeout, so their handlers were cancelled
         waiting (bare 500s, cut streams). For the same reason, when the engine thread has not aborted the running
-        requests within :data:`STOP_GRACE_S` (a step still runs), their groups are answered from here: each member
+        requests within ``grace`` seconds (a step still runs), their groups are answered from here: each member
         its latest output, finish reason "abort" (:meth:`_close_groups`); the engine aborts them after the step."""
         with self._cond:
             self._stopping = True
@@ -177,10 +180,10 @@ class AsyncEngine:
             else:
                 self._settle(command.done, None, EngineShuttingDown())
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(min(timeout, STOP_GRACE_S))
+            self._thread.join(min(timeout, grace))
             if self._thread.is_alive():
                 self._close_groups()
-                self._thread.join(max(0.0, timeout - STOP_GRACE_S))
+                self._thread.join(max(0.0, timeout - grace))
 
     def _close_groups(self) -> None:
         """Answer every running group now, without the engine (its thread is in a step): each unfinished member's
@@ -191,11 +194,14 @@ class AsyncEngine:
             self._groups.clear()
         for rid, (group, index) in entries:
             last = group.last.get(index)
-            if last is None:
-                out = RequestOutput(rid, None, [], [CompletionOutput(0, "", [], finish_reason="abort")], True)
+            if last is None:  # (its prompt, and the log-probabilities it asked for: none yet)
+                text, ids, logprobs = group.prompts.get(index, (None, [], False))
+                out = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], finish_reason="abort",
+                                                                      logprobs=[] if logprobs else None)], True)
             else:
                 out = dataclasses.replace(last, finished=True, outputs=[dataclasses.replace(
                     last.outputs[0], finish_reason="abort", stop_reason=None, delta_text="", delta_token_ids=[])])
+            self._run_hooks(out)
             group.push((index, out))
             group.num_unfinished -= 1
             if group.num_unfinished == 0:
@@ -363,6 +369,8 @@ class AsyncEngine:
             for i, (rid, prompt, sp) in enumerate(zip(group.request_ids, command.prompts, command.params, strict=True)):
                 self.engine.add_request(prompt, sp, request_id=rid, priority=command.priority)
                 added.append(rid)
+                queued = self.engine.requests[rid]
+                group.prompts[i] = (queued.prompt, list(queued.prompt_token_ids), sp.logprobs is not None)
                 with self._groups_lock:
                     self._groups[rid] = (group, i)
         except Exception as exc:  # ValueError: bad input; anything else (e.g. the tokenizer choking) is one too
@@ -399,7 +407,10 @@ class AsyncEngine:
             pass
 
     def _deliver(self, out: RequestOutput) -> None:
-        with self._groups_lock:  # (stop() may have answered the group already: _close_groups)
+        if out.request_id not in self._groups:
+            return
+        self._run_hooks(out)  # (before the consumer sees it: a response received is counted)
+        with self._groups_lock:  # (stop() may have answered the group meanwhile: _close_groups)
             entry = self._groups.get(out.request_id)
             if entry is None:
                 return
@@ -413,6 +424,8 @@ class AsyncEngine:
                 if group.num_unfinished == 0:
                     self.release(group.base)
                     group.push(None)
+
+    def _run_hooks(self, out: RequestOutput) -> None:
         for hook in self.hooks.on_output:
             try:
                 hook(out)

@@ -217,7 +217,8 @@ class ServerMetrics:
         r.register(_EngineCollector(engine, self.model_name))
 
     def on_output(self, out: RequestOutput) -> None:
-        """Record a finished request's latencies (runs on the engine thread)."""
+        """Record a finished request's latencies (runs on the engine thread; a shutdown's answers, from the thread
+        that stops it: prometheus_client's metrics take both)."""
         if not out.finished:
             return
         reason = out.outputs[0].finish_reason or "error"

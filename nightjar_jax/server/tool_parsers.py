@@ -92,8 +92,10 @@ def _calls_of(value: Any) -> list[ToolCall] | None:
         name = item.get("name") if isinstance(item, dict) else None
         if not isinstance(name, str) or not name or not _encodes(name):  # (a function name is plain text)
             return None
-        arguments = item.get("arguments", item.get("parameters", {}))
-        if arguments is None or arguments == "":  # (a function without arguments, as small models write it)
+        arguments = item.get("arguments")
+        if arguments is None or arguments == "":  # ("parameters" then; neither: a function without arguments)
+            arguments = item.get("parameters")
+        if arguments is None or arguments == "":
             arguments = {}
         if isinstance(arguments, str):
             try:

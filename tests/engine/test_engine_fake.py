@@ -205,6 +205,7 @@ def test_output_kind_says_what_each_step_returns():
     assert [t for o in seen["d"] for t in o.outputs[0].token_ids] == want and len(seen["d"]) == len(seen["c"])
     assert all(o.outputs[0].token_ids == o.outputs[0].delta_token_ids for o in seen["d"])
     assert len(seen["f"]) == 1 and seen["f"][0].finished and seen["f"][0].outputs[0].token_ids == want
+    assert seen["f"][0].outputs[0].delta_token_ids == want  # (its one output: everything is new)
     (whole,) = seen["n"]
     assert whole.finished and [c.index for c in whole.outputs] == [0, 1, 2]
     assert all(c.token_ids == want for c in whole.outputs) and not eng._parent_finals
@@ -212,6 +213,12 @@ def test_output_kind_says_what_each_step_returns():
         [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10, output_kind=RequestOutputKind.DELTA),
         use_tqdm=False)
     assert delta_gen.outputs[0].token_ids == want
+    eng.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=1,
+                                               output_kind=RequestOutputKind.DELTA), request_id="p")
+    with_prompt = []
+    while eng.has_unfinished_requests():
+        with_prompt += [o.prompt_logprobs is not None for o in eng.step()]
+    assert with_prompt.count(True) == 1 and with_prompt[0]  # (DELTA: the prompt's log-probabilities once, first)
     for bad in (3, "delta", True):
         with pytest.raises(ValueError, match="output_kind=.* is invalid: allowed a RequestOutputKind"):
             SamplingParams(output_kind=bad)

@@ -298,22 +298,69 @@ def test_stop_answers_running_groups_while_a_long_step_runs(engine, monkeypatch)
 
     monkeypatch.setattr(engine, "step", maybe_slow_step)
 
+    seen = []  # (the metrics hook sees every final output before its consumer does, the shutdown's answers too)
+    ae.hooks.on_output.append(lambda out: seen.append(out.request_id) if out.finished else None)
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8], [9], [10, 11]]  # (six: max_num_seqs 4 leaves two waiting)
+    params = [SamplingParams(temperature=0, max_tokens=100, ignore_eos=True, logprobs=1) for _ in prompts]
+
     async def go():
-        running = await ae.add([[1, 2, 3], [4, 5]], [greedy(100), greedy(100)])
+        running = await ae.add(prompts, params)
         first = await running.next(timeout=10)  # (a token out before the long step)
         slow.set()
         await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 10)
         t0 = time.monotonic()
         threading.Thread(target=ae.stop, daemon=True).start()
-        outs = await drain(running)
-        return first, outs, time.monotonic() - t0
+        finals = {}
+        async for index, out in running:
+            assert not out.finished or out.request_id in seen
+            finals[index] = out
+        return first, finals, time.monotonic() - t0
 
-    first, outs, answered = asyncio.run(go())
+    first, finals, answered = asyncio.run(go())
     assert answered < 1.5, answered  # (the step runs 3 s)
-    finals = {i: outs[i][-1] for i in outs}
-    assert set(finals) == {0, 1} and all(o.finished and o.outputs[0].finish_reason == "abort" for o in finals.values())
-    if first[0] in finals:  # (the member that had an output kept its tokens)
-        assert finals[first[0]].outputs[0].token_ids[:len(first[1].outputs[0].token_ids)] == first[
-            1].outputs[0].token_ids
+    assert set(finals) == set(range(6)) and all(o.finished and o.outputs[0].finish_reason == "abort"
+                                                for o in finals.values())
+    index, out = first  # (a member with an output keeps its tokens; one without has its prompt, no tokens)
+    assert finals[index].outputs[0].token_ids[:len(out.outputs[0].token_ids)] == out.outputs[0].token_ids
+    waiting = [o for o in finals.values() if not o.outputs[0].token_ids]
+    assert waiting and all(o.prompt_token_ids == prompts[i] and o.outputs[0].logprobs == []
+                           for i, o in finals.items() if o in waiting)
     ae._thread.join(10)
     assert not ae.is_alive and engine.num_free_pages == engine.num_total_pages
+
+
+def test_a_beam_search_cut_by_a_shutdown_is_a_503(monkeypatch):
+    """A beam search's step (a one-token request, so no output before it ends) that a shutdown during a long step
+    answers is a 503 ("shutting down"), as before the shutdown answered running groups itself (it was a 500:
+    its aborted step had no log-probabilities to expand)."""
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from nightjar_jax.server.app import ServerSettings, build_app
+    from nightjar_jax.testing import stories_chat_llm
+
+    llm = stories_chat_llm()
+    engine, real_step = llm.engine, llm.engine.step
+    ae = AsyncEngine(engine)
+    slow, in_step, count = threading.Event(), threading.Event(), [0]
+
+    def maybe_slow_step():
+        count[0] += 1
+        if slow.is_set() and count[0] > 3:
+            in_step.set()
+            time.sleep(3.0)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", maybe_slow_step)
+    answer = {}
+    with TestClient(build_app(ae, ServerSettings("s")), raise_server_exceptions=False) as client:
+        slow.set()
+        body = {"prompt": "Once upon a time", "max_tokens": 20, "n": 2, "use_beam_search": True}
+        asker = threading.Thread(target=lambda: answer.update(r=client.post("/v1/completions", json=body)))
+        asker.start()
+        assert in_step.wait(60)
+        threading.Thread(target=ae.stop, daemon=True).start()
+        asker.join(60)
+    assert answer["r"].status_code == 503 and "shutting down" in answer["r"].json()["error"]["message"]
+    assert engine.num_free_pages == engine.num_total_pages

@@ -30,6 +30,8 @@ CASES = [
     # arguments null or "": no arguments (they were no call, the block left in the content)
     ('<tool_call>{"name": "a", "arguments": null}</tool_call><tool_call>{"name": "b", "arguments": ""}</tool_call>',
      "", [ToolCall("a", "{}"), ToolCall("b", "{}")]),
+    ('<tool_call>{"name": "a", "arguments": null, "parameters": {"x": 1}}</tool_call>', "",
+     [ToolCall("a", '{"x": 1}')]),
     # not a call: kept as written, tags and all
     ("<tool_call>oops</tool_call>", "<tool_call>oops</tool_call>", []),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
