@@ -558,9 +558,6 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"allowed_token_ids must be in [0, {vocab}): got {max(params.allowed_token_ids)}", "allowed_token_ids"
             )
-        if request_id is not None and not (isinstance(request_id, str) and request_id):
-            raise InvalidRequestError(f"request_id must be a non-empty string (or None: the engine numbers it), got "
-                                      f"{request_id!r}", "request_id")
         request_id = self._free_request_id(request_id)
         grammar = None if params.structured_outputs is None else self.grammar_backend().matcher(
             params.structured_outputs)
@@ -599,8 +596,11 @@ class LLMEngine:
         return request_id
 
     def _free_request_id(self, request_id: str | None) -> str:
-        """``request_id`` when no running request (or n > 1 parent) holds it, else an error; None: the next number
-        free."""
+        """``request_id`` when it is a non-empty string no running request (or n > 1 parent) holds, else an error;
+        None: the next number free."""
+        if request_id is not None and not (isinstance(request_id, str) and request_id):
+            raise InvalidRequestError(f"request_id must be a non-empty string (or None: the engine numbers it), got "
+                                      f"{request_id!r}", "request_id")
         if request_id is None:
             request_id = str(next(self._ids))
             while request_id in self.requests or request_id in self._parents:  # (a caller's id may be a number)
@@ -615,9 +615,6 @@ class LLMEngine:
         (``sampling_params.child_params``: seed ``seed + i`` when seeded), whose outputs come back under the
         parent's id with their ``index``; an output is ``finished`` once every sequence is. Aborting the parent's
         id aborts them all."""
-        if request_id is not None and not (isinstance(request_id, str) and request_id):
-            raise InvalidRequestError(f"request_id must be a non-empty string (or None: the engine numbers it), got "
-                                      f"{request_id!r}", "request_id")
         request_id = self._free_request_id(request_id)
         ids = [f"{i}_{request_id}" for i in range(params.n)]
         taken = [c for c in ids if c in self.requests or c in self._parents]
@@ -680,22 +677,35 @@ class LLMEngine:
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_ids)
         return tuple(sorted(t for t in stop if t < vocab))
 
+    @staticmethod
+    def _emptied_by(mask: np.ndarray, allowed_ids: list[int] | None, stop_ids) -> str | None:
+        """The field that leaves ``mask`` (the tokens a constraint allows next) no token: ``allowed_token_ids``
+        (``allowed_ids``, all the others banned), then ``min_tokens`` (``stop_ids`` banned, when it is not met:
+        else pass none); None when some token is left."""
+        if allowed_ids:
+            mask = mask & np.isin(np.arange(len(mask)), allowed_ids)
+            if not mask.any():
+                return "allowed_token_ids"
+        if stop_ids:
+            mask = mask.copy()
+            mask[list(stop_ids)] = False
+            if not mask.any():
+                return "min_tokens"
+        return None
+
     def _check_first_token(self, grammar, params: SamplingParams, vocab: int) -> None:
         """A structured output beside ``allowed_token_ids`` or ``min_tokens`` (vLLM applies both with it: a token must
         pass all): an error naming the field when together they leave no token to start with."""
-        first = grammar.allowed()
-        if params.allowed_token_ids:
-            if not first[params.allowed_token_ids].any():
-                raise InvalidRequestError(
-                    f"allowed_token_ids {short_repr(sorted(params.allowed_token_ids))} hold no token the structured "
-                    f"output can start with: allow one it can, or drop allowed_token_ids", "allowed_token_ids")
-            first = first & np.isin(np.arange(vocab), params.allowed_token_ids)
-        if params.min_tokens:
-            first[list(self._stop_ids(params, vocab))] = False
-            if not first.any():
-                raise InvalidRequestError(
-                    f"min_tokens={params.min_tokens} bans the stop tokens (EOS, stop_token_ids), and the structured "
-                    f"output allows nothing else to start with: drop min_tokens", "min_tokens")
+        stops = self._stop_ids(params, vocab) if params.min_tokens else ()
+        field = self._emptied_by(grammar.allowed(), params.allowed_token_ids, stops)
+        if field == "allowed_token_ids":
+            raise InvalidRequestError(
+                f"allowed_token_ids {short_repr(sorted(params.allowed_token_ids))} hold no token the structured "
+                f"output can start with: allow one it can, or drop allowed_token_ids", "allowed_token_ids")
+        if field == "min_tokens":
+            raise InvalidRequestError(
+                f"min_tokens={params.min_tokens} bans the stop tokens (EOS, stop_token_ids), and the structured "
+                f"output allows nothing else to start with: drop min_tokens", "min_tokens")
 
     def _dead_end_field(self, r: Request) -> str:
         """The field a constraint's dead end is blamed on (its mask left the step's row nothing to draw from):
@@ -703,16 +713,8 @@ class LLMEngine:
         constraint's own."""
         if r.grammar.field == "bad_words":
             return "bad_words"
-        mask = r.grammar.allowed()
-        if r.sampling.allowed_token_ids:
-            if not mask[r.sampling.allowed_token_ids].any():
-                return "allowed_token_ids"
-            mask = mask & np.isin(np.arange(len(mask)), r.sampling.allowed_token_ids)
-        if r.stop_ids and r.under_min_tokens:
-            mask[list(r.stop_ids)] = False
-            if not mask.any():
-                return "min_tokens"
-        return r.grammar.field
+        stops = r.stop_ids if r.under_min_tokens else ()
+        return self._emptied_by(r.grammar.allowed(), r.sampling.allowed_token_ids, stops) or r.grammar.field
 
     def _with_bad_words(self, grammar, params: SamplingParams, vocab: int):
         """``bad_words`` as a token constraint (``structured.BadWords``), beside a structured output's if any. Words
@@ -726,11 +728,8 @@ class LLMEngine:
         allowed_ids = frozenset(params.allowed_token_ids) if params.allowed_token_ids else None
         bad = BadWords(bad_word_sequences(self.tokenizer, params.bad_words), vocab, allowed_ids)
         first = bad.allowed() if grammar is None else bad.allowed() & grammar.allowed()
-        if params.allowed_token_ids:
-            first &= np.isin(np.arange(vocab), params.allowed_token_ids)
-        if params.min_tokens:
-            first[list(self._stop_ids(params, vocab))] = False
-        if not first.any():
+        stops = self._stop_ids(params, vocab) if params.min_tokens else ()
+        if not first.any() or self._emptied_by(first, params.allowed_token_ids, stops) is not None:
             raise InvalidRequestError("bad_words ban every token the output could start with (beside "
                                       "allowed_token_ids, a structured output or min_tokens): ban fewer words",
                                       "bad_words")

@@ -131,10 +131,10 @@ class LLM:
         children: dict[str, tuple[int, int]] = {}  # engine request id -> (prompt index, completion index)
         try:
             for i, (prompt, sp, prio) in enumerate(zip(prompts, params, priorities, strict=True)):
+                if sp.output_kind != RequestOutputKind.FINAL_ONLY:  # (it reads finished outputs, as vLLM's)
+                    sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
                 for j in range(sp.n):
                     child = child_params(sp, j)
-                    if child.output_kind != RequestOutputKind.FINAL_ONLY:  # (it reads finished outputs, as vLLM's)
-                        child = dataclasses.replace(child, output_kind=RequestOutputKind.FINAL_ONLY)
                     rid = engine.add_request(prompt, child, request_id=f"gen-{id(self)}-{i}-{j}", priority=prio)
                     children[rid] = (i, j)
         except Exception:

@@ -296,7 +296,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     engine = async_engine.engine
     # the engine's reasoning parser starts structured outputs after the thought (engine/reasoning.py); the server
     # splits answers with it too, unless told another one
-    gated = getattr(engine.config, "reasoning_parser", None)
+    gated = engine.config.reasoning_parser
     if settings.reasoning_parser is not None and settings.reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser={settings.reasoning_parser!r} is invalid: allowed None or one of "
                          f"{', '.join(REASONING_PARSERS)}")
