@@ -64,6 +64,15 @@ class EngineSleepingError(RuntimeError):
 SLEEP_TAGS = ("weights", "kv_cache")
 
 
+def _cache_salt(prompt) -> str | None:
+    """A prompt dict's ``cache_salt`` (None: none); anything but a non-empty string is an InvalidRequestError."""
+    cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+        raise InvalidRequestError(f"cache_salt must be a non-empty string (or left out), got "
+                                  f"{short_repr(cache_salt)}", "cache_salt")
+    return cache_salt
+
+
 def _prompt_error(message: str) -> InvalidRequestError:
     return InvalidRequestError(message, "prompt")
 
@@ -525,10 +534,7 @@ class LLMEngine:
                 raise InvalidRequestError(f"arrival_time must be a finite number of seconds on time.time()'s clock, "
                                           f"got {arrival_time!r}", "arrival_time")
         text, ids = self.truncate_prompt(*self.tokenize_prompt(prompt), params)
-        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
-            raise InvalidRequestError(f"cache_salt must be a non-empty string (or left out), got "
-                                      f"{short_repr(cache_salt)}", "cache_salt")
+        cache_salt = _cache_salt(prompt)
         vocab = self.target.config.vocab_size
         if not ids:
             raise _prompt_error("the prompt is empty: at least one token is required")
@@ -805,6 +811,7 @@ class LLMEngine:
         engine's vocabulary, end-of-sequence tokens and context; raises ``ValueError`` for a bad prompt."""
         from nightjar_jax.engine.beam_search import BeamSearch
 
+        _cache_salt(prompt)  # (its steps carry the salt: a bad one fails here, before any search runs)
         text, ids = self.tokenize_prompt(prompt)
         vocab = self.target.config.vocab_size
         if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
@@ -829,7 +836,8 @@ class LLMEngine:
 
     @property
     def num_free_pages(self) -> int:
-        return self.allocator.num_free
+        """Pages free for requests: 0 while the KV cache sleeps (it holds none; the metrics' gauge reads the same)."""
+        return 0 if "kv_cache" in self._asleep else self.allocator.num_free
 
     @property
     def num_total_pages(self) -> int:

@@ -187,7 +187,7 @@ class LLM:
             raise TypeError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}")
         searches = [self.engine.new_beam_search(p, params) for p in prompts]
         # (each search's steps carry its prompt's cache_salt: they share prefix-cache pages with that tenant only)
-        salts = {id(s): {"cache_salt": p["cache_salt"]} if isinstance(p, dict) and p.get("cache_salt") else {}
+        salts = {id(s): {"cache_salt": p["cache_salt"]} if isinstance(p, dict) and "cache_salt" in p else {}
                  for s, p in zip(searches, prompts, strict=True)}
         step = params.step_params()
         width = 2 * params.beam_width

@@ -103,7 +103,7 @@ class _EngineCollector:
         yield gauge("nightjar_kv_pages_usable", "Usable KV cache pages (the base pool's, plus an extension pool's "
                     "while the draft is offloaded)", e.num_total_pages)
         yield gauge("nightjar_kv_pages_free", "Free KV cache pages (0 while the KV cache sleeps: it holds none)",
-                    0 if "kv_cache" in e.asleep_parts else e.num_free_pages)
+                    e.num_free_pages)
         yield gauge("nightjar_spec_gamma", "Speculation length γ of the latest decode step", stats.last_gamma)
         yield gauge("nightjar_spec_tree_nodes", "Drafted nodes per sequence of the latest decode step if it verified "
                     "a token tree (the draft's and, with lookup on, the copy branch's), else 0", stats.last_tree_nodes)

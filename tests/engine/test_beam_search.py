@@ -203,4 +203,8 @@ def test_a_bad_prompt_fails_before_anything_runs(stories):
         stories.beam_search(["Once", [1] * 200], BeamSearchParams(beam_width=2, max_tokens=4))
     with pytest.raises(TypeError, match="takes a BeamSearchParams"):
         stories.beam_search("Once", SamplingParams())
+    # an empty cache_salt is refused as generate refuses it (it ran unsalted, sharing the unsalted requests' pages)
+    with pytest.raises(InvalidRequestError, match="cache_salt must be a non-empty string"):
+        stories.beam_search(["Once", {"prompt": "Once", "cache_salt": ""}],
+                            BeamSearchParams(beam_width=2, max_tokens=4))
     assert engine.stats.num_steps == steps and not engine.has_unfinished_requests()

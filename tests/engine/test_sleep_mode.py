@@ -55,6 +55,7 @@ def test_level_1_frees_every_device_byte_and_wakes_without_recompiling():
     with pytest.raises(EngineSleepingError, match="wake_up"):
         engine.add_request(PROMPTS[0], greedy(4))
     assert not engine.has_unfinished_requests() and engine.step() == []
+    assert engine.num_free_pages == 0  # (no pool while the KV cache sleeps, as the metrics' gauge says)
     with pytest.raises(EngineSleepingError):
         engine.warmup()
 
