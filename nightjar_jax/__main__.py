@@ -1,7 +1,7 @@
 """``python -m nightjar_jax {generate,serve} ...`` (also installed as the ``nightjar`` script).
 
-- ``generate [--prompt TEXT --max-tokens N --temperature T --chat/--no-chat]``: print one completion (with no flags:
-  the default model answers a default question through its chat template).
+- ``generate [--prompt TEXT --max-tokens N --temperature T --chat/--no-chat --chat-template T]``: print one
+  completion (with no flags: the default model answers a default question through its chat template).
 - ``serve ...``: the OpenAI-compatible server, same flags as ``python -m nightjar_jax.serve``.
 """
 
@@ -21,11 +21,13 @@ def _generate(args: argparse.Namespace) -> int:
 
     from nightjar_jax.engine.engine import LLMEngine
     from nightjar_jax.engine.sampling_params import SamplingParams
+    from nightjar_jax.models.tokenizer import load_chat_template
 
     given = {name: value for name, value in (("temperature", args.temperature), ("max_tokens", args.max_tokens),
                                              ("seed", args.sampling_seed)) if value is not None}
-    try:  # the sampling values first: they fail before minutes of loading
+    try:  # the sampling values and the template first: they fail before minutes of loading
         SamplingParams(**given)
+        template = None if args.chat_template is None else load_chat_template(args.chat_template)
         engine = LLMEngine(engine_config_from_args(args))
         # unset flags: the model's generation config (--generation-config, --override-generation-config), else
         # greedy and 64 tokens
@@ -35,16 +37,22 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stderr.write(f"error: {exc}\n")
         return 2
     prompt = args.prompt
-    chat = args.chat
-    if chat is None:  # auto: instruct models with a chat template get their template
-        chat = engine.tokenizer is not None and bool(getattr(engine.tokenizer, "chat_template", None))
     if engine.tokenizer is None:  # (the engine's own message asks for token ids, which this command has no flag for)
         sys.stderr.write("error: this model has no tokenizer to read --prompt with: pass --tokenizer (a "
                          "tokenizer.json or SentencePiece .model file, or a folder with one)\n")
         return 2
+    if template is not None:
+        engine.tokenizer.chat_template = template
+    chat = args.chat
+    if chat is None:  # auto: instruct models with a chat template (or --chat-template) get their template
+        chat = bool(getattr(engine.tokenizer, "chat_template", None))
+    elif chat and not getattr(engine.tokenizer, "chat_template", None):
+        sys.stderr.write(f"error: --chat: {engine.target.config.name}'s tokenizer has no chat template: pass "
+                         f"--chat-template (a template, or a file holding one), or --no-chat for a plain prompt\n")
+        return 2
     start = time.perf_counter()
     try:
-        if chat:  # (a model without a template, or a bad one: the one-line error below)
+        if chat:  # (a bad template: the one-line error below)
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         engine.add_request(prompt, params, request_id="cli")
     except ValueError as exc:  # e.g. a prompt longer than the context or than the whole KV pool
@@ -80,8 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument(
         "--chat", action=argparse.BooleanOptionalAction, default=None,
-        help="wrap the prompt in the model's chat template (default: when the tokenizer has one)",
+        help="wrap the prompt in the model's chat template (default: when the tokenizer has one, or with "
+        "--chat-template)",
     )
+    gen.add_argument("--chat-template", default=None,
+                     help="a jinja chat template, or a path to a file holding one (overrides the tokenizer's; as "
+                     "serve's)")
     sub.add_parser(
         "serve", help="the OpenAI-compatible server (see python -m nightjar_jax.serve --help)", add_help=False
     )

@@ -111,7 +111,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "padded) and the draft's catch-up, so requests do not wait on a compile (the variants of log-probabilities, "
         "logit_bias, penalties and structured outputs still compile on first use, per batch bucket)",
     )
-    group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="the server's and the engine's log level (default: info)")
     # vLLM's HTTP-front flags
     group.add_argument("--allowed-origins", type=_json_strings("allowed-origins"), default=["*"],
                        help='CORS: origins browsers may call from, a JSON list (default ["*"], as vLLM; [] turns '

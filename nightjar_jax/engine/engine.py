@@ -244,6 +244,10 @@ class LLMEngine:
             raise ConfigError(str(exc)) from None
         if target is None:
             target, tokenizer = self._load(config.model, tokenizer_spec=config.tokenizer)
+        if target.config.feature_size is not None:  # (it failed at the first step, naming the forward's arguments)
+            raise ConfigError(f"{target.config.name} is a feature draft: it reads its target's hidden states and "
+                              f"cannot decode alone; load it as a target's draft_model (e.g. "
+                              f"LLM('smollm2-135m-instruct', draft_model={target.config.name!r}))")
         if draft_spec is not None:
             draft, _ = self._load(draft_spec, tokenizer_spec=None)
         if draft is not None and draft.config.vocab_size != target.config.vocab_size:

@@ -155,7 +155,9 @@ def test_main_help(capsys):
     (["--spec-tree-nodes", "8", "--spec-tree-min-gamma", "9"], "spec_tree_min_gamma=9 is invalid"),
     (["--model", "stories260k", "--draft-model", "none", "--num-pages", "2", "--page-size", "4",
       "--prompt", "Once upon a time there was a dog"], "whole KV pool holds 4"),
-    (["--model", "stories260k", "--chat"], "this tokenizer has no chat template"),
+    (["--model", "stories260k", "--chat"], "has no chat template: pass --chat-template"),
+    (["--model", "stories260k", "--chat-template", "/no/such/template.jinja"], "looks like a path"),
+    (["--model", "smollm2-eagle"], "is a feature draft: it reads its target's hidden states and cannot decode alone"),
     (["--model", "stories260k", "--seed", str(2**63)], "seed=9223372036854775808 is invalid"),
     (["--model", "stories260k", "--max-model-len", "4096"], "is more than stories260k's context of 512 tokens"),
     (["--model", "stories260k", "--compilation-cache-dir", __file__], "it needs a directory"),
@@ -185,6 +187,22 @@ def test_generate_without_a_tokenizer_points_to_the_flag(tmp_path, capsys):
     assert err.startswith("error: this model has no tokenizer") and "--tokenizer" in err
     assert main([*argv, "--tokenizer", str(ASSETS_DIR / "stories260K" / "tok512.model")]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_generate_takes_a_chat_template(capsys):
+    """--chat-template (as serve's) wraps the prompt for a model without one: before, --chat there pointed to a
+    chat_template that generate could not take."""
+    from nightjar_jax.__main__ import main
+
+    argv = ["generate", "--model", "stories260k", "--draft-model", "none", "--max-tokens", "4", "--prompt", "Lily"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    # (the template turns the question into the start of a story: the output changes with it)
+    template = "{% for m in messages %}Once upon a time, {{ m.content }}{% endfor %}"
+    assert main([*argv, "--chat-template", template]) == 0
+    wrapped = capsys.readouterr().out
+    assert main([*argv, "--chat-template", template, "--no-chat"]) == 0
+    assert capsys.readouterr().out == plain and wrapped != plain
 
 
 def test_serve_reports_a_bad_model_and_exits_2(caplog):
