@@ -26,10 +26,16 @@ from kernels_pallas.paged_attention.reference import paged_attention_reference
 IMPLS = ("auto", "pallas", "cpu", "reference")
 
 
-def resolve_impl(impl: str) -> str:
-    """Map ``auto`` to the concrete implementation for the default backend."""
+def check_impl(impl: str) -> str:
+    """``impl`` when it names an implementation (a model checks it when built, not at its first call)."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl {impl!r} is unknown: allowed {IMPLS}")
+    return impl
+
+
+def resolve_impl(impl: str) -> str:
+    """Map ``auto`` to the concrete implementation for the default backend."""
+    check_impl(impl)
     if impl == "auto":
         if jax.default_backend() in ("gpu", "tpu"):
             return "pallas"

@@ -456,7 +456,8 @@ class TokenLogprobs(NamedTuple):
 def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> TokenLogprobs:
     """The model's log-probabilities (``log_softmax(logits)``: before temperature and filtering) of ``tokens`` and
     of the ``num_top`` most likely tokens: logits [..., V], tokens [...] int (ids outside [0, V), e.g. -1 padding,
-    read id 0) -> :class:`TokenLogprobs`. ``num_top`` is static (0: the chosen tokens' alone)."""
+    are clipped into it: -1 reads id 0, V or more id V - 1) -> :class:`TokenLogprobs`. ``num_top`` is static (0:
+    the chosen tokens' alone)."""
     vocab = logits.shape[-1]
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [..., V] f32
     chosen = jnp.clip(tokens.astype(jnp.int32), 0, vocab - 1)[..., None]  # [..., 1] int32

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nightjar_jax.attention import check_impl as check_attention_impl
 from nightjar_jax.attention import paged_attention
 from nightjar_jax.config import ModelConfig, RopeScaling
 from nightjar_jax.linear import (
@@ -332,6 +333,7 @@ class Llama(nnx.Module):
         dtype = _jnp_dtype(cfg.dtype)
         self.config = cfg
         self.linear_impl = check_linear_impl(linear_impl)
+        check_attention_impl(attention_impl)
         if cfg.feature_size is None:
             self.embed_tokens = nnx.Embed(
                 cfg.vocab_size,
@@ -372,6 +374,7 @@ class Llama(nnx.Module):
         each of those layers, then the final state (a fused feature draft's input, ``ModelConfig.feature_layers``).
         A fused draft's ``features`` are either that wide (the target's, mixed by ``fuse``) or ``feature_size``
         wide (its own outputs, in later draft steps)."""
+        self._check_inputs(tokens, kv_cache, md)
         positions, _ = slot_positions(md, tokens.shape[1])
         bad = [n for n in hidden_layers if not 1 <= n < len(self.layers)]
         if bad:
@@ -412,6 +415,39 @@ class Llama(nnx.Module):
         if hidden_layers:
             hidden = jnp.concatenate([*(t.astype(hidden.dtype) for t in taken), hidden], axis=-1)
         return hidden, kv_cache if stacked else tuple(new_cache)
+
+    def _check_inputs(self, tokens: jax.Array, kv_cache: KVCache, md: BatchMetadata) -> None:
+        """Shapes always (at trace time); the token ids' and query lengths' values where they are concrete (an eager
+        call: under jit they are tracers). An id outside the vocabulary read a clamped row of the embedding (NaN
+        logits past the end, the last row for -1), and a query_lens of the wrong length was broadcast."""
+        cfg = self.config
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be an integer array [num_seqs, q_len], got "
+                             f"{tokens.dtype}{list(tokens.shape)}")
+        num_seqs, q_len = tokens.shape
+        if md.query_lens is not None and md.query_lens.shape != (num_seqs,):
+            raise ValueError(f"BatchMetadata.query_lens must be [num_seqs={num_seqs}], got shape "
+                             f"{tuple(md.query_lens.shape)}")
+        if md.rope_offsets is not None and md.rope_offsets.shape != (q_len,):
+            raise ValueError(f"BatchMetadata.rope_offsets must be [q_len={q_len}], got shape "
+                             f"{tuple(md.rope_offsets.shape)}")
+        pool = kv_cache.k if isinstance(kv_cache, StackedKV) else kv_cache[0][0]
+        want = (cfg.num_kv_heads, cfg.head_dim)
+        got = (pool.shape[-4], pool.shape[-1])
+        if got != want:
+            raise ValueError(f"the K/V pools hold {got[0]} heads of {got[1]} (shape {tuple(pool.shape)}); "
+                             f"{cfg.name} has {want[0]} K/V heads of {want[1]} (allocate_kv_cache(config, ...))")
+        if not isinstance(tokens, jax.core.Tracer) and tokens.size:
+            ids = np.asarray(tokens)
+            if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+                bad = ids[(ids < 0) | (ids >= cfg.vocab_size)][0]
+                raise ValueError(f"token id {int(bad)} is outside {cfg.name}'s vocabulary: allowed 0 .. "
+                                 f"{cfg.vocab_size - 1}")
+        if md.query_lens is not None and not isinstance(md.query_lens, jax.core.Tracer) and num_seqs:
+            lens = np.asarray(md.query_lens)
+            if lens.min() < 0 or lens.max() > q_len:
+                raise ValueError(f"BatchMetadata.query_lens {lens.tolist()}: each is 0 .. q_len={q_len} (the real "
+                                 f"new tokens of a row, right-aligned in its slots)")
 
     def _fuse(self, features: jax.Array) -> jax.Array:
         """The target's fused features ``[..., (k + 1) * F]`` -> ``[..., F]``: each earlier layer's residual stream

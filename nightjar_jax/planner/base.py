@@ -66,6 +66,12 @@ class NoOptions:
     """Options of a planner that has none."""
 
 
+def _check_format(state: Any) -> None:
+    if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+        found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(f"not a planner state (format {found!r}, expected {STATE_FORMAT!r})")
+
+
 class Planner(abc.ABC):
     """Abstract planner: `select` a γ per decode step, `observe` what the step produced.
 
@@ -234,9 +240,7 @@ class Planner(abc.ABC):
                              f"state_dict / to_json") from None
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
-            found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(f"not a planner state (format {found!r}, expected {STATE_FORMAT!r})")
+        _check_format(state)
         base = str(state["spec"]).split(":", 1)[0]
         if base != self.name or state["gamma_max"] != self.gamma_max:
             raise ValueError(
@@ -278,9 +282,16 @@ class Planner(abc.ABC):
 
     @staticmethod
     def from_json(text: str) -> Planner:
-        """Rebuild a planner (of whatever registered kind) from `to_json` output."""
+        """Rebuild a planner (of whatever registered kind) from `to_json` output; a malformed state is a ValueError,
+        as in `load_state_dict`."""
         state = json.loads(text)
-        planner = make_planner(state["spec"], state["gamma_max"], **state["options"])
+        _check_format(state)
+        try:
+            planner = make_planner(state["spec"], state["gamma_max"], **state["options"])
+        except (KeyError, TypeError) as error:
+            what = f"no {error}" if isinstance(error, KeyError) else str(error)
+            raise ValueError(f"malformed planner state ({type(error).__name__}: {what}): load a state saved by "
+                             f"state_dict / to_json") from None
         planner.load_state_dict(state)
         return planner
 

@@ -3,6 +3,8 @@ boundaries, chunked prefill + decode, and pages reused after another sequence fr
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,3 +109,31 @@ def test_batch_of_ragged_sequences_matches_each_alone(model):
     for i, ref in enumerate(refs):
         np.testing.assert_allclose(np.asarray(logits[i, -1]), ref, atol=1e-5, rtol=1e-5)
     assert jnp.all(jnp.isfinite(logits))
+
+
+def test_an_eager_call_checks_its_inputs(model):
+    """Called eagerly, the model checks what jit cannot: an id outside the vocabulary read a clamped row of the
+    embedding (NaN logits past its end, its last row for -1), a query_lens of another length was broadcast, one past
+    q_len taken; pools of another head count failed in a broadcast, and an unknown attention impl at the first call."""
+    cfg, state, _ = model
+    graphdef, _ = random_state(cfg, seed=3)
+    hidden_fn, _ = make_model_fns(graphdef)
+    kv = allocate_kv_cache(cfg, NUM_PAGES, PAGE)
+    bt, cl = jnp.asarray([[1, 2]], jnp.int32), jnp.asarray([3], jnp.int32)
+
+    def call(tokens, query_lens=None, cache=kv):
+        return hidden_fn(state, jnp.asarray(tokens, jnp.int32), cache, BatchMetadata(bt, cl, query_lens))
+
+    for bad in (cfg.vocab_size, -1):
+        with pytest.raises(ValueError, match=f"token id {bad} is outside tiny-gqa's vocabulary"):
+            call([[5, bad, 6]])
+    with pytest.raises(ValueError, match=r"query_lens must be \[num_seqs=1\], got shape \(2,\)"):
+        call([[5, 6, 7]], jnp.asarray([3, 1], jnp.int32))
+    with pytest.raises(ValueError, match=r"query_lens \[4\]: each is 0 .. q_len=3"):
+        call([[5, 6, 7]], jnp.asarray([4], jnp.int32))
+    other = allocate_kv_cache(dataclasses.replace(cfg, num_kv_heads=cfg.num_heads), NUM_PAGES, PAGE)
+    with pytest.raises(ValueError, match=f"tiny-gqa has {cfg.num_kv_heads} K/V heads"):
+        call([[5, 6, 7]], cache=other)
+    assert jnp.all(jnp.isfinite(call([[5, 6, 7]], jnp.asarray([3], jnp.int32))[0]))
+    with pytest.raises(ValueError, match="attention impl 'cuda' is unknown"):
+        random_state(cfg, seed=3, attention_impl="cuda")

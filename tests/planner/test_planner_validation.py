@@ -275,6 +275,22 @@ def test_a_corrupt_learned_state_is_refused_whole(spec, corrupt, message):
     assert target.to_json() == before
 
 
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda s: s.pop("spec"), r"malformed planner state \(KeyError: no 'spec'\)"),
+    (lambda s: s.pop("options"), r"malformed planner state \(KeyError: no 'options'\)"),
+    (lambda s: s.__setitem__("options", None), r"malformed planner state \(TypeError"),
+    (lambda s: s.clear(), "not a planner state"),
+])
+def test_from_json_refuses_a_malformed_state_with_a_value_error(corrupt, message):
+    """Planner.from_json read the spec and options before load_state_dict's checks: a KeyError or TypeError."""
+    state = json.loads(make_planner("nightjar", 3).to_json())
+    corrupt(state)
+    with pytest.raises(ValueError, match=message):
+        Planner.from_json(json.dumps(state))
+    with pytest.raises(ValueError, match="not a planner state \\(format 'list'"):
+        Planner.from_json("[]")
+
+
 def test_gamma_max_may_be_a_numpy_integer_but_not_a_bool_or_float():
     for spec in ("nightjar", "dsd", "static", "table", "banditspec", "ar"):
         planner = make_planner(spec, np.int64(4))
