@@ -995,7 +995,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         req.check()
         tok = need_tokenizer()
         text = req.prompt if req.messages is None else await asyncio.to_thread(render_chat, req)
-        ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
+        # (off the event loop, as a completion's prompt: a megabyte of text held every connection for a second)
+        ids = await asyncio.to_thread(tok.encode, text, add_special_tokens=req.add_special_tokens)
         out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
         if req.return_token_strs:  # (vLLM's: the tokens as the vocabulary spells them, e.g. "▁upon", "Ġthe")
             vocab = {i: t for t, i in tok.get_vocab().items()}

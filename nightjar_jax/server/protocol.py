@@ -820,6 +820,10 @@ class ResponsesRequest(_Strict):
             ("context_management", bool(self.context_management),
              "no context is managed here: send the conversation as 'input'"),
             ("image", bool(self.image), "the models this server runs write text"),
+            ("stream_options", self.stream_options is not None and not self.stream,
+             "it applies to streamed responses only: set 'stream': true or leave it out"),
+            ("stream_options", bool(set(self.stream_options or {}) - {"include_obfuscation"}),
+             "its one key is 'include_obfuscation' (no padding is sent)"),
         ]
         for name, bad, why in unsupported:
             if bad:

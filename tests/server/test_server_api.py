@@ -566,7 +566,8 @@ def test_responses_api(client, server):
     parts = [{"role": "user", "content": [{"type": "input_text", "text": "Tell me a story."}]}]
     assert client.responses.create(input=parts, **kw).output_text == client.responses.create(
         input="Tell me a story.", **kw).output_text
-    events = list(client.responses.create(input="Tell me a story.", instructions="Be brief.", stream=True, **kw))
+    events = list(client.responses.create(input="Tell me a story.", instructions="Be brief.", stream=True, **kw,
+                                          stream_options={"include_obfuscation": False}))
     kinds = [e.type for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
@@ -590,10 +591,13 @@ def test_responses_api(client, server):
                          ({"text": {"format": {"type": "json_schema", "name": 5, "schema": {}}}}, "text"),
                          ({"background": True}, "background"), ({"reasoning": {"effort": "high"}}, "reasoning"),
                          ({"moderation": {"model": "m"}}, "moderation"),
-                         ({"context_management": [{"type": "compaction"}]}, "context_management")]:
+                         ({"context_management": [{"type": "compaction"}]}, "context_management"),
+                         # (as chat's: only beside stream; it was taken with any keys, and without stream)
+                         ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
+                         ({"stream": True, "stream_options": {"x": 1}}, "stream_options")]:
         bad = post(server, "/v1/responses", {"model": MODEL, "input": "hi", **extra})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (extra, bad.text)
-    neutral = {"background": False, "include": [], "stream_options": {"include_obfuscation": False},
+    neutral = {"background": False, "include": [], "stream_options": None,
                "prompt_cache_key": "k", "top_logprobs": 0, "reasoning": {"effort": None}, "store": False}
     assert post(server, "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2, **neutral}).json()[
         "status"] == "incomplete"

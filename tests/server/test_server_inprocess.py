@@ -37,6 +37,31 @@ def test_a_constraint_compiles_off_the_engine_thread(monkeypatch):
     assert llm.engine.num_free_pages == llm.engine.num_total_pages
 
 
+def test_tokenize_encodes_off_the_event_loop(monkeypatch):
+    """/tokenize encoded on the event loop: a megabyte of text held every other connection (streams, /health) for a
+    second. It now encodes in a worker thread, as a completion's prompt does."""
+    import asyncio
+
+    llm = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=16)
+    tok = llm.engine.tokenizer
+    encode = tok.encode
+    on_loop = []
+
+    def recording(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # (no loop runs in this thread)
+            on_loop.append(False)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", recording)
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s"))) as client:
+        resp = client.post("/tokenize", json={"prompt": "Once upon a time"})
+        assert resp.status_code == 200, resp.text
+    assert resp.json()["tokens"] == encode("Once upon a time") and on_loop == [False]
+
+
 def test_responses_count_the_thoughts_generated_tokens():
     """deepseek_r1 reads an output without ``<think>`` as all thought: its reasoning tokens are every generated
     token. They were the thought's text encoded again, which this tokenizer splits into one more token (a leading
