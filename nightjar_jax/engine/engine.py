@@ -845,6 +845,8 @@ class LLMEngine:
 
     @property
     def num_total_pages(self) -> int:
+        """The pool's usable pages; kept while the KV cache sleeps (the pool that wakes up), when
+        :attr:`num_free_pages` reads 0."""
         return self.allocator.num_usable
 
     # ---- the step -------------------------------------------------------------------------------------------------

@@ -398,8 +398,6 @@ class Llama(nnx.Module):
         if stacked and kv_cache.k.shape[0] != len(layers):
             raise ValueError(f"stacked K/V pools {kv_cache.k.shape} hold {kv_cache.k.shape[0]} layers; "
                              f"{self.config.name} has {len(layers)}")
-        if not stacked and len(kv_cache) != len(layers):
-            raise ValueError(f"the K/V cache has {len(kv_cache)} layers; {self.config.name} has {len(layers)}")
         taken = []
         for i, layer in enumerate(layers):
             if i in hidden_layers:
@@ -431,23 +429,31 @@ class Llama(nnx.Module):
         if md.rope_offsets is not None and md.rope_offsets.shape != (q_len,):
             raise ValueError(f"BatchMetadata.rope_offsets must be [q_len={q_len}], got shape "
                              f"{tuple(md.rope_offsets.shape)}")
+        if not isinstance(kv_cache, StackedKV) and len(kv_cache) != len(self.layers):
+            raise ValueError(f"the K/V cache has {len(kv_cache)} layers; {cfg.name} has {len(self.layers)}")
         pool = kv_cache.k if isinstance(kv_cache, StackedKV) else kv_cache[0][0]
         want = (cfg.num_kv_heads, cfg.head_dim)
         got = (pool.shape[-4], pool.shape[-1])
         if got != want:
             raise ValueError(f"the K/V pools hold {got[0]} heads of {got[1]} (shape {tuple(pool.shape)}); "
                              f"{cfg.name} has {want[0]} K/V heads of {want[1]} (allocate_kv_cache(config, ...))")
-        if not isinstance(tokens, jax.core.Tracer) and tokens.size:
-            ids = np.asarray(tokens)
-            if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-                bad = ids[(ids < 0) | (ids >= cfg.vocab_size)][0]
-                raise ValueError(f"token id {int(bad)} is outside {cfg.name}'s vocabulary: allowed 0 .. "
-                                 f"{cfg.vocab_size - 1}")
-        if md.query_lens is not None and not isinstance(md.query_lens, jax.core.Tracer) and num_seqs:
-            lens = np.asarray(md.query_lens)
-            if lens.min() < 0 or lens.max() > q_len:
-                raise ValueError(f"BatchMetadata.query_lens {lens.tolist()}: each is 0 .. q_len={q_len} (the real "
-                                 f"new tokens of a row, right-aligned in its slots)")
+        concrete = not any(isinstance(a, jax.core.Tracer) for a in (tokens, md.context_lens, md.query_lens))
+        if not concrete or not tokens.size:
+            return
+        lens = None if md.query_lens is None else np.asarray(md.query_lens)
+        if lens is not None and (lens.min() < 0 or lens.max() > q_len):
+            raise ValueError(f"BatchMetadata.query_lens {lens.tolist()}: each is 0 .. q_len={q_len} (the real new "
+                             f"tokens of a row, right-aligned in its slots)")
+        # the real slots' ids (padding slots' outputs are dropped: -1 there is padding, as under jit)
+        slot = np.arange(q_len)[None, :]
+        real = np.asarray(md.context_lens)[:, None] - q_len + slot >= 0
+        if lens is not None:
+            real &= slot >= q_len - lens[:, None]
+        ids = np.asarray(tokens)[real]
+        bad = ids[(ids < 0) | (ids >= cfg.vocab_size)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside {cfg.name}'s vocabulary: allowed 0 .. "
+                             f"{cfg.vocab_size - 1}")
 
     def _fuse(self, features: jax.Array) -> jax.Array:
         """The target's fused features ``[..., (k + 1) * F]`` -> ``[..., F]``: each earlier layer's residual stream

@@ -995,13 +995,17 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         req.check()
         tok = need_tokenizer()
         text = req.prompt if req.messages is None else await asyncio.to_thread(render_chat, req)
+
+        def encode() -> dict[str, Any]:
+            ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
+            out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+            if req.return_token_strs:  # (vLLM's: the tokens as the vocabulary spells them, e.g. "▁upon", "Ġthe")
+                vocab = {i: t for t, i in tok.get_vocab().items()}
+                out["token_strs"] = [vocab.get(i) for i in ids]
+            return out
+
         # (off the event loop, as a completion's prompt: a megabyte of text held every connection for a second)
-        ids = await asyncio.to_thread(tok.encode, text, add_special_tokens=req.add_special_tokens)
-        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
-        if req.return_token_strs:  # (vLLM's: the tokens as the vocabulary spells them, e.g. "▁upon", "Ġthe")
-            vocab = {i: t for t, i in tok.get_vocab().items()}
-            out["token_strs"] = [vocab.get(i) for i in ids]
-        return out
+        return await asyncio.to_thread(encode)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

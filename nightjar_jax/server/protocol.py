@@ -822,8 +822,9 @@ class ResponsesRequest(_Strict):
             ("image", bool(self.image), "the models this server runs write text"),
             ("stream_options", self.stream_options is not None and not self.stream,
              "it applies to streamed responses only: set 'stream': true or leave it out"),
-            ("stream_options", bool(set(self.stream_options or {}) - {"include_obfuscation"}),
-             "its one key is 'include_obfuscation' (no padding is sent)"),
+            ("stream_options", bool(set(self.stream_options or {}) - {"include_obfuscation"}) or not isinstance(
+                (self.stream_options or {}).get("include_obfuscation"), (bool, type(None))),
+             "its one key is 'include_obfuscation', a boolean (no padding is sent)"),
         ]
         for name, bad, why in unsupported:
             if bad:

@@ -134,6 +134,13 @@ def test_an_eager_call_checks_its_inputs(model):
     other = allocate_kv_cache(dataclasses.replace(cfg, num_kv_heads=cfg.num_heads), NUM_PAGES, PAGE)
     with pytest.raises(ValueError, match=f"tiny-gqa has {cfg.num_kv_heads} K/V heads"):
         call([[5, 6, 7]], cache=other)
-    assert jnp.all(jnp.isfinite(call([[5, 6, 7]], jnp.asarray([3], jnp.int32))[0]))
+    real = call([[5, 6, 7]], jnp.asarray([3], jnp.int32))[0]
+    assert jnp.all(jnp.isfinite(real))
+    # a padding slot's id is not read as a token (its output is dropped): -1 there runs, as under jit
+    padded = call([[-1, 6, 7]], jnp.asarray([2], jnp.int32))[0]
+    np.testing.assert_allclose(padded[0, 1:], call([[0, 6, 7]], jnp.asarray([2], jnp.int32))[0][0, 1:])
+    rows = hidden_fn(state, jnp.asarray([[5, 6, 7], [-1, -1, -1]], jnp.int32), kv,
+                     BatchMetadata(jnp.asarray([[1, 2], [0, 0]], jnp.int32), jnp.asarray([3, 0], jnp.int32)))[0]
+    np.testing.assert_allclose(rows[0], real[0], rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="attention impl 'cuda' is unknown"):
         random_state(cfg, seed=3, attention_impl="cuda")

@@ -594,7 +594,8 @@ def test_responses_api(client, server):
                          ({"context_management": [{"type": "compaction"}]}, "context_management"),
                          # (as chat's: only beside stream; it was taken with any keys, and without stream)
                          ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
-                         ({"stream": True, "stream_options": {"x": 1}}, "stream_options")]:
+                         ({"stream": True, "stream_options": {"x": 1}}, "stream_options"),
+                         ({"stream": True, "stream_options": {"include_obfuscation": "yes"}}, "stream_options")]:
         bad = post(server, "/v1/responses", {"model": MODEL, "input": "hi", **extra})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (extra, bad.text)
     neutral = {"background": False, "include": [], "stream_options": None,
