@@ -24,6 +24,7 @@ import numpy as np
 
 from nightjar_jax.cache.allocator import PageAllocator
 from nightjar_jax.config import ConfigError, EngineConfig, dtype_bytes
+from nightjar_jax.engine import variants
 from nightjar_jax.engine.generation_config import generation_defaults, generation_eos_ids
 from nightjar_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nightjar_jax.engine.request import FinishReason, Request
@@ -31,6 +32,7 @@ from nightjar_jax.engine.runner import (
     EVICT_CEILING_SHARE,
     EVICT_MAP_SHARE,
     EVICT_REGROWTH_SHARE,
+    EVICT_TARGET_SHARE,
     DecodeResult,
     ModelHandle,
     ModelRunner,
@@ -101,7 +103,7 @@ class EngineStats:
     num_prefix_cache_hits: int = 0
     num_prefix_cache_draft_hits: int = 0  # of the hits, tokens whose draft K/V were cached too (no catch-up)
     num_compiling_decode_steps: int = 0  # decode steps that compiled (or loaded) a variant: not shown to the planner
-    num_compile_evictions: int = 0  # times every compiled variant was dropped, the process short of memory maps
+    num_compile_evictions: int = 0  # times the least recently used variants were dropped, short of memory maps
     num_catchup_tokens: int = 0
     catchup_seconds: float = 0.0
     last_gamma: int = 0
@@ -310,6 +312,7 @@ class LLMEngine:
         self._planner_speculates = False  # the planner chose γ > 0 for the last decode step it was asked about
         self._num_compiled_seen = 0  # runner.num_compiled() at the last memory-map check
         self._maps_after_eviction: int | None = None  # the process's memory maps right after this engine's last drop
+        self._step_tick = 0  # variants.tick() at the current step's start
         self._warned_maps_elsewhere = False
         if config.cache.draft_offload == "auto" and draft is not None:
             if self.runner.draft_device_bytes() < self.runner.target_page_bytes():
@@ -854,6 +857,7 @@ class LLMEngine:
         if self._asleep:  # (asleep, the engine holds no request: nothing to do)
             return []
         t0 = time.perf_counter()
+        self._step_tick = variants.tick()  # (a drop of compiled variants keeps those this step runs)
         batch = self.scheduler.schedule_prefill()
         outputs: list[RequestOutput] = []
         if batch is not None:
@@ -945,9 +949,11 @@ class LLMEngine:
                                "again only after they grow by %d maps, or past %d%% of the limit. %s",
                                int(EVICT_REGROWTH_SHARE * usage[1]), int(100 * EVICT_CEILING_SHARE), short)
         elif short:
-            dropped = self.runner.evict_compiled()
+            total = self.runner.num_compiled()
+            dropped = self.runner.evict_least_recent(EVICT_TARGET_SHARE, since=self._step_tick)
             self.stats.num_compile_evictions += 1
-            logger.warning("dropped all %d compiled step variants (they compile again on use): %s", dropped, short)
+            logger.warning("dropped %d of %d compiled step variants, the least recently used (they compile again on "
+                           "use): %s", dropped, total, short)
             after = self.runner.map_usage()
             self._maps_after_eviction = None if after is None else after[0]
         self._num_compiled_seen = self.runner.num_compiled()

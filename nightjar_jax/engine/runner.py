@@ -55,6 +55,7 @@ from nightjar_jax.engine.sampler import (
     top_k_ids,
 )
 from nightjar_jax.engine.scheduler import ScheduledBatch
+from nightjar_jax.engine.variants import VariantJit, drop_least_recent
 from nightjar_jax.models.llama import (
     BatchMetadata,
     KVCache,
@@ -85,13 +86,17 @@ from nightjar_jax.spec.tree import SpecTree, chain_prefixes, tree_for, with_copy
 logger = logging.getLogger(__name__)
 
 # Shares of vm.max_map_count (ModelRunner.maps_short): a warm-up stops past the first (leaving room for variants
-# compiled on first use), and a step that compiled drops every compiled variant past the second (LLMEngine)
+# compiled on first use), and a step that compiled drops the least recently used variants past the second
+# (LLMEngine)
 WARMUP_MAP_SHARE = 0.6
 EVICT_MAP_SHARE = 0.85
 # after a drop that left the process short (the maps are held elsewhere), the next waits until the process holds
 # this share of the limit more than right after it: the engine's own variants grew enough for a drop to help
 EVICT_REGROWTH_SHARE = 0.05
 EVICT_CEILING_SHARE = 0.95  # ... but past this share it drops after every step that compiled, whatever the cause
+# a drop (ModelRunner.evict_least_recent) goes down to this share of the limit, oldest variants first, and keeps the
+# current step's
+EVICT_TARGET_SHARE = 0.6
 
 
 class _MapsShort(Exception):
@@ -788,8 +793,8 @@ class ModelRunner:
             lp = None if num_logprobs is None else token_logprobs(raw, next_tokens, num_logprobs)
             return next_tokens, kv, feats, (lp, plp)
 
-        self._forward_sample = jax.jit(forward_sample, donate_argnums=(1, 2), static_argnums=(8,),
-                                       static_argnames=("num_logprobs", "num_prompt_logprobs"))
+        self._forward_sample = VariantJit(forward_sample, donate_argnums=(1, 2), static_argnums=(8,),
+                                          static_argnames=("num_logprobs", "num_prompt_logprobs"))
 
         def migrate_pages(kv, src, dst):
             """Base pages ``dst`` [n] := extension pages ``src`` [n] (ids within the extension), every layer."""
@@ -798,7 +803,7 @@ class ModelRunner:
                                  kv.v.at[:, :, dst].set(kv.v_ext[:, :, src]), kv.k_ext, kv.v_ext)
             return tuple((k.at[:, dst].set(ke[:, src]), v.at[:, dst].set(ve[:, src]), ke, ve) for k, v, ke, ve in kv)
 
-        self._migrate_pages = jax.jit(migrate_pages, donate_argnums=(0,))
+        self._migrate_pages = VariantJit(migrate_pages, donate_argnums=(0,))
 
         def verify(leaves, kv, feats, last_tokens, draft_tokens, draft_probs, copied, block_tables, context_lens, st,
                    all_greedy, num_logprobs=None):
@@ -829,7 +834,8 @@ class ModelRunner:
             lp = None if num_logprobs is None else token_logprobs(raw, out, num_logprobs)
             return out, num_accepted, kv, feats, lp
 
-        self._verify = jax.jit(verify, donate_argnums=(1, 2), static_argnums=(10,), static_argnames=("num_logprobs",))
+        self._verify = VariantJit(verify, donate_argnums=(1, 2), static_argnums=(10,),
+                                  static_argnames=("num_logprobs",))
         if self.draft is None:
             return
         d_hidden, d_logits = self.draft.fns
@@ -1013,11 +1019,11 @@ class ModelRunner:
                 feats = feats.at[dp, do].set(feats[sp, so])
             return moved, feats
 
-        self._propose_tree = jax.jit(propose_tree, donate_argnums=(1,), static_argnums=(10,))
-        self._verify_tree = jax.jit(verify_tree, donate_argnums=(1, 2), static_argnums=(9, 10),
-                                    static_argnames=("num_logprobs",))
-        self._draft_fill = jax.jit(draft_fill, donate_argnums=(1,))
-        self._propose = jax.jit(propose, donate_argnums=(1,), static_argnums=(9, 10))
+        self._propose_tree = VariantJit(propose_tree, donate_argnums=(1,), static_argnums=(10,))
+        self._verify_tree = VariantJit(verify_tree, donate_argnums=(1, 2), static_argnums=(9, 10),
+                                       static_argnames=("num_logprobs",))
+        self._draft_fill = VariantJit(draft_fill, donate_argnums=(1,))
+        self._propose = VariantJit(propose, donate_argnums=(1,), static_argnums=(9, 10))
 
     # ---- host-side batch assembly -------------------------------------------------------------------------------
     def _block_tables(self, requests: list[Request], num_rows: int, lookahead: int = 0) -> np.ndarray:
@@ -1557,6 +1563,20 @@ class ModelRunner:
         for fn in (*self._step_fns().values(), self._migrate_pages):
             fn.clear_cache()
         return dropped
+
+    def evict_least_recent(self, share: float, since: int) -> int:
+        """Drop the least recently used compiled variants (by family: ``nightjar_jax/engine/variants.py``) until the
+        process holds less than ``share`` of its memory-map limit, keeping the families used since ``since`` (a
+        ``variants.tick()``: the current step's); returns how many executables it dropped. Under a steady mixed
+        load the variants steps use stay compiled, where dropping them all compiled them again at every drop."""
+        jax.block_until_ready((self.kv, self.features, self.draft_kv))
+        fns = [f for f in (*self._step_fns().values(), self._migrate_pages) if isinstance(f, VariantJit)]
+
+        def enough() -> bool:
+            usage = memory_map_usage()
+            return usage is None or usage[0] < share * usage[1]
+
+        return drop_least_recent(fns, since, enough)
 
     def _step_fns(self) -> dict:
         fns = {"forward_sample": self._forward_sample}

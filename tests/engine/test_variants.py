@@ -1,0 +1,70 @@
+"""Compiled step variants dropped one family at a time, least recently used first (nightjar_jax/engine/variants.py):
+a server under a steady mixed load dropped every variant each time the process ran short of memory maps, and
+compiled again at once those its steps used."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from nightjar_jax.engine.variants import VariantJit, drop_least_recent, tick
+
+
+def scale(x, k):
+    return x * k
+
+
+def test_families_split_by_static_arguments_and_shapes_and_drop_oldest_first():
+    f = VariantJit(scale, static_argnums=(1,))
+    for n in (2, 3, 4):
+        np.testing.assert_array_equal(f(jnp.ones(n), 2), 2 * np.ones(n))
+    f(jnp.ones(2), 2)  # (2,) is now the most recent of the three
+    f(jnp.ones(2), 3)  # another static value: another family
+    assert len(f.families) == 4 and f._cache_size() == 4
+    since = tick()
+    f(jnp.ones(5), 2)  # used in the "current step": kept whatever happens
+    # one family per round until enough: the oldest, (3,) with k=2, goes first
+    drops = []
+    assert drop_least_recent([f], since, enough=lambda: bool(drops.append(1)) or True, rounds=4) == 1
+    assert sorted(f.families) == [((2,), 2), ((2,), 3), ((4,), 2), ((5,), 2)]
+    # never enough: everything older than `since` goes, the current step's family stays
+    assert drop_least_recent([f], since, enough=lambda: False) == 3
+    assert list(f.families) == [((5,), 2)] and f._cache_size() == 1
+    # a dropped family compiles again on use, with the same result
+    np.testing.assert_array_equal(f(jnp.ones(3), 2), 2 * np.ones(3))
+    assert f._cache_size() == 2
+    f.clear_cache()
+    assert f._cache_size() == 0 and not f.families
+
+
+def test_recency_spans_functions():
+    """Families of several step functions are ranked on one clock: the oldest across them goes first."""
+    a, b = VariantJit(scale, static_argnums=(1,)), VariantJit(scale, static_argnums=(1,))
+    a(jnp.ones(2), 1)
+    b(jnp.ones(2), 1)
+    a(jnp.ones(3), 1)
+    assert drop_least_recent([a, b], tick(), enough=lambda: True, rounds=3) == 1
+    assert list(a.families) == [((3,), 1)] and list(b.families) == [((2,), 1)]
+
+
+def test_an_engine_drops_its_oldest_variants_and_keeps_the_current_steps():
+    """stories260K: the variants of earlier batches (batch sizes, log-probabilities) go; the current step's stay
+    compiled (its next run compiles nothing), and outputs are unchanged."""
+    from nightjar_jax import LLM, SamplingParams
+
+    llm = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=64)
+    runner = llm.engine.runner
+    for k in (1, 3, 5):
+        llm.generate(["Once upon"] * k, SamplingParams(max_tokens=3, temperature=0, logprobs=k), use_tqdm=False)
+    since = tick()
+    params = SamplingParams(max_tokens=3, temperature=0)
+    (before,) = llm.generate(["Once upon"], params, use_tqdm=False)
+    compiled = runner.num_compiled()
+    current = [(f, k) for f in runner._step_fns().values() for k in f.families if f.last_used[k] >= since]
+    assert current and compiled > len(current)
+    dropped = runner.evict_least_recent(0.0, since)  # (0: never enough, everything older goes)
+    assert dropped > 0 and runner.num_compiled() == compiled - dropped
+    assert all(k in f.families for f, k in current)
+    (after,) = llm.generate(["Once upon"], params, use_tqdm=False)
+    assert runner.num_compiled() == compiled - dropped  # (nothing compiled again)
+    assert after.outputs[0].token_ids == before.outputs[0].token_ids
