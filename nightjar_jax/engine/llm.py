@@ -101,10 +101,10 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. ``n > 1`` fans a prompt out into
-        ``n`` sequences (seeds ``(seed + i) mod 2**63`` when seeded) returned as ``outputs[0..n-1]``. ``priority``
-        (vLLM's; one per prompt, lower first) needs ``scheduling_policy="priority"``. If a step raises (or the call
-        is interrupted), this call's unfinished requests are aborted (their pages freed) before the exception
-        propagates."""
+        ``n`` sequences (seeds ``seed + i``, wrapping past 2**63 - 1 to 0, when seeded) returned as
+        ``outputs[0..n-1]``. ``priority`` (vLLM's; one per prompt, lower first) needs
+        ``scheduling_policy="priority"``. If a step raises (or the call is interrupted), this call's unfinished
+        requests are aborted (their pages freed) before the exception propagates."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):

@@ -214,10 +214,14 @@ def apply_penalties(logits: jax.Array, st: SamplingTensors, tokens: jax.Array | 
 
 
 def fold_seeds(seeds: int | np.ndarray | list) -> np.ndarray:
-    """Host-side: 64-bit seeds (SamplingParams allows [0, 2**63)) -> the uint32 the PRNG key takes. A seed under
-    2**32 is itself; a larger one is mixed whole (splitmix64's finalizer), so seeds that differ only in their high
-    half (5 and 5 + 2**32) draw different streams: taking the seed mod 2**32 gave them the same samples."""
-    wide = np.asarray(seeds, dtype=np.uint64)
+    """Host-side: 64-bit seeds (SamplingParams allows [-2**63, 2**63): a negative one is read as its two's
+    complement, 2**64 + seed) -> the uint32 the PRNG key takes. A seed in [0, 2**32) is itself; any other is mixed
+    whole (splitmix64's finalizer), so seeds that differ only in their high half (5 and 5 + 2**32) draw different
+    streams: taking the seed mod 2**32 gave them the same samples."""
+    try:
+        wide = np.asarray(seeds, dtype=np.uint64)
+    except OverflowError:  # (a negative Python int)
+        wide = np.asarray(np.asarray(seeds, dtype=object) % 2**64, dtype=np.uint64)
     with np.errstate(over="ignore"):  # (the hash's products wrap mod 2**64 by design)
         z = wide + np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)

@@ -224,8 +224,9 @@ class SamplingParams:
             (_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a float in (0, 1]"),
             (_is_id(self.top_k), "top_k", "an integer >= 0 (0 or -1: off)"),
             (_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a float in [0, 1]"),
-            (self.seed is None or (_is_id(self.seed) and self.seed < 2**63), "seed",
-             "None or an integer in [0, 2**63)"),
+            (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                   and -(2**63) <= self.seed < 2**63), "seed",
+             "None or an integer in [-2**63, 2**63) (vLLM's 64-bit range)"),
             (self.max_tokens is None or (_is_id(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
              "None or an integer >= 1"),
             (all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= MAX_STOP_STRINGS, "stop",
@@ -293,14 +294,23 @@ def _is_number(x: object) -> bool:
 
 
 def child_params(sp: SamplingParams, index: int) -> SamplingParams:
-    """The parameters of sequence ``index`` of ``sp.n`` (n = 1 each; seed ``(seed + index) mod 2**63`` when seeded,
-    so the n sequences differ and each is reproducible)."""
+    """The parameters of sequence ``index`` of ``sp.n`` (n = 1 each; seed ``seed + index`` when seeded, past
+    ``2**63 - 1`` wrapping to 0 on, so the n sequences differ, each is reproducible, and sequence 0 draws the seed's
+    own stream)."""
     if sp.n == 1:
         return sp
     import dataclasses
 
     # (best_of goes with n: a child of one sequence ranks nothing)
-    return dataclasses.replace(sp, n=1, best_of=None, seed=None if sp.seed is None else (sp.seed + index) % 2**63)
+    return dataclasses.replace(sp, n=1, best_of=None, seed=child_seed(sp.seed, index))
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """Sequence ``index``'s seed of a request seeded ``seed``: ``seed + index``, past ``2**63 - 1`` wrapping to 0
+    on (sequence 0 draws the seed's own stream)."""
+    if seed is None:
+        return None
+    return seed + index - (2**63 if seed + index >= 2**63 else 0)
 
 
 StructuredOutputsParams = StructuredOutputs  # (vLLM's name)

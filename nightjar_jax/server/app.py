@@ -13,8 +13,8 @@ failed while serving the request (a streamed response, already under way, ends w
 before ``[DONE]``).
 
 One HTTP request becomes one **group** of engine requests (``len(prompts) * n`` members); choice ``i`` of the
-response is member ``i`` (prompt ``i // n``, sample ``i % n``, seeded ``(seed + i % n) mod 2**63`` when a seed is
-given). When the client goes away the whole group is aborted, which frees its KV pages at once.
+response is member ``i`` (prompt ``i // n``, sample ``i % n``, seeded ``seed + i % n`` (wrapping past 2**63 - 1 to
+0) when a seed is given). When the client goes away the whole group is aborted, which frees its KV pages at once.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from nightjar_jax.engine.sampling_params import (
     InvalidRequestError,
     SamplingParams,
     StructuredOutputs,
+    child_seed,
     clip,
     short_repr,
 )
@@ -570,8 +571,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         for prompt in prompts:
             for j in range(n):
                 members.append(prompt if cache_salt is None else {**prompt, "cache_salt": cache_salt})
-                seed = None if params.seed is None else (params.seed + j) % 2**63
-                member_params.append(dataclasses.replace(params, seed=seed) if n > 1 else params)
+                member_params.append(dataclasses.replace(params, seed=child_seed(params.seed, j)) if n > 1 else params)
         try:
             stream = await async_engine.add(members, member_params, request_id=request_id, priority=priority)
             stream.prompt_token_ids = [list(m["prompt_token_ids"]) for m in members]  # (per member, before output)

@@ -87,7 +87,7 @@ class _SamplingFields(_Strict):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)  # (vLLM's range; 1 keeps only the most likely tokens)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # (vLLM's 64-bit range)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     n: int = Field(default=1, ge=1, le=128)

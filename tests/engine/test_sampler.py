@@ -359,3 +359,19 @@ def test_min_p_of_one_keeps_only_the_most_likely_tokens():
     logits = jnp.asarray([[0.0, 2.0, 2.0, 1.0]])
     probs = processed_probs(logits, SamplingTensors.create(1, temperature=1.0, min_p=1.0))
     assert np.allclose(np.asarray(probs), [[0.0, 0.5, 0.5, 0.0]])
+
+
+def test_a_negative_seed_is_vllms_64_bit_seed() -> None:
+    """vLLM takes any signed 64-bit seed (a 400 here before): a negative one folds as its two's complement, and a
+    request's n sequences are seeded seed + j (sequence 0 the seed's own stream), wrapping past 2**63 - 1 to 0."""
+    from nightjar_jax.engine.sampler import fold_seeds
+    from nightjar_jax.engine.sampling_params import SamplingParams, child_seed
+
+    assert fold_seeds(-1) == fold_seeds(2**64 - 1) and fold_seeds(-1) != fold_seeds(1)
+    assert (fold_seeds([-5, 3]) == [fold_seeds(2**64 - 5), 3]).all()
+    SamplingParams(seed=-(2**63))
+    with pytest.raises(ValueError, match=r"seed=-9223372036854775809 is invalid: allowed None or an integer in "
+                                         r"\[-2\*\*63, 2\*\*63\)"):
+        SamplingParams(seed=-(2**63) - 1)
+    assert [child_seed(-1, j) for j in range(3)] == [-1, 0, 1]
+    assert [child_seed(2**63 - 1, j) for j in range(2)] == [2**63 - 1, 0] and child_seed(None, 1) is None

@@ -958,6 +958,10 @@ def test_values_at_their_limits_are_served(client, server):
     assert text(temperature=1.0, seed=5, extra_body={"top_k": 2**40}) == text(temperature=1.0, seed=5)
     wrapped = text(temperature=1.0, seed=2**63 - 1, n=2)
     assert wrapped[1] == text(temperature=1.0, seed=0)[0]
+    # vLLM's 64-bit range: a negative seed (a 400 before) is a seed like any other, its choices seed + j
+    negative = text(temperature=1.0, seed=-1, n=2)
+    assert negative == text(temperature=1.0, seed=-1, n=2) and negative[0] == text(temperature=1.0, seed=-1)[0]
+    assert negative[1] == text(temperature=1.0, seed=0)[0] and negative[0] != text(temperature=1.0, seed=1)[0]
     out = client.completions.create(model=MODEL, prompt=[1, 403], max_tokens=MAX_MODEL_LEN - 2, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == MAX_MODEL_LEN - 2
