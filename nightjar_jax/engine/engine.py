@@ -949,8 +949,7 @@ class LLMEngine:
                                "again only after they grow by %d maps, or past %d%% of the limit. %s",
                                int(EVICT_REGROWTH_SHARE * usage[1]), int(100 * EVICT_CEILING_SHARE), short)
         elif short:
-            total = self.runner.num_compiled()
-            dropped = self.runner.evict_least_recent(EVICT_TARGET_SHARE, since=self._step_tick)
+            dropped, total = self.runner.evict_least_recent(EVICT_TARGET_SHARE, since=self._step_tick)
             self.stats.num_compile_evictions += 1
             logger.warning("dropped %d of %d compiled step variants, the least recently used (they compile again on "
                            "use): %s", dropped, total, short)

@@ -793,8 +793,8 @@ class ModelRunner:
             lp = None if num_logprobs is None else token_logprobs(raw, next_tokens, num_logprobs)
             return next_tokens, kv, feats, (lp, plp)
 
-        self._forward_sample = VariantJit(forward_sample, donate_argnums=(1, 2), static_argnums=(8,),
-                                          static_argnames=("num_logprobs", "num_prompt_logprobs"))
+        self._forward_sample = VariantJit(forward_sample, unkeyed_argnums=(0,), donate_argnums=(1, 2),
+                                          static_argnums=(8,), static_argnames=("num_logprobs", "num_prompt_logprobs"))
 
         def migrate_pages(kv, src, dst):
             """Base pages ``dst`` [n] := extension pages ``src`` [n] (ids within the extension), every layer."""
@@ -834,7 +834,7 @@ class ModelRunner:
             lp = None if num_logprobs is None else token_logprobs(raw, out, num_logprobs)
             return out, num_accepted, kv, feats, lp
 
-        self._verify = VariantJit(verify, donate_argnums=(1, 2), static_argnums=(10,),
+        self._verify = VariantJit(verify, unkeyed_argnums=(0,), donate_argnums=(1, 2), static_argnums=(10,),
                                   static_argnames=("num_logprobs",))
         if self.draft is None:
             return
@@ -1019,11 +1019,11 @@ class ModelRunner:
                 feats = feats.at[dp, do].set(feats[sp, so])
             return moved, feats
 
-        self._propose_tree = VariantJit(propose_tree, donate_argnums=(1,), static_argnums=(10,))
-        self._verify_tree = VariantJit(verify_tree, donate_argnums=(1, 2), static_argnums=(9, 10),
+        self._propose_tree = VariantJit(propose_tree, unkeyed_argnums=(0,), donate_argnums=(1,), static_argnums=(10,))
+        self._verify_tree = VariantJit(verify_tree, unkeyed_argnums=(0,), donate_argnums=(1, 2), static_argnums=(9, 10),
                                        static_argnames=("num_logprobs",))
-        self._draft_fill = VariantJit(draft_fill, donate_argnums=(1,))
-        self._propose = VariantJit(propose, donate_argnums=(1,), static_argnums=(9, 10))
+        self._draft_fill = VariantJit(draft_fill, unkeyed_argnums=(0,), donate_argnums=(1,))
+        self._propose = VariantJit(propose, unkeyed_argnums=(0,), donate_argnums=(1,), static_argnums=(9, 10))
 
     # ---- host-side batch assembly -------------------------------------------------------------------------------
     def _block_tables(self, requests: list[Request], num_rows: int, lookahead: int = 0) -> np.ndarray:
@@ -1564,11 +1564,12 @@ class ModelRunner:
             fn.clear_cache()
         return dropped
 
-    def evict_least_recent(self, share: float, since: int) -> int:
+    def evict_least_recent(self, share: float, since: int) -> tuple[int, int]:
         """Drop the least recently used compiled variants (by family: ``nightjar_jax/engine/variants.py``) until the
         process holds less than ``share`` of its memory-map limit, keeping the families used since ``since`` (a
-        ``variants.tick()``: the current step's); returns how many executables it dropped. Under a steady mixed
-        load the variants steps use stay compiled, where dropping them all compiled them again at every drop."""
+        ``variants.tick()``: the current step's); returns how many executables it dropped, and of how many. Under a
+        steady mixed load the variants steps use stay compiled, where dropping them all compiled them again at every
+        drop."""
         jax.block_until_ready((self.kv, self.features, self.draft_kv))
         fns = [f for f in (*self._step_fns().values(), self._migrate_pages) if isinstance(f, VariantJit)]
 
@@ -1576,7 +1577,8 @@ class ModelRunner:
             usage = memory_map_usage()
             return usage is None or usage[0] < share * usage[1]
 
-        return drop_least_recent(fns, since, enough)
+        total = sum(f._cache_size() for f in fns)
+        return drop_least_recent(fns, since, enough), total
 
     def _step_fns(self) -> dict:
         fns = {"forward_sample": self._forward_sample}

@@ -9,9 +9,10 @@ spikes each time (a soak test, 2026-12-06).
 
 :class:`VariantJit` is called as the ``jax.jit`` function it replaces, but holds one ``jax.jit`` object per
 *family*, each over a function object of its own (``jax.jit`` keys executables by function, so jit objects over one
-function share them, and one's ``clear_cache`` drops them all): the call's static arguments and the shapes of its
-array arguments (pytree arguments, e.g. the weights or
-the K/V pools, do not split families: their rare structure changes stay within one). It records when each family
+function share them, and one's ``clear_cache`` drops them all): the call's static arguments, the shapes of its array
+arguments, and the shapes (or absence) of its tuples' elements: the sampling tensors' optional fields (logit bias,
+penalties, structured outputs' masks) and the K/V pools' layout (an elastic-memory extension) each make a family.
+The weights are left out of the key (``unkeyed_argnums``). It records when each family
 ran last, so :func:`drop_least_recent` can drop the oldest families of several functions and keep the ones steps
 use now.
 """
@@ -19,6 +20,7 @@ use now.
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -32,25 +34,34 @@ class VariantJit:
     """``jax.jit(fn, **jit_kwargs)``, one jitted object per family of calls (see the module docstring)."""
 
     def __init__(self, fn: Callable, *, static_argnums: tuple[int, ...] = (), static_argnames: tuple[str, ...] = (),
-                 **jit_kwargs: Any):
+                 unkeyed_argnums: tuple[int, ...] = (), **jit_kwargs: Any):
+        """``unkeyed_argnums``: arguments left out of the family key (the weights: their structure never changes,
+        and reading a few hundred arrays' shapes per call would cost more than the key is worth)."""
         self.fn = fn
-        self.static_argnums = frozenset(static_argnums)
-        self.static_argnames = frozenset(static_argnames)
-        self.jit_kwargs = dict(jit_kwargs, static_argnums=static_argnums, static_argnames=static_argnames)
+        # (jax.jit infers static names from numbers and numbers from names when only one is given: so do the keys)
+        params = list(inspect.signature(fn).parameters)
+        self.static_argnums = frozenset(static_argnums) | {params.index(n) for n in static_argnames if n in params}
+        self.static_argnames = frozenset(static_argnames) | {params[i] for i in static_argnums if i < len(params)}
+        self.unkeyed_argnums = frozenset(unkeyed_argnums)
+        self.jit_kwargs = dict(jit_kwargs)
+        if static_argnums:
+            self.jit_kwargs["static_argnums"] = static_argnums
+        if static_argnames:
+            self.jit_kwargs["static_argnames"] = static_argnames
         self.families: dict[tuple, Any] = {}  # family key -> its jax.jit object
         self.last_used: dict[tuple, int] = {}
+        self._compiled = 0  # executables over every family (kept as calls compile: summing them grew with them)
 
     def _key(self, args: tuple, kwargs: dict) -> tuple:
         key = []
         for i, a in enumerate(args):
             if i in self.static_argnums:
                 key.append(a)
-            else:
-                shape = getattr(a, "shape", None)
-                key.append(shape if isinstance(shape, tuple) else None)
+            elif i not in self.unkeyed_argnums:
+                key.append(_signature(a))
         for name in sorted(kwargs):
             a = kwargs[name]
-            key.append((name, a if name in self.static_argnames else getattr(a, "shape", None)))
+            key.append((name, a if name in self.static_argnames else _signature(a)))
         return tuple(key)
 
     def _family(self, key: tuple) -> Any:
@@ -67,7 +78,11 @@ class VariantJit:
         key = self._key(args, kwargs)
         jitted = self._family(key)
         self.last_used[key] = next(_TICK)
-        return jitted(*args, **kwargs)
+        before = jitted._cache_size()
+        try:
+            return jitted(*args, **kwargs)
+        finally:
+            self._compiled += jitted._cache_size() - before
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The call's lowering, as a jitted function's ``lower`` (for reading its HLO; it runs nothing)."""
@@ -75,7 +90,7 @@ class VariantJit:
 
     def _cache_size(self) -> int:
         """Executables compiled (or loaded from the persistent cache) over every family, as a jitted function's."""
-        return sum(f._cache_size() for f in self.families.values())
+        return self._compiled
 
     def drop(self, key: tuple) -> int:
         """Drop one family's executables; returns how many."""
@@ -83,12 +98,28 @@ class VariantJit:
         self.last_used.pop(key, None)
         n = jitted._cache_size()
         jitted.clear_cache()
+        self._compiled -= n
         return n
 
     def clear_cache(self) -> None:
         """Drop every family, as a jitted function's ``clear_cache``."""
         for key in list(self.families):
             self.drop(key)
+
+
+def _signature(a: Any) -> Any:
+    """What of an argument decides its executable beyond static values: an array's shape; a tuple's (a NamedTuple
+    such as the sampling tensors or the K/V pools) elements' shapes, None where absent, and a nested tuple's length
+    (a per-layer pool pair or, with an elastic-memory extension, quadruple)."""
+    shape = getattr(a, "shape", None)
+    if isinstance(shape, tuple):
+        return shape
+    if isinstance(a, tuple) and a:
+        first = a[0]
+        if isinstance(first, tuple):  # (per-layer pools: every layer's alike)
+            return (len(a), len(first))
+        return tuple(None if x is None else getattr(x, "shape", None) for x in a)
+    return None if a is None else type(a).__name__
 
 
 def tick() -> int:

@@ -4,6 +4,8 @@ compiled again at once those its steps used."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -37,6 +39,41 @@ def test_families_split_by_static_arguments_and_shapes_and_drop_oldest_first():
     assert f._cache_size() == 0 and not f.families
 
 
+def test_a_static_argument_passed_either_way_is_static():
+    """jax.jit infers static names from numbers (and back) when given one of them; VariantJit passed both, empty,
+    which turned that off: a static argument given by keyword was traced (a TypeError for a shape)."""
+    def zeros(x, n):
+        return x + jnp.zeros(n)
+
+    by_number, by_name = VariantJit(zeros, static_argnums=(1,)), VariantJit(zeros, static_argnames=("n",))
+    for f in (by_number, by_name):
+        np.testing.assert_array_equal(f(jnp.ones(3), n=3), np.ones(3))
+        np.testing.assert_array_equal(f(jnp.ones(3), 3), np.ones(3))
+        assert f._cache_size() == sum(j._cache_size() for j in f.families.values())
+
+
+class Tensors(NamedTuple):
+    temperature: jnp.ndarray
+    bias: jnp.ndarray | None = None
+
+
+def biased(x, st):
+    return x * st.temperature + (0 if st.bias is None else st.bias)
+
+
+def test_an_optional_field_makes_its_own_family():
+    """A NamedTuple argument's optional fields (the sampling tensors' logit bias, penalties, masks) split families:
+    they were one family, so a plain step's use kept a biased variant's executables with it."""
+    f = VariantJit(biased)
+    plain, with_bias = Tensors(jnp.ones(2)), Tensors(jnp.ones(2), jnp.ones(2))
+    f(jnp.ones(2), plain)
+    f(jnp.ones(2), with_bias)
+    assert len(f.families) == 2 and f._cache_size() == 2
+    since = tick()
+    f(jnp.ones(2), plain)
+    assert drop_least_recent([f], since, enough=lambda: False) == 1 and f._cache_size() == 1
+
+
 def test_recency_spans_functions():
     """Families of several step functions are ranked on one clock: the oldest across them goes first."""
     a, b = VariantJit(scale, static_argnums=(1,)), VariantJit(scale, static_argnums=(1,))
@@ -62,7 +99,8 @@ def test_an_engine_drops_its_oldest_variants_and_keeps_the_current_steps():
     compiled = runner.num_compiled()
     current = [(f, k) for f in runner._step_fns().values() for k in f.families if f.last_used[k] >= since]
     assert current and compiled > len(current)
-    dropped = runner.evict_least_recent(0.0, since)  # (0: never enough, everything older goes)
+    dropped, total = runner.evict_least_recent(0.0, since)  # (0: never enough, everything older goes)
+    assert total == compiled  # (no page migrations here)
     assert dropped > 0 and runner.num_compiled() == compiled - dropped
     assert all(k in f.families for f, k in current)
     (after,) = llm.generate(["Once upon"], params, use_tqdm=False)
