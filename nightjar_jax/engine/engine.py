@@ -103,7 +103,7 @@ class EngineStats:
     num_prefix_cache_hits: int = 0
     num_prefix_cache_draft_hits: int = 0  # of the hits, tokens whose draft K/V were cached too (no catch-up)
     num_compiling_decode_steps: int = 0  # decode steps that compiled (or loaded) a variant: not shown to the planner
-    num_compile_evictions: int = 0  # times the least recently used variants were dropped, short of memory maps
+    num_compile_evictions: int = 0  # times the least used variants were dropped, short of memory maps
     num_catchup_tokens: int = 0
     catchup_seconds: float = 0.0
     last_gamma: int = 0
@@ -949,9 +949,9 @@ class LLMEngine:
                                "again only after they grow by %d maps, or past %d%% of the limit. %s",
                                int(EVICT_REGROWTH_SHARE * usage[1]), int(100 * EVICT_CEILING_SHARE), short)
         elif short:
-            dropped, total = self.runner.evict_least_recent(EVICT_TARGET_SHARE, since=self._step_tick)
+            dropped, total = self.runner.evict_least_used(EVICT_TARGET_SHARE, since=self._step_tick)
             self.stats.num_compile_evictions += 1
-            logger.warning("dropped %d of %d compiled step variants, the least recently used (they compile again on "
+            logger.warning("dropped %d of %d compiled step variants, the least used (they compile again on "
                            "use): %s", dropped, total, short)
             after = self.runner.map_usage()
             self._maps_after_eviction = None if after is None else after[0]

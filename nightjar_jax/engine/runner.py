@@ -55,7 +55,7 @@ from nightjar_jax.engine.sampler import (
     top_k_ids,
 )
 from nightjar_jax.engine.scheduler import ScheduledBatch
-from nightjar_jax.engine.variants import VariantJit, drop_least_recent
+from nightjar_jax.engine.variants import VariantJit, drop_least_used
 from nightjar_jax.models.llama import (
     BatchMetadata,
     KVCache,
@@ -86,7 +86,7 @@ from nightjar_jax.spec.tree import SpecTree, chain_prefixes, tree_for, with_copy
 logger = logging.getLogger(__name__)
 
 # Shares of vm.max_map_count (ModelRunner.maps_short): a warm-up stops past the first (leaving room for variants
-# compiled on first use), and a step that compiled drops the least recently used variants past the second
+# compiled on first use), and a step that compiled drops the least used variants past the second
 # (LLMEngine)
 WARMUP_MAP_SHARE = 0.6
 EVICT_MAP_SHARE = 0.85
@@ -94,7 +94,7 @@ EVICT_MAP_SHARE = 0.85
 # this share of the limit more than right after it: the engine's own variants grew enough for a drop to help
 EVICT_REGROWTH_SHARE = 0.05
 EVICT_CEILING_SHARE = 0.95  # ... but past this share it drops after every step that compiled, whatever the cause
-# a drop (ModelRunner.evict_least_recent) goes down to this share of the limit, oldest variants first, and keeps the
+# a drop (ModelRunner.evict_least_used) goes down to this share of the limit, least used variants first, and keeps the
 # current step's
 EVICT_TARGET_SHARE = 0.6
 
@@ -1564,12 +1564,11 @@ class ModelRunner:
             fn.clear_cache()
         return dropped
 
-    def evict_least_recent(self, share: float, since: int) -> tuple[int, int]:
-        """Drop the least recently used compiled variants (by family: ``nightjar_jax/engine/variants.py``) until the
+    def evict_least_used(self, share: float, since: int) -> tuple[int, int]:
+        """Drop the least used compiled variants (by family: ``nightjar_jax/engine/variants.py``) until the
         process holds less than ``share`` of its memory-map limit, keeping the families used since ``since`` (a
-        ``variants.tick()``: the current step's); returns how many executables it dropped, and of how many. Under a
-        steady mixed load the variants steps use stay compiled, where dropping them all compiled them again at every
-        drop."""
+        ``variants.tick()``: the current step's); returns how many executables it dropped, and of how many. The
+        variants a load keeps calling stay compiled, where dropping them all compiled them again at every drop."""
         jax.block_until_ready((self.kv, self.features, self.draft_kv))
         fns = [f for f in (*self._step_fns().values(), self._migrate_pages) if isinstance(f, VariantJit)]
 
@@ -1578,7 +1577,7 @@ class ModelRunner:
             return usage is None or usage[0] < share * usage[1]
 
         total = sum(f._cache_size() for f in fns)
-        return drop_least_recent(fns, since, enough), total
+        return drop_least_used(fns, since, enough), total
 
     def _step_fns(self) -> dict:
         fns = {"forward_sample": self._forward_sample}

@@ -116,7 +116,7 @@ class _EngineCollector:
         yield counter("nightjar_decode_steps_compiling", "Decode steps that compiled (or loaded) a step variant: "
                       "first uses no warm-up covered (--warmup full compiles the decode variants before traffic)",
                       stats.num_compiling_decode_steps)
-        yield counter("nightjar_compile_evictions", "Times the least recently used compiled step variants were dropped "
+        yield counter("nightjar_compile_evictions", "Times the least used compiled step variants were dropped "
                       "because the process ran short of memory maps (CPU backend: vm.max_map_count)",
                       stats.num_compile_evictions)
         yield counter("nightjar_spec_draft_tokens", "Draft tokens proposed", stats.num_drafted_tokens)

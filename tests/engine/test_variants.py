@@ -9,7 +9,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from nightjar_jax.engine.variants import VariantJit, drop_least_recent, tick
+from nightjar_jax.engine.variants import VariantJit, drop_least_used, tick
 
 
 def scale(x, k):
@@ -27,10 +27,10 @@ def test_families_split_by_static_arguments_and_shapes_and_drop_oldest_first():
     f(jnp.ones(5), 2)  # used in the "current step": kept whatever happens
     # one family per round until enough: the oldest, (3,) with k=2, goes first
     drops = []
-    assert drop_least_recent([f], since, enough=lambda: bool(drops.append(1)) or True, rounds=4) == 1
+    assert drop_least_used([f], since, enough=lambda: bool(drops.append(1)) or True, rounds=4) == 1
     assert sorted(f.families) == [((2,), 2), ((2,), 3), ((4,), 2), ((5,), 2)]
     # never enough: everything older than `since` goes, the current step's family stays
-    assert drop_least_recent([f], since, enough=lambda: False) == 3
+    assert drop_least_used([f], since, enough=lambda: False) == 3
     assert list(f.families) == [((5,), 2)] and f._cache_size() == 1
     # a dropped family compiles again on use, with the same result
     np.testing.assert_array_equal(f(jnp.ones(3), 2), 2 * np.ones(3))
@@ -71,7 +71,27 @@ def test_an_optional_field_makes_its_own_family():
     assert len(f.families) == 2 and f._cache_size() == 2
     since = tick()
     f(jnp.ones(2), plain)
-    assert drop_least_recent([f], since, enough=lambda: False) == 1 and f._cache_size() == 1
+    assert drop_least_used([f], since, enough=lambda: False) == 1 and f._cache_size() == 1
+
+
+def test_the_least_called_goes_first_and_counts_age():
+    """A family a load keeps calling outranks a newer one called once (least recently used dropped the busy one when
+    the variants in use outgrew the maps); each drop halves the counts, so a load that moved on stops protecting
+    its old variants."""
+    f = VariantJit(scale, static_argnums=(1,))
+    for _ in range(3):
+        f(jnp.ones(2), 1)  # busy, then idle
+    f(jnp.ones(3), 1)  # newer, called once
+    since = tick()
+    f(jnp.ones(4), 1)  # the current step's
+    assert drop_least_used([f], since, enough=lambda: True, rounds=2) == 1
+    assert sorted(f.families) == [((2,), 1), ((4,), 1)] and f.uses[((2,), 1)] == 1.5
+    for _ in range(2):
+        f(jnp.ones(5), 1)
+    # counts now: (4,) 0.5, (2,) 1.5, (5,) 2: one family per drop, the least called first
+    assert drop_least_used([f], tick(), enough=lambda: True, rounds=3) == 1 and ((4,), 1) not in f.families
+    # halved again, the old busy family (0.75) goes before the newly busy one (1.0)
+    assert drop_least_used([f], tick(), enough=lambda: True, rounds=2) == 1 and list(f.families) == [((5,), 1)]
 
 
 def test_recency_spans_functions():
@@ -80,7 +100,7 @@ def test_recency_spans_functions():
     a(jnp.ones(2), 1)
     b(jnp.ones(2), 1)
     a(jnp.ones(3), 1)
-    assert drop_least_recent([a, b], tick(), enough=lambda: True, rounds=3) == 1
+    assert drop_least_used([a, b], tick(), enough=lambda: True, rounds=3) == 1
     assert list(a.families) == [((3,), 1)] and list(b.families) == [((2,), 1)]
 
 
@@ -99,7 +119,7 @@ def test_an_engine_drops_its_oldest_variants_and_keeps_the_current_steps():
     compiled = runner.num_compiled()
     current = [(f, k) for f in runner._step_fns().values() for k in f.families if f.last_used[k] >= since]
     assert current and compiled > len(current)
-    dropped, total = runner.evict_least_recent(0.0, since)  # (0: never enough, everything older goes)
+    dropped, total = runner.evict_least_used(0.0, since)  # (0: never enough, everything older goes)
     assert total == compiled  # (no page migrations here)
     assert dropped > 0 and runner.num_compiled() == compiled - dropped
     assert all(k in f.families for f, k in current)
