@@ -109,8 +109,8 @@ class SamplingTensors(NamedTuple):
     seeds: jax.Array  # [B] uint32 per-request seed
     steps: jax.Array  # [B] int32 number of tokens this request has generated so far
     # logit_bias (None when no row has one): ids [B, M] int32 and values [B, M] float32 added to the logits before
-    # anything else (padding: id 0, value 0); or, with presence / frequency penalties in the batch, ids None and
-    # values a dense [B, V] float32 bias; see apply_logit_bias
+    # anything else (padding: id 0, value 0); or, with structured outputs' masks or allowed_token_ids in the batch,
+    # ids None and values a dense [B, V] float32 bias; see apply_logit_bias (penalties: ``penalties`` below)
     bias_ids: jax.Array | None = None
     bias_values: jax.Array | None = None
     # [B] int32: the most drafts each row may accept in a speculative step (None: no limit). The engine sets
@@ -166,7 +166,7 @@ def apply_logit_bias(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     if st.bias_values is None:
         return logits
     batch = logits.shape[0]
-    if st.bias_ids is None:  # a dense [B, V] bias (presence / frequency penalties)
+    if st.bias_ids is None:  # a dense [B, V] bias (structured outputs' masks, allowed_token_ids)
         return logits + st.bias_values.reshape((batch,) + (1,) * (logits.ndim - 2) + (logits.shape[-1],))
     ids = st.bias_ids.reshape((batch,) + (1,) * (logits.ndim - 2) + st.bias_ids.shape[1:])  # [B, 1.., M]
     values = st.bias_values.reshape(ids.shape).astype(logits.dtype)

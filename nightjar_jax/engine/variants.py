@@ -19,9 +19,9 @@ a shifted load no longer calls loses its rank.
 
 Least *used*, not least recently used: when the variants a load keeps calling need more maps than the process has,
 a least-recently-used drop throws out variants the next steps call again. A soak run with that policy (down to 60%
-of the limit; 2026-12-06) dropped ~90 of ~270 variants every ~50 s and compiled more often than dropping them all
-(359 against 255 steps that compiled, after 17 minutes); a rarely called variant (beam search's log-probabilities,
-a seldom batch size) is the one to compile again.
+of the limit; 2026-12-06) dropped ~100 of ~270 variants every ~55 s and compiled more often than dropping them all
+(245 against 133 steps that compiled by minute 9; docs/benchmarks.md); a rarely called variant (beam search's
+log-probabilities, a seldom batch size) is the one to compile again.
 """
 
 from __future__ import annotations
@@ -45,10 +45,15 @@ class VariantJit:
         """``unkeyed_argnums``: arguments left out of the family key (the weights: their structure never changes,
         and reading a few hundred arrays' shapes per call would cost more than the key is worth)."""
         self.fn = fn
-        # (jax.jit infers static names from numbers and numbers from names when only one is given: so do the keys)
+        # (jax.jit infers static names from numbers, or numbers from names, when only one of them is given: so do
+        # the keys)
         params = list(inspect.signature(fn).parameters)
-        self.static_argnums = frozenset(static_argnums) | {params.index(n) for n in static_argnames if n in params}
-        self.static_argnames = frozenset(static_argnames) | {params[i] for i in static_argnums if i < len(params)}
+        self.static_argnums = frozenset(static_argnums)
+        self.static_argnames = frozenset(static_argnames)
+        if not static_argnums:
+            self.static_argnums = frozenset(params.index(n) for n in static_argnames if n in params)
+        if not static_argnames:
+            self.static_argnames = frozenset(params[i] for i in static_argnums if i < len(params))
         self.unkeyed_argnums = frozenset(unkeyed_argnums)
         self.jit_kwargs = dict(jit_kwargs)
         if static_argnums:
@@ -109,7 +114,8 @@ class VariantJit:
         self.uses.pop(key, None)
         n = jitted._cache_size()
         jitted.clear_cache()
-        self._compiled -= n
+        # (counted again, not decremented: jax's global executable cache may have evicted entries on its own)
+        self._compiled = sum(j._cache_size() for j in self.families.values())
         return n
 
     def clear_cache(self) -> None:
@@ -129,8 +135,21 @@ def _signature(a: Any) -> Any:
         first = a[0]
         if isinstance(first, tuple):  # (per-layer pools: every layer's alike)
             return (len(a), len(first))
-        return tuple(None if x is None else getattr(x, "shape", None) for x in a)
+        return tuple(_leaf_signature(x) for x in a)
     return None if a is None else type(a).__name__
+
+
+def _leaf_signature(x: Any) -> Any:
+    """A tuple's element: its shape, or a nested tuple's elements' shapes (the sampling tensors' penalties, a
+    NamedTuple of arrays: present or absent)."""
+    if x is None:
+        return None
+    shape = getattr(x, "shape", None)
+    if isinstance(shape, tuple):
+        return shape
+    if isinstance(x, tuple):
+        return tuple(None if y is None else getattr(y, "shape", None) for y in x)
+    return type(x).__name__
 
 
 def tick() -> int:

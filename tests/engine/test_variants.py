@@ -1,4 +1,4 @@
-"""Compiled step variants dropped one family at a time, least recently used first (nightjar_jax/engine/variants.py):
+"""Compiled step variants dropped one family at a time, least used first (nightjar_jax/engine/variants.py):
 a server under a steady mixed load dropped every variant each time the process ran short of memory maps, and
 compiled again at once those its steps used."""
 
@@ -16,7 +16,7 @@ def scale(x, k):
     return x * k
 
 
-def test_families_split_by_static_arguments_and_shapes_and_drop_oldest_first():
+def test_families_split_by_static_arguments_and_shapes_and_equal_counts_drop_oldest_first():
     f = VariantJit(scale, static_argnums=(1,))
     for n in (2, 3, 4):
         np.testing.assert_array_equal(f(jnp.ones(n), 2), 2 * np.ones(n))
@@ -94,8 +94,31 @@ def test_the_least_called_goes_first_and_counts_age():
     assert drop_least_used([f], tick(), enough=lambda: True, rounds=2) == 1 and list(f.families) == [((5,), 1)]
 
 
-def test_recency_spans_functions():
-    """Families of several step functions are ranked on one clock: the oldest across them goes first."""
+class Penalties(NamedTuple):
+    presence: jnp.ndarray
+
+
+class WithPenalties(NamedTuple):
+    temperature: jnp.ndarray
+    penalties: Penalties | None = None
+
+
+def penalized(x, st):
+    return x * st.temperature - (0 if st.penalties is None else st.penalties.presence)
+
+
+def test_a_nested_optional_field_makes_its_own_family():
+    """The sampling tensors' penalties are a NamedTuple of arrays: present or absent they read the same to a key of
+    shapes (None), so a penalties-only batch ran in the plain family (the final review)."""
+    f = VariantJit(penalized)
+    f(jnp.ones(2), WithPenalties(jnp.ones(2)))
+    f(jnp.ones(2), WithPenalties(jnp.ones(2), Penalties(jnp.ones(2))))
+    assert len(f.families) == 2 and f._cache_size() == 2
+
+
+def test_ranks_span_functions():
+    """Families of several step functions are ranked together (equal counts: on one clock, the oldest across them
+    goes first)."""
     a, b = VariantJit(scale, static_argnums=(1,)), VariantJit(scale, static_argnums=(1,))
     a(jnp.ones(2), 1)
     b(jnp.ones(2), 1)
