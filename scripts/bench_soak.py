@@ -1,0 +1,471 @@
+"""A soak of the OpenAI server: a real ``python -m nightjar_jax.serve`` (started here, or ``--url``'s) under
+``--clients`` concurrent clients sending a mixed load for ``--duration`` seconds: completions and chat, streamed or
+not, n 1-3, log-probabilities, stop strings, seeds, JSON-schema / regex / choice outputs, tool calls, beam search,
+prompt log-probabilities and echo, a shared prefix with and without ``cache_salt``, ``/tokenize``, ``/metrics``,
+prefix-cache resets, and clients that leave mid-stream or time out on a long request.
+
+Every ``--interval`` seconds a fixed greedy probe runs ``--probe-repeats`` times through the loaded server, and the
+server's resident memory, memory maps, open files and threads (``/proc``, Linux) and its metrics (steps that
+compiled a variant, variant drops, free pages) are sampled. At the end the clients stop, and once nothing runs or
+waits every KV page must be free. Prints a table per interval and writes JSON. Exits 1 when a request failed (an
+answer other than 2xx, a stream that ended without ``[DONE]`` or with an error event), the probe's text changed, or
+pages stayed held: the soak's correctness is checked, its timings are recorded.
+
+    python scripts/bench_soak.py --out results/bench_soak.json          # the soak of docs/benchmarks.md (24 minutes)
+    python scripts/bench_soak.py --duration 20 --interval 10 --clients 2 --warmup request --draft-model none \\
+        --out /tmp/soak.json                                                              # smoke (a minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import httpx  # noqa: E402
+
+from nightjar_jax.bench.common import (  # noqa: E402
+    fmt,
+    machine_note,
+    positive_float,
+    positive_int,
+    writable_out,
+    write_json,
+)
+
+MODEL = "stories260k"
+# stories260K ships no chat template: "<role>: <content>" lines, then "assistant:"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+WORDS = ("once upon a time there was little girl named lily she loved to play in the park with her dog ball tree "
+         "sun happy big red").split()
+PREFIX = ("Once upon a time, there was a little girl named Lily. She liked to play outside with her friends in the "
+          "big green park. ")
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
+]
+PROBE_PROMPT = "Once upon a time, there was a little dog named Max."
+DISCONNECT_SHARE = 0.15  # of streamed requests: the client closes the stream after its first 1-4 events
+METRICS = {  # the /metrics samples kept per interval, by short name
+    "compiling": "nightjar_decode_steps_compiling_total",
+    "drops": "nightjar_compile_evictions_total",
+    "free": "nightjar_kv_pages_free",
+    "usable": "nightjar_kv_pages_usable",
+    "running": "nightjar_num_requests_running",
+    "waiting": "nightjar_num_requests_waiting",
+    "preemptions": "nightjar_preemptions_total",
+}
+
+
+class Soak:
+    """The clients' shared state: counts by request kind, the failures (kept, up to 200), a gate that pauses them."""
+
+    def __init__(self, url: str, model: str, headers: dict):
+        self.url, self.model, self.headers = url, model, headers
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.inflight = 0
+        self.served = self.failed = self.disconnects = 0
+        self.by_kind: dict[str, list[int]] = {}  # kind -> [served, failed]
+        self.failures: list[dict] = []
+
+    def record(self, kind: str, ok: bool, detail: str = "") -> None:
+        with self.lock:
+            counts = self.by_kind.setdefault(kind, [0, 0])
+            counts[0 if ok else 1] += 1
+            if ok:
+                self.served += 1
+            else:
+                self.failed += 1
+                if len(self.failures) < 200:
+                    self.failures.append({"t": time.time(), "kind": kind, "detail": detail[:1000]})
+
+    def post(self, client: httpx.Client, kind: str, path: str, body: dict) -> None:
+        resp = client.post(self.url + path, json=body, headers=self.headers, timeout=300)
+        self.record(kind, 200 <= resp.status_code < 300, f"{resp.status_code} {resp.text} <- {json.dumps(body)}")
+
+    def stream(self, client: httpx.Client, kind: str, path: str, body: dict, leave_after: int | None) -> None:
+        """A streamed request, read to its ``[DONE]``, or closed after ``leave_after`` events (a client gone)."""
+        body = dict(body, stream=True)
+        with client.stream("POST", self.url + path, json=body, headers=self.headers, timeout=300) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                self.record(kind, False, f"{resp.status_code} {resp.text} <- {json.dumps(body)}")
+                return
+            events = 0
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line.startswith('data: {"error"'):
+                    self.record(kind, False, f"error event {line} <- {json.dumps(body)}")
+                    return
+                if line.strip() == "data: [DONE]":
+                    self.record(kind, True)
+                    return
+                events += 1
+                if leave_after is not None and events >= leave_after:
+                    with self.lock:
+                        self.disconnects += 1
+                    return
+        self.record(kind, False, f"the stream ended without [DONE] <- {json.dumps(body)}")
+
+    def one(self, client: httpx.Client, rng: random.Random) -> None:
+        """One request of the mix (its kind drawn by ``rng``)."""
+        m = self.model
+
+        def text(k: int) -> str:
+            return " ".join(rng.choice(WORDS) for _ in range(k))
+
+        def send(kind: str, path: str, body: dict, streamable: bool = True) -> None:
+            if streamable and rng.random() < 0.5:
+                leave = rng.randint(1, 4) if rng.random() < DISCONNECT_SHARE else None
+                self.stream(client, kind + "_stream", path, body, leave)
+            else:
+                self.post(client, kind, path, body)
+
+        max_tokens = rng.randint(4, 40)
+        k = rng.random()
+        if k < 0.16:
+            body = {"model": m, "prompt": text(rng.randint(2, 20)), "max_tokens": max_tokens, "n": rng.randint(1, 3),
+                    "temperature": rng.choice([0, 0.7, 1.0]), "seed": rng.randint(0, 99)}
+            if rng.random() < 0.5:
+                body["logprobs"] = rng.randint(0, 5)
+            if rng.random() < 0.4:
+                body["stop"] = [rng.choice(WORDS), "."]
+            send("completion", "/v1/completions", body)
+        elif k < 0.32:
+            messages = [{"role": "system", "content": "You tell stories."},
+                        {"role": "user", "content": text(rng.randint(2, 12))}]
+            body = {"model": m, "messages": messages, "max_tokens": max_tokens, "n": rng.randint(1, 3),
+                    "temperature": rng.choice([0, 0.8])}
+            if rng.random() < 0.4:
+                body.update(logprobs=True, top_logprobs=rng.randint(0, 4))
+            if rng.random() < 0.3:
+                body["stop"] = ["the"]
+            if rng.random() < 0.5:
+                leave = rng.randint(1, 4) if rng.random() < DISCONNECT_SHARE else None
+                self.stream(client, "chat_stream", "/v1/chat/completions",
+                            dict(body, stream_options={"include_usage": True}), leave)
+            else:
+                self.post(client, "chat", "/v1/chat/completions", body)
+        elif k < 0.44:
+            which = rng.choice(["json", "regex", "choice", "response_format"])
+            if which == "response_format":
+                body = {"model": m, "messages": [{"role": "user", "content": text(4)}], "max_tokens": 40,
+                        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}}
+                send("structured_" + which, "/v1/chat/completions", body)
+                return
+            spec = {"json": SCHEMA, "regex": "[a-z]{2,6} [0-9]{1,3}", "choice": ["yes", "no", "maybe so"]}[which]
+            body = {"model": m, "prompt": text(5), "max_tokens": 40, "temperature": rng.choice([0, 0.9]),
+                    "structured_outputs": {which: spec}}
+            send("structured_" + which, "/v1/completions", body)
+        elif k < 0.52:
+            choice = rng.choice([{"type": "function", "function": {"name": "get_weather"}}, "required", "auto"])
+            body = {"model": m, "messages": [{"role": "user", "content": "weather in " + text(2)}], "tools": TOOLS,
+                    "tool_choice": choice, "max_tokens": 60}
+            send("tools", "/v1/chat/completions", body)
+        elif k < 0.58:
+            body = {"model": m, "prompt": text(rng.randint(3, 10)), "max_tokens": rng.randint(4, 16),
+                    "n": rng.randint(2, 3), "use_beam_search": True, "temperature": 0}
+            self.post(client, "beam_search", "/v1/completions", body)
+        elif k < 0.64:
+            body = {"model": m, "prompt": text(rng.randint(3, 20)), "max_tokens": 8,
+                    "prompt_logprobs": rng.randint(0, 3), "temperature": 0}
+            if rng.random() < 0.3:
+                body["echo"] = True
+            self.post(client, "prompt_logprobs", "/v1/completions", body)
+        elif k < 0.82:
+            body = {"model": m, "prompt": PREFIX + text(rng.randint(1, 8)), "max_tokens": max_tokens,
+                    "temperature": rng.choice([0, 0.7])}
+            if rng.random() < 0.3:
+                body["cache_salt"] = rng.choice(["tenant-a", "tenant-b"])
+            if rng.random() < 0.3:
+                body["n"] = 2
+            send("shared_prefix", "/v1/completions", body)
+        elif k < 0.88:
+            messages = [{"role": "system", "content": PREFIX}, {"role": "user", "content": text(3)}]
+            body = {"model": m, "messages": messages, "max_tokens": max_tokens, "cache_salt": rng.choice(["x", "y"])}
+            self.post(client, "chat_salted", "/v1/chat/completions", body)
+        elif k < 0.93:
+            if rng.random() < 0.5:
+                self.post(client, "tokenize", "/tokenize", {"model": m, "prompt": text(8)})
+            else:
+                self.post(client, "tokenize_chat", "/tokenize",
+                          {"model": m, "messages": [{"role": "user", "content": text(4)}]})
+        elif k < 0.97:
+            resp = client.get(self.url + "/metrics", headers=self.headers, timeout=60)
+            self.record("metrics", resp.status_code == 200, f"{resp.status_code} {resp.text[:200]}")
+        elif k < 0.985:
+            self.post(client, "reset_prefix_cache", "/reset_prefix_cache", {})
+        else:  # a client that gives up on a long request at 0.3 s, before its answer (the server aborts it)
+            body = {"model": m, "prompt": text(5), "max_tokens": 200, "temperature": 0.8, "ignore_eos": True}
+            try:
+                resp = client.post(self.url + "/v1/completions", json=body, headers=self.headers, timeout=0.3)
+                self.record("completion_timeout", 200 <= resp.status_code < 300, f"{resp.status_code} {resp.text}")
+            except httpx.TimeoutException:
+                with self.lock:
+                    self.disconnects += 1
+
+    def worker(self, index: int, seed: int) -> None:
+        rng = random.Random(seed * 1000 + index)
+        client = httpx.Client()
+        while not self.stop.is_set():
+            self.gate.wait()
+            if self.stop.is_set():
+                break
+            with self.lock:
+                self.inflight += 1
+            try:
+                self.one(client, rng)
+            except Exception as exc:  # a connection dropped or a read timed out: a failure, counted
+                self.record("exception", False, repr(exc))
+                client.close()
+                client = httpx.Client()
+            finally:
+                with self.lock:
+                    self.inflight -= 1
+        client.close()
+
+
+def read_metrics(url: str, headers: dict) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", headers=headers, timeout=60).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            values[name] = float(value)
+        except ValueError:
+            pass
+    return {short: values.get(name) for short, name in METRICS.items()}
+
+
+def process_stats(pid: int | None) -> dict:
+    """Resident memory (MB), memory maps, open files and threads of ``pid`` (None each off Linux or without one)."""
+    out: dict = {"rss_mb": None, "maps": None, "fds": None, "threads": None}
+    if pid is None:
+        return out
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    out["rss_mb"] = int(line.split()[1]) / 1024
+                elif line.startswith("Threads:"):
+                    out["threads"] = int(line.split()[1])
+        with open(f"/proc/{pid}/maps") as f:
+            out["maps"] = sum(1 for _ in f)
+        out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        pass
+    return out
+
+
+def probe(soak: Soak, client: httpx.Client, repeats: int) -> tuple[list[float], set[str]]:
+    """The fixed greedy probe ``repeats`` times: its latencies and the texts it answered."""
+    body = {"model": soak.model, "prompt": PROBE_PROMPT, "max_tokens": 32, "temperature": 0}
+    latencies, texts = [], set()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        resp = client.post(soak.url + "/v1/completions", json=body, headers=soak.headers, timeout=300)
+        latencies.append(time.perf_counter() - t0)
+        if resp.status_code != 200:
+            soak.record("probe", False, f"{resp.status_code} {resp.text}")
+            continue
+        texts.add(resp.json()["choices"][0]["text"])
+    return latencies, texts
+
+
+def idle_check(soak: Soak, client: httpx.Client, pid: int | None, timeout: float = 120.0) -> dict:
+    """Pause the clients, let what runs finish, then wait until nothing runs or waits and every page is free."""
+    soak.gate.clear()
+    t0 = time.time()
+    while soak.inflight and time.time() - t0 < timeout:
+        time.sleep(0.1)
+    m = read_metrics(soak.url, soak.headers)
+    while time.time() - t0 < timeout and not (m["running"] == 0 and m["waiting"] == 0 and m["free"] == m["usable"]):
+        time.sleep(0.2)
+        m = read_metrics(soak.url, soak.headers)
+    return {"seconds": round(time.time() - t0, 2), "clients_in_flight": soak.inflight, **m, **process_stats(pid),
+            "pages_all_free": m["free"] == m["usable"] and m["running"] == 0 and m["waiting"] == 0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, log) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    template = tempfile.NamedTemporaryFile("w", suffix=".jinja", delete=False)
+    template.write(CHAT_TEMPLATE)
+    template.close()
+    cmd = [sys.executable, "-m", "nightjar_jax.serve", "--model", args.model, "--port", str(port),
+           "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+           "--warmup", args.warmup, "--chat-template", template.name, "--enable-auto-tool-choice",
+           "--log-level", "warning"]
+    if args.draft_model != "none":
+        cmd += ["--draft-model", args.draft_model, "--num-speculative-tokens", str(args.num_speculative_tokens)]
+    else:
+        cmd += ["--draft-model", "none"]
+    cmd += args.server_arg
+    print("server:", " ".join(cmd), flush=True)
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))  # (a source checkout, installed or not)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + args.startup_timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            log.flush()
+            raise SystemExit(f"the server exited with {proc.returncode}; the end of its log ({log.name}):\n"
+                             + open(log.name).read()[-3000:])
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"the server did not answer /health in {args.startup_timeout:.0f} s; its log: {log.name}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=None, help="soak a running server instead of starting one (its /proc figures "
+                   "need --pid)")
+    p.add_argument("--pid", type=positive_int, default=None, help="with --url: the server's process id")
+    p.add_argument("--api-key", default=None, help="with --url: the server's key")
+    p.add_argument("--model", default=MODEL, help="the server's model (default stories260k: the mix's prompts and "
+                   "its chat template are written for it)")
+    p.add_argument("--draft-model", default="stories260k@skip=2",
+                   help="the server's draft (default stories260k@skip=2; 'none': no speculation)")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=3)
+    p.add_argument("--max-model-len", type=positive_int, default=256)
+    p.add_argument("--max-num-seqs", type=positive_int, default=8)
+    p.add_argument("--warmup", default="full", choices=["none", "request", "full"],
+                   help="the server's --warmup (default full: the soak measures serving, not the first compiles)")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="one more argument for the server (repeat it; e.g. --server-arg=--kv-cache-dtype "
+                   "--server-arg=bfloat16)")
+    p.add_argument("--startup-timeout", type=positive_float, default=1800.0)
+    p.add_argument("--clients", type=positive_int, default=5)
+    p.add_argument("--duration", type=positive_float, default=1440.0, help="seconds of load (default 24 minutes)")
+    p.add_argument("--interval", type=positive_float, default=60.0, help="seconds between samples (default 60)")
+    p.add_argument("--probe-repeats", type=positive_int, default=5)
+    p.add_argument("--seed", type=int, default=0, help="the mix's random seed (each client its own stream)")
+    p.add_argument("--out", type=writable_out, default="results/bench_soak.json")
+    args = p.parse_args(argv)
+    if args.url is None and (args.pid is not None or args.api_key is not None):
+        p.error("--pid and --api-key go with --url (without it the script starts its own server)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    log = tempfile.NamedTemporaryFile("w+", prefix="bench_soak_server_", suffix=".log", delete=False)
+    proc = None
+    if args.url is None:
+        proc, url = start_server(args, log)
+        pid = proc.pid
+    else:
+        url, pid = args.url.rstrip("/"), args.pid
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    soak = Soak(url, args.model, headers)
+    client = httpx.Client()
+    samples: list[dict] = []
+    try:
+        reference = probe(soak, client, 1)[1]
+        if len(reference) != 1:
+            raise SystemExit(f"the probe failed before the load: {soak.failures}")
+        reference_text = reference.pop()
+        start = {"t": 0.0, **process_stats(pid), **read_metrics(url, headers)}
+        threads = [threading.Thread(target=soak.worker, args=(i, args.seed), daemon=True)
+                   for i in range(args.clients)]
+        t0 = time.time()
+        for t in threads:
+            t.start()
+        header = ("| t (s) | served | failed | left | RSS MB | maps | fds | threads | probe p50 s | probe p95 s "
+                  "| steps compiling | variant drops | pages free |")
+        print(header + "\n|" + "---:|" * 13, flush=True)
+        n = 0
+        while True:
+            n += 1
+            next_at = t0 + n * args.interval
+            if next_at > t0 + args.duration + 1e-6:
+                break
+            time.sleep(max(0.0, next_at - time.time()))
+            latencies, texts = probe(soak, client, args.probe_repeats)
+            sample = {"t": round(time.time() - t0, 1), "served": soak.served, "failed": soak.failed,
+                      "left": soak.disconnects, **process_stats(pid), **read_metrics(url, headers),
+                      "probe_p50_s": statistics.median(latencies), "probe_p95_s": max(latencies),
+                      "probe_text_unchanged": texts <= {reference_text}}
+            samples.append(sample)
+            print(f"| {sample['t']:.0f} | {sample['served']} | {sample['failed']} | {sample['left']} "
+                  f"| {fmt(sample['rss_mb'], '.0f')} | {sample['maps']} | {sample['fds']} | {sample['threads']} "
+                  f"| {fmt(sample['probe_p50_s'], '.3f')} | {fmt(sample['probe_p95_s'], '.3f')} "
+                  f"| {fmt(sample['compiling'], '.0f')} | {fmt(sample['drops'], '.0f')} "
+                  f"| {fmt(sample['free'], '.0f')}/{fmt(sample['usable'], '.0f')} |", flush=True)
+        soak.stop.set()
+        final = idle_check(soak, client, pid)
+        for t in threads:
+            t.join(timeout=330)
+    finally:
+        soak.stop.set()
+        soak.gate.set()
+        client.close()
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    probe_changed = [s["t"] for s in samples if not s["probe_text_unchanged"]]
+    problems = []
+    if soak.failed:
+        problems.append(f"{soak.failed} request(s) failed, e.g. {soak.failures[:3]}")
+    if probe_changed:
+        problems.append(f"the probe's greedy text changed at t = {probe_changed} s")
+    if not final["pages_all_free"]:
+        problems.append(f"after the load, pages or requests were still held: {final}")
+    print(f"\n{soak.served} requests served, {soak.failed} failed, {soak.disconnects} clients left early; by kind "
+          f"(served, failed): {json.dumps(soak.by_kind, sort_keys=True)}")
+    print(f"after the load: {final}")
+    if proc is not None:
+        print(f"the server's log: {log.name}")
+    write_json(args.out, {
+        "args": vars(args), "machine": machine_note(), "server_log": log.name if proc is not None else None,
+        "probe": {"prompt": PROBE_PROMPT, "text": reference_text}, "start": start, "samples": samples,
+        "final": final, "served": soak.served, "failed": soak.failed, "disconnects": soak.disconnects,
+        "by_kind": soak.by_kind, "failures": soak.failures, "problems": problems,
+    })
+    print(f"wrote {args.out}")
+    if problems:
+        print("FAILED: " + "; ".join(problems), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

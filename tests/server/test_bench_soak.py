@@ -1,0 +1,50 @@
+"""``scripts/bench_soak.py``: a short soak of a real server passes its own checks (every answer 2xx, the probe's
+text unchanged, every page free after) and writes its samples; and its checks catch what they are for (a stream
+cut short, an error event, a non-2xx answer), on a mock transport."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from nightjar_jax.testing import load_script
+
+
+def test_bench_soak_smoke(tmp_path, capsys):
+    bench = load_script("bench_soak.py", "bench_soak_t")
+    out = tmp_path / "soak.json"
+    rc = bench.main(["--duration", "6", "--interval", "3", "--clients", "2", "--warmup", "none", "--draft-model",
+                     "none", "--probe-repeats", "2", "--out", str(out)])
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert rc == 0, result["problems"]
+    assert result["failed"] == 0 and result["served"] > 0 and result["problems"] == []
+    assert len(result["samples"]) == 2 and all(s["probe_text_unchanged"] for s in result["samples"])
+    assert result["samples"][-1]["rss_mb"] > 0 and result["samples"][-1]["compiling"] >= 1
+    assert result["final"]["pages_all_free"] and result["final"]["free"] == result["final"]["usable"]
+    assert result["probe"]["text"]
+    assert "| steps compiling |" in printed and "requests served, 0 failed" in printed
+
+
+def test_bench_soak_counts_broken_answers_as_failures():
+    bench = load_script("bench_soak.py", "bench_soak_t2")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        kind = json.loads(request.content)["prompt"]
+        body = {"cut": b"data: {\"x\": 1}\n\n",  # no [DONE]: the stream ended early
+                "error": b"data: {\"x\": 1}\n\ndata: {\"error\": {\"message\": \"boom\"}}\n\ndata: [DONE]\n\n",
+                "fine": b"data: {\"x\": 1}\n\ndata: [DONE]\n\n"}.get(kind)
+        if body is None:
+            return httpx.Response(400, json={"error": {"message": "bad"}})
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    soak = bench.Soak("http://soak.test", "m", {})
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        for kind in ("cut", "error", "fine"):
+            soak.stream(client, kind, "/v1/completions", {"prompt": kind}, leave_after=None)
+        soak.stream(client, "left", "/v1/completions", {"prompt": "cut"}, leave_after=1)  # a client gone: no failure
+        soak.post(client, "bad", "/v1/completions", {"prompt": "bad"})
+    assert soak.by_kind == {"cut": [0, 1], "error": [0, 1], "fine": [1, 0], "bad": [0, 1]}
+    assert soak.failed == 3 and soak.served == 1 and soak.disconnects == 1
+    assert "without [DONE]" in soak.failures[0]["detail"] and "boom" in soak.failures[1]["detail"]
