@@ -124,32 +124,22 @@ class VariantJit:
             self.drop(key)
 
 
-def _signature(a: Any) -> Any:
-    """What of an argument decides its executable beyond static values: an array's shape; a tuple's (a NamedTuple
-    such as the sampling tensors or the K/V pools) elements' shapes, None where absent, and a nested tuple's length
-    (a per-layer pool pair or, with an elastic-memory extension, quadruple)."""
+def _signature(a: Any, depth: int = 0) -> Any:
+    """What of an argument decides its executable beyond static values: an array's shape, None where absent; a
+    tuple's (a NamedTuple such as the sampling tensors or the K/V pools) elements' signatures, two levels deep (the
+    sampling tensors' penalties, a NamedTuple inside them, present or absent), except a tuple of tuples at the top:
+    per-layer pools, every layer's alike, whose key is their count and each layer's length (a pair, or with an
+    elastic-memory extension a quadruple)."""
+    if a is None:
+        return None
     shape = getattr(a, "shape", None)
     if isinstance(shape, tuple):
         return shape
-    if isinstance(a, tuple) and a:
-        first = a[0]
-        if isinstance(first, tuple):  # (per-layer pools: every layer's alike)
-            return (len(a), len(first))
-        return tuple(_leaf_signature(x) for x in a)
-    return None if a is None else type(a).__name__
-
-
-def _leaf_signature(x: Any) -> Any:
-    """A tuple's element: its shape, or a nested tuple's elements' shapes (the sampling tensors' penalties, a
-    NamedTuple of arrays: present or absent)."""
-    if x is None:
-        return None
-    shape = getattr(x, "shape", None)
-    if isinstance(shape, tuple):
-        return shape
-    if isinstance(x, tuple):
-        return tuple(None if y is None else getattr(y, "shape", None) for y in x)
-    return type(x).__name__
+    if isinstance(a, tuple) and depth < 2:
+        if depth == 0 and a and isinstance(a[0], tuple):
+            return (len(a), len(a[0]))
+        return tuple(_signature(x, depth + 1) for x in a)
+    return type(a).__name__
 
 
 def tick() -> int:
