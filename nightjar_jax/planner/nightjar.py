@@ -104,6 +104,7 @@ from nightjar_jax.planner.base import (
     check_arm_lists,
     check_int_option,
     check_number_option,
+    is_int,
     register_planner,
     step_reward,
 )
@@ -544,5 +545,34 @@ class NightjarPlanner(Planner):
                 f.name: getattr(state, f.name) for f in dataclasses.fields(state)
                 if isinstance(getattr(state, f.name), list)
             })
+            _check_context_scalars(context, state, self.gamma_max)
         self._rng.bit_generator.state = learned["rng"]
         self.contexts = contexts
+
+
+def _check_context_scalars(context: int, state: ContextState, gamma_max: int) -> None:
+    """A loaded context's scalar fields (its lists: ``check_arm_lists``): a ValueError naming the field and what is
+    allowed, so a hand-edited or corrupted state fails as it loads, not at the next decision (an ``arm`` of 7 with
+    γ_max 4 was an IndexError in ``select``)."""
+    def fail(field: str, allowed: str) -> None:
+        raise ValueError(f"state's context {context} has {field}={getattr(state, field)!r}; allowed: {allowed}")
+
+    for field in ("arm", "probe_arm", "pending_probe"):
+        value = getattr(state, field)
+        if value is not None and not (is_int(value) and 0 <= value <= gamma_max):
+            fail(field, f"None or an arm, an int in 0..{gamma_max}")
+    if not (is_int(state.block) and state.block >= 1):
+        fail("block", "an int >= 1")
+    for field in ("decisions_in_block", "bin_index", "bin_length", "decisions_in_bin", "probe_remaining"):
+        value = getattr(state, field)
+        if not (is_int(value) and value >= 0):
+            fail(field, "an int >= 0")
+    if not isinstance(state.exploring, bool):
+        fail("exploring", "true or false")
+    credit = state.probe_credit
+    if isinstance(credit, bool) or not isinstance(credit, (int, float)) or not math.isfinite(credit):
+        fail("probe_credit", "a finite number")
+    switch = state.switch_seconds
+    if switch is not None and (isinstance(switch, bool) or not isinstance(switch, (int, float))
+                               or not math.isfinite(switch) or switch < 0):
+        fail("switch_seconds", "None or a finite number >= 0")

@@ -262,6 +262,16 @@ def _trained(spec: str):
     ("banditspec", lambda s: s.pop("counters"), r"malformed planner state \(KeyError: no 'counters'\)"),
     ("dsd", lambda s: s.__setitem__("counters", "x"), r"malformed planner state \(TypeError"),
     ("nightjar", lambda s: s["learned"].pop("rng"), r"malformed planner state \(KeyError: no 'rng'\)"),
+    # a context's scalars: taken, then an IndexError (arm 7), a RuntimeError (arm -1) or a TypeError (arm 2.5) in
+    # the next select, or a planner that silently misbehaved (QA, 2026-12-06)
+    *[("nightjar", lambda s, f=field, v=value: next(iter(s["learned"]["contexts"].values())).__setitem__(f, v),
+       f"has {field}={value!r}; allowed: {allowed}")
+      for field, value, allowed in [
+          ("arm", 7, "None or an arm, an int in 0..3"), ("arm", -1, "None or an arm"), ("arm", 2.5, "None or an arm"),
+          ("pending_probe", 99, "None or an arm"), ("probe_arm", True, "None or an arm"),
+          ("block", 0, "an int >= 1"), ("bin_length", -1, "an int >= 0"), ("probe_remaining", 1.5, "an int >= 0"),
+          ("exploring", "yes", "true or false"), ("probe_credit", float("inf"), "a finite number"),
+          ("switch_seconds", -1.0, "None or a finite number >= 0")]],
 ])
 def test_a_corrupt_learned_state_is_refused_whole(spec, corrupt, message):
     """A state whose learned values are out of their domain, or whose keys or types are wrong, is a ValueError at
