@@ -1166,11 +1166,14 @@ class LLMEngine:
     def warmup(self, sampled: bool = True, prefill: bool = True, progress=None) -> list[tuple]:
         """Compile before traffic, on padding-only batches: every decode variant (``ModelRunner.warmup``), with
         ``prefill`` the prefill chunks and the draft's catch-up (``ModelRunner.warmup_prefill``), and with elastic
-        memory the same over the extended layout (:meth:`warmup_elastic`). ``progress()`` is called
+        memory the same over the extended layout (:meth:`warmup_elastic`); while the draft is offloaded, only the
+        γ = 0 variants over the extended layout (the draft has no K/V to warm). ``progress()`` is called
         :meth:`warmup_ticks` times. Returns the variant keys compiled; the server's ``--warmup full`` calls it."""
         if self._asleep:
             raise EngineSleepingError(self._sleeping_message())
         self.runner.warmup_stopped = None
+        if self.draft_offloaded:  # (memory pressure under traffic: γ = 0 over the extended pools is what runs
+            return self._warmup_layout([0], sampled, prefill, progress)  # until the draft is back; it has no K/V)
         keys = self._warmup_layout(None, sampled, prefill, progress)
         if self.runner.warmup_stopped:  # (short of memory maps: warned; the rest compiles on first use)
             return keys
@@ -1189,7 +1192,7 @@ class LLMEngine:
         runner = self.runner
         widths = len(runner.warmup_widths())
         modes = 2 if sampled else 1
-        gammas = self.gamma_max + 1
+        gammas = 1 if self.draft_offloaded else self.gamma_max + 1
         elastic = self.memory is not None and runner.draft_on_device
         ticks = len(runner.shapes.decode_buckets) * widths * modes * (gammas + elastic)
         if prefill:  # (while offloaded for warmup_elastic: the target's chunks only)

@@ -135,6 +135,28 @@ def test_warmup_covers_the_extended_layout():
     assert engine.stats.num_catchup_tokens > 0  # (the draft's catch-up ran, on a warmed shape)
 
 
+def test_warmup_while_offloaded_warms_what_runs_then():
+    """``warmup()`` under traffic with the draft offloaded warms the γ = 0 variants over the extended pools (what
+    every step runs until the reload): it ran the γ > 0 variants with the draft's K/V gone, a TypeError from inside
+    the draft's jitted step (QA, 2026-12-06). The requests then finish as plain decoding, every page free."""
+    engine = fake_engine(draft=True, num_pages=20, max_num_seqs=6, num_speculative_tokens=3, draft_offload="auto",
+                         offload_persist_steps=2, prompt_lookup_max=0)
+    lengths = [60, 60] + [12] * 8
+    ids = [engine.add_request(p, greedy(n)) for p, n in zip(PROMPTS, lengths, strict=True)]
+    done = {}
+    while not engine.draft_offloaded:
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    ticks = []
+    keys = engine.warmup(sampled=False, progress=lambda: ticks.append(1))
+    assert keys and {k[0] for k in keys} == {"forward_sample"} and len(ticks) == engine.warmup_ticks(sampled=False)
+    assert engine.draft_offloaded  # (warming up moves nothing)
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    assert [done[i] for i in ids] == [fake_greedy_continuation(p, n, VOCAB) for p, n in zip(PROMPTS, lengths,
+                                                                                          strict=True)]
+    assert engine.num_free_pages == engine.num_total_pages
+
+
 def test_offload_moves_real_weights_to_host_memory():
     engine = fake_engine(draft=True, draft_offload="auto")
     engine.runner.draft.state = {"w": jax.numpy.ones((64, 64))}  # the fake draft has no weights: give it some
