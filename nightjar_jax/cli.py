@@ -190,15 +190,16 @@ SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_
 _DRAFT_METHODS = ("draft_model", "eagle", "eagle3")
 
 
-def speculative_config(text: str) -> dict[str, Any]:
+def speculative_config(text: str, where: str = "--speculative-config") -> dict[str, Any]:
     """vLLM's ``--speculative-config`` JSON as engine config fields: ``method`` "ngram" is ``draft_model="ngram"``;
     "draft_model", "eagle" and "eagle3" (or no method) take the draft from ``model``; ``num_speculative_tokens``
-    and ``prompt_lookup_max`` / ``_min`` keep their names. Anything else is a ``ConfigError`` naming what is read."""
+    and ``prompt_lookup_max`` / ``_min`` keep their names. Anything else is a ``ConfigError`` naming what is read
+    (``where``: the flag, or the library's argument)."""
     def pairs(items: list) -> dict:
         keys = [k for k, _ in items]
         repeated = sorted({k for k in keys if keys.count(k) > 1})
         if repeated:
-            raise ConfigError(f"--speculative-config gives {repeated[0]!r} twice: give each key once")
+            raise ConfigError(f"{where} gives {repeated[0]!r} twice: give each key once")
         return dict(items)
 
     try:
@@ -206,34 +207,34 @@ def speculative_config(text: str) -> dict[str, Any]:
     except ConfigError:
         raise
     except ValueError as exc:  # (malformed JSON, or a number past Python's 4300-digit limit for reading one)
-        raise ConfigError(f"--speculative-config must be a JSON object of keys {', '.join(SPECULATIVE_CONFIG_KEYS)}: "
+        raise ConfigError(f"{where} must be a JSON object of keys {', '.join(SPECULATIVE_CONFIG_KEYS)}: "
                           f"{str(exc).split(';')[0]}") from None
     if not isinstance(spec, dict):
-        raise ConfigError(f"--speculative-config must be a JSON object, got {type(spec).__name__}")
+        raise ConfigError(f"{where} must be a JSON object, got {type(spec).__name__}")
     unknown = sorted(set(spec) - set(SPECULATIVE_CONFIG_KEYS))
     if unknown:
-        raise ConfigError(f"--speculative-config key {unknown[0]!r} is not supported: allowed "
+        raise ConfigError(f"{where} key {unknown[0]!r} is not supported: allowed "
                           f"{', '.join(SPECULATIVE_CONFIG_KEYS)}")
     method, model = spec.get("method"), spec.get("model")
     out = {k: spec[k] for k in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min") if k in spec}
     for key, value in out.items():
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"--speculative-config {key} must be an integer, got {json.dumps(value)}")
+            raise ConfigError(f"{where} {key} must be an integer, got {json.dumps(value)}")
     if model is not None and (not isinstance(model, str) or model.lower() in ("", "none", "ngram", "auto")):
-        raise ConfigError(f"--speculative-config model must name the draft model (a preset, a folder or a file), got "
+        raise ConfigError(f"{where} model must name the draft model (a preset, a folder or a file), got "
                           f"{json.dumps(model)}; for n-gram speculation give method 'ngram' and no model")
     if method == "ngram":
         if model is not None:
-            raise ConfigError("--speculative-config method 'ngram' takes no 'model' (it drafts from the request's own "
+            raise ConfigError(f"{where} method 'ngram' takes no 'model' (it drafts from the request's own "
                               "tokens)")
         out["draft_model"] = "ngram"
     elif method is None or method in _DRAFT_METHODS:
         if not isinstance(model, str) or not model:
-            raise ConfigError(f"--speculative-config method {method or 'draft_model'!r} needs 'model': the draft's "
+            raise ConfigError(f"{where} method {method or 'draft_model'!r} needs 'model': the draft's "
                               "spec (a preset, a folder or a file)")
         out["draft_model"] = model
     else:
-        raise ConfigError(f"--speculative-config method {method!r} is not supported: allowed 'ngram', "
+        raise ConfigError(f"{where} method {method!r} is not supported: allowed 'ngram', "
                           f"{', '.join(map(repr, _DRAFT_METHODS))}")
     return out
 

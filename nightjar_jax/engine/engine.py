@@ -483,7 +483,11 @@ class LLMEngine:
         if spec.planner_log:
             from nightjar_jax.planner import DecisionLogger
 
-            planner.attach_logger(DecisionLogger(spec.planner_log))
+            try:
+                planner.attach_logger(DecisionLogger(spec.planner_log))
+            except OSError as exc:  # (a folder, a read-only place: IsADirectoryError, PermissionError, ...)
+                raise ConfigError(f"planner_log={spec.planner_log!r} cannot be opened to append to ({exc.strerror}): "
+                                  "give the path of a JSONL file (its folder is created)") from None
         return planner
 
     # ---- requests -------------------------------------------------------------------------------------------------

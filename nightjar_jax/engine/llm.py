@@ -302,7 +302,7 @@ def _vllm_options(kwargs: dict[str, Any]) -> dict[str, Any]:
             text = spec if isinstance(spec, str) else json.dumps(spec)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"speculative_config={short_repr(spec)} is not JSON data: {exc}") from None
-        for name, value in speculative_config(text).items():
+        for name, value in speculative_config(text, where="speculative_config").items():
             if kwargs.get(name) is not None and kwargs[name] != value:
                 raise ValueError(f"speculative_config sets {name}={value!r} but {name}={kwargs[name]!r} is given too: "
                                  "give it once")

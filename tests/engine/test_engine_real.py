@@ -444,8 +444,10 @@ def test_vllm_llm_options_block_size_and_no_ops():
                                          "num_speculative_tokens=3 is given too"):
         LLM("stories260k", num_speculative_tokens=3,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="key 'bogus' is not supported"):
+    with pytest.raises(ValueError, match="^speculative_config key 'bogus' is not supported"):
         LLM("stories260k", speculative_config={"bogus": 1})
+    with pytest.raises(ValueError, match="^speculative_config must be a JSON object of keys"):  # (named the CLI flag)
+        LLM("stories260k", speculative_config="ngram")
     # vLLM's methods this engine does not serve say so (a bare AttributeError named nothing)
     with pytest.raises(AttributeError, match="LLM.embed is vLLM's embedding API, which nightjar-jax does not serve"):
         llm.embed(["x"])

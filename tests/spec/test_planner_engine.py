@@ -39,6 +39,14 @@ def test_planner_drives_gamma_losslessly(planner, tmp_path):
     assert eng.planner.num_observations == eng.stats.num_decode_steps - eng.stats.num_compiling_decode_steps
 
 
+def test_a_planner_log_that_cannot_be_opened_is_a_config_error(tmp_path):
+    """A folder as planner_log was a bare IsADirectoryError from deep in the engine's build (QA, 2026-12-06)."""
+    from nightjar_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"planner_log='.*' cannot be opened to append to \(Is a directory\)"):
+        fake_engine(draft=True, num_speculative_tokens=3, planner="nightjar", planner_log=str(tmp_path))
+
+
 def test_engine_log_replays_through_the_planner(tmp_path):
     from nightjar_jax.planner import make_planner, read_log, replay
 
