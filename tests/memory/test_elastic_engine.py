@@ -77,7 +77,9 @@ def test_the_first_switch_after_a_reload_pays_for_it(monkeypatch):
     engine = fake_engine(draft=True, num_pages=20, max_num_seqs=6, num_speculative_tokens=3, draft_offload="auto",
                          offload_persist_steps=2, reload_high_watermark=0.0, prompt_lookup_max=0, planner="static")
     real_reload = engine.runner.reload_draft
-    monkeypatch.setattr(engine.runner, "reload_draft", lambda: (time.sleep(0.2), real_reload())[1])
+    # (a reload of 0.5 s: far above what a step's own catch-up takes on a loaded machine, so the bounds below tell a
+    # reload charged once from none or two)
+    monkeypatch.setattr(engine.runner, "reload_draft", lambda: (time.sleep(0.5), real_reload())[1])
     seen = []
     real_observe = engine.planner.observe
     monkeypatch.setattr(engine.planner, "observe", lambda gamma, batch_size, num_tokens, seconds, switch_seconds=0.0:
@@ -89,11 +91,11 @@ def test_the_first_switch_after_a_reload_pays_for_it(monkeypatch):
         assert o == fake_greedy_continuation(p, n, VOCAB)
     reloads = engine.stats.num_draft_reloads
     assert reloads >= 2
-    # each reload (0.2 s here) is charged to the switch after it, once: never two in one switch, none before
+    # each reload (0.5 s here) is charged to the switch after it, once: never two in one switch, none before
     # the first; a switch the planner does not see (its step compiled a variant) takes its reload with it
-    charged = [(sec, sw) for _, sec, sw, _ in seen if sw >= 0.2]
-    assert 1 <= len(charged) <= reloads and all(sec >= sw and sw < 0.4 for sec, sw in charged)
-    assert all(sw < 0.2 for _, _, sw, n in seen if n == 0)
+    charged = [(sec, sw) for _, sec, sw, _ in seen if sw >= 0.5]
+    assert 1 <= len(charged) <= reloads and all(sec >= sw and sw < 1.0 for sec, sw in charged)
+    assert all(sw < 0.5 for _, _, sw, n in seen if n == 0)
     assert engine._uncharged_reload_seconds == 0.0  # (the last reload's switch came, or it was made idle)
 
 

@@ -1030,6 +1030,17 @@ def test_unknown_route_and_client_errors(server, client):
 
 
 # ---- disconnects ------------------------------------------------------------------------------------------------
+def _wait_load(server, at_least: int, timeout: float = 30.0) -> None:
+    """Until ``/load`` (the generation requests the server holds, from their arrival) reads ``at_least``."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        load = httpx.get(server.url + "/load", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=5).json()
+        if load["server_load"] >= at_least:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"/load did not reach {at_least} in {timeout} s")
+
+
 def _wait_pages_free(server, timeout=20.0, settled=None) -> dict[str, float]:
     """The metrics once every page is free and no request runs or waits, and ``settled(metrics)`` (if given) holds:
     a scrape reads the engine while its thread works, e.g. mid-way through aborting a group, whose running members
@@ -1065,9 +1076,11 @@ def test_disconnect_mid_stream_frees_pages(server):
                 if line.startswith("data: "):
                     seen += 1
                 if seen >= 2:
+                    # (scraped before leaving the loop: breaking out closes the connection at once, and a warm
+                    # server's abort could then land before the scrape)
+                    m = server.metrics()
+                    assert m["nightjar_kv_pages_free"] < m["nightjar_kv_pages_usable"]  # still generating
                     break
-            m = server.metrics()
-            assert m["nightjar_kv_pages_free"] < m["nightjar_kv_pages_usable"]  # still generating
     m = _wait_pages_free(server, settled=lambda m: m['nightjar_requests_total{finish_reason="abort"}'] >= before + 8)
     assert m['nightjar_requests_total{finish_reason="abort"}'] == before + 8
 
@@ -1191,7 +1204,7 @@ def test_sleep_mode_round_trip(server, client):
 
     worker = threading.Thread(target=search)
     worker.start()
-    time.sleep(0.5)
+    _wait_load(server, 1)  # (the search has arrived: a fixed sleep raced it on a loaded machine)
     refused = httpx.post(server.url + "/sleep", headers=auth, timeout=60)
     running = worker.is_alive()
     worker.join(120)
@@ -1214,7 +1227,7 @@ def test_a_weight_update_waits_for_a_beam_search(server, client):
 
     worker = threading.Thread(target=search)
     worker.start()
-    time.sleep(0.3)
+    _wait_load(server, 1)  # (the search has arrived: a fixed sleep raced it on a loaded machine)
     assert worker.is_alive(), "the beam search ended before the update was asked for: make it longer"
     resp = post(server, "/update_weights_from_disk", {"model_path": "stories260k"})
     updated = time.monotonic()
@@ -1227,11 +1240,13 @@ def test_a_weight_update_waits_for_a_beam_search(server, client):
 
 def test_a_beam_search_sent_while_an_update_waits_runs_after_it(server, client):
     """A beam search that arrives while a weight update waits for the requests in flight waits for the update, as
-    any other request does (it ran at once, its steps going ahead of the update, under the old weights)."""
+    any other request does (it ran at once, its steps going ahead of the update, under the old weights). Sizes: the
+    long request (64 x 200 tokens through 8 slots) still runs well after the search is sent, and the search (24
+    tokens, a step each) takes long enough after the update that two client threads' clocks order them."""
     times = {}
 
     def long_request():
-        client.completions.create(model=MODEL, prompt="Once", max_tokens=200, n=32, temperature=0,
+        client.completions.create(model=MODEL, prompt="Once", max_tokens=200, n=64, temperature=0,
                                   extra_body={"ignore_eos": True})
 
     def update():
@@ -1240,12 +1255,12 @@ def test_a_beam_search_sent_while_an_update_waits_runs_after_it(server, client):
 
     threads = [threading.Thread(target=long_request), threading.Thread(target=update)]
     threads[0].start()
-    time.sleep(0.3)
+    _wait_load(server, 1)
     threads[1].start()
-    time.sleep(0.3)
+    time.sleep(0.3)  # (the update's request reaches the server: it is not counted in /load)
     assert threads[0].is_alive() and threads[1].is_alive(), "the long request ended too soon: make it longer"
-    beam = client.completions.create(model=MODEL, prompt="Once", max_tokens=4, n=2,
-                                     extra_body={"use_beam_search": True})
+    beam = client.completions.create(model=MODEL, prompt="Once", max_tokens=24, n=2,
+                                     extra_body={"use_beam_search": True, "ignore_eos": True})
     ended = time.monotonic()
     for t in threads:
         t.join(120)
