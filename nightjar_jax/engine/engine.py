@@ -1070,6 +1070,12 @@ class LLMEngine:
         draft = None if draft_weights is None else self._weights_handle(draft_weights, self.draft, "draft_weights")
         asleep = "weights" in self._asleep
         self._check_not_shared("update_weights", target=target is not None or asleep, draft=draft is not None or asleep)
+        # (checked before anything wakes: a refused update leaves sleeping weights asleep, for wake_up to bring back;
+        # one checked after the wake left a level-2 engine marked awake with its weights deleted)
+        self.runner.check_weights(target, draft)
+        if draft is not None and not self.runner.draft_on_device and self.has_unfinished_requests():
+            raise RuntimeError("the draft is offloaded to host memory under load (elastic memory): update its "
+                               "weights once it is back (when the load falls), or update the target alone")
         if asleep:  # (woken here: by the new weights, the rest as wake_up brings them back)
             if self.sleep_level == 2:
                 missing = [part for part, new in (("target", target), ("draft", draft))
@@ -1085,11 +1091,8 @@ class LLMEngine:
             self._asleep.discard("weights")
             if not self._asleep:
                 self.sleep_level = 0
-        if draft is not None and not self.runner.draft_on_device:  # (elastic memory moved it to host memory)
-            if self.has_unfinished_requests():
-                raise RuntimeError("the draft is offloaded to host memory under load (elastic memory): update its "
-                                   "weights once it is back (when the load falls), or update the target alone")
-            self._reload_draft()  # (idle: nothing migrates)
+        if draft is not None and not self.runner.draft_on_device:  # (elastic memory moved it to host memory; idle,
+            self._reload_draft()  # checked above: nothing migrates)
         relayout = self.runner.load_weights(target, draft)
         for part, given in (("target", weights), ("draft", draft_weights)):
             if given is not None:  # (where a level-2 sleep would load them from again: a spec, else nowhere)

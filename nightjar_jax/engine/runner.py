@@ -715,17 +715,12 @@ class ModelRunner:
         if self.draft is not None and self.draft is not self.target and self.draft_on_device:
             self.draft.move_to("device")
 
-    def load_weights(self, target: ModelHandle | None, draft: ModelHandle | None = None) -> bool:
-        """Take ``target``'s (and ``draft``'s; None: keep) weights in place of the current ones, committed to the
-        device. The same architecture is required (every config field but the name). With the same structure,
-        shapes and dtypes no step recompiles; with another layout of the same model (e.g. float32 panels in place of
-        a GGUF's 4-bit blocks, when the new values are not on its grid) the handle takes the new layout and every
-        compiled variant is dropped: they compile again on first use. Returns whether that happened. Checks every
-        pair before changing anything."""
+    def check_weights(self, target: ModelHandle | None, draft: ModelHandle | None = None) -> list[tuple]:
+        """A ``ValueError`` unless :meth:`load_weights` can take ``target`` and ``draft`` (None: kept): each of the
+        loaded model's architecture. Changes nothing; returns the (current, new) handle pairs."""
         import dataclasses
 
         pairs = [(m, n) for m, n in ((self.target, target), (self.draft, draft)) if n is not None]
-        relayout = []
         for mine, new in pairs:
             if mine is None:
                 raise ValueError("new draft weights for an engine without a draft")
@@ -735,6 +730,18 @@ class ModelRunner:
                 raise ValueError(f"new weights for {mine.config.name} are of another architecture (theirs vs the "
                                  f"loaded model's: {', '.join(config_differences(new.config, mine.config))}); only "
                                  f"weights of the loaded model's config can replace its own")
+        return pairs
+
+    def load_weights(self, target: ModelHandle | None, draft: ModelHandle | None = None) -> bool:
+        """Take ``target``'s (and ``draft``'s; None: keep) weights in place of the current ones, committed to the
+        device. The same architecture is required (every config field but the name). With the same structure,
+        shapes and dtypes no step recompiles; with another layout of the same model (e.g. float32 panels in place of
+        a GGUF's 4-bit blocks, when the new values are not on its grid) the handle takes the new layout and every
+        compiled variant is dropped: they compile again on first use. Returns whether that happened. Checks every
+        pair before changing anything."""
+        pairs = self.check_weights(target, draft)
+        relayout = []
+        for mine, new in pairs:
             same = new.treedef == mine.treedef and all(
                 (x.shape, x.dtype) == (y.shape, y.dtype) for x, y in zip(mine.leaves(), new.leaves(), strict=True))
             relayout.append(not same)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -138,6 +140,23 @@ def test_an_update_wakes_sleeping_weights_with_the_new_ones(stories, level):
     assert tokens(llm) == want
     llm.update_weights("stories260k")
     assert tokens(llm) == ref
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_refused_update_leaves_sleeping_weights_asleep(stories, level):
+    """Weights of another architecture given while the weights sleep: refused before anything wakes, so the sleep
+    stands and wake_up brings the old weights back. At level 2 the engine was marked awake with its weights
+    deleted, and every later request failed ("Array has been deleted"; the QA agent's finding)."""
+    llm, sd, ref = stories
+    engine = llm.engine
+    other = dataclasses.replace(engine.target, config=dataclasses.replace(engine.target.config, num_layers=1),
+                                state=jax.tree.map(jnp.copy, engine.target.state))  # (its own arrays: sleep moves
+    llm.sleep(level)  # the engine's)
+    with pytest.raises(ValueError, match="another architecture"):
+        llm.update_weights(other)
+    assert engine.asleep_parts == {"weights", "kv_cache"} and engine.sleep_level == level
+    llm.wake_up()
+    assert not llm.is_sleeping() and tokens(llm) == ref
 
 
 def q4_exact_hf(w: np.ndarray) -> np.ndarray:
