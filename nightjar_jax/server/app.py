@@ -1451,6 +1451,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 "top_p": params.top_p, "tool_choice": req.tool_choice or "auto", "tools": [],
                 "text": req.text or {"format": {"type": "text"}}, "truncation": req.truncation or "disabled",
                 "user": req.user, "service_tier": "default", "output": [], "usage": None,
+                # (the features this server refuses, at the values it serves: a client reading 'store' learns the
+                # response was not stored, which OpenAI's default would be)
+                "background": False, "store": False, "previous_response_id": None, "max_tool_calls": None,
+                "reasoning": {"effort": None, "summary": None}, "top_logprobs": 0,
+                "prompt_cache_key": req.prompt_cache_key, "safety_identifier": req.safety_identifier,
             }
             if out is not None:
                 comp = out.outputs[0]

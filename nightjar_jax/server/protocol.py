@@ -10,9 +10,10 @@ OpenAI shapes (see ``app.py``); completions' ``echo`` prepends the prompt (and i
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+import unicodedata
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, field_validator
 
 from nightjar_jax.engine.beam_search import BeamSearchParams
 from nightjar_jax.engine.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams, short_repr
@@ -69,6 +70,19 @@ MAX_TOOLS = 128
 TokenId = StrictInt
 
 
+def _no_control_characters(value: str) -> str:
+    """A body's ``request_id`` names the response (its ``id``) and the server's log lines: control characters
+    (a newline, NUL, ...) are refused, as in an X-Request-Id header (where any non-printable-ASCII id is replaced)."""
+    bad = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+    if bad is not None:
+        raise ValueError(f"request_id holds the control character {bad!r}: give printable text")
+    return value
+
+
+# vLLM's request_id field (1-256 characters, no control characters)
+RequestId = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_no_control_characters)]
+
+
 class _Strict(BaseModel):
     # unknown fields are 400s, and so are values of the wrong JSON type (as OpenAI's API answers): "5" or 5.0 for
     # an integer, "yes" or 1 for a boolean (an integer for a number is fine), NaN or Infinity for a number
@@ -122,7 +136,7 @@ class _SamplingFields(_Strict):
     length_penalty: float = 1.0
     # vLLM's: the response's id is "cmpl-<request_id>" / "chatcmpl-<request_id>" (an X-Request-Id header wins, as
     # in vLLM); two requests in flight may not share one
-    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    request_id: RequestId | None = None
     # vLLM's: log-probabilities' tokens as "token_id:<id>" instead of their text (for text that is not valid UTF-8)
     return_tokens_as_token_ids: bool | None = None
     # vLLM's: the token ids beside the text (an RL trainer's tokens, no re-encoding): a completion choice's
@@ -780,7 +794,7 @@ class ResponsesRequest(_Strict):
     prompt_cache_key: str | None = None  # (prefix caching needs no key: it finds shared prefixes by their tokens)
     prompt_cache_retention: str | None = None
     # vLLM's: the response's id (as given; else "resp_<new id>"), held while the request is in flight
-    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    request_id: RequestId | None = None
     safety_identifier: str | None = None  # (OpenAI's successor of 'user')
     top_logprobs: int | None = None
     prompt: dict[str, Any] | None = None

@@ -120,6 +120,11 @@ def test_responses_cut_off_fail_and_stored_ones_are_not_found(monkeypatch):
         assert (done["parallel_tool_calls"], done["tool_choice"], done["user"], done["truncation"]) == (
             False, "none", "u", "disabled")
         assert (done["temperature"], done["top_p"], done["completed_at"]) == (0.0, 1.0, None)  # (cut: incomplete)
+        # the refused features at the values served, as OpenAI's Response object carries them (they were absent: a
+        # client reading 'store' could not tell the response was not stored)
+        assert (done["store"], done["background"], done["previous_response_id"], done["max_tool_calls"]) == (
+            False, False, None, None)
+        assert done["reasoning"] == {"effort": None, "summary": None} and done["top_logprobs"] == 0
         unnamed = client.post("/v1/responses", json={**body, "text": {"format": {"type": "json_schema",
                                                                                  "schema": {"type": "object"}}}})
         assert unnamed.status_code == 400 and unnamed.json()["error"]["param"] == "text"
