@@ -314,14 +314,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, log) -> tuple[subprocess.Popen, str]:
+def start_server(args, log, template_path: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    template = tempfile.NamedTemporaryFile("w", suffix=".jinja", delete=False)
-    template.write(CHAT_TEMPLATE)
-    template.close()
     cmd = [sys.executable, "-m", "nightjar_jax.serve", "--model", args.model, "--port", str(port),
            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
-           "--warmup", args.warmup, "--chat-template", template.name, "--enable-auto-tool-choice",
+           "--warmup", args.warmup, "--chat-template", template_path, "--enable-auto-tool-choice",
            "--log-level", "warning"]
     if args.draft_model != "none":
         cmd += ["--draft-model", args.draft_model, "--num-speculative-tokens", str(args.num_speculative_tokens)]
@@ -336,118 +333,184 @@ def start_server(args, log) -> tuple[subprocess.Popen, str]:
     deadline = time.time() + args.startup_timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            log.flush()
             raise SystemExit(f"the server exited with {proc.returncode}; the end of its log ({log.name}):\n"
-                             + open(log.name).read()[-3000:])
+                             + log_tail(log))
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.kill()
+    stop_server(proc)
     raise SystemExit(f"the server did not answer /health in {args.startup_timeout:.0f} s; its log: {log.name}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def log_tail(log) -> str:
+    log.flush()
+    with open(log.name, errors="replace") as f:
+        return f.read()[-3000:]
+
+
+def sample_times(duration: float, interval: float) -> list[float]:
+    """Seconds from the load's start at which to sample: every ``interval``, and at ``duration`` itself (the load
+    runs that long)."""
+    times = [interval * k for k in range(1, int(duration / interval + 1e-9) + 1)]
+    if not times or times[-1] < duration - 1e-6:
+        times.append(duration)
+    return times
+
+
+def http_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL (e.g. http://127.0.0.1:8000)")
+    return text.rstrip("/")
+
+
+def live_pid(text: str) -> int:
+    pid = positive_int(text)
+    if not os.path.exists(f"/proc/{pid}"):
+        raise argparse.ArgumentTypeError(f"no process {pid} is running (give the server's process id, or leave "
+                                         f"--pid out: the table then has no memory figures)")
+    return pid
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", default=None, help="soak a running server instead of starting one (its /proc figures "
-                   "need --pid)")
-    p.add_argument("--pid", type=positive_int, default=None, help="with --url: the server's process id")
-    p.add_argument("--api-key", default=None, help="with --url: the server's key")
+    p.add_argument("--url", type=http_url, default=None,
+                   help="soak a running server instead of starting one (its /proc figures need --pid; the server "
+                   "options below are then not used)")
+    p.add_argument("--pid", type=live_pid, default=None, help="with --url: the server's process id")
+    p.add_argument("--api-key", default=None, help="with --url: the server's key (not written to the JSON)")
     p.add_argument("--model", default=MODEL, help="the server's model (default stories260k: the mix's prompts and "
                    "its chat template are written for it)")
     p.add_argument("--draft-model", default="stories260k@skip=2",
                    help="the server's draft (default stories260k@skip=2; 'none': no speculation)")
-    p.add_argument("--num-speculative-tokens", type=positive_int, default=3)
-    p.add_argument("--max-model-len", type=positive_int, default=256)
-    p.add_argument("--max-num-seqs", type=positive_int, default=8)
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=3, help="the server's (default 3)")
+    p.add_argument("--max-model-len", type=positive_int, default=256, help="the server's (default 256)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=8, help="the server's (default 8)")
     p.add_argument("--warmup", default="full", choices=["none", "request", "full"],
                    help="the server's --warmup (default full: the soak measures serving, not the first compiles)")
     p.add_argument("--server-arg", action="append", default=[],
                    help="one more argument for the server (repeat it; e.g. --server-arg=--kv-cache-dtype "
-                   "--server-arg=bfloat16)")
-    p.add_argument("--startup-timeout", type=positive_float, default=1800.0)
-    p.add_argument("--clients", type=positive_int, default=5)
+                   "--server-arg=bfloat16); not --port or --host, which the script sets")
+    p.add_argument("--startup-timeout", type=positive_float, default=1800.0,
+                   help="seconds the server may take to answer /health (default 1800: a full warm-up on a CPU)")
+    p.add_argument("--clients", type=positive_int, default=5, help="concurrent clients (default 5)")
     p.add_argument("--duration", type=positive_float, default=1440.0, help="seconds of load (default 24 minutes)")
-    p.add_argument("--interval", type=positive_float, default=60.0, help="seconds between samples (default 60)")
-    p.add_argument("--probe-repeats", type=positive_int, default=5)
+    p.add_argument("--interval", type=positive_float, default=60.0,
+                   help="seconds between samples, at most --duration (default 60)")
+    p.add_argument("--probe-repeats", type=positive_int, default=5, help="probes per sample (default 5)")
     p.add_argument("--seed", type=int, default=0, help="the mix's random seed (each client its own stream)")
-    p.add_argument("--out", type=writable_out, default="results/bench_soak.json")
+    p.add_argument("--out", type=writable_out, default="results/bench_soak.json",
+                   help="the JSON results (default results/bench_soak.json)")
     args = p.parse_args(argv)
     if args.url is None and (args.pid is not None or args.api_key is not None):
         p.error("--pid and --api-key go with --url (without it the script starts its own server)")
+    if args.interval > args.duration:
+        p.error(f"--interval {args.interval:g} is longer than --duration {args.duration:g}: nothing would be sampled")
+    if any(a.split("=")[0] in ("--port", "--host") for a in args.server_arg):
+        p.error("--server-arg may not set --port or --host: the script starts the server on a free local port")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    log = tempfile.NamedTemporaryFile("w+", prefix="bench_soak_server_", suffix=".log", delete=False)
+    log = None
+    template_path = None
+    if args.url is None:
+        log = tempfile.NamedTemporaryFile("w+", prefix="bench_soak_server_", suffix=".log", delete=False)
+        with tempfile.NamedTemporaryFile("w", suffix=".jinja", delete=False) as template:
+            template.write(CHAT_TEMPLATE)
+        template_path = template.name
+    try:
+        return soak_run(args, log, template_path)
+    finally:
+        if template_path is not None:
+            os.unlink(template_path)
+
+
+def soak_run(args, log, template_path: str | None) -> int:
     proc = None
     if args.url is None:
-        proc, url = start_server(args, log)
+        proc, url = start_server(args, log, template_path)
         pid = proc.pid
     else:
-        url, pid = args.url.rstrip("/"), args.pid
+        url, pid = args.url, args.pid
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     soak = Soak(url, args.model, headers)
     client = httpx.Client()
     samples: list[dict] = []
+    problems: list[str] = []
+    start = final = None
+    reference_text = None
     try:
-        reference = probe(soak, client, 1)[1]
+        try:
+            reference = probe(soak, client, 1)[1]
+            start = {"t": 0.0, **process_stats(pid), **read_metrics(url, headers)}
+        except httpx.HTTPError as exc:
+            raise SystemExit(f"the server at {url} did not answer: {exc!r}") from None
         if len(reference) != 1:
             raise SystemExit(f"the probe failed before the load: {soak.failures}")
         reference_text = reference.pop()
-        start = {"t": 0.0, **process_stats(pid), **read_metrics(url, headers)}
         threads = [threading.Thread(target=soak.worker, args=(i, args.seed), daemon=True)
                    for i in range(args.clients)]
         t0 = time.time()
         for t in threads:
             t.start()
-        header = ("| t (s) | served | failed | left | RSS MB | maps | fds | threads | probe p50 s | probe p95 s "
-                  "| steps compiling | variant drops | pages free |")
-        print(header + "\n|" + "---:|" * 13, flush=True)
-        n = 0
-        while True:
-            n += 1
-            next_at = t0 + n * args.interval
-            if next_at > t0 + args.duration + 1e-6:
+        print("| t (s) | served | failed | left | RSS MB | maps | fds | threads | probe p50 s | probe max s "
+              "| steps compiling | variant drops | pages free |\n|" + "---:|" * 13, flush=True)
+        for at in sample_times(args.duration, args.interval):
+            time.sleep(max(0.0, t0 + at - time.time()))
+            try:
+                latencies, texts = probe(soak, client, args.probe_repeats)
+                sample = {"t": round(time.time() - t0, 1), "served": soak.served, "failed": soak.failed,
+                          "left": soak.disconnects, **process_stats(pid), **read_metrics(url, headers),
+                          "probe_p50_s": statistics.median(latencies), "probe_max_s": max(latencies),
+                          "probe_text_unchanged": texts <= {reference_text}}
+            except httpx.HTTPError as exc:  # (the server died or hung: what the soak is for; the rest is kept)
+                gone = proc is not None and proc.poll() is not None
+                problems.append(f"the server exited with {proc.returncode} at t = {time.time() - t0:.0f} s"
+                                if gone else f"the server stopped answering at t = {time.time() - t0:.0f} s: "
+                                f"{exc!r}")
                 break
-            time.sleep(max(0.0, next_at - time.time()))
-            latencies, texts = probe(soak, client, args.probe_repeats)
-            sample = {"t": round(time.time() - t0, 1), "served": soak.served, "failed": soak.failed,
-                      "left": soak.disconnects, **process_stats(pid), **read_metrics(url, headers),
-                      "probe_p50_s": statistics.median(latencies), "probe_p95_s": max(latencies),
-                      "probe_text_unchanged": texts <= {reference_text}}
             samples.append(sample)
             print(f"| {sample['t']:.0f} | {sample['served']} | {sample['failed']} | {sample['left']} "
-                  f"| {fmt(sample['rss_mb'], '.0f')} | {sample['maps']} | {sample['fds']} | {sample['threads']} "
-                  f"| {fmt(sample['probe_p50_s'], '.3f')} | {fmt(sample['probe_p95_s'], '.3f')} "
-                  f"| {fmt(sample['compiling'], '.0f')} | {fmt(sample['drops'], '.0f')} "
-                  f"| {fmt(sample['free'], '.0f')}/{fmt(sample['usable'], '.0f')} |", flush=True)
+                  f"| {fmt(sample['rss_mb'], '.0f')} | {fmt(sample['maps'], '.0f')} | {fmt(sample['fds'], '.0f')} "
+                  f"| {fmt(sample['threads'], '.0f')} | {fmt(sample['probe_p50_s'], '.3f')} "
+                  f"| {fmt(sample['probe_max_s'], '.3f')} | {fmt(sample['compiling'], '.0f')} "
+                  f"| {fmt(sample['drops'], '.0f')} | {fmt(sample['free'], '.0f')}/{fmt(sample['usable'], '.0f')} |",
+                  flush=True)
         soak.stop.set()
-        final = idle_check(soak, client, pid)
+        if not problems:
+            try:
+                final = idle_check(soak, client, pid)
+            except httpx.HTTPError as exc:
+                problems.append(f"the server stopped answering after the load: {exc!r}")
         for t in threads:
             t.join(timeout=330)
     finally:
         soak.stop.set()
         soak.gate.set()
         client.close()
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is not None:
+            stop_server(proc)
     probe_changed = [s["t"] for s in samples if not s["probe_text_unchanged"]]
-    problems = []
     if soak.failed:
         problems.append(f"{soak.failed} request(s) failed, e.g. {soak.failures[:3]}")
     if probe_changed:
         problems.append(f"the probe's greedy text changed at t = {probe_changed} s")
-    if not final["pages_all_free"]:
+    if final is not None and not final["pages_all_free"]:
         problems.append(f"after the load, pages or requests were still held: {final}")
     print(f"\n{soak.served} requests served, {soak.failed} failed, {soak.disconnects} clients left early; by kind "
           f"(served, failed): {json.dumps(soak.by_kind, sort_keys=True)}")
@@ -455,14 +518,16 @@ def main(argv=None) -> int:
     if proc is not None:
         print(f"the server's log: {log.name}")
     write_json(args.out, {
-        "args": vars(args), "machine": machine_note(), "server_log": log.name if proc is not None else None,
-        "probe": {"prompt": PROBE_PROMPT, "text": reference_text}, "start": start, "samples": samples,
-        "final": final, "served": soak.served, "failed": soak.failed, "disconnects": soak.disconnects,
-        "by_kind": soak.by_kind, "failures": soak.failures, "problems": problems,
+        "args": {**vars(args), "api_key": None if args.api_key is None else "(given)"}, "machine": machine_note(),
+        "server_log": None if log is None else log.name, "probe": {"prompt": PROBE_PROMPT, "text": reference_text},
+        "start": start, "samples": samples, "final": final, "served": soak.served, "failed": soak.failed,
+        "disconnects": soak.disconnects, "by_kind": soak.by_kind, "failures": soak.failures, "problems": problems,
     })
     print(f"wrote {args.out}")
     if problems:
         print("FAILED: " + "; ".join(problems), file=sys.stderr)
+        if proc is not None and proc.returncode not in (0, None) and log is not None:
+            print(f"the end of the server's log:\n{log_tail(log)}", file=sys.stderr)
         return 1
     return 0
 

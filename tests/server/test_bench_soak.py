@@ -5,8 +5,11 @@ cut short, an error event, a non-2xx answer), on a mock transport."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import httpx
+import pytest
 
 from nightjar_jax.testing import load_script
 
@@ -48,3 +51,49 @@ def test_bench_soak_counts_broken_answers_as_failures():
     assert soak.by_kind == {"cut": [0, 1], "error": [0, 1], "fine": [1, 0], "bad": [0, 1]}
     assert soak.failed == 3 and soak.served == 1 and soak.disconnects == 1
     assert "without [DONE]" in soak.failures[0]["detail"] and "boom" in soak.failures[1]["detail"]
+
+
+def test_bench_soak_reports_a_server_that_dies(tmp_path, capsys):
+    """The failure a soak is for: the server killed mid-load (as a compile past vm.max_map_count kills it) is
+    reported with what was sampled before, the JSON written and exit 1 (it was a traceback and no JSON)."""
+    bench = load_script("bench_soak.py", "bench_soak_t3")
+    started, calls = [], []
+    real_start, real_probe = bench.start_server, bench.probe
+
+    def start(*a, **k):
+        started.append(real_start(*a, **k))
+        return started[-1]
+
+    def probe(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:  # (the reference, the first sample, then the second sample finds it gone)
+            proc = started[0][0]
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        return real_probe(*a, **k)
+
+    bench.start_server, bench.probe = start, probe
+    out = tmp_path / "soak.json"
+    rc = bench.main(["--duration", "4", "--interval", "2", "--clients", "1", "--warmup", "none", "--draft-model",
+                     "none", "--probe-repeats", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 1 and len(result["samples"]) == 1 and result["final"] is None
+    assert any(p.startswith("the server exited with -9") for p in result["problems"]), result["problems"]
+    assert "FAILED: the server exited with -9" in capsys.readouterr().err
+
+
+def test_bench_soak_schedule_and_arguments(capsys):
+    bench = load_script("bench_soak.py", "bench_soak_t4")
+    assert bench.sample_times(20, 10) == [10, 20] and bench.sample_times(25, 10) == [10, 20, 25]
+    assert bench.sample_times(5, 5) == [5] and bench.sample_times(1.5, 1) == [1, 1.5]
+    for argv, message in [
+        (["--duration", "5", "--interval", "10"], "--interval 10 is longer than --duration 5"),
+        (["--url", "localhost:8000"], "is not an http:// or https:// URL"),
+        (["--pid", "12"], "no process 12 is running" if not os.path.exists("/proc/12") else "--pid and --api-key"),
+        (["--server-arg=--port=9"], "may not set --port or --host"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            bench.parse_args(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err, argv
+    args = bench.parse_args(["--url", "http://127.0.0.1:9/", "--api-key", "k"])
+    assert args.url == "http://127.0.0.1:9"
