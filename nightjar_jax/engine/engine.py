@@ -251,7 +251,10 @@ class LLMEngine:
                               f"cannot decode alone; load it as a target's draft_model (e.g. "
                               f"LLM('smollm2-135m-instruct', draft_model={target.config.name!r}))")
         if draft_spec is not None:
-            draft, _ = self._load(draft_spec, tokenizer_spec=None)
+            try:
+                draft, _ = self._load(draft_spec, tokenizer_spec=None)
+            except ValueError as exc:  # (the same message as a target's, e.g. an unknown preset: say which model)
+                raise ConfigError(f"draft_model {draft_spec!r}: {exc}") from None
         if draft is not None and draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"draft model vocabulary ({draft.config.vocab_size} tokens, {draft.config.name}) does not match the "
@@ -486,7 +489,8 @@ class LLMEngine:
             try:
                 planner.attach_logger(DecisionLogger(spec.planner_log))
             except OSError as exc:  # (a folder, a read-only place: IsADirectoryError, PermissionError, ...)
-                raise ConfigError(f"planner_log={spec.planner_log!r} cannot be opened to append to ({exc.strerror}): "
+                raise ConfigError(f"planner_log={spec.planner_log!r} cannot be opened to append to "
+                                  f"({exc.strerror or exc}): "
                                   "give the path of a JSONL file (its folder is created)") from None
         return planner
 
@@ -1086,14 +1090,15 @@ class LLMEngine:
                 target = target or self._load(self._weight_specs["target"], tokenizer_spec=None)[0]
                 if self.draft is not None:
                     draft = draft or self._load(self._weight_specs["draft"], tokenizer_spec=None)[0]
+                self.runner.check_weights(target, draft)  # (the parts loaded again too: their files may have changed)
             else:
-                self.runner.restore_weights()
-            self._asleep.discard("weights")
-            if not self._asleep:
-                self.sleep_level = 0
+                self.runner.restore_weights()  # (the old weights back: awake whatever follows)
+                self._mark_weights_awake()
         if draft is not None and not self.runner.draft_on_device:  # (elastic memory moved it to host memory; idle,
             self._reload_draft()  # checked above: nothing migrates)
         relayout = self.runner.load_weights(target, draft)
+        if "weights" in self._asleep:  # (level 2: awake once the new weights are in, not before)
+            self._mark_weights_awake()
         for part, given in (("target", weights), ("draft", draft_weights)):
             if given is not None:  # (where a level-2 sleep would load them from again: a spec, else nowhere)
                 self._weight_specs[part] = given if isinstance(given, str) else None
@@ -1103,6 +1108,11 @@ class LLMEngine:
         logger.info("weights updated (%s)%s", ", ".join(n for n, h in (("target", target), ("draft", draft)) if h),
                     ": a new layout, the step variants compile again" if relayout else "")
         return relayout
+
+    def _mark_weights_awake(self) -> None:
+        self._asleep.discard("weights")
+        if not self._asleep:
+            self.sleep_level = 0
 
     def _check_not_shared(self, action: str, target: bool = True, draft: bool = True) -> None:
         """Refuse ``action`` on weights another live engine also serves (``LLM.from_engine`` over a loaded target):

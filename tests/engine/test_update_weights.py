@@ -159,6 +159,31 @@ def test_a_refused_update_leaves_sleeping_weights_asleep(stories, level):
     assert not llm.is_sleeping() and tokens(llm) == ref
 
 
+def test_a_level_2_update_whose_reloaded_part_is_refused_leaves_the_weights_asleep(monkeypatch):
+    """At level 2 an update loads the part it was not given (here the draft) again from its checkpoint: one that
+    became another architecture meanwhile was refused only after the weights were marked awake (the review's
+    finding); now the sleep stands and wake_up serves the old weights."""
+    llm = LLM("stories260k", draft_model="stories260k@skip=2", max_model_len=64, num_pages=16)
+    engine = llm.engine
+    ref = tokens(llm)
+    llm.sleep(2)
+    real_load = engine._load
+
+    def load(spec, tokenizer_spec):
+        handle, tok = real_load(spec, tokenizer_spec)
+        if "@skip" in spec:  # (the draft's file, rewritten as another model)
+            handle = dataclasses.replace(handle, config=dataclasses.replace(handle.config, num_layers=5))
+        return handle, tok
+
+    monkeypatch.setattr(engine, "_load", load)
+    with pytest.raises(ValueError, match="another architecture"):
+        llm.update_weights("stories260k")
+    assert engine.asleep_parts == {"weights", "kv_cache"} and engine.sleep_level == 2
+    monkeypatch.setattr(engine, "_load", real_load)
+    llm.wake_up()
+    assert tokens(llm) == ref
+
+
 def q4_exact_hf(w: np.ndarray) -> np.ndarray:
     """An HF ``[out, in]`` weight rounded to GGUF Q4_1 values over blocks of 32 inputs (what pack_q4 takes)."""
     out, k = w.shape

@@ -150,6 +150,8 @@ def test_main_help(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--model", "no-such-model"], "unknown model preset 'no-such-model'"),
+    (["--model", "stories260k", "--draft-model", "no-such-model"],  # (the draft's error named no model)
+     "draft_model 'no-such-model': unknown model preset 'no-such-model'"),
     (["--model", "/no/such/dir"], "model path '/no/such/dir' does not exist"),
     (["--max-tokens", "0"], "SamplingParams.max_tokens=0 is invalid"),
     (["--spec-tree-nodes", "8", "--spec-tree-min-gamma", "9"], "spec_tree_min_gamma=9 is invalid"),
