@@ -600,6 +600,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     # weight updates waiting for the work in flight: a beam search that arrives meanwhile waits for them (it would
     # otherwise start under the old weights, its steps going ahead of the update as those of a search under way do)
     updates_waiting = [0]
+    metrics.track_server(server_load, updates_waiting, beam_searches)
     updates_done = asyncio.Event()
     updates_done.set()
 

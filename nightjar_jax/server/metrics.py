@@ -162,7 +162,32 @@ class _EngineCollector:
         yield counter("nightjar_generation_tokens", "Tokens generated", stats.num_generated_tokens)
 
 
+class _ServerCollector:
+    """The HTTP front's own figures, which the engine does not see (read from one-element lists the app keeps)."""
+
+    def __init__(self, load: list[int], updates_waiting: list[int], beam_searches: list[int]):
+        self.load, self.updates_waiting, self.beam_searches = load, updates_waiting, beam_searches
+
+    def collect(self):
+        yield GaugeMetricFamily("nightjar_server_load", "Generation requests the server holds, from their arrival to "
+                                "their last frame (GET /load's figure)", value=self.load[0])
+        yield GaugeMetricFamily("nightjar_weight_updates_waiting", "Weight updates (POST /update_weights_from_disk) "
+                                "waiting for the requests in flight to finish", value=self.updates_waiting[0])
+        yield GaugeMetricFamily("nightjar_beam_searches", "Beam searches under way (each runs many engine steps, "
+                                "the engine idle between them)", value=self.beam_searches[0])
+
+
 class ServerMetrics:
+    def track_server(self, load: list[int], updates_waiting: list[int], beam_searches: list[int]) -> None:
+        """Export the server's own load, waiting weight updates and beam searches (registered once: an app built
+        again over these metrics reads its own lists)."""
+        if getattr(self, "_server", None) is None:
+            self._server = _ServerCollector(load, updates_waiting, beam_searches)
+            self.registry.register(self._server)
+        else:
+            self._server.load, self._server.updates_waiting, self._server.beam_searches = (
+                load, updates_waiting, beam_searches)
+
     def __init__(self, engine, model_name: str | None = None):
         self.registry = CollectorRegistry()
         r = self.registry

@@ -1030,6 +1030,16 @@ def test_unknown_route_and_client_errors(server, client):
 
 
 # ---- disconnects ------------------------------------------------------------------------------------------------
+def _wait_metric(server, name: str, at_least: float, timeout: float = 30.0) -> None:
+    """Until the server's metric ``name`` reads ``at_least`` (e.g. a beam search or a weight update under way)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if server.metrics().get(name, 0.0) >= at_least:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{name} did not reach {at_least} in {timeout} s: {server.metrics()}")
+
+
 def _wait_load(server, at_least: int, timeout: float = 30.0) -> None:
     """Until ``/load`` (the generation requests the server holds, from their arrival) reads ``at_least``."""
     deadline = time.time() + timeout
@@ -1227,7 +1237,7 @@ def test_a_weight_update_waits_for_a_beam_search(server, client):
 
     worker = threading.Thread(target=search)
     worker.start()
-    _wait_load(server, 1)  # (the search has arrived: a fixed sleep raced it on a loaded machine)
+    _wait_metric(server, "nightjar_beam_searches", 1)  # (under way: a fixed sleep raced it on a loaded machine)
     assert worker.is_alive(), "the beam search ended before the update was asked for: make it longer"
     resp = post(server, "/update_weights_from_disk", {"model_path": "stories260k"})
     updated = time.monotonic()
@@ -1255,9 +1265,9 @@ def test_a_beam_search_sent_while_an_update_waits_runs_after_it(server, client):
 
     threads = [threading.Thread(target=long_request), threading.Thread(target=update)]
     threads[0].start()
-    _wait_load(server, 1)
+    _wait_metric(server, "nightjar_num_requests_running", 1)  # (in the engine: the update must wait for it)
     threads[1].start()
-    time.sleep(0.3)  # (the update's request reaches the server: it is not counted in /load)
+    _wait_metric(server, "nightjar_weight_updates_waiting", 1)
     assert threads[0].is_alive() and threads[1].is_alive(), "the long request ended too soon: make it longer"
     beam = client.completions.create(model=MODEL, prompt="Once", max_tokens=24, n=2,
                                      extra_body={"use_beam_search": True, "ignore_eos": True})
