@@ -315,6 +315,7 @@ def free_port() -> int:
 
 
 def start_server(args, log, template_path: str) -> tuple[subprocess.Popen, str]:
+    """Launch the server (its output to ``log``); returns at once with its process and URL (:func:`wait_healthy`)."""
     port = free_port()
     cmd = [sys.executable, "-m", "nightjar_jax.serve", "--model", args.model, "--port", str(port),
            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
@@ -328,21 +329,22 @@ def start_server(args, log, template_path: str) -> tuple[subprocess.Popen, str]:
     print("server:", " ".join(cmd), flush=True)
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))  # (a source checkout, installed or not)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + args.startup_timeout
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float) -> None:
+    deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with {proc.returncode}; the end of its log ({log.name}):\n"
                              + log_tail(log))
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    stop_server(proc)
-    raise SystemExit(f"the server did not answer /health in {args.startup_timeout:.0f} s; its log: {log.name}")
+    raise SystemExit(f"the server did not answer /health in {timeout:.0f} s; its log: {log.name}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -404,6 +406,8 @@ def parse_args(argv=None):
     p.add_argument("--server-arg", action="append", default=[],
                    help="one more argument for the server (repeat it; e.g. --server-arg=--kv-cache-dtype "
                    "--server-arg=bfloat16); not --port or --host, which the script sets")
+    p.add_argument("--server-log", type=writable_out, default=None,
+                   help="the started server's output (default: a bench_soak_server_*.log temporary file)")
     p.add_argument("--startup-timeout", type=positive_float, default=1800.0,
                    help="seconds the server may take to answer /health (default 1800: a full warm-up on a CPU)")
     p.add_argument("--clients", type=positive_int, default=5, help="concurrent clients (default 5)")
@@ -417,6 +421,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.url is None and (args.pid is not None or args.api_key is not None):
         p.error("--pid and --api-key go with --url (without it the script starts its own server)")
+    if args.url is not None and args.server_log is not None:
+        p.error("--server-log is the output of a server the script starts: not with --url")
     if args.interval > args.duration:
         p.error(f"--interval {args.interval:g} is longer than --duration {args.duration:g}: nothing would be sampled")
     if any(a.split("=")[0] in ("--port", "--host") for a in args.server_arg):
@@ -429,32 +435,49 @@ def main(argv=None) -> int:
     log = None
     template_path = None
     if args.url is None:
-        log = tempfile.NamedTemporaryFile("w+", prefix="bench_soak_server_", suffix=".log", delete=False)
+        if args.server_log is not None:
+            log = open(args.server_log, "w+")
+        else:
+            log = tempfile.NamedTemporaryFile("w+", prefix="bench_soak_server_", suffix=".log", delete=False)
         with tempfile.NamedTemporaryFile("w", suffix=".jinja", delete=False) as template:
             template.write(CHAT_TEMPLATE)
         template_path = template.name
+    # (a SIGTERM, e.g. a CI job's timeout, ends the script through its cleanup: the server stopped, not left running)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) \
+        if threading.current_thread() is threading.main_thread() else None
     try:
         return soak_run(args, log, template_path)
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if template_path is not None:
             os.unlink(template_path)
+        if log is not None:
+            log.close()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def soak_run(args, log, template_path: str | None) -> int:
     proc = None
-    if args.url is None:
-        proc, url = start_server(args, log, template_path)
-        pid = proc.pid
-    else:
-        url, pid = args.url, args.pid
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    soak = Soak(url, args.model, headers)
-    client = httpx.Client()
+    soak = client = None
     samples: list[dict] = []
     problems: list[str] = []
     start = final = None
     reference_text = None
+    threads: list[threading.Thread] = []
     try:
+        if args.url is None:
+            proc, url = start_server(args, log, template_path)
+            pid = proc.pid
+            wait_healthy(proc, url, log, args.startup_timeout)
+        else:
+            url, pid = args.url, args.pid
+        soak = Soak(url, args.model, headers)
+        client = httpx.Client()
         try:
             reference = probe(soak, client, 1)[1]
             start = {"t": 0.0, **process_stats(pid), **read_metrics(url, headers)}
@@ -497,12 +520,15 @@ def soak_run(args, log, template_path: str | None) -> int:
                 final = idle_check(soak, client, pid)
             except httpx.HTTPError as exc:
                 problems.append(f"the server stopped answering after the load: {exc!r}")
+        soak.gate.set()  # (a client between its stop check and the gate would wait on it for good)
         for t in threads:
             t.join(timeout=330)
     finally:
-        soak.stop.set()
-        soak.gate.set()
-        client.close()
+        if soak is not None:
+            soak.stop.set()
+            soak.gate.set()
+        if client is not None:
+            client.close()
         if proc is not None:
             stop_server(proc)
     probe_changed = [s["t"] for s in samples if not s["probe_text_unchanged"]]

@@ -71,9 +71,10 @@ TokenId = StrictInt
 
 
 def _no_control_characters(value: str) -> str:
-    """A body's ``request_id`` names the response (its ``id``) and the server's log lines: control characters
-    (a newline, NUL, ...) are refused, as in an X-Request-Id header (where any non-printable-ASCII id is replaced)."""
-    bad = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+    """A body's ``request_id`` names the response (its ``id``) and the server's log lines: control and format
+    characters (a newline, NUL, a bidi override) and line or paragraph separators are refused, as in an
+    X-Request-Id header (where any non-printable-ASCII id is replaced)."""
+    bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
     if bad is not None:
         raise ValueError(f"request_id holds the control character {bad!r}: give printable text")
     return value

@@ -18,7 +18,7 @@ def test_bench_soak_smoke(tmp_path, capsys):
     bench = load_script("bench_soak.py", "bench_soak_t")
     out = tmp_path / "soak.json"
     rc = bench.main(["--duration", "6", "--interval", "3", "--clients", "2", "--warmup", "none", "--draft-model",
-                     "none", "--probe-repeats", "2", "--out", str(out)])
+                     "none", "--probe-repeats", "2", "--out", str(out), "--server-log", str(tmp_path / "server.log")])
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert rc == 0, result["problems"]
@@ -28,6 +28,7 @@ def test_bench_soak_smoke(tmp_path, capsys):
     assert result["final"]["pages_all_free"] and result["final"]["free"] == result["final"]["usable"]
     assert result["probe"]["text"]
     assert "| steps compiling |" in printed and "requests served, 0 failed" in printed
+    assert result["server_log"] == str(tmp_path / "server.log") and (tmp_path / "server.log").exists()
 
 
 def test_bench_soak_counts_broken_answers_as_failures():
@@ -75,7 +76,7 @@ def test_bench_soak_reports_a_server_that_dies(tmp_path, capsys):
     bench.start_server, bench.probe = start, probe
     out = tmp_path / "soak.json"
     rc = bench.main(["--duration", "4", "--interval", "2", "--clients", "1", "--warmup", "none", "--draft-model",
-                     "none", "--probe-repeats", "1", "--out", str(out)])
+                     "none", "--probe-repeats", "1", "--out", str(out), "--server-log", str(tmp_path / "server.log")])
     result = json.loads(out.read_text())
     assert rc == 1 and len(result["samples"]) == 1 and result["final"] is None
     assert any(p.startswith("the server exited with -9") for p in result["problems"]), result["problems"]
@@ -91,6 +92,7 @@ def test_bench_soak_schedule_and_arguments(capsys):
         (["--url", "localhost:8000"], "is not an http:// or https:// URL"),
         (["--pid", "12"], "no process 12 is running" if not os.path.exists("/proc/12") else "--pid and --api-key"),
         (["--server-arg=--port=9"], "may not set --port or --host"),
+        (["--url", "http://127.0.0.1:9", "--server-log", "/tmp/x.log"], "--server-log is the output of a server"),
     ]:
         with pytest.raises(SystemExit) as exit_:
             bench.parse_args(argv)

@@ -55,9 +55,10 @@ def test_request_id_names_the_response(client):
     # is an id
     for path, body in (("/v1/completions", {"prompt": "Once", "max_tokens": 2}),
                        ("/v1/responses", {"input": "Once", "max_output_tokens": 2})):
-        resp = client.post(path, json={**body, "request_id": "a\nb\u0000"})
-        assert resp.status_code == 400 and resp.json()["error"]["param"] == "request_id", resp.text
-        assert "control character" in resp.json()["error"]["message"]
+        for bad in ("a\nb\u0000", "x\u2028y", "id\u202e"):  # (a newline and NUL, a line separator, a bidi override)
+            resp = client.post(path, json={**body, "request_id": bad})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "request_id", resp.text
+            assert "control character" in resp.json()["error"]["message"]
     resp = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2, "request_id": "h\u00e9-1"})
     assert resp.status_code == 200 and resp.json()["id"] == "cmpl-h\u00e9-1"
 
