@@ -404,8 +404,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", default="full", choices=["none", "request", "full"],
                    help="the server's --warmup (default full: the soak measures serving, not the first compiles)")
     p.add_argument("--server-arg", action="append", default=[],
-                   help="one more argument for the server (repeat it; e.g. --server-arg=--kv-cache-dtype "
-                   "--server-arg=bfloat16); not --port or --host, which the script sets")
+                   help="one more argument for the server (repeat it; e.g. --server-arg=--max-num-batched-tokens "
+                   "--server-arg=128); not --port or --host, which the script sets")
     p.add_argument("--server-log", type=writable_out, default=None,
                    help="the started server's output (default: a bench_soak_server_*.log temporary file)")
     p.add_argument("--startup-timeout", type=positive_float, default=1800.0,
