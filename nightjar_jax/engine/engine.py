@@ -182,6 +182,16 @@ def memory_budget_bytes(device, utilization: float) -> int | None:
     return None if memory is None else int(utilization * memory[0]) - memory[1]
 
 
+def _blame(field: str, fn, *args):
+    """``fn(*args)``; a ValueError or OSError it raises is tagged with ``update_field`` (``"weights"`` or
+    ``"draft_weights"``: which part of a weight update was at fault; the server names the request's field)."""
+    try:
+        return fn(*args)
+    except (ValueError, OSError) as exc:
+        exc.update_field = field
+        raise
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -1070,13 +1080,15 @@ class LLMEngine:
             raise ValueError("update_weights needs weights, draft_weights or both")
         if draft_weights is not None and self.draft is None:
             raise ValueError("draft_weights given, but this engine has no draft")
-        target = None if weights is None else self._weights_handle(weights, self.target, "weights")
-        draft = None if draft_weights is None else self._weights_handle(draft_weights, self.draft, "draft_weights")
+        target = None if weights is None else _blame("weights", self._weights_handle, weights, self.target, "weights")
+        draft = None if draft_weights is None else _blame("draft_weights", self._weights_handle, draft_weights,
+                                                          self.draft, "draft_weights")
         asleep = "weights" in self._asleep
         self._check_not_shared("update_weights", target=target is not None or asleep, draft=draft is not None or asleep)
         # (checked before anything wakes: a refused update leaves sleeping weights asleep, for wake_up to bring back;
         # one checked after the wake left a level-2 engine marked awake with its weights deleted)
-        self.runner.check_weights(target, draft)
+        _blame("weights", self.runner.check_weights, target)
+        _blame("draft_weights", self.runner.check_weights, None, draft)
         if draft is not None and not self.runner.draft_on_device and self.has_unfinished_requests():
             raise RuntimeError("the draft is offloaded to host memory under load (elastic memory): update its "
                                "weights once it is back (when the load falls), or update the target alone")
@@ -1087,10 +1099,12 @@ class LLMEngine:
                 if any(self._weight_specs[part] is None for part in missing):
                     raise ValueError("the weights sleep at level 2 and the part not given has no checkpoint to load "
                                      "again: give both weights and draft_weights")
-                target = target or self._load(self._weight_specs["target"], tokenizer_spec=None)[0]
+                # (the parts loaded again are checked too: their files may have changed)
+                target = target or _blame("weights", lambda: self.runner.check_weights(
+                    self._load(self._weight_specs["target"], tokenizer_spec=None)[0])[0][1])
                 if self.draft is not None:
-                    draft = draft or self._load(self._weight_specs["draft"], tokenizer_spec=None)[0]
-                self.runner.check_weights(target, draft)  # (the parts loaded again too: their files may have changed)
+                    draft = draft or _blame("draft_weights", lambda: self.runner.check_weights(
+                        None, self._load(self._weight_specs["draft"], tokenizer_spec=None)[0])[0][1])
             else:
                 self.runner.restore_weights()  # (the old weights back: awake whatever follows)
                 self._mark_weights_awake()

@@ -914,7 +914,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 except RuntimeError as exc:  # (weights another engine shares, a draft offloaded under load)
                     raise APIError(409, str(exc), type="conflict_error") from None
                 except (ValueError, OSError) as exc:
-                    param = "draft_model_path" if req.model_path is None else "model_path"
+                    # (the part at fault, as the engine tags it: one of two paths given may be the bad one)
+                    param = {"weights": "model_path", "draft_weights": "draft_model_path"}.get(
+                        getattr(exc, "update_field", None),
+                        "draft_model_path" if req.model_path is None else "model_path")
                     raise APIError(400, f"the new weights could not be loaded: {exc}; the old ones are still "
                                         f"served", param=param) from None
 

@@ -150,3 +150,26 @@ def test_a_bad_update_is_refused_before_it_waits_or_loads(setup, tmp_path, monke
             assert all(f in message for f in fragments) and "ModelConfig(" not in message, message
         monkeypatch.undo()
         assert text(client) == before
+
+
+def test_a_bad_draft_beside_a_good_target_is_the_field_named(tmp_path):
+    """Both paths given, the draft's a llama2.c file of another architecture (a format whose config is not read
+    before the load): the 400 names draft_model_path, not model_path (the QA agent's finding)."""
+    import numpy as np
+
+    from nightjar_jax import LLM
+
+    dim, hidden, layers, heads, vocab, seq = 32, 64, 2, 4, 512, 64
+    floats = (vocab * dim + layers * dim + 4 * layers * dim * dim + layers * dim + 3 * layers * hidden * dim + dim
+              + 2 * seq * (dim // heads // 2))
+    other = tmp_path / "other.bin"
+    other.write_bytes(np.array([dim, hidden, layers, heads, heads, vocab, seq], np.int32).tobytes()
+                      + np.random.default_rng(0).normal(0, 0.02, floats).astype(np.float32).tobytes())
+    llm = LLM("stories260k", draft_model="stories260k@skip=2", max_model_len=64, num_pages=16)
+    with client_for(llm, enable_weight_updates=True) as client:
+        before = text(client)
+        bad = client.post("/update_weights_from_disk", json={"model_path": "stories260k",
+                                                              "draft_model_path": str(other)})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "draft_model_path", bad.text
+        assert "another architecture" in bad.json()["error"]["message"]
+        assert text(client) == before
