@@ -322,7 +322,9 @@ class GrammarBackend:
             if spec.regex is not None:
                 return c.compile_regex(spec.regex)
             if spec.choice is not None:
-                rule = " | ".join(json.dumps(choice) for choice in spec.choice)  # (GBNF string literals: JSON escapes)
+                # (GBNF string literals: JSON escapes, but characters as written: xgrammar reads a \ud83d\ude00
+                # surrogate pair as two code points, each written as 3 bytes: an emoji became invalid UTF-8)
+                rule = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
                 return c.compile_grammar(f"root ::= {rule}")
             return c.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError, TypeError) as e:  # (xgrammar's parse errors)

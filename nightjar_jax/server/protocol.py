@@ -559,7 +559,15 @@ class ChatCompletionRequest(_SamplingFields):
                 raise APIError(400, f"'tools'[{i}] must be {{'type': 'function', 'function': {{'name': <1-64 "
                                     f"letters, digits, '_', '.' or '-'>, 'parameters': <a JSON schema object, "
                                     f"optional>}}}}", param="tools")
-            tools.append({"name": name, "parameters": params})
+            kind = params.get("type", "object")  # (none: OpenAI's parameters are an object's; {} is "no parameters")
+            if not (kind == "object" or (isinstance(kind, list) and kind == ["object"])):
+                raise APIError(400, f"'tools'[{i}] ({name}): 'parameters' must be an object's JSON schema (a call's "
+                                    f"arguments are a JSON object, as OpenAI's), got 'type' {short_repr(kind)}",
+                                    param="tools")
+            if any(t["name"] == name for t in tools):  # (the name is all a call says of which function it calls)
+                raise APIError(400, f"'tools'[{i}]: a second function named {name!r}: give each tool its own name",
+                               param="tools")
+            tools.append({"name": name, "parameters": {**params, "type": "object"}})
         choice = self.tool_choice if self.tool_choice is not None else "auto"
         if choice == "none":
             return None

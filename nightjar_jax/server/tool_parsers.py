@@ -34,6 +34,7 @@ the whole text, whatever the pieces (it is how :func:`parse` works).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,11 +51,18 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")  # (NaN, Infinity: Python's json reads them, strict parsers do not)
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # (1e400: read as inf, it would be written back as Infinity, which is not JSON)
+        raise ValueError(f"{text} is past a double's range")
+    return value
+
+
 def strict_json(text: str) -> Any:
-    """``json.loads`` for what a model wrote: NaN / Infinity and nesting past the interpreter's recursion limit are
-    errors (ValueError), as for any strict JSON parser a client runs."""
+    """``json.loads`` for what a model wrote: NaN / Infinity, numbers past a double's range and nesting past the
+    interpreter's recursion limit are errors (ValueError), as for any strict JSON parser a client runs."""
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
 
@@ -275,7 +283,7 @@ def _pythonic_calls(text: str) -> list[ToolCall] | None:
 
 def _json_calls(text: str) -> list[ToolCall] | None:
     """Calls written as JSON objects one after another, separated by ``;`` (None: not only calls)."""
-    decoder, calls, at = json.JSONDecoder(parse_constant=_reject_constant), [], 0
+    decoder, calls, at = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float), [], 0
     while True:
         while at < len(text) and (text[at].isspace() or (calls and text[at] == ";")):
             at += 1

@@ -76,6 +76,10 @@ HOLD_CASES = [  # (a constraint, a check that its output holds)
      and isinstance(json.loads(t)["ok"], bool) and 0 <= json.loads(t)["n"] <= 99),
     (StructuredOutputs(grammar='root ::= "Lily is " ("happy" | "sad") "."'),
      lambda t: t in ("Lily is happy.", "Lily is sad.")),
+    # characters past the BMP, as written (a choice's rule escaped them as UTF-16 surrogate pairs, which the grammar
+    # read as two code points: invalid UTF-8 out; QA, 2026-12-06)
+    (StructuredOutputs(choice=["\U0001F600", "x \U0001D54F \u4e2d"]),
+     lambda t: t in ("\U0001F600", "x \U0001D54F \u4e2d")),
 ]
 
 

@@ -843,6 +843,12 @@ FIELD_CASES = [
      "tools", "'tools'[0] must be {'type': 'function'"),
     ("tool_choice without tools", "/v1/chat/completions", {**CHAT, "tool_choice": "required"}, None, "tool_choice",
      "needs 'tools'"),
+    # a call's arguments are a JSON object (they came back as a string or a number), and a name names one function
+    ("tool parameters not an object's", "/v1/chat/completions",
+     {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer"}}}],
+      "tool_choice": "required"}, None, "tools", "'parameters' must be an object's JSON schema"),
+    ("two tools of one name", "/v1/chat/completions", {**CHAT, "tools": [WEATHER, WEATHER]}, None, "tools",
+     "a second function named 'get_weather'"),
     ("continue_final_message with add_generation_prompt", "/v1/chat/completions",
      {**CHAT, "continue_final_message": True}, None, "continue_final_message", "'add_generation_prompt': false"),
     ("chat_template_kwargs replacing messages", "/v1/chat/completions",

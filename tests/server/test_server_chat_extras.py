@@ -389,3 +389,19 @@ def test_sagemaker_invocations_route_chat_and_completions(client):
     bad = client.post("/invocations", json={"input": "Hi"})
     assert bad.status_code == 400 and "'messages') or a completion request" in bad.json()["error"]["message"]
     assert client.post("/invocations", json={"prompt": 5}).status_code == 400  # (the endpoint's own checks)
+
+
+def test_a_tool_without_a_parameters_type_takes_an_object(client):
+    """A function's parameters are an object's schema (OpenAI's): one that leaves 'type' out is read as an object's,
+    so a named call's arguments are a JSON object (a schema without a type let the constraint write a string or a
+    number; QA, 2026-12-06)."""
+    for params in ({"properties": {}, "additionalProperties": False}, {}):
+        tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+        body = chat(client, [{"role": "user", "content": "Hi"}], tools=[tool], max_tokens=40,
+                    tool_choice={"type": "function", "function": {"name": "f"}})
+        (call,) = body["choices"][0]["message"]["tool_calls"]
+        if params:  # (no property allowed: the one object is {})
+            assert call["function"]["arguments"] == "{}"
+        elif body["choices"][0]["finish_reason"] == "stop":  # (any object: a long one may be cut by max_tokens)
+            assert isinstance(json.loads(call["function"]["arguments"]), dict)
+        assert call["function"]["arguments"].startswith("{"), call

@@ -51,6 +51,9 @@ CASES = [
      '<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>', []),
     ('<tool_call>{"name": "a", "arguments": "{\\"x\\": Infinity}"}</tool_call>',
      '<tool_call>{"name": "a", "arguments": "{\\"x\\": Infinity}"}</tool_call>', []),
+    # a number past a double's range read as inf, and written back as Infinity (not JSON): not a call either
+    ('<tool_call>{"name": "a", "arguments": {"x": 1e400}}</tool_call>',
+     '<tool_call>{"name": "a", "arguments": {"x": 1e400}}</tool_call>', []),
     ("<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>", "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>",
      []),
     # a lone surrogate escape: arguments go out as ASCII JSON (UTF-8 cannot carry it); in a name, not a call
