@@ -447,6 +447,9 @@ def main(argv=None) -> int:
         if threading.current_thread() is threading.main_thread() else None
     try:
         return soak_run(args, log, template_path)
+    except _Terminated:  # (before the load began: nothing to write)
+        print("stopped by SIGTERM before the load began", file=sys.stderr)
+        return 128 + signal.SIGTERM
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -456,8 +459,13 @@ def main(argv=None) -> int:
             log.close()
 
 
+class _Terminated(Exception):
+    """A SIGTERM (e.g. a CI job's timeout): the soak stops, its server too, and what it sampled is written."""
+
+
 def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a second one must not cut the cleanup short)
+    raise _Terminated()
 
 
 def soak_run(args, log, template_path: str | None) -> int:
@@ -468,6 +476,7 @@ def soak_run(args, log, template_path: str | None) -> int:
     problems: list[str] = []
     start = final = None
     reference_text = None
+    terminated = False
     threads: list[threading.Thread] = []
     try:
         if args.url is None:
@@ -493,36 +502,12 @@ def soak_run(args, log, template_path: str | None) -> int:
             t.start()
         print("| t (s) | served | failed | left | RSS MB | maps | fds | threads | probe p50 s | probe max s "
               "| steps compiling | variant drops | pages free |\n|" + "---:|" * 13, flush=True)
-        for at in sample_times(args.duration, args.interval):
-            time.sleep(max(0.0, t0 + at - time.time()))
-            try:
-                latencies, texts = probe(soak, client, args.probe_repeats)
-                sample = {"t": round(time.time() - t0, 1), "served": soak.served, "failed": soak.failed,
-                          "left": soak.disconnects, **process_stats(pid), **read_metrics(url, headers),
-                          "probe_p50_s": statistics.median(latencies), "probe_max_s": max(latencies),
-                          "probe_text_unchanged": texts <= {reference_text}}
-            except httpx.HTTPError as exc:  # (the server died or hung: what the soak is for; the rest is kept)
-                gone = proc is not None and proc.poll() is not None
-                problems.append(f"the server exited with {proc.returncode} at t = {time.time() - t0:.0f} s"
-                                if gone else f"the server stopped answering at t = {time.time() - t0:.0f} s: "
-                                f"{exc!r}")
-                break
-            samples.append(sample)
-            print(f"| {sample['t']:.0f} | {sample['served']} | {sample['failed']} | {sample['left']} "
-                  f"| {fmt(sample['rss_mb'], '.0f')} | {fmt(sample['maps'], '.0f')} | {fmt(sample['fds'], '.0f')} "
-                  f"| {fmt(sample['threads'], '.0f')} | {fmt(sample['probe_p50_s'], '.3f')} "
-                  f"| {fmt(sample['probe_max_s'], '.3f')} | {fmt(sample['compiling'], '.0f')} "
-                  f"| {fmt(sample['drops'], '.0f')} | {fmt(sample['free'], '.0f')}/{fmt(sample['usable'], '.0f')} |",
-                  flush=True)
-        soak.stop.set()
-        if not problems:
-            try:
-                final = idle_check(soak, client, pid)
-            except httpx.HTTPError as exc:
-                problems.append(f"the server stopped answering after the load: {exc!r}")
-        soak.gate.set()  # (a client between its stop check and the gate would wait on it for good)
-        for t in threads:
-            t.join(timeout=330)
+        try:
+            final = run_load(args, soak, client, proc, pid, url, headers, t0, threads, samples, problems,
+                             reference_text)
+        except _Terminated:
+            terminated = True
+            problems.append(f"stopped by SIGTERM at t = {time.time() - t0:.0f} s")
     finally:
         if soak is not None:
             soak.stop.set()
@@ -531,6 +516,47 @@ def soak_run(args, log, template_path: str | None) -> int:
             client.close()
         if proc is not None:
             stop_server(proc)
+    return report(args, log, proc, soak, samples, problems, start, final, reference_text, terminated)
+
+
+def run_load(args, soak, client, proc, pid, url, headers, t0, threads, samples, problems, reference_text):
+    """The sampling loop, then the idle check; returns the idle check's figures (None when the server failed)."""
+    final = None
+    for at in sample_times(args.duration, args.interval):
+        time.sleep(max(0.0, t0 + at - time.time()))
+        try:
+            latencies, texts = probe(soak, client, args.probe_repeats)
+            sample = {"t": round(time.time() - t0, 1), "served": soak.served, "failed": soak.failed,
+                      "left": soak.disconnects, **process_stats(pid), **read_metrics(url, headers),
+                      "probe_p50_s": statistics.median(latencies), "probe_max_s": max(latencies),
+                      "probe_text_unchanged": texts <= {reference_text}}
+        except httpx.HTTPError as exc:  # (the server died or hung: what the soak is for; the rest is kept)
+            gone = proc is not None and proc.poll() is not None
+            problems.append(f"the server exited with {proc.returncode} at t = {time.time() - t0:.0f} s"
+                            if gone else f"the server stopped answering at t = {time.time() - t0:.0f} s: "
+                            f"{exc!r}")
+            break
+        samples.append(sample)
+        print(f"| {sample['t']:.0f} | {sample['served']} | {sample['failed']} | {sample['left']} "
+              f"| {fmt(sample['rss_mb'], '.0f')} | {fmt(sample['maps'], '.0f')} | {fmt(sample['fds'], '.0f')} "
+              f"| {fmt(sample['threads'], '.0f')} | {fmt(sample['probe_p50_s'], '.3f')} "
+              f"| {fmt(sample['probe_max_s'], '.3f')} | {fmt(sample['compiling'], '.0f')} "
+              f"| {fmt(sample['drops'], '.0f')} | {fmt(sample['free'], '.0f')}/{fmt(sample['usable'], '.0f')} |",
+              flush=True)
+    soak.stop.set()
+    if not problems:
+        try:
+            final = idle_check(soak, client, pid)
+        except httpx.HTTPError as exc:
+            problems.append(f"the server stopped answering after the load: {exc!r}")
+    soak.gate.set()  # (a client between its stop check and the gate would wait on it for good)
+    for t in threads:
+        t.join(timeout=330)
+    return final
+
+
+def report(args, log, proc, soak, samples, problems, start, final, reference_text, terminated) -> int:
+    """Print the summary, write the JSON; the exit code (1 on a problem, 143 after a SIGTERM)."""
     probe_changed = [s["t"] for s in samples if not s["probe_text_unchanged"]]
     if soak.failed:
         problems.append(f"{soak.failed} request(s) failed, e.g. {soak.failures[:3]}")
@@ -545,16 +571,17 @@ def soak_run(args, log, template_path: str | None) -> int:
         print(f"the server's log: {log.name}")
     write_json(args.out, {
         "args": {**vars(args), "api_key": None if args.api_key is None else "(given)"}, "machine": machine_note(),
-        "server_log": None if log is None else log.name, "probe": {"prompt": PROBE_PROMPT, "text": reference_text},
+        "server_log": None if log is None else log.name, "server_pid": None if proc is None else proc.pid,
+        "probe": {"prompt": PROBE_PROMPT, "text": reference_text},
         "start": start, "samples": samples, "final": final, "served": soak.served, "failed": soak.failed,
         "disconnects": soak.disconnects, "by_kind": soak.by_kind, "failures": soak.failures, "problems": problems,
     })
     print(f"wrote {args.out}")
     if problems:
         print("FAILED: " + "; ".join(problems), file=sys.stderr)
-        if proc is not None and proc.returncode not in (0, None) and log is not None:
+        if proc is not None and proc.returncode not in (0, None) and log is not None and not terminated:
             print(f"the end of the server's log:\n{log_tail(log)}", file=sys.stderr)
-        return 1
+        return 128 + signal.SIGTERM if terminated else 1
     return 0
 
 

@@ -182,13 +182,14 @@ def memory_budget_bytes(device, utilization: float) -> int | None:
     return None if memory is None else int(utilization * memory[0]) - memory[1]
 
 
-def _blame(field: str, fn, *args):
+def _blame(field: str, fn, *args, reloaded: bool = False):
     """``fn(*args)``; a ValueError or OSError it raises is tagged with ``update_field`` (``"weights"`` or
-    ``"draft_weights"``: which part of a weight update was at fault; the server names the request's field)."""
+    ``"draft_weights"``: which part of a weight update was at fault; the server names the request's field), or with
+    ``reloaded_field`` for a part a level-2 update loads again from its own checkpoint (not the request's fault)."""
     try:
         return fn(*args)
     except (ValueError, OSError) as exc:
-        exc.update_field = field
+        setattr(exc, "reloaded_field" if reloaded else "update_field", field)
         raise
 
 
@@ -1101,10 +1102,10 @@ class LLMEngine:
                                      "again: give both weights and draft_weights")
                 # (the parts loaded again are checked too: their files may have changed)
                 target = target or _blame("weights", lambda: self.runner.check_weights(
-                    self._load(self._weight_specs["target"], tokenizer_spec=None)[0])[0][1])
+                    self._load(self._weight_specs["target"], tokenizer_spec=None)[0])[0][1], reloaded=True)
                 if self.draft is not None:
                     draft = draft or _blame("draft_weights", lambda: self.runner.check_weights(
-                        None, self._load(self._weight_specs["draft"], tokenizer_spec=None)[0])[0][1])
+                        None, self._load(self._weight_specs["draft"], tokenizer_spec=None)[0])[0][1], reloaded=True)
             else:
                 self.runner.restore_weights()  # (the old weights back: awake whatever follows)
                 self._mark_weights_awake()

@@ -914,6 +914,13 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 except RuntimeError as exc:  # (weights another engine shares, a draft offloaded under load)
                     raise APIError(409, str(exc), type="conflict_error") from None
                 except (ValueError, OSError) as exc:
+                    reloaded = getattr(exc, "reloaded_field", None)
+                    if reloaded is not None:  # (the part not given, loaded again from its own checkpoint: the
+                        part = "target" if reloaded == "weights" else "draft"  # server's state, not the request)
+                        raise APIError(500, f"the {part}'s weights could not be loaded again from their checkpoint "
+                                            f"for the update: {exc}; the engine still sleeps (give both paths, or "
+                                            f"restore that checkpoint and POST /wake_up)", type="internal_error",
+                                       ) from None
                     # (the part at fault, as the engine tags it: one of two paths given may be the bad one)
                     param = {"weights": "model_path", "draft_weights": "draft_model_path"}.get(
                         getattr(exc, "update_field", None),

@@ -560,7 +560,8 @@ class ChatCompletionRequest(_SamplingFields):
                                     f"letters, digits, '_', '.' or '-'>, 'parameters': <a JSON schema object, "
                                     f"optional>}}}}", param="tools")
             kind = params.get("type", "object")  # (none: OpenAI's parameters are an object's; {} is "no parameters")
-            if not (kind == "object" or (isinstance(kind, list) and kind == ["object"])):
+            if not (kind == "object" or (isinstance(kind, list) and "object" in kind)):  # (["object", "null"]: as
+                #                                                                           an object's: a call has one)
                 raise APIError(400, f"'tools'[{i}] ({name}): 'parameters' must be an object's JSON schema (a call's "
                                     f"arguments are a JSON object, as OpenAI's), got 'type' {short_repr(kind)}",
                                     param="tools")

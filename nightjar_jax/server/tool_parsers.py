@@ -34,7 +34,6 @@ the whole text, whatever the pieces (it is how :func:`parse` works).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,18 +50,11 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")  # (NaN, Infinity: Python's json reads them, strict parsers do not)
 
 
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # (1e400: read as inf, it would be written back as Infinity, which is not JSON)
-        raise ValueError(f"{text} is past a double's range")
-    return value
-
-
 def strict_json(text: str) -> Any:
-    """``json.loads`` for what a model wrote: NaN / Infinity, numbers past a double's range and nesting past the
-    interpreter's recursion limit are errors (ValueError), as for any strict JSON parser a client runs."""
+    """``json.loads`` for what a model wrote: NaN / Infinity and nesting past the interpreter's recursion limit are
+    errors (ValueError), as for any strict JSON parser a client runs."""
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        return json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
 
@@ -79,8 +71,8 @@ def _encodes(text: str) -> bool:
 def json_text(value: Any) -> str:
     """``value`` as JSON text that encodes as UTF-8: non-ASCII as written, but escaped when a string holds a lone
     UTF-16 surrogate (from a ``\\ud800`` escape in the model's text, which UTF-8 cannot carry)."""
-    text = json.dumps(value, ensure_ascii=False)
-    return text if _encodes(text) else json.dumps(value)
+    text = json.dumps(value, ensure_ascii=False, allow_nan=False)  # (ValueError for a number read as inf: 1e400
+    return text if _encodes(text) else json.dumps(value)             # written back would be Infinity, not JSON)
 
 
 def _calls_in(body: str) -> list[ToolCall] | None:
@@ -115,7 +107,10 @@ def _calls_of(value: Any) -> list[ToolCall] | None:
             if not _encodes(arguments):  # (a surrogate escape the outer string decoded: written out escaped)
                 arguments = json_text(parsed)
         elif isinstance(arguments, dict):
-            arguments = json_text(arguments)
+            try:
+                arguments = json_text(arguments)
+            except ValueError:  # (a number past a double's range: kept as the model wrote it, content)
+                return None
         else:
             return None
         calls.append(ToolCall(name, arguments))
@@ -283,7 +278,7 @@ def _pythonic_calls(text: str) -> list[ToolCall] | None:
 
 def _json_calls(text: str) -> list[ToolCall] | None:
     """Calls written as JSON objects one after another, separated by ``;`` (None: not only calls)."""
-    decoder, calls, at = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float), [], 0
+    decoder, calls, at = json.JSONDecoder(parse_constant=_reject_constant), [], 0
     while True:
         while at < len(text) and (text[at].isspace() or (calls and text[at] == ";")):
             at += 1

@@ -178,7 +178,7 @@ def test_a_level_2_update_whose_reloaded_part_is_refused_leaves_the_weights_asle
     monkeypatch.setattr(engine, "_load", load)
     with pytest.raises(ValueError, match="another architecture") as refused:
         llm.update_weights("stories260k")
-    assert refused.value.update_field == "draft_weights"  # (the part at fault: the server names its field)
+    assert refused.value.reloaded_field == "draft_weights"  # (not the request's fault: the server answers 500)
     assert engine.asleep_parts == {"weights", "kv_cache"} and engine.sleep_level == 2
     monkeypatch.setattr(engine, "_load", real_load)
     llm.wake_up()

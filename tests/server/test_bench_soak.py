@@ -99,3 +99,29 @@ def test_bench_soak_schedule_and_arguments(capsys):
         assert exit_.value.code == 2 and message in capsys.readouterr().err, argv
     args = bench.parse_args(["--url", "http://127.0.0.1:9/", "--api-key", "k"])
     assert args.url == "http://127.0.0.1:9"
+
+
+def test_bench_soak_stopped_by_sigterm_writes_what_it_sampled(tmp_path):
+    """A SIGTERM (a CI job's timeout) mid-load stops the server, writes the JSON with the samples so far and a
+    problem saying so, and exits 143 (the review: the server was left running, then the samples were lost)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out, log = tmp_path / "soak.json", tmp_path / "server.log"
+    script = Path(__file__).parents[2] / "scripts" / "bench_soak.py"
+    proc = subprocess.Popen([sys.executable, str(script), "--duration", "120", "--interval", "2", "--clients", "1",
+                             "--warmup", "none", "--draft-model", "none", "--probe-repeats", "1", "--out", str(out),
+                             "--server-log", str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # (until the first sample's row)
+            if line.startswith("| ") and line[2].isdigit():
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    result = json.loads(out.read_text())
+    assert result["samples"] and any(p.startswith("stopped by SIGTERM") for p in result["problems"])
+    assert not os.path.exists(f"/proc/{result['server_pid']}")  # (stopped and reaped before the script exited)

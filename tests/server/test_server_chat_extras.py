@@ -395,7 +395,8 @@ def test_a_tool_without_a_parameters_type_takes_an_object(client):
     """A function's parameters are an object's schema (OpenAI's): one that leaves 'type' out is read as an object's,
     so a named call's arguments are a JSON object (a schema without a type let the constraint write a string or a
     number; QA, 2026-12-06)."""
-    for params in ({"properties": {}, "additionalProperties": False}, {}):
+    for params in ({"properties": {}, "additionalProperties": False}, {},
+                   {"type": ["object", "null"], "properties": {}, "additionalProperties": False}):  # (an object's)
         tool = {"type": "function", "function": {"name": "f", "parameters": params}}
         body = chat(client, [{"role": "user", "content": "Hi"}], tools=[tool], max_tokens=40,
                     tool_choice={"type": "function", "function": {"name": "f"}})

@@ -166,10 +166,24 @@ def test_a_bad_draft_beside_a_good_target_is_the_field_named(tmp_path):
     other.write_bytes(np.array([dim, hidden, layers, heads, heads, vocab, seq], np.int32).tobytes()
                       + np.random.default_rng(0).normal(0, 0.02, floats).astype(np.float32).tobytes())
     llm = LLM("stories260k", draft_model="stories260k@skip=2", max_model_len=64, num_pages=16)
-    with client_for(llm, enable_weight_updates=True) as client:
+    with client_for(llm, enable_weight_updates=True, enable_sleep_mode=True) as client:
         before = text(client)
         bad = client.post("/update_weights_from_disk", json={"model_path": "stories260k",
                                                               "draft_model_path": str(other)})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "draft_model_path", bad.text
         assert "another architecture" in bad.json()["error"]["message"]
         assert text(client) == before
+        # asleep at level 2, an update of the target alone loads the draft again from its checkpoint: one that
+        # became another model is the server's state, not the request's (a 400 named a field it never sent)
+        assert client.post("/sleep", params={"level": 2}).status_code == 200
+        real_load = llm.engine._load
+        llm.engine._load = lambda spec, tokenizer_spec: (real_load(str(other), tokenizer_spec) if "@skip" in spec
+                                                         else real_load(spec, tokenizer_spec))
+        try:
+            failed = client.post("/update_weights_from_disk", json={"model_path": "stories260k"})
+        finally:
+            llm.engine._load = real_load
+        assert failed.status_code == 500 and "could not be loaded again" in failed.json()["error"]["message"]
+        assert "the engine still sleeps" in failed.json()["error"]["message"]
+        assert client.get("/is_sleeping").json()["is_sleeping"] is True
+        assert client.post("/wake_up").status_code == 200 and text(client) == before
