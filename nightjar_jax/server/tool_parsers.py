@@ -104,15 +104,13 @@ def _calls_of(value: Any) -> list[ToolCall] | None:
                 return None
             if not isinstance(parsed, dict):
                 return None
-            if not _encodes(arguments):  # (a surrogate escape the outer string decoded: written out escaped)
-                arguments = json_text(parsed)
-        elif isinstance(arguments, dict):
-            try:
-                arguments = json_text(arguments)
+        elif not isinstance(arguments, dict):
+            return None
+        if isinstance(arguments, dict) or not _encodes(arguments):  # (a string: written out escaped when it holds a
+            try:                                                    # surrogate escape the outer string decoded)
+                arguments = json_text(parsed if isinstance(arguments, str) else arguments)
             except ValueError:  # (a number past a double's range: kept as the model wrote it, content)
                 return None
-        else:
-            return None
         calls.append(ToolCall(name, arguments))
     return calls
 

@@ -54,6 +54,11 @@ CASES = [
     # a number past a double's range read as inf, and written back as Infinity (not JSON): not a call either
     ('<tool_call>{"name": "a", "arguments": {"x": 1e400}}</tool_call>',
      '<tool_call>{"name": "a", "arguments": {"x": 1e400}}</tool_call>', []),
+    # arguments as text: kept as written (1e400 is JSON text), unless they must be written again (a surrogate
+    # escape the outer string decoded), which inf cannot be: then content (it was a ValueError out of parse)
+    ('<tool_call>{"name": "a", "arguments": "{\\"x\\": 1e400}"}</tool_call>', "", [ToolCall("a", '{"x": 1e400}')]),
+    ('<tool_call>{"name": "a", "arguments": "{\\"x\\": 1e400, \\"y\\": \\"\\ud800\\"}"}</tool_call>',
+     '<tool_call>{"name": "a", "arguments": "{\\"x\\": 1e400, \\"y\\": \\"\\ud800\\"}"}</tool_call>', []),
     ("<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>", "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>",
      []),
     # a lone surrogate escape: arguments go out as ASCII JSON (UTF-8 cannot carry it); in a name, not a call
