@@ -179,27 +179,34 @@ def test_its_eos_ids_end_generation_in_every_mode(tmp_path):
         assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
 
 
+PROMPT_IDS = [1, 403, 407, 261]
+
+
 @pytest.fixture(scope="module")
 def served():
     llm = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=64,
               override_generation_config={"temperature": 0, "max_new_tokens": 4})
     llm.engine.tokenizer.chat_template = CHAT_TEMPLATE  # (serve --chat-template)
+    # the library's outputs, before the server's engine thread owns the engine: the engine is not thread-safe, and
+    # a generate from the test's thread while the server's thread stepped raced it ("Buffer has been deleted or
+    # donated", then a different text; CI, 2026-12-06)
+    refs = {name: llm.generate([{"prompt_token_ids": PROMPT_IDS}], params)[0].outputs[0].text for name, params in (
+        ("greedy", SamplingParams(temperature=0, max_tokens=6)),
+        ("seeded", SamplingParams(temperature=1.0, seed=7, max_tokens=6)))}
     client = TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s")))
     with client:
-        yield llm, client
+        yield llm, client, refs
 
 
 def test_the_server_fills_unset_fields_from_them(served):
-    llm, client = served
-    prompt = [1, 403, 407, 261]
-    greedy = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6))[0]
+    llm, client, refs = served
+    prompt = PROMPT_IDS
     resp = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6})  # temperature: the model's 0
     assert resp.status_code == 200, resp.text
-    assert resp.json()["choices"][0]["text"] == greedy.outputs[0].text
+    assert resp.json()["choices"][0]["text"] == refs["greedy"]
     # the request's own values win: a seeded draw at temperature 1 equals the library's
-    seeded = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=1.0, seed=7, max_tokens=6))[0]
     resp = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 7})
-    assert resp.json()["choices"][0]["text"] == seeded.outputs[0].text
+    assert resp.json()["choices"][0]["text"] == refs["seeded"]
     # chat without max_tokens: the model's max_new_tokens, not the rest of the context
     resp = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Once upon a time"}]})
     assert resp.status_code == 200, resp.text
