@@ -1047,10 +1047,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         if "weights" in tags and "weights" in self._asleep:
             if self.sleep_level == 2:
-                specs = self._weight_specs
-                target, _ = self._load(specs["target"], tokenizer_spec=None)
-                draft = self._load(specs["draft"], tokenizer_spec=None)[0] if self.draft is not None else None
-                self.runner.load_weights(target, draft)
+                draft = self._load_again("draft") if self.draft is not None else None
+                self.runner.load_weights(self._load_again("target"), draft)
             else:
                 self.runner.restore_weights()
             self._asleep.discard("weights")
@@ -1100,12 +1098,10 @@ class LLMEngine:
                 if any(self._weight_specs[part] is None for part in missing):
                     raise ValueError("the weights sleep at level 2 and the part not given has no checkpoint to load "
                                      "again: give both weights and draft_weights")
-                # (the parts loaded again are checked too: their files may have changed)
-                target = target or _blame("weights", lambda: self.runner.check_weights(
-                    self._load(self._weight_specs["target"], tokenizer_spec=None)[0])[0][1], reloaded=True)
-                if self.draft is not None:
-                    draft = draft or _blame("draft_weights", lambda: self.runner.check_weights(
-                        None, self._load(self._weight_specs["draft"], tokenizer_spec=None)[0])[0][1], reloaded=True)
+                if target is None:
+                    target = _blame("weights", self._load_again, "target", reloaded=True)
+                if draft is None and self.draft is not None:
+                    draft = _blame("draft_weights", self._load_again, "draft", reloaded=True)
             else:
                 self.runner.restore_weights()  # (the old weights back: awake whatever follows)
                 self._mark_weights_awake()
@@ -1123,6 +1119,13 @@ class LLMEngine:
         logger.info("weights updated (%s)%s", ", ".join(n for n, h in (("target", target), ("draft", draft)) if h),
                     ": a new layout, the step variants compile again" if relayout else "")
         return relayout
+
+    def _load_again(self, part: str) -> ModelHandle:
+        """``part``'s ("target" or "draft") weights loaded again from the checkpoint they last came from (a level-2
+        sleep dropped them), checked against the loaded model's architecture: the file may have changed since."""
+        handle = self._load(self._weight_specs[part], tokenizer_spec=None)[0]
+        self.runner.check_weights(*((handle, None) if part == "target" else (None, handle)))
+        return handle
 
     def _mark_weights_awake(self) -> None:
         self._asleep.discard("weights")

@@ -178,19 +178,10 @@ class _ServerCollector:
 
 
 class ServerMetrics:
-    def track_server(self, load: list[int], updates_waiting: list[int], beam_searches: list[int]) -> None:
-        """Export the server's own load, waiting weight updates and beam searches (registered once: an app built
-        again over these metrics reads its own lists)."""
-        if getattr(self, "_server", None) is None:
-            self._server = _ServerCollector(load, updates_waiting, beam_searches)
-            self.registry.register(self._server)
-        else:
-            self._server.load, self._server.updates_waiting, self._server.beam_searches = (
-                load, updates_waiting, beam_searches)
-
     def __init__(self, engine, model_name: str | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
+        self._server: _ServerCollector | None = None  # (track_server)
         self.model_name = model_name or engine.config.model
         # vLLM's names (module docstring), fed alongside
         name = ["model_name"]
@@ -241,6 +232,16 @@ class ServerMetrics:
             "nightjar_e2e_request_latency_seconds", "Arrival to finish", buckets=_E2E_BUCKETS, registry=r
         )
         r.register(_EngineCollector(engine, self.model_name))
+
+    def track_server(self, load: list[int], updates_waiting: list[int], beam_searches: list[int]) -> None:
+        """Export the server's own load, waiting weight updates and beam searches (registered once: an app built
+        again over these metrics reads its own lists)."""
+        if self._server is None:
+            self._server = _ServerCollector(load, updates_waiting, beam_searches)
+            self.registry.register(self._server)
+        else:
+            self._server.load, self._server.updates_waiting, self._server.beam_searches = (
+                load, updates_waiting, beam_searches)
 
     def on_output(self, out: RequestOutput) -> None:
         """Record a finished request's latencies (runs on the engine thread; a shutdown's answers, from the thread

@@ -104,11 +104,15 @@ def _calls_of(value: Any) -> list[ToolCall] | None:
                 return None
             if not isinstance(parsed, dict):
                 return None
-        elif not isinstance(arguments, dict):
+            # (text is kept as written, unless it holds a surrogate escape the outer string decoded: written again)
+            rewrite = None if _encodes(arguments) else parsed
+        elif isinstance(arguments, dict):
+            rewrite = arguments
+        else:
             return None
-        if isinstance(arguments, dict) or not _encodes(arguments):  # (a string: written out escaped when it holds a
-            try:                                                    # surrogate escape the outer string decoded)
-                arguments = json_text(parsed if isinstance(arguments, str) else arguments)
+        if rewrite is not None:
+            try:
+                arguments = json_text(rewrite)
             except ValueError:  # (a number past a double's range: kept as the model wrote it, content)
                 return None
         calls.append(ToolCall(name, arguments))
