@@ -567,6 +567,7 @@ class LLMEngine:
         bad = [t for t in ids if not (isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab)]
         if bad:
             raise _prompt_error(f"prompt token ids must be integers in [0, {vocab}): got {bad[:5]}")
+        ids = [int(t) for t in ids]  # (NumPy integers as Python ones: outputs serialize as JSON)
         if len(ids) >= self.context_limit:
             raise _prompt_error(
                 f"the prompt has {len(ids)} tokens, the context limit is {self.context_limit} "
@@ -807,7 +808,11 @@ class LLMEngine:
         and not its last: the parent's one output comes with the last); several ids (vLLM's iterable): a list of
         those."""
         if not isinstance(request_id, str):
-            return [self.abort_request(rid) for rid in list(request_id)]
+            ids = list(request_id) if isinstance(request_id, Iterable) else None
+            if ids is None or not all(isinstance(rid, str) for rid in ids):
+                raise TypeError(f"abort_request takes a request id (a string) or an iterable of them, got "
+                                f"{short_repr(request_id)}")
+            return [self.abort_request(rid) for rid in ids]
         if request_id in self._parents:  # (n > 1: every sequence; the last output is the finished one)
             outs = [self.abort_request(child) for child, (parent, _) in list(self._child_of.items())
                     if parent == request_id]

@@ -8,6 +8,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from nightjar_jax.config import make_engine_config
 from nightjar_jax.engine.beam_search import BeamSearchOutput, BeamSearchParams, expansion
 from nightjar_jax.engine.engine import LLMEngine
@@ -105,14 +107,7 @@ class LLM:
         ``outputs[0..n-1]``. ``priority`` (vLLM's; one per prompt, lower first) needs
         ``scheduling_policy="priority"``. If a step raises (or the call is interrupted), this call's unfinished
         requests are aborted (their pages freed) before the exception propagates."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a prompt (a string, token ids or a dict) or a list of them, got "
-                            f"{type(prompts).__name__}")
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -181,8 +176,7 @@ class LLM:
         all prompts' live beams, for each beam's most likely next tokens (``generate`` with one greedy token and
         ``2 x beam_width`` log-probabilities); prefix caching keeps the beams' shared pages computed once. Bad
         prompts raise ``ValueError`` before anything runs."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}")
         searches = [self.engine.new_beam_search(p, params) for p in prompts]
@@ -312,6 +306,22 @@ def _vllm_options(kwargs: dict[str, Any]) -> dict[str, Any]:
             raise ValueError("block_size and page_size are one option (vLLM's name and this engine's): give one")
         kwargs["page_size"] = kwargs.pop("block_size")
     return kwargs
+
+
+def _is_token_id(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _prompt_list(prompts: Any) -> list:
+    """``generate``'s and ``beam_search``'s prompts as a list of prompts: one prompt (a string, a dict, or token ids
+    as a list or tuple of Python or NumPy integers) becomes a list of one; a list or tuple of prompts stays one."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and _is_token_id(prompts[0])):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a prompt (a string, token ids or a dict) or a list of them, got "
+                        f"{type(prompts).__name__}")
+    return list(prompts)
 
 
 def _progress(total: int, use_tqdm, desc: str = "generate"):

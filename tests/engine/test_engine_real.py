@@ -496,5 +496,24 @@ def test_llm_engine_takes_vllms_call_forms(llm):
     outs = engine.abort_request(["a", "b", "never"])
     assert [o.outputs[0].finish_reason if o else None for o in outs] == ["abort", "abort", None]
     assert engine.get_num_unfinished_requests() == 0 and engine.num_free_pages == engine.num_total_pages
+    for bad in (None, 5, ["a", 5]):  # (a bare TypeError "'NoneType' object is not iterable" before)
+        with pytest.raises(TypeError, match=r"abort_request takes a request id \(a string\) or an iterable of them"):
+            engine.abort_request(bad)
     with pytest.raises(TypeError, match="sampling_params must be a SamplingParams .* vLLM's add_request"):
         engine.add_request(PROMPTS[0], "not params")
+
+
+def test_generate_takes_token_ids_as_a_tuple_or_numpy_integers(llm):
+    """One prompt of token ids given as a tuple, or as a list of NumPy integers, is one prompt (each id was read
+    as a prompt of its own: "a prompt must be ... got int"); its ids come back as Python ints."""
+    import numpy as np
+
+    ids = [1, 403, 407, 261, 378]
+    want = llm.generate([ids], GREEDY)[0].outputs[0].token_ids
+    for prompt in (tuple(ids), [np.int64(t) for t in ids], [np.int32(t) for t in ids]):
+        outs = llm.generate(prompt, GREEDY)
+        assert len(outs) == 1 and outs[0].outputs[0].token_ids == want
+        assert all(type(t) is int for t in outs[0].prompt_token_ids)
+    assert [o.outputs[0].token_ids for o in llm.generate((ids, tuple(ids)), GREEDY)] == [want, want]
+    with pytest.raises(TypeError, match="prompts must be a prompt .* got int"):
+        llm.generate(5, GREEDY)
