@@ -1120,6 +1120,8 @@ class LLMEngine:
                 self._weight_specs[part] = given if isinstance(given, str) else None
         self.reset_prefix_cache()
         self.allocator.forget_draft()
+        for r in self.scheduler.running:  # (they go on over K/V of the old weights: none of their pages is cached,
+            r.stale_kv = True  # the ones they compute from now on included; a QA run served a later prompt mixed K/V)
         self.stats.num_weight_updates += 1
         logger.info("weights updated (%s)%s", ", ".join(n for n, h in (("target", target), ("draft", draft)) if h),
                     ": a new layout, the step variants compile again" if relayout else "")

@@ -220,7 +220,7 @@ class Scheduler:
     def cache_computed(self, r: Request) -> None:
         """Register ``r``'s pages that are full of computed tokens, and mark those its draft has run over as holding
         the draft's K/V (prefix caching on; a no-op otherwise)."""
-        if not self.prefix_caching or not r.block_table:
+        if not self.prefix_caching or not r.block_table or r.stale_kv:
             return
         page_size = self.allocator.page_size
         full = min(r.num_computed, r.num_tokens) // page_size
@@ -285,3 +285,4 @@ class Scheduler:
             r.block_table = []
             r.num_registered_pages = 0
             r.num_draft_cached_pages = 0
+            r.stale_kv = False  # (it computes everything again)

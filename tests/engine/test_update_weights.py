@@ -241,3 +241,31 @@ def test_a_handle_holding_nan_is_refused():
         engine.update_weights(ModelHandle(fake.config, None, {"w": jnp.full(8, jnp.nan)}, fns=fake.fns))
     (w,) = engine.target.leaves()
     assert bool(jnp.all(w == 1))
+
+
+def test_a_request_running_through_an_update_caches_none_of_its_pages():
+    """A request part-way through its prefill when the weights change goes on over K/V of the old weights: none of
+    its pages may be cached, the ones it computes after the update included (they attend to the old ones). A QA run
+    found a later prompt reading such pages through the prefix cache: its greedy tokens differed from the new
+    weights' own."""
+    llm = LLM("stories260k", max_model_len=128, num_pages=64, page_size=4, max_num_batched_tokens=8, max_num_seqs=4)
+    engine = llm.engine
+    sd = {k: np.asarray(v) for k, v in load_checkpoint("stories260k").state_dict.items()}
+    prompt = ("Once upon a time there was a little girl named Lily who liked to play in the park with her dog and "
+              "her ball every day")
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0)
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4), request_id="through")
+    for _ in range(3):
+        engine.step()
+    running = engine.scheduler.running[0]
+    assert 0 < running.num_computed < len(running.prompt_token_ids)  # (part-way through its prefill)
+    llm.update_weights(noisy(sd, 0.3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    first = llm.generate([prompt], params)[0]  # computes its prompt under the new weights, and caches it
+    again = llm.generate([prompt], params)[0]  # reads the prefix cache
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.outputs[0].cumulative_logprob == pytest.approx(first.outputs[0].cumulative_logprob, abs=1e-4)
+    engine.allocator.check()
+    assert engine.num_free_pages == engine.num_total_pages
