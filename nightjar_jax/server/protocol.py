@@ -524,8 +524,9 @@ class ChatCompletionRequest(_SamplingFields):
         ]
 
     def served_tool_choice(self) -> Any:
-        """``tool_choice`` as served: "required" with an empty ``tools`` list is "none" (vLLM's rule, as OpenAI)."""
-        return "none" if self.tool_choice == "required" and self.tools == [] else self.tool_choice
+        """``tool_choice`` as served: "required" or "auto" with an empty ``tools`` list is "none" (vLLM's rule, as
+        OpenAI's: only missing or null ``tools`` beside a ``tool_choice`` is an error)."""
+        return "none" if self.tool_choice in ("required", "auto") and self.tools == [] else self.tool_choice
 
     def allow_auto_tools(self, parser: str | None) -> None:
         """``tool_choice`` "auto" parses calls from free text with ``parser`` (the server's

@@ -180,20 +180,24 @@ def test_tokenize_refuses_empty_messages_as_chat_does(client):
     assert chat["param"] == tok["param"] == "messages" and chat["message"] == tok["message"]
 
 
-def test_tool_choice_required_with_no_tools_is_none(client):
-    out = ok(client, "/v1/chat/completions", {"messages": USER, "max_tokens": 4, "temperature": 0, "tools": [],
-                                              "tool_choice": "required"})
+def test_tool_choice_required_or_auto_with_no_tools_is_none(client):
+    """vLLM's rule: "required" or "auto" beside an empty tools list generates plainly (only tools missing or null
+    beside a tool_choice is a 400; "auto" with [] was one here)."""
     plain = ok(client, "/v1/chat/completions", {"messages": USER, "max_tokens": 4, "temperature": 0})
-    assert out["choices"][0]["message"] == plain["choices"][0]["message"]
-    assert out["choices"][0]["finish_reason"] == "length" and "tool_calls" not in out["choices"][0]["message"]
+    for choice in ("required", "auto"):
+        out = ok(client, "/v1/chat/completions", {"messages": USER, "max_tokens": 4, "temperature": 0, "tools": [],
+                                                  "tool_choice": choice})
+        assert out["choices"][0]["message"] == plain["choices"][0]["message"]
+        assert out["choices"][0]["finish_reason"] == "length" and "tool_calls" not in out["choices"][0]["message"]
     ok(client, "/v1/chat/completions", {"messages": USER, "max_tokens": 4, "tools": [], "tool_choice": "required",
                                         "use_beam_search": True})
     # a named function must be among the tools; "required" without a tools list is still a 400
     named = {"type": "function", "function": {"name": "get_weather"}}
     err = error(client, "/v1/chat/completions", {"messages": USER, "tools": [], "tool_choice": named})
     assert err["param"] == "tool_choice" and "'get_weather'" in err["message"]
-    err = error(client, "/v1/chat/completions", {"messages": USER, "tool_choice": "required"})
-    assert err["param"] == "tool_choice" and "needs 'tools'" in err["message"]
+    for choice in ("required", "auto"):
+        err = error(client, "/v1/chat/completions", {"messages": USER, "tool_choice": choice})
+        assert err["param"] == "tool_choice" and "needs 'tools'" in err["message"]
 
 
 def test_json_schema_needs_a_name(client):
