@@ -1462,8 +1462,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 "top_p": params.top_p, "tool_choice": req.tool_choice or "auto", "tools": [],
                 "text": req.text or {"format": {"type": "text"}}, "truncation": req.truncation or "disabled",
                 "user": req.user, "service_tier": "default", "output": [], "usage": None,
-                # (the features this server refuses, at the values it serves: a client reading 'store' learns the
-                # response was not stored, which OpenAI's default would be)
+                # (the features this server refuses or ignores, at the values it serves: a client reading 'store'
+                # learns the response was not stored, whatever it asked)
                 "background": False, "store": False, "previous_response_id": None, "max_tool_calls": None,
                 "reasoning": {"effort": None, "summary": None}, "top_logprobs": 0,
                 "prompt_cache_key": req.prompt_cache_key, "safety_identifier": req.safety_identifier,
@@ -1579,8 +1579,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     @app.post("/v1/responses/{response_id}/cancel", operation_id="cancel_response")
     @app.get("/v1/responses/{response_id}/input_items", operation_id="response_input_items")
     async def stored_response(request: Request, response_id: str):
-        """OpenAI's stored-response endpoints: nothing is stored here (``store`` is refused), so each is a 404 that
-        says so (not a bare "Not Found")."""
+        """OpenAI's stored-response endpoints: nothing is stored here (``store`` true is taken, nothing kept), so each
+        is a 404 that says so (not a bare "Not Found")."""
         authorize(request)
         raise APIError(404, f"response '{clip(response_id, 80)}' not found: this server does not store responses "
                             f"(stateless: 'store' is false, and a response cannot be read back, listed or cancelled "

@@ -151,6 +151,7 @@ class _SamplingFields(_Strict):
     prompt_cache_retention: str | None = None
     best_of: int | None = None
     metadata: dict[str, str] | None = None
+    # OpenAI's stored completions: taken and not stored, as vLLM takes it (SDKs send it; nothing is kept here)
     store: bool | None = None
     service_tier: str | None = None
     # vLLM's, None by default: accepted at their neutral values only too
@@ -172,7 +173,6 @@ class _SamplingFields(_Strict):
         return [
             ("best_of", self.best_of is not None and self.best_of != self.n, ""),
             ("spaces_between_special_tokens", not self.spaces_between_special_tokens, ""),
-            ("store", bool(self.store), ""),
             ("service_tier", self.service_tier not in (None, "auto", "default"), ""),
             ("guided_decoding_backend", self.guided_decoding_backend not in (None, "xgrammar", "auto"),
              "structured outputs run on xgrammar here: allowed 'xgrammar' or 'auto' (or leave it out)"),
@@ -776,9 +776,10 @@ def _chat_token(token: int, lp: Any, as_ids: bool = False, token_bytes: Any = No
 class ResponsesRequest(_Strict):
     """OpenAI's Responses API (``POST /v1/responses``), stateless: text in (a string, or messages whose content is
     text or ``input_text`` / ``output_text`` parts), text out, as one chat completion through the chat template.
-    ``instructions`` become a system message first; ``text.format`` is ``response_format``. Not served (a 400 naming
-    the field): stored responses (``store`` true, ``previous_response_id``), tools, ``n`` > 1 (it has none), and
-    input items other than messages."""
+    ``instructions`` become a system message first; ``text.format`` is ``response_format``. ``store`` true is taken
+    and nothing stored (the response says ``store: false``), as vLLM does without a store: OpenAI's default is true,
+    so SDKs send it. Not served (a 400 naming the field): ``previous_response_id``, tools, ``n`` > 1 (it has none),
+    and input items other than messages."""
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -820,8 +821,6 @@ class ResponsesRequest(_Strict):
 
     def check(self) -> None:
         unsupported = [
-            ("store", bool(self.store), "responses are not stored here: send 'store': false (or leave it out) and "
-                                        "the whole conversation as 'input'"),
             ("previous_response_id", self.previous_response_id is not None,
              "responses are not stored here: send the whole conversation as 'input'"),
             ("tools", bool(self.tools), "tools are served on /v1/chat/completions"),

@@ -552,7 +552,8 @@ def test_prompt_logprobs(server):
 def test_responses_api(client, server):
     """OpenAI's Responses API, stateless: the input (text, or messages, after the instructions) answered as the
     chat endpoint answers the same messages, whole or streamed through the SDK's typed events; max_output_tokens
-    makes it incomplete; text.format constrains it; stored or tool requests are 400s naming the field."""
+    makes it incomplete; text.format constrains it; store true is taken (nothing kept); previous_response_id or
+    tool requests are 400s naming the field."""
     kw = dict(model=MODEL, max_output_tokens=12, temperature=0)
     resp = client.responses.create(input="Tell me a story.", instructions="Be brief.", **kw)
     chat = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
@@ -582,7 +583,9 @@ def test_responses_api(client, server):
                                             "type": "object", "properties": {"ok": {"type": "boolean"}},
                                             "required": ["ok"], "additionalProperties": False}}})
     assert formatted.status == "completed" and isinstance(json.loads(formatted.output_text)["ok"], bool)
-    for extra, param in [({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    stored = post(server, "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2, "store": True})
+    assert stored.status_code == 200 and stored.json()["store"] is False  # (taken, nothing kept: vLLM's, SDKs send it)
+    for extra, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
                          ({"tools": [WEATHER]}, "tools"), ({"input": []}, "input"),
                          ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]"),
                          ({"text": {"format": {"type": "xml"}}}, "text"), ({"max_output_tokens": 0},

@@ -230,3 +230,11 @@ def test_responses_errors_spell_the_path_as_param(client):
                         ({"type": "function_call"}, "input[0]")):
         err = error(client, "/v1/responses", {"input": [item]})
         assert err["param"] == param and err["message"].startswith(f"'{param}'"), err
+
+
+def test_store_is_taken_and_nothing_stored(client):
+    """OpenAI's stored completions: vLLM takes ``store`` true and keeps nothing (SDKs send it); it was a 400 here."""
+    body = {"messages": USER, "max_tokens": 2, "temperature": 0}
+    assert ok(client, "/v1/chat/completions", {**body, "store": True})["choices"][0]["message"] == ok(
+        client, "/v1/chat/completions", body)["choices"][0]["message"]
+    assert ok(client, "/v1/completions", {"prompt": "Once", "max_tokens": 2, "store": True})["choices"]
