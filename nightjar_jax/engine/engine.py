@@ -46,7 +46,7 @@ from nightjar_jax.engine.sampling_params import (
     short_repr,
 )
 from nightjar_jax.engine.scheduler import ScheduledBatch, Scheduler
-from nightjar_jax.memory import ElasticPolicy, MemoryAction, PoolState
+from nightjar_jax.memory import ElasticPolicy, MemoryAction, PoolState, host
 from nightjar_jax.planner.base import MAX_STEP_SECONDS
 from nightjar_jax.spec.tree import load_tree_order
 
@@ -164,14 +164,7 @@ def available_memory_bytes(device) -> int | None:
     if device.platform != "cpu":
         memory = _accelerator_memory(device)
         return None if memory is None else memory[0] - memory[1]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return host.proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def memory_budget_bytes(device, utilization: float) -> int | None:
@@ -1037,6 +1030,7 @@ class LLMEngine:
         self._asleep = {"weights"}
         freed += self.runner.release_pools()
         self._asleep.add("kv_cache")
+        host.trim()  # (on a CPU the freed bytes reach the system only so: memory/host.py)
         self.stats.num_sleeps += 1
         logger.info("engine asleep (level %d): %d device bytes freed", level, freed)
         return freed
@@ -1122,6 +1116,7 @@ class LLMEngine:
         self.allocator.forget_draft()
         for r in self.scheduler.running:  # (they go on over K/V of the old weights: none of their pages is cached,
             r.stale_kv = True  # the ones they compute from now on included; a QA run served a later prompt mixed K/V)
+        host.trim()  # (the old weights' heap)
         self.stats.num_weight_updates += 1
         logger.info("weights updated (%s)%s", ", ".join(n for n, h in (("target", target), ("draft", draft)) if h),
                     ": a new layout, the step variants compile again" if relayout else "")

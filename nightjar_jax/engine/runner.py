@@ -56,6 +56,7 @@ from nightjar_jax.engine.sampler import (
 )
 from nightjar_jax.engine.scheduler import ScheduledBatch
 from nightjar_jax.engine.variants import VariantJit, drop_least_used
+from nightjar_jax.memory import host
 from nightjar_jax.models.llama import (
     BatchMetadata,
     KVCache,
@@ -1569,6 +1570,7 @@ class ModelRunner:
         dropped = self.num_compiled()
         for fn in (*self._step_fns().values(), self._migrate_pages):
             fn.clear_cache()
+        host.trim()  # (the executables' heap back to the system, not only to the allocator: memory/host.py)
         return dropped
 
     def evict_least_used(self, share: float, since: int) -> tuple[int, int]:
@@ -1584,7 +1586,9 @@ class ModelRunner:
             return usage is None or usage[0] < share * usage[1]
 
         total = sum(f._cache_size() for f in fns)
-        return drop_least_used(fns, since, enough), total
+        dropped = drop_least_used(fns, since, enough)
+        host.trim()
+        return dropped, total
 
     def _step_fns(self) -> dict:
         fns = {"forward_sample": self._forward_sample}
