@@ -560,7 +560,6 @@ class LLMEngine:
         bad = [t for t in ids if not (isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab)]
         if bad:
             raise _prompt_error(f"prompt token ids must be integers in [0, {vocab}): got {bad[:5]}")
-        ids = [int(t) for t in ids]  # (NumPy integers as Python ones: outputs serialize as JSON)
         if len(ids) >= self.context_limit:
             raise _prompt_error(
                 f"the prompt has {len(ids)} tokens, the context limit is {self.context_limit} "
@@ -838,8 +837,10 @@ class LLMEngine:
         _cache_salt(prompt)  # (its steps carry the salt: a bad one fails here, before any search runs)
         text, ids = self.tokenize_prompt(prompt)
         vocab = self.target.config.vocab_size
-        if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+        if not ids or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab
+                              for t in ids):
             raise _prompt_error(f"a beam search prompt must be non-empty, its token ids in [0, {vocab})")
+        ids = [int(t) for t in ids]
         return BeamSearch(text, ids, params, self._eos_ids, self.max_sequence_len)
 
     @property

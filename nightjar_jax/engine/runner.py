@@ -1570,7 +1570,8 @@ class ModelRunner:
         dropped = self.num_compiled()
         for fn in (*self._step_fns().values(), self._migrate_pages):
             fn.clear_cache()
-        host.trim()  # (the executables' heap back to the system, not only to the allocator: memory/host.py)
+        if dropped:
+            host.trim()  # (the executables' heap back to the system, not only to the allocator: memory/host.py)
         return dropped
 
     def evict_least_used(self, share: float, since: int) -> tuple[int, int]:
@@ -1587,7 +1588,8 @@ class ModelRunner:
 
         total = sum(f._cache_size() for f in fns)
         dropped = drop_least_used(fns, since, enough)
-        host.trim()
+        if dropped:
+            host.trim()
         return dropped, total
 
     def _step_fns(self) -> dict:

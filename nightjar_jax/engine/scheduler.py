@@ -191,7 +191,7 @@ class Scheduler:
         return any(
             hashes[hits] in page_hashes(q.all_token_ids, page_size, q.page_hashes,
                                         upto=q.num_tokens // page_size, salt=q.cache_salt)[q.num_registered_pages:]
-            for q in self.running if q.is_prefilling)
+            for q in self.running if q.is_prefilling and not q.stale_kv)  # (a stale one never registers its pages)
 
     def _admit(self, r: Request) -> bool:
         hits, needed = self._admission(r)

@@ -2,17 +2,17 @@
 
 Freeing device arrays or compiled executables on the CPU backend returns their bytes to the C allocator, not to
 the system: glibc keeps the freed chunks of its heaps and arenas, so the process's resident memory stays where it
-was. Sleep mode on a CPU host, which exists to hand memory back, then handed back nothing the system could see:
-the default pair at level 2 held 1,836 MiB resident asleep, and 555 MiB once glibc's ``malloc_trim`` ran (2026-12-06;
-docs/benchmarks.md, "Sleep mode"). :func:`trim` runs it where the engine frees much at once: a sleep, a weight
-update, a drop of compiled variants. It is a no-op where the C library is not glibc, and with
-``NIGHTJAR_MALLOC_TRIM=0`` in the environment (read at each call; ``scripts/bench_sleep.py --no-trim`` compares).
+was. Sleep mode on a CPU host, which exists to hand memory back, then handed back little the system could see: the
+default pair at level 2 held 2,412 MiB resident asleep, and 624 MiB once glibc's ``malloc_trim`` ran (2026-12-06;
+docs/benchmarks.md, "Sleep mode on a CPU host"). :func:`trim` runs it where the engine frees much at once: a sleep,
+a weight update, a drop of compiled variants (on every backend; on an accelerator it gives back host-side scraps
+only). It is a no-op where the C library is not glibc, and with ``NIGHTJAR_MALLOC_TRIM=0`` in the environment (only
+"0" turns it off, as the project's other switches; read at each call; ``scripts/bench_sleep.py --no-trim``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 
@@ -49,8 +49,8 @@ def trim() -> bool:
     if _malloc_trim is None:
         _malloc_trim = False
         try:
-            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
+            fn = ctypes.CDLL(None).malloc_trim  # (the process's own symbols: no ldconfig run from a server)
+        except (OSError, AttributeError, TypeError):
             logger.debug("no malloc_trim in this C library: freed memory stays with the allocator")
         else:
             fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int

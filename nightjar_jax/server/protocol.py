@@ -1,7 +1,7 @@
 """OpenAI-compatible request bodies (pydantic) and the OpenAI error shape.
 
 Unknown fields are rejected (``extra="forbid"``), but the fields the official clients commonly send are accepted
-at their neutral values (``user``, ``store`` false, ...); a non-neutral
+at their neutral values (``user``, ``prompt_cache_key``, ...; ``store`` at any value, nothing stored); a non-neutral
 value of a field this server does not implement is a 400 that names the field. ``logprobs`` (completions: the top-k,
 0-20; chat: ``logprobs`` true with ``top_logprobs`` 0-20) returns the generated tokens' log-probabilities in the
 OpenAI shapes (see ``app.py``); completions' ``echo`` prepends the prompt (and its tokens' log-probabilities).
@@ -524,8 +524,9 @@ class ChatCompletionRequest(_SamplingFields):
         ]
 
     def served_tool_choice(self) -> Any:
-        """``tool_choice`` as served: "required" or "auto" with an empty ``tools`` list is "none" (vLLM's rule, as
-        OpenAI's: only missing or null ``tools`` beside a ``tool_choice`` is an error)."""
+        """``tool_choice`` as served: "required" with an empty ``tools`` list is "none" (vLLM's rule); so is "auto"
+        with an empty list, with no tool to call (vLLM keeps it "auto", a 400 without --enable-auto-tool-choice; only
+        ``tools`` missing or null beside a ``tool_choice`` is an error here)."""
         return "none" if self.tool_choice in ("required", "auto") and self.tools == [] else self.tool_choice
 
     def allow_auto_tools(self, parser: str | None) -> None:

@@ -23,7 +23,8 @@ def test_bench_sleep_smoke(tmp_path, monkeypatch, capsys):
         parts = run["freed_by_part"]
         assert run["freed_bytes"] == sum(parts.values()) and parts["target_weights"] and parts["target_kv"]
         assert run["device_bytes_left"] == 0 and run["new_compiles"] == 0
-        assert run["rss_awake_bytes"] > 0 and run["rss_asleep_bytes"] > 0  # (the process's resident memory: Linux)
+        if sys.platform == "linux":  # (the process's resident memory, read from /proc; None elsewhere)
+            assert run["rss_awake_bytes"] > 0 and run["rss_asleep_bytes"] > 0
     weights = one["freed_by_part"]["target_weights"] + one["freed_by_part"]["draft_weights"]
     assert one["host_bytes_held"] == weights and two["host_bytes_held"] == 0
     assert "| 2 |" in capsys.readouterr().out

@@ -517,3 +517,8 @@ def test_generate_takes_token_ids_as_a_tuple_or_numpy_integers(llm):
     assert [o.outputs[0].token_ids for o in llm.generate((ids, tuple(ids)), GREEDY)] == [want, want]
     with pytest.raises(TypeError, match="prompts must be a prompt .* got int"):
         llm.generate(5, GREEDY)
+    from nightjar_jax import BeamSearchParams  # (beam_search reads prompts the same way)
+
+    beams = BeamSearchParams(beam_width=2, max_tokens=3)
+    want = [s.tokens for s in llm.beam_search([ids], beams)[0].sequences]
+    assert [s.tokens for s in llm.beam_search([np.int64(t) for t in ids], beams)[0].sequences] == want

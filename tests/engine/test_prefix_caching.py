@@ -14,7 +14,7 @@ from nightjar_jax.config import SchedulerConfig
 from nightjar_jax.engine.request import FinishReason, Request
 from nightjar_jax.engine.sampling_params import SamplingParams
 from nightjar_jax.engine.scheduler import Scheduler
-from tests.engine.helpers import VOCAB, fake_engine, generate_outputs, greedy
+from tests.engine.helpers import VOCAB, fake_engine, generate_outputs, greedy, run_all
 
 RNG = np.random.default_rng(0)
 SHARED = [int(t) for t in RNG.integers(1, VOCAB, 13)]
@@ -486,3 +486,32 @@ def test_reset_prefix_cache_forgets_every_page_and_keeps_running_requests():
     assert engine.stats.num_prefix_cache_hits == 12 and again
     assert engine.num_free_pages == engine.num_total_pages
     engine.allocator.check()
+
+
+def test_a_request_through_a_weight_update_caches_nothing_until_a_preemption_recomputes_it():
+    """A request running when the weights change (``LLMEngine.update_weights``) holds K/V of the old weights: none of
+    its pages is registered while it runs, and no waiting request waits for it to register its prefix; a preemption,
+    which frees its pages and computes everything again, clears the mark (Request.stale_kv)."""
+    eng = fake_engine(enable_prefix_caching=True, max_num_batched_tokens=2)
+    prompt = [(3 * j + 1) % VOCAB for j in range(16)]
+    eng.add_request(prompt, greedy(3), request_id="through")
+    eng.step()  # (one 2-token chunk of its prefill: less than a page, so its first page is still to register)
+    running = eng.scheduler.running[0]
+    assert running.is_prefilling and not running.stale_kv
+    eng.update_weights(eng.target)
+    assert running.stale_kv
+    eng.add_request(prompt, greedy(3), request_id="after")
+    waiting = eng.scheduler.waiting[0]
+    assert not eng.scheduler._awaits_prefix(waiting)  # (the stale one will never register those pages)
+    run_all(eng)
+    assert eng.allocator.num_cached_free == 16 // 4  # ("after"'s pages only: "through" registered none)
+    # a preemption frees the pages and clears the mark: the recompute is under the new weights
+    eng.add_request(prompt, greedy(3), request_id="again")
+    eng.step()
+    again = eng.scheduler.running[0]
+    again.stale_kv = True
+    eng.scheduler._free_pages(again)
+    assert not again.stale_kv and again.block_table == []
+    eng.abort_request("again")
+    eng.allocator.check()
+    assert eng.num_free_pages == eng.num_total_pages

@@ -233,7 +233,7 @@ def test_a_real_pair_generates_the_same_after_either_level(stories, level):
 
 def test_a_sleep_an_update_and_a_drop_of_variants_hand_the_heap_back(monkeypatch):
     """On a CPU the bytes a sleep frees go back to the C allocator, not the system, until glibc's malloc_trim runs
-    (``nightjar_jax/memory/host.py``: the default pair at level 2 held 1,836 MiB resident asleep, 555 MiB after it):
+    (``nightjar_jax/memory/host.py``: the default pair at level 2 held 2,412 MiB resident asleep, 624 MiB with it):
     the engine trims after a sleep, a weight update and a drop of compiled variants."""
     from nightjar_jax.memory import host
 

@@ -181,8 +181,8 @@ def test_tokenize_refuses_empty_messages_as_chat_does(client):
 
 
 def test_tool_choice_required_or_auto_with_no_tools_is_none(client):
-    """vLLM's rule: "required" or "auto" beside an empty tools list generates plainly (only tools missing or null
-    beside a tool_choice is a 400; "auto" with [] was one here)."""
+    """"required" beside an empty tools list generates plainly (vLLM's rule), and so does "auto" (no tool to call:
+    it was a 400 here; vLLM's needs --enable-auto-tool-choice); tools missing or null beside a tool_choice is a 400."""
     plain = ok(client, "/v1/chat/completions", {"messages": USER, "max_tokens": 4, "temperature": 0})
     for choice in ("required", "auto"):
         out = ok(client, "/v1/chat/completions", {"messages": USER, "max_tokens": 4, "temperature": 0, "tools": [],
