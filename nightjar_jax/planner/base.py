@@ -57,6 +57,9 @@ MAX_BATCH_SIZE = 2**20  # sequences in one decode step
 MAX_TOKENS_PER_SEQUENCE = 2**16  # tokens one sequence commits in one step (γ accepted drafts + 1 in practice)
 MIN_STEP_SECONDS = 1e-9  # a step's wall time, and its time outside the switch unless that is 0
 MAX_STEP_SECONDS = 86_400.0  # one day
+# γ_max a planner takes (and a loaded state may name): far past any draft length (the engine serves at most 16); a
+# state naming 10**9 allocated per-arm lists of that length as it loaded
+MAX_GAMMA = 1024
 
 _REGISTRY: dict[str, type[Planner]] = {}
 
@@ -284,7 +287,11 @@ class Planner(abc.ABC):
     def from_json(text: str) -> Planner:
         """Rebuild a planner (of whatever registered kind) from `to_json` output; a malformed state is a ValueError,
         as in `load_state_dict`."""
-        state = json.loads(text)
+        try:
+            state = json.loads(text)
+        except json.JSONDecodeError as error:  # (a file cut short by a crash mid-save, a decision log's lines, ...)
+            raise ValueError(f"not a planner state: invalid JSON ({error}): load a state saved by state_dict / "
+                             f"to_json") from None
         _check_format(state)
         try:
             planner = make_planner(state["spec"], state["gamma_max"], **state["options"])
@@ -300,7 +307,17 @@ class Planner(abc.ABC):
 
     @staticmethod
     def load(path: str | Path) -> Planner:
-        return Planner.from_json(Path(path).read_text())
+        """``from_json`` of a file; a file that is not a planner state's JSON (truncated by a crash mid-save, empty,
+        binary, a decision log) is a ValueError naming it."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"planner state {str(path)!r} is not UTF-8 text: load a file written by save / "
+                             f"to_json") from None
+        try:
+            return Planner.from_json(text)
+        except ValueError as error:
+            raise ValueError(f"planner state {str(path)!r}: {error}") from None
 
     # ----------------------------------------------------------------------------------------- subclass hooks
     @abc.abstractmethod
@@ -493,9 +510,15 @@ def check_arm_lists(gamma_max: int, **lists: Any) -> None:
             raise ValueError(f"state's learned {field} must hold finite numbers >= 0 (or None), got {values!r}")
 
 
+def clip_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (an error message quoting a value from a state file)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _check_gamma_max(gamma_max: Any) -> None:
-    if not is_int(gamma_max) or gamma_max < 0:
-        raise ValueError(f"gamma_max must be an int >= 0, got {gamma_max!r}")
+    if not is_int(gamma_max) or not 0 <= gamma_max <= MAX_GAMMA:
+        raise ValueError(f"gamma_max must be an int in 0..{MAX_GAMMA}, got {clip_repr(gamma_max)}")
 
 
 def _check_int(field: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:

@@ -23,7 +23,7 @@ import weakref
 from pathlib import Path
 from typing import IO, Any
 
-from nightjar_jax.planner.base import Planner
+from nightjar_jax.planner.base import Planner, clip_repr
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +114,27 @@ class DecisionLogger:
 
 
 def read_log(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a decision log, in order."""
+    """The records of a decision log, in order. A last line cut short (the log flushes every few records, so a
+    killed server leaves one) is skipped with a warning; any other line that is not a JSON object is a ValueError
+    naming the file and line."""
     with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.readlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines) and not line.endswith("\n"):
+                logger.warning("decision log %s: its last line is cut short (a run that was killed?): skipped", path)
+                continue
+            raise ValueError(f"decision log {str(path)!r} line {number} is not JSON ({error})") from None
+        if not isinstance(record, dict) or "gamma" not in record:
+            raise ValueError(f"decision log {str(path)!r} line {number} is not a decision record (a JSON object with "
+                             f"'gamma', as DecisionLogger writes), got {clip_repr(record)}")
+        records.append(record)
+    return records
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,6 +104,7 @@ from nightjar_jax.planner.base import (
     check_arm_lists,
     check_int_option,
     check_number_option,
+    clip_repr,
     is_int,
     register_planner,
     step_reward,
@@ -112,6 +113,8 @@ from nightjar_jax.planner.context import FINE_BUCKET_EDGES, bucket_of, validate_
 
 logger = logging.getLogger(__name__)
 
+# a context's block j holds 2^(j-1) decisions: 64 is past any run, and a loaded block of 5000 overflowed a float
+MAX_BLOCK = 64
 ALL_SWITCH_WARN_EVERY = 1000  # an all-switch step warns on the 1st, 1001st, ... occurrence; the others log at debug
 
 
@@ -540,11 +543,17 @@ class NightjarPlanner(Planner):
             if not 0 <= context < num_contexts:
                 raise ValueError(f"state's context {context} is outside 0..{num_contexts - 1} (the bucket_edges)")
             if state.num_arms != self.gamma_max + 1:
-                raise ValueError(f"state's context {context} has {state.num_arms} arms, expected {self.gamma_max + 1}")
-            check_arm_lists(self.gamma_max, **{
-                f.name: getattr(state, f.name) for f in dataclasses.fields(state)
-                if isinstance(getattr(state, f.name), list)
-            })
+                raise ValueError(f"state's context {context} has {state.num_arms!r} arms, expected "
+                                 f"{self.gamma_max + 1}")
+            lists = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.default_factory is list}
+            for name, value in lists.items():  # (a string or a number here skipped every check and failed in select)
+                if not isinstance(value, list):
+                    raise ValueError(f"state's context {context} has {name}={clip_repr(value)}; allowed: a list, "
+                                     f"one entry per arm 0..{self.gamma_max}")
+            check_arm_lists(self.gamma_max, **lists)
+            if not all(isinstance(m, list) and len(m) == 2 for m in state.reward_moments):
+                raise ValueError(f"state's context {context} has reward_moments={clip_repr(state.reward_moments)}; "
+                                 f"allowed: one [sum of rewards, sum of their squares] pair per arm")
             _check_context_scalars(context, state, self.gamma_max)
         self._rng.bit_generator.state = learned["rng"]
         self.contexts = contexts
@@ -561,8 +570,8 @@ def _check_context_scalars(context: int, state: ContextState, gamma_max: int) ->
         value = getattr(state, field)
         if value is not None and not (is_int(value) and 0 <= value <= gamma_max):
             fail(field, f"None or an arm, an int in 0..{gamma_max}")
-    if not (is_int(state.block) and state.block >= 1):
-        fail("block", "an int >= 1")
+    if not (is_int(state.block) and 1 <= state.block <= MAX_BLOCK):  # (a block of 5000 overflowed a float in select)
+        fail("block", f"an int in 1..{MAX_BLOCK}")
     for field in ("decisions_in_block", "bin_index", "bin_length", "decisions_in_bin", "probe_remaining"):
         value = getattr(state, field)
         if not (is_int(value) and value >= 0):

@@ -170,3 +170,29 @@ def test_a_close_from_another_thread_never_raises_into_the_writer(tmp_path):
     log.close()
     thread.join()
     assert errors == [] and log.num_lines == len(read_log(tmp_path / "race.jsonl"))
+
+
+def test_a_log_cut_short_replays_and_a_foreign_file_is_a_clear_error(tmp_path, caplog):
+    """A killed server leaves a last line cut short: it is skipped with a warning (the whole replay failed with a
+    JSONDecodeError naming neither file nor line); a bad line elsewhere, or a file of something else (a planner
+    state, a JSON list), is a ValueError naming the file and line."""
+    path = tmp_path / "run.jsonl"
+    with DecisionLogger(path) as log:
+        planner = make_planner("nightjar", 4, seed=7)
+        planner.attach_logger(log)
+        run(planner, SyntheticEnv(seed=2), [1, 3, 20] * 20)
+    lines = path.read_text().splitlines(keepends=True)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(lines[:-1]) + lines[-1][:13])
+    with caplog.at_level(logging.WARNING, logger="nightjar_jax.planner.decision_log"):
+        result = replay(cut, make_planner("nightjar", 4, seed=7))
+    assert result.num_records == len(lines) - 1 and result.all_match
+    assert "last line is cut short" in caplog.text
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(lines[0] + lines[1][:13] + "\n" + lines[2])
+    with pytest.raises(ValueError, match=r"decision log '.*bad.jsonl' line 2 is not JSON"):
+        read_log(bad)
+    for name, content in [("state.json", make_planner("nightjar", 4).to_json()), ("list.jsonl", "[1, 2]\n")]:
+        (tmp_path / name).write_text(content)
+        with pytest.raises(ValueError, match=f"{name}' line 1 is not a decision record"):
+            replay(tmp_path / name, make_planner("nightjar", 4))

@@ -269,9 +269,17 @@ def _trained(spec: str):
       for field, value, allowed in [
           ("arm", 7, "None or an arm, an int in 0..3"), ("arm", -1, "None or an arm"), ("arm", 2.5, "None or an arm"),
           ("pending_probe", 99, "None or an arm"), ("probe_arm", True, "None or an arm"),
-          ("block", 0, "an int >= 1"), ("bin_length", -1, "an int >= 0"), ("probe_remaining", 1.5, "an int >= 0"),
+          ("block", 0, "an int in 1..64"), ("bin_length", -1, "an int >= 0"), ("probe_remaining", 1.5, "an int >= 0"),
           ("exploring", "yes", "true or false"), ("probe_credit", float("inf"), "a finite number"),
-          ("switch_seconds", -1.0, "None or a finite number >= 0")]],
+          ("switch_seconds", -1.0, "None or a finite number >= 0"),
+          # taken, then an OverflowError (block 5000), an IndexError or a TypeError in the next select (QA, 2026-12-06)
+          ("block", 5000, "an int in 1..64")]],
+    ("nightjar", lambda s: next(iter(s["learned"]["contexts"].values())).__setitem__("reward_moments", [[1.0]] * 4),
+     r"reward_moments=\[\[1.0\], .*allowed: one \[sum of rewards, sum of their squares\] pair per arm"),
+    ("nightjar", lambda s: next(iter(s["learned"]["contexts"].values())).__setitem__("reward_moments", [1.0] * 4),
+     "allowed: one \\[sum of rewards"),
+    ("nightjar", lambda s: next(iter(s["learned"]["contexts"].values())).__setitem__("weight", "abcd"),
+     "has weight='abcd'; allowed: a list, one entry per arm 0..3"),
 ])
 def test_a_corrupt_learned_state_is_refused_whole(spec, corrupt, message):
     """A state whose learned values are out of their domain, or whose keys or types are wrong, is a ValueError at
@@ -307,8 +315,28 @@ def test_gamma_max_may_be_a_numpy_integer_but_not_a_bool_or_float():
         assert planner.gamma_max == 4 and type(planner.gamma_max) is int
         json.loads(planner.to_json())
     for bad in (True, np.float64(4.0), np.int64(-1)):
-        with pytest.raises(ValueError, match="gamma_max must be an int >= 0"):
+        with pytest.raises(ValueError, match=r"gamma_max must be an int in 0\.\.1024"):
             make_planner("nightjar", bad)
+    state = json.loads(make_planner("banditspec", 4).to_json())
+    state["gamma_max"] = 10**9  # (per-arm lists of a billion entries were allocated as it loaded)
+    with pytest.raises(ValueError, match=r"gamma_max must be an int in 0\.\.1024, got 1000000000"):
+        Planner.from_json(json.dumps(state))
+
+
+def test_load_names_a_file_that_is_not_a_planner_state(tmp_path):
+    """A state file cut short (a crash mid-save), binary, empty, or a decision log: a ValueError naming the file, not
+    a bare JSONDecodeError or UnicodeDecodeError."""
+    planner = _trained("nightjar")
+    path = tmp_path / "state.json"
+    for content, message in [(planner.to_json()[:300].encode(), "not a planner state: invalid JSON"),
+                             (b"", "not a planner state: invalid JSON"),
+                             (b'{"a": 1}\n{"b": 2}\n', "not a planner state: invalid JSON .Extra data"),
+                             (b"\xff\xfe\x00", "is not UTF-8 text")]:
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=f"planner state '{re.escape(str(path))}'.*{message}"):
+            Planner.load(path)
+    planner.save(path)
+    assert Planner.load(path).to_json() == planner.to_json()
 
 
 @pytest.mark.parametrize("spec", ["static", "nightjar", "dsd"])
