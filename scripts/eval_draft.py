@@ -55,6 +55,17 @@ from nightjar_jax.bench.common import (  # noqa: E402
 logger = logging.getLogger("eval_draft")
 
 
+def tree_file(text: str) -> str:
+    """--tree-file: a spec tree order file, read and checked before the models load (it failed after them)."""
+    from nightjar_jax.spec.tree import load_tree_order
+
+    try:
+        load_tree_order(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def acceptance(args: argparse.Namespace, prompts: list[dict]) -> dict:
     """Greedy SD at a fixed γ over ``prompts`` in one batch; the engine's counters after the run."""
     from nightjar_jax import LLM, SamplingParams
@@ -200,7 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gamma", type=positive_int, default=4)
     ap.add_argument("--tree-nodes", type=non_negative_int, default=0,
                     help="verify a token tree of this many nodes (0: a chain)")
-    ap.add_argument("--tree-file", default=None,
+    ap.add_argument("--tree-file", default=None, type=tree_file,
                     help="the tree's rank-path order (spec_tree_file; default: nightjar_jax/spec/default_tree.json)")
     ap.add_argument("--prompt-lookup-max", type=int_in_range(0, 64), default=0,
                     help="n-gram lookup drafts (SpecConfig.prompt_lookup_max; 0: the draft's only)")

@@ -161,6 +161,9 @@ BAD_FLAGS = [
     ("eval_draft.py", ["--draft", "none"], "argument --draft: 'none' is no draft model"),
     ("eval_draft.py", ["--temperature", "-1"], "argument --temperature: expected a finite number from 0 to 100"),
     ("eval_draft.py", ["--prompt-lookup-max", "-1"], "argument --prompt-lookup-max: expected an integer >= 0"),
+    # (checked before the models load: it failed after them, with a traceback)
+    ("eval_draft.py", ["--tree-nodes", "4", "--tree-file", "/nope.json"],
+     "argument --tree-file: spec tree file /nope.json: cannot read it as JSON"),
     ("eval_draft.py", ["--prompt-lookup-max", "2", "--prompt-lookup-min", "3"], "argument --prompt-lookup-min: 3"),
     ("profile_step.py", ["--model", "stories260k", "--verify"], "argument --verify: it needs a draft"),
 ]
