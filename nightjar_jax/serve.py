@@ -364,6 +364,10 @@ def api_key(args: argparse.Namespace) -> str | None:
     """``--api-key``; an empty one is none, as in vLLM (``--api-key "$KEY"`` with KEY unset), with a warning."""
     if args.api_key == "":
         logger.warning("--api-key is empty: API-key auth is off (no endpoint needs a key)")
+    elif args.api_key is not None and args.api_key != args.api_key.strip():
+        # (a key file's trailing newline: no request could match it, every one was a 401)
+        raise ValueError("--api-key has leading or trailing whitespace, which no client's key can match: give the "
+                         "key alone")
     return args.api_key or None
 
 
@@ -388,7 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    key = api_key(args)
+    try:
+        key = api_key(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.served_model_name and not all(name.strip() for name in args.served_model_name):
+        parser.error(f"--served-model-name {' '.join(repr(n) for n in args.served_model_name)}: a name must not be "
+                     f"empty (responses would carry \"model\": \"\")")
     import uvicorn
 
     from nightjar_jax.server.app import ServerSettings, build_app

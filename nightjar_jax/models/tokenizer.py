@@ -502,6 +502,9 @@ class Tokenizer:
                 return compiled.render({**variables, "messages": conversation})
             except TemplateError as e:  # (raise_exception, an undefined variable's attribute, ...)
                 raise ValueError(f"the chat template could not render these messages: {e}") from None
+            except (TypeError, ArithmeticError, AttributeError, LookupError) as e:  # (Python's own: {{ 1 + 'a' }})
+                raise ValueError(f"the chat template could not render these messages: {type(e).__name__}: {e}") \
+                    from None
 
         if continue_final_message:
             text = _render_to_final_message(render, list(messages))
@@ -529,6 +532,8 @@ def load_chat_template(spec: str, where: str = "--chat-template") -> str:
     path = Path(spec)
     try:
         text = path.read_text() if len(spec) < 4096 and path.is_file() else None
+    except UnicodeDecodeError:
+        raise ValueError(f"{where} {spec}: the file is not UTF-8 text (a jinja chat template)") from None
     except OSError:
         text = None
     if text is not None:

@@ -164,10 +164,17 @@ def test_main_help(capsys):
     (["--model", "stories260k", "--max-model-len", "4096"], "is more than stories260k's context of 512 tokens"),
     (["--model", "stories260k", "--compilation-cache-dir", __file__], "it needs a directory"),
     (["--model", "stories260k", "--planner", "static:x"], "must be 'static:K' with an int K"),
+    # a template that raises Python's own error while rendering (a traceback), a binary file (a bare UnicodeDecodeError)
+    (["--model", "stories260k", "--prompt", "hi", "--chat-template", "{{ 1 + 'a' }}"],
+     "the chat template could not render these messages: TypeError"),
+    (["--model", "stories260k", "--chat-template", "BINARY"], "is not UTF-8 text"),
 ])
-def test_generate_reports_bad_flags_in_one_line(argv, message, capsys):
+def test_generate_reports_bad_flags_in_one_line(argv, message, capsys, tmp_path):
     from nightjar_jax.__main__ import main
 
+    if "BINARY" in argv:
+        (tmp_path / "t.jinja").write_bytes(b"\x80\x81\x82")
+        argv = [str(tmp_path / "t.jinja") if a == "BINARY" else a for a in argv]
     assert main(["generate", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
@@ -430,6 +437,17 @@ def test_an_empty_api_key_is_no_key(caplog):
     assert "--api-key is empty: API-key auth is off" in caplog.text
     assert api_key(build_parser().parse_args(["--api-key", "k"])) == "k"
     assert api_key(build_parser().parse_args([])) is None
+    for padded in (" k", "k\n", " "):  # (no request could match it: every one was a 401)
+        with pytest.raises(ValueError, match="--api-key has leading or trailing whitespace"):
+            api_key(build_parser().parse_args(["--api-key", padded]))
+
+
+def test_an_empty_served_model_name_is_refused(capsys):
+    from nightjar_jax.serve import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "stories260k", "--served-model-name", "a", ""])
+    assert exc.value.code == 2 and "--served-model-name 'a' '': a name must not be empty" in capsys.readouterr().err
 
 
 def test_a_forced_quit_closes_the_engine_and_exits_130(monkeypatch):
