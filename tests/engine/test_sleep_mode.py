@@ -249,5 +249,9 @@ def test_a_sleep_an_update_and_a_drop_of_variants_hand_the_heap_back(monkeypatch
     engine.runner.evict_compiled()
     assert len(calls) == 3
     check_outputs(engine)
-    engine.runner.evict_least_used(0.0, since=0)
+    from nightjar_jax.engine import variants
+
+    dropped, _ = engine.runner.evict_least_used(0.0, since=variants.tick())  # (every family ran before the tick)
+    assert dropped > 0 and len(calls) == 4
+    engine.runner.evict_least_used(0.0, since=0)  # (nothing ran before tick 0: nothing dropped, no trim)
     assert len(calls) == 4
