@@ -361,7 +361,8 @@ def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
 
 
 def api_key(args: argparse.Namespace) -> str | None:
-    """``--api-key``; an empty one is none, as in vLLM (``--api-key "$KEY"`` with KEY unset), with a warning."""
+    """``--api-key``; an empty one is none, as in vLLM (``--api-key "$KEY"`` with KEY unset), with a warning; one
+    with leading or trailing whitespace is a ValueError (``main`` makes it a usage error)."""
     if args.api_key == "":
         logger.warning("--api-key is empty: API-key auth is off (no endpoint needs a key)")
     elif args.api_key is not None and args.api_key != args.api_key.strip():
