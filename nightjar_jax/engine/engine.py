@@ -75,6 +75,11 @@ def _cache_salt(prompt) -> str | None:
     return cache_salt
 
 
+def is_token_id(x) -> bool:
+    """A token id as a prompt may give it: a Python or NumPy integer, not a bool (its range is checked apart)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def _prompt_error(message: str) -> InvalidRequestError:
     return InvalidRequestError(message, "prompt")
 
@@ -557,7 +562,7 @@ class LLMEngine:
         vocab = self.target.config.vocab_size
         if not ids:
             raise _prompt_error("the prompt is empty: at least one token is required")
-        bad = [t for t in ids if not (isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab)]
+        bad = [t for t in ids if not (is_token_id(t) and 0 <= t < vocab)]
         if bad:
             raise _prompt_error(f"prompt token ids must be integers in [0, {vocab}): got {bad[:5]}")
         if len(ids) >= self.context_limit:
@@ -837,8 +842,7 @@ class LLMEngine:
         _cache_salt(prompt)  # (its steps carry the salt: a bad one fails here, before any search runs)
         text, ids = self.tokenize_prompt(prompt)
         vocab = self.target.config.vocab_size
-        if not ids or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab
-                              for t in ids):
+        if not ids or not all(is_token_id(t) and 0 <= t < vocab for t in ids):
             raise _prompt_error(f"a beam search prompt must be non-empty, its token ids in [0, {vocab})")
         ids = [int(t) for t in ids]
         return BeamSearch(text, ids, params, self._eos_ids, self.max_sequence_len)

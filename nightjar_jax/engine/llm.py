@@ -8,11 +8,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from nightjar_jax.config import make_engine_config
 from nightjar_jax.engine.beam_search import BeamSearchOutput, BeamSearchParams, expansion
-from nightjar_jax.engine.engine import LLMEngine
+from nightjar_jax.engine.engine import LLMEngine, is_token_id
 from nightjar_jax.engine.outputs import CompletionOutput, RequestOutput
 from nightjar_jax.engine.sampling_params import RequestOutputKind, SamplingParams, child_params, short_repr
 from nightjar_jax.models.tokenizer import load_chat_template, template_message
@@ -308,15 +306,11 @@ def _vllm_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _is_token_id(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def _prompt_list(prompts: Any) -> list:
     """``generate``'s and ``beam_search``'s prompts as a list of prompts: one prompt (a string, a dict, or token ids
     as a list or tuple of Python or NumPy integers) becomes a list of one; a list or tuple of prompts stays one."""
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                            and _is_token_id(prompts[0])):
+                                            and is_token_id(prompts[0])):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a prompt (a string, token ids or a dict) or a list of them, got "

@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from nightjar_jax.engine.sampling_params import short_repr  # (no JAX: a leaf module)
+
 if TYPE_CHECKING:
     from nightjar_jax.planner.decision_log import DecisionLogger
 
@@ -510,15 +512,9 @@ def check_arm_lists(gamma_max: int, **lists: Any) -> None:
             raise ValueError(f"state's learned {field} must hold finite numbers >= 0 (or None), got {values!r}")
 
 
-def clip_repr(value: Any, limit: int = 80) -> str:
-    """``repr(value)``, cut to ``limit`` characters (an error message quoting a value from a state file)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _check_gamma_max(gamma_max: Any) -> None:
     if not is_int(gamma_max) or not 0 <= gamma_max <= MAX_GAMMA:
-        raise ValueError(f"gamma_max must be an int in 0..{MAX_GAMMA}, got {clip_repr(gamma_max)}")
+        raise ValueError(f"gamma_max must be an int in 0..{MAX_GAMMA}, got {short_repr(gamma_max)}")
 
 
 def _check_int(field: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:

@@ -23,7 +23,8 @@ import weakref
 from pathlib import Path
 from typing import IO, Any
 
-from nightjar_jax.planner.base import Planner, clip_repr
+from nightjar_jax.engine.sampling_params import short_repr
+from nightjar_jax.planner.base import Planner
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
             raise ValueError(f"decision log {str(path)!r} line {number} is not JSON ({error})") from None
         if not isinstance(record, dict) or "gamma" not in record:
             raise ValueError(f"decision log {str(path)!r} line {number} is not a decision record (a JSON object with "
-                             f"'gamma', as DecisionLogger writes), got {clip_repr(record)}")
+                             f"'gamma', as DecisionLogger writes), got {short_repr(record)}")
         records.append(record)
     return records
 

@@ -99,12 +99,12 @@ from typing import Any
 
 import numpy as np
 
+from nightjar_jax.engine.sampling_params import short_repr
 from nightjar_jax.planner.base import (
     Planner,
     check_arm_lists,
     check_int_option,
     check_number_option,
-    clip_repr,
     is_int,
     register_planner,
     step_reward,
@@ -548,11 +548,11 @@ class NightjarPlanner(Planner):
             lists = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.default_factory is list}
             for name, value in lists.items():  # (a string or a number here skipped every check and failed in select)
                 if not isinstance(value, list):
-                    raise ValueError(f"state's context {context} has {name}={clip_repr(value)}; allowed: a list, "
+                    raise ValueError(f"state's context {context} has {name}={short_repr(value)}; allowed: a list, "
                                      f"one entry per arm 0..{self.gamma_max}")
             check_arm_lists(self.gamma_max, **lists)
             if not all(isinstance(m, list) and len(m) == 2 for m in state.reward_moments):
-                raise ValueError(f"state's context {context} has reward_moments={clip_repr(state.reward_moments)}; "
+                raise ValueError(f"state's context {context} has reward_moments={short_repr(state.reward_moments)}; "
                                  f"allowed: one [sum of rewards, sum of their squares] pair per arm")
             _check_context_scalars(context, state, self.gamma_max)
         self._rng.bit_generator.state = learned["rng"]

@@ -915,8 +915,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     raise APIError(409, str(exc), type="conflict_error") from None
                 except (ValueError, OSError) as exc:
                     reloaded = getattr(exc, "reloaded_field", None)
-                    if reloaded is not None:  # (the part not given, loaded again from its own checkpoint: the
-                        part = "target" if reloaded == "weights" else "draft"  # server's state, not the request)
+                    if reloaded is not None:
+                        # (the part not given, loaded again from its own checkpoint: the server's state, not the
+                        # request's fault)
+                        part = "target" if reloaded == "weights" else "draft"
                         raise APIError(500, f"the {part}'s weights could not be loaded again from their checkpoint "
                                             f"for the update: {exc}; the engine still sleeps (give both paths, or "
                                             f"restore that checkpoint and POST /wake_up)", type="internal_error",
