@@ -405,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     from nightjar_jax.server.app import ServerSettings, build_app
     from nightjar_jax.server.async_engine import AsyncEngine
 
+    if not args.host.strip():  # (`--host "$HOST"` with HOST unset bound every interface, and the log said "http://:8000")
+        parser.error(f"--host {args.host!r} is empty: give an address to bind, e.g. 127.0.0.1 (this machine only) or "
+                     f"0.0.0.0 / :: (every IPv4 / IPv6 interface)")
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from nightjar_jax.cache.allocator import PageAllocator
-from nightjar_jax.config import ConfigError, EngineConfig, dtype_bytes
+from nightjar_jax.config import CacheConfig, ConfigError, EngineConfig, SpecConfig, dtype_bytes
 from nightjar_jax.engine import variants
 from nightjar_jax.engine.generation_config import generation_defaults, generation_eos_ids
 from nightjar_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -242,6 +242,14 @@ class LLMEngine:
             raise ConfigError(f"spec_tree_nodes={config.spec.spec_tree_nodes} needs a draft model to rank a tree's "
                               f"candidates, and this engine has none (draft_model={config.spec.draft_model!r}): "
                               f"pass a draft_model, or leave spec_tree_nodes at 0")
+        if no_draft and not self.ngram_only:
+            # (they were unused without a word: a user asking for γ = 7 got plain decoding)
+            unused = [f"{name}={getattr(config.spec, name)}" for name in ("num_speculative_tokens", "prompt_lookup_max")
+                      if getattr(config.spec, name) != getattr(SpecConfig(), name)]
+            if unused:
+                logger.warning("%s: no effect, this engine has no draft model (draft_model=%r) and decodes plainly; "
+                               "pass a draft_model, or draft_model='ngram' to speculate with n-gram lookup alone",
+                               ", ".join(unused), config.spec.draft_model)
         if no_draft and config.cache.draft_offload == "auto":
             # (it was ignored: elastic memory asked for, none given, and the config still read "auto")
             raise ConfigError(f"draft_offload='auto' moves a draft model's weights to host memory to make KV pages, "
@@ -292,9 +300,12 @@ class LLMEngine:
             # A request can never hold more tokens than the (base) pool: past it, it would be preempted and then never
             # admitted again (the engine spun forever). vLLM refuses to start here; the pool is sized by bytes by
             # default (often below a model's 8K context), so the context is capped instead: a request ends with
-            # finish reason "length" when it fills the pool. A max_model_len asked for explicitly is a warning (the
-            # model's own context, a default, only an info line).
-            logger.log(logging.WARNING if sched.max_model_len is not None else logging.INFO,
+            # finish reason "length" when it fills the pool. A max_model_len or a pool size asked for explicitly is a
+            # warning (the model's own context under the default pool only an info line).
+            cache = config.cache
+            sized = (cache.num_pages is not None or cache.gpu_memory_utilization is not None
+                     or cache.kv_cache_bytes != CacheConfig().kv_cache_bytes)
+            logger.log(logging.WARNING if sched.max_model_len is not None or sized else logging.INFO,
                        "the KV pool holds %d tokens, fewer than max_model_len %d: requests end (finish reason "
                        "'length') at %d tokens; raise kv_cache_bytes / num_pages for longer ones", pool_tokens,
                        self.max_model_len, pool_tokens)

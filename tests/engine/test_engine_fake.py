@@ -302,14 +302,23 @@ def test_prompt_larger_than_pool_is_rejected():
         eng.add_request(list(range(1, 20)), greedy(2))
 
 
-def test_a_max_model_len_the_pool_cannot_hold_is_a_warning(caplog):
+def test_a_max_model_len_the_pool_cannot_hold_is_a_warning(caplog, monkeypatch):
     """An explicit max_model_len over what the pool holds is capped with a warning (vLLM refuses to start); it was an
-    info line, unseen at the default log level. The model's own context, left as the default, stays an info line."""
+    info line, unseen at the default log level. So is a pool size asked for (num_pages, kv_cache_bytes): a tiny
+    --kv-cache-bytes capped the context at info level. The model's own context over the default pool stays an info
+    line (the default kv_cache_bytes stood in for here: the fake model's 256 tokens fit the real default)."""
+    from types import SimpleNamespace
+
+    import nightjar_jax.engine.engine as engine_module
+
     with caplog.at_level("INFO", logger="nightjar_jax.engine.engine"):
         assert fake_engine(num_pages=4, max_model_len=256).max_model_len == 12
         assert fake_engine(num_pages=4).max_model_len == 12
+        assert fake_engine(num_pages=None, kv_cache_bytes=1024).max_model_len < 256
+        monkeypatch.setattr(engine_module, "CacheConfig", lambda: SimpleNamespace(kv_cache_bytes=1024))
+        assert fake_engine(num_pages=None, kv_cache_bytes=1024).max_model_len < 256
     levels = [r.levelname for r in caplog.records if "fewer than max_model_len" in r.getMessage()]
-    assert levels == ["WARNING", "INFO"]
+    assert levels == ["WARNING", "WARNING", "WARNING", "INFO"]
 
 
 @pytest.mark.parametrize("draft", [False, True], ids=["ar", "spec"])

@@ -450,6 +450,17 @@ def test_an_empty_served_model_name_is_refused(capsys):
     assert exc.value.code == 2 and "--served-model-name 'a' '': a name must not be empty" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("host", ["", " "])
+def test_an_empty_host_is_refused(capsys, host):
+    """``--host "$HOST"`` with HOST unset bound every interface (a socket's "" is INADDR_ANY) without a word."""
+    from nightjar_jax.serve import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "stories260k", "--host", host])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--host {host!r} is empty: give an address to bind, e.g. 127.0.0.1" in err
+
+
 def test_a_forced_quit_closes_the_engine_and_exits_130(monkeypatch):
     """A second SIGINT (uvicorn's force quit) cut the requests, skipped the app's shutdown (the engine's close:
     the planner's decision log) and exited 0; now the engine is closed and the exit status says it was forced."""

@@ -101,6 +101,21 @@ def test_tree_without_a_draft_is_a_config_error(caplog):
     assert eng.gamma_max == 0 and "num_speculative_tokens=0: the draft" in caplog.text
 
 
+def test_speculation_values_without_a_draft_are_warned(caplog):
+    """num_speculative_tokens / prompt_lookup_max set (away from their defaults) with no draft model were unused
+    without a word; a warning names them, and the defaults alone say nothing."""
+    with caplog.at_level(logging.WARNING, logger="nightjar_jax"):
+        eng = fake_engine(draft_model="none", num_speculative_tokens=7, prompt_lookup_max=5)
+    assert eng.gamma_max == 0
+    assert ("num_speculative_tokens=7, prompt_lookup_max=5: no effect, this engine has no draft model "
+            "(draft_model='none')") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nightjar_jax"):
+        fake_engine(draft_model="none")
+        fake_engine(**NGRAM)  # (ngram uses them)
+    assert "no effect" not in caplog.text
+
+
 def test_config_errors_come_before_any_weights_load(monkeypatch):
     """What the config alone decides (no draft for trees or elastic memory, ngram's needs, the grammar cache's limit)
     is refused before the target loads: the model path here does not exist, and its error never comes."""
