@@ -268,10 +268,20 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if given.get("compilation_cache_dir"):
         check_cache_dir(given["compilation_cache_dir"])
     text = getattr(args, "speculative_config", None)
+    flags = {name: "--" + name.replace("_", "-") + " " for name in given}  # field -> how the command line gave it
+    if block_size is not None:
+        flags["page_size"] = "--block-size " if getattr(args, "page_size", None) is None else "--page-size "
     if text is not None:
         for name, value in speculative_config(text).items():
             if name in given and given[name] != value:
                 raise ConfigError(f"--speculative-config sets {name}={value!r} but --{name.replace('_', '-')} "
                                   f"gives {given[name]!r}: give it once")
             given[name] = value
-    return make_engine_config(**given)
+            flags.setdefault(name, f"--speculative-config {name}=")
+    try:
+        return make_engine_config(**given)
+    except ConfigError as exc:  # (it named the config field, "max_num_seqs=0 is invalid", not the flag given)
+        message = str(exc)
+        if exc.field in flags and message.startswith(f"{exc.field}="):
+            raise ConfigError(flags[exc.field] + message.removeprefix(exc.field + "="), exc.field) from None
+        raise

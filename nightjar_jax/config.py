@@ -14,7 +14,12 @@ from typing import Any, Literal
 
 
 class ConfigError(ValueError):
-    """An invalid configuration value: the message names the field and the allowed values."""
+    """An invalid configuration value: the message names the field and the allowed values. ``field``: the config
+    field at fault where one is (the command line names its flag instead)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 DTYPES = ("float32", "bfloat16")
@@ -31,7 +36,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's: arrival order, or each req
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
     if not ok:
-        raise ConfigError(f"{name}={value!r} is invalid: allowed {allowed}")
+        raise ConfigError(f"{name}={value!r} is invalid: allowed {allowed}", field=name)
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:

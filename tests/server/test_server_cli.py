@@ -106,6 +106,19 @@ def test_vllm_launch_flags_that_cannot_hold(argv, message):
         engine_config_from_args(build_parser().parse_args(argv))
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--max-num-seqs", "0"], "--max-num-seqs 0 is invalid: allowed an integer in [1, 4096]"),
+    (["--block-size", "0"], "--block-size 0 is invalid"),
+    (["--page-size", "0", "--block-size", "0"], "--page-size 0 is invalid"),
+    (["--prompt-lookup-max", "100"], "--prompt-lookup-max 100 is invalid: allowed an integer in [0, 64]"),
+])
+def test_bad_flag_values_name_the_flag(argv, message):
+    """A bad value named the config field ("max_num_seqs=0 is invalid"), and --block-size 0 said page_size."""
+    with pytest.raises(ConfigError) as exc:
+        engine_config_from_args(build_parser().parse_args(argv))
+    assert str(exc.value).startswith(message)
+
+
 def test_parse_bytes():
     assert parse_bytes("1024") == 1024
     assert parse_bytes("2KiB") == 2048 and parse_bytes("1G") == 10**9 and parse_bytes("3mb") == 3 * 10**6
@@ -325,7 +338,8 @@ def test_vllm_speculative_config_sets_the_speculation_flags(spec, expected):
     (["--speculative-config", '{"method": "ngram", "draft_tensor_parallel_size": 1}'],
      "key 'draft_tensor_parallel_size' is not supported: allowed method, model"),
     (["--speculative-config", '{"method": "ngram"}', "--draft-model", "none"], "give it once"),
-    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'], "num_speculative_tokens"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'],
+     r"^--speculative-config num_speculative_tokens=99 is invalid: allowed an integer in \[0, 16\]"),
     (["--speculative-config", '{"method": "ngram", "method": "ngram"}'], "gives 'method' twice"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": "3"}'],
      "num_speculative_tokens must be an integer, got \"3\""),
