@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from nightjar_jax.cli import STARTUP_ERRORS, add_engine_args, engine_config_from_args
@@ -75,8 +76,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prog() -> str:
+    """How the user ran this: ``nightjar`` (the installed script) or ``python -m nightjar_jax``; usage lines say it."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name and name not in ("__main__.py", "-c") and not name.endswith(".py") else "python -m nightjar_jax"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nightjar_jax", description="nightjar-jax: serve or generate")
+    prog = _prog()
+    parser = argparse.ArgumentParser(prog=prog, description="nightjar-jax: serve or generate")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="print one completion")
     add_engine_args(gen)
@@ -95,14 +103,14 @@ def main(argv: list[str] | None = None) -> int:
                      help="a jinja chat template, or a path to a file holding one (overrides the tokenizer's; as "
                      "serve's)")
     sub.add_parser(
-        "serve", help="the OpenAI-compatible server (see python -m nightjar_jax.serve --help)", add_help=False
+        "serve", help=f"the OpenAI-compatible server (see {prog} serve --help)", add_help=False
     )
     if argv is None:
         argv = sys.argv[1:]
     if argv and argv[0] == "serve":
         from nightjar_jax.serve import main as serve_main
 
-        return serve_main(argv[1:])
+        return serve_main(argv[1:], prog=f"{prog} serve")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     return _generate(args)

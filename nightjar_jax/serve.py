@@ -172,8 +172,8 @@ def _json_strings(name: str):
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m nightjar_jax.serve", description=__doc__.splitlines()[0])
+def build_parser(prog: str = "python -m nightjar_jax.serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     add_engine_args(parser)
     add_server_args(parser)
     return parser
@@ -384,8 +384,9 @@ def run_server(server, sock: socket.socket, async_engine) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, prog: str = "python -m nightjar_jax.serve") -> int:
+    """``prog``: the command usage lines name (``nightjar serve`` when the installed script runs it)."""
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     tool_parser = tool_call_parser(args, parser)
     thoughts = reasoning_parser(args, parser)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import pytest
 
@@ -159,6 +160,22 @@ def test_main_help(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--api-key" in out and "--max-num-seqs" in out
+
+
+@pytest.mark.parametrize("argv0, prog", [("/usr/local/bin/nightjar", "nightjar"),
+                                         ("/x/nightjar_jax/__main__.py", "python -m nightjar_jax")])
+def test_usage_names_the_command_that_ran(monkeypatch, capsys, argv0, prog):
+    """The installed ``nightjar serve`` printed usage and errors as ``python -m nightjar_jax.serve``."""
+    from nightjar_jax.__main__ import main
+
+    monkeypatch.setattr(sys, "argv", [argv0])
+    with pytest.raises(SystemExit):
+        main(["serve", "--bogus"])
+    assert capsys.readouterr().err.splitlines()[-1] == f"{prog} serve: error: unrecognized arguments: --bogus"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # (help text wraps)
+    assert out.startswith(f"usage: {prog} [-h]") and f"(see {prog} serve --help)" in out
 
 
 @pytest.mark.parametrize("argv, message", [
