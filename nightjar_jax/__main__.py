@@ -113,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(argv[1:], prog=f"{prog} serve")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    return _generate(args)
+    try:
+        return _generate(args)
+    except KeyboardInterrupt:  # (Ctrl-C while loading, compiling or generating: it was a page of traceback)
+        sys.stderr.write("\ninterrupted\n")
+        return 130
 
 
 if __name__ == "__main__":

@@ -420,6 +420,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m nightjar_jax.serv
         logger.debug("start-up failed", exc_info=True)
         logger.error("%s", exc)
         return 2
+    except KeyboardInterrupt:  # (Ctrl-C while the model loads or compiles: it was a page of traceback)
+        sock.close()
+        logger.warning("interrupted while starting: nothing was served")
+        return 130
     settings = ServerSettings(
         served_model_name=args.served_model_name[0] if args.served_model_name else engine.config.model,
         served_model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),

@@ -162,6 +162,34 @@ def test_main_help(capsys):
     assert "--api-key" in out and "--max-num-seqs" in out
 
 
+def test_ctrl_c_while_starting_exits_130_without_a_traceback(monkeypatch, capsys):
+    """Ctrl-C while the model loads (serve) or while generate runs printed a page of traceback; now one line, exit
+    status 130, and serve's bound port is let go."""
+    import nightjar_jax.serve as serve
+    from nightjar_jax.__main__ import main
+    from nightjar_jax.engine import engine as engine_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    closed = []
+    real_bind = serve.bind_socket
+
+    def bind(host, port):
+        sock = real_bind(host, port)
+        closed.append(sock)
+        return sock
+
+    monkeypatch.setattr(serve, "load_engine", interrupted)
+    monkeypatch.setattr(serve, "bind_socket", bind)
+    assert serve.main(["--model", "stories260k", "--port", "0"]) == 130
+    assert closed and closed[0].fileno() == -1  # (closed)
+    monkeypatch.setattr(engine_module, "LLMEngine", interrupted)
+    assert main(["generate", "--model", "stories260k"]) == 130
+    captured = capsys.readouterr()
+    assert "interrupted" in captured.err and "Traceback" not in captured.err + captured.out
+
+
 @pytest.mark.parametrize("argv0, prog", [("/usr/local/bin/nightjar", "nightjar"),
                                          ("/x/nightjar_jax/__main__.py", "python -m nightjar_jax")])
 def test_usage_names_the_command_that_ran(monkeypatch, capsys, argv0, prog):
