@@ -17,7 +17,13 @@ import dataclasses
 import math
 from typing import Any
 
-from nightjar_jax.planner.base import Planner, check_arm_lists, check_number_option, register_planner, step_reward
+from nightjar_jax.planner.base import (
+    Planner,
+    check_number_option,
+    learned_arm_list,
+    register_planner,
+    step_reward,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +68,6 @@ class BanditSpecPlanner(Planner):
         return {"counts": list(self.counts), "reward_sums": list(self.reward_sums)}
 
     def _load_learned_state(self, learned: dict[str, Any]) -> None:
-        counts = [int(n) for n in learned["counts"]]
-        reward_sums = [float(s) for s in learned["reward_sums"]]
-        check_arm_lists(self.gamma_max, counts=counts, reward_sums=reward_sums)
+        counts = learned_arm_list(learned, "counts", self.gamma_max, counts=True)
+        reward_sums = learned_arm_list(learned, "reward_sums", self.gamma_max)
         self.counts, self.reward_sums = counts, reward_sums

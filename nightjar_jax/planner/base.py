@@ -512,6 +512,23 @@ def check_arm_lists(gamma_max: int, **lists: Any) -> None:
             raise ValueError(f"state's learned {field} must hold finite numbers >= 0 (or None), got {values!r}")
 
 
+def learned_arm_list(learned: dict[str, Any], field: str, gamma_max: int, *, counts: bool = False) -> list:
+    """A loaded state's per-arm list ``learned[field]`` as floats (``counts``: as ints), checked as ``check_arm_lists``
+    checks it and stricter: one finite number >= 0 per arm, no None (these planners have no "no value yet"), counts
+    whole. A hand-edited state's strings and fractions ("7", 2.9) were coerced (``int("7")``, ``int(2.9)`` = 2)."""
+    values = learned[field]
+    if not isinstance(values, list):
+        raise ValueError(f"state's learned {field} must be a list, one entry per arm 0..{gamma_max}, got "
+                         f"{short_repr(values)}")
+    if len(values) != gamma_max + 1:
+        check_arm_lists(gamma_max, **{field: values})  # (its message for a list of the wrong length)
+    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in values)
+    if not ok or (counts and not all(is_int(v) for v in values)):
+        what = "whole numbers >= 0 (counts)" if counts else "finite numbers >= 0"
+        raise ValueError(f"state's learned {field} must hold {what}, one per arm, got {short_repr(values)}")
+    return [int(v) if counts else float(v) for v in values]
+
+
 def _check_gamma_max(gamma_max: Any) -> None:
     if not is_int(gamma_max) or not 0 <= gamma_max <= MAX_GAMMA:
         raise ValueError(f"gamma_max must be an int in 0..{MAX_GAMMA}, got {short_repr(gamma_max)}")

@@ -27,11 +27,13 @@ from typing import Any
 
 import numpy as np
 
+from nightjar_jax.engine.sampling_params import short_repr
 from nightjar_jax.planner.base import (
     Planner,
-    check_arm_lists,
     check_int_option,
     check_number_option,
+    is_int,
+    learned_arm_list,
     register_planner,
 )
 
@@ -156,9 +158,8 @@ class DsdPlanner(Planner):
         }
 
     def _load_learned_state(self, learned: dict[str, Any]) -> None:
-        steps_per_gamma = [int(n) for n in learned["steps_per_gamma"]]
-        tokens_per_seq_sum = [float(s) for s in learned["tokens_per_seq_sum"]]
-        check_arm_lists(self.gamma_max, steps_per_gamma=steps_per_gamma, tokens_per_seq_sum=tokens_per_seq_sum)
+        steps_per_gamma = learned_arm_list(learned, "steps_per_gamma", self.gamma_max, counts=True)
+        tokens_per_seq_sum = learned_arm_list(learned, "tokens_per_seq_sum", self.gamma_max)
         gram = np.array(learned["gram"], dtype=float)
         moment = np.array(learned["moment"], dtype=float)
         if gram.shape != (3, 3) or moment.shape != (3,):
@@ -173,8 +174,16 @@ class DsdPlanner(Planner):
                 coefficients = np.array(coefficients, dtype=float)
                 if coefficients.shape != (3,) or not np.isfinite(coefficients).all():
                     raise ValueError(f"state's fit coefficients must be 3 numbers, got {saved['coefficients']!r}")
-            alpha = None if saved["alpha"] is None else float(saved["alpha"])
-            fit, fitted_at = (alpha, coefficients), int(saved["fitted_at"])
+            alpha, fitted_at = saved["alpha"], saved["fitted_at"]
+            if alpha is not None and not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
+                                          and 0 <= alpha <= 1):
+                # (an acceptance rate: 1.5 or "0.7" was taken, and its expected tokens per step grew without bound)
+                raise ValueError(f"state's fit alpha must be null or a number in [0, 1] (an acceptance rate), got "
+                                 f"{short_repr(alpha)}")
+            if not is_int(fitted_at) or fitted_at < -1:
+                raise ValueError(f"state's fit fitted_at must be an int >= -1 (the observation the fit was made "
+                                 f"at), got {short_repr(fitted_at)}")
+            fit, fitted_at = (None if alpha is None else float(alpha), coefficients), int(fitted_at)
         self.steps_per_gamma, self.tokens_per_seq_sum = steps_per_gamma, tokens_per_seq_sum
         self.gram, self.moment = gram, moment
         self._fit, self._fitted_at = fit, fitted_at

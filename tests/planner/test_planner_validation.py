@@ -252,7 +252,23 @@ def _trained(spec: str):
 
 @pytest.mark.parametrize("spec, corrupt, message", [
     # taken, then failed inside a later decision ("math domain error", "cannot convert float NaN to integer")
-    ("banditspec", lambda s: s["learned"]["counts"].__setitem__(3, -5), "learned counts must hold finite numbers"),
+    ("banditspec", lambda s: s["learned"]["counts"].__setitem__(3, -5), "learned counts must hold whole numbers >= 0"),
+    # coerced: a string count int("7"), a fraction int(2.9) = 2, a number-string sum; a fit's acceptance rate over 1
+    # (its expected tokens grew without bound) or a string (QA, 2026-12-06)
+    ("banditspec", lambda s: s["learned"]["counts"].__setitem__(0, "7"),
+     r"learned counts must hold whole numbers >= 0 \(counts\), one per arm, got \['7', "),
+    ("banditspec", lambda s: s["learned"]["counts"].__setitem__(0, 2.9), "learned counts must hold whole numbers"),
+    ("banditspec", lambda s: s["learned"].__setitem__("reward_sums", "abcd"),
+     "learned reward_sums must be a list, one entry per arm 0..3, got 'abcd'"),
+    ("dsd", lambda s: s["learned"]["steps_per_gamma"].__setitem__(1, 2.5), "learned steps_per_gamma must hold whole"),
+    ("dsd", lambda s: s["learned"]["tokens_per_seq_sum"].__setitem__(1, "4"),
+     "learned tokens_per_seq_sum must hold finite numbers >= 0, one per arm"),
+    ("dsd", lambda s: s["learned"].__setitem__("fit", {"alpha": 1.5, "coefficients": None, "fitted_at": 3}),
+     r"fit alpha must be null or a number in \[0, 1\] \(an acceptance rate\), got 1.5"),
+    ("dsd", lambda s: s["learned"].__setitem__("fit", {"alpha": "0.7", "coefficients": None, "fitted_at": 3}),
+     "fit alpha must be null or a number in"),
+    ("dsd", lambda s: s["learned"].__setitem__("fit", {"alpha": 0.5, "coefficients": None, "fitted_at": "3"}),
+     "fit fitted_at must be an int >= -1"),
     ("banditspec", lambda s: s["learned"]["reward_sums"].__setitem__(0, float("nan")),
      "learned reward_sums must hold finite numbers"),
     ("dsd", lambda s: s["learned"]["gram"][0].__setitem__(0, None), "gram and moment must hold finite numbers"),
