@@ -77,6 +77,7 @@ from nightjar_jax.spec.lookup import NgramIndex
 from nightjar_jax.spec.rejection import (
     as_plain_steps,
     draft_sample,
+    exact_plain_draws,
     greedy_verify,
     rejection_sample,
     tree_greedy_verify,
@@ -836,7 +837,8 @@ class ModelRunner:
                 # st.max_accept where there is none)
                 draft_probs = point_mass if draft_probs is None else jnp.where(copied[..., None], point_mass,
                                                                               draft_probs)
-                out, num_accepted = rejection_sample(draft_tokens, draft_probs, target_probs, st, salt=SALT_VERIFY)
+                out, num_accepted = rejection_sample(draft_tokens, draft_probs, target_probs, st, salt=SALT_VERIFY,
+                                                     plain=exact_plain_draws(logits, st))
                 out = as_plain_steps(out, logits[:, 0], st)
             # out[:, j] (j <= num_accepted) is the target's token after position j, under logits[:, j]
             lp = None if num_logprobs is None else token_logprobs(raw, out, num_logprobs)
@@ -881,7 +883,7 @@ class ModelRunner:
                 feature = hidden[:, -1:] if feats is not None else None
                 if all_greedy:
                     return argmax(logits), None, kv, feature
-                tok, probs = draft_sample(logits, st, SALT_DRAFT + i)
+                tok, probs = draft_sample(logits, st, SALT_DRAFT + i, position=i)
                 return tok, probs, kv, feature
 
             md0 = BatchMetadata(block_tables, context_lens, first_lens)
@@ -1056,6 +1058,8 @@ class ModelRunner:
         min_p = np.zeros(num_rows, np.float32)
         seeds = np.zeros(num_rows, np.uint32)
         steps = np.zeros(num_rows, np.int32)
+        # seeded sampled rows: their speculative steps commit exactly plain decoding's tokens (SamplingTensors.exact)
+        exact = np.zeros(num_rows, bool)
         # the drafts a row may accept (Request.draft_limit): under min_tokens those that keep it under (always an
         # array: one structure, no step variant more)
         max_accept = np.full(num_rows, NO_ACCEPT_LIMIT, np.int32)
@@ -1065,6 +1069,7 @@ class ModelRunner:
             # (top_k >= V keeps every token, as 0 does: clamped, any Python int fits the int32 column)
             temperature[i], top_k[i], top_p[i], min_p[i] = sp.temperature, min(sp.top_k, vocab), sp.top_p, sp.min_p
             seeds[i] = r.seed  # (folded to 32 bits when the request was added)
+            exact[i] = sp.seed is not None and sp.temperature > 0
             steps[i] = len(r.output_token_ids)
             if r.draft_limit is not None:
                 max_accept[i] = r.draft_limit
@@ -1100,7 +1105,8 @@ class ModelRunner:
                     banned = np.ones(vocab, bool)
                     banned[r.sampling.allowed_token_ids] = False
                     dense[i, banned] = BANNED
-            return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, None, dense, max_accept, penalties)
+            return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, None, dense, max_accept, penalties,
+                                   exact=exact)
         if widest:  # a static width per batch: powers of two from 8 (a few variants, compiled on first use)
             width = max(8, next_power_of_two(widest))
             bias_ids, bias_values = np.zeros((num_rows, width), np.int32), np.zeros((num_rows, width), np.float32)
@@ -1108,7 +1114,7 @@ class ModelRunner:
                 for j, (token, value) in enumerate(bias.items()):
                     bias_ids[i, j], bias_values[i, j] = token, value
         return SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps, bias_ids, bias_values, max_accept,
-                               penalties)
+                               penalties, exact=exact)
 
     def _walk_constraints(self, requests: list[Request], drafts: np.ndarray, st: SamplingTensors,
                           tree: SpecTree | None, first_masks: np.ndarray) -> SamplingTensors:

@@ -14,9 +14,11 @@ Vocabulary
 - **request key**: the PRNG key of one request at one generation step,
   ``fold_in(fold_in(key(seed), step), salt)``. It depends only on the request's seed, how many tokens it has
   generated, and a salt naming the use (plain sampling, verification, drafting), never on the batch slot or on
-  the other requests in the batch. That is what makes a seeded request reproducible under continuous batching,
-  given the same γ at each step: a plain step (``SALT_SAMPLE``) and a speculative one (``SALT_VERIFY`` /
-  ``SALT_DRAFT``) draw the same distribution from different streams.
+  the other requests in the batch. That is what makes a seeded request reproducible under continuous batching.
+  An unseeded request's speculative steps draw from their own streams (``SALT_VERIFY`` / ``SALT_DRAFT``: rejection
+  sampling, the same distribution as a plain step's ``SALT_SAMPLE``); a seeded one's (``SamplingTensors.exact``)
+  verify each position against the token a plain step would draw there (:func:`plain_draws`), so its tokens do not
+  depend on γ or on whether it speculated at all.
 
 JIT notes: every function here is traceable with static shapes; the sampling parameters are arrays, so changing
 them never recompiles. Top-k/top-p find their thresholds by bisection (64 passes over the logits, no sort) and
@@ -122,6 +124,10 @@ class SamplingTensors(NamedTuple):
     # outputs', ``TokenConstraint.walk``: a chain's positions, or a tree's nodes), applied after the bias:
     # apply_allowed
     allowed: jax.Array | None = None
+    # [B] bool: seeded sampled rows, whose speculative steps commit exactly the tokens plain steps would draw (each
+    # position verified against plain_draws' token, not by rejection sampling; spec/rejection.py), so a seeded
+    # request's tokens do not depend on the γ the planner chose. None: no such row
+    exact: jax.Array | None = None
 
     @classmethod
     def create(
@@ -238,6 +244,22 @@ def request_keys(st: SamplingTensors, salt: int) -> jax.Array:
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), salt)
 
     return jax.vmap(one)(st.seeds, st.steps)  # [B] key
+
+
+def plain_draws(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """The tokens plain steps would draw at P successive positions: logits [B, P, V] f32 (processed as a plain step's
+    are: bias, penalties and masks applied; position j's after the tokens before it) -> [B, P] int32, position j
+    drawn as :func:`sample` draws with ``st.steps + j`` and ``SALT_SAMPLE`` (greedy rows: the argmax)."""
+    batch, positions, vocab = logits.shape
+    check_rows(batch, st.temperature.shape[0])
+
+    def rows(x: jax.Array) -> jax.Array:
+        return jnp.repeat(jnp.asarray(x), positions, axis=0)
+
+    steps = rows(st.steps) + jnp.tile(jnp.arange(positions, dtype=jnp.int32), batch)
+    flat = SamplingTensors(rows(st.temperature), rows(st.top_k), rows(st.top_p), rows(st.min_p), rows(st.seeds),
+                           steps)
+    return sample(logits.reshape(batch * positions, vocab), flat, SALT_SAMPLE).reshape(batch, positions)
 
 
 def _per_row(x: jax.Array, ndim: int) -> jax.Array:

@@ -23,8 +23,16 @@ Decoding with Speculative Sampling", Alg. 2. Greedy rows (temperature 0) use the
 
 Randomness: the uniform ``u_i`` and the draw at position i come from ``fold_in(fold_in(k, i), 0)`` and
 ``fold_in(fold_in(k, i), 1)`` with ``k = request_keys(st, salt)``, so results depend on the request's seed, step
-and γ only, not on γ's padding or the batch (a plain step samples from another stream: a seeded request repeats
-its tokens for the same γ at each step, see ``SamplingParams``).
+and γ only, not on γ's padding or the batch.
+
+Seeded rows (``SamplingTensors.exact``): their tokens must not depend on γ (the planner's choice follows the load),
+so they are verified like greedy rows with the argmax replaced by the token a plain step would draw at each position
+(``plain``: :func:`nightjar_jax.engine.sampler.plain_draws`, the ``SALT_SAMPLE`` stream at step + i): d_i is accepted
+while it equals that token, and the token at the first mismatch (or the bonus) is that token too. The committed
+tokens are then exactly plain decoding's, whatever γ was, and so distributed as p. The draft draws d_i by inverse
+CDF with the same uniform as the plain draw at its position (``draft_sample``'s ``position``), which makes it agree
+with the target's draw where q is close to p; acceptance is lower than rejection sampling's (an agreement of
+coupled draws, at most sum(min(p, q))), the price of reproducibility.
 
 Worked example (γ = 3, greedy): drafts [5, 7, 2], target argmax per position [5, 7, 9, 4] -> d_0 and d_1 match,
 d_2 does not: num_accepted = 2, output = [5, 7, 9, -1] (three committed tokens).
@@ -48,6 +56,7 @@ from nightjar_jax.engine.sampler import (
     SamplingTensors,
     argmax,
     check_rows,
+    plain_draws,
     processed_probs,
     request_keys,
     sample,
@@ -118,6 +127,7 @@ def rejection_sample(
     st: SamplingTensors,
     *,
     salt: int = SALT_VERIFY,
+    plain: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Speculative sampling (Leviathan et al. 2023, Alg. 1) for a batch.
 
@@ -125,6 +135,8 @@ def rejection_sample(
     draft_probs: [B, γ, V] f32 the draft's processed distribution q at each drafted position.
     target_probs: [B, γ + 1, V] f32 the target's processed distribution p (last position: bonus).
     st: the batch's sampling tensors (temperature 0 rows are verified greedily via argmax of p).
+    plain: [B, γ + 1] int32 the tokens plain steps would draw at each position (:func:`exact_plain_draws`), needed
+    when ``st.exact`` is set: those rows accept a draft while it equals that token and commit it at the end.
     Returns output_tokens [B, γ + 1] int32 (committed = output[:num_accepted + 1], the rest -1) and
     num_accepted [B] int32 in [0, γ].
     """
@@ -134,8 +146,13 @@ def rejection_sample(
         if probs.shape[:2] != (batch, positions):
             raise ValueError(f"rejection_sample: {name} has shape {tuple(probs.shape)}, needs [{batch}, {positions}, "
                              f"V] for draft_tokens [{batch}, {gamma}]")
+    if st.exact is not None and (plain is None or plain.shape != (batch, gamma + 1)):
+        raise ValueError(f"rejection_sample: rows with SamplingTensors.exact need plain [{batch}, {gamma + 1}] (the "
+                         f"plain steps' tokens, exact_plain_draws), got "
+                         f"{None if plain is None else tuple(plain.shape)}")
     draft_tokens = draft_tokens.astype(jnp.int32)
     greedy = st.temperature == 0  # [B] bool
+    exact = None if st.exact is None else st.exact & ~greedy  # [B] bool
     keys = request_keys(st, salt)  # [B] key
     position_keys = jax.vmap(lambda k: jax.vmap(lambda i: jax.random.fold_in(k, i))(jnp.arange(gamma + 1)))(keys)
     # position_keys: [B, γ + 1] key; stream 0 = acceptance uniform, stream 1 = recovered/bonus draw.
@@ -149,6 +166,8 @@ def rejection_sample(
     target_argmax = argmax(target_probs)  # [B, γ + 1] int32
     greedy_accept = draft_tokens == target_argmax[:, :gamma]  # [B, γ] bool
     accepted = jnp.where(greedy[:, None], greedy_accept, sampled_accept)  # [B, γ] bool
+    if exact is not None:  # (as greedy rows, the plain steps' tokens in place of the argmax)
+        accepted = jnp.where(exact[:, None], draft_tokens == plain[:, :gamma], accepted)
     accepted = _within_limit(accepted, st.max_accept)
     num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)  # [B] int32
 
@@ -169,17 +188,35 @@ def rejection_sample(
     final_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(position_keys[rows, num_accepted])  # [B] key
     drawn = sample_from_probs(_residual_probs(p_final, q_final), final_keys)  # [B] int32
     final_token = jnp.where(greedy, target_argmax[rows, num_accepted], drawn)  # [B] int32
+    if exact is not None:
+        final_token = jnp.where(exact, plain[rows, num_accepted].astype(jnp.int32), final_token)
     return _commit(draft_tokens, accepted, final_token)
 
 
-def draft_sample(logits: jax.Array, st: SamplingTensors, salt: int = SALT_DRAFT) -> tuple[jax.Array, jax.Array]:
+def exact_plain_draws(logits: jax.Array, st: SamplingTensors) -> jax.Array | None:
+    """``plain`` for :func:`rejection_sample`: logits [B, P, V] (processed as a plain step's) -> the tokens plain
+    steps would draw at the P positions [B, P] int32 when some row is ``st.exact`` (computed only then: zeros
+    else); None when ``st.exact`` is None."""
+    if st.exact is None:
+        return None
+    return jax.lax.cond(jnp.any(st.exact), lambda x: plain_draws(x, st),
+                        lambda x: jnp.zeros(x.shape[:2], jnp.int32), logits)
+
+
+def draft_sample(logits: jax.Array, st: SamplingTensors, salt: int = SALT_DRAFT,
+                 position: int | jax.Array = 0) -> tuple[jax.Array, jax.Array]:
     """One draft step: logits [B, V] f32 -> (token [B] int32, probs [B, V] f32 the processed q).
 
-    Greedy rows: argmax and its one-hot. For draft position j of a step, pass ``st._replace(steps=st.steps + j)``
-    so every drafted position draws from its own stream.
+    Greedy rows: argmax and its one-hot. Give draft position j of a step its own stream (a ``salt`` per position,
+    or ``st._replace(steps=st.steps + j)``). ``st.exact`` rows draw with the uniform of the plain step at
+    ``position`` (``st.steps + position``, ``SALT_SAMPLE``) instead: the draw the target's is compared with.
     """
     probs = processed_probs(logits, st)  # [B, V] f32
     drawn = sample_from_probs(probs, request_keys(st, salt))  # [B] int32
+    if st.exact is not None:
+        plain_keys = request_keys(st._replace(steps=st.steps + position), SALT_SAMPLE)  # [B] key
+        coupled = jax.lax.cond(jnp.any(st.exact), lambda x: sample_from_probs(x, plain_keys), lambda x: drawn, probs)
+        drawn = jnp.where(st.exact, coupled, drawn)
     token = jnp.where(st.temperature == 0, argmax(logits), drawn)  # [B] int32
     return token, probs
 
@@ -246,14 +283,17 @@ def tree_rejection_sample(
     therefore distributed as ``p``: ``P(t1) = p(t1)``, ``P(t2) = (1 - p(t1)) p(t2) / (1 - p(t1))``, and so on,
     and the residual draw covers the rest; a greedy row's ``p`` is one-hot, which makes this its argmax walk.
     Randomness: per request key (``request_keys(st, salt)``), folded with the depth, then 0 for the draw and
-    ``1 + j`` for the ``j``-th child's uniform. Returns (output_tokens [B, depth + 1], num_accepted [B],
-    path [B, depth + 1]) as :func:`tree_greedy_verify`.
+    ``1 + j`` for the ``j``-th child's uniform. ``st.exact`` rows walk as greedy rows do with the token a plain step
+    would draw at each depth (``SALT_SAMPLE``, step + depth) in place of the argmax: the child with that token is
+    taken, else that token ends the step (plain decoding's tokens, whatever the tree). Returns (output_tokens
+    [B, depth + 1], num_accepted [B], path [B, depth + 1]) as :func:`tree_greedy_verify`.
     """
     batch = tokens.shape[0]
     check_rows(batch, st.temperature.shape[0])
     rows = jnp.arange(batch)
     children = jnp.asarray(tree.children)
     keys = request_keys(st, salt)  # [B] key
+    exact = None if st.exact is None else st.exact & (st.temperature > 0)  # [B] bool
     cur = jnp.zeros(batch, jnp.int32)  # the walk's node
     done = jnp.zeros(batch, bool)
     num_accepted = jnp.zeros(batch, jnp.int32)
@@ -262,6 +302,9 @@ def tree_rejection_sample(
         depth_keys = jax.vmap(lambda k, d=d: jax.random.fold_in(k, d))(keys)  # [B] key
         p = processed_probs(target_logits[rows, cur], st)  # [B, V]
         residual, nxt = p, jnp.full(batch, -1, jnp.int32)
+        if exact is not None:  # the plain step's token after the current node (zeros when no row is exact)
+            plain = jax.lax.cond(jnp.any(exact), lambda x, d=d: sample(x, st._replace(steps=st.steps + d), SALT_SAMPLE),
+                                 lambda x: jnp.zeros(batch, jnp.int32), target_logits[rows, cur])
         if d < tree.depth:
             total = jnp.sum(p, axis=-1)  # [B]
             for j in range(children.shape[1]):
@@ -272,6 +315,8 @@ def tree_rejection_sample(
                 mass = residual[rows, tok]
                 u = jax.vmap(lambda k, j=j: jax.random.uniform(jax.random.fold_in(k, 1 + j)))(depth_keys)
                 accept = tried & (u * total < mass)
+                if exact is not None:
+                    accept = jnp.where(exact, tried & (tok == plain), accept)
                 nxt = jnp.where(accept, child, nxt)
                 reject = tried & ~accept
                 residual = residual.at[rows, tok].set(jnp.where(reject, 0.0, mass))
@@ -279,6 +324,8 @@ def tree_rejection_sample(
         empty = jnp.sum(residual, axis=-1, keepdims=True) <= 0  # float dust only: fall back to p
         draw_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(depth_keys)
         draw = sample_from_probs(jnp.where(empty, p, residual), draw_keys)
+        if exact is not None:
+            draw = jnp.where(exact, plain, draw)
         moved = ~done & (nxt >= 0)
         out.append(jnp.where(done, PAD_TOKEN, jnp.where(moved, tokens[rows, jnp.maximum(nxt, 0)], draw)))
         num_accepted = num_accepted + moved.astype(jnp.int32)

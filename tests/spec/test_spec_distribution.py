@@ -41,7 +41,7 @@ def _chi2_two_sample(a: list, b: list, min_count: int = 5) -> float:
     return stats.chi2_contingency(table)[1]
 
 
-def _accept_everything(draft_tokens, draft_probs, target_probs, st, *, salt=1):
+def _accept_everything(draft_tokens, draft_probs, target_probs, st, *, salt=1, plain=None):
     """A broken verifier: every draft accepted whatever the distributions (the negative controls' patch)."""
     import jax.numpy as jnp
 

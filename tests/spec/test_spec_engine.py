@@ -111,24 +111,36 @@ def test_context_limit_clips_speculation():
     assert eng.num_free_pages == eng.num_total_pages
 
 
-def test_a_seeded_request_is_reproducible_for_the_same_speculation_decisions():
-    """A seeded sampled request gives the same tokens alone or batched with others when every step runs at the same
-    γ; at another γ it draws other tokens from the same distribution (plain and speculative steps sample from
-    different random streams; README, ``seed``)."""
+@pytest.mark.parametrize("spec", [{}, dict(spec_tree_nodes=6), dict(prompt_lookup_max=2, prompt_lookup_min=1)],
+                         ids=["chain", "tree", "lookup"])
+def test_a_seeded_request_gives_the_same_tokens_whatever_the_speculation(spec):
+    """A seeded sampled request's tokens do not depend on γ: the same alone or batched (with sampled unseeded
+    requests, which keep rejection sampling), at γ = 0, at a fixed γ, at a γ drawn every step, through preemptions,
+    under top-k / top-p and a presence penalty, with a token tree or n-gram lookup's copies. Each speculative step
+    verifies the row's drafts against the tokens plain steps would draw (``SamplingTensors.exact``). They differed
+    at another γ (plain and speculative steps drew from different random streams), so a seeded request's output
+    followed the planner's choices, that is the server's load."""
     from nightjar_jax.engine.sampling_params import SamplingParams
 
-    seeded = SamplingParams(temperature=3.0, seed=1234, max_tokens=24)
+    seeded = [SamplingParams(temperature=1.0, seed=1234, max_tokens=24),
+              SamplingParams(temperature=0.8, top_k=20, top_p=0.9, presence_penalty=0.5, seed=7, max_tokens=24)]
 
-    def run(gamma, others):
-        engine = fake_engine(draft=True, num_speculative_tokens=GAMMA_MAX)
-        force_gamma(engine, lambda: gamma)
-        rid = engine.add_request([3, 1, 4, 1, 5, 9, 2, 6], seeded)
+    def run(choose, others, **kw):
+        engine = fake_engine(draft=True, runner_up=True, num_speculative_tokens=GAMMA_MAX, **{**spec, **kw})
+        force_gamma(engine, choose)
+        ids = [engine.add_request(list(range(3 + i, 12 + i)), sp) for i, sp in enumerate(seeded)]
         for i, prompt in enumerate(others):
-            engine.add_request(prompt, greedy(30), request_id=f"other-{i}")
-        out = run_all(engine)[rid]
+            engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=30), request_id=f"other-{i}")
+        done = run_all(engine)
         assert engine.num_free_pages == engine.num_total_pages
-        return out
+        return [done[i] for i in ids], engine.stats
 
-    alone = run(3, [])
-    assert run(3, PROMPTS[:3]) == alone  # (γ = 0 alone vs batched: tests/engine/test_engine_real.py)
-    assert run(0, []) != alone  # (with temperature 3 over 97 tokens a match would be a coincidence)
+    plain, _ = run(lambda: 0, [])
+    rng = random.Random(0)
+    for choose, others, kw in [(lambda: 3, [], {}), (lambda: GAMMA_MAX, PROMPTS[:3], {}),
+                               (lambda: rng.randint(0, GAMMA_MAX), PROMPTS, dict(num_pages=20, max_num_seqs=5))]:
+        out, stats = run(choose, others, **kw)
+        assert out == plain
+        assert stats.num_accepted_tokens > 0  # (drafts were accepted, not only rejected)
+        if "num_pages" in kw:
+            assert stats.num_preemptions > 0
