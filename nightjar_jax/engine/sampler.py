@@ -356,7 +356,12 @@ def _filtered_logits(logits: jax.Array, st: SamplingTensors) -> tuple[jax.Array,
     ndim, vocab = logits.ndim, logits.shape[-1]
     greedy = _per_row(st.temperature == 0, ndim)  # [B, ..., 1] bool
     temperature = _per_row(st.temperature, ndim)  # [B, ..., 1] f32
-    scaled = logits / jnp.where(greedy, 1.0, temperature)  # [B, ..., V] f32
+    # less the row's largest logit, then divided: a tiny temperature (1e-38 is allowed) sent x / t to inf and the min-p
+    # floor below to inf + log(0) = NaN, every token was removed and token 0 drawn; now the top token scales to 0, the
+    # others towards -inf (the greedy limit)
+    top_logit = jnp.max(logits, axis=-1, keepdims=True)  # [B, ..., 1] f32
+    top_logit = jnp.where(jnp.isfinite(top_logit), top_logit, 0.0)
+    scaled = (logits - top_logit) / jnp.where(greedy, 1.0, temperature)  # [B, ..., V] f32
 
     # min-p first, as vLLM's sampler orders them (min-p is one of its logits processors, applied before top-k and
     # top-p): top-p's nucleus is then taken over the mass min-p kept, renormalised. In log space:

@@ -375,3 +375,22 @@ def test_a_negative_seed_is_vllms_64_bit_seed() -> None:
         SamplingParams(seed=-(2**63) - 1)
     assert [child_seed(-1, j) for j in range(3)] == [-1, 0, 1]
     assert [child_seed(2**63 - 1, j) for j in range(2)] == [2**63 - 1, 0] and child_seed(None, 1) is None
+
+
+@pytest.mark.parametrize("filters", [{}, dict(min_p=0.1), dict(top_k=3, top_p=0.9)], ids=["plain", "min_p", "top"])
+def test_a_tiny_temperature_samples_the_argmax(filters):
+    """Temperatures down to the smallest float32 (SamplingParams allows any above 0) divided the logits into inf and
+    the min-p floor into NaN: every token was removed and token 0 drawn (QA: temperature 3e-38 wrote only <unk>). The
+    logits are shifted by their maximum first: the greedy limit."""
+    logits = np.array([[3.0, 40.0, 1.0, 0.0, -1.0], [-5.0, -2.0, -9.0, -1.5, -3.0]], np.float32)
+    for temperature in (3e-38, 1e-37, 1e-30, 1e-6):
+        st = SamplingTensors.create(2, temperature=temperature, seeds=[1, 2], **filters)
+        probs = np.asarray(_probs(logits, st))
+        assert np.isfinite(probs).all() and (probs.argmax(axis=1) == [1, 3]).all() and np.allclose(probs.max(1), 1)
+        assert np.asarray(_sample(logits, st)).tolist() == [1, 3]
+    moderate = SamplingTensors.create(2, temperature=0.7, seeds=[1, 2], **filters)  # (unchanged: the shift cancels)
+    shifted = logits / 0.7
+    expected = np.exp(shifted - shifted.max(1, keepdims=True))
+    if not filters:
+        np.testing.assert_allclose(np.asarray(_probs(logits, moderate)), expected / expected.sum(1, keepdims=True),
+                                   rtol=1e-5, atol=1e-7)
