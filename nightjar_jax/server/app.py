@@ -1434,12 +1434,18 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         model = check_model(req.model)
         chat = req.as_chat()
         params = make_params(chat, check_max_tokens(req.max_output_tokens, "max_output_tokens"), "max_output_tokens")
-        prompt = await asyncio.to_thread(render_chat, chat)
-        rid = req.request_id or f"resp_{uuid.uuid4().hex}"
+        try:
+            prompt = await asyncio.to_thread(render_chat, chat)
+        except APIError as exc:  # (render_chat names chat's 'messages': here they came from 'input')
+            if exc.param == "messages":
+                exc.param = "input"
+            raise
+        rid = response_id(req, request, "resp").removeprefix("resp-")  # (the X-Request-Id header's, as chat's)
+        rid = rid if req.request_id or request.headers.get("x-request-id") else f"resp_{rid}"
         mid, rsid = f"msg_{uuid.uuid4().hex}", f"rs_{uuid.uuid4().hex}"
         stream = await add_group([prompt], params, 1, rid, max_tokens_param="max_output_tokens"
                                  if req.max_output_tokens is not None else None, structured_param="text",
-                                 prompt_param="input")
+                                 prompt_param="input", priority=req.priority, cache_salt=req.cache_salt)
         created = int(time.time())
         spec = params.structured_outputs
         thinks = splits_thought(spec)
@@ -1462,7 +1468,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
                 "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": params.temperature,
                 "top_p": params.top_p, "tool_choice": req.tool_choice or "auto", "tools": [],
-                "text": req.text or {"format": {"type": "text"}}, "truncation": req.truncation or "disabled",
+                "text": req.echoed_text(), "truncation": req.truncation or "disabled",
                 "user": req.user, "service_tier": "default", "output": [], "usage": None,
                 # (the features this server refuses or ignores, at the values it serves: a client reading 'store'
                 # learns the response was not stored, whatever it asked)
@@ -1474,7 +1480,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 comp = out.outputs[0]
                 body["completed_at"] = int(time.time()) if status == "completed" else None
                 done = "completed" if status == "completed" else "incomplete"
-                body["output"] = [thought(reasoning, "completed")] * bool(reasoning) + [message(text, done)]
+                # (a thought cut off by max_output_tokens, no answer begun, is incomplete too)
+                thought_done = "completed" if status == "completed" or text else "incomplete"
+                body["output"] = [thought(reasoning, thought_done)] * bool(reasoning) + [message(text, done)]
                 if status == "incomplete":
                     body["incomplete_details"] = {"reason": "max_output_tokens"}
                 if status == "failed":  # (aborted: a shutdown, or the request was cut off)
@@ -1554,8 +1562,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                         if phase == "thinking":  # the thought is over: its item closes, the message comes next
                             yield event("response.reasoning_text.done", item_id=rsid, output_index=0,
                                         content_index=0, text=reasoning)
+                            cut = comp.finished and not answer_text and status_of(out) != "completed"
                             yield event("response.output_item.done", output_index=0,
-                                        item=thought(reasoning, "completed"))
+                                        item=thought(reasoning, "incomplete" if cut else "completed"))
                             at["output_index"] = 1
                         phase = "answering"
                         yield event("response.output_item.added", output_index=at["output_index"],

@@ -779,8 +779,11 @@ class ResponsesRequest(_Strict):
     text or ``input_text`` / ``output_text`` parts), text out, as one chat completion through the chat template.
     ``instructions`` become a system message first; ``text.format`` is ``response_format``. ``store`` true is taken
     and nothing stored (the response says ``store: false``), as vLLM does without a store: OpenAI's default is true,
-    so SDKs send it. Not served (a 400 naming the field): ``previous_response_id``, tools, ``n`` > 1 (it has none),
-    and input items other than messages."""
+    so SDKs send it. vLLM's extra fields are served as on chat: ``top_k``, ``logit_bias``, ``skip_special_tokens``,
+    ``priority``, ``cache_salt``, ``request_id`` (``mm_processor_kwargs`` and ``enable_response_messages`` at their
+    neutral values). ``text`` holds ``format`` and ``verbosity`` (only OpenAI's default, "medium"). Not served (a 400
+    naming the field): ``previous_response_id``, tools, ``n`` > 1 (it has none), and input items other than
+    messages."""
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -791,6 +794,15 @@ class ResponsesRequest(_Strict):
     stream: bool | None = False
     text: dict[str, Any] | None = None
     store: bool | None = None
+    # vLLM's extra fields (its ResponsesRequest), served as chat serves them
+    top_k: int | None = Field(default=None, ge=-1)
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    priority: StrictInt = 0
+    cache_salt: str | None = Field(default=None, min_length=1)
+    mm_processor_kwargs: dict[str, Any] | None = None
+    enable_response_messages: bool = False
+    previous_input_messages: list[Any] | None = None
     previous_response_id: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
@@ -845,6 +857,10 @@ class ResponsesRequest(_Strict):
             ("context_management", bool(self.context_management),
              "no context is managed here: send the conversation as 'input'"),
             ("image", bool(self.image), "the models this server runs write text"),
+            ("mm_processor_kwargs", bool(self.mm_processor_kwargs), "the models this server runs read text"),
+            ("enable_response_messages", self.enable_response_messages, "no raw messages are returned"),
+            ("previous_input_messages", self.previous_input_messages is not None,
+             "send the whole conversation as 'input'"),
             ("stream_options", self.stream_options is not None and not self.stream,
              "it applies to streamed responses only: set 'stream': true or leave it out"),
             ("stream_options", bool(set(self.stream_options or {}) - {"include_obfuscation"}) or not isinstance(
@@ -855,6 +871,21 @@ class ResponsesRequest(_Strict):
             if bad:
                 raise APIError(400, f"'{name}'={short_repr(getattr(self, name))} is not supported by this server: "
                                     f"{why}", param=name)
+        text = self.text or {}
+        unknown = sorted(set(text) - {"format", "verbosity"})
+        if unknown:  # (they were taken and ignored, and echoed back as if served)
+            raise APIError(400, f"'text.{unknown[0]}' is not supported: 'text' holds 'format' and 'verbosity'",
+                           param="text")
+        if text.get("verbosity") not in (None, "medium"):  # (as chat's 'verbosity', not served)
+            raise APIError(400, f"'text.verbosity'={short_repr(text['verbosity'])} is not supported by this server: "
+                                f"allowed 'medium' (OpenAI's default), or leave it out", param="text")
+
+    def echoed_text(self) -> dict[str, Any]:
+        """``text`` as the response echoes it: always with a ``format`` (``{"type": "text"}`` unless one was given)
+        and OpenAI's ``verbosity``."""
+        text = self.text or {}
+        return {**text, "format": text.get("format") or {"type": "text"}, "verbosity": text.get("verbosity") or
+                "medium"}
 
     def messages(self) -> list[dict[str, Any]]:
         """``instructions`` and ``input`` as chat messages."""
@@ -872,6 +903,9 @@ class ResponsesRequest(_Strict):
                                     f"'assistant', 'content': ...}}: other items (function calls, images, ...) are "
                                     f"not served", param=f"input[{i}]")
             if isinstance(content, list):
+                if not content:  # (as chat's: a message of no parts)
+                    raise APIError(400, f"'input[{i}].content' is an empty list: give the message's text, or text "
+                                        f"parts", param=f"input[{i}].content")
                 if not all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
                            and isinstance(p.get("text"), str) for p in content):
                     raise APIError(400, f"'input[{i}].content' parts must be {{'type': 'input_text' | 'output_text', "
@@ -901,4 +935,7 @@ class ResponsesRequest(_Strict):
         self.check()
         return ChatCompletionRequest(messages=self.messages(), model=self.model,
                                      max_completion_tokens=self.max_output_tokens, temperature=self.temperature,
-                                     top_p=self.top_p, response_format=self.response_format(), user=self.user)
+                                     top_p=self.top_p, response_format=self.response_format(), user=self.user,
+                                     top_k=self.top_k, logit_bias=self.logit_bias,
+                                     skip_special_tokens=self.skip_special_tokens, priority=self.priority,
+                                     cache_salt=self.cache_salt)

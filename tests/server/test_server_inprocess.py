@@ -73,6 +73,55 @@ def test_responses_count_the_thoughts_generated_tokens():
         body = resp.json()
     assert [item["type"] for item in body["output"]] == ["reasoning", "message"]
     assert body["usage"]["output_tokens"] == 20 and body["usage"]["output_tokens_details"]["reasoning_tokens"] == 20
+    # the thought was cut off by max_output_tokens: incomplete, as the response and its message (it said completed)
+    assert body["status"] == "incomplete" and [item["status"] for item in body["output"]] == ["incomplete"] * 2
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s", reasoning_parser="deepseek_r1"))) as client:
+        lines = client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 20, "temperature": 0,
+                                                   "stream": True}).text.splitlines()
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(item["type"], item["status"]) for item in done] == [("reasoning", "incomplete"), ("message", "incomplete")]
+
+
+def test_responses_take_vllms_extra_fields_and_check_text():
+    """vLLM's Responses fields (top_k, logit_bias, skip_special_tokens, priority, cache_salt, mm_processor_kwargs)
+    were 400s ("Extra inputs are not permitted") where chat takes them; 'text' took any keys, ignored them and echoed
+    them; an empty content list was rendered as an empty message (chat's is a 400); the X-Request-Id header was
+    ignored; a template failure named chat's 'messages'."""
+    llm = stories_chat_llm()
+    base = {"input": "Tell me a story.", "max_output_tokens": 8}
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s"))) as client:
+        def post(body, **kw):
+            return client.post("/v1/responses", json={**base, **body}, **kw)
+
+        greedy = post({"temperature": 0}).json()["output"][0]["content"][0]["text"]
+        top_1 = post({"temperature": 1.0, "top_k": 1, "priority": 0, "cache_salt": "salt", "mm_processor_kwargs": None,
+                      "skip_special_tokens": False})
+        assert top_1.status_code == 200, top_1.text
+        assert top_1.json()["output"][0]["content"][0]["text"] == greedy
+        first = llm.engine.tokenizer.encode(greedy, add_special_tokens=False)[0]
+        banned = post({"temperature": 0, "logit_bias": {str(first): -100}}).json()
+        assert banned["output"][0]["content"][0]["text"] != greedy
+        echoed = post({"text": {"format": None}}).json()["text"]
+        assert echoed == {"format": {"type": "text"}, "verbosity": "medium"}
+        assert post({"text": {"verbosity": "medium"}}).status_code == 200
+        assert post({}, headers={"X-Request-Id": "mine-1"}).json()["id"] == "mine-1"
+        assert post({}).json()["id"].startswith("resp_")
+        for body, param, message in [
+                ({"text": {"verbosity": "low"}}, "text", "'text.verbosity'='low' is not supported"),
+                ({"text": {"bogus": 1}}, "text", "'text.bogus' is not supported: 'text' holds 'format' and"),
+                ({"input": [{"role": "user", "content": []}]}, "input[0].content", "'input[0].content' is an empty"),
+                ({"enable_response_messages": True}, "enable_response_messages", "not supported"),
+                ({"mm_processor_kwargs": {"a": 1}}, "mm_processor_kwargs", "not supported"),
+                ({"priority": 5}, "priority", "priority")]:
+            bad = post(body)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (body, bad.text)
+            assert message in bad.json()["error"]["message"], bad.text
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
+    plain = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=16)  # (no chat template)
+    with TestClient(build_app(AsyncEngine(plain.engine), ServerSettings("s"))) as client:
+        bad = client.post("/v1/responses", json=base)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input", bad.text
 
 
 def test_responses_cut_off_fail_and_stored_ones_are_not_found(monkeypatch):
