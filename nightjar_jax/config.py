@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -119,16 +121,28 @@ class ModelConfig:
             self.num_kv_heads,
             f"a divisor of num_heads={self.num_heads}",
         )
-        _check(self.rope_theta > 0, "rope_theta", self.rope_theta, "a positive float")
+        _check(isinstance(self.rope_theta, numbers.Real) and not isinstance(self.rope_theta, bool)
+               and 0 < self.rope_theta < math.inf, "rope_theta", self.rope_theta, "a finite positive float")
+        _check(isinstance(self.tie_word_embeddings, bool), "tie_word_embeddings", self.tie_word_embeddings,
+               "True or False")
         _check(0 < self.rms_norm_eps < 1, "rms_norm_eps", self.rms_norm_eps, "a float in (0, 1)")
         _check_int("max_position_embeddings", self.max_position_embeddings, 1)
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
-        eos = tuple(self.eos_token_ids) if self.eos_token_ids is not None else ()
+        eos = self.eos_token_ids
+        # (HF's config.json writes one id as a plain int: it was "'int' object is not iterable")
+        eos = () if eos is None else (eos,) if isinstance(eos, int) and not isinstance(eos, bool) else tuple(eos)
         object.__setattr__(self, "eos_token_ids", eos)
         for t in eos:
             _check_int("eos_token_ids[]", t, 0, self.vocab_size - 1)
-        if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.bos_token_id is not None:  # (as the EOS ids: an id outside the vocabulary was taken)
+            _check_int("bos_token_id", self.bos_token_id, 0, self.vocab_size - 1)
+        if isinstance(self.rope_scaling, dict):  # (HF's form: its "rope_type" key was an unexpected keyword)
+            scaling = dict(self.rope_scaling)
+            kind = scaling.pop("rope_type", scaling.pop("type", "llama3"))
+            fields = {f.name for f in dataclasses.fields(RopeScaling)}
+            _check(kind == "llama3" and set(scaling) <= fields, "rope_scaling", self.rope_scaling,
+                   f"None, a RopeScaling, or a dict of rope_type 'llama3' and the keys {sorted(fields)}")
+            object.__setattr__(self, "rope_scaling", RopeScaling(**scaling))
         if self.head_vocab_size is not None:
             _check_int("head_vocab_size", self.head_vocab_size, 1, self.vocab_size)
             _check(

@@ -28,6 +28,7 @@ becomes a select and both branches run, so call these on the whole batch rather 
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -78,6 +79,8 @@ def top_k_ids(x: jax.Array, k: int) -> jax.Array:
     vocab = x.shape[-1]
     if not 0 <= k <= vocab:  # (k passes of argmax found id 0 again past the row's end)
         raise ValueError(f"top_k_ids: k={k} must be in [0, {vocab}], the entries of a row")
+    if k == 0:  # (it was jnp.stack of nothing: "Need at least one array to stack")
+        return jnp.zeros(x.shape[:-1] + (0,), jnp.int32)
     if k > ITERATED_TOP_K:
         return jax.lax.top_k(x, k)[1].astype(jnp.int32)
     ids = jnp.arange(vocab, dtype=jnp.int32)
@@ -141,18 +144,37 @@ class SamplingTensors(NamedTuple):
         seeds: int | np.ndarray | list = 0,
         steps: int | np.ndarray | list = 0,
     ) -> SamplingTensors:
-        """Builds the tensors from scalars (broadcast to the batch) or per-row sequences (host side)."""
+        """Builds the tensors from scalars (broadcast to the batch) or per-row sequences (host side). Each value is
+        checked as ``SamplingParams`` checks it (a ValueError naming the field and what is allowed): a negative
+        temperature sampled the reversed distribution, a NaN or a min_p over 1 removed every token (token 0 drawn),
+        top_k 2.7 was cut to 2."""
 
-        def column(value: object, dtype: type) -> jax.Array:
-            return jnp.asarray(np.broadcast_to(np.asarray(value, dtype=dtype), (batch_size,)))
+        def column(name: str, value: object, dtype: type, whole: bool, low: float, high: float,
+                   allowed: str) -> jax.Array:
+            raw = np.asarray(value, dtype=object)
+            if raw.ndim > 1 or (raw.ndim == 1 and raw.shape[0] != batch_size):
+                raise ValueError(f"SamplingTensors.create: {name} has shape {raw.shape} for batch_size {batch_size}: "
+                                 f"give one value, or one per row")
+            flat = raw.reshape(-1)
+            kind = numbers.Integral if whole else numbers.Real
+            ok = all(isinstance(v, kind) and not isinstance(v, (bool, np.bool_)) and low <= v <= high
+                     for v in flat)  # (NaN fails the comparison)
+            if not ok:
+                bad = next(v for v in flat if not (isinstance(v, numbers.Real) and low <= v <= high)
+                           or isinstance(v, (bool, np.bool_)) or (whole and not isinstance(v, numbers.Integral)))
+                raise ValueError(f"SamplingTensors.create: {name}={bad!r} is invalid: allowed {allowed}")
+            values = fold_seeds([int(v) for v in flat]) if name == "seeds" else flat.astype(dtype)
+            return jnp.asarray(np.broadcast_to(values.astype(dtype).reshape(raw.shape), (batch_size,)))
 
         return cls(
-            temperature=column(temperature, np.float32),
-            top_k=column(top_k, np.int32),
-            top_p=column(top_p, np.float32),
-            min_p=column(min_p, np.float32),
-            seeds=column(fold_seeds(seeds), np.uint32),
-            steps=column(steps, np.int32),
+            temperature=column("temperature", temperature, np.float32, False, 0.0, float(np.finfo(np.float32).max),
+                               "a finite float >= 0 (0: greedy)"),
+            top_k=column("top_k", top_k, np.int32, True, -1, 2**31 - 1, "an integer in [-1, 2**31) (0 or -1: off)"),
+            top_p=column("top_p", top_p, np.float32, False, np.nextafter(0, 1), 1.0, "a float in (0, 1]"),
+            min_p=column("min_p", min_p, np.float32, False, 0.0, 1.0, "a float in [0, 1]"),
+            seeds=column("seeds", seeds, np.uint32, True, -(2**63), 2**64 - 1,
+                         "an integer in [-2**63, 2**64) (a 64-bit seed)"),
+            steps=column("steps", steps, np.int32, True, 0, 2**31 - 1, "an integer in [0, 2**31)"),
         )
 
 
@@ -454,6 +476,8 @@ def sample(logits: jax.Array, st: SamplingTensors, salt: int = SALT_SAMPLE) -> j
     Greedy rows get exactly ``argmax(logits)``; the others a draw from the processed distribution with
     ``request_keys(st, salt)``. When every row is greedy only the argmax runs.
     """
+    if logits.ndim != 2:  # (1-D logits were read as a batch of V rows, 3-D failed unpacking a shape)
+        raise ValueError(f"sample: logits must be [B, V] (a batch of rows), got shape {tuple(logits.shape)}")
     check_rows(logits.shape[0], st.temperature.shape[0])
     top = argmax(logits)  # [B] int32
 

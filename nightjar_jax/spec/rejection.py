@@ -104,6 +104,10 @@ def greedy_verify(
     Returns output_tokens [B, γ + 1] int32 (the target's argmax chain up to num_accepted, then -1) and
     num_accepted [B] int32 in [0, γ].
     """
+    batch, gamma = draft_tokens.shape
+    if target_logits.ndim != 3 or target_logits.shape[:2] != (batch, gamma + 1):
+        raise ValueError(f"greedy_verify: target_logits has shape {tuple(target_logits.shape)}, needs [{batch}, "
+                         f"{gamma + 1}, V] for draft_tokens [{batch}, {gamma}] (the last position: the bonus)")
     draft_tokens = draft_tokens.astype(jnp.int32)
     target_argmax = argmax(target_logits)  # [B, γ + 1] int32
     accepted = _within_limit(draft_tokens == target_argmax[:, :-1], max_accept)  # [B, γ] bool
@@ -146,6 +150,9 @@ def rejection_sample(
         if probs.shape[:2] != (batch, positions):
             raise ValueError(f"rejection_sample: {name} has shape {tuple(probs.shape)}, needs [{batch}, {positions}, "
                              f"V] for draft_tokens [{batch}, {gamma}]")
+    if draft_probs.shape[-1] != target_probs.shape[-1]:
+        raise ValueError(f"rejection_sample: draft_probs cover {draft_probs.shape[-1]} tokens and target_probs "
+                         f"{target_probs.shape[-1]}: draft and target must share one vocabulary")
     if st.exact is not None and (plain is None or plain.shape != (batch, gamma + 1)):
         raise ValueError(f"rejection_sample: rows with SamplingTensors.exact need plain [{batch}, {gamma + 1}] (the "
                          f"plain steps' tokens, exact_plain_draws), got "

@@ -394,3 +394,39 @@ def test_a_tiny_temperature_samples_the_argmax(filters):
     if not filters:
         np.testing.assert_allclose(np.asarray(_probs(logits, moderate)), expected / expected.sum(1, keepdims=True),
                                    rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-1.0), r"temperature=-1.0 is invalid: allowed a finite float >= 0"),  # (reversed the dist.)
+    (dict(temperature=float("nan")), "temperature=nan is invalid"),  # (NaN probabilities, token 0)
+    (dict(temperature="0.5"), "temperature='0.5' is invalid"),
+    (dict(min_p=2.0), r"min_p=2.0 is invalid: allowed a float in \[0, 1\]"),
+    (dict(top_p=0.0), r"top_p=0.0 is invalid: allowed a float in \(0, 1\]"),
+    (dict(top_k=2.7), "top_k=2.7 is invalid: allowed an integer"),  # (cut to 2)
+    (dict(top_k=2**40), "top_k=1099511627776 is invalid"),  # (an int32 OverflowError)
+    (dict(steps=2**40), "steps=1099511627776 is invalid"),
+    (dict(seeds=2**64 + 5), "seeds=18446744073709551621 is invalid"),  # (folded onto seed 5's stream)
+    (dict(temperature=[1.0, 2.0, 3.0]), r"temperature has shape \(3,\) for batch_size 2"),  # (numpy's broadcast)
+])
+def test_sampling_tensors_create_checks_its_values(kwargs, message):
+    with pytest.raises(ValueError, match="SamplingTensors.create: " + message):
+        SamplingTensors.create(2, **kwargs)
+    st = SamplingTensors.create(2, temperature=[0.5, np.float32(1.0)], top_k=np.int64(5), seeds=[2**64 - 1, -1])
+    assert np.asarray(st.top_k).tolist() == [5, 5] and np.asarray(st.seeds).tolist()[0] == np.asarray(st.seeds)[1]
+
+
+def test_library_shape_errors_say_what_is_needed():
+    """top_k_ids with k = 0 (which it allows) stacked nothing; 1-D logits to sample were read as V rows; greedy_verify
+    with γ target positions, not γ + 1, failed inside a broadcast; mismatched vocabularies in rejection_sample too."""
+    import jax.numpy as jnp
+
+    from nightjar_jax.spec.rejection import greedy_verify, rejection_sample
+
+    assert top_k_ids(jnp.ones((2, 6)), 0).shape == (2, 0)
+    with pytest.raises(ValueError, match=r"sample: logits must be \[B, V\] \(a batch of rows\), got shape \(5,\)"):
+        sample(jnp.zeros(5), SamplingTensors.create(1, temperature=1.0))
+    with pytest.raises(ValueError, match=r"greedy_verify: target_logits has shape \(1, 2, 8\), needs \[1, 3, V\]"):
+        greedy_verify(jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2, 8)))
+    with pytest.raises(ValueError, match="draft_probs cover 8 tokens and target_probs 9"):
+        rejection_sample(jnp.zeros((1, 2), jnp.int32), jnp.full((1, 2, 8), 1 / 8), jnp.full((1, 3, 9), 1 / 9),
+                         SamplingTensors.create(1, temperature=1.0))

@@ -542,7 +542,7 @@ def _orbax_meta(**config_changes) -> dict:
     (_orbax_meta(rope_scaling={"factor": 0.5}), "config.rope_scaling.factor=0.5 is invalid"),
     (_orbax_meta(eos_token_ids=[9999]), r"config.eos_token_ids\[\]=9999 is invalid"),
     (_orbax_meta(bos_token_id=9999),  # (loaded; then every prompt failed "token ids must be in [0, 512)")
-     r"config.bos_token_id=9999 is invalid: allowed null or an id in \[0, 512\) \(vocab_size is 512\)"),
+     r"config.bos_token_id=9999 is invalid: allowed an integer in \[0, 511\]"),
 ])
 def test_a_corrupt_orbax_config_is_a_value_error_naming_it(tmp_path, content, message):
     folder = tmp_path / "ck"
@@ -714,3 +714,21 @@ def test_an_asyncio_subprocess_starts_while_a_restore_runs():
         thread.start()
         thread.join(60)
     assert result == {"rc": 0}, result
+
+
+def test_model_config_takes_hf_forms_and_checks_its_ids():
+    """ModelConfig built directly (library use): one EOS id as a plain int (HF's config.json form) was "'int' object
+    is not iterable", an HF rope_scaling dict with its "rope_type" an unexpected keyword; a BOS id outside the
+    vocabulary, a string tie_word_embeddings and an infinite rope_theta were taken."""
+    base = dict(vocab_size=32, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1)
+    assert ModelConfig(**base, eos_token_ids=5).eos_token_ids == (5,)
+    scaling = ModelConfig(**base, rope_scaling={"rope_type": "llama3", "factor": 8.0}).rope_scaling
+    assert scaling.factor == 8.0 and scaling.original_max_position_embeddings == 8192
+    for bad, message in [(dict(bos_token_id=99), r"bos_token_id=99 is invalid: allowed an integer in \[0, 31\]"),
+                         (dict(bos_token_id=-1), "bos_token_id=-1 is invalid"),
+                         (dict(tie_word_embeddings="yes"), "tie_word_embeddings='yes' is invalid: allowed True or"),
+                         (dict(rope_theta=float("inf")), "rope_theta=inf is invalid: allowed a finite positive"),
+                         (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope_type 'llama3'"),
+                         (dict(rope_scaling={"factor": 2.0, "beta": 1}), "rope_scaling=.* is invalid")]:
+        with pytest.raises(ValueError, match=message):
+            ModelConfig(**base, **bad)
