@@ -119,11 +119,11 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_k`` 0 or -1 (or at least the vocabulary size) means off, ``top_p`` 1
     means off, ``min_p`` 0 means off.
-    ``seed`` makes sampling reproducible per request, independent of what else is in the batch, for the same
-    speculation decisions: plain steps and speculative steps (rejection sampling) draw from the same distribution
-    with different random streams, so a seeded request whose steps ran at other γ (the planner follows the load)
-    samples other, equally distributed, tokens (as in vLLM). A step that may accept none of a request's drafts (the
-    last token under ``min_tokens``) draws its token as a plain step would.
+    ``seed`` makes sampling reproducible per request, independent of what else is in the batch and of the
+    speculation: a seeded request's speculative steps verify its drafts against the tokens plain steps would draw and
+    commit those (``SamplingTensors.exact``, ``nightjar_jax/spec/rejection.py``), so its tokens are plain
+    decoding's at any γ the planner picks. Its drafts are accepted less often than rejection sampling accepts an
+    unseeded request's (docs/benchmarks.md, "Seeded requests at any γ").
     ``stop`` strings end the completion (the stop string itself is not included in the text);
     ``stop_token_ids`` end it with the token included in ``token_ids`` but not in the text (with
     ``include_stop_str_in_output`` in the text too, as vLLM; likewise a stop string, and an EOS's text where
