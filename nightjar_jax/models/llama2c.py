@@ -118,7 +118,7 @@ def load_llama2c(path: str | Path, *, name: str | None = None) -> tuple[ModelCon
         tie_word_embeddings=shared,
         max_position_embeddings=seq_len,
         bos_token_id=1,
-        eos_token_ids=(2,),
+        eos_token_ids=(2, 1),  # (llama2.c's run.c ends a story at BOS, which its models write between stories)
         name=name or path.stem,
     )
     logger.info("read llama2.c checkpoint %s (%d layers, dim %d, vocab %d)", path, L, dim, vocab)

@@ -90,7 +90,8 @@ PRESETS: dict[str, Preset] = {
     "stories260k": Preset(
         _llama("stories260k", vocab_size=512, hidden_size=64, intermediate_size=172, num_layers=5, num_heads=8,
                num_kv_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=512,
-               bos_token_id=1, eos_token_ids=(2,)),
+               # (llama2.c's stories end with BOS, which starts the next: run.c stops there; they never wrote EOS)
+               bos_token_id=1, eos_token_ids=(2, 1)),
         "asset:stories260K/stories260K.bin",
         tokenizer="asset:stories260K/tokenizer.json",
     ),

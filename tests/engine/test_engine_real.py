@@ -24,6 +24,15 @@ def alone(llm):
     return [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
 
 
+def test_a_story_ends_at_bos(llm):
+    """stories260K writes BOS (1) between stories, never EOS (2); llama2.c's run.c stops there. A completion ran on
+    into the next story until max_tokens (QA: BOS generated at 251); it now ends there, finish reason "stop"."""
+    assert set(llm.engine.target.config.eos_token_ids) == {1, 2}
+    out = llm.generate(["Lily and Tom"], SamplingParams(temperature=0, max_tokens=240))[0].outputs[0]
+    assert out.finish_reason == "stop" and 1 not in out.token_ids[:-1] and len(out.token_ids) < 240
+    assert out.text.rstrip().endswith(".")
+
+
 def test_golden_greedy_text(llm):
     out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=48))[0]
     assert out.prompt_token_ids == [1, 403, 407, 261, 378]

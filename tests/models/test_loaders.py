@@ -86,6 +86,7 @@ def test_dummy_format():
 def test_llama2c_stories_and_separate_classifier(tmp_path, tiny_weights):
     ckpt = load_checkpoint(str(STORIES / "stories260K.bin"))
     assert ckpt.config.tie_word_embeddings and ckpt.config.num_kv_heads == 4 and ckpt.tokenizer is not None
+    assert ckpt.config.eos_token_ids == (2, 1)  # (llama2.c's run.c stops at BOS, written between stories)
     # write our own v0 file with a separate classifier (negative vocab in the header) and read it back
     cfg, w = TINY, tiny_weights
     L = cfg.num_layers
