@@ -3,8 +3,9 @@
 Public API (imported lazily, so ``import nightjar_jax.planner`` stays JAX-free):
 ``LLM``, ``SamplingParams``, ``StructuredOutputs`` (vLLM's ``StructuredOutputsParams``), ``TextPrompt``,
 ``TokensPrompt``, ``RequestOutputKind``, ``EngineConfig``, ``ModelConfig``, ``CacheConfig``,
-``SchedulerConfig``, ``SpecConfig``, ``LLMEngine``, ``RequestOutput``, ``CompletionOutput``, ``BeamSearchParams``,
-``EngineSleepingError``, ``make_planner``.
+``SchedulerConfig``, ``SpecConfig``, ``make_engine_config``, ``LLMEngine``, ``RequestOutput``, ``CompletionOutput``,
+``BeamSearchParams``, ``EngineSleepingError``, ``make_planner`` (``StructuredOutputsParams``: vLLM's name of
+``StructuredOutputs``).
 """
 
 from __future__ import annotations
@@ -43,3 +44,8 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'nightjar_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The lazily imported names too (tab completion and ``dir()`` listed none of them)."""
+    return sorted(set(globals()) | set(_EXPORTS))

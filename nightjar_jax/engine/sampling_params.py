@@ -210,6 +210,12 @@ class SamplingParams:
             raise InvalidRequestError(f"SamplingParams.output_kind={short_repr(self.output_kind)} is invalid: allowed "
                                       f"a RequestOutputKind ({', '.join(k.name for k in RequestOutputKind)})",
                                       "output_kind")
+        for name in _NUMBER_FIELDS:  # NumPy scalars as Python numbers (np.float64 passed, np.float32 was refused)
+            value = getattr(self, name)
+            if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+                item = value.item()
+                if isinstance(item, (int, float)) and not isinstance(item, bool):
+                    setattr(self, name, item)
         checks = [
             *((isinstance(getattr(self, name), bool), name, "True or False")
               for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize")),
@@ -277,6 +283,11 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """vLLM's: a deep copy (its lists, dicts and constraint too), to change without touching this one."""
         return copy.deepcopy(self)
+
+
+_NUMBER_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs",
+                  "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                  "truncate_prompt_tokens", "best_of")
 
 
 def _is_count(x: object) -> bool:

@@ -430,3 +430,16 @@ def test_library_shape_errors_say_what_is_needed():
     with pytest.raises(ValueError, match="draft_probs cover 8 tokens and target_probs 9"):
         rejection_sample(jnp.zeros((1, 2), jnp.int32), jnp.full((1, 2, 8), 1 / 8), jnp.full((1, 3, 9), 1 / 9),
                          SamplingTensors.create(1, temperature=1.0))
+
+
+def test_sampling_params_take_numpy_scalars():
+    """np.float64 passed as a float while np.float32, np.int64 and np.int32 were refused ("is invalid"): NumPy
+    scalars are taken as the Python numbers they hold; a NumPy bool or array is still refused."""
+    from nightjar_jax import SamplingParams
+
+    sp = SamplingParams(temperature=np.float32(0.5), seed=np.int64(5), top_k=np.int32(3), max_tokens=np.int64(4))
+    assert (sp.temperature, sp.seed, sp.top_k, sp.max_tokens) == (0.5, 5, 3, 4)
+    assert type(sp.temperature) is float and type(sp.seed) is int
+    for bad in (np.bool_(True), np.array([0.5])):
+        with pytest.raises(ValueError, match="SamplingParams.temperature=.* is invalid"):
+            SamplingParams(temperature=bad)
