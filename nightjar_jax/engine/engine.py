@@ -192,6 +192,12 @@ def _blame(field: str, fn, *args, reloaded: bool = False):
 
 
 class LLMEngine:
+    """The serving engine: a host-side scheduler over a paged KV cache, jitted step variants (plain, speculative at
+    each γ, token trees), a planner that picks γ each decode step, and elastic memory for the draft. Add requests
+    (``add_request``), call ``step()`` until ``has_unfinished_requests()`` is false, and read the
+    :class:`RequestOutput` each step returns; ``abort_request`` frees a request's pages at once. ``LLM`` (offline
+    batches) and the server's ``AsyncEngine`` run it. docs/architecture.md describes the loop."""
+
     def __init__(
         self,
         config: EngineConfig,

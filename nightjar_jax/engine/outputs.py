@@ -22,6 +22,11 @@ SampleLogprobs = list[dict[int, Logprob]]
 
 @dataclass
 class CompletionOutput:
+    """One generated sequence of a request (vLLM's): ``index`` among the request's ``n``, the ``text`` and
+    ``token_ids`` so far (a stop string's text left out; a stop token's id kept, its text not), why it finished
+    (``finish_reason``; ``stop_reason``: the stop string or token id that ended it, None for EOS or a length), what
+    the latest step added (``delta_text``, ``delta_token_ids``: streaming) and, when asked for, log-probabilities."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -69,6 +74,10 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """What the engine returns for one request after a step (vLLM's): its prompt (text, when it was given as text,
+    and token ids), one :class:`CompletionOutput` per sequence, whether it ``finished``, its ``metrics``
+    (timestamps), and ``error`` with the field at fault when the engine could not serve it."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

@@ -345,7 +345,9 @@ def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array
 
 
 def _top_k_top_p_threshold_by_sort(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Reference for :func:`_top_k_top_p_threshold` (same result, by a full sort; tests compare the two).
+    """Reference for :func:`_top_k_top_p_threshold` (the same result but for ties: by a full sort, this keeps the
+    first tokens of a tie in sort order, where the bisection keeps every token tied with the last one kept, as vLLM
+    and the module's docstring say; tests compare the two on logits without ties).
 
     scaled: [B, ..., V] f32 temperature-scaled logits; top_k: [B, ..., 1] int32 (already clamped to [1, V]);
     top_p: [B, ..., 1] f32. Returns [B, ..., 1] f32. Worked example, V = 4, logits sorted [3, 2, 1, 0] with
