@@ -163,7 +163,9 @@ def test_gguf_round_trip_with_spm_tokenizer(tmp_path):
     ref = load_checkpoint(str(STORIES / "stories260K.bin"))
     got = load_checkpoint(str(path))
     assert got.load_format == "gguf" and got.config.tie_word_embeddings
-    assert got.config.replace(name="x") == ref.config.replace(name="x")
+    # (GGUF holds one EOS id; the llama2.c file's config ends at BOS too, as run.c does)
+    assert got.config.eos_token_ids == (2,) and ref.config.eos_token_ids == (2, 1)
+    assert got.config.replace(name="x") == ref.config.replace(name="x", eos_token_ids=(2,))
     _assert_same(got.state_dict, ref.state_dict)
     texts = ["Once upon a time", "Héllo 😀 世界, 123 dogs!", "  two  spaces\nnewline"]
     for text in texts:
