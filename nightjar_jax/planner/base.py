@@ -423,9 +423,13 @@ def make_planner(
     if decision_log is not None:
         from nightjar_jax.planner.decision_log import DecisionLogger
 
-        planner.attach_logger(
-            decision_log if isinstance(decision_log, DecisionLogger) else DecisionLogger(decision_log)
-        )
+        try:
+            logger = decision_log if isinstance(decision_log, DecisionLogger) else DecisionLogger(decision_log)
+        except OSError as exc:  # (a folder, a read-only place: it was the raw IsADirectoryError)
+            why = exc.strerror or exc
+            raise ValueError(f"decision_log={str(decision_log)!r} cannot be opened to append to ({why}): give the "
+                             f"path of a JSONL file (its folder is created)") from None
+        planner.attach_logger(logger)
     return planner
 
 

@@ -196,3 +196,13 @@ def test_a_log_cut_short_replays_and_a_foreign_file_is_a_clear_error(tmp_path, c
         (tmp_path / name).write_text(content)
         with pytest.raises(ValueError, match=f"{name}' line 1 is not a decision record"):
             replay(tmp_path / name, make_planner("nightjar", 4))
+
+
+def test_a_decision_log_that_cannot_be_opened_is_a_value_error(tmp_path):
+    """make_planner(decision_log=<a folder>) raised the raw IsADirectoryError; now a ValueError naming the argument,
+    as its other bad arguments are (the engine's planner_log says the same through its option)."""
+    with pytest.raises(ValueError, match=r"decision_log='.*' cannot be opened to append to \(Is a directory\): give "
+                                         r"the path of a JSONL file"):
+        make_planner("nightjar", 4, decision_log=tmp_path)
+    planner = make_planner("nightjar", 4, decision_log=tmp_path / "sub" / "log.jsonl")  # (the folder is made)
+    assert planner.select(1) in range(5)
