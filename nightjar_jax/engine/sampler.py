@@ -157,13 +157,11 @@ class SamplingTensors(NamedTuple):
                                  f"give one value, or one per row")
             flat = raw.reshape(-1)
             kind = numbers.Integral if whole else numbers.Real
-            ok = all(isinstance(v, kind) and not isinstance(v, (bool, np.bool_)) and low <= v <= high
-                     for v in flat)  # (NaN fails the comparison)
-            if not ok:
-                bad = next(v for v in flat if not (isinstance(v, numbers.Real) and low <= v <= high)
-                           or isinstance(v, (bool, np.bool_)) or (whole and not isinstance(v, numbers.Integral)))
-                raise ValueError(f"SamplingTensors.create: {name}={bad!r} is invalid: allowed {allowed}")
-            values = fold_seeds([int(v) for v in flat]) if name == "seeds" else flat.astype(dtype)
+            bad = [v for v in flat if not (isinstance(v, kind) and not isinstance(v, (bool, np.bool_))
+                                           and low <= v <= high)]  # (NaN fails the comparison)
+            if bad:
+                raise ValueError(f"SamplingTensors.create: {name}={bad[0]!r} is invalid: allowed {allowed}")
+            values = fold_seeds([int(v) for v in flat]) if name == "seeds" else flat
             return jnp.asarray(np.broadcast_to(values.astype(dtype).reshape(raw.shape), (batch_size,)))
 
         return cls(

@@ -486,9 +486,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                              f"own 'request_id' (or X-Request-Id), or leave it out", param="request_id")
 
     def response_id(req, request: Request, prefix: str) -> str:
-        """The response's id, ``<prefix>-<base>``: the base is the X-Request-Id header's (which wins, as in vLLM),
-        the body's ``request_id``, or a fresh one. The engine's requests are ``<id>-<i>``, so two requests in flight
-        may not share a base (a 400 from :func:`add_group`)."""
+        """The response's id, ``<prefix>-<base>``: the base is the caller's (:func:`caller_id`) or a fresh one. The
+        engine's requests are ``<id>-<i>``, so two requests in flight may not share a base (a 400 from
+        :func:`add_group`)."""
+        return f"{prefix}-{caller_id(req, request) or uuid.uuid4().hex}"
+
+    def caller_id(req, request: Request) -> str | None:
+        """The id the caller gave: the X-Request-Id header's (which wins, as in vLLM), else the body's
+        ``request_id``; None for neither."""
         header = request.headers.get("x-request-id")
         if header is not None and len(header) > 256:  # (an empty one: as if none was sent)
             raise APIError(400, f"the X-Request-Id header has {len(header)} characters: allowed at most 256",
@@ -496,7 +501,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         if header and not _printable_id(header):  # (it names the response and goes back in a header)
             raise APIError(400, "the X-Request-Id header holds control or non-ASCII characters: allowed printable "
                                 "ASCII", param="request_id")
-        return f"{prefix}-{header or req.request_id or uuid.uuid4().hex}"
+        return header or req.request_id or None
 
     def make_params(req, max_tokens: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:
         """The engine's sampling parameters; a bad value is a 400 naming the API's field (``top_logprobs`` for the
@@ -1440,8 +1445,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             if exc.param == "messages":
                 exc.param = "input"
             raise
-        rid = response_id(req, request, "resp").removeprefix("resp-")  # (the X-Request-Id header's, as chat's)
-        rid = rid if req.request_id or request.headers.get("x-request-id") else f"resp_{rid}"
+        rid = caller_id(req, request) or f"resp_{uuid.uuid4().hex}"  # (as given, as vLLM's; else OpenAI's form)
         mid, rsid = f"msg_{uuid.uuid4().hex}", f"rs_{uuid.uuid4().hex}"
         stream = await add_group([prompt], params, 1, rid, max_tokens_param="max_output_tokens"
                                  if req.max_output_tokens is not None else None, structured_param="text",
