@@ -1438,7 +1438,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         req: ResponsesRequest = await read_body(request, ResponsesRequest)
         model = check_model(req.model)
         chat = req.as_chat()
-        params = make_params(chat, check_max_tokens(req.max_output_tokens, "max_output_tokens"), "max_output_tokens")
+        # max_output_tokens is a cap, as vLLM's Responses API takes it: past the context it ends the answer there
+        # (status "incomplete"), not a 400 as chat's max_tokens is
+        cap = None if req.max_output_tokens is None else min(req.max_output_tokens, engine.max_model_len)
+        params = make_params(chat, cap, "max_output_tokens")
         try:
             prompt = await asyncio.to_thread(render_chat, chat)
         except APIError as exc:  # (render_chat names chat's 'messages': here they came from 'input')
@@ -1447,9 +1450,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             raise
         rid = caller_id(req, request) or f"resp_{uuid.uuid4().hex}"  # (as given, as vLLM's; else OpenAI's form)
         mid, rsid = f"msg_{uuid.uuid4().hex}", f"rs_{uuid.uuid4().hex}"
-        stream = await add_group([prompt], params, 1, rid, max_tokens_param="max_output_tokens"
-                                 if req.max_output_tokens is not None else None, structured_param="text",
-                                 prompt_param="input", priority=req.priority, cache_salt=req.cache_salt)
+        stream = await add_group([prompt], params, 1, rid, structured_param="text", prompt_param="input",
+                                 priority=req.priority, cache_salt=req.cache_salt)
         created = int(time.time())
         spec = params.structured_outputs
         thinks = splits_thought(spec)

@@ -583,6 +583,13 @@ def test_responses_api(client, server):
                                             "type": "object", "properties": {"ok": {"type": "boolean"}},
                                             "required": ["ok"], "additionalProperties": False}}})
     assert formatted.status == "completed" and isinstance(json.loads(formatted.output_text)["ok"], bool)
+    # max_output_tokens past the context is a cap, as vLLM's: the answer ends at the context length, incomplete
+    capped = post(server, "/v1/responses", {"model": MODEL, "input": "Tell me a story. " * 20, "temperature": 0,
+                                            "max_output_tokens": 10 ** 6})
+    assert capped.status_code == 200, capped.text
+    body = capped.json()
+    assert body["max_output_tokens"] == 10 ** 6 and body["status"] == "incomplete"
+    assert body["usage"]["input_tokens"] + body["usage"]["output_tokens"] == MAX_MODEL_LEN
     stored = post(server, "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2, "store": True})
     assert stored.status_code == 200 and stored.json()["store"] is False  # (taken, nothing kept: vLLM's, SDKs send it)
     for extra, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
