@@ -174,9 +174,105 @@ def _json_strings(name: str):
 
 def build_parser(prog: str = "python -m nightjar_jax.serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as vLLM's `vllm serve MODEL` takes it (the same as --model)")
+    parser.add_argument("--config", default=None, metavar="YAML",
+                        help="a YAML file of flags, vLLM's form: each key a flag's long name (max-model-len or "
+                        "max_model_len), each value its value (true / false for a switch, a list for a flag that "
+                        "takes several, a mapping for a JSON flag such as speculative-config); flags given on the "
+                        "command line win")
     add_engine_args(parser)
     add_server_args(parser)
     return parser
+
+
+class _UsageError(Exception):
+    pass
+
+
+def config_file_args(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """The flags ``--config`` ``path`` holds, as command-line words; a usage error (``_UsageError``) for a file that
+    cannot be read or a key or value no flag takes."""
+    import yaml
+
+    where = f"--config {path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise _UsageError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    except yaml.YAMLError as exc:
+        raise _UsageError(f"{where}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise _UsageError(f"{where}: the file must hold a mapping of flag names to values (e.g. 'max-model-len: "
+                          f"2048'), got a {type(data).__name__}")
+    flags = parser._option_string_actions
+    words: list[str] = []
+    for key, value in data.items():
+        name = str(key).removeprefix("--").replace("_", "-")
+        action = flags.get("--" + name)
+        if action is None or name in ("config", "help"):
+            raise _UsageError(f"{where}: {key!r} is not a flag of this command: keys are the long names of the "
+                              f"flags in --help (e.g. max-model-len, port, speculative-config), without '--'")
+        flag = "--" + name
+        if value is None:
+            raise _UsageError(f"{where}: {key!r} has no value (null): give one, or leave the key out")
+        if isinstance(value, bool):
+            if isinstance(action, argparse.BooleanOptionalAction):  # (the key may be its --no- form)
+                yes, no = action.option_strings
+                words.append(yes if value == (flag == yes) else no)
+            elif action.nargs == 0:  # (a store_true switch)
+                if value:
+                    words.append(flag)
+            else:
+                raise _UsageError(f"{where}: {key!r} takes a value, not {str(value).lower()}")
+            continue
+        if action.nargs == 0:
+            raise _UsageError(f"{where}: {key!r} is a switch: its value is true or false, got {value!r}")
+        if isinstance(value, list) and action.nargs in ("+", "*"):
+            if not value:
+                raise _UsageError(f"{where}: {key!r} is an empty list: give at least one value, or leave the key out")
+            words += [flag, *(json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value)]
+        elif isinstance(value, (dict, list)):  # (a flag whose value is JSON text)
+            words += [flag, json.dumps(value)]
+        else:
+            words += [flag, str(value)]
+    return words
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args`` with vLLM's two launch forms besides: the model as the first positional word
+    (``serve MODEL``) and ``--config YAML`` (its flags the defaults the command line's override)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    if len(paths) > 1:
+        parser.error(f"--config is given {len(paths)} times: give one file")
+    if paths:
+        error = parser.error
+        try:
+            words = config_file_args(parser, paths[0])
+
+            def raise_usage(message: str):
+                raise _UsageError(f"--config {paths[0]}: {message}")
+
+            parser.error = raise_usage  # (a bad value in the file: the same usage error, naming the file)
+            from_file = parser.parse_args(words)
+        except _UsageError as exc:
+            parser.error = error
+            parser.error(str(exc))
+        parser.error = error
+        parser.set_defaults(**{k: v for k, v in vars(from_file).items() if v != parser.get_default(k)})
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        given = [a for a in argv if a == "--model" or a.startswith("--model=")]
+        if given and args.model != args.model_tag:
+            parser.error(f"the model is given twice: {args.model_tag!r} (the positional MODEL) and --model "
+                         f"{args.model!r}: give one")
+        args.model = args.model_tag
+    return args
 
 
 def reasoning_parser(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
@@ -387,7 +483,7 @@ def run_server(server, sock: socket.socket, async_engine) -> int:
 def main(argv: list[str] | None = None, prog: str = "python -m nightjar_jax.serve") -> int:
     """``prog``: the command usage lines name (``nightjar serve`` when the installed script runs it)."""
     parser = build_parser(prog)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     tool_parser = tool_call_parser(args, parser)
     thoughts = reasoning_parser(args, parser)
     check_ssl(args, parser)

@@ -279,6 +279,70 @@ def test_serve_reports_a_bad_model_and_exits_2(caplog):
     assert "unknown model preset 'no-such-model'" in caplog.text
 
 
+def test_serve_takes_the_model_as_vllm_serve_does(caplog, capsys):
+    """``serve MODEL`` (vLLM's form) is ``--model MODEL``; both given and different is a usage error."""
+    from nightjar_jax.serve import main as serve_main
+    from nightjar_jax.serve import parse_args
+
+    args = parse_args(build_parser(), ["stories260k", "--max-model-len", "128"])
+    assert engine_config_from_args(args).model == "stories260k" and args.max_model_len == 128
+    assert parse_args(build_parser(), ["--port", "1", "stories260k", "--model", "stories260k"]).model == "stories260k"
+    assert serve_main(["no-such-model", "--warmup", "none"]) == 2
+    assert "unknown model preset 'no-such-model'" in caplog.text
+    with pytest.raises(SystemExit) as exc:
+        parse_args(build_parser(), ["stories260k", "--model", "other"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "the model is given twice: 'stories260k' (the positional MODEL) and --model" in err
+
+
+def test_serve_reads_flags_from_a_yaml_config(tmp_path):
+    """vLLM's ``--config``: a YAML mapping of long flag names (dashes or underscores) to values, switches as
+    true / false (a --no- form too), lists onto flags that take several values, mappings onto JSON flags; the command
+    line wins over the file."""
+    from nightjar_jax.serve import parse_args
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("model: stories260k\nmax_model_len: 512\nport: 9000\nenable-prefix-caching: false\n"
+                    "no-enable-chunked-prefill: false\nenforce-eager: true\nserved-model-name: [a, b]\n"
+                    "allowed-origins: ['http://x']\nspeculative-config: {method: ngram, num_speculative_tokens: 3}\n")
+    args = parse_args(build_parser(), ["--config", str(path), "--port", "9100"])
+    assert (args.model, args.max_model_len, args.port, args.enforce_eager) == ("stories260k", 512, 9100, True)
+    assert args.enable_prefix_caching is False and args.enable_chunked_prefill is True
+    assert args.served_model_name == ["a", "b"] and args.allowed_origins == ["http://x"]
+    cfg = engine_config_from_args(args)
+    assert cfg.spec.draft_model == "ngram" and cfg.spec.num_speculative_tokens == 3
+    assert cfg.cache.enable_prefix_caching is False and cfg.scheduler.max_model_len == 512
+    # the positional model and the command line's flags override the file's
+    args = parse_args(build_parser(), [f"--config={path}", "other-model", "--enable-prefix-caching"])
+    assert args.model == "other-model" and args.enable_prefix_caching is True and args.port == 9000
+    (tmp_path / "empty.yaml").write_text("")  # (no flags)
+    assert parse_args(build_parser(), ["--config", str(tmp_path / "empty.yaml")]).port == 8000
+
+
+@pytest.mark.parametrize("text, message", [
+    ("bogus: 1\n", "'bogus' is not a flag of this command: keys are the long names of the flags in --help"),
+    ("- a\n", "the file must hold a mapping of flag names to values (e.g. 'max-model-len: 2048'), got a list"),
+    ("port: [\n", "not valid YAML"),
+    ("port: true\n", "'port' takes a value, not true"),
+    ("enforce-eager: 3\n", "'enforce-eager' is a switch: its value is true or false, got 3"),
+    ("port: null\n", "'port' has no value (null): give one, or leave the key out"),
+    ("served-model-name: []\n", "'served-model-name' is an empty list"),
+    ("max-model-len: abc\n", "argument --max-model-len: 'abc' is not a token count"),
+    ("config: other.yaml\n", "'config' is not a flag of this command"),
+    (None, "cannot read it (No such file or directory)"),
+])
+def test_bad_yaml_configs_are_usage_errors_naming_the_file(tmp_path, capsys, text, message):
+    from nightjar_jax.serve import parse_args
+
+    path = tmp_path / "serve.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        parse_args(build_parser(), ["--config", str(path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--config {path}: {message}" in err, err
+
+
 def test_serve_binds_before_the_model_loads(capsys, monkeypatch):
     """A port in use or a host that does not resolve is a usage error before loading (uvicorn bound after: minutes
     of loading, then exit 3); the socket bound is the one served, so --port 0 logs the port it got."""
