@@ -555,7 +555,8 @@ class LLMEngine:
             raise TypeError(f"sampling_params must be a SamplingParams (or None for the defaults), got "
                             f"{short_repr(sampling_params)}: the order is add_request(prompt, sampling_params, "
                             f"request_id), or vLLM's add_request(request_id, prompt, sampling_params)")
-        params = sampling_params or SamplingParams()
+        # (a copy: the caller may change its object for the next request while this one waits)
+        params = sampling_params.checked_copy() if sampling_params is not None else SamplingParams()
         if not (isinstance(priority, int) and not isinstance(priority, bool)):
             raise InvalidRequestError(f"priority must be an integer (lower is served first), got {priority!r}",
                                       "priority")

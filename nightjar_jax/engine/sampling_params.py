@@ -284,6 +284,13 @@ class SamplingParams:
         """vLLM's: a deep copy (its lists, dicts and constraint too), to change without touching this one."""
         return copy.deepcopy(self)
 
+    def checked_copy(self) -> SamplingParams:
+        """What ``add_request`` keeps: a deep copy, checked again (a field set after construction is checked here).
+        The request never sees what its caller changes in this object afterwards (vLLM copies too)."""
+        new = copy.deepcopy(self)
+        new.__post_init__()
+        return new
+
 
 _NUMBER_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs",
                   "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",

@@ -376,6 +376,25 @@ def test_sampling_params_clone_is_a_deep_copy():
     assert sp.stop == ["x"] and sp.logit_bias == {3: 1.0} and copy.structured_outputs is not sp.structured_outputs
 
 
+def test_a_queued_request_keeps_its_params_when_the_caller_changes_them():
+    """add_request keeps a checked copy (vLLM copies too): one SamplingParams changed and added again between
+    requests leaves the first request as it was asked, and a value set after construction is checked at add."""
+    from nightjar_jax.engine.sampling_params import InvalidRequestError
+
+    eng = fake_engine()
+    sp = greedy(12, stop_token_ids=[])
+    eng.add_request(PROMPTS[0], sp, request_id="a")
+    sp.max_tokens = 3
+    sp.stop_token_ids.append(expected(PROMPTS[0], 12)[1])
+    eng.add_request(PROMPTS[0], sp, request_id="b")
+    sp.top_k = "x"
+    with pytest.raises(InvalidRequestError, match="top_k='x' is invalid") as info:
+        eng.add_request(PROMPTS[1], sp, request_id="c")
+    assert info.value.field == "top_k"
+    assert run_all(eng) == {"a": expected(PROMPTS[0], 12), "b": expected(PROMPTS[0], 2)}
+    assert eng.num_free_pages == eng.num_total_pages
+
+
 def test_top_k_past_int32_samples_as_top_k_off():
     """top_k at or past the vocabulary keeps every token; 2**31 and more used to overflow the int32 sampling column
     and fail the whole batch's step."""
