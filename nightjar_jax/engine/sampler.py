@@ -513,6 +513,9 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> TokenL
     of the ``num_top`` most likely tokens: logits [..., V], tokens [...] int (ids outside [0, V), e.g. -1 padding,
     are clipped into it: -1 reads id 0, V or more id V - 1) -> :class:`TokenLogprobs`. ``num_top`` is static (0:
     the chosen tokens' alone)."""
+    if jnp.shape(tokens) != logits.shape[:-1]:
+        raise ValueError(f"token_logprobs: tokens has shape {tuple(jnp.shape(tokens))}, needs the logits' "
+                         f"{tuple(logits.shape[:-1])} (logits {tuple(logits.shape)}: one token per row of logits)")
     vocab = logits.shape[-1]
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [..., V] f32
     chosen = jnp.clip(tokens.astype(jnp.int32), 0, vocab - 1)[..., None]  # [..., 1] int32

@@ -91,6 +91,9 @@ def _within_limit(accepted: jax.Array, max_accept: jax.Array | None) -> jax.Arra
     """accepted [B, γ] bool with the drafts past each row's ``max_accept`` [B] (None: no limit) not accepted."""
     if max_accept is None:
         return accepted
+    if jnp.shape(max_accept) != accepted.shape[:1]:
+        raise ValueError(f"max_accept has shape {tuple(jnp.shape(max_accept))}, needs [{accepted.shape[0]}] (one "
+                         f"limit per row of the batch)")
     return accepted & (jnp.arange(accepted.shape[1])[None, :] < max_accept[:, None])
 
 
@@ -104,6 +107,8 @@ def greedy_verify(
     Returns output_tokens [B, γ + 1] int32 (the target's argmax chain up to num_accepted, then -1) and
     num_accepted [B] int32 in [0, γ].
     """
+    if draft_tokens.ndim != 2:
+        raise ValueError(f"greedy_verify: draft_tokens has shape {tuple(draft_tokens.shape)}, needs [B, γ]")
     batch, gamma = draft_tokens.shape
     if target_logits.ndim != 3 or target_logits.shape[:2] != (batch, gamma + 1):
         raise ValueError(f"greedy_verify: target_logits has shape {tuple(target_logits.shape)}, needs [{batch}, "

@@ -427,6 +427,14 @@ def test_library_shape_errors_say_what_is_needed():
         sample(jnp.zeros(5), SamplingTensors.create(1, temperature=1.0))
     with pytest.raises(ValueError, match=r"greedy_verify: target_logits has shape \(1, 2, 8\), needs \[1, 3, V\]"):
         greedy_verify(jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2, 8)))
+    with pytest.raises(ValueError, match=r"greedy_verify: draft_tokens has shape \(3,\), needs \[B, γ\]"):
+        greedy_verify(jnp.zeros((3,), jnp.int32), jnp.zeros((2, 4, 8)))
+    with pytest.raises(ValueError, match=r"max_accept has shape \(5,\), needs \[2\] \(one limit per row"):
+        greedy_verify(jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 4, 8)), jnp.zeros((5,), jnp.int32))
+    from nightjar_jax.engine.sampler import token_logprobs
+
+    with pytest.raises(ValueError, match=r"token_logprobs: tokens has shape \(3,\), needs the logits' \(2,\)"):
+        token_logprobs(jnp.zeros((2, 8)), jnp.zeros((3,), jnp.int32), 2)
     with pytest.raises(ValueError, match="draft_probs cover 8 tokens and target_probs 9"):
         rejection_sample(jnp.zeros((1, 2), jnp.int32), jnp.full((1, 2, 8), 1 / 8), jnp.full((1, 3, 9), 1 / 9),
                          SamplingTensors.create(1, temperature=1.0))
