@@ -1063,6 +1063,14 @@ def check_train_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(f"argument --teacher: {args.teacher!r}: no such folder (give `teacher`'s --out)")
     if args.teacher and not args.head_vocab:
         parser.error("argument --teacher: needs --head-vocab N (the KD loss is over the subset head's ids)")
+    if args.init_from and not (Path(args.init_from) / "nightjar_config.json").is_file():
+        parser.error(f"argument --init-from: {args.init_from!r} is not an exported draft (no nightjar_config.json "
+                     f"in it): give `export`'s --out folder")
+    needed = min(VOCAB, args.num_frequent + args.tokens_per_batch)
+    if not args.head_vocab and not needed <= args.num_candidates <= VOCAB:
+        parser.error(f"argument --num-candidates: {args.num_candidates} must be at least --num-frequent + "
+                     f"--tokens-per-batch ({needed}: the frequent ids and every label of a batch are candidates) and "
+                     f"at most the vocabulary ({VOCAB})")
     if args.kd_weight is None:
         args.kd_weight = 0.5
     elif not args.teacher:
@@ -1094,18 +1102,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="target responses to the train prompts (JSONL, resumable)")
     g.add_argument("--data", required=True, type=writable_out, help="the responses' JSONL (written; resumed)")
-    g.add_argument("--batch-size", type=int, default=32)
-    g.add_argument("--chunk", type=int, default=64, help="prompts per generate() call (a resume point)")
-    g.add_argument("--num-sampled", type=int, default=0, help="extra temperature-0.7 responses per prompt")
-    g.add_argument("--limit", type=int, default=0)
+    g.add_argument("--batch-size", type=positive_int, default=32)
+    g.add_argument("--chunk", type=positive_int, default=64, help="prompts per generate() call (a resume point)")
+    g.add_argument("--num-sampled", type=non_negative_int, default=0, help="extra temperature-0.7 responses per prompt")
+    g.add_argument("--limit", type=non_negative_int, default=0, help="answer the first N train prompts (0: all)")
     g.add_argument("--self-prompts", default="", help="also answer the kept prompts of this self-prompts JSONL")
     g.set_defaults(fn=cmd_generate)
     sp = sub.add_parser("self-prompts", help="the target writes user prompts (Magpie); JSONL, resumable")
     sp.add_argument("--out", required=True, type=writable_out)
-    sp.add_argument("--num", type=int, required=True, help="attempts (seeds 0..num-1) the file should hold")
-    sp.add_argument("--batch-size", type=int, default=64)
-    sp.add_argument("--chunk", type=int, default=128)
-    sp.add_argument("--max-tokens", type=int, default=96)
+    sp.add_argument("--num", type=positive_int, required=True, help="attempts (seeds 0..num-1) the file should hold")
+    sp.add_argument("--batch-size", type=positive_int, default=64)
+    sp.add_argument("--chunk", type=positive_int, default=128)
+    sp.add_argument("--max-tokens", type=positive_int, default=96)
     sp.set_defaults(fn=cmd_self_prompts)
     t = sub.add_parser("train", help="train the draft (orbax checkpoints in --workdir/ckpt, --resume)")
     t.add_argument("--data", required=True, nargs="+", type=existing_file,
@@ -1123,12 +1131,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--lr", type=positive_float, default=3e-3)
     t.add_argument("--num-candidates", type=positive_int, default=8192,
                    help="softmax candidates per batch (sampled softmax)")
-    t.add_argument("--num-frequent", type=int, default=4096, help="most frequent response ids, always candidates")
-    t.add_argument("--embedding-lr-scale", type=float, default=0.1, help="the PCA-initialised embedding learns slower")
+    t.add_argument("--num-frequent", type=non_negative_int, default=4096,
+                   help="most frequent response ids, always candidates")
+    t.add_argument("--embedding-lr-scale", type=non_negative_float, default=0.1,
+                   help="the PCA-initialised embedding learns slower")
     t.add_argument("--warmup", type=non_negative_int, default=50)
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--clip", type=float, default=1.0)
-    t.add_argument("--prompt-weight", type=float, default=0.2, help="loss weight of prompt tokens (response: 1)")
+    t.add_argument("--weight-decay", type=non_negative_float, default=0.01)
+    t.add_argument("--clip", type=positive_float, default=1.0, help="the gradients' global-norm limit")
+    t.add_argument("--prompt-weight", type=non_negative_float, default=0.2,
+                   help="loss weight of prompt tokens (response: 1)")
     t.add_argument("--val-every", type=positive_int, default=20,
                    help="every N-th train prompt id is kept for validation")
     t.add_argument("--eval-every", type=positive_int, default=100)
@@ -1150,11 +1161,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         tp.add_argument("--data", required=True, nargs="+", type=existing_file,
                         help=f"the response files `{reader}` will read, same order")
         tp.add_argument("--out", required=True)
-        tp.add_argument("--tokens-per-batch", type=int, default=2048)
-        tp.add_argument("--rows-per-part", type=int, default=256)
+        tp.add_argument("--tokens-per-batch", type=positive_int, default=2048)
+        tp.add_argument("--rows-per-part", type=positive_int, default=256)
         tp.set_defaults(fn=fn)
         if name == "teacher":
-            tp.add_argument("--top-k", type=int, default=16)
+            tp.add_argument("--top-k", type=positive_int, default=16)
         else:
             tp.add_argument("--layers", default="",
                             help="also the residual stream after these layer counts, e.g. 3,15 (EAGLE-3 fusion)")
@@ -1163,11 +1174,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--out", default=str(ASSET_DIR))
     e.add_argument("--params", choices=("final", "best"), default="best",
                    help="the last step's weights, or those of the best validation top-1 (default)")
-    e.add_argument("--dtype", default="float32", help="compute dtype recorded in the config (weights stay bf16)")
+    e.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="compute dtype recorded in the config (weights stay bf16)")
     e.set_defaults(fn=cmd_export)
     args = ap.parse_args(argv)
     if args.cmd == "train":
         check_train_args(t, args)
+    if args.cmd == "export" and not (Path(args.workdir) / "draft_config.json").is_file():
+        e.error(f"argument --workdir: {args.workdir!r} holds no draft_config.json: give `train`'s --workdir")
     return args
 
 

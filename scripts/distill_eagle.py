@@ -75,6 +75,9 @@ def load_features(path: Path, rows: list[dict[str, Any]]) -> dict[str, np.ndarra
     for part in sorted(path.glob("part-*.npz")):
         z = np.load(part)
         offsets = np.concatenate([[0], np.cumsum(z["counts"])])
+        if "feats" not in z.files:
+            raise SystemExit(f"--features {path}: {part.name} holds no features (keys {', '.join(z.files)}): give "
+                             f"distill_draft.py features' --out, not teacher's")
         feats = z["feats"]
         for i, key in enumerate(z["keys"]):
             out[str(key)] = feats[offsets[i] : offsets[i + 1]]
@@ -554,7 +557,7 @@ def new_or_folder(text: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train the feature draft on stored target features")
     t.add_argument("--data", required=True, nargs="+", type=existing_file)
     t.add_argument("--features", required=True, type=existing_folder)
@@ -595,9 +598,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--workdir", required=True)
     e.add_argument("--out", required=True)
     e.add_argument("--params", choices=("best", "last"), default="best")
-    e.add_argument("--dtype", default="float32", help="compute dtype recorded in the config (weights stay bf16)")
+    e.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="compute dtype recorded in the config (weights stay bf16)")
     e.set_defaults(fn=cmd_export)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.cmd == "train" and args.init_from and not Path(args.init_from).is_file():
+        t.error(f"argument --init-from: {args.init_from!r}: no such file (give a workdir's last_params.npz or "
+                f"best_params.npz)")
+    if args.cmd in ("simulate", "export"):  # (both read a trained workdir)
+        workdir = Path(args.workdir)
+        missing = [f for f in ("draft_config.json", f"{args.params}_params.npz", "head_token_ids.npy")
+                   if not (workdir / f).is_file()]
+        if missing:
+            (s if args.cmd == "simulate" else e).error(
+                f"argument --workdir: {args.workdir!r} holds no {', '.join(missing)}: give `train`'s --workdir "
+                f"(its {args.params}_params.npz is written at the first evaluation)")
+    return args
 
 
 def main() -> None:

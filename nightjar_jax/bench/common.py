@@ -186,6 +186,18 @@ def smollm2_model(text: str) -> str:
     return text
 
 
+def context_error(model: str, tokens: int, what: str) -> str | None:
+    """Why ``tokens`` (``what`` says which flags add up to them) cannot fit ``model``'s context, or None when they
+    fit or the model is no preset (a path's context is known only once it loads)."""
+    from nightjar_jax.models.presets import PRESETS
+
+    preset = PRESETS.get((model.rpartition("@")[0] if "@" in model else model).lower())
+    limit = None if preset is None else preset.config.max_position_embeddings
+    if limit is None or tokens <= limit:
+        return None
+    return f"{what} is {tokens} tokens, past {model}'s context of {limit}"
+
+
 def draft_spec(text: str) -> str:
     """A draft: "none" / "" (no draft), "auto" (the target's paired draft), "ngram", or a model (``model_spec``)."""
     if text.lower() in ("", "none", "auto", "ngram"):
@@ -201,6 +213,23 @@ def draft_model(text: str) -> str:
                                          "target's paired draft), a preset, a checkpoint path or a Hugging Face "
                                          "repo id")
     return text if text.lower() == "auto" else model_spec(text)
+
+
+def smollm2_draft(text: str) -> str:
+    """A draft model for SmolLM2 (:func:`draft_model`): a preset must share SmolLM2's vocabulary (a path or repo id is
+    checked when it loads)."""
+    text = draft_model(text)
+    if text.lower() != "auto":
+        try:
+            smollm2_model(text)
+        except argparse.ArgumentTypeError:
+            from nightjar_jax.models.presets import PRESETS
+
+            smollm = sorted(n for n in PRESETS if n.startswith("smollm2"))
+            raise argparse.ArgumentTypeError(f"{text!r} does not share SmolLM2's vocabulary, as a draft for it must: "
+                                             f"use 'auto', a SmolLM2 draft folder or one of {smollm} (a preset may "
+                                             f"take @skip= or @layers=)") from None
+    return text
 
 
 def draft_gap(draft: str, model: str, lookup: int = 3) -> str | None:

@@ -61,6 +61,15 @@ def test_train_bad_flags_are_usage_errors(data, tmp_path, capsys) -> None:
          "argument --kd-weight: expected a finite number from 0 to 1"),
         (["--teacher", str(tmp_path / "none"), "--head-vocab", "8"], "argument --teacher:"),
         (["--teacher", str(tmp_path)], "argument --teacher: needs --head-vocab"),
+        # (a sampled softmax too small for a batch's labels trained on NaN, exit 0)
+        (["--num-candidates", "64"], "argument --num-candidates: 64 must be at least --num-frequent + "
+                                     "--tokens-per-batch (8192"),
+        (["--num-candidates", "60000"], "at most the vocabulary (49152)"),
+        (["--num-frequent", "-5"], "argument --num-frequent: expected an integer >= 0"),
+        (["--clip", "nan"], "argument --clip: expected a finite number > 0"),
+        (["--weight-decay", "-1"], "argument --weight-decay"), (["--prompt-weight", "-2"], "argument --prompt-weight"),
+        (["--embedding-lr-scale", "inf"], "argument --embedding-lr-scale"),
+        (["--init-from", str(tmp_path)], "argument --init-from: " + repr(str(tmp_path)) + " is not an exported draft"),
     ]:
         assert fragment in train_error(["--data", data, "--workdir", wd, *argv], capsys), argv
     assert "argument --data: no such file: '/nonexistent.jsonl'" in train_error(
@@ -142,3 +151,47 @@ def test_distill_eagle_train_flags_are_checked_before_anything_loads(argv, messa
     assert "is a file, not a folder" in capsys.readouterr().err
     args = eagle.parse_args(["train", *[x for k, v in base.items() for x in (k, v)]])
     assert args.steps == 2000 and args.lr == 1e-3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--data", "{tmp}/g.jsonl", "--chunk", "-1"], "generate: error: argument --chunk: expected an integer"),
+    (["generate", "--data", "{tmp}/g.jsonl", "--limit", "-3"], "argument --limit: expected an integer >= 0"),
+    (["generate", "--data", "{tmp}/g.jsonl", "--batch-size", "0"], "argument --batch-size"),
+    (["self-prompts", "--out", "{tmp}/s.jsonl", "--num", "-5"], "argument --num: expected an integer >= 1"),
+    (["self-prompts", "--out", "{tmp}/s.jsonl", "--num", "4", "--max-tokens", "0"], "argument --max-tokens"),
+    (["teacher", "--data", "{data}", "--out", "{tmp}/t", "--top-k", "0"], "argument --top-k"),
+    (["teacher", "--data", "{data}", "--out", "{tmp}/t", "--tokens-per-batch", "0"], "argument --tokens-per-batch"),
+    (["features", "--data", "{data}", "--out", "{tmp}/t", "--rows-per-part", "0"], "argument --rows-per-part"),
+    (["export", "--workdir", "/nonexistent"], "export: error: argument --workdir: '/nonexistent' holds no "
+                                              "draft_config.json"),
+    (["export", "--workdir", "{tmp}", "--dtype", "bogus"], "argument --dtype: invalid choice: 'bogus'"),
+])
+def test_other_commands_bad_flags_are_usage_errors(argv, message, data, tmp_path, capsys) -> None:
+    """generate / self-prompts / teacher / features / export took any integer (a negative --chunk wrote nothing and
+    exited 0, --limit -3 dropped the last 3 prompts, --top-k 0 wrote an empty teacher) and export any --dtype or
+    --workdir (tracebacks)."""
+    argv = [a.format(tmp=tmp_path, data=data) for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        script("distill_draft.py").parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--data", "{data}", "--features", "{tmp}", "--workdir", "{tmp}/w", "--init-from", "/nope.npz"],
+     "train: error: argument --init-from: '/nope.npz': no such file"),
+    (["export", "--workdir", "/nonexistent", "--out", "{tmp}/e"],
+     "export: error: argument --workdir: '/nonexistent' holds no draft_config.json, best_params.npz"),
+    (["simulate", "--workdir", "{tmp}", "--params", "last"], "holds no draft_config.json, last_params.npz"),
+    (["export", "--workdir", "{tmp}", "--out", "{tmp}/e", "--dtype", "bogus"], "argument --dtype: invalid choice"),
+])
+def test_distill_eagle_other_commands_check_their_folders(argv, message, data, tmp_path, capsys) -> None:
+    """distill_eagle.py export / simulate on a folder train never wrote, or train --init-from a missing file: a
+    FileNotFoundError traceback; export --dtype bogus a ConfigError one."""
+    eagle = load_script("distill_eagle.py", "distill_eagle_flags")
+    with pytest.raises(SystemExit) as exc:
+        eagle.parse_args([a.format(tmp=tmp_path, data=data) for a in argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in err, err
