@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nightjar_jax.bench.common import (  # noqa: E402
     DEFAULT_DATASET,
     dataset_texts,
-    draft_spec,
+    draft_gap,
+    draft_model,
     machine_note,
     make_prompt_ids,
     model_spec,
@@ -105,8 +106,8 @@ def positive_bytes(text: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=model_spec, default="smollm2-135m-instruct")
-    ap.add_argument("--draft", type=draft_spec, default="auto",
-                    help="draft model spec (default: the target's paired draft)")
+    ap.add_argument("--draft", type=draft_model, default="auto",
+                    help="draft model spec (default: the target's paired draft); a model: its weights are what moves")
     ap.add_argument("--num-prompts", type=positive_int, default=16)
     ap.add_argument("--prompt-len", type=positive_int, default=128, help="chat prompts up to this many tokens")
     ap.add_argument("--max-tokens", type=positive_int, default=96)
@@ -123,6 +124,9 @@ def main() -> None:
                     help="JSONL with 'turns' (the default, where absent: built-in prompts)")
     ap.add_argument("--out", type=writable_out, default="results/bench_elastic.json")
     args = ap.parse_args()
+    gap = draft_gap(args.draft, args.model)
+    if gap:
+        ap.error(f"argument --draft: {gap}; elastic memory moves a draft model's weights")
     texts = dataset_texts(args.dataset, default=DEFAULT_DATASET)  # (before the models load)
 
     from nightjar_jax import LLM

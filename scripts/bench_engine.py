@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nightjar_jax.bench.common import (  # noqa: E402
     DEFAULT_DATASET,
     ReadProbe,
+    context_error,
     dataset_texts,
     host_share,
     int_at_least,
@@ -88,7 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=positive_int, default=2, help="timed runs per batch size (best kept)")
     p.add_argument("--dtype", default="float32", choices=(*DTYPES, *VLLM_DTYPES))
     p.add_argument("--out", type=writable_out, default="results/bench_engine.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    too_long = context_error(args.model, args.prompt_len + args.output_len, "--prompt-len + --output-len")
+    if too_long:
+        p.error(f"argument --prompt-len: {too_long}")
+    return args
 
 
 # ---- nightjar-jax ---------------------------------------------------------------------------------------------

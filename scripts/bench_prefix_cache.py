@@ -114,6 +114,12 @@ def main() -> None:
                    for t in texts]
     else:
         prompts = [system + "\n\n" + t for t in texts]
+    longest = max(len(llm.engine.tokenize_prompt(q)[1]) for q in prompts)
+    if longest + args.max_tokens > llm.engine.max_model_len:  # (each request runs to --max-tokens: ignore_eos)
+        p.error(f"argument --system-chars: the longest prompt is {longest} tokens (a system prompt of "
+                f"{args.system_chars} characters x {args.system_repeats}), and with --max-tokens {args.max_tokens} "
+                f"it passes {args.model}'s context of {llm.engine.max_model_len}: give a smaller --system-chars (e.g. "
+                f"240 for stories260k) or --max-tokens")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     sched = llm.engine.scheduler
     for mode in ("off", "on"):  # compile the shapes both runs use (the cache's shorter prefill chunks too)

@@ -40,7 +40,6 @@ from distill_draft import ASSET_DIR, TARGET, chat_ids, heldout_ids, load_prompts
 
 from nightjar_jax.bench.common import (  # noqa: E402
     draft_gap,
-    draft_model,
     float_in_range,
     int_at_least,
     int_in_range,
@@ -49,6 +48,7 @@ from nightjar_jax.bench.common import (  # noqa: E402
     non_negative_int,
     positive_int,
     run_decode_workload,
+    smollm2_draft,
     writable_out,
 )
 
@@ -205,7 +205,7 @@ def is_feature_draft(draft: str) -> bool:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", default=str(ASSET_DIR.parent / "smollm2-eagle"), type=draft_model,
+    ap.add_argument("--draft", default=str(ASSET_DIR.parent / "smollm2-eagle"), type=smollm2_draft,
                     help="a draft checkpoint folder or preset ('auto': the target's paired draft; default: the "
                          "default pair's feature draft)")
     ap.add_argument("--gamma", type=positive_int, default=4)

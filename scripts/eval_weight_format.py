@@ -99,7 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-prompt-tokens", type=int_at_least(2), default=512,
                     help="longer held-out prompts are skipped (>= 2: a prompt's next tokens are compared)")
     ap.add_argument("--out", default="results/eval_weight_format.json", type=writable_out)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.reference == args.candidate:
+        ap.error(f"argument --candidate: {args.candidate} is the --reference too: compare two different formats")
+    return args
 
 
 def main() -> None:
@@ -114,6 +117,9 @@ def main() -> None:
                if 2 <= len(ids) <= args.max_prompt_tokens][: args.prompts]
     if not prompts:
         raise SystemExit(f"no held-out prompt fits in --max-prompt-tokens {args.max_prompt_tokens}: nothing to compare")
+    if len(prompts) < args.prompts:  # (the JSON's "prompts" says how many ran)
+        print(f"note: {len(prompts)} held-out prompts fit in --max-prompt-tokens {args.max_prompt_tokens}, fewer "
+              f"than --prompts {args.prompts}: comparing those", file=sys.stderr)
     handles = {}
     for fmt in (args.reference, args.candidate):
         llm = LLM(args.model, draft_model=None, weight_format=fmt, max_model_len=args.max_prompt_tokens + BUCKET)

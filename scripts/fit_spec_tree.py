@@ -36,7 +36,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 import distill_draft as dd  # noqa: E402
 import distill_eagle as de  # noqa: E402
 
-from nightjar_jax.bench.common import existing_file, make_parent, positive_int, writable_out  # noqa: E402
+from nightjar_jax.bench.common import (  # noqa: E402
+    existing_file,
+    int_list,
+    make_parent,
+    non_negative_int,
+    positive_int,
+    writable_out,
+)
 from nightjar_jax.spec.tree import chain_paths  # noqa: E402
 
 logger = logging.getLogger("fit_spec_tree")
@@ -207,7 +214,7 @@ def main() -> None:
     f.add_argument("--features", required=True)
     f.add_argument("--val-every", type=positive_int, default=20, help="as distill_eagle.py train's --val-every")
     f.add_argument("--rows", type=positive_int, default=200, help="validation rows to use (a seeded sample)")
-    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--seed", type=non_negative_int, default=0)
     f.add_argument("--depths", type=positive_int, default=5)
     f.add_argument("--max-nodes", type=positive_int, default=128)
     f.add_argument("--max-rank", type=positive_int, default=32)
@@ -217,7 +224,8 @@ def main() -> None:
     r.add_argument("--params", choices=["best", "last"], default="last")
     r.add_argument("--reference", required=True, help="an eval_draft.py result (its sd_outputs)")
     r.add_argument("--gamma", type=positive_int, default=4)
-    r.add_argument("--nodes", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 24, 32, 48, 64])
+    r.add_argument("--nodes", type=int_list(1), default=[8, 16, 24, 32, 48, 64],
+                   help="comma-separated tree sizes (drafted nodes, each >= 1)")
     r.add_argument("--out", type=writable_out, help="also write the rows as JSON here")
     args = ap.parse_args()
     for flag in ("workdir", "features"):  # (a missing folder was a traceback deep in the loaders)

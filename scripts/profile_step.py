@@ -37,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nightjar_jax.bench.common import (  # noqa: E402
+    context_error,
     draft_gap,
     int_list,
     make_parent,
@@ -120,6 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the K/V pools' dtype (auto: the model's, or bfloat16)")
     ap.add_argument("--out", default="results/profile_step.json", type=writable_out)
     args = ap.parse_args(argv)
+    too_long = context_error(args.model, args.prompt_len + 64, "--prompt-len + the 64 tokens decoded past it")
+    if too_long:
+        ap.error(f"argument --prompt-len: {too_long}")
     if args.verify and draft_gap("auto", args.model):  # (else the engine's ValueError on static:γ, γ_max 0)
         ap.error(f"argument --verify: it needs a draft, and {args.model} has no default draft installed")
     return args

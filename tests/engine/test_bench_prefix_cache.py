@@ -23,3 +23,18 @@ def test_bench_prefix_cache_smoke(tmp_path, monkeypatch, capsys):
     assert on["prompt_tokens_computed"] == on["prompt_tokens"] - on["cache_hits"]
     assert on["cache_hits"] % 16 == 0 and 0 < result["ratios"]["prompt_tokens_computed"] < 1
     assert "| on |" in capsys.readouterr().out
+
+
+def test_a_system_prompt_past_the_context_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    """stories260K at the default --system-chars (~600 tokens) failed with an InvalidRequestError traceback from the
+    engine; it is a usage error naming --system-chars, before any request runs."""
+    import pytest
+
+    bench = load_script("bench_prefix_cache.py", "bench_prefix_cache_t")
+    monkeypatch.setattr(sys, "argv", ["bench_prefix_cache.py", "--model", "stories260k", "--num-prompts", "1",
+                                      "--max-tokens", "2", "--repeats", "1", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit) as exc:
+        bench.main()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exc.value.code == 2 and "argument --system-chars: the longest prompt is" in err, err
+    assert "passes stories260k's context of 512" in err and not (tmp_path / "x.json").exists()

@@ -169,6 +169,21 @@ BAD_FLAGS = [
      "argument --tree-file: spec tree file /nope.json: cannot read it as JSON"),
     ("eval_draft.py", ["--prompt-lookup-max", "2", "--prompt-lookup-min", "3"], "argument --prompt-lookup-min: 3"),
     ("profile_step.py", ["--model", "stories260k", "--verify"], "argument --verify: it needs a draft"),
+    # (a ConfigError traceback once the engine was built: bench_engine's after 16 s of work)
+    ("profile_step.py", ["--model", "stories260k", "--prompt-len", "100000"],
+     "argument --prompt-len: --prompt-len + the 64 tokens decoded past it is 100064 tokens, past stories260k's "
+     "context of 512"),
+    ("bench_engine.py", ["--model", "stories260k", "--prompt-len", "500", "--output-len", "32"],
+     "argument --prompt-len: --prompt-len + --output-len is 532 tokens, past stories260k's context of 512"),
+    ("bench_elastic.py", ["--draft", "none"], "argument --draft: 'none' is no draft model, and one is needed"),
+    ("bench_elastic.py", ["--model", "stories260k", "--draft", "auto"], "argument --draft: 'auto' is no draft for "
+                                                                        "'stories260k'"),
+    ("eval_draft.py", ["--draft", "stories260k"], "argument --draft: 'stories260k' does not share SmolLM2's "
+                                                  "vocabulary, as a draft for it must"),
+    ("eval_weight_format.py", ["--reference", "w4a8", "--candidate", "w4a8"],
+     "argument --candidate: w4a8 is the --reference too"),
+    ("fit_spec_tree.py", ["fit", "--workdir", "/tmp", "--data", "README.md", "--features", "/tmp", "--out",
+                          "/tmp/x.json", "--seed", "-4"], "argument --seed: expected an integer >= 0, got -4"),
 ]
 
 
