@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -142,6 +143,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--max-logprobs", type=_bounded(int, "max-logprobs", 0, MAX_LOGPROBS), default=MAX_LOGPROBS,
                        help=f"the most log-probabilities per token a request may ask for (logprobs, top_logprobs, "
                        f"prompt_logprobs), 0 to {MAX_LOGPROBS} (default: {MAX_LOGPROBS}, as vLLM's)")
+    group.add_argument("--profiler-dir", default=None, metavar="DIR",
+                       help="serve POST /start_profile and /stop_profile (vLLM's profiler endpoints), which trace the "
+                       "process with JAX's profiler into DIR (default: $NIGHTJAR_PROFILER_DIR; neither: no endpoints)")
     group.add_argument("--enable-log-requests", action="store_true",
                        help="log each generation request as it is queued: its id, prompt lengths and sampling "
                        "parameters (not the prompt's text)")
@@ -494,6 +498,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m nightjar_jax.serv
         key = api_key(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.profiler_dir is None and os.environ.get("NIGHTJAR_PROFILER_DIR"):
+        args.profiler_dir = os.environ["NIGHTJAR_PROFILER_DIR"]
+    if args.profiler_dir is not None and (not args.profiler_dir or (
+            os.path.exists(args.profiler_dir) and not os.path.isdir(args.profiler_dir))):
+        parser.error(f"--profiler-dir {args.profiler_dir!r}: give a folder for the traces (it is made if missing)")
     if args.served_model_name and not all(name.strip() for name in args.served_model_name):
         parser.error(f"--served-model-name {' '.join(repr(n) for n in args.served_model_name)}: a name must not be "
                      f"empty (responses would carry \"model\": \"\")")
@@ -538,6 +547,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m nightjar_jax.serv
         disable_fastapi_docs=args.disable_fastapi_docs,
         max_logprobs=args.max_logprobs,
         log_requests=args.enable_log_requests,
+        profiler_dir=args.profiler_dir,
     )
     async_engine = AsyncEngine(engine)
     app = build_app(async_engine, settings)

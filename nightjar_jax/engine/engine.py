@@ -222,6 +222,8 @@ class LLMEngine:
         }
         self.sleep_level = 0  # 0: awake; 1 or 2 while asleep (sleep)
         self._asleep: set[str] = set()  # SLEEP_TAGS still asleep (wake_up may restore them one at a time)
+        self._profile: tuple[str, float] | None = None  # a trace under way: its folder and start time
+        self._profile_steps = 0
         from nightjar_jax.attention import resolve_impl
 
         if resolve_impl(config.attention_impl) == "pallas":
@@ -893,7 +895,49 @@ class LLMEngine:
         return self.allocator.num_usable
 
     # ---- the step -------------------------------------------------------------------------------------------------
+    def start_profile(self, profile_dir: str | os.PathLike | None = None) -> str:
+        """vLLM's profiler hook on JAX's profiler: trace all the process runs (every compiled call, host work, each
+        engine step marked ``engine_step``) into ``profile_dir`` (default: ``$NIGHTJAR_PROFILER_DIR``) until
+        :meth:`stop_profile`. Returns the folder. View a run's ``*.trace.json.gz`` in Perfetto (ui.perfetto.dev) or
+        the folder in TensorBoard's profile plugin."""
+        if self._profile is not None:
+            raise RuntimeError(f"a profile is already running (into {self._profile[0]}): stop_profile() first")
+        folder = os.fspath(profile_dir) if profile_dir is not None else os.environ.get("NIGHTJAR_PROFILER_DIR", "")
+        if not folder:
+            raise ValueError("start_profile needs a folder for the trace: pass profile_dir=..., or set "
+                             "NIGHTJAR_PROFILER_DIR (serve: --profiler-dir)")
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            raise ValueError(f"profile_dir {folder!r} is a file, not a folder")
+        try:
+            jax.profiler.start_trace(folder)
+        except RuntimeError as exc:  # (a trace this engine did not start: jax.profiler runs one at a time)
+            raise RuntimeError(f"cannot start a profile: {exc} (a jax.profiler trace started elsewhere in this process "
+                               f"must stop first)") from None
+        self._profile, self._profile_steps = (os.path.abspath(folder), time.time()), 0
+        return self._profile[0]
+
+    def stop_profile(self) -> str:
+        """End the trace :meth:`start_profile` began and write it; returns the run's folder
+        (``<profile_dir>/plugins/profile/<date>``, holding ``*.trace.json.gz`` and ``*.xplane.pb``)."""
+        if self._profile is None:
+            raise RuntimeError("no profile is running: start_profile() first")
+        folder, started = self._profile
+        self._profile = None
+        jax.profiler.stop_trace()
+        runs = os.path.join(folder, "plugins", "profile")
+        written = [os.path.join(runs, d) for d in os.listdir(runs)] if os.path.isdir(runs) else []
+        written = [d for d in written if os.path.isdir(d) and os.path.getmtime(d) >= started - 1]
+        return max(written, key=os.path.getmtime) if written else folder
+
     def step(self) -> list[RequestOutput]:
+        """One engine step (a prefill chunk or a decode step of every running request); the outputs it produced."""
+        if self._profile is None:
+            return self._step()
+        self._profile_steps += 1
+        with jax.profiler.StepTraceAnnotation("engine_step", step_num=self._profile_steps):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         if self._asleep:  # (asleep, the engine holds no request: nothing to do)
             return []
         t0 = time.perf_counter()

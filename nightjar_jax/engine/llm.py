@@ -80,6 +80,16 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
 
+    def start_profile(self, profile_dir: str | None = None) -> str:
+        """vLLM's: trace what follows with JAX's profiler into ``profile_dir`` (default ``$NIGHTJAR_PROFILER_DIR``;
+        ``LLMEngine.start_profile``) until :meth:`stop_profile`. Returns the folder."""
+        return self.engine.start_profile(profile_dir)
+
+    def stop_profile(self) -> str:
+        """vLLM's: end the trace and write it; returns the run's folder (its ``*.trace.json.gz`` opens in
+        Perfetto)."""
+        return self.engine.stop_profile()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the parameters :meth:`generate` and :meth:`chat` use when given none: :class:`SamplingParams`'s
         defaults with the model's recommended values from its ``generation_config.json`` (engine option
@@ -264,7 +274,7 @@ _VLLM_NO_OPS = ("enforce_eager", "disable_log_stats", "enable_chunked_prefill")
 _VLLM_UNSERVED = {
     "encode": "pooling (embeddings, rewards) API", "embed": "embedding API", "classify": "classification API",
     "score": "scoring (cross-encoder) API", "reward": "reward-model API", "apply_model": "model-access hook",
-    "collective_rpc": "worker RPC", "start_profile": "profiler hook", "stop_profile": "profiler hook",
+    "collective_rpc": "worker RPC",
 }
 
 

@@ -101,6 +101,7 @@ class ServerSettings:
     disable_fastapi_docs: bool = False
     max_logprobs: int = MAX_LOGPROBS  # vLLM's --max-logprobs: the most log-probabilities per token a request may ask
     log_requests: bool = False  # vLLM's --enable-log-requests: a log line per generation request queued
+    profiler_dir: str | None = None  # POST /start_profile and /stop_profile trace into it (vLLM's profiler endpoints)
 
 
 def _printable_id(value: str) -> bool:
@@ -801,6 +802,31 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         authorize(request)
         forgotten = await engine_call(lambda e: e.reset_prefix_cache())
         return {"success": True, "pages_forgotten": forgotten}
+
+    if settings.profiler_dir is not None:
+        @app.post("/start_profile")
+        async def start_profile(request: Request):
+            """vLLM's: trace the process with JAX's profiler (``LLMEngine.start_profile``) into --profiler-dir until
+            ``POST /stop_profile``; a profile already running is a 409."""
+            authorize(request)
+            try:
+                folder = await engine_call(lambda e: e.start_profile(settings.profiler_dir))
+            except RuntimeError as exc:
+                raise APIError(409, str(exc), type="conflict_error") from None
+            except ValueError as exc:
+                raise APIError(500, str(exc), type="server_error") from None
+            return {"success": True, "profile_dir": folder}
+
+        @app.post("/stop_profile")
+        async def stop_profile(request: Request):
+            """vLLM's: end the trace and write it; the answer names the run's folder (``*.trace.json.gz`` opens in
+            Perfetto). None running is a 409."""
+            authorize(request)
+            try:
+                run = await engine_call(lambda e: e.stop_profile())
+            except RuntimeError as exc:
+                raise APIError(409, str(exc), type="conflict_error") from None
+            return {"success": True, "trace_dir": run}
 
     @app.get("/version")
     async def version():

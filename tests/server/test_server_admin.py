@@ -86,3 +86,51 @@ def test_sleep_endpoints_take_an_empty_object_as_no_body(engine):
         assert resp.json()["level"] == 1
         resp = client.post("/wake_up", content=b" { } ", headers={"Content-Type": "application/json"})
         assert resp.status_code == 200 and resp.json() == {"is_sleeping": False}, resp.text
+
+
+def test_profiler_endpoints_trace_the_engine_steps(engine, tmp_path):
+    """vLLM's /start_profile and /stop_profile, served with --profiler-dir (ServerSettings.profiler_dir) only: a
+    trace of the requests between them, written where the answer says, holding the engine's steps; a second start
+    or a stop with none running is a 409; without the setting the paths are 404s. The library's hooks
+    (LLM.start_profile / stop_profile) are the engine's."""
+    import gzip
+    import json
+    import os
+
+    with client_for(engine) as client:
+        assert client.post("/start_profile").status_code == 404
+    with client_for(engine, api_key="k", profiler_dir=str(tmp_path / "traces")) as client:
+        assert client.post("/start_profile").status_code == 401
+        started = client.post("/start_profile", headers=KEY)
+        assert started.status_code == 200 and started.json()["profile_dir"] == str(tmp_path / "traces")
+        again = client.post("/start_profile", headers=KEY)
+        assert again.status_code == 409 and "a profile is already running" in again.json()["error"]["message"]
+        done = client.post("/v1/completions", headers=KEY, json={"prompt": [1, 2, 3], "max_tokens": 4})
+        assert done.status_code == 200
+        stopped = client.post("/stop_profile", headers=KEY)
+        assert stopped.status_code == 200
+        run = stopped.json()["trace_dir"]
+        assert run.startswith(str(tmp_path / "traces" / "plugins" / "profile"))
+        (trace,) = [f for f in os.listdir(run) if f.endswith(".trace.json.gz")]
+        events = json.loads(gzip.decompress((tmp_path / run / trace).read_bytes()))["traceEvents"]
+        assert sum(e.get("name") == "engine_step" for e in events) >= 4  # (a prefill and 3+ decode steps)
+        none = client.post("/stop_profile", headers=KEY)
+        assert none.status_code == 409 and "no profile is running" in none.json()["error"]["message"]
+
+
+def test_library_profiler_hooks_say_what_is_wrong(engine, tmp_path, monkeypatch):
+    from nightjar_jax import LLM
+
+    llm = LLM.from_engine(engine)
+    monkeypatch.delenv("NIGHTJAR_PROFILER_DIR", raising=False)
+    with pytest.raises(ValueError, match="start_profile needs a folder for the trace: pass profile_dir"):
+        llm.start_profile()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        llm.start_profile(str(tmp_path / "file"))
+    with pytest.raises(RuntimeError, match="no profile is running: start_profile"):
+        llm.stop_profile()
+    monkeypatch.setenv("NIGHTJAR_PROFILER_DIR", str(tmp_path / "env"))
+    assert llm.start_profile() == str(tmp_path / "env")
+    llm.generate([[1, 2, 3]], use_tqdm=False)
+    assert llm.stop_profile().startswith(str(tmp_path / "env" / "plugins" / "profile"))

@@ -622,3 +622,18 @@ def test_a_forced_quit_closes_the_engine_and_exits_130(monkeypatch):
     monkeypatch.setattr(serve._Server, "make", staticmethod(forced_server))
     assert serve.main(["--model", "fake", "--port", "0", "--warmup", "none"]) == 130
     assert closed == [True]
+
+
+def test_profiler_dir_must_be_a_folder(tmp_path, capsys, monkeypatch):
+    """--profiler-dir (or $NIGHTJAR_PROFILER_DIR) turns on /start_profile and /stop_profile; a file there is a usage
+    error before the model loads."""
+    from nightjar_jax.serve import main
+
+    (tmp_path / "file").write_text("")
+    for argv, env in ((["--profiler-dir", str(tmp_path / "file")], None), ([], str(tmp_path / "file"))):
+        if env:
+            monkeypatch.setenv("NIGHTJAR_PROFILER_DIR", env)
+        with pytest.raises(SystemExit) as exc:
+            main(["--model", "stories260k", *argv])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"--profiler-dir {str(tmp_path / 'file')!r}: give a folder" in err
