@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nightjar_jax.bench.common import (  # noqa: E402
     existing_file,
+    finite_or_none,
     float_at_least,
     int_list,
     make_parent,
@@ -46,6 +47,7 @@ from nightjar_jax.bench.common import (  # noqa: E402
     writable_out,
 )
 from nightjar_jax.planner import Planner, known_planners, make_planner  # noqa: E402
+from nightjar_jax.planner.base import strict_json_options  # noqa: E402
 from nightjar_jax.sim import (  # noqa: E402
     PRESETS,
     CostProfile,
@@ -232,7 +234,8 @@ def main() -> int:
         rows += [(name, "nightjar", options, False), (f"{name}+warm", "nightjar", options, True)]
     learners = ["nightjar", "nightjar+warm"] + [r for name, _ in args.nightjar_variant for r in (name, f"{name}+warm")]
     if args.nightjar_variant:
-        report["nightjar_variants"] = dict(args.nightjar_variant)
+        # (an infinite option as the planner state writes it, "inf": json.dumps wrote the bare token Infinity)
+        report["nightjar_variants"] = {name: strict_json_options(options) for name, options in args.nightjar_variant}
     if args.rate_scale == "auto":
         scales = {preset: auto_rate_scale(profile, preset, args.phase_seconds) for preset in presets}
         print(
@@ -364,7 +367,7 @@ def main() -> int:
                     "vs_oracle_phase": vs_oracle.tolist(),
                 }
     if args.out:
-        Path(make_parent(args.out)).write_text(json.dumps(report, indent=1))
+        Path(make_parent(args.out)).write_text(json.dumps(finite_or_none(report), indent=1))
         print(f"\nwrote {args.out}")
     return 0 if all_ok else 1
 

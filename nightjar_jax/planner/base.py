@@ -219,7 +219,7 @@ class Planner(abc.ABC):
             "format": STATE_FORMAT,
             "spec": self.spec,
             "gamma_max": self.gamma_max,
-            "options": dataclasses.asdict(self.options),
+            "options": strict_json_options(dataclasses.asdict(self.options)),
             "counters": {
                 "num_switches": self.num_switches,
                 "num_decisions": self.num_decisions,
@@ -254,7 +254,8 @@ class Planner(abc.ABC):
             )
         if type(self)._identity is not Planner._identity:
             try:
-                saved = make_planner(state["spec"], state["gamma_max"], **state["options"])._identity()
+                options = options_from_json(state["options"])
+                saved = make_planner(state["spec"], state["gamma_max"], **options)._identity()
             except (TypeError, ValueError) as error:
                 raise ValueError(f"state for {state['spec']!r} has invalid options: {error}") from None
             mine = self._identity()
@@ -296,7 +297,7 @@ class Planner(abc.ABC):
                              f"to_json") from None
         _check_format(state)
         try:
-            planner = make_planner(state["spec"], state["gamma_max"], **state["options"])
+            planner = make_planner(state["spec"], state["gamma_max"], **options_from_json(state["options"]))
         except (KeyError, TypeError) as error:
             what = f"no {error}" if isinstance(error, KeyError) else str(error)
             raise ValueError(f"malformed planner state ({type(error).__name__}: {what}): load a state saved by "
@@ -359,6 +360,22 @@ def step_reward(batch_size: int, num_tokens: int, seconds: float, switch_seconds
     return num_tokens / step_seconds / batch_size
 
 
+def strict_json_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Options as strict JSON holds them: an infinite number (``prior_transfer_sd=inf``, a documented value) as the
+    string "inf" / "-inf" (``json.dumps`` wrote the bare token Infinity, which JSON parsers other than Python's
+    refuse); :func:`options_from_json` reads them back."""
+    def strict(v: Any) -> Any:
+        return ("inf" if v > 0 else "-inf") if isinstance(v, float) and math.isinf(v) else v
+
+    return {k: strict(v) for k, v in options.items()}
+
+
+def options_from_json(options: Any) -> Any:
+    if not isinstance(options, dict):  # (a malformed state: make_planner's TypeError says so)
+        return options
+    return {k: float(v) if isinstance(v, str) and v in ("inf", "-inf") else v for k, v in options.items()}
+
+
 def register_planner(name: str):
     """Class decorator: make a `Planner` subclass available to `make_planner(name, ...)`."""
 
@@ -412,7 +429,7 @@ def make_planner(
                     f"planner spec {name!r} sets {field}={value!r}, but the option {field}={options[field]!r} "
                     f"disagrees; give {field} once (in the spec or as an option)"
                 )
-        options = {**options, **from_spec}
+        options = {**from_spec, **options}  # (the option as given: its own checks see it, gamma=2.0 too)
     field_names = {f.name for f in dataclasses.fields(cls.Options)}
     unknown = sorted(set(options) - field_names)
     if unknown:

@@ -53,10 +53,11 @@ class StaticPlanner(Planner):
 
     @classmethod
     def _options_from_spec_argument(cls, argument: str, gamma_max: int) -> dict[str, Any]:
-        try:
-            return {"gamma": int(argument)}
-        except ValueError:
-            raise ValueError(f"static planner spec must be 'static:K' with an int K, got 'static:{argument}'") from None
+        # (ASCII digits only: int() took " 2", "+2" and other scripts' digits, which the spec then kept)
+        if not (argument.isascii() and argument.isdigit()):
+            raise ValueError(f"static planner spec must be 'static:K' with an int K >= 0 in digits 0-9, got "
+                             f"'static:{argument}'")
+        return {"gamma": int(argument)}
 
     def _select(self, batch_size: int, *, queue_len: int, free_pages: int | None) -> int:
         return self.gamma

@@ -551,12 +551,36 @@ class NightjarPlanner(Planner):
                     raise ValueError(f"state's context {context} has {name}={short_repr(value)}; allowed: a list, "
                                      f"one entry per arm 0..{self.gamma_max}")
             check_arm_lists(self.gamma_max, **lists)
-            if not all(isinstance(m, list) and len(m) == 2 for m in state.reward_moments):
-                raise ValueError(f"state's context {context} has reward_moments={short_repr(state.reward_moments)}; "
-                                 f"allowed: one [sum of rewards, sum of their squares] pair per arm")
+            _check_context_lists(context, state, self.gamma_max)
             _check_context_scalars(context, state, self.gamma_max)
         self._rng.bit_generator.state = learned["rng"]
         self.contexts = contexts
+
+
+def _check_context_lists(context: int, state: ContextState, gamma_max: int) -> None:
+    """A loaded context's per-arm lists, each entry of the kind its field holds (``check_arm_lists`` let any entry be
+    None or a list, and a count 2.5: a ``weight`` of None was a TypeError at the next decision): a ValueError naming
+    the field and what is allowed."""
+    def fail(field: str, allowed: str) -> None:
+        raise ValueError(f"state's context {context} has {field}={short_repr(getattr(state, field))}; allowed: "
+                         f"{allowed}, one per arm 0..{gamma_max}")
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+    for field in ("weight", "reward_sum", "seconds_sum"):
+        if not all(number(v) for v in getattr(state, field)):
+            fail(field, "a finite number >= 0")
+    for field in ("decisions", "count"):
+        if not all(number(v) and is_int(v) for v in getattr(state, field)):
+            fail(field, "an int >= 0")
+    if not all(isinstance(m, list) and len(m) == 2 and all(number(x) for x in m) for m in state.reward_moments):
+        fail("reward_moments", "a [sum of rewards, sum of their squares] pair of finite numbers >= 0")
+    for field in ("prior_reward", "prior_seconds", "prior_variance", "prior_obs_variance"):
+        if not all(v is None or number(v) for v in getattr(state, field)):
+            fail(field, "None (no prior) or a finite number >= 0")
+    if any(r is not None and s is None for r, s in zip(state.prior_reward, state.prior_seconds, strict=True)):
+        fail("prior_seconds", "a number wherever prior_reward has one (both come from the same neighbour)")
 
 
 def _check_context_scalars(context: int, state: ContextState, gamma_max: int) -> None:

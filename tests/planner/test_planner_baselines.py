@@ -31,6 +31,12 @@ def test_static_above_gamma_max_is_a_clear_error():
         make_planner("static:5", 4)
     with pytest.raises(ValueError, match="static:K"):
         make_planner("static:x", 4)
+    for spec in ("static:٢", "static: 2", "static:+2", "static:-1"):  # (int() took the first three; QA, 2026-12-07)
+        with pytest.raises(ValueError, match=r"'static:K' with an int K >= 0 in digits 0-9"):
+            make_planner(spec, 4)
+    with pytest.raises(ValueError, match=r"gamma must be an int >= 0 or None .* got 2\.0"):
+        make_planner("static:2", 4, gamma=2.0)  # (it passed as 2.0 == 2, the spec's 2 kept)
+    assert make_planner("static:2", 4, gamma=2).gamma == 2
 
 
 def test_unknown_option_and_bad_option_values():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import numpy as np
 from planner_synthetic_env import SyntheticEnv, run
 
@@ -101,3 +104,22 @@ def test_state_round_trips_through_json_and_continues_identically(tmp_path):
     env_b.rng.bit_generator.state = env_a.rng.bit_generator.state
     env_b.previous_gamma = env_a.previous_gamma
     assert run(clone, env_b, [4, 40] * 300)[0] == run(planner, env_a, [4, 40] * 300)[0]
+
+
+def test_a_state_with_infinite_options_is_strict_json():
+    """prior_transfer_sd=inf (and elimination_z, probe_reset_z, initial_switch_seconds at inf) are documented values;
+    the state wrote them as the bare token Infinity, which JSON parsers other than Python's refuse. Now "inf", read
+    back as the float."""
+    planner = make_planner("nightjar", 4, seed=3, prior_transfer_sd=math.inf, elimination_z=math.inf,
+                           probe_reset_z=math.inf)
+    run(planner, SyntheticEnv(seed=2), [4, 40] * 20)
+    text = planner.to_json()
+
+    def refuse(token):
+        raise ValueError(f"non-standard JSON token {token}")
+
+    options = json.loads(text, parse_constant=refuse)["options"]
+    assert options["prior_transfer_sd"] == "inf" and options["elimination_z"] == "inf"
+    clone = Planner.from_json(text)
+    assert clone.options == planner.options and clone.options.prior_transfer_sd == math.inf
+    assert clone.to_json() == text

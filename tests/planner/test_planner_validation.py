@@ -291,9 +291,19 @@ def _trained(spec: str):
           # taken, then an OverflowError (block 5000), an IndexError or a TypeError in the next select (QA, 2026-12-06)
           ("block", 5000, "an int in 1..64")]],
     ("nightjar", lambda s: next(iter(s["learned"]["contexts"].values())).__setitem__("reward_moments", [[1.0]] * 4),
-     r"reward_moments=\[\[1.0\], .*allowed: one \[sum of rewards, sum of their squares\] pair per arm"),
+     r"reward_moments=\[\[1.0\], .*allowed: a \[sum of rewards, sum of their squares\] pair of finite numbers >= 0"),
     ("nightjar", lambda s: next(iter(s["learned"]["contexts"].values())).__setitem__("reward_moments", [1.0] * 4),
-     "allowed: one \\[sum of rewards"),
+     "allowed: a \\[sum of rewards"),
+    # entries of the wrong kind: taken, then a TypeError in the next select or observe (QA, 2026-12-07)
+    *[("nightjar", lambda s, f=field, v=value: next(iter(s["learned"]["contexts"].values()))[f].__setitem__(0, v),
+       f"has {field}=.*; allowed: {allowed}" if field != "prior_reward" else allowed)
+      for field, value, allowed in [
+          ("weight", None, "a finite number >= 0"), ("weight", [1.0], "a finite number >= 0"),
+          ("reward_sum", None, "a finite number"), ("seconds_sum", [1.0], "a finite number"),
+          ("count", 2.5, "an int >= 0"), ("decisions", None, "an int >= 0"), ("decisions", [1], "an int >= 0"),
+          ("reward_moments", [None, None], r"a \[sum of rewards"), ("reward_moments", [[1], [1]], r"a \[sum"),
+          ("prior_variance", [1.0], r"None \(no prior\) or a finite number >= 0"),
+          ("prior_reward", 5.0, "has prior_seconds=.*; allowed: a number wherever prior_reward has one")]],
     ("nightjar", lambda s: next(iter(s["learned"]["contexts"].values())).__setitem__("weight", "abcd"),
      "has weight='abcd'; allowed: a list, one entry per arm 0..3"),
 ])
