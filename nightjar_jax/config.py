@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -259,7 +260,8 @@ class CacheConfig:
         _check(self.draft_offload in DRAFT_OFFLOAD, "draft_offload", self.draft_offload, f"one of {DRAFT_OFFLOAD}")
         for name in ("offload_low_watermark", "reload_high_watermark"):
             value = getattr(self, name)
-            _check(isinstance(value, int | float) and 0 <= value < 1, name, value, "a fraction in [0, 1)")
+            _check(isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1, name, value,
+                   "a fraction in [0, 1)")
         _check_int("offload_persist_steps", self.offload_persist_steps, 1)
 
     def kv_dtype(self, model_dtype: str) -> str:
@@ -323,6 +325,9 @@ class SpecConfig:
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, 64)
         _check(not self.prompt_lookup_max or self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
                self.prompt_lookup_min, f"at most prompt_lookup_max={self.prompt_lookup_max} when lookup is on")
+        _check(self.planner_log is None or (isinstance(self.planner_log, str | os.PathLike)
+                                            and bool(os.fspath(self.planner_log))),
+               "planner_log", self.planner_log, "None (no log) or a path to a JSONL file")
         _check_int("spec_tree_nodes", self.spec_tree_nodes, 0, 128)
         _check_int("spec_tree_min_gamma", self.spec_tree_min_gamma, 1, 16)
         _check(not self.spec_tree_nodes or self.spec_tree_min_gamma <= max(self.num_speculative_tokens, 1),

@@ -544,7 +544,7 @@ def test_unknown_planner_is_an_error_without_a_draft_too():
     with pytest.raises(ValueError, match="unknown planner 'bogus'; known planners: .*nightjar"):
         fake_engine(planner="bogus")
     assert fake_engine(planner="nightjar").planner.name == "ar"
-    for spec, message in [("static:x", "'static:K' with an int K"), ("static:-1", "gamma must be an int >= 0"),
+    for spec, message in [("static:x", "'static:K' with an int K"), ("static:-1", "'static:K' with an int K >= 0"),
                           ("nightjar:foo", "takes no ':' argument")]:  # (their arguments too: they were ignored)
         with pytest.raises(ValueError, match=message):
             fake_engine(planner=spec)

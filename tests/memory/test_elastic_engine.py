@@ -211,6 +211,9 @@ def test_arrays_shared_with_the_target_stay_on_the_device():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(draft_offload="always"), "draft_offload"),
     (dict(offload_low_watermark=1.5), "offload_low_watermark"),
+    (dict(offload_low_watermark=False), "offload_low_watermark=False is invalid"),  # (a bool was taken as 0)
+    (dict(planner_log=123), "planner_log=123 is invalid: allowed None"),  # (a pathlib TypeError traceback)
+    (dict(planner_log=""), "planner_log='' is invalid"),  # (silently no log)
     (dict(offload_persist_steps=0), "offload_persist_steps"),
 ])
 def test_bad_offload_settings_are_rejected(kwargs, match):
