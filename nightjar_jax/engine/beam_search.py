@@ -165,14 +165,15 @@ class BeamSearch:
             raise ValueError(f"got {len(expansions)} expansions for {len(self.beams)} beams")
         candidates: list[BeamSearchSequence] = []
         for beam, tops in zip(self.beams, expansions, strict=True):
-            for token, logprob in tops.items():
-                if token in self.eos_ids:
-                    keep = self.params.include_stop_str_in_output
-                    done = BeamSearchSequence(beam.tokens + [token] * keep, beam.logprobs + [logprob] * keep,
-                                              beam.cum_logprob + logprob, "stop", token)
-                    self.finished.append(done)
-                else:
-                    candidates.append(beam.extend(token, logprob))
+            # a beam ends once, at its most likely end-of-sequence token: a model with several (Llama 3's) finished
+            # one sequence per id, equal but for that id (the same text without include_stop_str_in_output)
+            ends = [(token, logprob) for token, logprob in tops.items() if token in self.eos_ids]
+            if ends:
+                token, logprob = max(ends, key=lambda e: e[1])  # (the first of equals: the engine's order)
+                keep = self.params.include_stop_str_in_output
+                self.finished.append(BeamSearchSequence(beam.tokens + [token] * keep, beam.logprobs + [logprob] * keep,
+                                                        beam.cum_logprob + logprob, "stop", token))
+            candidates += [beam.extend(token, logprob) for token, logprob in tops.items() if token not in self.eos_ids]
         # (candidates of one step all have the same length: the score ranks them as cum_logprob does; a stable
         # sort keeps the engine's order, most likely first, between equal scores)
         candidates.sort(key=lambda s: s.cum_logprob, reverse=True)

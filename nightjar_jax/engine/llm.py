@@ -109,12 +109,15 @@ class LLM:
         *,
         use_tqdm: bool | Callable[..., Any] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. ``n > 1`` fans a prompt out into
         ``n`` sequences (seeds ``seed + i``, wrapping past 2**63 - 1 to 0, when seeded) returned as
         ``outputs[0..n-1]``. ``priority`` (vLLM's; one per prompt, lower first) needs
         ``scheduling_policy="priority"``. If a step raises (or the call is interrupted), this call's unfinished
-        requests are aborted (their pages freed) before the exception propagates."""
+        requests are aborted (their pages freed) before the exception propagates. ``lora_request`` (vLLM's) may only be
+        None: no LoRA adapters are served here."""
+        _no_lora(lora_request)
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -178,12 +181,18 @@ class LLM:
 
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, *,
-                    use_tqdm: bool | Callable[..., Any] | None = None) -> list[BeamSearchOutput]:
+                    use_tqdm: bool | Callable[..., Any] | None = None, lora_request: None = None,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: for each prompt, the ``params.beam_width`` best sequences of a beam search
         (``nightjar_jax/engine/beam_search.py``), best first. Every search step asks the engine, in one batch over
         all prompts' live beams, for each beam's most likely next tokens (``generate`` with one greedy token and
         ``2 x beam_width`` log-probabilities); prefix caching keeps the beams' shared pages computed once. Bad
-        prompts raise ``ValueError`` before anything runs."""
+        prompts raise ``ValueError`` before anything runs. ``concurrency_limit`` (vLLM's): at most this many prompts'
+        searches at a time, in prompt order (None: all)."""
+        _no_lora(lora_request)
+        if concurrency_limit is not None and not (is_token_id(concurrency_limit) and concurrency_limit >= 1):
+            raise ValueError(f"concurrency_limit must be None or an int >= 1 (prompts searched at a time), got "
+                             f"{short_repr(concurrency_limit)}")
         prompts = _prompt_list(prompts)
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}")
@@ -196,7 +205,7 @@ class LLM:
         bar = _progress(len(searches), use_tqdm, desc="beam search")
         try:
             while not all(s.done for s in searches):
-                live = [s for s in searches if not s.done]
+                live = [s for s in searches if not s.done][:concurrency_limit]
                 asks = [(s, ids) for s in live for ids in s.pending()]
                 outs = self.generate([{"prompt_token_ids": ids, **salts[id(s)]} for s, ids in asks], step,
                                      use_tqdm=False)
@@ -223,6 +232,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: None = None,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them, each
         rendered with the model's chat template (or ``chat_template``), then generated as :meth:`generate` does; one
@@ -230,6 +240,10 @@ class LLM:
         calls a model writes can be read with ``nightjar_jax.server.tool_parsers.parse``); an assistant turn may
         carry ``tool_calls`` with ``content`` None. ``continue_final_message`` (with ``add_generation_prompt``
         False) continues each conversation's last message; ``chat_template_kwargs`` are more template variables."""
+        _no_lora(lora_request)
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f"tools must be None or a list of tool definitions (dicts, OpenAI's {{'type': "
+                             f"'function', 'function': {{'name': ..., 'parameters': ...}}}}), got {short_repr(tools)}")
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: chat needs one to render the conversation")
@@ -255,6 +269,12 @@ class LLM:
                                                  continue_final_message=continue_final_message,
                                                  template_kwargs=chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _no_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise ValueError(f"lora_request={short_repr(lora_request)}: LoRA adapters are not served here (vLLM's "
+                         f"argument; only None is taken)")
 
 
 def _text_parts(content: Any) -> list[str] | None:

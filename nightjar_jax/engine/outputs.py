@@ -37,8 +37,11 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None  # one entry per token of token_ids, when the request asked for them
     cumulative_logprob: float | None = None  # the sum of the generated tokens' log-probabilities (same condition)
 
-    @property
+    lora_request = None  # (vLLM's: no LoRA adapters here)
+
     def finished(self) -> bool:
+        """Whether the sequence ended (a method, as vLLM's ``CompletionOutput.finished()``; ``RequestOutput.finished``
+        is an attribute there and here)."""
         return self.finish_reason is not None
 
 
@@ -93,3 +96,14 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # prefix caching: the prompt tokens whose K/V its first admission found cached (0 with it off), as vLLM's
     num_cached_tokens: int = 0
+
+    # vLLM's fields for what this engine does not serve (encoder-decoder models, LoRA, KV transfer, multimodal
+    # inputs), at the values vLLM gives a plain text request, so code that reads them runs
+    encoder_prompt = None
+    encoder_prompt_token_ids = None
+    lora_request = None
+    kv_transfer_params = None
+
+    @property
+    def multi_modal_placeholders(self) -> dict:
+        return {}

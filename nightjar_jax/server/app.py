@@ -1170,8 +1170,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     return dict(base)
                 comp = out.outputs[0]
                 if req.prompt_only:  # (echo only: one chunk, the prompt, once the token that is not part of it came)
-                    return {**base, "choices": [whole_choice(index, out)]} if comp.finished else None
-                if not comp.delta_text and not comp.finished and (started[index] or not req.echo):
+                    return {**base, "choices": [whole_choice(index, out)]} if comp.finished() else None
+                if not comp.delta_text and not comp.finished() and (started[index] or not req.echo):
                     return None  # (its tokens' log-probabilities go with the next chunk that is sent)
                 text, ids, lps = comp.delta_text, comp.token_ids[sent[index]:], None
                 if comp.logprobs is not None:
@@ -1191,7 +1191,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     "text": text,
                     "logprobs": logprobs,
                     "finish_reason": comp.finish_reason,
-                    "stop_reason": comp.stop_reason if comp.finished else None,
+                    "stop_reason": comp.stop_reason if comp.finished() else None,
                     **(prompt_part(out) if first else {}),  # (the prompt's, with a choice's first chunk)
                 }
                 if req.return_token_ids:
@@ -1317,14 +1317,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 """This output's new text as (reasoning, content): what the reasoning parser is sure of."""
                 if not thinks:
                     return "", comp.delta_text
-                return thoughts[index].feed(comp.delta_text, final=comp.finished)
+                return thoughts[index].feed(comp.delta_text, final=comp.finished())
 
             def auto_delta(index, text: str, comp) -> tuple[dict, str | None]:
                 """tool_choice "auto": the content the parser is sure of, and each call once its block closed."""
                 parser = parsers[index]
                 before = len(parser.calls)
                 content, _ = parser.feed(text)
-                if comp.finished:
+                if comp.finished():
                     content += parser.finish()[0]
                 limit = 1 if one_call else len(parser.calls)
                 calls = parser.calls[min(before, limit):limit]
@@ -1342,7 +1342,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     delta, finish = {}, comp.finish_reason
                     reasoning, text = text_delta(index, comp)  # (the arguments follow a thought)
                     if named_ids:  # (the output is the named function's arguments)
-                        if not named_started[index] and (text or comp.finished):
+                        if not named_started[index] and (text or comp.finished()):
                             named_started[index] = True
                             delta = {"tool_calls": [{"index": 0, "id": named_ids[index], "type": "function",
                                                      "function": {"name": call[1][0]["name"], "arguments": text}}]}
@@ -1352,13 +1352,13 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                         calls = required[index].feed(text)
                         if calls:
                             delta = {"tool_calls": calls}
-                        if comp.finished:  # (as answered whole: content when no call got a name, else the calls)
+                        if comp.finished():  # (as answered whole: content when no call got a name, else the calls)
                             whole, finish = answer(call, required[index].text, finish)
                             if "tool_calls" not in whole and whole.get("content"):
                                 delta = {"content": whole["content"]}
                     if reasoning:
                         delta = {"reasoning_content": reasoning, **delta}
-                    if not delta and not comp.finished:
+                    if not delta and not comp.finished():
                         return None  # (its tokens' log-probabilities go with the next chunk that is sent)
                 else:
                     reasoning, text = text_delta(index, comp)
@@ -1368,7 +1368,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                         delta, finish = ({"content": text} if text else {}), comp.finish_reason
                     if reasoning:
                         delta = {"reasoning_content": reasoning, **delta}
-                    if not delta and not comp.finished:
+                    if not delta and not comp.finished():
                         return None
                 logprobs = None
                 if comp.logprobs is not None:
@@ -1376,7 +1376,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     logprobs = chat_logprobs(comp.token_ids[start:], comp.logprobs[start:], num_top, as_ids,
                                              token_bytes)
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
-                          "stop_reason": comp.stop_reason if comp.finished else None}
+                          "stop_reason": comp.stop_reason if comp.finished() else None}
                 if req.return_token_ids:
                     choice["token_ids"], ids_sent[index] = list(comp.token_ids[ids_sent[index]:]), len(comp.token_ids)
                 prompt = {}
@@ -1581,7 +1581,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                         yield event("error", **{k: v for k, v in failure.body()["error"].items() if k != "type"})
                         return
                     comp = out.outputs[0]
-                    thinking, answer_text = (splitter.feed(comp.delta_text, final=comp.finished) if splitter
+                    thinking, answer_text = (splitter.feed(comp.delta_text, final=comp.finished()) if splitter
                                              else ("", comp.delta_text))
                     if thinking:
                         if phase == "start":
@@ -1590,11 +1590,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                         yield event("response.reasoning_text.delta", item_id=rsid, output_index=0, content_index=0,
                                     delta=thinking)
                         reasoning += thinking
-                    if (answer_text or comp.finished) and phase != "answering":
+                    if (answer_text or comp.finished()) and phase != "answering":
                         if phase == "thinking":  # the thought is over: its item closes, the message comes next
                             yield event("response.reasoning_text.done", item_id=rsid, output_index=0,
                                         content_index=0, text=reasoning)
-                            cut = comp.finished and not answer_text and status_of(out) != "completed"
+                            cut = comp.finished() and not answer_text and status_of(out) != "completed"
                             yield event("response.output_item.done", output_index=0,
                                         item=thought(reasoning, "incomplete" if cut else "completed"))
                             at["output_index"] = 1

@@ -230,7 +230,8 @@ class _SamplingFields(_Strict):
                                 f"turn 'use_beam_search' off)", param=bad[0])
         try:
             return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
-                                    length_penalty=self.length_penalty)
+                                    length_penalty=self.length_penalty,
+                                    include_stop_str_in_output=self.include_stop_str_in_output)
         except InvalidRequestError as exc:
             name = {"beam_width": "n"}.get(exc.field, exc.field)
             raise APIError(400, str(exc).replace(f"BeamSearchParams.{exc.field}", f"'{name}' (the beam width)"

@@ -103,6 +103,22 @@ def test_include_stop_str_in_output_keeps_the_eos_token_and_the_ranking():
         assert sum(b.logprobs) == pytest.approx(b.cum_logprob)  # (with the EOS token's, kept)
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_several_end_tokens_end_a_beam_once(keep):
+    """A model with several end-of-sequence ids (stories260K's 1 and 2, Llama 3's): a beam whose candidates hold two
+    of them finished twice, equal but for the id (the same text without include_stop_str_in_output). It ends once, at
+    its most likely one (QA, 2026-12-07). The server passes include_stop_str_in_output on to the search."""
+    from nightjar_jax.server.protocol import CompletionRequest
+
+    search = BeamSearch(None, [5], BeamSearchParams(beam_width=2, max_tokens=3, include_stop_str_in_output=keep),
+                        frozenset({1, 2}), 100)
+    search.advance([{2: -0.3, 1: -0.1, 7: -3.0, 8: -4.0}])
+    assert [(s.tokens, s.stop_reason, s.cum_logprob) for s in search.finished] == [([1] if keep else [], 1, -0.1)]
+    assert [b.tokens for b in search.beams] == [[7], [8]]
+    req = CompletionRequest(prompt="x", n=2, use_beam_search=True, include_stop_str_in_output=keep)
+    assert req.beam_search_params(8).include_stop_str_in_output is keep
+
+
 @pytest.mark.parametrize("length_penalty", [1e6, -1e6])
 def test_extreme_length_penalties_rank_without_overflow(length_penalty):
     """``length ** 1e6`` overflows a float: the ranking is computed in log space, longest first for a huge
@@ -208,3 +224,27 @@ def test_a_bad_prompt_fails_before_anything_runs(stories):
         stories.beam_search(["Once", {"prompt": "Once", "cache_salt": ""}],
                             BeamSearchParams(beam_width=2, max_tokens=4))
     assert engine.stats.num_steps == steps and not engine.has_unfinished_requests()
+
+
+def test_vllm_keywords_concurrency_limit_and_lora_request(stories):
+    """vLLM's LLM.beam_search(concurrency_limit=, lora_request=), generate's and chat's lora_request and the output
+    fields vLLM code reads (QA, 2026-12-07: TypeErrors and AttributeErrors): a limit searches that many prompts at a
+    time with the same results; a LoRA request is refused by name; the fields hold vLLM's plain-text values."""
+    prompts = ["Once upon a time", "The dog", "Lily saw"]
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+    whole = stories.beam_search(prompts, params, lora_request=None)
+    assert [[s.tokens for s in o.sequences] for o in stories.beam_search(prompts, params, concurrency_limit=1)] == \
+        [[s.tokens for s in o.sequences] for o in whole]
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="concurrency_limit must be None or an int >= 1"):
+            stories.beam_search(prompts, params, concurrency_limit=bad)
+    for call in (lambda: stories.beam_search(prompts, params, lora_request="adapter"),
+                 lambda: stories.generate(prompts, lora_request=object()),
+                 lambda: stories.chat([{"role": "user", "content": "hi"}], lora_request="adapter")):
+        with pytest.raises(ValueError, match="LoRA adapters are not served here"):
+            call()
+    with pytest.raises(ValueError, match="tools must be None or a list of tool definitions"):
+        stories.chat([{"role": "user", "content": "hi"}], tools="nope")
+    out = stories.generate(prompts[:1], SamplingParams(max_tokens=2), lora_request=None)[0]
+    assert (out.encoder_prompt, out.encoder_prompt_token_ids, out.lora_request, out.kv_transfer_params,
+            out.multi_modal_placeholders, out.outputs[0].lora_request) == (None, None, None, None, {}, None)

@@ -163,7 +163,7 @@ def test_add_request_with_n_runs_n_sequences_under_one_id():
         for out in eng.step():
             assert out.request_id == "p" and len(out.outputs) == 1
             flags.append(out.finished)
-            if out.outputs[0].finished:
+            if out.outputs[0].finished():
                 finals[out.outputs[0].index] = out.outputs[0].token_ids
     assert flags[-1] and not any(flags[:-1]) and sorted(finals) == [0, 1, 2]
     (whole,) = LLM.from_engine(eng).generate([PROMPTS[0]], sampled, use_tqdm=False)
@@ -374,6 +374,17 @@ def test_sampling_params_clone_is_a_deep_copy():
     copy.stop.append("y")
     copy.logit_bias[4] = 2.0
     assert sp.stop == ["x"] and sp.logit_bias == {3: 1.0} and copy.structured_outputs is not sp.structured_outputs
+
+
+def test_completion_output_finished_is_a_method_as_vllms():
+    """vLLM's ``CompletionOutput.finished()`` is a method (``RequestOutput.finished`` an attribute): code written for it
+    called a bool here (QA, 2026-12-07)."""
+    eng = fake_engine()
+    eng.add_request(PROMPTS[0], greedy(2), request_id="a")
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert [o.outputs[0].finished() for o in outs] == [False, True] and [o.finished for o in outs] == [False, True]
 
 
 def test_a_queued_request_keeps_its_params_when_the_caller_changes_them():
