@@ -758,6 +758,11 @@ def _byte_level_decoder() -> dict[str, int]:
     return chars
 
 
+def _continues(piece: bytes) -> bool:
+    """Whether a token's bytes begin inside a UTF-8 character (a continuation byte, 10xxxxxx)."""
+    return bool(piece) and piece[0] & 0xC0 == 0x80
+
+
 class IncrementalDetokenizer:
     """Streams text for a growing id sequence; ``add`` returns only the newly completed text.
 
@@ -778,7 +783,15 @@ class IncrementalDetokenizer:
                  prompt_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = [int(t) for t in list(prompt_ids)[-self.PROMPT_CONTEXT:]]
+        prompt = [int(t) for t in prompt_ids]
+        start = max(0, len(prompt) - self.PROMPT_CONTEXT)
+        # not inside a character: a window that starts on a character's continuation bytes decodes them as U+FFFD,
+        # and a byte-fallback decoder (Llama 2's, stories260K's) then reads the whole run of byte tokens, the output's
+        # first ones (its "\n" is <0x0A>) included, as U+FFFD ("Hello 中文" + "\n\n" came out as four U+FFFD)
+        while start > 0 and len(prompt) - start < self.PROMPT_CONTEXT + 8 and _continues(
+                tokenizer.token_bytes(prompt[start])):
+            start -= 1
+        self.ids: list[int] = prompt[start:]
         self.text = ""
         self._prefix_offset = 0
         self._read_offset = len(self.ids)

@@ -85,3 +85,22 @@ def test_a_stop_string_in_the_last_steps_whole_characters_stops_before_a_cut_one
         assert out.finished and (out.outputs[0].text, out.outputs[0].finish_reason, out.outputs[0].stop_reason) == (
             text, "stop", stop[0]), stop
     assert engine.num_free_pages == engine.num_total_pages
+
+
+@pytest.mark.parametrize("prompt", ["Hello 中文", "Hi 🇺🇸", "Family 👨\u200d👩\u200d👧", "日本語"])
+def test_output_after_a_prompt_ending_in_byte_tokens_reads_as_its_own_decode(engine, prompt):
+    """The window the streamed text is read in started on the prompt's last 5 ids, inside a character's run of
+    byte tokens: stories260K's byte-fallback decoder then read the whole run, the output's "\\n" (<0x0A>) included,
+    as U+FFFD ("Hello 中文" + four "\\n" came out as four U+FFFD; QA, 2026-12-07). Streamed deltas join to the text
+    a decode of prompt + output has past the prompt's, for outputs of byte and whole tokens alike."""
+    tok = engine.tokenizer
+    prompt_ids = tok.encode(prompt)
+    assert _byte_pieces(tok, prompt_ids)[-1] >= len(prompt_ids) - 5  # (the window starts inside the byte run)
+    newline, word = tok.encode("\n", add_special_tokens=False)[-1], tok.encode(" the", add_special_tokens=False)[-1]
+    accent = tok.encode(" é", add_special_tokens=False)
+    for output_ids in ([newline] * 4, [word, newline, word], [newline, word] + accent):
+        out, deltas = _commit(engine, prompt_ids, output_ids, SamplingParams(max_tokens=len(output_ids),
+                                                                             ignore_eos=True))
+        whole = tok.decode(prompt_ids + output_ids)
+        assert out.text == "".join(deltas) == whole[len(tok.decode(prompt_ids)):], (output_ids, out.text)
+        assert "\ufffd" not in out.text
