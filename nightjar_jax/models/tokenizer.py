@@ -712,8 +712,27 @@ class _SentencePieceBackend:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:
-            ids = [i for i in ids if i not in self._special]
-        return self.sp.decode(list(ids))
+            return self.sp.decode([i for i in ids if i not in self._special])
+        # special tokens written out, as the tokenizer.json backend and transformers write them (sp.decode drops
+        # control pieces and reads <unk> as " ⁇ "): runs of other ids decoded between them, a run's leading "▁" a
+        # space unless the run starts the text (sp.decode strips it, as the whole text's first space is stripped)
+        parts: list[str] = []
+        run: list[int] = []
+
+        def end_run() -> None:
+            if run:
+                text = self.sp.decode(run)
+                parts.append(" " + text if parts and self.sp.id_to_piece(run[0]).startswith("\u2581") else text)
+                run.clear()
+
+        for i in ids:
+            if i in self._special:
+                end_run()
+                parts.append(self.sp.id_to_piece(i))
+            else:
+                run.append(i)
+        end_run()
+        return "".join(parts)
 
     def get_vocab_size(self, with_added_tokens: bool = True) -> int:
         return self.sp.get_piece_size()
