@@ -298,8 +298,9 @@ def tokenizer_from_gguf(reader: Any, *, source: str) -> Tokenizer:
     backend.add_special_tokens(specials)
     if user:
         backend.add_tokens(user)
-    bos, eos, eot = (_token_id_key(reader, f"tokenizer.ggml.{k}_token_id", len(tokens),
-                                   "the number of tokenizer.ggml.tokens", source) for k in ("bos", "eos", "eot"))
+    bos, eos, eot, pad, unk_id = (_token_id_key(reader, f"tokenizer.ggml.{k}_token_id", len(tokens),
+                                                "the number of tokenizer.ggml.tokens", source)
+                                  for k in ("bos", "eos", "eot", "padding", "unknown"))
     eos_ids = tuple(dict.fromkeys(t for t in (eos, eot) if t is not None))
     template = model_chat_template(_meta(reader, "tokenizer.chat_template"), vocab)
     return Tokenizer(
@@ -309,6 +310,7 @@ def tokenizer_from_gguf(reader: Any, *, source: str) -> Tokenizer:
         add_bos=bool(_meta(reader, "tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None,
         chat_template=template,
         source=source,
+        named_ids={name: int(i) for name, i in (("pad_token", pad), ("unk_token", unk_id)) if i is not None},
     )
 
 
@@ -393,7 +395,8 @@ def _write_meta_cache(path: Path, stamp: str, cfg: ModelConfig, tokenizer: Token
         "stamp": stamp,
         "config": cfg.to_dict(),
         "tokenizer": {"bos_token_id": tokenizer.bos_token_id, "eos_token_ids": list(tokenizer.eos_token_ids),
-                      "add_bos": tokenizer.add_bos, "chat_template": tokenizer.chat_template},
+                      "add_bos": tokenizer.add_bos, "chat_template": tokenizer.chat_template,
+                      "named_ids": tokenizer.named_ids},
     }
     try:
         path.with_name(path.name + ".tokenizer.json").write_text(tokenizer.backend.to_str(), encoding="utf-8")
@@ -410,7 +413,7 @@ def _load_cached(path: Path, stamp: str, *, name: str | None, with_tokenizer: bo
     if not (meta_path.exists() and tok_path.exists()) or _read_stamp(cached) != stamp:
         return None
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    if meta.get("stamp") != stamp:
+    if meta.get("stamp") != stamp or "named_ids" not in meta.get("tokenizer", {}):  # (a cache from before they were)
         return None
     cfg_fields = dict(meta["config"])
     cfg_fields["eos_token_ids"] = tuple(cfg_fields.get("eos_token_ids") or ())
@@ -427,6 +430,7 @@ def _load_cached(path: Path, stamp: str, *, name: str | None, with_tokenizer: bo
             bos_token_id=t["bos_token_id"], eos_token_ids=t["eos_token_ids"], add_bos=t["add_bos"],
             chat_template=model_chat_template(t["chat_template"], {}), source=str(path),  # (a cache written before
             # SmolLM2's own template was served as SMOLLM2_CHAT_TEMPLATE holds the former)
+            named_ids={str(k): int(v) for k, v in t["named_ids"].items()},
         )
     return cfg, read_safetensors(cached), tokenizer
 

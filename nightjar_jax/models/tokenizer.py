@@ -161,6 +161,7 @@ class Tokenizer:
         add_bos: bool = False,
         chat_template: str | None = None,
         source: str = "tokenizer",
+        named_ids: dict[str, int] | None = None,
     ):
         if (backend is None) == (hf_tokenizer is None):
             raise ValueError("Tokenizer needs exactly one of backend (tokenizers.Tokenizer) or hf_tokenizer")
@@ -171,6 +172,9 @@ class Tokenizer:
         self.add_bos = add_bos
         self.chat_template = chat_template
         self.source = source
+        # more named special tokens a bare vocabulary's metadata gives (a GGUF's padding and unknown ids):
+        # {"pad_token": 2, "unk_token": 0}
+        self.named_ids = dict(named_ids or {})
         self._token_texts: dict[int, str] = {}  # token_text's cache
         self._text_anchor: tuple | None = None  # token_text's anchor: (id, its text), or () when "a" encodes to nothing
         self._decode_vocab: int | None = None  # decode's vocabulary size, read once
@@ -298,13 +302,29 @@ class Tokenizer:
             named["unk_token"] = self._piece(self.backend.sp.unk_id()) if self.backend.sp.unk_id() >= 0 else None
         else:
             named["unk_token"] = getattr(self.backend.model, "unk_token", None)
+        for name, token_id in self.named_ids.items():  # (a GGUF's metadata: its padding and unknown ids)
+            named[name] = self._piece(token_id)
         return {name: token for name, token in named.items() if token}
 
     @property
     def pad_token_id(self) -> int | None:
-        """The padding id a transformers tokenizer names (None for a bare ``tokenizer.json`` or ``.model``: they
-        name none; the engine never pads)."""
-        return None if self.hf_tokenizer is None else self.hf_tokenizer.pad_token_id
+        """The padding id a transformers tokenizer or a GGUF's metadata names (None for a bare ``tokenizer.json`` or
+        ``.model``: they name none; the engine never pads)."""
+        if self.hf_tokenizer is not None:
+            return self.hf_tokenizer.pad_token_id
+        return self.named_ids.get("pad_token")
+
+    @property
+    def pad_token(self) -> str | None:
+        return self.special_tokens_map.get("pad_token")
+
+    @property
+    def unk_token(self) -> str | None:
+        return self.special_tokens_map.get("unk_token")
+
+    @property
+    def unk_token_id(self) -> int | None:
+        return None if self.unk_token is None else self.get_vocab().get(self.unk_token)
 
     @property
     def all_special_tokens(self) -> list[str]:

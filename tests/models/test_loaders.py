@@ -173,6 +173,21 @@ def test_gguf_round_trip_with_spm_tokenizer(tmp_path):
         assert got.tokenizer.decode(ref.tokenizer.encode(text)) == text
 
 
+def test_gguf_padding_and_unknown_ids_name_the_tokenizers_special_tokens(tmp_path):
+    """tokenizer.ggml.padding_token_id / unknown_token_id are the tokenizer's pad and unk tokens, as transformers
+    reads the same GGUF (SmolLM2's pad_token_id was None, pad_token / unk_token AttributeErrors; QA, 2026-12-07)."""
+    path = tmp_path / "stories.gguf"
+    _write_stories_gguf(path, meta={"tokenizer.ggml.padding_token_id": 2, "tokenizer.ggml.unknown_token_id": 0})
+    tok = load_checkpoint(str(path)).tokenizer
+    assert (tok.pad_token_id, tok.pad_token, tok.unk_token, tok.unk_token_id) == (2, "</s>", "<unk>", 0)
+    assert tok.special_tokens_map == {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                                      "pad_token": "</s>"}
+    assert sorted(tok.all_special_ids) == [0, 1, 2] and tok.convert_tokens_to_ids("no such piece") == 0
+    _write_stories_gguf(path)  # (no such keys: none named beyond the vocabulary's own unknown piece)
+    tok = load_checkpoint(str(path)).tokenizer
+    assert (tok.pad_token_id, tok.pad_token, tok.unk_token) == (None, None, "<unk>")
+
+
 # ---- errors -----------------------------------------------------------------------------------------------------
 
 
@@ -323,7 +338,7 @@ def test_gguf_caches_weights_config_and_tokenizer(tmp_path, monkeypatch):
     from nightjar_jax.models import gguf_loader
 
     path = tmp_path / "stories.gguf"
-    _write_stories_gguf(path)
+    _write_stories_gguf(path, meta={"tokenizer.ggml.padding_token_id": 2})
     cfg, sd, tok = gguf_loader.load_gguf(path, name="s", dequant_cache=True)
     assert path.with_name(path.name + ".meta.json").exists()
 
@@ -336,7 +351,7 @@ def test_gguf_caches_weights_config_and_tokenizer(tmp_path, monkeypatch):
     _assert_same(sd2, sd)
     text = "Once upon a time, 🙂 there was 42."
     assert tok2.encode(text) == tok.encode(text) and tok2.eos_token_ids == tok.eos_token_ids
-    assert tok2.chat_template == tok.chat_template
+    assert tok2.chat_template == tok.chat_template and tok2.pad_token_id == tok.pad_token_id == 2
 
 
 def test_gguf_with_smollm2s_own_template_serves_the_one_with_tools(tmp_path):
