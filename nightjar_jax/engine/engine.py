@@ -408,18 +408,20 @@ class LLMEngine:
         return spec
 
     # ---- construction helpers -----------------------------------------------------------------------------------
-    def _load(self, spec: str, tokenizer_spec: str | None):
-        """Load a model spec (see ``nightjar_jax.models.loader``; ``<model>@skip=...`` derives a layer-skip draft)."""
+    def _load(self, spec: str, tokenizer_spec: str | None, dtype: str | None = None):
+        """Load a model spec (see ``nightjar_jax.models.loader``; ``<model>@skip=...`` derives a layer-skip draft) at
+        ``dtype`` (None: the engine's ``dtype``, whose None is each checkpoint's own)."""
         from nightjar_jax.linear import pack_state
         from nightjar_jax.models.llama import state_from_hf
         from nightjar_jax.models.loader import load_checkpoint, load_model
         from nightjar_jax.spec.drafts import derive_state_dict, parse_draft_spec
 
         cfg = self.config
+        dtype = dtype or cfg.dtype
         base, skip, keep_first = parse_draft_spec(spec)
         if skip is None and keep_first is None:
             ckpt, graphdef, state = load_model(
-                spec, load_format=cfg.load_format, dtype=cfg.dtype, tokenizer=tokenizer_spec, seed=cfg.seed,
+                spec, load_format=cfg.load_format, dtype=dtype, tokenizer=tokenizer_spec, seed=cfg.seed,
                 attention_impl=cfg.attention_impl, linear_impl=cfg.linear_impl,
             )
             state = pack_state(state, cfg.linear_impl, weight_format=cfg.weight_format)
@@ -428,7 +430,7 @@ class LLMEngine:
             self._check_finite(handle, spec)  # (before stacking: the error names the layer)
             handle.stack_layers()
             return handle, ckpt.tokenizer
-        ckpt = load_checkpoint(base, load_format=cfg.load_format, dtype=cfg.dtype, tokenizer=tokenizer_spec)
+        ckpt = load_checkpoint(base, load_format=cfg.load_format, dtype=dtype, tokenizer=tokenizer_spec)
         if ckpt.state_dict is None:
             raise ValueError(f"draft spec {spec!r} derives layers from real weights; load_format=dummy has none")
         model_cfg, sd = derive_state_dict(ckpt.config, ckpt.state_dict, skip=skip, keep_first=keep_first)
@@ -1224,7 +1226,9 @@ class LLMEngine:
             if isinstance(weights, ModelHandle):  # (a spec's load checks its own)
                 self._check_finite(weights, field)
                 return weights
-            return self._load(weights, tokenizer_spec=None)[0]
+            # at the dtype served: a checkpoint of the same model saved in another dtype (a trainer's float32 for a
+            # bfloat16 server) was refused as "another architecture" when the engine took each checkpoint's own
+            return self._load(weights, tokenizer_spec=None, dtype=current.config.dtype)[0]
         if not hasattr(weights, "items"):
             raise ValueError(f"{field} must be a checkpoint spec or path, an HF-named state dict or a ModelHandle, "
                              f"got {type(weights).__name__}")

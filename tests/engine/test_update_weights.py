@@ -62,6 +62,23 @@ def test_new_weights_serve_at_once_and_the_old_come_back(stories):
     assert engine.num_free_pages == engine.num_total_pages
 
 
+def test_a_checkpoint_saved_in_another_dtype_loads_at_the_served_one(stories, tmp_path):
+    """The same model saved as bfloat16 (a trainer's save for a float32 server, or the other way round) was refused as
+    "another architecture (dtype bfloat16 vs float32)" by an engine on the default dtype (each checkpoint's own):
+    it loads at the dtype served, as vLLM's and SGLang's weight updates cast (QA, 2026-12-07)."""
+    from nightjar_jax.models.orbax_io import save_orbax
+
+    llm, sd, ref = stories
+    ckpt = load_checkpoint("stories260k")
+    folder = save_orbax(tmp_path / "bf16", ckpt.config.replace(dtype="bfloat16"), ckpt.state_dict)
+    assert load_checkpoint(str(folder)).config.dtype == "bfloat16" and llm.engine.target.config.dtype == "float32"
+    assert llm.update_weights(str(folder)) is False  # (float32 again: the same layout, nothing compiles)
+    assert llm.engine.target.config.dtype == "float32"
+    bf16 = tokens(llm)  # (the weights rounded to bfloat16: near the original's, greedy tokens may differ)
+    assert len(bf16) == len(ref)
+    assert llm.update_weights("stories260k") is False and tokens(llm) == ref
+
+
 def test_a_level_2_sleep_keeps_the_updated_weights(stories):
     """Level 2 loads the weights again from their checkpoint: after an update from arrays there is none, so level 2
     is refused (level 1 keeps them); after an update from a checkpoint, level 2 loads that one."""
@@ -169,8 +186,8 @@ def test_a_level_2_update_whose_reloaded_part_is_refused_leaves_the_weights_asle
     llm.sleep(2)
     real_load = engine._load
 
-    def load(spec, tokenizer_spec):
-        handle, tok = real_load(spec, tokenizer_spec)
+    def load(spec, tokenizer_spec, dtype=None):
+        handle, tok = real_load(spec, tokenizer_spec, dtype)
         if "@skip" in spec:  # (the draft's file, rewritten as another model)
             handle = dataclasses.replace(handle, config=dataclasses.replace(handle.config, num_layers=5))
         return handle, tok
