@@ -66,6 +66,9 @@ def _reader(path: str | Path):
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
+    if Path(path).is_dir():
+        raise ValueError(f"{path} is a folder, not a GGUF file: give the .gguf file itself (or leave load_format "
+                         f"out for an HF or orbax folder)")
     try:
         return gguf.GGUFReader(str(path), "r")
     except Exception as e:  # noqa: BLE001 - gguf raises ValueError/struct errors on bad files

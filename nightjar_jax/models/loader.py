@@ -122,7 +122,11 @@ def _detect_format(path: Path) -> str:
         return "gguf"
     if path.suffix == ".bin":
         return "llama2c"
-    raise ValueError(f"{path}: cannot tell the checkpoint format from the file name; pass load_format")
+    if path.suffix == ".safetensors" or path.name in ("config.json", "model.safetensors.index.json"):
+        raise ValueError(f"{path}: an HF checkpoint is its folder: give {path.parent} (config.json, the safetensors "
+                         f"and the tokenizer files together)")
+    raise ValueError(f"{path}: cannot tell the checkpoint format from the file name: allowed a model folder (HF or "
+                     f"orbax), a .gguf or a llama2.c .bin file, or pass load_format")
 
 
 def _source_kind(model: str) -> str:

@@ -191,6 +191,17 @@ def test_gguf_padding_and_unknown_ids_name_the_tokenizers_special_tokens(tmp_pat
 # ---- errors -----------------------------------------------------------------------------------------------------
 
 
+def test_a_file_of_an_hf_folder_or_a_folder_as_gguf_says_what_to_give(tmp_path):
+    """A model.safetensors given alone was told to "pass load_format" (every format refuses a lone file); a folder
+    read as GGUF was "truncated or corrupt GGUF header ... IsADirectoryError" (QA, 2026-12-07)."""
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x")
+    with pytest.raises(ValueError, match=f"an HF checkpoint is its folder: give {tmp_path}"):
+        load_checkpoint(str(weights))
+    with pytest.raises(ValueError, match="is a folder, not a GGUF file: give the .gguf file itself"):
+        load_checkpoint(str(tmp_path), load_format="gguf")
+
+
 def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown model preset 'no-such-model'"):
         load_checkpoint("no-such-model")
