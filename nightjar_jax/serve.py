@@ -205,8 +205,13 @@ def config_file_args(parser: argparse.ArgumentParser, path: str) -> list[str]:
             data = yaml.safe_load(f)
     except OSError as exc:
         raise _UsageError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise _UsageError(f"{where}: not UTF-8 text: save the YAML file as UTF-8") from None
     except yaml.YAMLError as exc:
-        raise _UsageError(f"{where}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise _UsageError(f"{where}: not valid YAML{at}: {what}") from None
     if data is None:
         return []
     if not isinstance(data, dict):
@@ -214,6 +219,22 @@ def config_file_args(parser: argparse.ArgumentParser, path: str) -> list[str]:
                           f"2048'), got a {type(data).__name__}")
     flags = parser._option_string_actions
     words: list[str] = []
+    spec = data.get("speculative-config", data.get("speculative_config"))
+    if isinstance(spec, dict):  # (its fields as their own flags: one the command line gives then wins alone)
+        from nightjar_jax.cli import speculative_config
+        from nightjar_jax.config import ConfigError
+
+        try:
+            fields = speculative_config(json.dumps(spec), where=f"{where}: speculative-config")
+        except ConfigError as exc:
+            raise _UsageError(str(exc)) from None
+        data = {k: v for k, v in data.items() if k not in ("speculative-config", "speculative_config")}
+        for field, value in fields.items():
+            own = next((data[k] for k in (field, field.replace("_", "-")) if k in data), None)
+            if own is not None and own != value:
+                raise _UsageError(f"{where}: speculative-config sets {field}={value!r} but "
+                                  f"{field.replace('_', '-')} is {own!r}: give it once")
+            data[field.replace("_", "-")] = value
     for key, value in data.items():
         name = str(key).removeprefix("--").replace("_", "-")
         action = flags.get("--" + name)
@@ -242,8 +263,17 @@ def config_file_args(parser: argparse.ArgumentParser, path: str) -> list[str]:
         elif isinstance(value, (dict, list)):  # (a flag whose value is JSON text)
             words += [flag, json.dumps(value)]
         else:
-            words += [flag, str(value)]
+            words.append(f"{flag}={value}")  # (one word: a value that starts with "-" is not read as a flag)
     return words
+
+
+# flags that set one thing between them (vLLM's name and this engine's, a pool's size, the speculation settings): one
+# given on the command line drops the file's others, so the command line wins there as everywhere
+# (the file's speculative-config is read as its fields' own flags: a command-line --num-speculative-tokens keeps the
+# file's draft; a command-line --speculative-config replaces them all)
+_FLAG_GROUPS = ({"block_size", "page_size"}, {"num_pages", "kv_cache_bytes", "gpu_memory_utilization"},
+                *({"speculative_config", field} for field in ("draft_model", "num_speculative_tokens",
+                                                              "prompt_lookup_max", "prompt_lookup_min")))
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
@@ -255,6 +285,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     if len(paths) > 1:
         parser.error(f"--config is given {len(paths)} times: give one file")
     if paths:
+        given = {k for k, v in vars(parser.parse_args(argv)).items() if v != parser.get_default(k)}  # (on the line)
         error = parser.error
         try:
             words = config_file_args(parser, paths[0])
@@ -268,8 +299,12 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
             parser.error = error
             parser.error(str(exc))
         parser.error = error
-        parser.set_defaults(**{k: v for k, v in vars(from_file).items() if v != parser.get_default(k)})
+        from_file = {k: v for k, v in vars(from_file).items() if v != parser.get_default(k)}
+        overridden = set().union(*(group for group in _FLAG_GROUPS if group & given))
+        parser.set_defaults(**{k: v for k, v in from_file.items() if k not in overridden})
     args = parser.parse_args(argv)
+    if args.config is not None and not paths:  # (an abbreviation, --conf: the file was never read)
+        parser.error(f"write --config in full (--config {args.config}): the file is read before the other flags")
     if args.model_tag is not None:
         given = [a for a in argv if a == "--model" or a.startswith("--model=")]
         if given and args.model != args.model_tag:
@@ -311,7 +346,7 @@ def load_engine(args: argparse.Namespace):
     """Build the engine (progress bar over load → warm-up) and log what was loaded."""
     from tqdm.auto import tqdm
 
-    from nightjar_jax.engine.engine import EngineStats, LLMEngine
+    from nightjar_jax.engine.engine import LLMEngine
     from nightjar_jax.engine.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
@@ -350,10 +385,7 @@ def load_engine(args: argparse.Namespace):
             )
             while engine.has_unfinished_requests():
                 engine.step()
-            # Metrics count from here: the warm-up request is not traffic.
-            engine.stats = EngineStats(
-                accepted_per_position=[0] * engine.gamma_max, drafted_per_position=[0] * engine.gamma_max
-            )
+            engine.reset_stats()  # metrics count from here: the warm-up request is not traffic
             bar.update(1)
             logger.info(
                 "warm-up done in %.1fs; compiled variants: %s",

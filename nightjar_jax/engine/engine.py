@@ -844,6 +844,13 @@ class LLMEngine:
             self._reload_draft()  # idle now (an idle engine takes no step that would bring the draft back)
         return self._make_output(req, [])
 
+    def reset_stats(self) -> None:
+        """Count from zero again (``stats``, and the scheduler's prefix-cache counters it copies each step): the
+        server's warm-up request is not traffic."""
+        self.stats = EngineStats(accepted_per_position=[0] * self.gamma_max, drafted_per_position=[0] * self.gamma_max)
+        sched = self.scheduler
+        sched.num_prefix_queries = sched.num_prefix_hits = sched.num_prefix_draft_hits = 0
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (vLLM's ``reset_prefix_cache``): later requests compute their prompts whole
         until pages are registered again. Running requests keep their pages. Returns the pages forgotten."""

@@ -376,6 +376,20 @@ def test_sampling_params_clone_is_a_deep_copy():
     assert sp.stop == ["x"] and sp.logit_bias == {3: 1.0} and copy.structured_outputs is not sp.structured_outputs
 
 
+def test_reset_stats_counts_from_zero_the_prefix_cache_figures_too():
+    """The server's warm-up request was left in the prefix-cache queries (the stats were reset, the scheduler's
+    counters they copy each step were not): 6 queries for one 5-token prompt (QA, 2026-12-07)."""
+    eng = fake_engine()
+    eng.add_request(PROMPTS[1], greedy(2), request_id="warm")
+    run_all(eng)
+    assert eng.stats.num_prefix_cache_queries == len(PROMPTS[1])
+    eng.reset_stats()
+    assert eng.stats.num_prefix_cache_queries == 0 and eng.stats.num_decode_steps == 0
+    eng.add_request(PROMPTS[0], greedy(2), request_id="a")
+    run_all(eng)
+    assert eng.stats.num_prefix_cache_queries == len(PROMPTS[0]) and eng.stats.num_prefix_cache_hits == 0
+
+
 def test_completion_output_finished_is_a_method_as_vllms():
     """vLLM's ``CompletionOutput.finished()`` is a method (``RequestOutput.finished`` an attribute): code written for it
     called a bool here (QA, 2026-12-07)."""

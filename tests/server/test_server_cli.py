@@ -322,7 +322,11 @@ def test_serve_reads_flags_from_a_yaml_config(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("bogus: 1\n", "'bogus' is not a flag of this command: keys are the long names of the flags in --help"),
     ("- a\n", "the file must hold a mapping of flag names to values (e.g. 'max-model-len: 2048'), got a list"),
-    ("port: [\n", "not valid YAML"),
+    ("port: [\n", "not valid YAML at line 2, column 1: expected the node content"),
+    (b"max-model-len: 1\xff\n", "not UTF-8 text: save the YAML file as UTF-8"),  # (a UnicodeDecodeError traceback)
+    ("speculative-config: {method: medusa}\n", "speculative-config method 'medusa' is not supported"),
+    ("speculative-config: {method: ngram, num_speculative_tokens: 4}\nnum-speculative-tokens: 2\n",
+     "speculative-config sets num_speculative_tokens=4 but num-speculative-tokens is 2: give it once"),
     ("port: true\n", "'port' takes a value, not true"),
     ("enforce-eager: 3\n", "'enforce-eager' is a switch: its value is true or false, got 3"),
     ("port: null\n", "'port' has no value (null): give one, or leave the key out"),
@@ -335,7 +339,9 @@ def test_bad_yaml_configs_are_usage_errors_naming_the_file(tmp_path, capsys, tex
     from nightjar_jax.serve import parse_args
 
     path = tmp_path / "serve.yaml"
-    if text is not None:
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    elif text is not None:
         path.write_text(text)
     with pytest.raises(SystemExit) as exc:
         parse_args(build_parser(), ["--config", str(path)])
@@ -622,6 +628,34 @@ def test_a_forced_quit_closes_the_engine_and_exits_130(monkeypatch):
     monkeypatch.setattr(serve._Server, "make", staticmethod(forced_server))
     assert serve.main(["--model", "fake", "--port", "0", "--warmup", "none"]) == 130
     assert closed == [True]
+
+
+def test_the_command_line_wins_over_a_yaml_config_for_flags_that_set_one_thing(tmp_path, capsys):
+    """QA, 2026-12-07: a file's speculative-config with a command-line --num-speculative-tokens was a "give it once"
+    error, its block-size with --page-size another, and its num-pages silently beat a command-line --kv-cache-bytes.
+    The file's speculative-config is read as its fields' own flags (the command line's --num-speculative-tokens keeps
+    the file's draft), and a command-line flag drops the file's flags that set the same thing. A value that starts
+    with "-" is taken as written; an abbreviated --config (never read) is an error."""
+    from nightjar_jax.serve import parse_args
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("speculative-config: {method: ngram, num_speculative_tokens: 4}\nblock-size: 32\n"
+                    "num-pages: 100\napi-key: '-abc'\nchat-template: '--x'\n")
+    cfg = engine_config_from_args(parse_args(build_parser(), ["stories260k", "--config", str(path)]))
+    assert (cfg.spec.draft_model, cfg.spec.num_speculative_tokens, cfg.cache.page_size, cfg.cache.num_pages) == (
+        "ngram", 4, 32, 100)
+    args = parse_args(build_parser(), ["stories260k", "--config", str(path), "--num-speculative-tokens", "2",
+                                       "--page-size", "16", "--kv-cache-bytes", "1MiB"])
+    cfg = engine_config_from_args(args)
+    assert (cfg.spec.draft_model, cfg.spec.num_speculative_tokens, cfg.cache.page_size, cfg.cache.num_pages,
+            cfg.cache.kv_cache_bytes) == ("ngram", 2, 16, None, 2**20)
+    assert (args.api_key, args.chat_template) == ("-abc", "--x")
+    cfg = engine_config_from_args(parse_args(build_parser(), [
+        "stories260k", "--config", str(path), "--speculative-config", '{"model": "d", "num_speculative_tokens": 3}']))
+    assert (cfg.spec.draft_model, cfg.spec.num_speculative_tokens) == ("d", 3)
+    with pytest.raises(SystemExit) as exc:
+        parse_args(build_parser(), ["stories260k", "--conf", str(path)])
+    assert exc.value.code == 2 and "write --config in full" in capsys.readouterr().err
 
 
 def test_profiler_dir_must_be_a_folder(tmp_path, capsys, monkeypatch):
