@@ -177,8 +177,8 @@ def test_a_bad_draft_beside_a_good_target_is_the_field_named(tmp_path):
         # became another model is the server's state, not the request's (a 400 named a field it never sent)
         assert client.post("/sleep", params={"level": 2}).status_code == 200
         real_load = llm.engine._load
-        llm.engine._load = lambda spec, tokenizer_spec: (real_load(str(other), tokenizer_spec) if "@skip" in spec
-                                                         else real_load(spec, tokenizer_spec))
+        llm.engine._load = lambda spec, tokenizer_spec, dtype=None: (
+            real_load(str(other), tokenizer_spec, dtype) if "@skip" in spec else real_load(spec, tokenizer_spec, dtype))
         try:
             failed = client.post("/update_weights_from_disk", json={"model_path": "stories260k"})
         finally:
