@@ -66,13 +66,22 @@ def paged_attention(
     k_ext: jax.Array | None = None,  # an extension pool (elastic memory): page ids from num_pages on address it
     v_ext: jax.Array | None = None,
 ) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim]
+    auto = impl == "auto"
     impl = resolve_impl(impl)
+    if auto and impl == "cpu":
+        from kernels_pallas.paged_attention.cpu import MAX_HEAD_DIM
+
+        if q.shape[-1] > MAX_HEAD_DIM or isinstance(scale, jax.core.Tracer):  # (what the kernel cannot take)
+            impl = "reference"
     if impl == "cpu":  # the kernel reads the pools in place: one layer of stacked pools, and the extension's
         from kernels_pallas.paged_attention.cpu import paged_attention_cpu
 
         return paged_attention_cpu(q, k_pages, v_pages, block_tables, context_lens, scale=scale,
                                    tree_mask=tree_mask, layer=layer, k_ext=k_ext, v_ext=v_ext)
     if layer is not None:
+        if k_pages.ndim != 5 or v_pages.shape != k_pages.shape:  # (a rank-4 pool lost its KV-head axis as "layers")
+            raise ValueError(f"with layer=, k_pages and v_pages must be stacked over the layers, [layers, KVH, pages, "
+                             f"page, dim] (rank 5); got {k_pages.shape} and {v_pages.shape}")
         if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < k_pages.shape[0]:
             # (indexing clamps: layer 7 of 2 read layer 1 without a word; the CPU kernel's own check says the same)
             raise ValueError(f"layer {int(layer)} of pools stacked over {k_pages.shape[0]} layers: allowed 0 .. "

@@ -50,6 +50,9 @@ def unavailable_reason() -> str:
     return _LIBRARY.unavailable_reason()
 
 
+MAX_HEAD_DIM = 512  # cpu_kernel.cc's per-row buffers (MergeChunks' num[512]); impl "auto" takes the reference past it
+
+
 def paged_attention_cpu(
     q: jax.Array,  # [num_seqs, q_len, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
@@ -90,6 +93,12 @@ def paged_attention_cpu(
                          f"must match k_pages {k_pages.shape} ({dtype}) in every dimension but the pages")
     if stacked and not 0 <= layer < k_pages.shape[0]:
         raise ValueError(f"layer {layer} of pools stacked over {k_pages.shape[0]} layers")
+    if isinstance(scale, jax.core.Tracer):  # (it is compiled into the call: a traced one was a tracer-conversion error)
+        raise ValueError("the CPU attention kernel takes a concrete scale (a Python or NumPy number; it is compiled "
+                         "into the call), not a traced one: close over it outside jax.jit, or use impl='reference'")
+    if k_pages.shape[-1] > MAX_HEAD_DIM:  # (the kernel's per-row buffers: it failed at run time, after the compile)
+        raise ValueError(f"the CPU attention kernel takes head_dim up to {MAX_HEAD_DIM}, got {k_pages.shape[-1]}: "
+                         f"use impl='reference' (impl='auto' does for such a model)")
     # The reference's checks (lenient: it computes in float32 whatever it is given, as this kernel casts) on one
     # layer's pools, uint16 ones read as the bfloat16 they hold: dtypes (an integer q, float block tables or context
     # lengths and a string scale were cast silently), sizes of at least 1 (page_size 0 divided by zero in the

@@ -290,3 +290,25 @@ def test_chunked_rows_do_not_depend_on_their_batch():
     for s in range(3):
         alone = np.asarray(run(case.q[s:s + 1], case.block_tables[s:s + 1], case.context_lens[s:s + 1]))
         np.testing.assert_array_equal(alone[0], batch[s])
+
+
+def test_what_the_kernel_cannot_take_is_said_before_it_runs_and_auto_takes_the_reference():
+    """QA, 2026-12-07: a traced scale (compiled into the call) was a tracer-conversion error, head_dim 520 a run-time
+    error from inside the call after the compile; impl 'auto' now takes the reference for both, impl 'cpu' says
+    why. layer= over rank-4 pools sliced the KV-head axis off as the layers and blamed a rank-3 pool."""
+    q, k = jnp.ones((1, 1, 2, 16), F32), jnp.ones((1, 3, 4, 16), F32)
+    bt, cl = jnp.asarray([[1, 2]], jnp.int32), jnp.asarray([5], jnp.int32)
+    want = paged_attention_reference(q, k, k, bt, cl, scale=0.25)
+    got = jax.jit(lambda s: paged_attention(q, k, k, bt, cl, scale=s, impl="auto"))(jnp.float32(0.25))
+    assert_close(got, want)
+    with pytest.raises(ValueError, match="the CPU attention kernel takes a concrete scale"):
+        jax.jit(lambda s: paged_attention(q, k, k, bt, cl, scale=s, impl="cpu"))(jnp.float32(0.25))
+    wide_q, wide_k = jnp.ones((1, 2, 2, 520), F32), jnp.ones((1, 3, 4, 520), F32)
+    assert_close(paged_attention(wide_q, wide_k, wide_k, bt, cl, scale=0.1, impl="auto"),
+                 paged_attention_reference(wide_q, wide_k, wide_k, bt, cl, scale=0.1))
+    with pytest.raises(ValueError, match="takes head_dim up to 512, got 520"):
+        cpu.paged_attention_cpu(wide_q, wide_k, wide_k, bt, cl, scale=0.1)
+    rank4 = jnp.ones((2, 6, 4, 16), F32)
+    for impl in ("reference", "cpu"):
+        with pytest.raises(ValueError, match=r"must (both )?be (stacked over the layers, )?\[layers, KVH, pages"):
+            paged_attention(q, rank4, rank4, bt, cl, scale=0.25, impl=impl, layer=0)
