@@ -618,8 +618,10 @@ class ChatCompletionRequest(_SamplingFields):
         # their "#/$defs/..." references resolve (vLLM's rule; the same name defined two ways is a 400)
         defs: dict[str, dict[str, Any]] = {}
         calls = []
-        for t in tools:
-            params = dict(t["parameters"])
+        for i, t in enumerate(tools):
+            # its other local references ("#", "#/properties/...") to where its parameters now sit: they pointed at
+            # the combined array (a recursive "#" nested whole calls in the arguments)
+            params = _rebase_refs(dict(t["parameters"]), f"#/items/anyOf/{i}/properties/parameters")
             for key in ("$defs", "definitions"):
                 found = params.pop(key, None)
                 if not isinstance(found, dict):
@@ -652,6 +654,21 @@ class ChatCompletionRequest(_SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """``schema`` with each local ``$ref`` but the definitions' ("#/$defs/...", "#/definitions/...": they move to the
+    combined schema's top) read from ``base``, the JSON pointer where the schema now sits."""
+    if isinstance(schema, list):
+        return [_rebase_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebase_refs(v, base) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and not ref.startswith(("#/$defs/",
+                                                                                             "#/definitions/")):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 class TokenizeRequest(_Strict):

@@ -251,3 +251,27 @@ def test_a_long_block_streamed_in_small_pieces_equals_parse():
     content, calls = tool_parsers.parse(text, "hermes")
     assert "".join(c for c, _ in pieces) + rest == content == "Here:  done"
     assert [c for _, found in pieces for c in found] + more == calls and len(calls) == 1
+
+
+def test_required_tools_references_resolve_in_each_tools_own_parameters():
+    """tool_choice "required" puts each tool's parameters inside one array-of-calls schema: its "#" and
+    "#/properties/..." references kept pointing at that whole schema, so a recursive tool's arguments nested whole
+    calls (accepted by the grammar) and a "#/properties/p" reference was a 400 (QA, 2026-12-07). They are rebased
+    to where each tool's parameters sit; its $defs references still resolve at the top."""
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    tree = {"type": "object", "properties": {"child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+            "required": ["child"], "additionalProperties": False}
+    alias = {"type": "object", "properties": {"p": {"type": "integer"}, "q": {"$ref": "#/properties/p"},
+                                              "r": {"$ref": "#/$defs/R"}},
+             "required": ["p", "q", "r"], "additionalProperties": False, "$defs": {"R": {"type": "boolean"}}}
+    tools = [{"type": "function", "function": {"name": "a", "parameters": tree}},
+             {"type": "function", "function": {"name": "b", "parameters": alias}}]
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice="required")
+    grammar = xgr.Grammar.from_json_schema(json.dumps(req.structured()["json"]))
+    assert _is_grammar_accept_string(grammar, '[{"name": "a", "parameters": {"child": {"child": null}}}]')
+    assert not _is_grammar_accept_string(grammar, '[{"name": "a", "parameters": {"child": [{"name": "a", '
+                                                  '"parameters": {"child": null}}]}}]')
+    assert _is_grammar_accept_string(grammar, '[{"name": "b", "parameters": {"p": 1, "q": 2, "r": true}}]')
+    assert not _is_grammar_accept_string(grammar, '[{"name": "b", "parameters": {"p": 1, "q": "x", "r": true}}]')
