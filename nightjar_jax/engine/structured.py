@@ -282,6 +282,22 @@ def unenforced_schema_feature(schema: Any) -> str | None:
     return walk(schema, "#")
 
 
+MAX_SCHEMA_DEPTH = 128  # JSON schema nesting (objects and lists) a constraint may have
+
+
+def nesting_depth(value: Any) -> int:
+    """How deep dicts and lists nest in ``value`` (a scalar: 0), counted without recursion and no further than
+    ``MAX_SCHEMA_DEPTH + 1``."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_SCHEMA_DEPTH:  # (past it the answer is already "too deep")
+                stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
 class GrammarBackend:
     """Compiles constraints against one tokenizer's vocabulary (xgrammar); built on the first structured request.
     Compiled grammars are cached up to :func:`grammar_cache_bytes`."""
@@ -307,8 +323,14 @@ class GrammarBackend:
         if spec.json is not None:
             try:
                 parsed = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-            except ValueError:
+            except (ValueError, RecursionError):
                 parsed = None  # (not JSON: the compile below says so)
+            depth = nesting_depth(parsed)
+            if depth > MAX_SCHEMA_DEPTH:  # (the compile's time grew past a minute at 1,000 levels)
+                raise InvalidRequestError(
+                    f"structured outputs: the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels deep (objects "
+                    f"and lists inside one another): allowed up to {MAX_SCHEMA_DEPTH}; use $defs for recursive shapes",
+                    "structured_outputs")
             unenforced = unenforced_schema_feature(parsed)
             if unenforced is not None:
                 raise InvalidRequestError(
