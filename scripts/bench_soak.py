@@ -23,7 +23,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from nightjar_jax.bench.common import (  # noqa: E402
     writable_out,
     write_json,
 )
+from nightjar_jax.bench.serving import launch_server, log_tail, scrape_metrics, stop_server, wait_healthy  # noqa: E402
 
 MODEL = "stories260k"
 # stories260K ships no chat template: "<role>: <content>" lines, then "assistant:"
@@ -246,16 +246,7 @@ class Soak:
 
 
 def read_metrics(url: str, headers: dict) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", headers=headers, timeout=60).text
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, _, value = line.rpartition(" ")
-        try:
-            values[name] = float(value)
-        except ValueError:
-            pass
+    values = scrape_metrics(url, headers)
     return {short: values.get(name) for short, name in METRICS.items()}
 
 
@@ -308,59 +299,16 @@ def idle_check(soak: Soak, client: httpx.Client, pid: int | None, timeout: float
             "pages_all_free": m["free"] == m["usable"] and m["running"] == 0 and m["waiting"] == 0}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args, log, template_path: str) -> tuple[subprocess.Popen, str]:
     """Launch the server (its output to ``log``); returns at once with its process and URL (:func:`wait_healthy`)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "nightjar_jax.serve", "--model", args.model, "--port", str(port),
-           "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
-           "--warmup", args.warmup, "--chat-template", template_path, "--enable-auto-tool-choice",
-           "--log-level", "warning"]
+    flags = ["--model", args.model, "--max-model-len", str(args.max_model_len), "--max-num-seqs",
+             str(args.max_num_seqs), "--warmup", args.warmup, "--chat-template", template_path,
+             "--enable-auto-tool-choice", "--log-level", "warning"]
     if args.draft_model != "none":
-        cmd += ["--draft-model", args.draft_model, "--num-speculative-tokens", str(args.num_speculative_tokens)]
+        flags += ["--draft-model", args.draft_model, "--num-speculative-tokens", str(args.num_speculative_tokens)]
     else:
-        cmd += ["--draft-model", "none"]
-    cmd += args.server_arg
-    print("server:", " ".join(cmd), flush=True)
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))  # (a source checkout, installed or not)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}; the end of its log ({log.name}):\n"
-                             + log_tail(log))
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the server did not answer /health in {timeout:.0f} s; its log: {log.name}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def log_tail(log) -> str:
-    log.flush()
-    with open(log.name, errors="replace") as f:
-        return f.read()[-3000:]
+        flags += ["--draft-model", "none"]
+    return launch_server(flags + args.server_arg, log)
 
 
 def sample_times(duration: float, interval: float) -> list[float]:

@@ -182,6 +182,11 @@ BAD_FLAGS = [
                                                   "vocabulary, as a draft for it must"),
     ("eval_weight_format.py", ["--reference", "w4a8", "--candidate", "w4a8"],
      "argument --candidate: w4a8 is the --reference too"),
+    ("bench_serve.py", ["--request-rates", "0"], "argument --request-rates: expected a comma list of request rates"),
+    ("bench_serve.py", ["--request-rates", "1,1"], "without duplicates"),
+    ("bench_serve.py", ["--planners", "nosuch"], "argument --planners:"),
+    ("bench_serve.py", ["--url", "http://127.0.0.1:1", "--planners", "ar"],
+     "argument --planners: with --url no server is started"),
     ("fit_spec_tree.py", ["fit", "--workdir", "/tmp", "--data", "README.md", "--features", "/tmp", "--out",
                           "/tmp/x.json", "--seed", "-4"], "argument --seed: expected an integer >= 0, got -4"),
 ]
