@@ -255,6 +255,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="chat (the model's template) or completions (the prompt as text; models without one)")
     ap.add_argument("--dataset", default=DEFAULT_DATASET, help="JSONL with 'turns' (the first turns are the prompts)")
     ap.add_argument("--max-num-seqs", type=positive_int, default=16, help="the server's --max-num-seqs")
+    ap.add_argument("--server-warmup", choices=("full", "request", "none"), default="full",
+                    help="the servers' --warmup (default full: every step variant compiled before the runs, so a γ "
+                    "the planner tries at a new batch size does not compile inside a measured run)")
     ap.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
                     help="one more word for the servers' command line (repeat: --server-arg=--max-model-len "
                     "--server-arg=1024)")
@@ -283,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         for planner in args.planners:
             with tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="bench_serve_") as log:
                 flags = ["--model", args.model, "--draft-model", args.draft_model, "--planner", planner,
-                         "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning",
+                         "--max-num-seqs", str(args.max_num_seqs), "--warmup", args.server_warmup, "--log-level",
+                         "warning",
                          "--disable-uvicorn-access-log", *args.server_arg]
                 proc, url = launch_server(flags, log)
                 try:

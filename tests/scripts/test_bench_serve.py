@@ -52,7 +52,8 @@ def test_a_run_over_two_planners(bench, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_serve.py"])
     code = bench.main(["--model", "stories260k", "--draft-model", "stories260k@skip=2", "--endpoint", "completions",
                        "--planners", "static:2,ar", "--request-rates", "8,inf", "--num-prompts", "4", "--max-tokens",
-                       "8", "--server-arg=--max-model-len", "--server-arg=256", "--out", str(out)])
+                       "8", "--server-warmup", "request", "--server-arg=--max-model-len", "--server-arg=256",
+                       "--out", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     assert set(result["results"]) == {"static:2", "ar"} and result["text_mismatches"] == []
