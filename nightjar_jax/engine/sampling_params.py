@@ -287,7 +287,9 @@ class SamplingParams:
     def checked_copy(self) -> SamplingParams:
         """What ``add_request`` keeps: a deep copy, checked again (a field set after construction is checked here).
         The request never sees what its caller changes in this object afterwards (vLLM copies too)."""
-        new = copy.deepcopy(self)
+        # (the output constraint is shared, not copied: its grammar is compiled as the request is added, and a
+        # deeply nested JSON schema, which the grammar backend refuses by name, overflowed deepcopy's recursion)
+        new = copy.deepcopy(self, {id(self.structured_outputs): self.structured_outputs})
         new.__post_init__()
         return new
 

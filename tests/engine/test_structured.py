@@ -269,6 +269,23 @@ def test_a_bad_constraint_is_that_requests_error_only(llm, spec, message):
     assert _generate(llm, ["Once upon a time"], SamplingParams(temperature=0, max_tokens=4))[0].text
 
 
+def test_a_deep_schema_is_refused_by_name_under_a_low_recursion_limit(llm):
+    """add_request's copy of the params deep-copied the schema and overflowed the recursion limit before the
+    backend's depth check (a RecursionError in CI, whose limit left less room than here): the constraint is shared,
+    not copied, and the check names it."""
+    import sys
+
+    deep = functools.reduce(lambda inner, _: {"type": "array", "items": inner}, range(1000), {"type": "integer"})
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(400)
+    try:
+        with pytest.raises(InvalidRequestError, match="nests more than 128 levels deep"):
+            llm.engine.add_request("Once upon a time", SamplingParams(max_tokens=4, structured_outputs={"json": deep}))
+    finally:
+        sys.setrecursionlimit(limit)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_sampled_constrained_speculation_is_distributed_as_plain_decoding():
     """A sampled constrained request under chain speculation, with a draft that differs from the target: its second
     token (after a forced " was": " a", " very" or " ") is distributed as plain decoding's (chi-square over 3000
