@@ -35,6 +35,7 @@ from nightjar_jax.bench.common import (  # noqa: E402
     DEFAULT_DATASET,
     dataset_texts,
     float_in_range,
+    fmt,
     machine_note,
     model_spec,
     planner_list,
@@ -187,7 +188,7 @@ def measure(url: str, label: str, args, texts: list[str], endpoint: str, model: 
         summary = summarize(records, before, scrape_metrics(url), gamma_max)
         out[_rate_key(rate)] = {"summary": summary, "records": records}
         print(f"{label} @ {_rate_key(rate)} req/s: {summary['completed']}/{summary['requests']} done, "
-              f"{summary['output_throughput'] or 0:.1f} tok/s, mean γ {_fmt(summary['mean_gamma'], '.2f')}",
+              f"{summary['output_throughput'] or 0:.1f} tok/s, mean γ {fmt(summary['mean_gamma'], '.2f')}",
               flush=True)
     return out
 
@@ -202,10 +203,6 @@ def _rate_key(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def _fmt(value, spec: str) -> str:
-    return "—" if value is None else format(value, spec)
-
-
 def table(results: dict) -> str:
     rows = ["| planner | rate (req/s) | done | req/s | out tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | "
             "ITL p50 / p99 (ms) | E2E mean (ms) | mean γ | accepted | tok / decode step | compiling steps |",
@@ -214,13 +211,13 @@ def table(results: dict) -> str:
         for rate, run in rates.items():
             s = run["summary"]
             rows.append(
-                f"| {label} | {rate} | {s['completed']}/{s['requests']} | {_fmt(s['request_throughput'], '.2f')} | "
-                f"{_fmt(s['output_throughput'], '.1f')} | {_fmt(s['ttft_ms']['p50'], '.0f')} / "
-                f"{_fmt(s['ttft_ms']['p99'], '.0f')} | {_fmt(s['tpot_ms']['p50'], '.1f')} / "
-                f"{_fmt(s['tpot_ms']['p99'], '.1f')} | {_fmt(s['itl_ms']['p50'], '.1f')} / "
-                f"{_fmt(s['itl_ms']['p99'], '.1f')} | {_fmt(s['e2e_ms']['mean'], '.0f')} | "
-                f"{_fmt(s['mean_gamma'], '.2f')} | {_fmt(s['acceptance'], '.1%')} | "
-                f"{_fmt(s['tokens_per_decode_step'], '.2f')} | {s['compiling_steps']} |")
+                f"| {label} | {rate} | {s['completed']}/{s['requests']} | {fmt(s['request_throughput'], '.2f')} | "
+                f"{fmt(s['output_throughput'], '.1f')} | {fmt(s['ttft_ms']['p50'], '.0f')} / "
+                f"{fmt(s['ttft_ms']['p99'], '.0f')} | {fmt(s['tpot_ms']['p50'], '.1f')} / "
+                f"{fmt(s['tpot_ms']['p99'], '.1f')} | {fmt(s['itl_ms']['p50'], '.1f')} / "
+                f"{fmt(s['itl_ms']['p99'], '.1f')} | {fmt(s['e2e_ms']['mean'], '.0f')} | "
+                f"{fmt(s['mean_gamma'], '.2f')} | {fmt(s['acceptance'], '.1%')} | "
+                f"{fmt(s['tokens_per_decode_step'], '.2f')} | {s['compiling_steps']} |")
     return "\n".join(rows)
 
 
