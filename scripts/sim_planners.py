@@ -42,6 +42,7 @@ from nightjar_jax.bench.common import (  # noqa: E402
     int_list,
     make_parent,
     name_list,
+    non_negative_int,
     positive_float,
     positive_int,
     writable_out,
@@ -183,7 +184,7 @@ def main() -> int:
     parser.add_argument("--presets", default="low-burst-low,oscillating", type=name_list(WORKLOADS, as_text=True),
                         help=f"comma-separated workload presets, of {list(WORKLOADS)}")
     parser.add_argument("--gamma-max", type=positive_int, default=4, help="at most the profile's γ_max")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--seeds", default=None, type=int_list(0, as_text=True),
                         help="comma-separated seeds, each once (overrides --seed); summary over them")
     parser.add_argument(
@@ -305,7 +306,7 @@ def main() -> int:
                     "every phase within 5% of oracle:phase": all(
                         a >= 0.95 * b for a, b in zip(r.phase_throughput(), oracle.phase_throughput(), strict=True)
                     ),
-                    "mean latency <= best static's": r.latencies.mean()
+                    "mean latency <= every static's": r.latencies.mean()
                     <= min(results[s].latencies.mean() for s in statics.values()),
                 }
             checks = {k: {c: bool(v) for c, v in d.items()} for k, d in checks.items()}

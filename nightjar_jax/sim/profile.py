@@ -20,8 +20,10 @@ JSON schema (`schema: "nightjar-jax/cost-profile/v1"`):
     reload_seconds            seconds to bring the draft back on device
     kv_budget_pages, page_size, max_num_seqs   defaults for the simulator's memory and batch limits (ints >= 1)
 
-Every number is checked at construction (`ValueError` naming the JSON field and the allowed range): seconds are
-finite, step seconds > 0 and the other costs >= 0, acceptances in [0, 1], sizes ints >= 1.
+Every number is checked at construction and when a file is read, never converted (`ValueError` naming the JSON
+field and the allowed range; a float where an int belongs, a string or a bool for a number, a missing field are
+refused): step seconds in [1e-9, 86400] (the planners' range of one step), the other costs finite and >= 0 with a
+prefill step taking time (``fixed`` or ``per_token`` > 0), acceptances in [0, 1], sizes ints >= 1, gamma_max >= 1.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nightjar_jax.planner.base import is_int
+from nightjar_jax.planner.base import MAX_STEP_SECONDS, MIN_STEP_SECONDS, is_int, is_sequence
 
 SCHEMA = "nightjar-jax/cost-profile/v1"
 PROFILES_DIR = Path(__file__).parent / "profiles"
@@ -57,6 +59,9 @@ _COST_FIELDS = {  # attribute -> its name in the JSON
     "catchup_seconds_per_token": "catchup_seconds.per_token",
     "reload_seconds": "reload_seconds",
 }
+
+
+_REQUIRED = object()  # (from_dict: a field without a default)
 
 
 def _is_number(value: Any) -> bool:
@@ -96,21 +101,23 @@ class CostProfile:
             )
         if self.kind not in ("measured", "synthetic-model"):
             raise ValueError(f"kind must be 'measured' or 'synthetic-model', got {self.kind!r}")
-        if list(self.gammas) != list(range(ng)):
-            raise ValueError(f"gammas must be 0..gamma_max, got {list(self.gammas)}")
+        if ng < 2 or not all(is_int(g) for g in self.gammas) or list(self.gammas) != list(range(ng)):
+            raise ValueError(f"gammas must be 0..gamma_max with gamma_max >= 1 (a profile without a γ > 0 step "
+                             f"compares no speculation), got {list(self.gammas)}")
         for name, axis, minimum in (("batch_sizes", self.batch_sizes, 1), ("context_lengths", self.context_lengths, 0)):
+            if not all(is_int(x) for x in axis) or (axis and axis[0] < minimum):
+                raise ValueError(f"{name} must be ints >= {minimum}, got {list(axis)}")
             if not axis or any(b <= a for a, b in zip(axis, axis[1:], strict=False)):
                 raise ValueError(f"{name} must be non-empty and strictly increasing, got {list(axis)}")
-            if not all(is_int(x) for x in axis) or axis[0] < minimum:
-                raise ValueError(f"{name} must be ints >= {minimum}, got {list(axis)}")
         shape = (len(self.step_seconds_grid), *{len(row) for row in self.step_seconds_grid})
         if shape != (nb, ng) or any(len(cell) != nc for row in self.step_seconds_grid for cell in row):
             raise ValueError(f"step_seconds must have shape [{nb}][{ng}][{nc}] (batch, gamma, context)")
         for ib, row in enumerate(self.step_seconds_grid):
             for ig, cell in enumerate(row):
                 for ic, s in enumerate(cell):
-                    if not (_is_number(s) and 0 < s < math.inf):
-                        raise ValueError(f"step_seconds[{ib}][{ig}][{ic}] must be a finite number > 0, got {s!r}")
+                    if not (_is_number(s) and MIN_STEP_SECONDS <= s <= MAX_STEP_SECONDS):
+                        raise ValueError(f"step_seconds[{ib}][{ig}][{ic}] must be a number of seconds in "
+                                         f"[{MIN_STEP_SECONDS:g}, {MAX_STEP_SECONDS:g}], got {s!r}")
         if len(self.acceptance_per_position) != self.gamma_max:
             raise ValueError(f"acceptance_per_position must have gamma_max={self.gamma_max} entries")
         if any(not (_is_number(a) and 0 <= a <= 1) for a in self.acceptance_per_position):
@@ -121,6 +128,9 @@ class CostProfile:
             value = getattr(self, field)
             if not (_is_number(value) and 0 <= value < math.inf):
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        if self.prefill_fixed_seconds == 0 and self.prefill_seconds_per_token == 0:
+            raise ValueError("prefill_seconds.fixed and prefill_seconds.per_token are both 0: a prefill step must "
+                             "take time (one of them > 0)")
         for field in ("kv_budget_pages", "page_size", "max_num_seqs"):
             value = getattr(self, field)
             if not is_int(value) or value < 1:
@@ -193,30 +203,63 @@ class CostProfile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostProfile:
-        if data.get("schema") != SCHEMA:
-            raise ValueError(f"not a cost profile: schema {data.get('schema')!r}, expected {SCHEMA!r}")
+        """A profile from its JSON object. Values are passed on as read, never converted (2.9 is not the batch
+        size 2, "0.5" not a number), so each is checked by name; a missing or misshapen field is refused."""
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            got = data.get("schema") if isinstance(data, dict) else f"a JSON {type(data).__name__}, not an object"
+            raise ValueError(f"not a cost profile: schema {got!r}, expected {SCHEMA!r}")
+
+        def field(name: str, default: Any = _REQUIRED) -> Any:
+            if name in data:
+                return data[name]
+            if default is _REQUIRED:
+                raise ValueError(f"the profile has no {name!r} field (required; see the schema in {__name__})")
+            return default
+
+        def items(name: str, value: Any) -> tuple:
+            if not is_sequence(value):
+                raise ValueError(f"{name} must be a list, got {value!r}")
+            return tuple(value)
+
+        def number(value: Any) -> Any:  # an int is that number; anything else goes on as read, to be checked
+            return float(value) if _is_number(value) else value
+
+        def costs(name: str) -> tuple[Any, Any]:
+            value = field(name)
+            if not isinstance(value, dict) or set(value) != {"fixed", "per_token"}:
+                raise ValueError(f'{name} must be an object {{"fixed": seconds, "per_token": seconds}}, got {value!r}')
+            return number(value["fixed"]), number(value["per_token"])
+
+        grid = items("step_seconds", field("step_seconds"))
+        grid = tuple(
+            tuple(tuple(number(s) for s in items(f"step_seconds[{ib}][{ig}]", cell))
+                  for ig, cell in enumerate(items(f"step_seconds[{ib}]", row)))
+            for ib, row in enumerate(grid)
+        )
+        prefill_fixed, prefill_per_token = costs("prefill_seconds")
+        catchup_fixed, catchup_per_token = costs("catchup_seconds")
+        text = {name: field(name, "") for name in ("label", "notes", "device", "target", "draft")}
+        for name, value in text.items():
+            if not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {value!r}")
         return cls(
-            batch_sizes=tuple(int(b) for b in data["batch_sizes"]),
-            gammas=tuple(int(g) for g in data["gammas"]),
-            context_lengths=tuple(int(c) for c in data["context_lengths"]),
-            step_seconds_grid=tuple(
-                tuple(tuple(float(s) for s in cell) for cell in row) for row in data["step_seconds"]
+            batch_sizes=items("batch_sizes", field("batch_sizes")),
+            gammas=items("gammas", field("gammas")),
+            context_lengths=items("context_lengths", field("context_lengths")),
+            step_seconds_grid=grid,
+            acceptance_per_position=tuple(
+                number(a) for a in items("acceptance_per_position", field("acceptance_per_position"))
             ),
-            acceptance_per_position=tuple(float(a) for a in data["acceptance_per_position"]),
-            prefill_fixed_seconds=float(data["prefill_seconds"]["fixed"]),
-            prefill_seconds_per_token=float(data["prefill_seconds"]["per_token"]),
-            catchup_fixed_seconds=float(data["catchup_seconds"]["fixed"]),
-            catchup_seconds_per_token=float(data["catchup_seconds"]["per_token"]),
-            reload_seconds=float(data.get("reload_seconds", 0.0)),
-            kv_budget_pages=int(data.get("kv_budget_pages", 10_000)),
-            page_size=int(data.get("page_size", 16)),
-            max_num_seqs=int(data.get("max_num_seqs", 256)),
-            kind=data.get("kind"),
-            label=data.get("label", ""),
-            notes=data.get("notes", ""),
-            device=data.get("device", ""),
-            target=data.get("target", ""),
-            draft=data.get("draft", ""),
+            prefill_fixed_seconds=prefill_fixed,
+            prefill_seconds_per_token=prefill_per_token,
+            catchup_fixed_seconds=catchup_fixed,
+            catchup_seconds_per_token=catchup_per_token,
+            reload_seconds=number(field("reload_seconds", 0.0)),
+            kv_budget_pages=field("kv_budget_pages", 10_000),
+            page_size=field("page_size", 16),
+            max_num_seqs=field("max_num_seqs", 256),
+            kind=field("kind", None),
+            **text,
         )
 
     @classmethod

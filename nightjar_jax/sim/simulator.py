@@ -201,6 +201,7 @@ class Simulator:
         decode_steps = prefill_steps = preemptions = num_done = 0
         switch_total = busy = 0.0
         clock = getattr(planner, "set_clock", None)
+        switches_before = planner.num_switches  # (a planner warmed on another run has counted its switches)
         phase_ends = [float(e) for e in trace.phase_ends[:-1]]  # phase i ends at phase_ends[i]
 
         def pages(tokens: np.ndarray | int) -> np.ndarray | int:
@@ -287,7 +288,7 @@ class Simulator:
             cell.gamma_counts[gamma] = cell.gamma_counts.get(gamma, 0) + 1
             n, num_done = self._retire(n, req, ctx, gen, lag, output, finish, t, num_done)
 
-        starts = np.concatenate([[arrival[0] if n_req else 0.0], trace.phase_ends[:-1]])
+        starts = np.concatenate([[0.0], trace.phase_ends[:-1]])  # (phase 0 starts with the trace, not a request)
         phase_seconds = [float(trace.phase_ends[i] - starts[i]) for i in range(num_phases)]
         phase_seconds[-1] = max(t - starts[-1], phase_seconds[-1]) if n_req else phase_seconds[-1]
         latencies = finish - arrival
@@ -304,7 +305,7 @@ class Simulator:
             ttfts=first_token - arrival,
             num_decode_steps=decode_steps,
             num_prefill_steps=prefill_steps,
-            num_switches=planner.num_switches,
+            num_switches=planner.num_switches - switches_before,
             num_preemptions=preemptions,
             switch_seconds=switch_total,
             busy_seconds=busy,

@@ -20,8 +20,16 @@ target, not a measurement.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
+from nightjar_jax.planner.base import is_int
 from nightjar_jax.sim.profile import CostProfile
+
+# fields that divide (a rate, an efficiency, a size): > 0; the other numbers are >= 0
+_POSITIVE = ("target_params", "target_layers", "target_hidden", "target_kv_bytes_per_token", "bytes_per_param",
+             "bandwidth", "peak_flops", "bandwidth_efficiency", "compute_efficiency", "prefill_compute_efficiency",
+             "hbm_bytes", "page_size", "max_num_seqs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +58,19 @@ class RooflineModel:
     workspace_bytes: float = 4e9
     page_size: int = 16
     max_num_seqs: int = 256
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "acceptance_per_position":
+                if not value or any(not (_real(a) and 0 <= a <= 1) for a in value):
+                    raise ValueError(f"acceptance_per_position must be numbers in [0, 1] (at least one), got {value!r}")
+                continue
+            if f.name in ("target_layers", "target_hidden", "page_size", "max_num_seqs") and not is_int(value):
+                raise ValueError(f"{f.name} must be an int >= 1, got {value!r}")
+            positive = f.name in _POSITIVE
+            if not (_real(value) and math.isfinite(value) and (value > 0 if positive else value >= 0)):
+                raise ValueError(f"{f.name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
 
     def _kernel(self, bytes_moved: float, flops: float, overhead: float) -> float:
         t_mem = bytes_moved / (self.bandwidth * self.bandwidth_efficiency)
@@ -98,8 +119,9 @@ def build_synthetic_profile(
 ) -> CostProfile:
     """Tabulate `model` on a grid as a CostProfile labelled "synthetic-model"."""
     model = model or RooflineModel()
-    if gamma_max > len(model.acceptance_per_position):
-        raise ValueError(f"gamma_max must be <= {len(model.acceptance_per_position)} (acceptance entries)")
+    if not is_int(gamma_max) or not 1 <= gamma_max <= len(model.acceptance_per_position):
+        raise ValueError(f"gamma_max must be an int in 1..{len(model.acceptance_per_position)} (the model's "
+                         f"acceptance entries), got {gamma_max!r}")
     grid = tuple(
         tuple(tuple(model.step_seconds(b, g, c) for c in context_lengths) for g in range(gamma_max + 1))
         for b in batch_sizes
@@ -129,3 +151,7 @@ def build_synthetic_profile(
         target="llama-7b (modelled)",
         draft="llama-68m (modelled)",
     )
+
+
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

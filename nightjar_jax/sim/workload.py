@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+MAX_TRACE_REQUESTS = 10_000_000  # per phase (a trace is arrays in memory, simulated step by step)
+
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
@@ -64,6 +66,44 @@ class Trace:
     phase_index: np.ndarray  # [num_requests] int64
     seed: int
 
+    def __post_init__(self) -> None:
+        """Checks a trace built by hand as :func:`make_trace` builds one (a NaN arrival would stall the simulator's
+        clock, an unsorted one serve a request before it arrived); lists become arrays."""
+        if not self.phases or not all(isinstance(p, Phase) for p in self.phases):
+            raise ValueError(f"phases must be a non-empty sequence of Phase, got {self.phases!r}")
+        object.__setattr__(self, "phases", tuple(self.phases))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        arrays = {}
+        for name in ("arrival_seconds", "prompt_lengths", "output_lengths", "phase_index"):
+            value = np.asarray(getattr(self, name))
+            if value.ndim != 1:
+                raise ValueError(f"{name} must be one-dimensional ([num_requests]), got shape {value.shape}")
+            if name == "arrival_seconds":
+                if value.size and not np.issubdtype(value.dtype, np.number):  # (bools are not numbers here)
+                    raise ValueError(f"arrival_seconds must be numbers, got dtype {value.dtype}")
+                value = value.astype(np.float64)
+            elif value.size and not np.issubdtype(value.dtype, np.integer):
+                raise ValueError(f"{name} must be integers, got dtype {value.dtype}")
+            else:
+                value = value.astype(np.int64)
+            arrays[name] = value
+            object.__setattr__(self, name, value)
+        sizes = {name: len(v) for name, v in arrays.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"the trace's arrays must all have one entry per request, got lengths {sizes}")
+        arrival = arrays["arrival_seconds"]
+        if not np.all(np.isfinite(arrival)) or np.any(arrival < 0):
+            raise ValueError("arrival_seconds must be finite and >= 0 (seconds from the trace's start)")
+        if np.any(np.diff(arrival) < 0):
+            raise ValueError("arrival_seconds must be sorted (non-decreasing): requests are served in arrival order")
+        for name in ("prompt_lengths", "output_lengths"):
+            if np.any(arrays[name] < 1):
+                raise ValueError(f"{name} must be >= 1 token each, got minimum {int(arrays[name].min())}")
+        index = arrays["phase_index"]
+        if np.any((index < 0) | (index >= len(self.phases))):
+            raise ValueError(f"phase_index entries must be in 0..{len(self.phases) - 1} (one per phase)")
+
     @property
     def num_requests(self) -> int:
         return len(self.arrival_seconds)
@@ -87,6 +127,12 @@ def make_trace(
     """Draw a trace: Poisson arrivals at each phase's rate, then lengths, all from one seeded RNG."""
     if not phases:
         raise ValueError("phases must not be empty")
+    for phase in phases:
+        if phase.rate_per_second * phase.duration_seconds > MAX_TRACE_REQUESTS:
+            expected = phase.rate_per_second * phase.duration_seconds
+            raise ValueError(f"phase {phase.name!r} would draw about {expected:.3g} requests "
+                             f"({phase.rate_per_second:g}/s for {phase.duration_seconds:g} s); a trace holds at most "
+                             f"{MAX_TRACE_REQUESTS:,} per phase: lower the rate or the duration")
     rng = np.random.default_rng(seed)
     arrivals, indices, start = [], [], 0.0
     for i, phase in enumerate(phases):

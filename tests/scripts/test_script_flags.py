@@ -261,6 +261,9 @@ SIM_BAD = [
                    "oracle", "oracle:phase", "oracle:phase×bucket", "v+warm", "", "a b")],
     (["--nightjar-variant", "v={}", "--nightjar-variant", 'v={"explore_scale":0.1}'],
      "argument --nightjar-variant: NAME 'v' given more than once"),
+    (["--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
+    # (numpy's "lam value too large", naming nothing)
+    (["--rate-scale", "1e300", "--presets", "oscillating"], "requests (3e+300/s for 60 s); a trace holds at most"),
 ]
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from nightjar_jax.sim import DEFAULT_PROFILE, CostProfile, build_synthetic_profile
 from nightjar_jax.sim.profile import PROFILES_DIR
+from nightjar_jax.sim.synthetic import RooflineModel
 
 
 def test_checked_in_profile_loads_and_is_labelled_synthetic():
@@ -83,8 +84,9 @@ def _mutated(change) -> dict:
     "change, message",
     [
         (lambda d: d["prefill_seconds"].update(fixed=float("nan")), "prefill_seconds.fixed must be a finite number"),
-        (lambda d: d["step_seconds"][0][0].__setitem__(0, float("inf")), "step_seconds[0][0][0] must be a finite"),
-        (lambda d: d["step_seconds"][1][2].__setitem__(3, -0.1), "step_seconds[1][2][3] must be a finite number > 0"),
+        (lambda d: d["step_seconds"][0][0].__setitem__(0, float("inf")),
+         "step_seconds[0][0][0] must be a number of seconds in [1e-09, 86400]"),
+        (lambda d: d["step_seconds"][1][2].__setitem__(3, -0.1), "step_seconds[1][2][3] must be a number of seconds"),
         (lambda d: d["catchup_seconds"].update(per_token=-1.0), "catchup_seconds.per_token must be a finite number"),
         (lambda d: d.update(reload_seconds=float("inf")), "reload_seconds must be a finite number of seconds >= 0"),
         (lambda d: d.update(page_size=0), "page_size must be an int >= 1, got 0"),
@@ -118,3 +120,58 @@ def test_cost_queries_refuse_what_is_off_the_profile():
         profile.step_seconds(8, 1, float("nan"))
     with pytest.raises(ValueError, match="batch_size"):
         profile.step_seconds(0, 1, 100.0)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d.update(batch_sizes=[1.7, *d["batch_sizes"][1:]]), "batch_sizes must be ints >= 1, got [1.7"),
+        (lambda d: d.update(batch_sizes=["1", *d["batch_sizes"][1:]]), "batch_sizes must be ints >= 1, got ['1'"),
+        (lambda d: d.update(kv_budget_pages=100.9), "kv_budget_pages must be an int >= 1, got 100.9"),
+        (lambda d: d.update(kv_budget_pages="12"), "kv_budget_pages must be an int >= 1, got '12'"),
+        (lambda d: d.update(kv_budget_pages=float("inf")), "kv_budget_pages must be an int >= 1, got inf"),
+        (lambda d: d.update(max_num_seqs=True), "max_num_seqs must be an int >= 1, got True"),
+        (lambda d: d["step_seconds"][0][0].__setitem__(0, True), "step_seconds[0][0][0] must be a number of seconds"),
+        (lambda d: d["step_seconds"][0][0].__setitem__(0, "0.5"), "step_seconds[0][0][0] must be a number of seconds"),
+        (lambda d: d["step_seconds"][0][0].__setitem__(0, 1e-12), "step_seconds[0][0][0] must be a number of seconds"),
+        (lambda d: d["step_seconds"][0][0].__setitem__(0, 1e5), "step_seconds[0][0][0] must be a number of seconds"),
+        (lambda d: d["step_seconds"].__setitem__(0, 0.1), "step_seconds[0] must be a list, got 0.1"),
+        (lambda d: d["acceptance_per_position"].__setitem__(0, "0.5"), "acceptance_per_position entries"),
+        (lambda d: d.update(gammas=[0, 1.0, *d["gammas"][2:]]), "gammas must be 0..gamma_max"),
+        (lambda d: d.update(prefill_seconds=0.1), 'prefill_seconds must be an object {"fixed": seconds'),
+        (lambda d: d.update(prefill_seconds={"fixed": 0, "per_token": 0}), "a prefill step must take time"),
+        (lambda d: d.pop("batch_sizes"), "the profile has no 'batch_sizes' field"),
+        (lambda d: d.update(label=3), "label must be a string, got 3"),
+    ],
+)
+def test_profile_files_are_read_without_converting_anything(change, message):
+    """int()/float() ran before the checks: 1.7 became the batch size 1, "12" 12 pages, True one second; a missing
+    field raised a bare KeyError, a number where an object belongs a TypeError, an infinite page count an
+    OverflowError; step seconds the planners refuse (1e-12) crashed the simulation mid-run."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CostProfile.from_dict(_mutated(change))
+
+
+def test_a_profile_needs_a_speculative_step_and_a_json_object():
+    data = build_synthetic_profile(gamma_max=1, batch_sizes=(1, 2), context_lengths=(10, 20)).to_dict()
+    assert CostProfile.from_dict(data).gamma_max == 1
+    data.update(gammas=[0], step_seconds=[[row[0]] for row in data["step_seconds"]], acceptance_per_position=[])
+    with pytest.raises(ValueError, match="gamma_max >= 1"):
+        CostProfile.from_dict(data)
+    with pytest.raises(ValueError, match="not a cost profile: schema 'a JSON list, not an object'"):
+        CostProfile.from_dict([1, 2])
+
+
+def test_the_roofline_model_checks_its_parameters():
+    for kwargs, message in [
+        ({"bandwidth": 0}, "bandwidth must be a finite number > 0, got 0"),
+        ({"overlap": float("nan")}, "overlap must be a finite number >= 0"),
+        ({"page_size": 16.0}, "page_size must be an int >= 1"),
+        ({"acceptance_per_position": (0.5, 1.5)}, "acceptance_per_position must be numbers in [0, 1]"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            RooflineModel(**kwargs)
+    for gamma_max in (-1, 0, 7, 2.0):
+        with pytest.raises(ValueError, match=re.escape(f"gamma_max must be an int in 1..6 (the model's acceptance "
+                                                        f"entries), got {gamma_max!r}")):
+            build_synthetic_profile(gamma_max=gamma_max)

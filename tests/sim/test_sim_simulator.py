@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 from nightjar_jax.planner import make_planner
 from nightjar_jax.sim import CostProfile, Phase, SimConfig, Simulator, build_oracles, make_trace
+from nightjar_jax.sim.workload import MAX_TRACE_REQUESTS, Trace
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +109,60 @@ def test_phases_must_be_finite():
         Phase("x", 1.0, float("inf"))
     with pytest.raises(ValueError, match="duration_seconds must be finite"):
         Phase("x", float("inf"), 1.0)
+
+
+def _hand_trace(**change) -> Trace:
+    fields = dict(phases=(Phase("a", 10.0, 1.0),), arrival_seconds=[0.0, 1.0], prompt_lengths=[30, 40],
+                  output_lengths=[5, 6], phase_index=[0, 0], seed=0)
+    return Trace(**{**fields, **change})
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"arrival_seconds": [0.0, float("nan")]}, "arrival_seconds must be finite and >= 0"),
+        ({"arrival_seconds": [0.0, float("inf")]}, "arrival_seconds must be finite and >= 0"),
+        ({"arrival_seconds": [5.0, 1.0]}, "arrival_seconds must be sorted"),
+        ({"output_lengths": [5, 0]}, "output_lengths must be >= 1 token each, got minimum 0"),
+        ({"prompt_lengths": [30]}, "one entry per request, got lengths"),
+        ({"prompt_lengths": [30.5, 40.0]}, "prompt_lengths must be integers"),
+        ({"phase_index": [0, 1]}, "phase_index entries must be in 0..0"),
+        ({"phases": ()}, "phases must be a non-empty sequence of Phase"),
+        ({"seed": -1}, "seed must be an int >= 0"),
+    ],
+)
+def test_a_trace_built_by_hand_is_checked(change, message):
+    """A NaN arrival made Simulator.run loop forever; an infinite one gave NaN latencies; an unsorted one served
+    a request before it arrived; an output of 0 tokens was counted as 0 though one was generated."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _hand_trace(**change)
+
+
+def test_a_hand_built_trace_runs(profile):
+    trace = _hand_trace()
+    assert isinstance(trace.arrival_seconds, np.ndarray) and trace.prompt_lengths.dtype == np.int64
+    result = Simulator(trace, profile, SimConfig(gamma_max=2)).run(make_planner("static:1", 2))
+    assert result.total_tokens == 11 and np.all(result.latencies > 0)
+
+
+def test_a_phase_too_large_for_a_trace_is_refused():
+    with pytest.raises(ValueError, match="would draw about 1e\\+300 requests"):
+        make_trace([Phase("huge", 10.0, 1e299)])
+    assert MAX_TRACE_REQUESTS >= 1_000_000
+
+
+def test_phase_seconds_start_at_the_trace_start(profile):
+    """Phase 0 ran from the first arrival: a first phase that drew no request had negative seconds."""
+    trace = make_trace([Phase("idle", 10.0, 0.0), Phase("busy", 10.0, 2.0)], seed=1)
+    result = Simulator(trace, profile, SimConfig(gamma_max=2)).run(make_planner("static:1", 2))
+    assert result.phase_seconds[0] == 10.0 and result.phase_tokens[0] == 0 and result.phase_seconds[1] >= 10.0
+
+
+def test_switches_are_the_runs_own_for_a_warmed_planner(profile, trace):
+    """The count was the planner's running total: a planner warmed on one run reported that run's switches too."""
+    sim = Simulator(trace, profile, SimConfig(gamma_max=4))
+    planner = make_planner("nightjar", 4)
+    first = sim.run(planner)
+    second = sim.run(planner)
+    assert first.num_switches > 0
+    assert second.num_switches == planner.num_switches - first.num_switches
