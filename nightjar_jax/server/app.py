@@ -1230,6 +1230,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             return {"content": content or None,  # (as streamed: the text beside the calls, whitespace included)
                     "tool_calls": tool_parsers.tool_calls_json(found)}, "tool_calls" if finish == "stop" else finish
         if mode == "named":
+            if not text:  # (no answer written: a thought cut by max_tokens; as "required" then, no call)
+                return {"content": text}, finish
             calls = [(tools[0]["name"], text)]
         else:
             found, complete = tool_parsers.required_calls(text)
@@ -1342,7 +1344,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     delta, finish = {}, comp.finish_reason
                     reasoning, text = text_delta(index, comp)  # (the arguments follow a thought)
                     if named_ids:  # (the output is the named function's arguments)
-                        if not named_started[index] and (text or comp.finished()):
+                        if not named_started[index] and text:  # (no text at all: no call, as answered whole)
                             named_started[index] = True
                             delta = {"tool_calls": [{"index": 0, "id": named_ids[index], "type": "function",
                                                      "function": {"name": call[1][0]["name"], "arguments": text}}]}

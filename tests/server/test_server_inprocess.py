@@ -306,3 +306,30 @@ def test_a_waiting_metrics_scrape_does_not_stall_the_event_loop():
         prober.join(timeout=30)
         assert answered and still_waiting and scraped["health"].status_code == 200
         assert scraped["resp"].status_code == 200 and "nightjar_kv_pages_usable" in scraped["resp"].text
+
+
+def test_a_named_function_with_no_answer_text_is_no_call():
+    """deepseek_r1 reads an output without ``<think>`` as all thought: a named function's answer then has no text,
+    and it came back as a call with arguments "" (no JSON), streamed too; it is no call now, as "required"'s."""
+    from nightjar_jax.testing import PLAIN_CHAT_TEMPLATE
+
+    # (the engine's parser: the constraint starts after the thought, which this model never closes)
+    llm = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=64, reasoning_parser="deepseek_r1")
+    llm.engine.tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "temperature": 0, "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s", reasoning_parser="deepseek_r1"))) as client:
+        resp = client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        assert choice["message"]["reasoning_content"] and not choice["message"].get("tool_calls"), choice
+        assert choice["finish_reason"] == "length"
+        chunks = [json.loads(line[6:]) for line in client.post(
+            "/v1/chat/completions", json={**body, "stream": True}).text.splitlines() if line.startswith("data: {")]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == choice["message"]["reasoning_content"]
+        assert not any(d.get("tool_calls") for d in deltas), deltas
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
