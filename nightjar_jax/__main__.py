@@ -1,7 +1,8 @@
 """``python -m nightjar_jax {generate,serve} ...`` (also installed as the ``nightjar`` script).
 
-- ``generate [--prompt TEXT --max-tokens N --temperature T --chat/--no-chat --chat-template T]``: print one
-  completion (with no flags: the default model answers a default question through its chat template).
+- ``generate [MODEL] [--prompt TEXT --max-tokens N --temperature T --chat/--no-chat --chat-template T]``: print one
+  completion (with no flags: the default model answers a default question through its chat template); the model
+  as a positional word and ``--config YAML`` as serve takes them.
 - ``serve ...``: the OpenAI-compatible server, same flags as ``python -m nightjar_jax.serve``.
 """
 
@@ -82,11 +83,14 @@ def _prog() -> str:
     return name if name and name not in ("__main__.py", "-c") and not name.endswith(".py") else "python -m nightjar_jax"
 
 
-def main(argv: list[str] | None = None) -> int:
-    prog = _prog()
-    parser = argparse.ArgumentParser(prog=prog, description="nightjar-jax: serve or generate")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="print one completion")
+def generate_parser(prog: str = "python -m nightjar_jax generate") -> argparse.ArgumentParser:
+    """``generate``'s flags: the engine's, the one prompt's, and serve's launch forms (``generate MODEL``,
+    ``--config YAML``)."""
+    gen = argparse.ArgumentParser(prog=prog, description="print one completion")
+    gen.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="the model (the same as --model), as serve takes it")
+    gen.add_argument("--config", default=None, metavar="YAML",
+                     help="a YAML file of flags, as serve's --config reads it; flags given on the command line win")
     add_engine_args(gen)
     gen.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
     gen.add_argument("--max-tokens", type=int, default=None,
@@ -102,6 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat-template", default=None,
                      help="a jinja chat template, or a path to a file holding one (overrides the tokenizer's; as "
                      "serve's)")
+    return gen
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = _prog()
+    parser = argparse.ArgumentParser(prog=prog, description="nightjar-jax: serve or generate")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("generate", help=f"print one completion (see {prog} generate --help)", add_help=False)
     sub.add_parser(
         "serve", help=f"the OpenAI-compatible server (see {prog} serve --help)", add_help=False
     )
@@ -111,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         from nightjar_jax.serve import main as serve_main
 
         return serve_main(argv[1:], prog=f"{prog} serve")
-    args = parser.parse_args(argv)
+    if not argv or argv[0] != "generate":
+        parser.parse_args(argv)  # (no command, an unknown one, or --help: usage, exit 2 or 0)
+    from nightjar_jax.serve import parse_args  # (the model as a positional word, --config)
+
+    args = parse_args(generate_parser(f"{prog} generate"), argv[1:])
     logging.basicConfig(level=logging.WARNING)
     try:
         return _generate(args)

@@ -671,3 +671,22 @@ def test_profiler_dir_must_be_a_folder(tmp_path, capsys, monkeypatch):
             main(["--model", "stories260k", *argv])
         err = capsys.readouterr().err
         assert exc.value.code == 2 and f"--profiler-dir {str(tmp_path / 'file')!r}: give a folder" in err
+
+
+def test_generate_takes_the_model_as_a_word_and_a_config_file(tmp_path, capsys):
+    """``generate stories260k`` was "unrecognized arguments" where ``serve stories260k`` works; it also takes serve's
+    ``--config YAML`` now, the command line winning."""
+    from nightjar_jax.__main__ import main
+
+    argv = ["generate", "stories260k", "--draft-model", "none", "--max-tokens", "4", "--prompt", "Lily", "--no-chat"]
+    assert main(argv) == 0
+    first = capsys.readouterr()
+    assert "[stories260k: 4 tokens" in first.err, first.err
+    config = tmp_path / "gen.yaml"
+    config.write_text("model: stories260k\ndraft-model: none\nmax-tokens: 9\n")
+    assert main(["generate", "--config", str(config), "--max-tokens", "4", "--prompt", "Lily", "--no-chat"]) == 0
+    second = capsys.readouterr()
+    assert "[stories260k: 4 tokens" in second.err and second.out == first.out
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "stories260k", "--model", "smollm2-135m-instruct"])
+    assert exc.value.code == 2 and "the model is given twice" in capsys.readouterr().err
