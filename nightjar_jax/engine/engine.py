@@ -260,9 +260,10 @@ class LLMEngine:
                                ", ".join(unused), config.spec.draft_model)
         if no_draft and config.cache.draft_offload == "auto":
             # (it was ignored: elastic memory asked for, none given, and the config still read "auto")
+            why = ("draft_model='auto' found no default draft for this model" if config.spec.draft_model == "auto"
+                   else f"draft_model={config.spec.draft_model!r}")
             raise ConfigError(f"draft_offload='auto' moves a draft model's weights to host memory to make KV pages, "
-                              f"and this engine has none (draft_model={config.spec.draft_model!r}): pass a "
-                              f"draft_model, or leave draft_offload 'off'")
+                              f"and this engine has none ({why}): pass a draft_model, or leave draft_offload 'off'")
         try:  # (the grammar cache's limit read now: a bad one is the start's error, not a structured request's)
             from nightjar_jax.engine.structured import grammar_cache_bytes
 

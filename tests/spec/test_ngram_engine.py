@@ -96,6 +96,8 @@ def test_tree_without_a_draft_is_a_config_error(caplog):
         fake_engine(draft_model="none", spec_tree_nodes=8)
     with pytest.raises(ConfigError, match=r"draft_offload='auto' .* has none \(draft_model='none'\)"):
         fake_engine(draft_model="none", draft_offload="auto")  # (elastic memory was off without a word)
+    with pytest.raises(ConfigError, match=r"has none \(draft_model='auto' found no default draft for this model\)"):
+        fake_engine(draft_offload="auto")  # (it said "(draft_model='auto')", as though one had been asked for)
     with caplog.at_level(logging.WARNING, logger="nightjar_jax"):
         eng = fake_engine(draft=True, num_speculative_tokens=0)
     assert eng.gamma_max == 0 and "num_speculative_tokens=0: the draft" in caplog.text
