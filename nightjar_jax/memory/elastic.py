@@ -24,7 +24,10 @@ A step that breaks the condition resets the count, so one burst does not flip th
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 
 class DraftPlacement(enum.Enum):
@@ -59,6 +62,11 @@ class ElasticPolicy:
             raise ValueError(f"reload_high_watermark={high_watermark} must be in [0, 1)")
         if persist_steps < 1:
             raise ValueError(f"offload_persist_steps={persist_steps} must be >= 1")
+        if high_watermark <= low_watermark:  # (allowed: tests reload at once with 0; but under load it thrashes)
+            logger.warning("reload_high_watermark=%s is not above offload_low_watermark=%s: under load a reload can "
+                           "leave fewer free pages than the offload's threshold, and the draft then moves back and "
+                           "forth, each reload paying a page migration and a draft catch-up; keep the reload's "
+                           "watermark above the offload's (defaults 0.25 and 0.05)", high_watermark, low_watermark)
         self.low_watermark = low_watermark
         self.high_watermark = high_watermark
         self.persist_steps = persist_steps

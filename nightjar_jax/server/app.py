@@ -964,13 +964,19 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             updates_waiting[0] += 1
             updates_done.clear()
             try:
+                aborted = async_engine.abort_all() if req.abort_all_requests else 0  # (SGLang's: no wait for them)
                 relayout = await engine_call(go, drain=lambda e: e.has_unfinished_requests() or beam_searches[0])
             finally:
                 updates_waiting[0] -= 1
                 if not updates_waiting[0]:
                     updates_done.set()
             parts = [p for p, given in (("target", req.model_path), ("draft", req.draft_model_path)) if given]
-            return {"success": True, "message": f"updated the {' and '.join(parts)} weights", "recompiles": relayout}
+            answer = {"success": True, "message": f"updated the {' and '.join(parts)} weights", "recompiles": relayout}
+            if req.abort_all_requests:
+                answer["num_aborted_requests"] = aborted
+            if req.weight_version is not None:
+                answer["weight_version"] = req.weight_version
+            return answer
 
     @app.get("/metrics")
     @app.head("/metrics", operation_id="metrics_head")

@@ -269,6 +269,14 @@ class AsyncEngine:
     def abort(self, request_ids: list[str]) -> None:
         self._send(_Abort(list(request_ids)))
 
+    def abort_all(self) -> int:
+        """Abort every request queued or running (their streams end with finish reason "abort"); returns how many
+        were (commands sent after this one, e.g. a weight update's, find them gone)."""
+        with self._groups_lock:
+            ids = list(self._groups)
+        self.abort(ids)
+        return len(ids)
+
     async def call(self, fn: Callable[[Any], Any], drain: Callable[[Any], bool] | None = None) -> Any:
         """``fn(engine)`` on the engine thread between two steps (the engine is not thread-safe), e.g. sleep and
         wake_up; returns what it returned, or raises what it raised. With ``drain``, it runs once ``drain(engine)``

@@ -703,6 +703,15 @@ class UpdateWeightsRequest(_Strict):
     model_path: str | None = None
     draft_model_path: str | None = None
     load_format: str | None = None  # (SGLang's; only the engine's own is read: None or "auto")
+    # SGLang's other fields (an RL loop's client sends them)
+    abort_all_requests: bool = False  # True: the requests in flight end at once (finish reason "abort"), no wait
+    weight_version: str | None = None  # echoed in the answer
+    flush_cache: bool = True  # the prefix cache is always forgotten (its K/V were the old weights'): False is a 400
+    keep_pause: bool = False  # (no pause / continue_generation here: True is a 400)
+    is_async: bool = False  # (accepted: the update is one engine call either way)
+    torch_empty_cache: bool = False  # (CUDA's allocator: nothing to do here)
+    recapture_cuda_graph: bool = False  # (CUDA graphs: a new layout's steps recompile anyway)
+    token_step: int = 0  # (the trainer's step: accepted)
 
     def check(self) -> None:
         if self.model_path is None and self.draft_model_path is None:
@@ -715,6 +724,14 @@ class UpdateWeightsRequest(_Strict):
         if self.load_format not in (None, "auto"):
             raise APIError(400, f"'load_format' {short_repr(self.load_format)} is not supported: checkpoints load as "
                                 "at start ('auto' or leave it out)", param="load_format")
+        if not self.flush_cache:
+            raise APIError(400, "'flush_cache' false is not supported: cached prefixes hold K/V the old weights "
+                                "computed, so an update always forgets them (true, or leave it out)",
+                           param="flush_cache")
+        if self.keep_pause:
+            raise APIError(400, "'keep_pause' true is not supported: this server has no pause / continue_generation; "
+                                "requests queued behind the update run as soon as it is done (false, or leave it out)",
+                           param="keep_pause")
 
 
 class DetokenizeRequest(_Strict):

@@ -110,3 +110,15 @@ def test_memory_policy_imports_no_jax():
     code = ("import sys; import nightjar_jax.memory; "
             "assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_watermarks_that_undo_each_other_are_a_warning(caplog):
+    """A reload watermark at or under the offload's was taken without a word: under load a reload can leave fewer
+    free pages than the offload's threshold, and the draft then moved back and forth (8 offloads and 8 reloads in 40
+    steps, QA). It stays allowed (a reload as soon as the queue empties), with a warning."""
+    with caplog.at_level("WARNING", logger="nightjar_jax.memory.elastic"):
+        ElasticPolicy(low_watermark=0.05, high_watermark=0.25)
+        assert not caplog.records
+        ElasticPolicy(low_watermark=0.9, high_watermark=0.0)
+    assert len(caplog.records) == 1
+    assert "reload_high_watermark=0.0 is not above offload_low_watermark=0.9" in caplog.records[0].getMessage()

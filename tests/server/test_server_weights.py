@@ -187,3 +187,45 @@ def test_a_bad_draft_beside_a_good_target_is_the_field_named(tmp_path):
         assert "the engine still sleeps" in failed.json()["error"]["message"]
         assert client.get("/is_sleeping").json()["is_sleeping"] is True
         assert client.post("/wake_up").status_code == 200 and text(client) == before
+
+
+def test_sglangs_optional_fields_and_abort_all_requests(setup):
+    """SGLang's clients send its request's other fields (abort_all_requests, weight_version, flush_cache, ...): they
+    were 400s ("Extra inputs are not permitted"). abort_all_requests ends the requests in flight at once (finish
+    reason "abort") instead of waiting for them; weight_version comes back in the answer; what cannot be honoured
+    (flush_cache false, keep_pause true) is a 400 naming the field."""
+    import json
+    import threading
+
+    llm, path = setup
+    with client_for(llm, enable_weight_updates=True) as client:
+        for body, param in [({"model_path": path, "flush_cache": False}, "flush_cache"),
+                            ({"model_path": path, "keep_pause": True}, "keep_pause"),
+                            ({"model_path": path, "abort_all_requests": "yes"}, "abort_all_requests")]:
+            bad = client.post("/update_weights_from_disk", json=body)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+        started, chunks = threading.Event(), []
+
+        def stream():
+            body = {"prompt": [1, 403, 407, 261], "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            with client.stream("POST", "/v1/completions", json=body) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks.append(json.loads(line[6:]))
+                        started.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(60)
+        resp = client.post("/update_weights_from_disk", json={
+            "model_path": path, "abort_all_requests": True, "weight_version": "step-7", "flush_cache": True,
+            "is_async": False, "torch_empty_cache": False, "recapture_cuda_graph": False, "token_step": 7})
+        reader.join(60)
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"success": True, "message": "updated the target weights", "recompiles": False,
+                               "num_aborted_requests": 1, "weight_version": "step-7"}
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        assert finish[-1] == "abort" and sum(len(c["choices"][0]["text"]) > 0 for c in chunks) < 120
+        assert client.post("/update_weights_from_disk", json={"model_path": "stories260k"}).status_code == 200
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
