@@ -31,17 +31,26 @@ from nightjar_jax.bench.common import (  # noqa: E402
     dataset_texts,
     draft_gap,
     draft_model,
+    fmt,
     machine_note,
     make_prompt_ids,
     model_spec,
     non_negative_int,
     positive_int,
+    ratio,
     writable_out,
     write_json,
 )
 from nightjar_jax.cli import parse_bytes  # noqa: E402
 
 MODES = ("off", "auto")
+
+
+def median_of(values: list) -> float | None:
+    """The median of the figures that were measured (None: a round with no step that compiled nothing); None when
+    no round measured one."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def burst(llm, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -81,7 +90,7 @@ def burst(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     tokens = sum(len(done[i]) for i in ids)
     return {
         "seconds": seconds, "output_tokens": tokens, "tokens_per_second": tokens / seconds,
-        "steady_tokens_per_second": steady_tokens / steady_seconds if steady_seconds else 0.0,
+        "steady_tokens_per_second": ratio(steady_tokens, steady_seconds),  # (None: every step compiled)
         "preemptions": s.num_preemptions - before["preemptions"], "most_running": most_running,
         "mean_decode_batch": statistics.fmean(batch_sizes) if batch_sizes else 0.0,
         "spec_decode_steps": sum(n for g, n in s.decode_steps_per_gamma.items() if g > 0) - before["spec_steps"],
@@ -153,7 +162,7 @@ def main() -> None:
         for mode in MODES:
             result = burst(llms[mode], prompts, args.max_tokens)
             print(f"round {r} {mode}: {result['tokens_per_second']:.1f} tok/s (steps that compiled nothing: "
-                  f"{result['steady_tokens_per_second']:.1f}), most running {result['most_running']}, "
+                  f"{fmt(result['steady_tokens_per_second'], '.1f')}), most running {result['most_running']}, "
                   f"offloads {result['offloads']}, variants compiled {result['compiled']}", flush=True)
             if r >= args.warmup_rounds:
                 runs[mode].append(result)
@@ -163,10 +172,10 @@ def main() -> None:
     summary = {}
     for mode in MODES:
         rs = runs[mode]
-        summary[mode] = {k: statistics.median(x[k] for x in rs) for k in rs[0] if k != "outputs"}
+        summary[mode] = {k: median_of([x[k] for x in rs]) for k in rs[0] if k != "outputs"}
         for key in ("tokens_per_second", "steady_tokens_per_second"):
-            summary[mode][key.replace("tokens_per_second", "ratio_vs_off")] = statistics.median(
-                x[key] / o[key] for x, o in zip(rs, runs["off"], strict=True))
+            summary[mode][key.replace("tokens_per_second", "ratio_vs_off")] = median_of(
+                [ratio(x[key], o[key]) for x, o in zip(rs, runs["off"], strict=True)])
     cfg = engine.runner
     print(f"\n{args.model} + {engine.draft.config.name}, {args.num_prompts} prompts ({source}) x {args.max_tokens} "
           f"tokens, KV budget {args.kv_cache_bytes / 2**20:.2f} MiB = {cfg.num_pages - 1} pages of "
@@ -178,7 +187,7 @@ def main() -> None:
     print("| mode | " + " | ".join(cols) + " |")
     print("|---|" + "---:|" * len(cols))
     for mode in MODES:
-        print(f"| {mode} | " + " | ".join(f"{summary[mode][c]:.3g}" for c in cols) + " |")
+        print(f"| {mode} | " + " | ".join(fmt(summary[mode][c], ".3g") for c in cols) + " |")
     for mode in MODES:
         print(f"{mode}: device bytes start {summary[mode]['device_bytes_start'] / 2**20:.1f} MiB, "
               f"peak {summary[mode]['device_bytes_peak'] / 2**20:.1f} MiB")

@@ -107,7 +107,9 @@ def main() -> None:
     p.add_argument("--rounds", type=positive_int, default=5)
     p.add_argument("--prompt-len", type=positive_int, default=32)
     p.add_argument("--output-len", type=int_at_least(2), default=32, help=">= 2: the first comes from the prefill")
-    p.add_argument("--score-len", type=positive_int, default=256, help=f"at most {MAX_BATCHED_TOKENS}")
+    p.add_argument("--score-len", type=int_at_least(2), default=256,
+                   help=f"2 to {MAX_BATCHED_TOKENS} (a prompt's first token has no log-probability: one token scores "
+                   "nothing)")
     p.add_argument("--out", default="results/bench_logprobs.json", type=writable_out)
     args = p.parse_args()
     if args.score_len > MAX_BATCHED_TOKENS:

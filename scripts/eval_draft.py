@@ -239,6 +239,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         from nightjar_jax.models.presets import default_draft_for
 
         args.draft = default_draft_for(TARGET)
+    if args.tree_nodes and not is_feature_draft(args.draft):  # (before the acceptance runs, not after them)
+        ap.error(f"argument --tree-nodes: the cost measurement supports feature drafts only ({args.draft} is a token "
+                 "draft, whose cost is its own plain decoding): leave --tree-nodes out for it")
     return args
 
 
@@ -285,10 +288,7 @@ def main() -> None:
         target_cost, draft_cost = feature_draft_cost(args.draft, cost_ids, args.cost_tokens, args.gamma,
                                                      args.tree_nodes, (args.prompt_lookup_min, args.prompt_lookup_max),
                                                      args.tree_file)
-    else:
-        if args.tree_nodes:
-            raise SystemExit("--tree-nodes: the cost measurement supports feature drafts only (a token draft's cost "
-                             "is its own AR decoding)")
+    else:  # (a token draft with --tree-nodes: refused by parse_args)
         target_cost = decode_cost(TARGET, cost_ids, args.cost_tokens)
         draft_cost = decode_cost(args.draft, cost_ids, args.cost_tokens)
     ratio = draft_cost["seconds_per_token"] / target_cost["seconds_per_token"]

@@ -365,10 +365,10 @@ BUILT_IN_PROMPTS = ("Once upon a time", "The cat sat on the mat and")
 
 def dataset_texts(path: str, limit: int = 256, *, default: str | None = None,
                   fallback: tuple[str, ...] = BUILT_IN_PROMPTS) -> list[str]:
-    """``load_prompt_texts`` of a dataset: a ``--dataset`` that was given must be there (else SystemExit naming it:
-    a silent fallback measured nothing that was asked for). The script's ``default`` may be absent (a machine
-    without ../shared): then ``fallback``, saying so on stderr (``()``: no texts, for scripts whose
-    :func:`make_prompt_ids` then makes synthetic token ids)."""
+    """``load_prompt_texts`` of a dataset: a ``--dataset`` that was given must be there (else a usage error naming it,
+    exit status 2 as argparse's, before any model loads: a silent fallback measured nothing that was asked for).
+    The script's ``default`` may be absent (a machine without ../shared): then ``fallback``, saying so on stderr
+    (``()``: no texts, for scripts whose :func:`make_prompt_ids` then makes synthetic token ids)."""
     import sys
 
     if not path or not os.path.isfile(path):
@@ -377,11 +377,20 @@ def dataset_texts(path: str, limit: int = 256, *, default: str | None = None,
             print(f"note: the default dataset {path} is not on this machine: using {using} (give --dataset for real "
                   "ones)", file=sys.stderr)
             return list(fallback)[:limit]
-        raise SystemExit(f"--dataset {path!r}: no such file (a JSONL of {{'turns': [...]}} records is needed)")
+        _dataset_error(f"{path!r}: no such file (a JSONL of {{'turns': [...]}} records is needed)")
     texts = load_prompt_texts(path, limit)
     if not texts:
-        raise SystemExit(f"--dataset {path!r}: no record with a non-empty first turn")
+        _dataset_error(f"{path!r}: no record with a non-empty first turn")
     return texts
+
+
+def _dataset_error(message: str) -> None:
+    """An argparse-style usage error about ``--dataset`` (exit status 2: the flag's value was wrong)."""
+    import sys
+
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "script"
+    sys.stderr.write(f"{prog}: error: argument --dataset: {message}\n")
+    raise SystemExit(2)
 
 
 # ---- numbers that may not exist: None in JSON, "n/a" in tables ----------------------------------------------------

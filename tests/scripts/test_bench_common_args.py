@@ -88,18 +88,22 @@ def test_files_and_outputs(tmp_path, capsys) -> None:
         common.existing_file(str(tmp_path / "nope.json"))
     with pytest.raises(argparse.ArgumentTypeError, match="cannot write"):
         common.writable_out(str(f / "o.json"))  # under a file
-    with pytest.raises(SystemExit, match="no such file"):
+    # a usage error, exit status 2 as argparse's (it was status 1, as a failure of the run)
+    with pytest.raises(SystemExit) as exc:
         common.dataset_texts(str(tmp_path / "none.jsonl"))
+    assert exc.value.code == 2 and "error: argument --dataset: " in capsys.readouterr().err
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    with pytest.raises(SystemExit, match="no record"):
+    with pytest.raises(SystemExit) as exc:
         common.dataset_texts(str(empty))
+    assert exc.value.code == 2 and "no record with a non-empty first turn" in capsys.readouterr().err
     # the script's own default may be missing (a machine without ../shared): the built-in prompts, said on stderr
     missing_default = str(tmp_path / "default.jsonl")
     assert common.dataset_texts(missing_default, default=missing_default) == list(common.BUILT_IN_PROMPTS)
     assert "not on this machine" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="no such file"):  # (given, not the default: an error)
+    with pytest.raises(SystemExit):  # (given, not the default: an error)
         common.dataset_texts(str(tmp_path / "typo.jsonl"), default=missing_default)
+    assert "typo.jsonl': no such file" in capsys.readouterr().err
 
 
 def test_missing_numbers_are_none_and_na(tmp_path) -> None:

@@ -164,6 +164,11 @@ BAD_FLAGS = [
     ("eval_draft.py", ["--draft", "none"], "argument --draft: 'none' is no draft model"),
     ("eval_draft.py", ["--temperature", "-1"], "argument --temperature: expected a finite number from 0 to 100"),
     ("eval_draft.py", ["--prompt-lookup-max", "-1"], "argument --prompt-lookup-max: expected an integer >= 0"),
+    # (a one-token prompt has no log-probability to score: it crashed after the whole decode benchmark)
+    ("bench_logprobs.py", ["--score-len", "1"], "argument --score-len: expected an integer >= 2, got 1"),
+    # (it was refused after every acceptance run: the whole run lost)
+    ("eval_draft.py", ["--draft", "smollm2-draft", "--tree-nodes", "6"],
+     "argument --tree-nodes: the cost measurement supports feature drafts only (smollm2-draft is a token draft"),
     # (checked before the models load: it failed after them, with a traceback)
     ("eval_draft.py", ["--tree-nodes", "4", "--tree-file", "/nope.json"],
      "argument --tree-file: spec tree file /nope.json: cannot read it as JSON"),
@@ -351,8 +356,10 @@ def test_missing_dataset_is_an_error_before_any_model_loads(filename, monkeypatc
     monkeypatch.setattr(nightjar_jax, "LLM", None)  # (a model load would fail here with a TypeError, not exit)
     monkeypatch.setattr(mod, "memory_bandwidth_gbs", None, raising=False)  # (bench_engine's first minute)
     monkeypatch.setattr(sys, "argv", [filename, "--dataset", "/no/such.jsonl", "--out", "/tmp/flags_x.json"])
-    with pytest.raises(SystemExit, match=r"--dataset '/no/such.jsonl': no such file"):
+    with pytest.raises(SystemExit) as exc:
         mod.main()
+    assert exc.value.code == 2  # (a usage error, as argparse's: it was status 1)
+    assert f"{filename}: error: argument --dataset: '/no/such.jsonl': no such file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("filename", ["bench_engine.py", "bench_spec.py", "measure_profile.py"])
@@ -499,3 +506,11 @@ def test_bench_reload_acceptance_refuses_a_run_without_a_move() -> None:
     mod.check_moved({"offloads": 1, "reloads": 1}, 4)
     with pytest.raises(SystemExit, match="never moved"):
         mod.check_moved({"offloads": 0, "reloads": 0}, 100)
+
+
+def test_bench_elastic_medians_skip_rounds_without_a_steady_step() -> None:
+    """A round where every step compiled has no steady rate: it was 0.0 and its ratio a ZeroDivisionError (no JSON
+    written); it is None, left out of the medians, "n/a" in the table."""
+    mod = script("bench_elastic.py")
+    assert mod.median_of([None, None]) is None
+    assert mod.median_of([1.0, None, 3.0]) == 2.0
