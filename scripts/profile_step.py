@@ -152,7 +152,11 @@ def main() -> None:
         return step_fn(*a)
 
     setattr(runner, name, capture)
-    prompts = [[(7 * i + 13 * j) % 1000 + 100 for j in range(args.prompt_len)] for i in range(args.batch_size)]
+    # (ids within the vocabulary: 100..1099 were out of range for stories260K's 512 tokens)
+    vocab = llm.engine.target.config.vocab_size
+    span = max(1, min(1000, vocab - 100))
+    prompts = [[(7 * i + 13 * j) % span + min(100, vocab - span) for j in range(args.prompt_len)]
+               for i in range(args.batch_size)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     setattr(runner, name, step_fn)
     if not captured:
