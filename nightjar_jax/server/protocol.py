@@ -406,7 +406,9 @@ class CompletionRequest(_SamplingFields):
             prompts = [list(p)]
         else:
             prompts = [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[union-attr]
-        if not prompts or not all(prompts):
+        # ("" is a prompt, as in the library and vLLM: a tokenizer that adds BOS makes it one token, else the engine
+        # refuses it as empty; an empty list of token ids is no prompt)
+        if not prompts or not all(isinstance(x, str) or x for x in prompts):
             raise APIError(400, "'prompt' is empty: give at least one non-empty prompt", param="prompt")
         if len(prompts) * self.n > MAX_SEQUENCES_PER_REQUEST:  # (10 KB of prompts x n=128 queued 256,000 sequences)
             raise APIError(400, f"{len(prompts)} prompts x n={self.n} is {len(prompts) * self.n} sequences: allowed at "

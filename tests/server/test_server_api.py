@@ -752,7 +752,7 @@ BAD_CASES = [
         None,
         400,
     ),
-    ("empty prompt", "/v1/completions", {**GOOD, "prompt": ""}, None, 400),
+    ("empty token-id prompt", "/v1/completions", {**GOOD, "prompt": [[]]}, None, 400),
     ("empty prompt list", "/v1/completions", {**GOOD, "prompt": []}, None, 400),
     ("token id out of range", "/v1/completions", {**GOOD, "prompt": [1, 99999]}, None, 400),
     ("prompt too long", "/v1/completions", {**GOOD, "prompt": [5] * (MAX_MODEL_LEN + 10)}, None, 400),

@@ -333,3 +333,24 @@ def test_a_named_function_with_no_answer_text_is_no_call():
         assert not any(d.get("tool_calls") for d in deltas), deltas
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert llm.engine.num_free_pages == llm.engine.num_total_pages
+
+
+def test_an_empty_text_prompt_is_a_prompt():
+    """"" was a 400 on the server ("'prompt' is empty") where the library and vLLM take it: a tokenizer that adds BOS
+    makes it one token (stories260K's), and the engine refuses it only when it comes out empty."""
+    llm = stories_chat_llm()
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s"))) as client:
+        resp = client.post("/v1/completions", json={"prompt": "", "max_tokens": 4, "temperature": 0})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["prompt_tokens"] == 1 and resp.json()["choices"][0]["text"]
+        bad = client.post("/v1/completions", json={"prompt": [[]], "max_tokens": 4})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text
+        tok = llm.engine.tokenizer
+        add_bos, tok.add_bos = getattr(tok, "add_bos", None), False  # (a tokenizer without BOS: no token at all)
+        try:
+            assert tok.encode("") == []
+            none = client.post("/v1/completions", json={"prompt": "", "max_tokens": 4})
+            assert none.status_code == 400 and "the prompt is empty" in none.json()["error"]["message"], none.text
+        finally:
+            tok.add_bos = add_bos
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
