@@ -18,19 +18,27 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
 
 def parse_draft_spec(spec: str) -> tuple[str, list[int] | None, int | None]:
-    """``"m@skip=1,2"`` -> ``("m", [1, 2], None)``; ``"m@layers=4"`` -> ``("m", None, 4)``; plain -> no change."""
-    if "@" not in spec:
+    """``"m@skip=1,2"`` -> ``("m", [1, 2], None)``; ``"m@layers=4"`` -> ``("m", None, 4)``; plain -> no change. A
+    path that exists is a model as it stands, ``@`` and all (``/data/run@3/model.gguf``); a spec must name a model
+    and at least one layer, in plain decimal digits."""
+    import os
+
+    if "@" not in spec or os.path.exists(spec):
         return spec, None, None
     model, _, option = spec.rpartition("@")
     key, _, value = option.partition("=")
-    try:
+    items = value.split(",")
+    if model and all(_DIGITS.fullmatch(v) for v in items):
         if key == "skip":
-            return model, [int(v) for v in value.split(",") if v], None
-        if key == "layers":
+            return model, [int(v) for v in items], None
+        if key == "layers" and len(items) == 1:
             return model, None, int(value)
-    except ValueError:
-        pass
-    raise ValueError(f"draft spec {spec!r} is invalid: use '<model>@skip=i,j,...' or '<model>@layers=N'")
+    raise ValueError(f"{spec!r} is no path that exists, and as a derived draft's spec it is invalid: use "
+                     "'<model>@skip=i,j,...' (the layers to drop) or '<model>@layers=N' (the first N kept), layers as "
+                     "decimal digits")
+
+
+_DIGITS = re.compile(r"[0-9]+")
 
 
 def derive_state_dict(
