@@ -92,9 +92,12 @@ SMOLLM2_SHIPPED_TEMPLATE = (
 )
 
 
-def model_chat_template(shipped: str | None, vocab: dict[str, int]) -> str | None:
+def model_chat_template(shipped: str | dict | None, vocab: dict[str, int]) -> str | dict | None:
     """The template a tokenizer serves: the one it ships (SmolLM2's own as :data:`SMOLLM2_CHAT_TEMPLATE`, which adds
-    tools), or one inferred from its special tokens when it ships none."""
+    tools), or one inferred from its special tokens when it ships none; named templates (transformers' form of a
+    ``tokenizer_config.json`` list of ``{"name", "template"}``) as the mapping, each name's template."""
+    if isinstance(shipped, dict):
+        return {name: model_chat_template(t, vocab) if isinstance(t, str) else t for name, t in shipped.items()}
     if shipped == SMOLLM2_SHIPPED_TEMPLATE:
         return SMOLLM2_CHAT_TEMPLATE
     return shipped or default_chat_template(vocab)
@@ -159,7 +162,7 @@ class Tokenizer:
         bos_token_id: int | None = None,
         eos_token_ids: Sequence[int] = (),
         add_bos: bool = False,
-        chat_template: str | None = None,
+        chat_template: str | dict[str, str] | None = None,
         source: str = "tokenizer",
         named_ids: dict[str, int] | None = None,
     ):
@@ -170,8 +173,21 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.add_bos = add_bos
-        self.chat_template = chat_template
         self.source = source
+        # named templates (transformers' dict): "default" serves, "tool_use" where a request gives tools (as
+        # transformers picks them), and a chat_template argument may name one
+        self.named_chat_templates: dict[str, str] = {}
+        if isinstance(chat_template, dict):
+            bad = [name for name, t in chat_template.items() if not isinstance(name, str) or not isinstance(t, str)]
+            if bad or not chat_template:
+                raise ValueError(f"{source}: its named chat templates must map names to template texts, got "
+                                 f"{_short(chat_template)}")
+            self.named_chat_templates = dict(chat_template)
+            chat_template = chat_template.get("default")
+        elif chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"{source}: its chat template must be a template's text (or a list of named ones), got "
+                             f"{_short(chat_template)}")
+        self.chat_template = chat_template
         # more named special tokens a bare vocabulary's metadata gives (a GGUF's padding and unknown ids):
         # {"pad_token": 2, "unk_token": 0}
         self.named_ids = dict(named_ids or {})
@@ -498,7 +514,13 @@ class Tokenizer:
         if clash:
             raise ChatTemplateArgumentError(f"template kwargs may not set {', '.join(clash)}: the chat request's own "
                                             f"fields do", "chat_template_kwargs")
-        template = chat_template if chat_template is not None else self.chat_template
+        named = self.named_chat_templates
+        if chat_template is not None:  # (a template's text, or one of the tokenizer's named templates)
+            template = named.get(chat_template, chat_template)
+        elif tools and "tool_use" in named and self.chat_template == named.get("default"):
+            template = named["tool_use"]  # (as transformers picks it; a template set since, e.g. the server's, wins)
+        else:
+            template = self.chat_template
         if not template:
             raise ValueError(f"{self.source}: this tokenizer has no chat template; use a plain-text prompt instead "
                              "or pass a chat_template")
@@ -522,7 +544,11 @@ class Tokenizer:
                 return compiled.render({**variables, "messages": conversation})
             except TemplateError as e:  # (raise_exception, an undefined variable's attribute, ...)
                 raise ValueError(f"the chat template could not render these messages: {e}") from None
-            except (TypeError, ArithmeticError, AttributeError, LookupError) as e:  # (Python's own: {{ 1 + 'a' }})
+            except RecursionError:  # (a macro that calls itself: it escaped as a bare RecursionError)
+                raise ValueError("the chat template could not render these messages: it recursed without end (a "
+                                 "macro or include that calls itself)") from None
+            except (TypeError, ValueError, ArithmeticError, AttributeError, LookupError) as e:  # (Python's own:
+                # {{ 1 + 'a' }}, {{ '{:d}'.format('x') }})
                 raise ValueError(f"the chat template could not render these messages: {type(e).__name__}: {e}") \
                     from None
 
@@ -876,3 +902,8 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         self.text += delta
         return delta
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

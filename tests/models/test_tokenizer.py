@@ -519,3 +519,34 @@ def test_incremental_detokenizer_completes_the_prompts_last_character(stories):
     assert deltas == ["", "", "😀", "c", "d", ""] and detok.text == "😀cd"
     detok = IncrementalDetokenizer(stories, prompt_ids=ids[:cut])
     assert detok.add(ids[-2:]) + detok.flush() == "cd"
+
+
+def test_named_chat_templates_as_transformers_picks_them(tmp_path):
+    """A tokenizer_config.json listing named templates ([{"name", "template"}], transformers' form) failed at the
+    first render with a bare "unhashable type: 'dict'". "default" serves, "tool_use" where tools are given, and a
+    chat_template argument may name one; a template set on the tokenizer since (the server's --chat-template) wins."""
+    import shutil
+
+    shutil.copy(STORIES / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": "TOOLS {{ tools | length }}"}]}))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert tok.apply_chat_template(MESSAGES, False) == f"<user>{MESSAGES[0]['content']}"
+    assert tok.apply_chat_template(MESSAGES, False, tools=tools) == "TOOLS 1"
+    assert tok.apply_chat_template(MESSAGES, False, chat_template="tool_use", tools=[]) == "TOOLS 0"
+    tok.chat_template = "{{ messages | length }}"
+    assert tok.apply_chat_template(MESSAGES, False, tools=tools) == "1"
+    for bad in ({"default": 5}, {}, 5):
+        with pytest.raises(ValueError, match="chat template"):
+            Tokenizer(tok.backend, hf_tokenizer=tok.hf_tokenizer, chat_template=bad, source="t")
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "it recursed without end"),  # (a bare RecursionError)
+    ("{{ '{:d}'.format('x') }}", "ValueError: Unknown format code"),  # (a bare ValueError, no context)
+])
+def test_a_template_that_fails_in_python_says_it_was_the_template(stories, template, message):
+    with pytest.raises(ValueError, match=f"the chat template could not render these messages: .*{message}"):
+        stories.apply_chat_template(MESSAGES, chat_template=template)
