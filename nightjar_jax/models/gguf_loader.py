@@ -220,10 +220,16 @@ def state_dict_from_gguf(reader: Any, cfg: ModelConfig, *, source: str) -> dict[
                 f"{source}: tensor {t.name!r} has GGML type {t.tensor_type.name}, which the installed gguf package "
                 f"cannot dequantize: allowed {', '.join(_dequantizable_types())}"
             ) from None
-        if name.endswith("q_proj.weight"):
-            w = interleaved_to_rotate_half(w, cfg.num_heads)
-        elif name.endswith("k_proj.weight"):
-            w = interleaved_to_rotate_half(w, cfg.num_kv_heads)
+        for suffix, heads in (("q_proj.weight", cfg.num_heads), ("k_proj.weight", cfg.num_kv_heads)):
+            if name.endswith(suffix):
+                # (its rows are reordered by head first: a misshapen one failed there with numpy's bare reshape
+                # error, before the state's own shape check could name it)
+                want = (heads * cfg.head_dim, cfg.hidden_size)
+                if w.shape != want:
+                    raise ValueError(f"{source}: tensor {t.name!r} has shape {list(w.shape)}, expected {list(want)} "
+                                     f"({heads} heads x head_dim {cfg.head_dim} rows, hidden_size "
+                                     f"{cfg.hidden_size} columns) by the file's own metadata")
+                w = interleaved_to_rotate_half(w, heads)
         state[name] = np.ascontiguousarray(w)
     return state
 

@@ -108,11 +108,13 @@ def test_llama2c_stories_and_separate_classifier(tmp_path, tiny_weights):
     _assert_same(loaded.state_dict, w)
 
 
-def _write_stories_gguf(path: Path, meta: dict | None = None, int_tensor: str | None = None) -> None:
+def _write_stories_gguf(path: Path, meta: dict | None = None, int_tensor: str | None = None,
+                        replace: dict | None = None) -> None:
     """stories260K in llama.cpp naming/layout (q/k interleaved, F32) with its SentencePiece vocab.
 
     ``meta``: metadata keys to change or add (None drops one), written as uint32 / float32 / string / array by their
-    Python type; ``int_tensor``: a tensor written as I32 (a GGML type gguf cannot dequantize)."""
+    Python type; ``int_tensor``: a tensor written as I32 (a GGML type gguf cannot dequantize); ``replace``: tensors
+    written in place of the model's (llama.cpp names)."""
     import gguf
     import sentencepiece
 
@@ -149,6 +151,7 @@ def _write_stories_gguf(path: Path, meta: dict | None = None, int_tensor: str | 
             elif g == "attn_k":
                 arr = rotate_half_to_interleaved(arr, cfg.num_kv_heads)
             tensors[f"blk.{i}.{g}.weight"] = arr
+    tensors.update(replace or {})
     for name, arr in tensors.items():
         writer.add_tensor(name, np.ascontiguousarray(arr, np.int32 if name == int_tensor else None))
     writer.write_header_to_file()
@@ -546,6 +549,17 @@ def test_gguf_tensor_gguf_cannot_dequantize_names_the_file_and_tensor(tmp_path):
     _write_stories_gguf(path, int_tensor="blk.1.attn_v.weight")  # (was a NotImplementedError naming neither)
     with pytest.raises(ValueError, match=f"^{path}: tensor 'blk.1.attn_v.weight' has GGML type I32, which the "
                                          "installed gguf package cannot dequantize: allowed F32, F16, .*Q4_1"):
+        load_checkpoint(str(path))
+
+
+@pytest.mark.parametrize("tensor, shape", [("blk.0.attn_q.weight", (60, 64)), ("blk.1.attn_k.weight", (30, 64)),
+                                           ("blk.0.attn_q.weight", (2, 32, 64))])
+def test_a_misshapen_q_or_k_in_a_gguf_names_the_file_and_tensor(tmp_path, tensor, shape):
+    """q and k rows are reordered per head before the shape check: a misshapen one failed in numpy ("cannot reshape
+    array of size 3840 into shape (8,3,2,64)", "too many values to unpack"), naming neither the file nor the tensor."""
+    path = tmp_path / "bad.gguf"
+    _write_stories_gguf(path, replace={tensor: np.zeros(shape, np.float32)})
+    with pytest.raises(ValueError, match=re.escape(f"{path}: tensor {tensor!r} has shape {list(shape)}, expected [")):
         load_checkpoint(str(path))
 
 
