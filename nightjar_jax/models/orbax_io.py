@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "nightjar_config.json"
 FORMAT_NAME = "nightjar-orbax"
 FORMAT_VERSION = 1
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # (transformers' own files for the template)
 
 
 def is_orbax_checkpoint(path: str | Path) -> bool:
@@ -92,7 +93,8 @@ def save_orbax(
 
 def _tokenizer_files(tokenizer_dir: str | Path | None) -> dict[Path, str]:
     """What :func:`save_orbax` copies into ``<dir>/tokenizer``: {source file: name there}, under the names
-    :func:`load_orbax`'s reader looks for. A folder's ``tokenizer*`` and ``special*`` files keep their names; a single
+    :func:`load_orbax`'s reader looks for. A folder's ``tokenizer*``, ``special*`` and chat template files
+    (:data:`CHAT_TEMPLATE_FILES`) keep their names; a single
     file is copied as ``tokenizer.json`` (a ``.json`` file) or ``tokenizer.model`` (a SentencePiece ``.model``)."""
     if tokenizer_dir is None:
         return {}
@@ -105,7 +107,10 @@ def _tokenizer_files(tokenizer_dir: str | Path | None) -> dict[Path, str]:
         return {src: names[src.suffix]}
     if not src.is_dir():
         raise FileNotFoundError(f"tokenizer_dir={src} does not exist")
-    files = {f: f.name for f in src.iterdir() if f.is_file() and f.name.startswith(("tokenizer", "special"))}
+    # (and the chat template's own files, which recent transformers writes beside tokenizer_config.json:
+    # chat_template.jinja, chat_template.json, additional_chat_templates/ aside)
+    files = {f: f.name for f in src.iterdir() if f.is_file() and (f.name.startswith(("tokenizer", "special"))
+                                                                  or f.name in CHAT_TEMPLATE_FILES)}
     if not {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"} & set(files.values()):
         raise ValueError(f"tokenizer_dir={src}: no tokenizer.json, tokenizer_config.json or tokenizer.model in folder")
     return files

@@ -775,3 +775,23 @@ def test_model_config_takes_hf_forms_and_checks_its_ids():
                          (dict(rope_scaling={"factor": 2.0, "beta": 1}), "rope_scaling=.* is invalid")]:
         with pytest.raises(ValueError, match=message):
             ModelConfig(**base, **bad)
+
+
+def test_save_orbax_keeps_a_chat_template_file(tmp_path, tiny_weights):
+    """A tokenizer folder whose chat template is transformers' chat_template.jinja (recent transformers writes it
+    beside tokenizer_config.json) lost it in save_orbax: only tokenizer* / special* files were copied, and the
+    checkpoint's chat came back without a template."""
+    import json
+    import shutil
+
+    from nightjar_jax.models.tokenizer import Tokenizer
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(STORIES / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    template = Tokenizer.from_pretrained(folder).chat_template
+    assert template == "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    out = save_orbax(tmp_path / "ck", TINY, tiny_weights, tokenizer_dir=folder)
+    assert load_checkpoint(str(out)).tokenizer.chat_template == template
