@@ -216,6 +216,16 @@ def _safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
             raise ValueError(f"{path}: tensor {name}'s header entry is corrupt (want {{'dtype': str, 'shape': "
                              f"[non-negative ints], 'data_offsets': [begin, end], 0 <= begin <= end}}, got "
                              f"{str(info)[:120]})")
+    # the tensors' byte ranges tile the data from 0, as the safetensors library requires (two entries over the same
+    # bytes loaded as two tensors sharing them: a model silently wrong)
+    spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name) for name, info in header.items())
+    at = 0
+    for begin, end, name in spans:
+        if begin != at:
+            what = "overlaps the tensor before it" if begin < at else f"leaves the bytes {at}..{begin} unused"
+            raise ValueError(f"{path}: tensor {name}'s data_offsets [{begin}, {end}] {what}: a safetensors file's "
+                             "tensors cover its data end to end, each once (corrupt or hand-edited header)")
+        at = end
     return header, 8 + n
 
 

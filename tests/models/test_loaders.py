@@ -436,6 +436,11 @@ def _header_file(path: Path, header: bytes) -> None:
     (b'{"a": {"shape": [2], "data_offsets": [0, 8]}}', "tensor a's header entry is corrupt"),
     (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}}', "tensor a's header entry is corrupt"),
     (b'{"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}', "tensor a's header entry is corrupt"),
+    # two tensors over the same bytes loaded as one another's (a model silently wrong); a gap likewise
+    (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2], '
+     b'"data_offsets": [0, 8]}}', r"tensor b's data_offsets \[0, 8\] overlaps the tensor before it"),
+    (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}',
+     r"tensor a's data_offsets \[8, 16\] leaves the bytes 0..8 unused"),
 ])
 def test_a_corrupt_safetensors_header_names_the_file(tmp_path, header, message):
     """These were a JSONDecodeError, UnicodeDecodeError, TypeError, KeyError or numpy's error, naming no file."""
