@@ -91,7 +91,8 @@ def _config_from_hf(hf: dict[str, Any], source: str, name: str | None) -> ModelC
             f"{source}: unsupported architecture {unsupported or model_type!r} (model_type={model_type!r}); "
             f"only Llama-family models ({', '.join(SUPPORTED_ARCHITECTURES)}) are supported"
         )
-    if model_type == "mistral" and hf.get("sliding_window") is not None:
+    if (model_type == "mistral" or "MistralForCausalLM" in archs) and hf.get("sliding_window") is not None:
+        # (by architectures too: a MistralForCausalLM with model_type "llama" or none ran full attention)
         raise ValueError(f"{source}: sliding_window={hf['sliding_window']} is unsupported (full attention only)")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
@@ -110,6 +111,10 @@ def _config_from_hf(hf: dict[str, Any], source: str, name: str | None) -> ModelC
     rope_theta = _real("rope_theta", rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
+        if "factor" in rope and "rope_type" not in rope and "type" not in rope:
+            # (a factor with no type was dropped: the model ran unscaled; transformers cannot build it)
+            raise ValueError(f"{source}: {rope_key} has a factor but no rope_type: allowed rope_type 'llama3' with "
+                             f"its factors, or no factor (default RoPE)")
         rope_scaling = None
     elif rope_type == "llama3":
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

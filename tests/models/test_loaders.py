@@ -243,6 +243,9 @@ def test_unsupported_architecture(tmp_path, tiny_weights):
     [
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is unsupported"),
         ({"attention_bias": True}, "attention_bias=true is unsupported"),
+        # (a factor with no type ran unscaled RoPE; Mistral's class under model_type "llama" ran full attention)
+        ({"rope_scaling": {"factor": 8.0}}, "rope_scaling has a factor but no rope_type"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 16}, "sliding_window=16 is unsupported"),
     ],
 )
 def test_unsupported_config_fields(tmp_path, tiny_weights, overrides, message):
