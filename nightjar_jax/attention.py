@@ -69,9 +69,11 @@ def paged_attention(
     auto = impl == "auto"
     impl = resolve_impl(impl)
     if auto and impl == "cpu":
-        from kernels_pallas.paged_attention.cpu import MAX_HEAD_DIM
+        from kernels_pallas.paged_attention.cpu import MAX_HEAD_DIM, TARGETS
 
-        if q.shape[-1] > MAX_HEAD_DIM or isinstance(scale, jax.core.Tracer):  # (what the kernel cannot take)
+        pools = jnp.dtype(k_pages.dtype)  # (the kernel's pools: float32, bfloat16 or bfloat16 bits; float16 not)
+        if (q.shape[-1] > MAX_HEAD_DIM or isinstance(scale, jax.core.Tracer)  # (what the kernel cannot take)
+                or (pools not in TARGETS and pools != jnp.uint16) or v_pages.dtype != pools):
             impl = "reference"
     if impl == "cpu":  # the kernel reads the pools in place: one layer of stacked pools, and the extension's
         from kernels_pallas.paged_attention.cpu import paged_attention_cpu

@@ -82,6 +82,11 @@ def linear(x: jax.Array, w: jax.Array, *, impl: str = "auto", transposed: bool =
     w = cpu.value(w)  # one layer of a stacked weight (ModelHandle.stack_layers): its slice
     if w.ndim == 3:  # packed for the CPU kernel (pack_state); XLA's dot takes [K, N] / [N, K]: a float32 copy
         w = cpu.q8_table(w) if cpu.is_q8(w) else cpu.unpack(w)
+    k = w.shape[-1] if transposed else w.shape[0]
+    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != k:  # (einsum's own: "Size of label 'k' for operand 1 ...")
+        layout = "[N, K]" if transposed else "[K, N]"
+        raise ValueError(f"linear: x [..., K] and w {layout} must agree on K; got x {tuple(x.shape)} and w "
+                         f"{tuple(w.shape)}")
     spec = "...k,nk->...n" if transposed else "...k,kn->...n"
     # float32 means float32 on a GPU too: XLA:GPU's default precision feeds float32 products TF32 inputs (10-bit
     # mantissas), as PyTorch does not by default. XLA:CPU computes float32 in full either way (left at its default).

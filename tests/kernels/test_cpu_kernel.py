@@ -308,6 +308,14 @@ def test_what_the_kernel_cannot_take_is_said_before_it_runs_and_auto_takes_the_r
                  paged_attention_reference(wide_q, wide_k, wide_k, bt, cl, scale=0.1))
     with pytest.raises(ValueError, match="takes head_dim up to 512, got 520"):
         cpu.paged_attention_cpu(wide_q, wide_k, wide_k, bt, cl, scale=0.1)
+    # float16 pools (the reference takes them; the kernel float32 / bfloat16 only): auto fell to the kernel's error
+    half_q, half_k = q.astype(jnp.float16), k.astype(jnp.float16)
+    got = paged_attention(half_q, half_k, half_k, bt, cl, scale=0.25, impl="auto")
+    assert got.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(paged_attention_reference(half_q, half_k, half_k, bt,
+                                                                                       cl, scale=0.25)))
+    with pytest.raises(ValueError, match="CPU paged attention takes k_pages and v_pages of one dtype"):
+        paged_attention(half_q, half_k, half_k, bt, cl, scale=0.25, impl="cpu")
     rank4 = jnp.ones((2, 6, 4, 16), F32)
     for impl in ("reference", "cpu"):
         with pytest.raises(ValueError, match=r"must (both )?be (stacked over the layers, )?\[layers, KVH, pages"):

@@ -100,6 +100,9 @@ def test_bad_inputs_raise_clear_errors():
         cpu.linear_cpu(jnp.ones((2, 4), F32), jnp.ones((4, 3), F32), transposed=True)
     with pytest.raises(ValueError, match="allowed"):
         linear(jnp.ones((2, 4), F32), jnp.ones((4, 3), F32), impl="fast")
+    # XLA's path (and auto's off the kernel) said "Size of label 'k' for operand 1 (31) does not match ..."
+    with pytest.raises(ValueError, match=r"must agree on K; got x \(2, 31\) and w \(32, 16\)"):
+        linear(jnp.ones((2, 31), F32), jnp.ones((32, 16), F32), impl="xla")
 
 
 @pytest.mark.parametrize("m", [1, 3, 7])
