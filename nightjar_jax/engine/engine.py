@@ -1296,11 +1296,18 @@ class LLMEngine:
         return keys + self.warmup_elastic(sampled=sampled, prefill=prefill, progress=progress)
 
     def _warmup_layout(self, gammas: list[int] | None, sampled: bool, prefill: bool, progress) -> list[tuple]:
-        """The decode variants at ``gammas`` (None: every γ) over the pools as they are now, then, with
-        ``prefill`` and unless memory maps ran short, the prefill chunks (and the catch-up, draft on the device)."""
-        keys = self.runner.warmup(gammas=gammas, sampled=sampled, progress=progress)
-        if prefill and not self.runner.warmup_stopped:
-            keys += self.runner.warmup_prefill(sampled=sampled, progress=progress)
+        """The decode variants at ``gammas`` (None: every γ) over the pools as they are now and, with ``prefill``,
+        the prefill chunks (and the catch-up, draft on the device), until memory maps run short. In the order a
+        load needs them: plain steps (γ = 0), the chunks every new prompt runs, then the speculating steps, which the
+        planner leaves under load; so a warm-up the maps stop (a CPU's vm.max_map_count: a SmolLM2 pair's whole
+        set does not fit the default) leaves γ > 0 variants to compile on first use, not every prompt's prefill."""
+        runner = self.runner
+        plain_first = gammas is None and prefill and self.gamma_max > 0
+        keys = runner.warmup(gammas=[0] if plain_first else gammas, sampled=sampled, progress=progress)
+        if prefill and not runner.warmup_stopped:
+            keys += runner.warmup_prefill(sampled=sampled, progress=progress)
+        if plain_first and not runner.warmup_stopped:
+            keys += runner.warmup(gammas=list(range(1, self.gamma_max + 1)), sampled=sampled, progress=progress)
         return keys
 
     def warmup_ticks(self, sampled: bool = True, prefill: bool = True) -> int:

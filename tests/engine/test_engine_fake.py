@@ -453,6 +453,11 @@ def test_full_warmup_covers_prefill_chunks_and_the_draft_catch_up():
     assert len(ticks) == eng.warmup_ticks(sampled=False)
     assert sum(k[0] == "forward_sample" and k[2] > 1 for k in keys) == 6  # chunks
     assert sum(k[0] == "draft_fill" for k in keys) == 6
+    # in the order a load needs them: plain steps, the chunks every prompt runs, then the speculating steps (a
+    # warm-up the memory maps stop leaves those to compile on first use, not every new prompt's prefill)
+    kinds = ["plain" if k[0] == "forward_sample" and k[2] == 1 else "prefill" if k[0] in ("forward_sample",
+             "draft_fill") else "spec" for k in keys]
+    assert kinds == sorted(kinds, key=["plain", "prefill", "spec"].index) and kinds.count("spec") > 0, kinds
     assert eng.num_free_pages == eng.num_total_pages
     compiled = runner.num_compiled()
     rng = random.Random(1)
