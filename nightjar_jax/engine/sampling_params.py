@@ -91,8 +91,9 @@ class StructuredOutputs:
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> StructuredOutputs:
         """From a request body's ``structured_outputs`` object (vLLM's), unknown keys refused. vLLM's
-        ``disable_any_whitespace`` is taken either way (JSON is written compact here, which any-whitespace JSON
-        allows too), ``disable_fallback`` too (there is one backend, xgrammar, and no fallback to disable), and
+        ``disable_any_whitespace`` is taken either way (JSON is written with fixed whitespace here, xgrammar's
+        ``", "`` and ``": "`` separators and no other, which any-whitespace JSON allows too), ``disable_fallback``
+        too (there is one backend, xgrammar, and no fallback to disable), and
         ``whitespace_pattern`` / ``structural_tag`` at null only."""
         if not isinstance(spec, dict):
             raise InvalidRequestError("structured_outputs must be an object with one of "
@@ -101,10 +102,11 @@ class StructuredOutputs:
         for key in ("disable_any_whitespace", "disable_fallback"):
             if not isinstance(spec.pop(key, False), bool):
                 raise InvalidRequestError(f"structured_outputs.{key} must be true or false", "structured_outputs")
-        for key in ("whitespace_pattern", "structural_tag"):
+        for key, why in (("whitespace_pattern", "JSON is written with fixed whitespace: ', ' and ': ' only"),
+                         ("structural_tag", "one constraint over the whole output")):
             if spec.get(key, None) is not None:
-                raise InvalidRequestError(f"structured_outputs.{key} is not supported here (JSON is written compact): "
-                                          "leave it out", "structured_outputs")
+                raise InvalidRequestError(f"structured_outputs.{key} is not supported here ({why}): leave it out",
+                                          "structured_outputs")
             spec.pop(key, None)
         unknown = sorted(set(spec) - set(STRUCTURED_KINDS))
         if unknown:

@@ -351,8 +351,14 @@ class GrammarBackend:
             return c.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError, TypeError) as e:  # (xgrammar's parse errors)
             why = re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", str(e).strip())  # (xgrammar's time and C++ source line)
+            hint = ""
+            lark = spec.grammar is not None and "::=" not in spec.grammar
+            if lark and re.search(r"(?m)^\s*\??\w+\s*:", spec.grammar):
+                # (vLLM converts a Lark grammar for xgrammar; here it met "start:" as EBNF and blamed the ':')
+                hint = ("; a grammar here is xgrammar's EBNF (GBNF), rules as `root ::= ...`: a Lark grammar "
+                        "(`start: ...`) is not converted")
             raise InvalidRequestError(f"structured outputs: the {spec.kind} constraint does not compile: "
-                                      f"{clip(why, 300)}", "structured_outputs") from None
+                                      f"{clip(why, 300)}{hint}", "structured_outputs") from None
 
     def matcher(self, spec: StructuredOutputs) -> RequestGrammar:
         return RequestGrammar(self._xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, self._xgr)

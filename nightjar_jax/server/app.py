@@ -759,6 +759,17 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                 failure = engine_failure([out], structured_param)
                 if failure is not None:  # (the response is under way: the error goes as an event)
                     finals[index] = out
+                    # the tokens the failing step committed first (a speculative step commits several: they were
+                    # counted in usage but never sent), as a frame without a finish reason; then the error
+                    body = chunk(index, out)
+                    if body is not None:
+                        for choice in body.get("choices", []):
+                            choice["finish_reason"] = None
+                            if "stop_reason" in choice:
+                                choice["stop_reason"] = None
+                        if continuous_usage:
+                            body["usage"] = usage([out], 1, generated)
+                        yield sse(body)
                     yield sse(failure.body())
                     continue
                 body = chunk(index, out)

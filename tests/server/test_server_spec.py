@@ -205,6 +205,11 @@ def test_structured_outputs_through_the_api(spec_server):
     assert lines[-1] == "data: [DONE]"
     events = [json.loads(line[6:]) for line in lines[:-1]]
     assert [ev["error"]["param"] for ev in events if "error" in ev] == ["guided_regex"]
+    # the output before the dead end streams in full, before the error: the failing step's tokens were dropped
+    # (a speculative step commits several; usage counted them)
+    texts = [ev["choices"][0]["text"] for ev in events if ev.get("choices")]
+    assert "".join(texts) == "ab" and all(ev["choices"][0]["finish_reason"] is None for ev in events
+                                          if ev.get("choices")), events
     assert complete().text  # (and the server serves on)
 
 
