@@ -171,7 +171,10 @@ class _SamplingFields(_Strict):
     def unsupported(self) -> list[tuple[str, bool, str]]:
         """(field, is_set_to_a_value_this_server_cannot_honour, what the 400 adds: "" or what to do instead)."""
         return [
-            ("best_of", self.best_of is not None and self.best_of != self.n, ""),
+            ("best_of", self.best_of is not None and self.best_of != self.n,
+             f"best_of must be at least n={self.n}, as vLLM's"
+             if isinstance(self.best_of, int) and self.best_of < self.n
+             else f"allowed null or n ({self.n}): ranking extra sequences is not served here, nor in vLLM V1"),
             ("spaces_between_special_tokens", not self.spaces_between_special_tokens, ""),
             ("service_tier", self.service_tier not in (None, "auto", "default"), ""),
             ("guided_decoding_backend", self.guided_decoding_backend not in (None, "xgrammar", "auto"),

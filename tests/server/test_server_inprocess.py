@@ -354,3 +354,19 @@ def test_an_empty_text_prompt_is_a_prompt():
         finally:
             tok.add_bos = add_bos
     assert llm.engine.num_free_pages == llm.engine.num_total_pages
+
+
+def test_best_of_is_n_or_left_out():
+    """best_of equal to n is served (nothing extra to rank); under n it is vLLM's own 400 ("at least n"), over n a
+    400 saying what is allowed. Both said only "not supported by this server"."""
+    llm = stories_chat_llm()
+    body = {"prompt": "Once", "max_tokens": 2, "temperature": 0}
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s"))) as client:
+        ok = client.post("/v1/completions", json={**body, "n": 2, "best_of": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2, ok.text
+        for n, best_of, message in [(2, 1, "best_of must be at least n=2"),
+                                    (1, 3, "allowed null or n (1): ranking extra sequences is not served here")]:
+            bad = client.post("/v1/completions", json={**body, "n": n, "best_of": best_of})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of", bad.text
+            assert message in bad.json()["error"]["message"]
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
