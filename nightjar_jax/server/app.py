@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
@@ -740,6 +741,13 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
     def sse(data: dict[str, Any]) -> str:
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
+    def event_stream(body: AsyncIterator[str], stream: GroupStream) -> StreamingResponse:
+        """The SSE response of ``body``, a generator that aborts ``stream`` when it is closed early; and, after the
+        response, the abort once more (a no-op when it ran): a client gone before the first frame cancels the
+        response before the generator ever starts, so its ``finally`` never runs and the request would run on to
+        ``max_tokens`` with its pages, its output unread."""
+        return StreamingResponse(body, media_type="text/event-stream", background=BackgroundTask(stream.abort))
+
     async def stream_events(
         stream: GroupStream, size: int, n: int, chunk, include_usage: bool, first: list[dict] | None = None,
         continuous_usage: bool = False, structured_param: str = "structured_outputs", generated: bool = True,
@@ -1217,11 +1225,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                     choice["token_ids"], ids_sent[index] = list(comp.token_ids[ids_sent[index]:]), len(comp.token_ids)
                 return {**base, "choices": [choice]}
 
-            return StreamingResponse(
+            return event_stream(
                 stream_events(stream, size, req.n, chunk, req.include_usage, continuous_usage=req.continuous_usage,
-                              structured_param=sfield, generated=not req.prompt_only),
-                media_type="text/event-stream",
-            )
+                              structured_param=sfield, generated=not req.prompt_only), stream)
         outs = await collect(stream, request, size)  # (a client gone: _ClientGone, answered 499 by its handler)
         failure = engine_failure(outs, sfield)
         if failure is not None:
@@ -1423,11 +1429,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             if echoed:  # (as vLLM: a chunk of its own after the role's)
                 first += [{**base, "choices": [{"index": i, "delta": {"content": echoed}, "logprobs": None,
                                                 "finish_reason": None}]} for i in range(size)]
-            return StreamingResponse(
+            return event_stream(
                 stream_events(stream, size, req.n, chunk, req.include_usage, first=first,
-                              continuous_usage=req.continuous_usage, structured_param=sfield),
-                media_type="text/event-stream",
-            )
+                              continuous_usage=req.continuous_usage, structured_param=sfield), stream)
         outs = await collect(stream, request, size)  # (a client gone: _ClientGone, answered 499 by its handler)
         failure = engine_failure(outs, sfield)
         if failure is not None:
@@ -1634,7 +1638,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             finally:
                 stream.abort()  # the client went away (generator cancelled / closed): free the pages now
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return event_stream(events(), stream)
 
     @app.get("/v1/responses/{response_id}")
     @app.delete("/v1/responses/{response_id}", operation_id="delete_response")

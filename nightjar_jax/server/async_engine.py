@@ -103,6 +103,7 @@ class GroupStream:
     def __init__(self, engine: AsyncEngine, group: _Group):
         self._engine, self._group = engine, group
         self.finished = False
+        self._aborted = False
         self.prompt_tokens: list[int] = []  # per member, when the caller knows them (the server's usage)
         self.prompt_token_ids: list[list[int]] = []  # (and their ids: return_token_ids' first chunk)
 
@@ -132,7 +133,10 @@ class GroupStream:
         return item
 
     def abort(self) -> None:
-        if not self.finished:
+        """Abort the unfinished members, once: a second call (the response's own after its generator's) sends
+        nothing, so it cannot abort a new request that took a finished one's id in between."""
+        if not self.finished and not self._aborted:
+            self._aborted = True
             self._engine.abort(self._group.request_ids)
 
 

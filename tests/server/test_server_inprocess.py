@@ -370,3 +370,46 @@ def test_best_of_is_n_or_left_out():
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of", bad.text
             assert message in bad.json()["error"]["message"]
     assert llm.engine.num_free_pages == llm.engine.num_total_pages
+
+
+def test_a_client_gone_before_the_first_frame_aborts_its_request():
+    """A streaming client that disconnects before the response starts: the response is cancelled before its
+    generator ever runs, so the generator's abort never ran and the request went on to max_tokens, holding its pages
+    (QA's hypothesis; reproduced here with a send that is slow to start the response). The response aborts it."""
+    import asyncio
+
+    llm = stories_chat_llm()
+    app = build_app(AsyncEngine(llm.engine), ServerSettings("s"))
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "stream": True}).encode()
+
+    async def call() -> list[str]:
+        messages = [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]
+
+        async def receive():
+            return messages.pop(0) if messages else await asyncio.sleep(3600)
+
+        sent = []
+
+        async def send(message):
+            sent.append(message["type"])
+            if message["type"] == "http.response.start":
+                await asyncio.sleep(1)  # (the disconnect is seen first: the response is cancelled here)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+        await app(scope, receive, send)
+        return sent
+
+    with TestClient(app) as client:
+        sent = client.portal.call(call)
+        assert "http.response.body" not in sent, sent  # (no frame went out: the generator never started)
+        engine = llm.engine
+        for _ in range(200):  # (the abort is a command to the engine thread)
+            if not engine.has_unfinished_requests():
+                break
+            client.portal.call(asyncio.sleep, 0.02)
+        assert not engine.has_unfinished_requests()
+        assert engine.stats.num_generated_tokens < 100  # (aborted, not run to max_tokens)
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
