@@ -44,6 +44,17 @@ class LLM:
         llm.engine = engine
         return llm
 
+    def close(self) -> None:
+        """Write out what the engine buffers (a ``planner_log``'s last decisions: it flushes every 64, and at exit);
+        the LLM stays usable. Also ``with LLM(...) as llm:``."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def llm_engine(self) -> LLMEngine:
         """vLLM's name of :attr:`engine`."""

@@ -204,7 +204,12 @@ class Planner(abc.ABC):
         return None
 
     def attach_logger(self, decision_logger: DecisionLogger | None) -> None:
-        """Log every decision and observation as JSONL (opt-in); None detaches."""
+        """Log every decision and observation as JSONL (opt-in); None detaches. (Anything else was taken, and the
+        next decision failed on it, inside serving.)"""
+        if decision_logger is not None and not (callable(getattr(decision_logger, "on_select", None))
+                                                and callable(getattr(decision_logger, "on_observe", None))):
+            raise ValueError(f"attach_logger takes a DecisionLogger or None, got {short_repr(decision_logger)} (for "
+                             "a path: make_planner(..., decision_log=path) or DecisionLogger(path))")
         self._logger = decision_logger
 
     def close(self) -> None:

@@ -18,13 +18,14 @@ import atexit
 import dataclasses
 import json
 import logging
+import os
 import threading
 import weakref
 from pathlib import Path
 from typing import IO, Any
 
 from nightjar_jax.engine.sampling_params import short_repr
-from nightjar_jax.planner.base import Planner
+from nightjar_jax.planner.base import Planner, is_int
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,11 @@ class DecisionLogger:
     """
 
     def __init__(self, path: str | Path, *, flush_every: int = 64) -> None:
+        if not isinstance(path, str | os.PathLike) or not str(path):
+            raise ValueError(f"a decision log's path must be a file path (str or PathLike), got {short_repr(path)}")
+        if not is_int(flush_every) or flush_every < 1:
+            raise ValueError(f"flush_every must be an int >= 1 (records between flushes), got "
+                             f"{short_repr(flush_every)}")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
@@ -138,6 +144,28 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def _check_replayable(path: str | Path, records: list[dict[str, Any]], planner: Planner) -> None:
+    """One run's records whose γ the planner can take: a log appended to by a second run (a restarted server's
+    ``--planner-log``) replayed as one run matched partly, without a word; a γ past the planner's ``gamma_max``
+    failed midway, the planner fed half the log."""
+    previous = None
+    for index, record in enumerate(records, 1):
+        decision = record.get("decision")
+        if decision is not None:
+            if previous is not None and is_int(decision) and is_int(previous) and decision <= previous:
+                raise ValueError(f"decision log {str(path)!r} holds more than one run: record {index} is decision "
+                                 f"{decision} after decision {previous} (a later run appended to the file, e.g. a "
+                                 "restarted server's --planner-log): replay each run alone (split the file where "
+                                 "the numbers start again)")
+            previous = decision
+        for field in ("gamma", "observed_gamma"):
+            gamma = record.get(field)
+            if gamma is not None and (not is_int(gamma) or not 0 <= gamma <= planner.gamma_max):
+                raise ValueError(f"decision log {str(path)!r} record {index} has {field}={short_repr(gamma)}, which "
+                                 f"this planner (gamma_max={planner.gamma_max}) cannot take: replay it through a "
+                                 "planner of the logged run's gamma_max")
+
+
 @dataclasses.dataclass(frozen=True)
 class ReplayResult:
     logged_gammas: list[int | None]  # [num_records] γ the logged planner chose
@@ -160,9 +188,11 @@ def replay(path: str | Path, planner: Planner) -> ReplayResult:
     rewards are unknown), so this reproduces the logged planner exactly when `planner` is a fresh planner of
     the same spec, options and seed, and otherwise shows where another planner would have decided differently.
     """
+    records = read_log(path)
+    _check_replayable(path, records, planner)  # (before the planner sees a record: a refused log changes nothing)
     logged: list[int | None] = []
     replayed: list[int | None] = []
-    for record in read_log(path):
+    for record in records:
         chosen = None
         if record.get("batch_size") is not None and record.get("decision") is not None:
             chosen = planner.select(

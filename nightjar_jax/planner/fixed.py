@@ -10,8 +10,8 @@ its dynamic-speculation proposals. The default table for γ_max = G is
     batch 33..    -> 0
 
 It is a rule of thumb, not a measurement; override it with `table=((max_batch, gamma), ...)` (rows sorted by
-`max_batch`, the last row's γ also covering larger batches unless a row with a larger bound says otherwise;
-batches above every bound get γ = 0).
+`max_batch`: a batch gets the γ of the first row whose bound it does not pass; batches above every bound get
+γ = 0).
 """
 
 from __future__ import annotations

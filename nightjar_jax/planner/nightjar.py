@@ -154,7 +154,8 @@ class NightjarOptions:
         check_number_option(self, "switch_cost_smoothing", minimum=0.0, maximum=1.0, open_minimum=True)
         check_number_option(self, "initial_switch_seconds", minimum=0.0)
         check_number_option(self, "reward_discount", minimum=0.0, maximum=1.0, open_minimum=True)
-        check_number_option(self, "prior_weight", minimum=0.0, finite=True, note="(0: no prior)")
+        # (bounded: at ~1e306 the weighted sums overflowed into a state it then refused to load)
+        check_number_option(self, "prior_weight", minimum=0.0, maximum=1e6, finite=True, note="(0: no prior)")
         if not isinstance(self.prior_mode, str) or self.prior_mode not in ("relative", "absolute"):
             raise ValueError(f"prior_mode must be 'relative' or 'absolute', got {self.prior_mode!r}")
         check_number_option(
@@ -537,6 +538,11 @@ class NightjarPlanner(Planner):
         return {"bucket_edges": self.options.bucket_edges}
 
     def _load_learned_state(self, learned: dict[str, Any]) -> None:
+        keys = list(learned["contexts"])
+        bad = [k for k in keys if not isinstance(k, str) or not k.isascii() or not k.isdigit() or str(int(k)) != k]
+        if bad:  # ("03" and "3" were one context, one dropped without a word; "abc" a bare int() error)
+            raise ValueError(f"state's learned contexts must be keyed by context numbers written plainly ('0', '7'), "
+                             f"got {short_repr(bad[0])}")
         contexts = {int(c): ContextState(**s) for c, s in learned["contexts"].items()}
         num_contexts = len(self.options.bucket_edges)
         for context, state in contexts.items():

@@ -40,7 +40,9 @@ TABLE = "table must be a sequence of (max_batch, gamma) int pairs, e.g. ((4, 2),
         ("nightjar", {"explore_arms": ["all"]}, "explore_arms must be 'all' or 'neighbors', got ['all']"),
         ("nightjar", {"switch_cost_smoothing": "0.3"}, "switch_cost_smoothing must be a number in (0, 1], got '0.3'"),
         ("nightjar", {"reward_discount": 0}, "reward_discount must be a number in (0, 1], got 0"),
-        ("nightjar", {"prior_weight": None}, "prior_weight must be a finite number >= 0 (0: no prior), got None"),
+        ("nightjar", {"prior_weight": None}, "prior_weight must be a number in [0, 1e+06] (0: no prior), got None"),
+        # (1e308 was taken, and a planner's saved state then overflowed into one it refused to load)
+        ("nightjar", {"prior_weight": 1e308}, "prior_weight must be a number in [0, 1e+06] (0: no prior), got 1e+308"),
         ("nightjar", {"prior_mode": None}, "prior_mode must be 'relative' or 'absolute', got None"),
         ("nightjar", {"prior_transfer_sd": None}, "prior_transfer_sd must be a number > 0 (inf: priors carry no"),
         ("nightjar", {"elimination_z": float("nan")}, "elimination_z must be a number >= 0 (inf disables elimination)"),
@@ -386,3 +388,22 @@ def test_steps_that_are_all_switch_warn_once_then_rarely(caplog):
     records = [r for r in caplog.records if "no time outside the switch" in r.getMessage()]
     assert len(records) == ALL_SWITCH_WARN_EVERY + 10
     assert [i for i, r in enumerate(records) if r.levelno == logging.WARNING] == [0, ALL_SWITCH_WARN_EVERY]
+
+
+def test_a_state_keys_its_contexts_by_plain_numbers():
+    """'03' and '3' were one context (one dropped without a word); 'abc' a bare int() error."""
+    import json
+
+    from nightjar_jax.planner import Planner
+
+    planner = make_planner("nightjar", 2)
+    for batch in (1, 3, 1, 3):
+        planner.observe(planner.select(batch), batch, batch, 0.01)
+    state = json.loads(planner.to_json())
+    contexts = state["learned"]["contexts"]
+    for bad in ("03", "abc", "-1", "٣"):
+        broken = json.loads(json.dumps(state))
+        broken["learned"]["contexts"] = {**contexts, bad: next(iter(contexts.values()))}
+        with pytest.raises(ValueError, match="keyed by context numbers written plainly"):
+            Planner.from_json(json.dumps(broken))
+    assert Planner.from_json(json.dumps(state)).to_json() == planner.to_json()
