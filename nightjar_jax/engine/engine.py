@@ -722,7 +722,10 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
-        raise _prompt_error(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if isinstance(prompt, np.ndarray) and prompt.ndim == 1:  # (token ids as a NumPy array, as in the dict form)
+            return None, prompt.tolist()
+        raise _prompt_error(f"a prompt must be a string, a list of token ids (or a 1-D NumPy array of them) or a "
+                            f"dict, got {type(prompt).__name__}")
 
     def _stop_ids(self, params: SamplingParams, vocab: int) -> tuple[int, ...]:
         """The ids that would end a request (EOS unless ``ignore_eos``, ``stop_token_ids``), which ``min_tokens``

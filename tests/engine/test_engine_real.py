@@ -5,6 +5,7 @@ gives the reference's tokens."""
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 
 from nightjar_jax import LLM, SamplingParams
@@ -473,6 +474,10 @@ def test_vllm_prompt_types_and_chat_template_files(llm, tmp_path):
     ids = llm.get_tokenizer().encode(PROMPTS[0])
     by_ids, by_text = llm.generate([TokensPrompt(prompt_token_ids=ids), TextPrompt(prompt=PROMPTS[0])], GREEDY)
     assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+    # a 1-D NumPy array of ids is a prompt too, as in the dict form (it was "got ndarray"); a 2-D one is not
+    assert llm.generate([np.asarray(ids)], GREEDY)[0].outputs[0].token_ids == by_ids.outputs[0].token_ids
+    with pytest.raises(ValueError, match="a 1-D NumPy array of them"):
+        llm.generate([np.asarray([ids])], GREEDY)
     with pytest.raises(ValueError, match="a prompt's 'multi_modal_data' is not served"):
         llm.generate({"prompt": PROMPTS[0], "multi_modal_data": {"image": 1}}, GREEDY)
     template = tmp_path / "t.jinja"
