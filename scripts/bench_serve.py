@@ -23,6 +23,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -33,9 +34,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nightjar_jax.bench.common import (  # noqa: E402
     DEFAULT_DATASET,
+    check_planner,
     dataset_texts,
+    draft_spec,
     float_in_range,
     fmt,
+    http_url,
     machine_note,
     model_spec,
     planner_list,
@@ -89,7 +93,8 @@ def send(client, url: str, endpoint: str, model: str, text: str, args, record: d
         path, body["prompt"] = "/v1/completions", text
     chunks, parts, record["sent"] = [], [], time.perf_counter()
     try:
-        with client.stream("POST", url + path, json=body, timeout=args.request_timeout) as resp:
+        with client.stream("POST", url + path, json=body, timeout=args.request_timeout,
+                           headers=auth_headers(args)) as resp:
             if resp.status_code != 200:
                 record["error"] = f"HTTP {resp.status_code}: {resp.read().decode(errors='replace')[:300]}"
                 return
@@ -113,6 +118,11 @@ def send(client, url: str, endpoint: str, model: str, text: str, args, record: d
     finally:
         record["end"] = time.perf_counter() - record["sent"]
         record["chunks"], record["text"] = chunks, "".join(parts)
+
+
+def auth_headers(args) -> dict[str, str]:
+    """The API key's header (``--api-key``, default ``$OPENAI_API_KEY``), if one is set."""
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
 def run_rate(url: str, endpoint: str, model: str, texts: list[str], rate: float, args) -> list[dict]:
@@ -148,11 +158,12 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 
 def summarize(records: list[dict], before: dict[str, float], after: dict[str, float], gamma_max: int) -> dict:
     """The client's latencies and throughput, and the server's speculation counters over the run."""
-    done = [r for r in records if "error" not in r and r["chunks"]]
+    done = [r for r in records if "error" not in r]  # (an answer with no text, an EOS first, is done too)
     duration = records[0]["duration"] if records else 0.0
     output = sum(r.get("output_tokens", 0) for r in done)
-    ttft = [r["chunks"][0] for r in done]
-    tpot = [(r["end"] - r["chunks"][0]) / (r["output_tokens"] - 1) for r in done if r.get("output_tokens", 0) > 1]
+    ttft = [r["chunks"][0] for r in done if r["chunks"]]
+    tpot = [(r["end"] - r["chunks"][0]) / (r["output_tokens"] - 1) for r in done
+            if r.get("output_tokens", 0) > 1 and r["chunks"]]
     itl = [b - a for r in done for a, b in zip(r["chunks"], r["chunks"][1:], strict=False)]
 
     def delta(name: str) -> float:
@@ -170,7 +181,9 @@ def summarize(records: list[dict], before: dict[str, float], after: dict[str, fl
         "decode_steps_per_gamma": {str(g): int(n) for g, n in steps.items()},
         "mean_gamma": sum(g * n for g, n in steps.items()) / total_steps if total_steps else None,
         "acceptance": accepted / drafted if drafted else None,
-        "tokens_per_decode_step": delta("nightjar_generation_tokens_total") / total_steps if total_steps else None,
+        # the tokens decode steps committed (each request's first came from its prefill) per decode step
+        "tokens_per_decode_step": (delta("nightjar_generation_tokens_total") - len(done)) / total_steps
+        if total_steps else None,
         # steps that compiled a variant during the run: its latencies then hold compile time
         "compiling_steps": int(delta("nightjar_decode_steps_compiling_total")),
     }
@@ -179,13 +192,20 @@ def summarize(records: list[dict], before: dict[str, float], after: dict[str, fl
 def measure(url: str, label: str, args, texts: list[str], endpoint: str, model: str) -> dict:
     """One server: a warm-up pass (every prompt at once, unmeasured: it compiles the batch sizes and the γ variants
     the planner tries), then each rate in turn."""
+    import httpx
+
+    headers = auth_headers(args)
+    try:  # (an unreachable --url was a traceback after a whole warm-up pass of failed requests)
+        httpx.get(url + "/health", timeout=10).raise_for_status()
+    except httpx.HTTPError as exc:
+        raise SystemExit(f"the server at {url} does not answer /health: {type(exc).__name__}: {exc}") from None
     run_rate(url, endpoint, model, texts, math.inf, args)
-    gamma_max = _gamma_max(url)
+    gamma_max = _gamma_max(url, headers)
     out = {}
     for rate in args.request_rates:
-        before = scrape_metrics(url)
+        before = scrape_metrics(url, headers)
         records = run_rate(url, endpoint, model, texts, rate, args)
-        summary = summarize(records, before, scrape_metrics(url), gamma_max)
+        summary = summarize(records, before, scrape_metrics(url, headers), gamma_max)
         out[_rate_key(rate)] = {"summary": summary, "records": records}
         print(f"{label} @ {_rate_key(rate)} req/s: {summary['completed']}/{summary['requests']} done, "
               f"{summary['output_throughput'] or 0:.1f} tok/s, mean γ {fmt(summary['mean_gamma'], '.2f')}",
@@ -193,8 +213,8 @@ def measure(url: str, label: str, args, texts: list[str], endpoint: str, model: 
     return out
 
 
-def _gamma_max(url: str) -> int:
-    gammas = [int(name.split('gamma="')[1].split('"')[0]) for name in scrape_metrics(url)
+def _gamma_max(url: str, headers: dict) -> int:
+    gammas = [int(name.split('gamma="')[1].split('"')[0]) for name in scrape_metrics(url, headers)
               if name.startswith("nightjar_decode_steps_total{")]
     return max(gammas, default=0)
 
@@ -234,11 +254,14 @@ def text_mismatches(results: dict) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=None, help="a running server to measure (no server started; --planners then "
-                    "names nothing: the server's own planner runs)")
-    ap.add_argument("--model", type=model_spec, default="smollm2-135m-instruct",
-                    help="the server's --model (and the requests' model with --url: its served name)")
-    ap.add_argument("--draft-model", default="auto", help="the server's --draft-model (default: the target's pair)")
+    ap.add_argument("--url", type=http_url, default=None, help="a running server to measure (no server started; "
+                    "--planners then names nothing: the server's own planner runs)")
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="the server's --model (with --url: the requests' model, the server's served name)")
+    ap.add_argument("--draft-model", type=draft_spec, default="auto",
+                    help="the server's --draft-model (default: the target's pair)")
+    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                    help="the servers' API key (default $OPENAI_API_KEY; a started server is given it too)")
     ap.add_argument("--planners", type=planner_list(), default=None,
                     help="comma list: one server each, --planner set to it (default: nightjar,static:4,ar)")
     ap.add_argument("--request-rates", type=rate_list, default="1,4,inf",
@@ -269,7 +292,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "server's own planner is measured)")
     if args.planners is None:
         args.planners = ["nightjar", "static:4", "ar"]
+    if args.url is None:
+        try:  # (the servers' model, checked before one starts; with --url it is only the served name)
+            model_spec(args.model)
+        except argparse.ArgumentTypeError as exc:
+            ap.error(f"argument --model: {exc}")
+        mine = ("--model", "--draft-model", "--planner", "--max-num-seqs", "--warmup", "--port", "--host",
+                "--api-key", "--served-model-name")
+        taken = [a for a in args.server_arg if a.split("=", 1)[0] in mine]
+        if taken:  # (a --planner there ran every server under it, each labelled with its own planner)
+            ap.error(f"argument --server-arg: {taken[0]} is set by this script (its own flag, or the server's port "
+                     f"and names): allowed any other server flag")
+        gamma_max = 0 if args.draft_model.lower() in ("none", "") else _server_gamma_max(args.server_arg)
+        for planner in args.planners:  # (a static:9 at γ_max 4 failed after the earlier planners' whole runs)
+            try:
+                check_planner(planner, gamma_max)
+            except argparse.ArgumentTypeError as exc:
+                ap.error(f"argument --planners: {exc}")
     return args
+
+
+def _server_gamma_max(server_args: list[str]) -> int:
+    """The γ_max the servers will run: --num-speculative-tokens among --server-arg, else the engine's default."""
+    from nightjar_jax.config import SpecConfig
+
+    for i, arg in enumerate(server_args):
+        name, _, value = arg.partition("=")
+        if name == "--num-speculative-tokens":
+            value = value or (server_args[i + 1] if i + 1 < len(server_args) else "")
+            return int(value) if value.isdigit() else SpecConfig().num_speculative_tokens
+    return SpecConfig().num_speculative_tokens
+
+
+class _Terminated(Exception):
+    """A SIGTERM: the run stops, its server too, and what was measured is written."""
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a second one must not cut the cleanup short)
+    raise _Terminated()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,21 +338,25 @@ def main(argv: list[str] | None = None) -> int:
     texts = dataset_texts(args.dataset, default=DEFAULT_DATASET)
     texts = (texts * math.ceil(args.num_prompts / max(1, len(texts))))[: args.num_prompts]
     results: dict[str, dict] = {}
-    if args.url is not None:
-        results["server"] = measure(args.url.rstrip("/"), "server", args, texts, args.endpoint, args.model)
-    else:
-        for planner in args.planners:
-            with tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="bench_serve_") as log:
-                flags = ["--model", args.model, "--draft-model", args.draft_model, "--planner", planner,
-                         "--max-num-seqs", str(args.max_num_seqs), "--warmup", args.server_warmup, "--log-level",
-                         "warning",
-                         "--disable-uvicorn-access-log", *args.server_arg]
-                proc, url = launch_server(flags, log)
-                try:
-                    wait_healthy(proc, url, log, args.start_timeout)
-                    results[planner] = measure(url, planner, args, texts, args.endpoint, args.model)
-                finally:
-                    stop_server(proc)
+    stopped = None  # why the runs stopped early (their results so far are still written)
+    # (a SIGTERM, e.g. a job's timeout, stops the server through the finally below: it was left running)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) \
+        if threading.current_thread() is threading.main_thread() else None
+    try:
+        if args.url is not None:
+            results["server"] = measure(args.url, "server", args, texts, args.endpoint, args.model)
+        else:
+            for planner in args.planners:
+                results[planner] = run_server(planner, args, texts)
+    except (_Terminated, KeyboardInterrupt, SystemExit) as exc:
+        stopped = {_Terminated: "stopped by SIGTERM", KeyboardInterrupt: "interrupted"}.get(type(exc)) or str(exc)
+        print(f"\n{stopped}", file=sys.stderr)
+        if not results:
+            return 128 + signal.SIGTERM if isinstance(exc, _Terminated) else 130 if isinstance(
+                exc, KeyboardInterrupt) else 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     print()
     print(table(results))
     mismatches = text_mismatches(results) if args.temperature == 0 else []
@@ -304,9 +369,34 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_note(), "command": " ".join(sys.argv), "model": args.model, "draft_model": args.draft_model,
         "num_prompts": len(texts), "max_tokens": args.max_tokens, "temperature": args.temperature,
         "endpoint": args.endpoint, "request_rates": [_rate_key(r) for r in args.request_rates],
-        "text_mismatches": mismatches, "results": results})
+        "text_mismatches": mismatches, "stopped": stopped, "results": results})
     print(f"\nwrote {args.out}")
-    return 1 if mismatches or failed else 0
+    return 1 if mismatches or failed or stopped else 0
+
+
+def run_server(planner: str, args, texts: list[str]) -> dict:
+    """One server under ``planner``: started, measured, stopped (also on a failure, Ctrl-C or SIGTERM); its log is
+    kept (and named) when it fails, removed when it served."""
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="bench_serve_", delete=False)
+    flags = ["--model", args.model, "--draft-model", args.draft_model, "--planner", planner,
+             "--max-num-seqs", str(args.max_num_seqs), "--warmup", args.server_warmup, "--log-level", "warning",
+             "--disable-uvicorn-access-log", *(["--api-key", args.api_key] if args.api_key else []), *args.server_arg]
+    served = False
+    try:
+        proc, url = launch_server(flags, log)
+        try:
+            wait_healthy(proc, url, log, args.start_timeout)
+            out = measure(url, planner, args, texts, args.endpoint, args.model)
+            served = True
+            return out
+        finally:
+            stop_server(proc)
+    finally:
+        log.close()
+        if served:
+            os.unlink(log.name)
+        else:
+            print(f"the {planner} server's log is kept: {log.name}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import httpx  # noqa: E402
 
 from nightjar_jax.bench.common import (  # noqa: E402
     fmt,
+    http_url,
     machine_note,
     positive_float,
     positive_int,
@@ -318,12 +319,6 @@ def sample_times(duration: float, interval: float) -> list[float]:
     if not times or times[-1] < duration - 1e-6:
         times.append(duration)
     return times
-
-
-def http_url(text: str) -> str:
-    if not text.startswith(("http://", "https://")):
-        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL (e.g. http://127.0.0.1:8000)")
-    return text.rstrip("/")
 
 
 def live_pid(text: str) -> int:

@@ -344,6 +344,13 @@ def planner_list(*, as_text: bool = False) -> Callable[[str], list[str] | str]:
     return parse
 
 
+def http_url(text: str) -> str:
+    """A running server's address: ``http://`` or ``https://`` (the trailing slash dropped)."""
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL (e.g. http://127.0.0.1:8000)")
+    return text.rstrip("/")
+
+
 def check_planner(spec: str, gamma_max: int) -> None:
     """ArgumentTypeError unless the engine can build planner ``spec`` at ``gamma_max`` (``num_speculative_tokens``)
     as ``LLMEngine._make_planner`` does: a registered name, and an argument of the right form and range ("static:x",

@@ -31,7 +31,9 @@ def test_arrivals_and_percentiles(bench):
 
 def test_summary_reads_latencies_and_the_servers_counters(bench):
     records = [{"index": 0, "chunks": [0.1, 0.2, 0.4], "end": 0.5, "output_tokens": 5, "duration": 2.0},
-               {"index": 1, "chunks": [], "end": 0.1, "error": "HTTP 400", "duration": 2.0}]
+               {"index": 1, "chunks": [], "end": 0.1, "error": "HTTP 400", "duration": 2.0},
+               # an answer with no text (an EOS first) is done, not failed (it was "failed", with no error)
+               {"index": 2, "chunks": [], "end": 0.05, "output_tokens": 1, "duration": 2.0}]
     before = {'nightjar_decode_steps_total{gamma="0"}': 1, 'nightjar_decode_steps_total{gamma="2"}': 0,
               "nightjar_spec_draft_tokens_total": 0, "nightjar_spec_accepted_tokens_total": 0,
               "nightjar_generation_tokens_total": 0}
@@ -39,12 +41,13 @@ def test_summary_reads_latencies_and_the_servers_counters(bench):
              "nightjar_spec_draft_tokens_total": 6, "nightjar_spec_accepted_tokens_total": 3,
              "nightjar_generation_tokens_total": 8, "nightjar_decode_steps_compiling_total": 1}
     s = bench.summarize(records, before, after, gamma_max=2)
-    assert (s["completed"], s["failed"], s["output_tokens"]) == (1, 1, 5)
-    assert s["request_throughput"] == 0.5 and s["output_throughput"] == 2.5
+    assert (s["completed"], s["failed"], s["output_tokens"]) == (2, 1, 6)
+    assert s["request_throughput"] == 1.0 and s["output_throughput"] == 3.0
     assert s["ttft_ms"]["p50"] == pytest.approx(100) and s["tpot_ms"]["mean"] == pytest.approx(100)
-    assert s["itl_ms"]["mean"] == pytest.approx(150) and s["e2e_ms"]["mean"] == pytest.approx(500)
+    assert s["itl_ms"]["mean"] == pytest.approx(150) and s["e2e_ms"]["mean"] == pytest.approx(275)
     assert s["decode_steps_per_gamma"] == {"0": 1, "1": 0, "2": 3} and s["mean_gamma"] == pytest.approx(1.5)
-    assert s["acceptance"] == 0.5 and s["tokens_per_decode_step"] == 2.0 and s["compiling_steps"] == 1
+    # decode steps' tokens: the 8 generated less the 2 completed requests' first ones (their prefills')
+    assert s["acceptance"] == 0.5 and s["tokens_per_decode_step"] == 1.5 and s["compiling_steps"] == 1
 
 
 def test_a_run_over_two_planners(bench, tmp_path, capsys, monkeypatch):
@@ -66,3 +69,16 @@ def test_a_run_over_two_planners(bench, tmp_path, capsys, monkeypatch):
             steps = s["decode_steps_per_gamma"]
             assert sum(steps.values()) > 0 and (planner != "static:2" or steps["2"] > 0)
     assert "| static:2 | inf |" in capsys.readouterr().out
+
+
+def test_url_mode_takes_any_served_name_and_an_api_key(bench, monkeypatch):
+    """With --url, --model is the server's served name (any name: it was checked as a model to load, refusing a
+    --served-model-name); the API key comes from --api-key or $OPENAI_API_KEY (there was none: every request 401)."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sekrit")
+    args = bench.parse_args(["--url", "http://127.0.0.1:8000/", "--model", "my-served-name"])
+    assert args.url == "http://127.0.0.1:8000" and args.model == "my-served-name"
+    assert bench.auth_headers(args) == {"Authorization": "Bearer sekrit"}
+    monkeypatch.delenv("OPENAI_API_KEY")
+    assert bench.auth_headers(bench.parse_args(["--url", "http://127.0.0.1:8000"])) == {}
+    with pytest.raises(SystemExit, match="does not answer /health"):  # (a traceback after a failed warm-up pass)
+        bench.measure("http://127.0.0.1:1", "server", args, ["x"], "completions", "m")

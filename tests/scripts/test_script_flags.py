@@ -192,6 +192,12 @@ BAD_FLAGS = [
     ("bench_serve.py", ["--planners", "nosuch"], "argument --planners:"),
     ("bench_serve.py", ["--url", "http://127.0.0.1:1", "--planners", "ar"],
      "argument --planners: with --url no server is started"),
+    # (each of these started servers first: static:9 after the earlier planners' whole runs, their results lost)
+    ("bench_serve.py", ["--planners", "ar,static:9"], "argument --planners: planner 'static:9' at γ_max 4"),
+    ("bench_serve.py", ["--draft-model", "bogus"], "argument --draft-model: unknown model 'bogus'"),
+    ("bench_serve.py", ["--model", "bogus"], "argument --model: unknown model 'bogus'"),
+    ("bench_serve.py", ["--url", "notaurl"], "argument --url: 'notaurl' is not an http:// or https:// URL"),
+    ("bench_serve.py", ["--server-arg=--planner", "--server-arg=ar"], "argument --server-arg: --planner is set by"),
     ("fit_spec_tree.py", ["fit", "--workdir", "/tmp", "--data", "README.md", "--features", "/tmp", "--out",
                           "/tmp/x.json", "--seed", "-4"], "argument --seed: expected an integer >= 0, got -4"),
 ]
