@@ -35,9 +35,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import httpx  # noqa: E402
 
 from nightjar_jax.bench.common import (  # noqa: E402
+    draft_spec,
     fmt,
     http_url,
     machine_note,
+    model_spec,
     positive_float,
     positive_int,
     writable_out,
@@ -370,6 +372,18 @@ def parse_args(argv=None):
         p.error(f"--interval {args.interval:g} is longer than --duration {args.duration:g}: nothing would be sampled")
     if any(a.split("=")[0] in ("--port", "--host") for a in args.server_arg):
         p.error("--server-arg may not set --port or --host: the script starts the server on a free local port")
+    if args.url is None:  # (the server's own flags, checked before it starts: they failed in its log, exit 1)
+        from nightjar_jax.config import ConfigError, SpecConfig
+
+        for flag, check in (("--model", model_spec), ("--draft-model", draft_spec)):
+            try:
+                check(getattr(args, flag[2:].replace("-", "_")))
+            except argparse.ArgumentTypeError as exc:
+                p.error(f"argument {flag}: {exc}")
+        try:
+            SpecConfig(num_speculative_tokens=args.num_speculative_tokens)
+        except ConfigError as exc:
+            p.error(f"argument --num-speculative-tokens: {exc}")
     return args
 
 
@@ -419,7 +433,7 @@ def soak_run(args, log, template_path: str | None) -> int:
     problems: list[str] = []
     start = final = None
     reference_text = None
-    terminated = False
+    terminated = 0  # the exit status a signal stopped the soak with (143 SIGTERM, 130 Ctrl-C)
     threads: list[threading.Thread] = []
     try:
         if args.url is None:
@@ -447,10 +461,11 @@ def soak_run(args, log, template_path: str | None) -> int:
               "| steps compiling | variant drops | pages free |\n|" + "---:|" * 13, flush=True)
         try:
             final = run_load(args, soak, client, proc, pid, url, headers, t0, threads, samples, problems,
-                             reference_text)
-        except _Terminated:
-            terminated = True
-            problems.append(f"stopped by SIGTERM at t = {time.time() - t0:.0f} s")
+                             reference_text, start)
+        except (_Terminated, KeyboardInterrupt) as exc:  # (Ctrl-C kept nothing of a long soak: written too)
+            terminated = 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
+            how = "SIGTERM" if isinstance(exc, _Terminated) else "Ctrl-C"
+            problems.append(f"stopped by {how} at t = {time.time() - t0:.0f} s")
     finally:
         if soak is not None:
             soak.stop.set()
@@ -462,8 +477,10 @@ def soak_run(args, log, template_path: str | None) -> int:
     return report(args, log, proc, soak, samples, problems, start, final, reference_text, terminated)
 
 
-def run_load(args, soak, client, proc, pid, url, headers, t0, threads, samples, problems, reference_text):
-    """The sampling loop, then the idle check; returns the idle check's figures (None when the server failed)."""
+def run_load(args, soak, client, proc, pid, url, headers, t0, threads, samples, problems, reference_text, start):
+    """The sampling loop, then the idle check; returns the idle check's figures (None when the server failed). The
+    table's compiling steps and variant drops count from the soak's start, as its requests do (the JSON keeps the
+    server's totals, and ``start``'s); a server soaked with --url had compiled before."""
     final = None
     for at in sample_times(args.duration, args.interval):
         time.sleep(max(0.0, t0 + at - time.time()))
@@ -483,8 +500,8 @@ def run_load(args, soak, client, proc, pid, url, headers, t0, threads, samples, 
         print(f"| {sample['t']:.0f} | {sample['served']} | {sample['failed']} | {sample['left']} "
               f"| {fmt(sample['rss_mb'], '.0f')} | {fmt(sample['maps'], '.0f')} | {fmt(sample['fds'], '.0f')} "
               f"| {fmt(sample['threads'], '.0f')} | {fmt(sample['probe_p50_s'], '.3f')} "
-              f"| {fmt(sample['probe_max_s'], '.3f')} | {fmt(sample['compiling'], '.0f')} "
-              f"| {fmt(sample['drops'], '.0f')} | {fmt(sample['free'], '.0f')}/{fmt(sample['usable'], '.0f')} |",
+              f"| {fmt(since(sample, start, 'compiling'), '.0f')} | {fmt(since(sample, start, 'drops'), '.0f')} "
+              f"| {fmt(sample['free'], '.0f')}/{fmt(sample['usable'], '.0f')} |",
               flush=True)
     soak.stop.set()
     if not problems:
@@ -496,6 +513,13 @@ def run_load(args, soak, client, proc, pid, url, headers, t0, threads, samples, 
     for t in threads:
         t.join(timeout=330)
     return final
+
+
+def since(sample: dict, start: dict, key: str) -> float | None:
+    """``sample[key]`` less the soak's start's (None when either is missing)."""
+    if sample.get(key) is None or start.get(key) is None:
+        return None
+    return sample[key] - start[key]
 
 
 def report(args, log, proc, soak, samples, problems, start, final, reference_text, terminated) -> int:
@@ -524,7 +548,7 @@ def report(args, log, proc, soak, samples, problems, start, final, reference_tex
         print("FAILED: " + "; ".join(problems), file=sys.stderr)
         if proc is not None and proc.returncode not in (0, None) and log is not None and not terminated:
             print(f"the end of the server's log:\n{log_tail(log)}", file=sys.stderr)
-        return 128 + signal.SIGTERM if terminated else 1
+        return terminated or 1
     return 0
 
 

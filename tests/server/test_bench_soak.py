@@ -93,6 +93,10 @@ def test_bench_soak_schedule_and_arguments(capsys):
         (["--pid", "12"], "no process 12 is running" if not os.path.exists("/proc/12") else "--pid and --api-key"),
         (["--server-arg=--port=9"], "may not set --port or --host"),
         (["--url", "http://127.0.0.1:9", "--server-log", "/tmp/x.log"], "--server-log is the output of a server"),
+        # (these started the server, which failed in its log: exit 1, not a usage error)
+        (["--model", "bogus"], "argument --model: unknown model 'bogus'"),
+        (["--draft-model", "bogus"], "argument --draft-model: unknown model 'bogus'"),
+        (["--num-speculative-tokens", "99"], "argument --num-speculative-tokens: num_speculative_tokens=99"),
     ]:
         with pytest.raises(SystemExit) as exit_:
             bench.parse_args(argv)
@@ -101,9 +105,11 @@ def test_bench_soak_schedule_and_arguments(capsys):
     assert args.url == "http://127.0.0.1:9"
 
 
-def test_bench_soak_stopped_by_sigterm_writes_what_it_sampled(tmp_path):
-    """A SIGTERM (a CI job's timeout) mid-load stops the server, writes the JSON with the samples so far and a
-    problem saying so, and exits 143 (the review: the server was left running, then the samples were lost)."""
+@pytest.mark.parametrize("sig, code, how", [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "Ctrl-C")])
+def test_bench_soak_stopped_by_sigterm_writes_what_it_sampled(tmp_path, sig, code, how):
+    """A SIGTERM (a CI job's timeout) or Ctrl-C mid-load stops the server, writes the JSON with the samples so far
+    and a problem saying so, and exits 143 / 130 (the review: the server was left running, then the samples were
+    lost; Ctrl-C lost them still, QA 2026-12-07)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -117,11 +123,11 @@ def test_bench_soak_stopped_by_sigterm_writes_what_it_sampled(tmp_path):
         for line in proc.stdout:  # (until the first sample's row)
             if line.startswith("| ") and line[2].isdigit():
                 break
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 143
+        proc.send_signal(sig)
+        assert proc.wait(120) == code
     finally:
         if proc.poll() is None:
             proc.kill()
     result = json.loads(out.read_text())
-    assert result["samples"] and any(p.startswith("stopped by SIGTERM") for p in result["problems"])
+    assert result["samples"] and any(p.startswith(f"stopped by {how}") for p in result["problems"])
     assert not os.path.exists(f"/proc/{result['server_pid']}")  # (stopped and reaped before the script exited)
