@@ -42,6 +42,7 @@ import math
 import os
 import sys
 import time
+import zipfile
 import zlib
 from pathlib import Path
 from typing import Any
@@ -485,8 +486,12 @@ def target_parts(rows: list[dict[str, Any]], out: Path, rows_per_part: int, desc
     done: set[str] = set()
     last = -1
     for part in sorted(out.glob("part-*.npz")):
-        with np.load(part) as z:  # reads the keys only
-            done.update(str(k) for k in z["keys"])
+        try:
+            with np.load(part) as z:  # reads the keys only
+                done.update(str(k) for k in z["keys"])
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:  # (parts are written whole since)
+            raise SystemExit(f"{part} is not a whole part ({type(exc).__name__}: {exc}); a run killed while "
+                             "writing it left it: delete it and run again (its rows are computed anew)") from None
         last = max(last, int(part.stem.split("-")[1]))
     todo = [r for r in rows if row_key(r) not in done]
     total = sum(len(r["tokens"]) for r in todo)
@@ -496,6 +501,15 @@ def target_parts(rows: list[dict[str, Any]], out: Path, rows_per_part: int, desc
     for i, s in enumerate(range(0, len(todo), rows_per_part)):
         yield out / f"part-{last + 1 + i:05d}.npz", todo[s : s + rows_per_part], bar
     bar.close()
+
+
+def save_part(part: Path, **arrays: np.ndarray) -> None:
+    """``np.savez`` of one part, written beside it and renamed into place: a part that exists is whole (a run killed
+    while writing one left half a zip, and every later run failed on it with a bare BadZipFile)."""
+    partial = part.with_name(part.name + ".partial")  # (not part-*.npz: the readers never see it)
+    with open(partial, "wb") as f:
+        np.savez(f, **arrays)
+    os.replace(partial, part)
 
 
 def bucketed_batches(chunk: list[dict[str, Any]], tokens_per_batch: int, bar: Any = None) -> Any:
@@ -555,7 +569,7 @@ def cmd_teacher(args: argparse.Namespace) -> None:
             for i, j in enumerate(sel):
                 span = response_labels(chunk[j])
                 got[j] = (ids[i, span].astype(np.uint16), vals[i, span].astype(np.float16))
-        np.savez(
+        save_part(
             part,
             keys=np.asarray([row_key(r) for r in chunk]),
             counts=np.asarray([teacher_positions(r) for r in chunk], np.int32),
@@ -603,7 +617,7 @@ def cmd_features(args: argparse.Namespace) -> None:
             h = np.asarray(hidden(params, jnp.asarray(tok)))
             for i, j in enumerate(sel):
                 got[j] = h[i, : len(chunk[j]["tokens"])]
-        np.savez(
+        save_part(
             part,
             keys=np.asarray([row_key(r) for r in chunk]),
             counts=np.asarray([len(r["tokens"]) for r in chunk], np.int32),
@@ -756,6 +770,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     val_set = set(val_ids)
     train_rows = [r for r in rows if r["id"] not in val_set]
     val_rows = [r for r in rows if r["id"] in val_set and r["kind"] == "greedy"]
+    if not train_rows or not val_rows:  # (a bare "need at least one array to concatenate")
+        raise SystemExit(f"--data holds {len({r['id'] for r in rows})} prompt(s): one in --val-every "
+                         f"{args.val_every} goes to validation, which leaves {len(train_rows)} training and "
+                         f"{len(val_rows)} validation sequences; give more prompts (or a larger --val-every)")
     n_resp = sum(len(r["tokens"]) - r["num_prompt"] for r in train_rows)
     logger.info(
         "%d train sequences (%d response tokens), %d validation sequences", len(train_rows), n_resp, len(val_rows)
@@ -1180,8 +1198,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.cmd == "train":
         check_train_args(t, args)
-    if args.cmd == "export" and not (Path(args.workdir) / "draft_config.json").is_file():
-        e.error(f"argument --workdir: {args.workdir!r} holds no draft_config.json: give `train`'s --workdir")
+    if args.cmd == "export":
+        missing = [f for f in ("draft_config.json", f"{args.params}_params.npz")
+                   if not (Path(args.workdir) / f).is_file()]
+        if missing:  # (a run stopped before its first evaluation has no best_params.npz: a FileNotFoundError)
+            e.error(f"argument --workdir: {args.workdir!r} holds no {', '.join(missing)}: give `train`'s --workdir "
+                    "(best_params.npz is written at its first evaluation; --params final takes the last step's)")
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            e.error(f"argument --out: {args.out!r} is a file: give a folder (it is created)")
     return args
 
 

@@ -280,6 +280,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     val_ids = set(sorted({r["id"] for r in rows})[:: max(1, args.val_every)])
     train_rows = [r for r in rows if r["id"] not in val_ids]
     val_rows = [r for r in rows if r["id"] in val_ids and r["kind"] == "greedy"]
+    if not train_rows or not val_rows:  # (a bare "need at least one array to concatenate")
+        raise SystemExit(f"--data holds {len({r['id'] for r in rows})} prompt(s): one in --val-every "
+                         f"{args.val_every} goes to validation, which leaves {len(train_rows)} training and "
+                         f"{len(val_rows)} validation sequences; give more prompts (or a larger --val-every)")
     counts = np.bincount(
         np.concatenate([np.asarray(r["tokens"][r["num_prompt"] :], np.int64) for r in train_rows]),
         minlength=tcfg.vocab_size,
@@ -602,6 +606,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compute dtype recorded in the config (weights stay bf16)")
     e.set_defaults(fn=cmd_export)
     args = ap.parse_args(argv)
+    if args.cmd == "train" and (Path(args.workdir) / "train_log.jsonl").exists():
+        # (a rerun appended to the run's log and replaced its best weights with its own, worse ones; this command
+        # has no --resume: --init-from continues from a run's weights, with a fresh optimizer)
+        t.error(f"argument --workdir: {args.workdir!r} holds a training run (train_log.jsonl): give a new --workdir "
+                f"(--init-from {Path(args.workdir) / 'last_params.npz'} starts from its weights)")
     if args.cmd == "train" and args.init_from and not Path(args.init_from).is_file():
         t.error(f"argument --init-from: {args.init_from!r}: no such file (give a workdir's last_params.npz or "
                 f"best_params.npz)")

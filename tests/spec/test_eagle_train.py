@@ -286,3 +286,41 @@ def test_offline_replays_say_what_reference_they_need(eagle, tmp_path) -> None:
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"sd_outputs": {"mt_bench/81": [1, 2]}}), encoding="utf-8")
     assert eagle.load_reference(good)["sd_outputs"] == {"mt_bench/81": [1, 2]}
+
+
+def test_killed_parts_used_workdirs_and_too_little_data_are_clear(tiny, tmp_path) -> None:
+    """QA, 2026-12-07: a part half written by a killed run failed every later run with a bare BadZipFile (parts are
+    now written whole, and a broken one is named); `distill_eagle train` into a used workdir appended to its log and
+    replaced its best weights with worse ones; one prompt of data left no training rows ("need at least one array
+    to concatenate"); `distill_draft export` of a run with no best_params.npz was a FileNotFoundError."""
+    eagle, data, _, _ = tiny
+    dd = eagle.dd
+    feats = tmp_path / "feats"
+    args = dict(tokens_per_batch=128, rows_per_part=1, layers="")
+    dd.cmd_features(argparse.Namespace(data=[str(data)], out=str(feats), **args))
+    assert not list(feats.glob("*.partial"))  # (written beside, renamed into place)
+    part = sorted(feats.glob("part-*.npz"))[-1]
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    with pytest.raises(SystemExit, match=r"part-00001.npz is not a whole part .*delete it and run again"):
+        dd.cmd_features(argparse.Namespace(data=[str(data)], out=str(feats), **args))
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "train_log.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit) as exit_:
+        eagle.parse_args(["train", "--data", str(data), "--features", str(feats), "--workdir", str(used)])
+    assert exit_.value.code == 2
+    one = tmp_path / "one.jsonl"
+    one.write_text(data.read_text(encoding="utf-8").splitlines()[0] + "\n", encoding="utf-8")
+    part.unlink()
+    train_args = dict(data=[str(one)], features=str(feats), workdir=str(tmp_path / "wd1"), init_from="",
+                      num_layers=1, intermediate=64, head_vocab=128, freeze_head=True, depths=2, depth_decay=0.8,
+                      reg_weight=1.0, steps=2, tokens_per_batch=256, lr=3e-3, warmup=1, weight_decay=0.0, clip=1.0,
+                      prompt_weight=0.2, val_every=1000, eval_every=1, max_minutes=0.0, seed=0, final_only=False)
+    with pytest.raises(SystemExit, match=r"--data holds 1 prompt\(s\).* which leaves 0 training"):
+        eagle.cmd_train(argparse.Namespace(**train_args))
+    empty = tmp_path / "run"
+    empty.mkdir()
+    (empty / "draft_config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        dd.parse_args(["export", "--workdir", str(empty), "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
