@@ -762,6 +762,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = draft_config(args.hidden, args.num_layers, args.intermediate, args.head_vocab)
     (workdir / "draft_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    # the flags that set what a step computes, as given (a resume checks them: check_train_args)
+    (workdir / "train_flags.json").write_text(json.dumps(train_flags(args), indent=2) + "\n")
     rows = load_rows(args.data)
     teacher = load_teacher(Path(args.teacher), rows) if args.teacher else None
     if args.prompt_text:
@@ -1060,6 +1062,18 @@ def cmd_export(args: argparse.Namespace) -> None:
 # train's flags that set the draft's shape, by the draft_config.json field each one sets (a resumed run must match)
 SHAPE_FLAGS = {"hidden_size": "--hidden", "num_layers": "--num-layers", "intermediate_size": "--intermediate",
                "head_vocab_size": "--head-vocab"}
+# train's flags that change what the steps after a checkpoint compute (a resume must give them as the run did;
+# --steps may grow: the warm-up-cosine schedule then stretches over the new total)
+RUN_FLAGS = ("data", "tokens_per_batch", "lr", "num_candidates", "num_frequent", "embedding_lr_scale", "warmup",
+             "weight_decay", "clip", "prompt_weight", "val_every", "seed", "prompt_text", "teacher", "kd_weight")
+
+
+def train_flags(args: argparse.Namespace) -> dict:
+    """:data:`RUN_FLAGS` as JSON values, paths resolved (a resume from another folder names the same files)."""
+    flags = {name: getattr(args, name) for name in RUN_FLAGS}
+    flags["data"] = [str(Path(p).resolve()) for p in args.data]
+    flags["teacher"] = str(Path(args.teacher).resolve()) if args.teacher else ""
+    return flags
 
 
 def latest_checkpoint_step(workdir: Path) -> int | None:
@@ -1113,6 +1127,15 @@ def check_train_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(f"argument --resume: the checkpoint in {args.workdir} (step {step}) was trained with "
                      f"{flags(config)}, not {flags(given)} ({saved.name}): give the same flags to resume, or use an "
                      "empty folder")
+    ran = workdir / "train_flags.json"  # (runs from before it was written: the shape checked above only)
+    if ran.is_file():
+        before, now = json.loads(ran.read_text()), json.loads(json.dumps(train_flags(args)))
+        changed = [name for name in RUN_FLAGS if name in before and before[name] != now[name]]
+        if changed:  # (a resume with another --lr or --data silently trained something else from the checkpoint)
+            parser.error(f"argument --resume: the run in {args.workdir} was started with "
+                         + ", ".join(f"--{n.replace('_', '-')} {before[n]!r}" for n in changed)
+                         + f", not {', '.join(repr(now[n]) for n in changed)} ({ran.name}): give the same flags to "
+                         "resume (--steps may grow)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1137,7 +1160,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--data", required=True, nargs="+", type=existing_file,
                    help="one or more response files (generate's JSONL; .jsonl.gz too, e.g. data/distill/smollm2)")
     t.add_argument("--workdir", required=True)
-    t.add_argument("--resume", action="store_true")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in --workdir from its last checkpoint, with the same flags "
+                   "(train_flags.json; --steps may grow, the learning-rate schedule then stretching over the new "
+                   "total)")
     t.add_argument("--init-from", default="", help="start from this exported draft's weights (same architecture)")
     t.add_argument("--hidden", type=positive_int, default=184)
     t.add_argument("--num-layers", type=positive_int, default=2)

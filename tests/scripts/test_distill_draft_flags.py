@@ -125,6 +125,21 @@ def test_train_resume_names_the_model_shape_flags_that_differ(data, tmp_path, ca
             "--intermediate 640 --head-vocab 0") in err
 
 
+def test_train_resume_names_the_run_flags_that_differ(data, tmp_path, capsys) -> None:
+    """QA, 2026-12-07: a resume checked the model's shape only: another --lr, --seed or --data trained something
+    else from the checkpoint without a word. They are compared with the run's train_flags.json; --steps may grow."""
+    wd = saved_run(tmp_path)
+    same = ["--hidden", "64", "--num-layers", "1", "--intermediate", "128", "--head-vocab", "512"]
+    mod = script("distill_draft.py")
+    ran = mod.parse_args(["train", "--data", data, "--workdir", str(wd), *same, "--resume"])
+    (wd / "train_flags.json").write_text(json.dumps(mod.train_flags(ran)))
+    assert mod.parse_args(["train", "--data", data, "--workdir", str(wd), "--resume", *same, "--steps", "5000"])
+    err = train_error(["--data", data, "--workdir", str(wd), "--resume", *same, "--lr", "0.01", "--seed", "3"],
+                      capsys)
+    assert "argument --resume: the run in" in err and "--lr 0.003" in err and "--seed 0" in err, err
+    assert "--warmup" not in err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
     (["--lr", "-1"], "argument --lr: expected a finite number > 0"),
