@@ -232,6 +232,10 @@ def main() -> None:
         folder = getattr(args, flag, None)
         if folder is not None and not os.path.isdir(folder):
             ap.error(f"--{flag} {folder}: no such folder")
+    weights = os.path.join(args.workdir, f"{args.params}_params.npz")
+    if not os.path.isfile(weights):  # (a FileNotFoundError once the target had loaded)
+        ap.error(f"--workdir {args.workdir}: no {args.params}_params.npz (give distill_eagle.py train's --workdir; "
+                 f"--params best / last picks its best or last evaluated weights)")
     {"fit": cmd_fit, "replay": cmd_replay}[args.cmd](args)
 
 

@@ -33,6 +33,9 @@ BAD_FLAGS = [
                           "/no/such.jsonl"], "--data"),
     ("fit_spec_tree.py", ["fit", "--workdir", "/no/such", "--features", "/tmp", "--out", "/tmp/x.json", "--data",
                           __file__], "--workdir /no/such: no such folder"),
+    # (a FileNotFoundError once the target had loaded)
+    ("fit_spec_tree.py", ["fit", "--workdir", "/tmp", "--features", "/tmp", "--out", "/tmp/x.json", "--data",
+                          __file__], "--workdir /tmp: no last_params.npz"),
     ("bench_spec.py", ["--models", "nosuch"], "--models"),
     ("bench_spec.py", ["--gammas", "5", "--gamma-max", "2"], "past --gamma-max 2"),
     ("bench_spec.py", ["--batch-sizes", "0"], "--batch-sizes"),
