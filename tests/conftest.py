@@ -30,13 +30,9 @@ def _room_for_compiles():
     import sys
 
     if "jax" in sys.modules:  # (nothing compiled yet otherwise; the no-JAX tests stay so)
-        try:
-            with open("/proc/self/maps", "rb") as f:
-                used = sum(1 for _ in f)
-            with open("/proc/sys/vm/max_map_count") as f:
-                limit = int(f.read())
-        except (OSError, ValueError):
-            used, limit = 0, 1
+        from nightjar_jax.engine.runner import memory_map_usage
+
+        used, limit = memory_map_usage() or (0, 1)
         if used > 0.35 * limit:
             import gc
 
