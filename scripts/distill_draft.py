@@ -952,7 +952,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             "loss": loss,
             "resp_top1": acc,
             "grad_norm": float(gnorm),
-            "lr": float(schedule(step)),
+            "lr": float(schedule(step - 1)),  # (the rate this step applied: optax counts updates from 0)
             "elapsed_s": round(time.perf_counter() - t_start, 1),
         }
         if step % args.eval_every == 0 or step == args.steps:

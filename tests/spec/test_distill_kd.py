@@ -94,6 +94,8 @@ def test_train_with_teacher_runs_and_needs_a_subset_head(distill, data, tmp_path
     distill.cmd_train(args)
     log = [json.loads(line) for line in open(tmp_path / "wd" / "train_log.jsonl", encoding="utf-8")]
     assert [r["step"] for r in log] == [1, 2, 3]
+    # the rate each step applied (warm-up from 0 over 1 step, then the peak): step 1 logged step 2's before
+    assert [r["lr"] for r in log[:2]] == [0.0, pytest.approx(1e-3)]
     assert all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in log)
     assert (tmp_path / "wd" / "final_params.npz").exists()
     with pytest.raises(SystemExit, match="--head-vocab"):
