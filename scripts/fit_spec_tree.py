@@ -15,6 +15,9 @@ target token per step)::
     python scripts/fit_spec_tree.py fit --workdir runs/eagle/wd7 --data runs/eagle3data/data.jsonl \\
         --features runs/eagle/features --out nightjar_jax/spec/default_tree.json
     python scripts/fit_spec_tree.py replay --workdir runs/eagle/wd7 --reference results/eval_draft_eagle4b.json
+    # a fitted order instead of the shipped one (fit's --out; serve's --spec-tree-file):
+    python scripts/fit_spec_tree.py replay --workdir runs/eagle/wd7 --reference results/eval_draft_eagle4b.json \\
+        --tree-file runs/eagle/tree.json
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from nightjar_jax.bench.common import (  # noqa: E402
     positive_int,
     writable_out,
 )
-from nightjar_jax.spec.tree import chain_paths  # noqa: E402
+from nightjar_jax.spec.tree import chain_paths, load_tree_order  # noqa: E402
 
 logger = logging.getLogger("fit_spec_tree")
 NOT_IN_HEAD = 10**6  # the rank of a token the draft's subset head cannot propose
@@ -181,6 +184,8 @@ def cmd_replay(args: argparse.Namespace) -> None:
     from nightjar_jax.spec.tree import tree_for
 
     result = de.load_reference(Path(args.reference))  # (before the models load: a missing file fails at once)
+    order = None if args.tree_file is None else load_tree_order(args.tree_file)  # (checked in main)
+    label = "default" if args.tree_file is None else "file"
     ranker = DraftRanker(Path(args.workdir), args.params, args.gamma)
     tok = dd.target_tokenizer()
     prompts = {p["id"]: dd.chat_ids(tok, p["text"]) for p in dd.load_prompts("heldout")}
@@ -191,16 +196,17 @@ def cmd_replay(args: argparse.Namespace) -> None:
                         "ranks": ranker.ranks(seq, len(prompts[pid]))})
     rows = []
     for n in [0, *args.nodes]:
-        paths = chain_paths(args.gamma) if n == 0 else list(tree_for(n, args.gamma).paths)
+        paths = chain_paths(args.gamma) if n == 0 else list(tree_for(n, args.gamma, order).paths)
         steps, acc = replay(records, set(paths))
-        rows.append({"nodes": len(paths), "tree": "chain" if n == 0 else "default",
+        rows.append({"nodes": len(paths), "tree": "chain" if n == 0 else label,
                      "mean_accepted_length": 1 + acc / steps, "target_steps": steps})
     print(f"{'tree':>8s} {'nodes':>6s} {'target steps':>13s} {'mean acc. len (γ=' + str(args.gamma) + ')':>22s}")
     for r in rows:
         print(f"{r['tree']:>8s} {r['nodes']:6d} {r['target_steps']:13d} {r['mean_accepted_length']:22.3f}")
     if args.out:
         Path(make_parent(args.out)).write_text(
-            json.dumps({"workdir": args.workdir, "gamma": args.gamma, "rows": rows}, indent=1) + "\n")
+            json.dumps({"workdir": args.workdir, "gamma": args.gamma, "tree_file": args.tree_file, "rows": rows},
+                       indent=1) + "\n")
 
 
 def main() -> None:
@@ -226,8 +232,15 @@ def main() -> None:
     r.add_argument("--gamma", type=positive_int, default=4)
     r.add_argument("--nodes", type=int_list(1), default=[8, 16, 24, 32, 48, 64],
                    help="comma-separated tree sizes (drafted nodes, each >= 1)")
+    r.add_argument("--tree-file", help="replay the trees of this fitted order (fit's --out, as serve's "
+                   "--spec-tree-file) instead of the shipped default_tree.json")
     r.add_argument("--out", type=writable_out, help="also write the rows as JSON here")
     args = ap.parse_args()
+    if getattr(args, "tree_file", None) is not None:  # (read before the models load)
+        try:
+            load_tree_order(args.tree_file)
+        except ValueError as error:
+            ap.error(f"--tree-file: {error}")
     for flag in ("workdir", "features"):  # (a missing folder was a traceback deep in the loaders)
         folder = getattr(args, flag, None)
         if folder is not None and not os.path.isdir(folder):

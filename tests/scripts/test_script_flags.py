@@ -36,6 +36,8 @@ BAD_FLAGS = [
     # (a FileNotFoundError once the target had loaded)
     ("fit_spec_tree.py", ["fit", "--workdir", "/tmp", "--features", "/tmp", "--out", "/tmp/x.json", "--data",
                           __file__], "--workdir /tmp: no last_params.npz"),
+    ("fit_spec_tree.py", ["replay", "--workdir", "/tmp", "--reference", "/tmp/r.json", "--tree-file", __file__],
+     "cannot read it as JSON"),
     ("bench_spec.py", ["--models", "nosuch"], "--models"),
     ("bench_spec.py", ["--gammas", "5", "--gamma-max", "2"], "past --gamma-max 2"),
     ("bench_spec.py", ["--batch-sizes", "0"], "--batch-sizes"),

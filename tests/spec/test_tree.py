@@ -365,6 +365,44 @@ def test_fit_spec_tree_counts_orders_and_replays():
     assert fit.replay([{"start": 1, "end": 6, "ranks": ranks}], {(0,), (0, 0), (1,), (1, 0)}) == (3, 3)
 
 
+def test_fit_spec_tree_replay_measures_a_tree_file(tmp_path, monkeypatch, capsys):
+    """``replay --tree-file``: the trees come from the fitted order in the file (serve's --spec-tree-file), not the
+    shipped one; the models are stood in for (ranks given)."""
+    import argparse
+    import json
+
+    from nightjar_jax.testing import load_script
+
+    fit = load_script("fit_spec_tree.py", "fit_spec_tree_r")
+    ranks = np.asarray([[1, 1, 1, 1, 1, 1, 1],  # the target's token is always the draft's second choice
+                        [0, 0, 0, 0, 0, 0, 0]])
+
+    class Ranker:
+        def __init__(self, workdir, params, depths):
+            pass
+
+        def ranks(self, seq, start):
+            return ranks
+
+    monkeypatch.setattr(fit, "DraftRanker", Ranker)
+    monkeypatch.setattr(fit.de, "load_reference", lambda path: {"sd_outputs": {"p": [5] * 6}})
+    monkeypatch.setattr(fit.dd, "target_tokenizer", lambda: None)
+    monkeypatch.setattr(fit.dd, "load_prompts", lambda split: [{"id": "p", "text": "x"}])
+    monkeypatch.setattr(fit.dd, "chat_ids", lambda tok, text: [9])
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps({"order": [[1], [1, 0], [0]]}))
+    args = argparse.Namespace(reference="r.json", workdir="wd", params="last", gamma=2, nodes=[2],
+                              tree_file=str(tree), out=str(tmp_path / "rows.json"))
+    fit.cmd_replay(args)
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    # the chain (rank 0 only) accepts nothing: 5 steps; the file's 2-node tree (1,), (1, 0) accepts 2 per step
+    assert [(r["tree"], r["nodes"], r["target_steps"]) for r in rows] == [("chain", 2, 5), ("file", 2, 2)]
+    assert rows[1]["mean_accepted_length"] == 3.0
+    # the shipped order's first two nodes at γ = 2 do not take rank 1 first
+    fit.cmd_replay(argparse.Namespace(**{**vars(args), "tree_file": None}))
+    assert json.loads((tmp_path / "rows.json").read_text())["rows"][1]["tree"] == "default"
+
+
 def test_top_k_ids_matches_lax_top_k_and_breaks_ties_low():
     from nightjar_jax.engine.sampler import argmax, top_k_ids
 
