@@ -89,6 +89,13 @@ class Soak:
         self.served = self.failed = self.disconnects = 0
         self.by_kind: dict[str, list[int]] = {}  # kind -> [served, failed]
         self.failures: list[dict] = []
+        self.load_s: float | None = None  # seconds from the load's start until its clients were told to stop
+
+    def end_load(self, t0: float) -> None:
+        """Tell the clients to stop (each finishes the request it has running); the load's length is kept."""
+        if self.load_s is None:
+            self.load_s = round(time.time() - t0, 2)
+        self.stop.set()
 
     def record(self, kind: str, ok: bool, detail: str = "") -> None:
         with self.lock:
@@ -465,6 +472,7 @@ def soak_run(args, log, template_path: str | None) -> int:
         except (_Terminated, KeyboardInterrupt) as exc:  # (Ctrl-C kept nothing of a long soak: written too)
             terminated = 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
             how = "SIGTERM" if isinstance(exc, _Terminated) else "Ctrl-C"
+            soak.end_load(t0)
             problems.append(f"stopped by {how} at t = {time.time() - t0:.0f} s")
     finally:
         if soak is not None:
@@ -482,6 +490,10 @@ def run_load(args, soak, client, proc, pid, url, headers, t0, threads, samples, 
     table's compiling steps and variant drops count from the soak's start, as its requests do (the JSON keeps the
     server's totals, and ``start``'s); a server soaked with --url had compiled before."""
     final = None
+    # the load lasts --duration, whatever the probes take (the samples' probes ran on past it as load)
+    timer = threading.Timer(max(0.0, t0 + args.duration - time.time()), soak.end_load, args=(t0,))
+    timer.daemon = True
+    timer.start()
     for at in sample_times(args.duration, args.interval):
         time.sleep(max(0.0, t0 + at - time.time()))
         try:
@@ -503,7 +515,8 @@ def run_load(args, soak, client, proc, pid, url, headers, t0, threads, samples, 
               f"| {fmt(since(sample, start, 'compiling'), '.0f')} | {fmt(since(sample, start, 'drops'), '.0f')} "
               f"| {fmt(sample['free'], '.0f')}/{fmt(sample['usable'], '.0f')} |",
               flush=True)
-    soak.stop.set()
+    timer.cancel()
+    soak.end_load(t0)
     if not problems:
         try:
             final = idle_check(soak, client, pid)
@@ -533,6 +546,7 @@ def report(args, log, proc, soak, samples, problems, start, final, reference_tex
         problems.append(f"after the load, pages or requests were still held: {final}")
     print(f"\n{soak.served} requests served, {soak.failed} failed, {soak.disconnects} clients left early; by kind "
           f"(served, failed): {json.dumps(soak.by_kind, sort_keys=True)}")
+    print(f"the load ran {soak.load_s} s (--duration {args.duration:g}; requests running then were finished)")
     print(f"after the load: {final}")
     if proc is not None:
         print(f"the server's log: {log.name}")
@@ -540,7 +554,8 @@ def report(args, log, proc, soak, samples, problems, start, final, reference_tex
         "args": {**vars(args), "api_key": None if args.api_key is None else "(given)"}, "machine": machine_note(),
         "server_log": None if log is None else log.name, "server_pid": None if proc is None else proc.pid,
         "probe": {"prompt": PROBE_PROMPT, "text": reference_text},
-        "start": start, "samples": samples, "final": final, "served": soak.served, "failed": soak.failed,
+        "load_s": soak.load_s, "start": start, "samples": samples, "final": final, "served": soak.served,
+        "failed": soak.failed,
         "disconnects": soak.disconnects, "by_kind": soak.by_kind, "failures": soak.failures, "problems": problems,
     })
     print(f"wrote {args.out}")

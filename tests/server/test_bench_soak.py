@@ -24,6 +24,8 @@ def test_bench_soak_smoke(tmp_path, capsys):
     assert rc == 0, result["problems"]
     assert result["failed"] == 0 and result["served"] > 0 and result["problems"] == []
     assert len(result["samples"]) == 2 and all(s["probe_text_unchanged"] for s in result["samples"])
+    # the load lasts --duration: the clients stop as the last sample starts (its probes ran on as load before)
+    assert 6 <= result["load_s"] < 7 and "the load ran" in printed
     assert result["samples"][-1]["rss_mb"] > 0 and result["samples"][-1]["compiling"] >= 1
     assert result["final"]["pages_all_free"] and result["final"]["free"] == result["final"]["usable"]
     assert result["probe"]["text"]
