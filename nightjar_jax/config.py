@@ -42,6 +42,14 @@ def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{name}={value!r} is invalid: allowed {allowed}", field=name)
 
 
+def _fspath_fields(config: Any, *names: str) -> None:
+    """A frozen config's path fields given as ``pathlib.Path`` (os.PathLike) held as their ``str``."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, os.PathLike):
+            object.__setattr__(config, name, os.fspath(value))
+
+
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
     _check(ok, name, value, f"an integer in [{low}, {'inf' if high is None else high}]")
@@ -320,6 +328,12 @@ class SpecConfig:
     prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
+        _fspath_fields(self, "draft_model", "planner_log", "spec_tree_file")
+        _check(self.draft_model is None or isinstance(self.draft_model, str), "draft_model", self.draft_model,
+               "None or 'none' (no draft), 'auto', 'ngram' or a model spec (a preset, path or repo id; "
+               "'<target>@<layers>' for a layer-skip draft)")
+        _check(isinstance(self.planner, str) and bool(self.planner), "planner", self.planner,
+               "a planner name, e.g. 'nightjar', 'static' or 'static:2'")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 0, 16)
         _check_int("prompt_lookup_max", self.prompt_lookup_max, 0, 64)
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, 64)
@@ -373,7 +387,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        _fspath_fields(self, "model", "tokenizer", "compilation_cache_dir")
         _check(isinstance(self.model, str) and bool(self.model), "model", self.model, "a preset, path or repo id")
+        _check(self.tokenizer is None or (isinstance(self.tokenizer, str) and bool(self.tokenizer)), "tokenizer",
+               self.tokenizer, "None (the model's own) or a tokenizer's path or preset")
+        _check(self.compilation_cache_dir is None or isinstance(self.compilation_cache_dir, str),
+               "compilation_cache_dir", self.compilation_cache_dir, "None (the default folder), a folder's path or "
+               "'' (no persistent cache)")
         _check(isinstance(self.trust_remote_code, bool), "trust_remote_code", self.trust_remote_code,
                "true or false")
         _check(self.tensor_parallel_size == 1 and not isinstance(self.tensor_parallel_size, bool),

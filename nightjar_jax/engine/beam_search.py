@@ -24,7 +24,13 @@ import math
 from dataclasses import dataclass, field
 
 from nightjar_jax.engine.outputs import Logprob
-from nightjar_jax.engine.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams, short_repr
+from nightjar_jax.engine.sampling_params import (
+    MAX_LOGPROBS,
+    InvalidRequestError,
+    SamplingParams,
+    _plain,
+    short_repr,
+)
 
 # each beam asks for twice the beam width of candidates (as vLLM): enough that beam_width survive even when up to
 # beam_width of them are end-of-sequence tokens
@@ -53,6 +59,8 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens", "temperature", "length_penalty"):  # (NumPy scalars: their numbers)
+            object.__setattr__(self, name, _plain(getattr(self, name)))
         checks = [
             (_is_int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH, "beam_width",
              f"an integer in [1, {MAX_BEAM_WIDTH}] (each beam asks for 2 x beam_width log-probabilities, at most "

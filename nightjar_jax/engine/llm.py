@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +31,9 @@ class LLM:
     >>> out[0].outputs[0].text
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any):
+    def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, **kwargs: Any):
+        if isinstance(model, os.PathLike):  # (a pathlib.Path to a checkpoint)
+            model = os.fspath(model)
         if not isinstance(model, str) or not model:
             raise ValueError(f"model={model!r} is invalid: allowed a preset name, a local path or an HF repo id "
                              f"(leave it out for the default, {DEFAULT_MODEL})")
@@ -141,6 +144,12 @@ class LLM:
                             f"{short_repr(sampling_params)}")
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        # checked here (add_request checks each sequence's copy again): n, read below, may have been set after
+        # construction (sp.n = 0 returned None outputs)
+        checked = {id(p): p.checked_copy() for p in params}
+        params = [checked[id(p)] for p in params]
+        if priority is not None and not isinstance(priority, (list, tuple)):
+            raise TypeError(f"priority must be None or a list of integers, one per prompt, got {short_repr(priority)}")
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
@@ -252,6 +261,10 @@ class LLM:
         carry ``tool_calls`` with ``content`` None. ``continue_final_message`` (with ``add_generation_prompt``
         False) continues each conversation's last message; ``chat_template_kwargs`` are more template variables."""
         _no_lora(lora_request)
+        for name, flag in (("add_generation_prompt", add_generation_prompt),
+                           ("continue_final_message", continue_final_message)):
+            if not isinstance(flag, bool):  # ("no" was taken as true)
+                raise TypeError(f"{name} must be True or False, got {short_repr(flag)}")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ValueError(f"tools must be None or a list of tool definitions (dicts, OpenAI's {{'type': "
                              f"'function', 'function': {{'name': ..., 'parameters': ...}}}}), got {short_repr(tools)}")

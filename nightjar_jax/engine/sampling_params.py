@@ -188,6 +188,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop_token_ids", "allowed_token_ids"):  # (a NumPy array of ids, e.g. from np.argsort)
+            value = getattr(self, name)
+            if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 1:
+                setattr(self, name, value.tolist())
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (list, tuple)):
@@ -195,6 +199,12 @@ class SamplingParams:
                 raise InvalidRequestError(f"SamplingParams.{name}={short_repr(value)} is invalid: allowed None or "
                                           f"{kind}", name)
             setattr(self, name, list(value or []))
+        # NumPy integers as token ids, and NumPy numbers as bias values (np.int64(2) was "not a non-negative integer")
+        self.stop_token_ids = [_plain(t) for t in self.stop_token_ids]
+        if isinstance(self.allowed_token_ids, list):
+            self.allowed_token_ids = [_plain(t) for t in self.allowed_token_ids]
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_plain(t): _plain(v) for t, v in self.logit_bias.items()}
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.bad_words, str):
@@ -213,11 +223,7 @@ class SamplingParams:
                                       f"a RequestOutputKind ({', '.join(k.name for k in RequestOutputKind)})",
                                       "output_kind")
         for name in _NUMBER_FIELDS:  # NumPy scalars as Python numbers (np.float64 passed, np.float32 was refused)
-            value = getattr(self, name)
-            if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", None) == 0:
-                item = value.item()
-                if isinstance(item, (int, float)) and not isinstance(item, bool):
-                    setattr(self, name, item)
+            setattr(self, name, _plain(getattr(self, name)))
         checks = [
             *((isinstance(getattr(self, name), bool), name, "True or False")
               for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize")),
@@ -299,6 +305,15 @@ class SamplingParams:
 _NUMBER_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs",
                   "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
                   "truncate_prompt_tokens", "best_of")
+
+
+def _plain(x: Any) -> Any:
+    """A NumPy integer or float scalar as the Python number it holds; anything else (a NumPy bool too) as it is."""
+    if type(x).__module__ == "numpy" and hasattr(x, "item") and getattr(x, "ndim", None) == 0:
+        item = x.item()
+        if isinstance(item, (int, float)) and not isinstance(item, bool):
+            return item
+    return x
 
 
 def _is_count(x: object) -> bool:

@@ -420,6 +420,86 @@ def test_a_queued_request_keeps_its_params_when_the_caller_changes_them():
     assert eng.num_free_pages == eng.num_total_pages
 
 
+def test_generate_checks_n_set_after_construction_and_priority_shape():
+    """LLM.generate read ``sp.n`` before any check: ``sp.n = 0`` returned [None, None] and 2.5 a TypeError naming
+    nothing (QA 2026-12-07); ``priority=0`` was "'int' object is not iterable"."""
+    from nightjar_jax import LLM
+    from nightjar_jax.engine.sampling_params import InvalidRequestError, RequestOutputKind
+
+    eng = fake_engine()
+    llm = LLM.from_engine(eng)
+    for bad in (0, -1, 2.5):
+        sp = greedy(3, output_kind=RequestOutputKind.FINAL_ONLY)
+        sp.n = bad
+        with pytest.raises(InvalidRequestError, match="SamplingParams.n=") as info:
+            llm.generate([PROMPTS[0], PROMPTS[1]], sp)
+        assert info.value.field == "n"
+    with pytest.raises(TypeError, match="priority must be None or a list of integers, one per prompt, got 0"):
+        llm.generate([PROMPTS[0]], greedy(3), priority=0)
+    for flag in ("add_generation_prompt", "continue_final_message"):  # ("no" was taken as true)
+        with pytest.raises(TypeError, match=f"{flag} must be True or False, got 'no'"):
+            llm.chat([{"role": "user", "content": "hi"}], **{flag: "no"})
+    assert not eng.has_unfinished_requests() and eng.num_free_pages == eng.num_total_pages
+    sp = greedy(3)
+    sp.n = 2  # (a value set afterwards that is fine runs)
+    out = llm.generate([PROMPTS[0]], sp)[0]
+    assert [c.token_ids for c in out.outputs] == [expected(PROMPTS[0], 3)] * 2
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(planner=5), "planner"), (dict(draft_model=5), "draft_model"), (dict(tokenizer=5), "tokenizer"),
+    (dict(compilation_cache_dir=5), "compilation_cache_dir"), (dict(tokenizer=""), "tokenizer"),
+])
+def test_option_types_are_config_errors_and_paths_are_taken(kwargs, field):
+    """LLM(planner=5) / draft_model=5 / tokenizer=5 were AttributeErrors deep in the loaders ("'int' object has no
+    attribute 'partition'"), compilation_cache_dir=5 a TypeError from os.makedirs (QA 2026-12-07); pathlib paths
+    are taken as their text."""
+    from pathlib import Path
+
+    from nightjar_jax import LLM
+    from nightjar_jax.config import ConfigError, make_engine_config
+
+    with pytest.raises(ConfigError, match=f"^{field}=.* is invalid: allowed ") as info:
+        LLM("stories260k", **kwargs)
+    assert info.value.field == field
+    config = make_engine_config(model=Path("/m"), tokenizer=Path("/t"), draft_model=Path("/d"),
+                                compilation_cache_dir=Path("/c"), spec_tree_file=Path("/s.json"))
+    assert (config.model, config.tokenizer, config.spec.draft_model, config.compilation_cache_dir,
+            config.spec.spec_tree_file) == ("/m", "/t", "/d", "/c", "/s.json")
+    assert make_engine_config(draft_model="").spec.draft_model == ""  # ("" is no draft, as 'none')
+    with pytest.raises(FileNotFoundError, match="model path '/no/such/model' does not exist"):
+        LLM(Path("/no/such/model"))  # (was "model=PosixPath(...) is invalid: allowed a preset name, ...")
+
+
+def test_numpy_ids_and_numbers_are_taken_in_sampling_and_beam_params():
+    """Token ids from NumPy (np.argsort, an ndarray) in stop_token_ids / allowed_token_ids / logit_bias, and NumPy
+    beam widths: they were refused as "not non-negative integers" (QA 2026-12-07); NumPy floats as ids and bools
+    still are."""
+    import numpy as np
+
+    from nightjar_jax.engine.beam_search import BeamSearchParams
+    from nightjar_jax.engine.sampling_params import InvalidRequestError, SamplingParams
+
+    sp = SamplingParams(stop_token_ids=np.array([2, 3]), allowed_token_ids=[np.int64(5), np.int32(6)],
+                        logit_bias={np.int64(5): np.float32(1.5)})
+    assert sp.stop_token_ids == [2, 3] and sp.allowed_token_ids == [5, 6] and sp.logit_bias == {5: 1.5}
+    assert all(type(t) is int for t in [*sp.stop_token_ids, *sp.allowed_token_ids, *sp.logit_bias])
+    assert SamplingParams(allowed_token_ids=np.arange(3)).allowed_token_ids == [0, 1, 2]
+    bp = BeamSearchParams(beam_width=np.int64(2), max_tokens=np.int32(4), length_penalty=np.float32(0.5))
+    assert (bp.beam_width, bp.max_tokens, bp.length_penalty) == (2, 4, 0.5) and type(bp.beam_width) is int
+    for kwargs, field in [({"stop_token_ids": [np.float64(2.0)]}, "stop_token_ids"),
+                          ({"allowed_token_ids": [np.bool_(True)]}, "allowed_token_ids"),
+                          ({"logit_bias": {np.int64(-1): 1.0}}, "logit_bias")]:
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(**kwargs)
+        assert info.value.field == field
+    # the engine takes them as ids: stop at the token the fake model writes second
+    eng = fake_engine()
+    second = expected(PROMPTS[0], 12)[1]
+    eng.add_request(PROMPTS[0], greedy(12, stop_token_ids=np.array([second])), request_id="a")
+    assert run_all(eng) == {"a": expected(PROMPTS[0], 2)}
+
+
 def test_top_k_past_int32_samples_as_top_k_off():
     """top_k at or past the vocabulary keeps every token; 2**31 and more used to overflow the int32 sampling column
     and fail the whole batch's step."""
