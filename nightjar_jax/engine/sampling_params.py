@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # The most top log-probabilities a request may ask for per token (vLLM's default ``max_logprobs``; OpenAI's chat API
@@ -183,7 +183,6 @@ class SamplingParams:
     # spaces_between_special_tokens True
     best_of: int | None = None
     spaces_between_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
