@@ -44,11 +44,12 @@ def run(args, texts: list[str], offload_at: int | None) -> dict:
     for i, text in enumerate(texts):
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}]) if chat else text
         engine.add_request(prompt, sp, request_id=str(i))
-    step, mark, outputs = 0, None, {}
+    step, mark, outputs, away = 0, None, {}, 0
     while engine.has_unfinished_requests():
         if step == offload_at:
             engine._offload_draft()
             for _ in range(args.away_steps):
+                away += engine.draft_offloaded  # (the steps it was really away: the policy may bring it back)
                 for out in engine.step():
                     if out.finished:
                         outputs[out.request_id] = out.outputs[0].token_ids
@@ -65,7 +66,7 @@ def run(args, texts: list[str], offload_at: int | None) -> dict:
         raise SystemExit(f"the requests finished before step {args.mark}: raise --max-tokens or lower --mark")
     accepted, chains = s.num_accepted_tokens - mark[0], sum(s.drafted_per_position[:1]) - mark[1]
     return {"mean_accepted_length": 1 + accepted / chains if chains else 1.0, "speculative_steps": chains,
-            "offloads": s.num_draft_offloads, "reloads": s.num_draft_reloads,
+            "offloads": s.num_draft_offloads, "reloads": s.num_draft_reloads, "away_steps": away,
             "feature_draft": engine.runner.feature_draft, "outputs": [outputs[str(i)] for i in range(len(texts))]}
 
 
@@ -112,7 +113,11 @@ def main() -> None:
     if moved["outputs"] != still["outputs"]:
         raise SystemExit("outputs differ between the runs: the move was not lossless")
     check_moved(moved, args.offload_at)
-    rows = {"no move": still, f"away before step {args.offload_at} for {args.away_steps} steps": moved}
+    # (the label says the steps the draft was away: the engine's own policy may bring it back before
+    # --away-steps, while requests still run, and the table said --away-steps all the same)
+    early = "" if moved["away_steps"] == args.away_steps else f" (of --away-steps {args.away_steps}: the engine " \
+        "brought it back as the load fell)"
+    rows = {"no move": still, f"away before step {args.offload_at} for {moved['away_steps']} steps{early}": moved}
     print(f"\n{args.model} + {args.draft} (feature draft: {still['feature_draft']}), {len(texts)} greedy requests "
           f"of {args.max_tokens} tokens, γ = {args.gamma}; acceptance from step {args.mark} on\n")
     print("| run | mean accepted length | speculative sequence-steps | offloads / reloads |")

@@ -79,7 +79,7 @@ def table(rows: list[dict], num_prompts: int) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=model_spec, default="smollm2-135m-instruct",
                    help="the target (default: %(default)s)")
     p.add_argument("--draft", type=draft_model, default="auto", help="its draft (default: the preset's shipped one)")
@@ -94,6 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gap = draft_gap(args.draft, args.model)
     if gap:
         p.error(f"argument --draft: {gap}: the benchmark measures speculative steps, so it needs a draft model")
+    from nightjar_jax.models.loader import load_checkpoint  # (the held-out prompts are chats: a model without a
+    # template failed after both engines had loaded)
+
+    if getattr(load_checkpoint(args.model, load_format="dummy").tokenizer, "chat_template", None) is None:
+        p.error(f"argument --model: {args.model} has no chat template (the prompts are held-out chat questions): "
+                "give a chat model, e.g. smollm2-135m-instruct")
     return args
 
 

@@ -7,7 +7,8 @@ of the constraint per token (the matcher's mask and its advance, replayed over t
 of outputs that finish and parse, and writes JSON.
 
     python scripts/bench_structured.py --out results/bench_structured.json                  # SmolLM2-135M
-    python scripts/bench_structured.py --model stories260k --num-prompts 2 --max-tokens 8 --out /tmp/so.json  # smoke
+    python scripts/bench_structured.py --model stories260k --num-prompts 2 --batch-sizes 1,2 --max-tokens 8 \\
+        --out /tmp/so.json  # smoke
 """
 
 from __future__ import annotations
@@ -116,7 +117,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"requests per generate() call (the engine's max_num_seqs: {MAX_NUM_SEQS}, or the largest)")
     p.add_argument("--repeats", type=positive_int, default=2)
     p.add_argument("--out", default="results/bench_structured.json", type=writable_out)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    over = [b for b in map(int, args.batch_sizes.split(",")) if b > args.num_prompts]
+    if over:  # (a "batch 8" row of 2 prompts held 2 requests per call)
+        p.error(f"argument --batch-sizes: {','.join(map(str, over))} is more than --num-prompts {args.num_prompts}: "
+                "a generate() call would hold fewer requests than its row says")
+    return args
 
 
 def main() -> None:

@@ -62,6 +62,7 @@ from nightjar_jax.bench.common import (  # noqa: E402
     writable_out,
     write_json,
 )
+from nightjar_jax.config import DTYPES, VLLM_DTYPES  # noqa: E402
 
 # The flags --smoke sets, full run / smoke (a flag given on the command line wins over either).
 DEFAULTS = {
@@ -94,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=positive_int, default=None, help=default("prompt_len"))
     p.add_argument("--output-len", type=int_at_least(2), default=None,
                    help=f">= 2: the first token comes from the prefill ({default('output_len')})")
-    p.add_argument("--dtype", default=None, help=default("dtype"))
+    p.add_argument("--dtype", default=None, choices=(*DTYPES, *VLLM_DTYPES), help=default("dtype"))
     p.add_argument("--bandwidth-mib", type=positive_int, default=None, help=default("bandwidth_mib"))
     p.add_argument("--budget-s", type=positive_float, default=200.0, help="skip sections that would start after this")
     p.add_argument("--no-elastic", action="store_true", help="skip the elastic memory section")

@@ -89,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gap = draft_gap(args.draft, args.model)
     if gap:  # ("auto" for a target without a pair: an IndexError after the models loaded)
         p.error(f"argument --draft: {gap}: the profile measures a draft model's cost and acceptance")
+    longest = max(int(n) for n in args.prompt_lens.split(",")) + args.output_len + args.gamma_max + 2
+    if longest > args.max_model_len:  # (was a bare SystemExit after JAX had loaded)
+        p.error(f"argument --max-model-len: {args.max_model_len} is too short: the longest prompt + --output-len + "
+                f"--gamma-max + 2 = {longest} tokens must fit (raise it, or shorten --prompt-lens)")
     return args
 
 
@@ -170,8 +174,6 @@ def main() -> None:
     prompt_lens = [int(p) for p in args.prompt_lens.split(",")]
     gammas = list(range(args.gamma_max + 1))
     max_batch = max(batch_sizes)
-    if max(prompt_lens) + args.output_len + args.gamma_max + 2 > args.max_model_len:
-        raise SystemExit("longest prompt + output + γ_max + 2 must fit in --max-model-len")
     texts = dataset_texts(args.dataset, default=DEFAULT_DATASET, fallback=())  # (before the model loads)
     meta = machine_note()
     started = time.perf_counter()

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -177,6 +178,11 @@ def oracle_notes(results: dict[str, SimResult], static_rows: list[str]) -> list[
 WORKLOADS = tuple(dict.fromkeys(("low-burst-low", "oscillating", *PRESETS)))  # what preset_phases knows
 
 
+def _default_sigterm() -> None:
+    """A worker dies of SIGTERM (forked, it inherited the main process's handler, which its own loop caught)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default=None, type=existing_file,
@@ -259,16 +265,27 @@ def main() -> int:
         report["rate_scale"] = {"arg": args.rate_scale, "per_preset": scales}
     jobs = [(seed, preset, row) for seed in seeds for preset in presets for row in rows]
     started = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        finished = list(
-            pool.map(
-                run_one,
-                [
-                    (preset, *row, args.profile, args.gamma_max, seed, args.phase_seconds, scales[preset])
-                    for seed, preset, row in jobs
-                ],
+    previous = signal.getsignal(signal.SIGTERM)
+    with ProcessPoolExecutor(max_workers=args.jobs, initializer=_default_sigterm) as pool:
+
+        def stop(signum, frame):  # (a SIGTERM to this process alone left its workers hung for good)
+            for worker in list((getattr(pool, "_processes", None) or {}).values()):
+                worker.terminate()
+            raise SystemExit(128 + signum)
+
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            finished = list(
+                pool.map(
+                    run_one,
+                    [
+                        (preset, *row, args.profile, args.gamma_max, seed, args.phase_seconds, scales[preset])
+                        for seed, preset, row in jobs
+                    ],
+                )
             )
-        )
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     all_results = {(seed, preset): {} for seed in seeds for preset in presets}
     for (seed, preset, row), result in zip(jobs, finished, strict=True):
         all_results[seed, preset][row[0]] = result

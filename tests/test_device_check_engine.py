@@ -46,6 +46,8 @@ def test_device_check_engine_rejects_bad_arguments_clearly():
     script = str(ROOT / "scripts" / "device_check_engine.py")
     for argv, message in [(["--spec", "llama-7b"], "expected TARGET+DRAFT"),
                           (["--batch-sizes", "1,x"], "comma list of integers >= 1"),
-                          (["--gammas", "-1"], "comma list of integers >= 0")]:
+                          (["--gammas", "-1"], "comma list of integers >= 0"),
+                          # (any --dtype was taken: each section then failed on it, after the bandwidth probe)
+                          (["--dtype", "foo"], "argument --dtype: invalid choice: 'foo'")]:
         proc = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and message in proc.stderr, (argv, proc.stderr[-500:])

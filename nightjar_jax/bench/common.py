@@ -610,10 +610,14 @@ def run_decode_workload(llm, prompts: list[list[int]], output_len: int, gamma: i
     )
 
 
-def host_share(llm, prompts: list[list[int]], output_len: int) -> dict:
-    """Share of decode-step wall time spent outside the jitted forward call (dispatch + device + block)."""
+def host_share(llm, prompts: list[list[int]], output_len: int, warm: bool = False) -> dict:
+    """Share of decode-step wall time spent outside the jitted forward call (dispatch + device + block).
+    ``warm``: run the workload once untimed first, for a batch whose shapes have not run yet (their compiles,
+    inside the timed steps and calls, made the share far too low)."""
     import jax
 
+    if warm:
+        run_decode_workload(llm, prompts, output_len)
     runner = llm.engine.runner
     inner = runner._forward_sample
     call_seconds: list[float] = []

@@ -19,6 +19,7 @@ def test_bench_reload_acceptance_smoke(tmp_path, monkeypatch, capsys):
     runs = json.loads(out.read_text())["runs"]
     still, moved = runs["no move"], runs["away before step 4 for 2 steps"]
     assert (still["offloads"], still["reloads"]) == (0, 0) and (moved["offloads"], moved["reloads"]) == (1, 1)
+    assert moved["away_steps"] == 2 and still["away_steps"] == 0  # (the steps it was really away: the label's)
     assert still["speculative_steps"] > 0 and moved["speculative_steps"] > 0
     assert 1.0 <= moved["mean_accepted_length"] <= 1 + 4 and 1.0 <= still["mean_accepted_length"] <= 1 + 4
     assert "| no move |" in capsys.readouterr().out

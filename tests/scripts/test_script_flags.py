@@ -79,6 +79,14 @@ BAD_FLAGS = [
     ("measure_profile.py", ["--repeats", "0"], "--repeats"),
     ("measure_profile.py", ["--output-len", "1"], "--output-len"),
     ("bench_seeded.py", ["--draft", "none"], "--draft"),
+    # (a model without a chat template failed in chat_ids after both engines had loaded)
+    ("bench_seeded.py", ["--model", "stories260k", "--draft", "stories260k@skip=2"],
+     "argument --model: stories260k has no chat template"),
+    # (a bare SystemExit once JAX had loaded)
+    ("measure_profile.py", ["--max-model-len", "16", "--prompt-lens", "32"],
+     "argument --max-model-len: 16 is too short"),
+    # (a "batch 8" row of 2 prompts held 2 requests per generate() call)
+    ("bench_structured.py", ["--num-prompts", "2"], "argument --batch-sizes: 8 is more than --num-prompts 2"),
     ("bench_seeded.py", ["--prompts", "99"], "--prompts"),
     ("bench_seeded.py", ["--temperatures", "0.7,0"], "--temperatures"),
     ("bench_lookup.py", ["--prompts", "2"], "--prompts 2"),
@@ -457,7 +465,7 @@ def test_bench_structured_parse_and_missing_itl() -> None:
 
 
 def test_bench_structured_batch_sizes_kept_as_given() -> None:
-    args = script("bench_structured.py").parse_args(["--batch-sizes", "8,16"])
+    args = script("bench_structured.py").parse_args(["--batch-sizes", "8,16", "--num-prompts", "16"])
     assert args.batch_sizes == "8,16" and script("bench_structured.py").MAX_NUM_SEQS == 8
 
 

@@ -4,6 +4,7 @@ the simulator runs on it with a rate-scaled workload."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
@@ -134,3 +135,53 @@ def test_measure_profile_refuses_gamma_max_zero(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         module.main()
     assert exc.value.code == 2 and "argument --gamma-max: expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_sigterm_stops_the_workers_too(tmp_path):
+    """``--jobs N``: a SIGTERM to the script alone left its N workers hung for good (orphans blocked on the result
+    pipe, QA 2026-12-07); now they are terminated with it and it exits 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    log = tmp_path / "stderr.txt"  # (a file: orphaned workers would hold a pipe open, and reading it hung)
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, str(SIM_PLANNERS), "--jobs", "2", "--out", str(tmp_path / "sim.json")],
+                                stdout=subprocess.DEVNULL, stderr=err)
+    children: set[int] = set()
+    deadline = time.monotonic() + 120
+    while len(children) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+        for task in Path(f"/proc/{proc.pid}/task").glob("*"):
+            try:
+                children |= {int(c) for c in (task / "children").read_text().split()}
+            except OSError:
+                pass
+    assert len(children) >= 2, "the workers never started"
+    time.sleep(1.0)  # (the workers busy with a simulation)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:  # (it hung: killed, and the test fails below)
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 20
+
+    def alive() -> list[int]:
+        out = []
+        for c in children:
+            try:
+                if Path(f"/proc/{c}/stat").read_text().split()[2] != "Z":
+                    out.append(c)
+            except OSError:
+                pass
+        return out
+
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = alive()
+    for c in left:  # (never leave them behind, even when the test fails)
+        os.kill(c, signal.SIGKILL)
+    assert proc.returncode == 143, log.read_text()[-2000:]
+    assert not left, f"workers {left} outlived the SIGTERM"
