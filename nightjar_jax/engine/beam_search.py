@@ -28,7 +28,7 @@ from nightjar_jax.engine.sampling_params import (
     MAX_LOGPROBS,
     InvalidRequestError,
     SamplingParams,
-    _plain,
+    plain_number,
     short_repr,
 )
 
@@ -60,7 +60,7 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens", "temperature", "length_penalty"):  # (NumPy scalars: their numbers)
-            object.__setattr__(self, name, _plain(getattr(self, name)))
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
         checks = [
             (_is_int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH, "beam_width",
              f"an integer in [1, {MAX_BEAM_WIDTH}] (each beam asks for 2 x beam_width log-probabilities, at most "

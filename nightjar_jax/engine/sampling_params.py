@@ -199,11 +199,11 @@ class SamplingParams:
                                           f"{kind}", name)
             setattr(self, name, list(value or []))
         # NumPy integers as token ids, and NumPy numbers as bias values (np.int64(2) was "not a non-negative integer")
-        self.stop_token_ids = [_plain(t) for t in self.stop_token_ids]
+        self.stop_token_ids = [plain_number(t) for t in self.stop_token_ids]
         if isinstance(self.allowed_token_ids, list):
-            self.allowed_token_ids = [_plain(t) for t in self.allowed_token_ids]
+            self.allowed_token_ids = [plain_number(t) for t in self.allowed_token_ids]
         if isinstance(self.logit_bias, dict):
-            self.logit_bias = {_plain(t): _plain(v) for t, v in self.logit_bias.items()}
+            self.logit_bias = {plain_number(t): plain_number(v) for t, v in self.logit_bias.items()}
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.bad_words, str):
@@ -222,7 +222,7 @@ class SamplingParams:
                                       f"a RequestOutputKind ({', '.join(k.name for k in RequestOutputKind)})",
                                       "output_kind")
         for name in _NUMBER_FIELDS:  # NumPy scalars as Python numbers (np.float64 passed, np.float32 was refused)
-            setattr(self, name, _plain(getattr(self, name)))
+            setattr(self, name, plain_number(getattr(self, name)))
         checks = [
             *((isinstance(getattr(self, name), bool), name, "True or False")
               for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize")),
@@ -306,7 +306,7 @@ _NUMBER_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_to
                   "truncate_prompt_tokens", "best_of")
 
 
-def _plain(x: Any) -> Any:
+def plain_number(x: Any) -> Any:
     """A NumPy integer or float scalar as the Python number it holds; anything else (a NumPy bool too) as it is."""
     if type(x).__module__ == "numpy" and hasattr(x, "item") and getattr(x, "ndim", None) == 0:
         item = x.item()
