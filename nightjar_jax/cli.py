@@ -64,6 +64,9 @@ _HELP = {
                          "--prompt-lookup-min) occurred before: the tokens that followed are verified (0: off)",
     "prompt_lookup_min": "the shortest suffix n-gram lookup matches (with --prompt-lookup-max > 0)",
     "planner": "who picks γ each step: a planner name (static, nightjar, banditspec, dsd, ...)",
+    "planner_log": "a JSONL file to append every γ decision and its reward to (opt-in)",
+    "planner_state": "a JSON file keeping what the planner learned across runs: read at start if it exists (a "
+                     "state of this planner and γ_max), written at shutdown and every minute while decoding",
     "kv_cache_bytes": "KV cache memory budget in bytes (suffixes K, M, G, KiB, MiB, GiB allowed)",
     "gpu_memory_utilization": "vLLM's: the share of a GPU/TPU's memory the engine may hold; the KV pool gets it less "
                               "what the weights hold, instead of --kv-cache-bytes (the CPU backend keeps "

@@ -309,6 +309,10 @@ class SpecConfig:
     # pay); "static" always uses num_speculative_tokens.
     planner: str = "nightjar"
     planner_log: str | None = None  # JSONL path for decisions and rewards (opt-in)
+    # A JSON file that keeps the planner's learned state across runs (a warm start): read at start when it exists
+    # (a state of this planner and γ_max, e.g. one an earlier run wrote), written at close (llm.close(), server
+    # shutdown, exit) and every minute while decoding. None: each run starts cold.
+    planner_state: str | None = None
     # Decode steps at γ verify a static token tree of up to this many drafted nodes, depth γ (the draft's
     # top-ranked tokens per node; nightjar_jax/spec/tree.py) instead of a chain of γ, greedy or sampled (recursive
     # rejection sampling down the tree, lossless); 0: always a chain.
@@ -328,7 +332,7 @@ class SpecConfig:
     prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
-        _fspath_fields(self, "draft_model", "planner_log", "spec_tree_file")
+        _fspath_fields(self, "draft_model", "planner_log", "planner_state", "spec_tree_file")
         _check(self.draft_model is None or isinstance(self.draft_model, str), "draft_model", self.draft_model,
                "None or 'none' (no draft), 'auto', 'ngram' or a model spec (a preset, path or repo id; "
                "'<target>@<layers>' for a layer-skip draft)")
@@ -342,6 +346,8 @@ class SpecConfig:
         _check(self.planner_log is None or (isinstance(self.planner_log, str | os.PathLike)
                                             and bool(os.fspath(self.planner_log))),
                "planner_log", self.planner_log, "None (no log) or a path to a JSONL file")
+        _check(self.planner_state is None or (isinstance(self.planner_state, str) and bool(self.planner_state)),
+               "planner_state", self.planner_state, "None (start cold) or a path to a JSON file")
         _check_int("spec_tree_nodes", self.spec_tree_nodes, 0, 128)
         _check_int("spec_tree_min_gamma", self.spec_tree_min_gamma, 1, 16)
         _check(not self.spec_tree_nodes or self.spec_tree_min_gamma <= max(self.num_speculative_tokens, 1),

@@ -8,6 +8,7 @@ request that made progress in that step (new tokens, or finished). Bad input rai
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import math
@@ -16,6 +17,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -56,6 +58,10 @@ logger = logging.getLogger(__name__)
 # has at most this many rows (batch x (γ_max + 1)): batch 1 at γ_max = 4, where the verify streams the weights
 # (see LLMEngine._lookup_boost).
 LOOKUP_AR_BOOST_MAX_ROWS = 5
+
+# planner_state is saved at close, at exit and after the first observed decode step this many seconds after the last
+# save (a process killed outright loses at most that much of what the planner learned)
+PLANNER_STATE_SAVE_SECONDS = 60.0
 
 
 class EngineSleepingError(RuntimeError):
@@ -391,7 +397,8 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Flush the planner's decision log (if any). The engine stays usable for reading stats."""
+        """Flush the planner's decision log and save its ``planner_state`` (if set). The engine stays usable."""
+        self.save_planner_state()
         close = getattr(self.planner, "close", None)
         if close is not None:
             close()
@@ -514,6 +521,13 @@ class LLMEngine:
         elif name == "static":
             name = f"static:{self.gamma_max}"
         planner = make_planner(name, self.gamma_max)
+        self._planner_save_due = math.inf  # (monotonic time of the next periodic save of planner_state; inf: none)
+        self._planner_state_path: str | None = None
+        if spec.planner_state is not None and self.gamma_max:
+            planner = self._warm_planner(planner, spec.planner_state)
+        elif spec.planner_state is not None:
+            logger.info("planner_state=%r is neither read nor written: γ_max is 0 (no draft, or "
+                        "num_speculative_tokens=0), nothing to plan", spec.planner_state)
         if spec.planner_log:
             from nightjar_jax.planner import DecisionLogger
 
@@ -524,6 +538,55 @@ class LLMEngine:
                                   f"({exc.strerror or exc}): "
                                   "give the path of a JSONL file (its folder is created)") from None
         return planner
+
+    def _warm_planner(self, planner, path: str):
+        """``planner_state``: the planner learned in an earlier run, read from ``path`` when it exists (this run's
+        counters start at 0: only what it learned carries over), else ``planner``, whose state is written there
+        at once (so a path that cannot be written fails here, not at shutdown)."""
+        from nightjar_jax.planner import Planner
+
+        if os.path.exists(path):
+            try:
+                saved = Planner.load(path)
+            except (OSError, ValueError) as exc:
+                what = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                raise ConfigError(f"planner_state={path!r} cannot be read as a planner state ({what}): give the "
+                                  "path of a state an earlier run wrote, or a new path to start cold") from None
+            if (saved.spec, saved.gamma_max) != (planner.spec, planner.gamma_max):
+                raise ConfigError(f"planner_state={path!r} holds what planner {saved.spec!r} learned with γ_max "
+                                  f"{saved.gamma_max}; this engine runs {planner.spec!r} with γ_max "
+                                  f"{planner.gamma_max}: give another path, or remove the file to start cold")
+            logger.info("planner %s warm-started from %s (%d decisions, %d steps observed before)", saved.spec, path,
+                        saved.num_decisions, saved.num_observations)
+            saved.num_switches = saved.num_decisions = saved.num_observations = 0
+            saved.last_gamma = None
+            planner = saved
+        self._planner_state_path = path
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            planner.save(path)
+        except OSError as exc:  # (a folder, a read-only place, ...)
+            raise ConfigError(f"planner_state={path!r} cannot be written ({exc.strerror or exc}): give the path of "
+                              "a JSON file in a writable folder (the folder is created)") from None
+        self._planner_save_due = time.monotonic() + PLANNER_STATE_SAVE_SECONDS
+        engine = weakref.ref(self)
+        atexit.register(lambda: (e := engine()) is not None and e.save_planner_state())
+        return planner
+
+    def save_planner_state(self) -> bool:
+        """Write the planner's learned state to ``planner_state`` now (also done at close, at exit and every
+        ``PLANNER_STATE_SAVE_SECONDS`` while decoding); False when there is no such file or the write failed (a
+        warning says why: serving goes on)."""
+        path = self._planner_state_path
+        if path is None:
+            return False
+        self._planner_save_due = time.monotonic() + PLANNER_STATE_SAVE_SECONDS
+        try:
+            self.planner.save(path)
+        except OSError as exc:
+            logger.warning("planner state not saved to %s: %s", path, exc)
+            return False
+        return True
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def default_sampling_params(self, **fields) -> SamplingParams:
@@ -1461,6 +1524,8 @@ class LLMEngine:
             # seconds where its arm takes milliseconds: the planner would shun that γ for it, so it does not see it.
             self.planner.observe(result.gamma, batch.num_seqs, committed, observed,
                                  switch_seconds=min(switch, observed))
+            if time.monotonic() >= self._planner_save_due:
+                self.save_planner_state()
         self._prev_gamma = result.gamma
         if self.record_steps:
             s.step_log.append(dict(

@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import numbers
+import os
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from pathlib import Path
@@ -311,7 +312,14 @@ class Planner(abc.ABC):
         return planner
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        """Write ``to_json`` to ``path`` atomically: a crash mid-save leaves the previous file, not a cut one."""
+        path = Path(path)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        try:
+            partial.write_text(self.to_json(), encoding="utf-8")
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
 
     @staticmethod
     def load(path: str | Path) -> Planner:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
+import pytest
 from planner_synthetic_env import SyntheticEnv, run
 
 from nightjar_jax.planner import Planner, make_planner
@@ -104,6 +106,26 @@ def test_state_round_trips_through_json_and_continues_identically(tmp_path):
     env_b.rng.bit_generator.state = env_a.rng.bit_generator.state
     env_b.previous_gamma = env_a.previous_gamma
     assert run(clone, env_b, [4, 40] * 300)[0] == run(planner, env_a, [4, 40] * 300)[0]
+
+
+def test_save_replaces_the_file_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A save that fails midway (a crash, a full disk) leaves the last saved state, not a cut file that no longer
+    loads (an engine's planner_state is saved while it serves)."""
+    planner = make_planner("nightjar", 4, seed=9)
+    run(planner, SyntheticEnv(seed=6), [4, 40] * 50)
+    path = tmp_path / "nightjar.json"
+    planner.save(path)
+    saved = path.read_text()
+    run(planner, SyntheticEnv(seed=7), [4, 40] * 50)
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", fail)  # (the new text was written beside it, and is not moved in)
+    with pytest.raises(OSError, match="No space left"):
+        planner.save(path)
+    assert path.read_text() == saved and Planner.load(path).to_json() == saved
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nightjar.json"]  # (no partial file left beside it)
 
 
 def test_a_state_with_infinite_options_is_strict_json():

@@ -7,11 +7,16 @@ import openai
 import pytest
 from server_process import ServerProcess
 
+from nightjar_jax.planner import Planner
+
 
 @pytest.fixture(scope="module")
-def spec_server():
+def spec_server(tmp_path_factory):
+    planner_state = tmp_path_factory.mktemp("planner") / "state.json"
     srv = ServerProcess(
         [
+            "--planner-state",
+            str(planner_state),
             "--draft-model",
             "stories260k",
             "--num-speculative-tokens",
@@ -31,6 +36,7 @@ def spec_server():
             "deepseek_r1",
         ]
     )
+    srv.planner_state = planner_state
     yield srv
     srv.stop()
 
@@ -241,6 +247,9 @@ def test_speculative_server_metrics(spec_server):
     assert m["nightjar_draft_reloads_total"] == 0 and "nightjar_planner_switches_total" in m
     assert m["nightjar_kv_pages_free"] == m["nightjar_kv_pages_usable"]
     assert spec_server.stop() == 0
+    # --planner-state: the shutdown wrote what the planner saw (a static planner learns nothing: its counters)
+    state = Planner.load(spec_server.planner_state)
+    assert state.spec == "static:3" and state.num_decisions >= steps > 0
 
 
 def test_server_with_token_trees():

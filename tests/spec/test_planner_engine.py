@@ -78,3 +78,108 @@ def test_nightjar_planner_chooses_among_ar_chains_and_a_tree():
     assert {s["tree_nodes"] for s in log if s["gamma"] == 3} == {8 + 3}  # 8 draft nodes + lookup's copy branch
     assert {s["tree_nodes"] for s in log if s["gamma"] < 3} == {0}
     assert eng.num_free_pages == eng.num_total_pages
+
+
+def _nightjar_engine(**kwargs):
+    return fake_engine(draft=True, num_speculative_tokens=3, planner="nightjar", **kwargs)
+
+
+def _run_prompts(eng, max_tokens=20):
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, greedy(max_tokens), request_id=str(i))
+    assert run_all(eng) == {str(i): fake_greedy_continuation(p, max_tokens, VOCAB) for i, p in enumerate(PROMPTS)}
+
+
+def test_planner_state_carries_what_the_planner_learned_into_the_next_run(tmp_path):
+    from nightjar_jax.planner import Planner
+
+    path = tmp_path / "state" / "planner.json"  # (its folder is created)
+    first = _nightjar_engine(planner_state=path)  # (a pathlib path, held as its str)
+    assert Planner.load(path).num_decisions == 0  # written at start: a path that cannot be written fails there
+    _run_prompts(first)
+    learned = first.planner.state_dict()["learned"]
+    assert first.planner.num_observations > 0
+    first.close()
+    saved = json.loads(path.read_text())
+    assert saved["learned"] == learned and saved["counters"]["num_observations"] == first.planner.num_observations
+
+    start = Planner.load(path)
+    log = tmp_path / "decisions.jsonl"
+    second = _nightjar_engine(planner_state=str(path), planner_log=log)
+    assert second.planner.state_dict()["learned"] == learned  # warm: the contexts' estimates, the rng
+    assert (second.planner.num_decisions, second.planner.num_observations, second.planner.last_gamma) == (0, 0, None)
+    _run_prompts(second, 40)  # (lossless from a warm start too)
+    second.close()
+    assert Planner.load(path).num_observations == second.planner.num_observations > 0
+    # the warm run's log replays through the state it started from, as the engine loaded it
+    from nightjar_jax.planner import replay
+
+    start.last_gamma = None
+    assert replay(log, start).all_match
+
+
+def test_planner_state_is_saved_while_decoding(tmp_path, monkeypatch):
+    from nightjar_jax.engine import engine as engine_module
+    from nightjar_jax.planner import Planner
+
+    monkeypatch.setattr(engine_module, "PLANNER_STATE_SAVE_SECONDS", 0.0)  # (due after every observed step)
+    path = tmp_path / "planner.json"
+    eng = _nightjar_engine(planner_state=path)
+    _run_prompts(eng)
+    # not closed: a process killed now keeps what the last observed step taught
+    assert Planner.load(path).num_observations == eng.planner.num_observations > 0
+
+
+def test_planner_state_of_another_planner_or_gamma_max_is_a_config_error(tmp_path):
+    from nightjar_jax.config import ConfigError
+
+    path = tmp_path / "planner.json"
+    _nightjar_engine(planner_state=path).close()
+    before = path.read_text()
+    with pytest.raises(ConfigError, match=r"holds what planner 'nightjar' learned with γ_max 3; this engine runs "
+                                          r"'nightjar' with γ_max 2: give another path, or remove the file"):
+        fake_engine(draft=True, num_speculative_tokens=2, planner="nightjar", planner_state=path)
+    with pytest.raises(ConfigError, match=r"holds what planner 'nightjar' .* this engine runs 'banditspec'"):
+        fake_engine(draft=True, num_speculative_tokens=3, planner="banditspec", planner_state=path)
+    assert path.read_text() == before  # (a refused state is left as it was)
+
+
+@pytest.mark.parametrize("content", ["", '{"format": "nightjar-jax/planner-state/v1", "spec"', '{"a": 1}\n'])
+def test_planner_state_that_is_not_a_state_is_a_config_error(tmp_path, content):
+    from nightjar_jax.config import ConfigError
+
+    path = tmp_path / "planner.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=r"planner_state='.*planner.json' cannot be read as a planner state \(.*\): "
+                                          r"give the path of a state an earlier run wrote, or a new path"):
+        _nightjar_engine(planner_state=path)
+    assert path.read_text() == content
+
+
+def test_planner_state_in_a_place_that_cannot_be_written_is_a_config_error(tmp_path):
+    from nightjar_jax.config import ConfigError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"planner_state='.*' cannot be written \(.*\): give the path of a JSON "
+                                          r"file in a writable folder"):
+        _nightjar_engine(planner_state=blocker / "planner.json")  # (its "folder" is a file)
+    with pytest.raises(ConfigError, match=r"cannot be read as a planner state \(Is a directory\)"):
+        _nightjar_engine(planner_state=tmp_path)
+
+
+def test_planner_state_without_a_draft_is_left_alone(tmp_path):
+    path = tmp_path / "planner.json"
+    eng = fake_engine(draft=False, planner="nightjar", planner_state=path)
+    assert eng.gamma_max == 0 and eng.save_planner_state() is False
+    eng.close()
+    assert not path.exists()
+
+
+def test_planner_state_config_checks_its_type():
+    from nightjar_jax.config import ConfigError, make_engine_config
+
+    with pytest.raises(ConfigError, match=r"planner_state=3 is invalid: allowed None \(start cold\) or a path"):
+        make_engine_config(model="fake", planner_state=3)
+    with pytest.raises(ConfigError, match=r"planner_state='' is invalid"):
+        make_engine_config(model="fake", planner_state="")
