@@ -252,7 +252,9 @@ def tokenizer_from_gguf(reader: Any, *, source: str) -> Tokenizer:
     kind = _meta(reader, "tokenizer.ggml.model")
     tokens: list[str] = _meta(reader, "tokenizer.ggml.tokens") or []
     if not tokens:
-        raise ValueError(f"{source}: GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
+        raise ValueError(f"{source}: GGUF file has no tokenizer (tokenizer.ggml.tokens is missing): give the "
+                         f"model's tokenizer with tokenizer= (--tokenizer), a tokenizer.json / tokenizer.model file "
+                         f"or an HF folder")
     types = _per_token(reader, "tokenizer.ggml.token_type", len(tokens), _NORMAL, source)
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if kind == "gpt2":

@@ -151,7 +151,8 @@ def _check_has_weights(preset: Preset, model: str) -> None:
 
 def _load_path(path: Path, fmt: str, *, want_weights: bool, want_tokenizer: bool = True) -> Checkpoint:
     """Read a local checkpoint of format ``fmt`` (``want_weights=False``: config and tokenizer only;
-    ``want_tokenizer=False``: a llama2.c file's sibling tokenizer is not looked for, one was given)."""
+    ``want_tokenizer=False``: the checkpoint's own tokenizer is not read, one was given: a folder's or GGUF's
+    that is missing or unreadable is then no error)."""
     src = str(path)
     if fmt in ("hf", "safetensors"):
         if not path.is_dir():
@@ -160,16 +161,16 @@ def _load_path(path: Path, fmt: str, *, want_weights: bool, want_tokenizer: bool
             cfg, state = hf.load_hf_folder(path)
         else:
             cfg, state = hf.read_config(path), None
-        tok = Tokenizer.from_pretrained(path) if hf.has_tokenizer_files(path) else None
+        tok = Tokenizer.from_pretrained(path) if want_tokenizer and hf.has_tokenizer_files(path) else None
         return Checkpoint(cfg, state, tok, src, "hf")
     if fmt == "gguf":
         if want_weights:
             in_cache = gguf_loader.cache_dir() in path.resolve().parents
-            cfg, state, tok = gguf_loader.load_gguf(path, dequant_cache=in_cache)
+            cfg, state, tok = gguf_loader.load_gguf(path, dequant_cache=in_cache, with_tokenizer=want_tokenizer)
         else:
             reader = gguf_loader._reader(path)
             cfg = gguf_loader.config_from_gguf(reader, source=src)
-            state, tok = None, gguf_loader.tokenizer_from_gguf(reader, source=src)
+            state, tok = None, gguf_loader.tokenizer_from_gguf(reader, source=src) if want_tokenizer else None
         return Checkpoint(cfg, state, tok, src, "gguf")
     if fmt == "llama2c":
         cfg, state = llama2c.load_llama2c(path)
@@ -177,7 +178,7 @@ def _load_path(path: Path, fmt: str, *, want_weights: bool, want_tokenizer: bool
         return Checkpoint(cfg, state if want_weights else None, tok, src, "llama2c")
     if fmt == "orbax":
         cfg, state, tok_dir = orbax_io.load_orbax(path)
-        tok = Tokenizer.from_pretrained(tok_dir) if tok_dir is not None else None
+        tok = Tokenizer.from_pretrained(tok_dir) if want_tokenizer and tok_dir is not None else None
         return Checkpoint(cfg, state if want_weights else None, tok, src, "orbax")
     raise ValueError(f"load_format={fmt!r} cannot read {path}")
 
@@ -205,7 +206,8 @@ def load_checkpoint(
         else:
             _check_has_weights(preset, model)
             local = resolve_source(preset.source)
-            ckpt = _load_path(local, _detect_format(local) if fmt == "auto" else fmt, want_weights=True)
+            ckpt = _load_path(local, _detect_format(local) if fmt == "auto" else fmt, want_weights=True,
+                              want_tokenizer=tokenizer is None and preset.tokenizer is None)
             if preset.tokenizer is not None:
                 ckpt.tokenizer = _load_tokenizer(preset.tokenizer)
             _check_matches_preset(ckpt.config, preset.config, ckpt.source)
@@ -213,7 +215,7 @@ def load_checkpoint(
             ckpt.source = f"preset {model} ({ckpt.source})"
     else:  # an HF repo id
         folder = hf.snapshot_download_offline_aware(model)
-        ckpt = _load_path(folder, "hf", want_weights=not dummy)
+        ckpt = _load_path(folder, "hf", want_weights=not dummy, want_tokenizer=tokenizer is None)
         ckpt.source = f"{model} ({folder})"
 
     if dummy:

@@ -176,6 +176,43 @@ def test_gguf_round_trip_with_spm_tokenizer(tmp_path):
         assert got.tokenizer.decode(ref.tokenizer.encode(text)) == text
 
 
+def test_a_given_tokenizer_stands_in_for_a_checkpoints_missing_or_unreadable_one(tmp_path, tiny_weights):
+    """tokenizer= replaces the checkpoint's own, which is then not read: a GGUF without tokenizer metadata and an HF
+    folder whose tokenizer.json is broken loaded only without one (QA, 2026-12-07: both were errors, tokenizer= or
+    not)."""
+    given = str(STORIES / "tokenizer.json")
+    path = tmp_path / "notok.gguf"
+    _write_stories_gguf(path, meta={"tokenizer.ggml.model": None, "tokenizer.ggml.tokens": None,
+                                    "tokenizer.ggml.scores": None, "tokenizer.ggml.token_type": None})
+    with pytest.raises(ValueError, match=r"GGUF file has no tokenizer \(tokenizer.ggml.tokens is missing\): give the "
+                                         r"model's tokenizer with tokenizer= \(--tokenizer\)"):
+        load_checkpoint(str(path))
+    for load_format in ("auto", "dummy"):
+        ckpt = load_checkpoint(str(path), tokenizer=given, load_format=load_format)
+        assert ckpt.tokenizer.source == given and ckpt.tokenizer.encode("Once upon") == \
+            load_checkpoint(str(STORIES / "stories260K.bin")).tokenizer.encode("Once upon")
+    folder = _write_hf(tmp_path / "hf", tiny_weights)
+    (folder / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a tokenizer this engine can read"):
+        load_checkpoint(str(folder))
+    assert load_checkpoint(str(folder), tokenizer=given).tokenizer.source == given
+
+
+def test_a_pytorch_bin_or_a_llama2c_header_with_bad_kv_heads_says_what_is_wrong(tmp_path):
+    import torch
+
+    path = tmp_path / "pytorch_model.bin"
+    torch.save({"model.embed_tokens.weight": torch.zeros(4, 4)}, path)
+    with pytest.raises(ValueError, match=r"a PyTorch checkpoint \(torch.save's zip or pickle\), not a llama2.c export: "
+                                         r"PyTorch .bin weights are not read here"):
+        load_checkpoint(str(path))
+    raw = bytearray((STORIES / "stories260K.bin").read_bytes())
+    raw[16:20] = np.array([3], np.int32).tobytes()  # n_kv_heads 3 for 8 heads
+    (tmp_path / "m.bin").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"n_kv_heads=3 for n_heads=8: allowed a divisor of n_heads"):
+        load_checkpoint(str(tmp_path / "m.bin"))
+
+
 def test_gguf_padding_and_unknown_ids_name_the_tokenizers_special_tokens(tmp_path):
     """tokenizer.ggml.padding_token_id / unknown_token_id are the tokenizer's pad and unk tokens, as transformers
     reads the same GGUF (SmolLM2's pad_token_id was None, pad_token / unk_token AttributeErrors; QA, 2026-12-07)."""
