@@ -15,6 +15,7 @@ end-of-sequence tokens are allowed, and the request ends once the matcher accept
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -225,6 +226,90 @@ _REF_ANNOTATIONS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", 
                               "description", "examples", "default", "deprecated", "readOnly", "writeOnly"})
 
 
+def _resolved(root: Any, node: Any) -> dict | None:
+    """``node`` with its local ``$ref`` (``#`` or ``#/...``) followed, up to 16 hops; None where it does not resolve to
+    a schema object."""
+    for _ in range(16):
+        ref = node.get("$ref") if isinstance(node, dict) else None
+        if not isinstance(ref, str):
+            break
+        if ref != "#" and not ref.startswith("#/"):
+            return None
+        node = root
+        for part in ref[2:].split("/") if ref != "#" else ():
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+    return node if isinstance(node, dict) and not isinstance(node.get("$ref"), str) else None
+
+
+def _canonical(value: Any) -> str:
+    """A JSON value as text that is equal where JSON Schema's equality is (1 and 1.0 are one number)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer():
+        value = int(value)
+    return json.dumps(value, sort_keys=True)
+
+
+def _listed_values(node: dict) -> set[str] | None:
+    """The values a schema allows when it lists them (``const`` / ``enum``), canonical; None when it does not."""
+    if "const" in node:
+        return {_canonical(node["const"])}
+    if isinstance(node.get("enum"), list):
+        return {_canonical(v) for v in node["enum"]}
+    return None
+
+
+def _json_type(value: Any) -> set[str]:
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, (int, float)):
+        return {"number", "integer"} if float(value).is_integer() else {"number"}
+    return {{str: "string", list: "array", dict: "object"}.get(type(value), "?")}
+
+
+def _types(node: dict) -> set[str] | None:
+    """The JSON types a schema allows, from its ``type`` or, without one, its listed values; None when unknown."""
+    types = node.get("type")
+    if types is None and ("const" in node or isinstance(node.get("enum"), list)):
+        values = [node["const"]] if "const" in node else node["enum"]
+        return set().union(*map(_json_type, values))
+    if isinstance(types, str):
+        types = [types]
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        return None
+    return set(types) | ({"integer"} if "number" in types else set())  # (an integer is a number)
+
+
+def _exclusive(root: Any, a: Any, b: Any) -> bool:
+    """Whether no value can match both schemas, as far as their types, listed values or a required property's
+    listed values (a discriminator) show; False when that cannot be told."""
+    a, b = _resolved(root, a), _resolved(root, b)
+    if a is None or b is None:
+        return False
+    types_a, types_b = _types(a), _types(b)
+    if types_a is not None and types_b is not None and not types_a & types_b:
+        return True
+    values_a, values_b = _listed_values(a), _listed_values(b)
+    if values_a is not None and values_b is not None and not values_a & values_b:
+        return True
+    props_a, props_b, req_a, req_b = a.get("properties"), b.get("properties"), a.get("required"), b.get("required")
+    if not (isinstance(props_a, dict) and isinstance(props_b, dict) and isinstance(req_a, list)
+            and isinstance(req_b, list)):
+        return False
+    for name in props_a:
+        if name in props_b and name in req_a and name in req_b:
+            sub_a, sub_b = _resolved(root, props_a[name]), _resolved(root, props_b[name])
+            if sub_a is None or sub_b is None:
+                continue
+            values_a, values_b = _listed_values(sub_a), _listed_values(sub_b)
+            if values_a is not None and values_b is not None and not values_a & values_b:
+                return True
+    return False
+
+
 def unenforced_schema_feature(schema: Any) -> str | None:
     """The first place a JSON schema asks for what the grammar backend would compile as if it were absent, as
     "``keyword`` at ``path``" (None: every constraint is enforced). Outputs breaking such a constraint came back
@@ -239,6 +324,13 @@ def unenforced_schema_feature(schema: Any) -> str | None:
                 return f"'{keyword}' at {path}"
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             return f"'allOf' of {len(node['allOf'])} schemas at {path} (one is enforced)"
+        branches = node.get("oneOf")
+        if isinstance(branches, list):  # (compiled as anyOf: a value two branches match came back with "stop")
+            for i, j in itertools.combinations(range(len(branches)), 2):
+                if not _exclusive(schema, branches[i], branches[j]):
+                    return (f"'oneOf' at {path} whose branches {i} and {j} may both match (exactly one must: use "
+                            "'anyOf', or branches told apart by 'type', 'const' / 'enum' values or a required "
+                            "property's 'const')")
         ref = node.get("$ref")
         if isinstance(ref, str):
             if not (ref == "#" or ref.startswith("#/")):

@@ -1250,7 +1250,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
             found = found[:1] if one_call else found
             if not found:
                 return {"content": content}, finish
-            return {"content": content or None,  # (as streamed: the text beside the calls, whitespace included)
+            return {"content": content or None,  # (as streamed: the text beside the calls, whitespace after a call
+                    #                                  only where other text follows it)
                     "tool_calls": tool_parsers.tool_calls_json(found)}, "tool_calls" if finish == "stop" else finish
         if mode == "named":
             if not text:  # (no answer written: a thought cut by max_tokens; as "required" then, no call)

@@ -129,21 +129,33 @@ class ToolCallStream:
     _held: str = ""  # outside a block: a tail that could begin the start tag
     _body: list[str] | None = None  # inside a block: its text so far, in the pieces that came (joined once it closes)
     _tail: str = ""  # inside a block: its text's last len(end) - 1 characters (where an end tag may have begun)
+    _gap: str = ""  # after a call: whitespace held until text follows it (at the end it is dropped)
     calls: list[ToolCall] = field(default_factory=list)  # every call so far
+
+    def _content(self, text: str, after_call: bool) -> str:
+        """Content text as it may go out: after a call, whitespace is held (the newlines between and after blocks
+        are no content: vLLM's hermes parser answers content null there) until other text follows it."""
+        if not after_call:
+            return text
+        text = self._gap + text
+        kept = text.rstrip()
+        self._gap = text[len(kept):]
+        return kept
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         content, calls = [], []
         text = self._held + text
         self._held = ""
         while text:
+            after_call = bool(self.calls or calls)
             if self._body is None:
                 at = text.find(self.start)
                 if at < 0:
                     keep = prefix_tail(text, self.start)
-                    content.append(text[:len(text) - keep])
+                    content.append(self._content(text[:len(text) - keep], after_call))
                     self._held = text[len(text) - keep:]
                     break
-                content.append(text[:at])
+                content.append(self._content(text[:at], after_call))
                 self._body, self._tail, text = [], "", text[at + len(self.start):]
             else:
                 # (only the new text and the tail before it can hold the end tag: searching, or joining, the whole
@@ -159,10 +171,10 @@ class ToolCallStream:
                 at += len(body) - len(probe)
                 lead, found = _block(body[:at], self.start)
                 if found is None:
-                    content.append(self.start + body[:at] + self.end)
+                    content.append(self._content(self.start + body[:at] + self.end, after_call))
                 else:
                     if lead is not None:  # (a start tag written before the real one: text)
-                        content.append(self.start + lead)
+                        content.append(self._content(self.start + lead, after_call))
                     calls += found
                 self._body, text = None, body[at + len(self.end):]
         self.calls += calls
@@ -181,7 +193,8 @@ class ToolCallStream:
                 rest, found = (self.start + lead) if lead is not None else "", calls
             else:
                 rest, found = self.start + body, []
-        self._held, self._body, self._tail = "", None, ""
+        rest = self._content(rest, bool(self.calls))
+        self._held, self._body, self._tail, self._gap = "", None, "", ""  # (whitespace after the last call: dropped)
         self.calls += found
         return rest, found
 

@@ -538,6 +538,27 @@ def test_the_grammar_cache_is_bounded(llm, monkeypatch):
      "'minLength' / 'maxLength' beside 'pattern' at #/items/0"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"], "additionalProperties": False},
      "'required' [\"b\"] at #, which 'properties' lacks"),
+    # oneOf is compiled as anyOf: branches that may both match are refused ({"v": 10} matched both and came back
+    # with "stop", QA 2026-12-07), branches that cannot both match are enforced as they are
+    ({"type": "object", "properties": {"v": {"oneOf": [{"type": "integer", "minimum": 0},
+                                                      {"type": "integer", "maximum": 10}]}}},
+     "'oneOf' at #/properties/v whose branches 0 and 1 may both match (exactly one must: use 'anyOf'"),
+    ({"oneOf": [{"type": "string"}, {"type": "number"}, {"type": "integer"}]}, "'oneOf' at # whose branches 1 and 2"),
+    ({"oneOf": [{"const": 1}, {"enum": [2, 1.0]}]}, "'oneOf' at # whose branches 0 and 1"),  # (1 == 1.0)
+    ({"oneOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/A"}], "$defs": {"A": {"type": "object"}}}, "'oneOf' at #"),
+    ({"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}},  # (k not required: {} matches both)
+                {"type": "object", "properties": {"k": {"const": "b"}}}]}, "'oneOf' at #"),
+    ({"oneOf": [{"type": "string"}, {"type": ["null", "integer"]}, {"enum": [True, 3]}]},
+     "'oneOf' at # whose branches 1 and 2"),
+    ({"oneOf": [{"type": "string"}, {"type": ["null", "integer"]}, {"type": "boolean"}, {"const": 2.5}]}, None),
+    ({"oneOf": [{"const": "x"}, {"enum": ["y", 1]}]}, None),
+    # pydantic's discriminated union: $refs to objects that each require the tag with their own const
+    ({"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+      "discriminator": {"propertyName": "pet", "mapping": {"cat": "#/$defs/Cat", "dog": "#/$defs/Dog"}},
+      "$defs": {"Cat": {"type": "object", "properties": {"pet": {"const": "cat", "type": "string"}, "lives": {
+                    "type": "integer"}}, "required": ["pet", "lives"]},
+                "Dog": {"type": "object", "properties": {"pet": {"enum": ["dog"], "type": "string"}},
+                        "required": ["pet"]}}}, None),
     # enforced: none found (a property merely named like a keyword is no keyword)
     ({"type": "object", "properties": {"uniqueItems": {"type": "integer", "multipleOf": 5, "minimum": 0},
                                        "when": {"type": "string", "format": "date-time"},

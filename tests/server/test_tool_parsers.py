@@ -22,9 +22,16 @@ CASES = [
     # SmolLM2's form: a list in one block, "parameters" for "arguments", text around it
     ('Sure. <tool_call>[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "arguments": {}}]</tool_call> Done.',
      "Sure.  Done.", [ToolCall("a", '{"x": 1}'), ToolCall("b", "{}")]),
-    # two blocks; arguments given as a JSON string stay that string; non-ASCII kept as written
+    # two blocks; arguments given as a JSON string stay that string; non-ASCII kept as written; the whitespace
+    # between and after blocks is no content (vLLM's hermes parser: null; "\n" came out, QA 2026-12-07)
     ('<tool_call>{"name": "a", "arguments": "{\\"q\\": 1}"}</tool_call>\n<tool_call>{"name": "b", "arguments": '
-     '{"city": "Zürich"}}</tool_call>', "\n", [ToolCall("a", '{"q": 1}'), ToolCall("b", '{"city": "Zürich"}')]),
+     '{"city": "Zürich"}}</tool_call>\n', "", [ToolCall("a", '{"q": 1}'), ToolCall("b", '{"city": "Zürich"}')]),
+    # ... unless text follows it: then it is that text's (and the whitespace that ends the output is not)
+    ('<tool_call>{"name": "a"}</tool_call>\n\nDone.\n', "\n\nDone.", [ToolCall("a", "{}")]),
+    ('<tool_call>{"name": "a"}</tool_call>\n <tool_call>oops</tool_call>', "\n <tool_call>oops</tool_call>",
+     [ToolCall("a", "{}")]),
+    ('\n<tool_call>{"name": "a"}</tool_call> \n<tool_call>{"name": "b", "argu', '\n \n<tool_call>{"name": "b", "argu',
+     [ToolCall("a", "{}")]),
     # "[]": no call; the block is gone
     ("<tool_call>[]</tool_call>No tool fits.", "No tool fits.", []),
     # arguments null or "": no arguments (they were no call, the block left in the content)
