@@ -68,11 +68,12 @@ def paged_attention_cpu(
 ) -> jax.Array:  # [num_seqs, q_len, num_q_heads, head_dim], dtype of q
     """The reference's contract as a CPU custom call: K and V pools of one dtype (float32 or bfloat16) and one
     shape, or ``uint16`` pools holding bfloat16 bit patterns (how the engine holds bfloat16 pools on CPU:
-    ``nightjar_jax.models.llama.kv_storage_dtype``). A float32 q over bfloat16 pools (``kv_cache_dtype="bfloat16"``
-    under a float32 model) stays float32, and so does the result; any other q is cast to the pools' dtype (as the
-    Pallas wrapper does) and the result back to q's dtype. With ``layer``, the pools are stacked over the layers
-    (``nightjar_jax.models.llama.StackedKV``) and the kernel reads that layer's in place. ``k_ext``/``v_ext``: an
-    extension pool after the base pool (same layout, dtype and layers; its own page count), read in place too."""
+    ``nightjar_jax.models.llama.kv_storage_dtype``). Over bfloat16 pools a bfloat16 q computes in bfloat16, any other
+    q (float32: ``kv_cache_dtype="bfloat16"`` under a float32 model; float16) in float32, as the reference does; over
+    float32 pools q is cast to float32. The result comes back in q's dtype. With ``layer``, the pools are stacked
+    over the layers (``nightjar_jax.models.llama.StackedKV``) and the kernel reads that layer's in place.
+    ``k_ext``/``v_ext``: an extension pool after the base pool (same layout, dtype and layers; its own page count),
+    read in place too."""
     if not available():
         raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {unavailable_reason()}")
     dtype = jnp.dtype(k_pages.dtype)
@@ -110,10 +111,12 @@ def paged_attention_cpu(
         tree_mask = jnp.zeros((0, 0), jnp.uint8)
     else:
         check_tree_mask(tree_mask, q.shape[1])
-    if dtype == jnp.uint16:  # bfloat16 bit patterns: float32 q stays float32, any other q as bfloat16
-        q_dtype = jnp.dtype(jnp.float32) if q.dtype == jnp.float32 else jnp.dtype(jnp.bfloat16)
+    # over bfloat16 pools (or their uint16 bit patterns) a bfloat16 q computes in bfloat16, any other q in float32 (a
+    # float16 q was rounded to bfloat16 first: 13x the reference's error)
+    if dtype == jnp.uint16:
+        q_dtype = jnp.dtype(jnp.bfloat16) if q.dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)
         target = BITS_TARGETS[q_dtype]
-    elif q.dtype == jnp.float32 and dtype == jnp.bfloat16:
+    elif q.dtype != jnp.bfloat16 and dtype == jnp.bfloat16:
         q_dtype, target = jnp.dtype(jnp.float32), F32_Q_BF16_KV
     else:
         q_dtype, target = dtype, TARGETS[dtype]

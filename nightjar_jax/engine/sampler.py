@@ -42,6 +42,7 @@ SALT_DRAFT = 2  # the draft proposer's samples
 
 NO_ACCEPT_LIMIT = 2**30  # SamplingTensors.max_accept of a row that may accept every draft
 BANNED = -1e30  # the bias that keeps a token from being generated (exp(-1e30 - max) = 0; no inf - inf)
+MAX_SCALING_TEMPERATURE = 1e30  # temperatures above it scale logits as it does (1 / t stays a normal float32)
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -382,8 +383,20 @@ def _filtered_logits(logits: jax.Array, st: SamplingTensors) -> tuple[jax.Array,
     # floor below to inf + log(0) = NaN, every token was removed and token 0 drawn; now the top token scales to 0, the
     # others towards -inf (the greedy limit)
     top_logit = jnp.max(logits, axis=-1, keepdims=True)  # [B, ..., 1] f32
+    infinite_top = top_logit == jnp.inf  # [B, ..., 1] bool
     top_logit = jnp.where(jnp.isfinite(top_logit), top_logit, 0.0)
-    scaled = (logits - top_logit) / jnp.where(greedy, 1.0, temperature)  # [B, ..., V] f32
+    # At most MAX_SCALING_TEMPERATURE: XLA divides by multiplying with 1 / t, which a temperature past ~1e38 made a
+    # subnormal, flushed to 0, and every scaled logit 0 (-inf ones NaN). Past it the scaled logits are all within
+    # 1e-26 of 0 (the distribution is uniform over the kept tokens to float32's precision), so nothing changes.
+    scaled = (logits - top_logit) / jnp.where(greedy, 1.0, jnp.minimum(temperature, MAX_SCALING_TEMPERATURE))
+    # A banned token (BANNED: a stop id under min_tokens, a constraint, allowed_token_ids) stays removed at any
+    # temperature: -1e30 / t is no longer far below the rest past t ~ 1e28, and top-k, top-p and the bans let it
+    # through (a row with every token banned keeps them all, as before: that dead end is the engine's to report).
+    removed = logits <= BANNED / 2  # [B, ..., V] bool
+    removed &= ~jnp.all(removed, axis=-1, keepdims=True)
+    # A +inf logit is certain: its tokens share the mass (inf - inf was NaN, and the row's draw token 0).
+    scaled = jnp.where(removed, -jnp.inf, jnp.where(infinite_top, jnp.where(logits == jnp.inf, 0.0, -jnp.inf),
+                                                    scaled))  # [B, ..., V] f32
 
     # min-p first, as vLLM's sampler orders them (min-p is one of its logits processors, applied before top-k and
     # top-p): top-p's nucleus is then taken over the mass min-p kept, renormalised. In log space:

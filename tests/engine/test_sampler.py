@@ -396,6 +396,41 @@ def test_a_tiny_temperature_samples_the_argmax(filters):
                                    rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("filters", [{}, dict(top_k=2)], ids=["plain", "top_k"])
+def test_a_huge_temperature_keeps_bans_and_filters(filters):
+    """XLA divides by multiplying with 1 / t: a temperature past ~1e38 (allowed: any finite float) flushed that to 0,
+    every scaled logit was 0, top-k was ignored and banned (-1e30) tokens drawn, and a -inf logit gave NaN; past
+    t ~ 1e28, -1e30 / t was no longer far below the rest (QA, 2026-12-07). Now: uniform over the kept tokens."""
+    logits = np.array([[5, 4, 3, 2, -1e30, -1e30, -np.inf, 1], [5, 4, 3, 2, -1e30, -1e30, 0, 1]], np.float32)
+    logits = np.pad(logits, ((0, 2), (0, 24)), constant_values=-1e30)  # (the file's [4, 32] shape)
+    allowed = [[0, 1, 2, 3, 7], [0, 1, 2, 3, 6, 7]] if not filters else [[0, 1], [0, 1]]
+    for temperature in (1e29, 1e37, 3e38):
+        st = SamplingTensors.create(4, temperature=temperature, seeds=[1, 2, 3, 4], **filters)
+        probs = np.asarray(_probs(logits, st))
+        for row, kept in enumerate(allowed):
+            want = np.zeros(32)
+            want[kept] = 1 / len(kept)
+            np.testing.assert_allclose(probs[row], want, atol=1e-6, err_msg=f"t={temperature} row {row}")
+        np.testing.assert_allclose(probs[2:], 1 / 32, atol=1e-6)  # (a row with every token banned: left as it was)
+        for seed in range(8):
+            st = SamplingTensors.create(4, temperature=temperature, seeds=seed, **filters)
+            drawn = np.asarray(_sample(logits, st))
+            assert drawn[0] in allowed[0] and drawn[1] in allowed[1], (temperature, seed, drawn)
+
+
+def test_an_infinite_logit_is_certain_at_any_temperature():
+    """A +inf logit: inf - inf was NaN in every probability and token 0 drawn at t > 0 (greedy took it)."""
+    logits = np.zeros((4, 32), np.float32)
+    logits[0, 3] = logits[1, 5] = logits[1, 9] = np.inf
+    for temperature in (0.0, 1.0):
+        st = SamplingTensors.create(4, temperature=temperature, seeds=[1, 2, 3, 4])
+        probs = np.asarray(_probs(logits, st))
+        assert probs[0, 3] == 1 and probs[0].sum() == 1 and np.isfinite(probs).all()
+        assert (probs[1, [5, 9]] == (0.5 if temperature else [1, 0])).all() and probs[1].sum() == 1
+        drawn = np.asarray(_sample(logits, st))
+        assert drawn[0] == 3 and drawn[1] in (5, 9)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1.0), r"temperature=-1.0 is invalid: allowed a finite float >= 0"),  # (reversed the dist.)
     (dict(temperature=float("nan")), "temperature=nan is invalid"),  # (NaN probabilities, token 0)

@@ -164,6 +164,22 @@ def test_float32_q_over_bfloat16_pools_stays_float32():
     assert_close(out, paged_attention_reference(*args, scale=case.scale))
 
 
+@pytest.mark.parametrize("bits", [False, True], ids=["bf16-pools", "bf16-bits"])
+def test_float16_q_over_bfloat16_pools_computes_in_float32(bits):
+    """A float16 q was rounded to bfloat16 first: 13x the reference's error (QA, 2026-12-07); now it computes as a
+    float32 q does, and comes back as float16."""
+    case = make_case([5, 9, 300], q_len=2, num_q_heads=4, num_kv_heads=2, page_size=4, dtype=BF16)
+    q16 = (case.q.astype(F32) * 1.001).astype(jnp.float16)  # values a bfloat16 q could not hold
+    pools = [jax.lax.bitcast_convert_type(p, jnp.uint16) if bits else p for p in (case.k_pages, case.v_pages)]
+    out = cpu.paged_attention_cpu(q16, *pools, case.block_tables, case.context_lens, scale=case.scale)
+    assert out.dtype == jnp.float16
+    want = paged_attention_reference(q16, case.k_pages, case.v_pages, case.block_tables, case.context_lens,
+                                      scale=case.scale)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-3, rtol=0)
+    assert np.array_equal(np.asarray(out), np.asarray(cpu.paged_attention_cpu(
+        q16.astype(F32), *pools, case.block_tables, case.context_lens, scale=case.scale).astype(jnp.float16)))
+
+
 @pytest.mark.parametrize("q_dtype", [F32, BF16], ids=["f32-q", "bf16-q"])
 def test_uint16_pools_are_read_as_bfloat16_bit_patterns(q_dtype):
     # how the engine holds bfloat16 pools on CPU (llama.kv_storage_dtype): the same bits as the bfloat16 pools
