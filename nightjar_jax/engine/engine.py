@@ -1365,16 +1365,31 @@ class LLMEngine:
         """The decode variants at ``gammas`` (None: every γ) over the pools as they are now and, with ``prefill``,
         the prefill chunks (and the catch-up, draft on the device), until memory maps run short. In the order a
         load needs them: plain steps (γ = 0), the chunks every new prompt runs, then the speculating steps, which the
-        planner leaves under load; so a warm-up the maps stop (a CPU's vm.max_map_count: a SmolLM2 pair's whole
-        set does not fit the default) leaves γ > 0 variants to compile on first use, not every prompt's prefill."""
+        planner leaves under load (the γ it learned to choose first: ``_speculative_warmup_order``); so a warm-up
+        the maps stop (a CPU's vm.max_map_count: a SmolLM2 pair's whole set does not fit the default) leaves γ > 0
+        variants to compile on first use, not every prompt's prefill."""
         runner = self.runner
         plain_first = gammas is None and prefill and self.gamma_max > 0
         keys = runner.warmup(gammas=[0] if plain_first else gammas, sampled=sampled, progress=progress)
         if prefill and not runner.warmup_stopped:
             keys += runner.warmup_prefill(sampled=sampled, progress=progress)
-        if plain_first and not runner.warmup_stopped:
-            keys += runner.warmup(gammas=list(range(1, self.gamma_max + 1)), sampled=sampled, progress=progress)
+        if plain_first:
+            for batch_size, gamma in self._speculative_warmup_order():
+                if runner.warmup_stopped:
+                    break
+                keys += runner.warmup(batch_sizes=[batch_size], gammas=[gamma], sampled=sampled, progress=progress)
         return keys
+
+    def _speculative_warmup_order(self) -> list[tuple[int, int]]:
+        """The (batch bucket, γ > 0) decode variants in the order the warm-up compiles them: first the γ the planner
+        would choose at each bucket when it has learned one (a ``planner_state`` warm start: the maps may stop the
+        warm-up before the rest), then every other, smaller buckets first."""
+        best_arms = getattr(self.planner, "best_arms", None)
+        best = best_arms() if callable(best_arms) else {}
+        buckets = self.runner.shapes.decode_buckets
+        first = [(b, best[c]) for b in buckets if (c := self.planner.context_of(b)) in best and best[c] > 0]
+        rest = [(b, g) for b in buckets for g in range(1, self.gamma_max + 1) if (b, g) not in first]
+        return first + rest
 
     def warmup_ticks(self, sampled: bool = True, prefill: bool = True) -> int:
         """How many times :meth:`warmup` calls its ``progress`` (for a progress bar's total)."""

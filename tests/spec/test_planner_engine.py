@@ -183,3 +183,28 @@ def test_planner_state_config_checks_its_type():
         make_engine_config(model="fake", planner_state=3)
     with pytest.raises(ConfigError, match=r"planner_state='' is invalid"):
         make_engine_config(model="fake", planner_state="")
+
+
+def test_a_warm_planner_state_warms_the_gammas_it_chose_first(tmp_path, monkeypatch):
+    """With what the planner learned, the full warm-up compiles the γ it would choose at each batch bucket before
+    the other speculating variants (a warm-up the memory maps stop then leaves the unlikely ones to first use)."""
+    from nightjar_jax.planner import make_planner
+
+    planner = make_planner("nightjar", 3)
+    for gamma, tokens in enumerate([1, 2, 5, 2]):  # at batch 1, γ = 2 commits the most per second
+        for _ in range(10):
+            planner.observe(gamma, 1, tokens, 0.01)
+    path = tmp_path / "planner.json"
+    planner.save(path)
+    eng = _nightjar_engine(planner_state=path)
+    buckets = eng.runner.shapes.decode_buckets
+    order = eng._speculative_warmup_order()
+    assert order[0] == (1, 2) and sorted(order) == [(b, g) for b in buckets for g in (1, 2, 3)]
+    cold = _nightjar_engine()._speculative_warmup_order()
+    assert cold == [(b, g) for b in buckets for g in (1, 2, 3)]  # (nothing learned: smaller buckets first)
+
+    calls = []
+    monkeypatch.setattr(eng.runner, "warmup", lambda **kw: calls.append((kw.get("batch_sizes"), kw["gammas"])) or [])
+    monkeypatch.setattr(eng.runner, "warmup_prefill", lambda **kw: [])
+    eng.warmup(sampled=False)
+    assert calls[0] == (None, [0]) and calls[1:len(order) + 1] == [([b], [g]) for b, g in order]
