@@ -8,7 +8,6 @@ request that made progress in that step (new tokens, or finished). Bad input rai
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import logging
 import math
@@ -62,6 +61,16 @@ LOOKUP_AR_BOOST_MAX_ROWS = 5
 # planner_state is saved at close, at exit and after the first observed decode step this many seconds after the last
 # save (a process killed outright loses at most that much of what the planner learned)
 PLANNER_STATE_SAVE_SECONDS = 60.0
+
+
+def _save_planner_state(planner, path: str) -> bool:
+    """``planner.save(path)``; False, with a warning, when it failed (serving goes on)."""
+    try:
+        planner.save(path)
+    except OSError as exc:
+        logger.warning("planner state not saved to %s: %s", path, exc)
+        return False
+    return True
 
 
 class EngineSleepingError(RuntimeError):
@@ -346,6 +355,7 @@ class LLMEngine:
         )
         self.gamma_max = gamma_max
         self.planner = self._make_planner()
+        self._planner_switches_at_start = getattr(self.planner, "num_switches", 0)  # (a warm start's go on)
         self.memory: ElasticPolicy | None = None  # elastic memory (draft offload); None: off or no draft
         self._planner_speculates = False  # the planner chose γ > 0 for the last decode step it was asked about
         self._num_compiled_seen = 0  # runner.num_compiled() at the last memory-map check
@@ -540,9 +550,9 @@ class LLMEngine:
         return planner
 
     def _warm_planner(self, planner, path: str):
-        """``planner_state``: the planner learned in an earlier run, read from ``path`` when it exists (this run's
-        counters start at 0: only what it learned carries over), else ``planner``, whose state is written there
-        at once (so a path that cannot be written fails here, not at shutdown)."""
+        """``planner_state``: the planner an earlier run saved, read from ``path`` when it exists (it goes on as it
+        was, counters included), else ``planner``, whose state is written there at once (so a path that cannot be
+        written fails here, not at shutdown)."""
         from nightjar_jax.planner import Planner
 
         if os.path.exists(path):
@@ -558,35 +568,35 @@ class LLMEngine:
                                   f"{planner.gamma_max}: give another path, or remove the file to start cold")
             logger.info("planner %s warm-started from %s (%d decisions, %d steps observed before)", saved.spec, path,
                         saved.num_decisions, saved.num_observations)
-            saved.num_switches = saved.num_decisions = saved.num_observations = 0
-            saved.last_gamma = None
-            planner = saved
-        self._planner_state_path = path
+            planner = saved  # (as saved, counters too: dsd's warm-up and refits count its observations)
+        # (where the file is now: a relative path does not move with the working directory, and a symlink's
+        # target is written, not replaced by a file)
+        self._planner_state_path = target = os.path.realpath(path)
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            planner.save(path)
-        except OSError as exc:  # (a folder, a read-only place, ...)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            planner.save(target)
+        except OSError as exc:  # (a folder, a read-only file or place, ...)
             raise ConfigError(f"planner_state={path!r} cannot be written ({exc.strerror or exc}): give the path of "
                               "a JSON file in a writable folder (the folder is created)") from None
         self._planner_save_due = time.monotonic() + PLANNER_STATE_SAVE_SECONDS
-        engine = weakref.ref(self)
-        atexit.register(lambda: (e := engine()) is not None and e.save_planner_state())
+        # written when the engine is collected without close(), or at exit (the finalizer holds the planner, not
+        # the engine)
+        weakref.finalize(self, _save_planner_state, planner, target)
         return planner
+
+    @property
+    def planner_switches(self) -> int:
+        """The γ changes this engine's planner made (a warm-started planner's own count goes on from earlier runs)."""
+        return getattr(self.planner, "num_switches", 0) - self._planner_switches_at_start
 
     def save_planner_state(self) -> bool:
         """Write the planner's learned state to ``planner_state`` now (also done at close, at exit and every
         ``PLANNER_STATE_SAVE_SECONDS`` while decoding); False when there is no such file or the write failed (a
         warning says why: serving goes on)."""
-        path = self._planner_state_path
-        if path is None:
+        if self._planner_state_path is None:
             return False
         self._planner_save_due = time.monotonic() + PLANNER_STATE_SAVE_SECONDS
-        try:
-            self.planner.save(path)
-        except OSError as exc:
-            logger.warning("planner state not saved to %s: %s", path, exc)
-            return False
-        return True
+        return _save_planner_state(self.planner, self._planner_state_path)
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def default_sampling_params(self, **fields) -> SamplingParams:

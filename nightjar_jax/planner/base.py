@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import errno
 import json
 import logging
 import math
 import numbers
 import os
+import stat
+import uuid
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from pathlib import Path
@@ -301,6 +304,9 @@ class Planner(abc.ABC):
         except json.JSONDecodeError as error:  # (a file cut short by a crash mid-save, a decision log's lines, ...)
             raise ValueError(f"not a planner state: invalid JSON ({error}): load a state saved by state_dict / "
                              f"to_json") from None
+        except RecursionError:  # (JSON nested past Python's recursion limit: a traceback out of serve)
+            raise ValueError("not a planner state: JSON nested too deep to read: load a state saved by state_dict / "
+                             "to_json") from None
         _check_format(state)
         try:
             planner = make_planner(state["spec"], state["gamma_max"], **options_from_json(state["options"]))
@@ -312,11 +318,20 @@ class Planner(abc.ABC):
         return planner
 
     def save(self, path: str | Path) -> None:
-        """Write ``to_json`` to ``path`` atomically: a crash mid-save leaves the previous file, not a cut one."""
+        """Write ``to_json`` to ``path`` atomically: a crash mid-save leaves the previous file, not a cut one (a new
+        file beside it, moved over it; it keeps the old file's permissions, and a file this process may not write
+        is a PermissionError, as a plain write would be)."""
         path = Path(path)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        mode = None
+        if path.exists():
+            if not os.access(path, os.W_OK):
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            mode = stat.S_IMODE(path.stat().st_mode)
+        partial = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}.partial")  # (one per save: threads too)
         try:
             partial.write_text(self.to_json(), encoding="utf-8")
+            if mode is not None:
+                os.chmod(partial, mode)
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)

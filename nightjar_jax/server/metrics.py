@@ -146,7 +146,7 @@ class _EngineCollector:
         yield counter("nightjar_draft_offloads", "Draft model offloads", stats.num_draft_offloads)
         yield counter("nightjar_draft_reloads", "Draft model reloads", stats.num_draft_reloads)
         yield counter(
-            "nightjar_planner_switches", "Changes of γ chosen by the planner", getattr(e.planner, "num_switches", 0)
+            "nightjar_planner_switches", "Changes of γ chosen by the planner", e.planner_switches
         )
         yield counter("nightjar_preemptions", "Requests preempted for KV space", stats.num_preemptions)
         yield counter("nightjar_prefix_cache_queries", "Prompt tokens of the requests admitted with a prefix cache "

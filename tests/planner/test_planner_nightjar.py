@@ -128,6 +128,35 @@ def test_save_replaces_the_file_whole_or_not_at_all(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nightjar.json"]  # (no partial file left beside it)
 
 
+def test_saves_from_several_threads_and_a_files_permissions(tmp_path):
+    """Every save writes its own new file (their names held the process id alone: saves from two threads took each
+    other's file, FileNotFoundError), and the one moved over the old keeps its permissions (QA, 2026-12-07)."""
+    import threading
+
+    planner = make_planner("nightjar", 4, seed=9)
+    path = tmp_path / "nightjar.json"
+    planner.save(path)
+    path.chmod(0o640)
+    errors = []
+
+    def save_many():
+        try:
+            for _ in range(50):
+                planner.save(path)
+        except OSError as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=save_many) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and Planner.load(path).to_json() == planner.to_json()
+    assert (path.stat().st_mode & 0o777) == 0o640 and sorted(p.name for p in tmp_path.iterdir()) == ["nightjar.json"]
+    with pytest.raises(ValueError, match="JSON nested too deep to read"):
+        Planner.from_json("[" * 100_000 + "]" * 100_000)
+
+
 def test_a_state_with_infinite_options_is_strict_json():
     """prior_transfer_sd=inf (and elimination_z, probe_reset_z, initial_switch_seconds at inf) are documented values;
     the state wrote them as the bare token Infinity, which JSON parsers other than Python's refuse. Now "inf", read

@@ -106,16 +106,70 @@ def test_planner_state_carries_what_the_planner_learned_into_the_next_run(tmp_pa
     start = Planner.load(path)
     log = tmp_path / "decisions.jsonl"
     second = _nightjar_engine(planner_state=str(path), planner_log=log)
-    assert second.planner.state_dict()["learned"] == learned  # warm: the contexts' estimates, the rng
-    assert (second.planner.num_decisions, second.planner.num_observations, second.planner.last_gamma) == (0, 0, None)
+    assert second.planner.to_json() == start.to_json()  # warm: as saved, estimates, rng and counters
+    assert second.planner_switches == 0  # (this run's, for /metrics)
     _run_prompts(second, 40)  # (lossless from a warm start too)
     second.close()
-    assert Planner.load(path).num_observations == second.planner.num_observations > 0
-    # the warm run's log replays through the state it started from, as the engine loaded it
+    assert Planner.load(path).num_observations == second.planner.num_observations > first.planner.num_observations
+    assert second.planner_switches == second.planner.num_switches - start.num_switches
+    # the warm run's log replays through the state it started from
     from nightjar_jax.planner import replay
 
-    start.last_gamma = None
     assert replay(log, start).all_match
+
+
+def test_a_warm_started_dsd_goes_on_from_its_fit(tmp_path):
+    """dsd counts observations for its warm-up and refits: reset to 0 at a warm start (as they were), it ran its
+    warm-up cycle again and never refit in a run shorter than the last (QA, 2026-12-07)."""
+    from nightjar_jax.planner import Planner
+
+    path = tmp_path / "dsd.json"
+    first = fake_engine(draft=True, num_speculative_tokens=3, planner="dsd", planner_state=path)
+    _run_prompts(first, 40)
+    first.close()
+    saved = Planner.load(path)
+    second = fake_engine(draft=True, num_speculative_tokens=3, planner="dsd", planner_state=path)
+    assert second.planner.to_json() == saved.to_json()
+    for _ in range(8):  # (past its warm-up: it chooses from its fit, not the cycle 0, 1, 2, 3 again)
+        assert second.planner.select(1) == saved.select(1)
+
+
+def test_planner_state_is_saved_when_the_engine_is_collected_without_close(tmp_path):
+    import gc
+
+    from nightjar_jax.planner import Planner
+
+    path = tmp_path / "planner.json"
+
+    def run():
+        eng = _nightjar_engine(planner_state=path)
+        _run_prompts(eng)
+        return eng.planner.num_observations
+
+    observed = run()
+    gc.collect()
+    assert Planner.load(path).num_observations == observed > 0
+
+
+def test_planner_state_path_is_fixed_at_start_and_a_symlink_keeps_pointing(tmp_path, monkeypatch):
+    from nightjar_jax.planner import Planner
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    eng = _nightjar_engine(planner_state="rel.json")
+    monkeypatch.chdir(tmp_path / "b")  # (a later save went to b/rel.json)
+    _run_prompts(eng)
+    eng.close()
+    assert Planner.load(tmp_path / "a" / "rel.json").num_observations > 0 and not (tmp_path / "b" / "rel.json").exists()
+
+    (tmp_path / "store").mkdir()
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "store" / "state.json")  # (dangling until the first save)
+    eng = _nightjar_engine(planner_state=link)
+    _run_prompts(eng)
+    eng.close()
+    assert link.is_symlink() and Planner.load(tmp_path / "store" / "state.json").num_observations > 0
 
 
 def test_planner_state_is_saved_while_decoding(tmp_path, monkeypatch):
@@ -144,7 +198,9 @@ def test_planner_state_of_another_planner_or_gamma_max_is_a_config_error(tmp_pat
     assert path.read_text() == before  # (a refused state is left as it was)
 
 
-@pytest.mark.parametrize("content", ["", '{"format": "nightjar-jax/planner-state/v1", "spec"', '{"a": 1}\n'])
+@pytest.mark.parametrize("content", ["", '{"format": "nightjar-jax/planner-state/v1", "spec"', '{"a": 1}\n',
+                                     "[" * 100_000 + "]" * 100_000],  # (nested past the recursion limit)
+                         ids=["empty", "cut", "not-a-state", "too-deep"])
 def test_planner_state_that_is_not_a_state_is_a_config_error(tmp_path, content):
     from nightjar_jax.config import ConfigError
 
