@@ -58,8 +58,8 @@ logger = logging.getLogger(__name__)
 # (see LLMEngine._lookup_boost).
 LOOKUP_AR_BOOST_MAX_ROWS = 5
 
-# planner_state is saved at close, at exit and after the first observed decode step this many seconds after the last
-# save (a process killed outright loses at most that much of what the planner learned)
+# planner_state is saved at close, when the engine is collected, at exit, and after the first observed decode step
+# this many seconds after the last save (a process killed outright loses at most that much of what the planner learned)
 PLANNER_STATE_SAVE_SECONDS = 60.0
 
 

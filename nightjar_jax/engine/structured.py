@@ -246,7 +246,7 @@ def _resolved(root: Any, node: Any) -> dict | None:
 
 def _canonical(value: Any) -> str:
     """A JSON value as text that is equal where JSON Schema's equality is (1 and 1.0 are one number)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer():
+    if isinstance(value, float) and value.is_integer():  # (not float(an int): 10**400 overflows a float)
         value = int(value)
     return json.dumps(value, sort_keys=True)
 
@@ -265,8 +265,10 @@ def _json_type(value: Any) -> set[str]:
         return {"null"}
     if isinstance(value, bool):
         return {"boolean"}
-    if isinstance(value, (int, float)):
-        return {"number", "integer"} if float(value).is_integer() else {"number"}
+    if isinstance(value, int):
+        return {"number", "integer"}
+    if isinstance(value, float):
+        return {"number", "integer"} if value.is_integer() else {"number"}
     return {{str: "string", list: "array", dict: "object"}.get(type(value), "?")}
 
 

@@ -552,6 +552,8 @@ def test_the_grammar_cache_is_bounded(llm, monkeypatch):
      "'oneOf' at # whose branches 1 and 2"),
     ({"oneOf": [{"type": "string"}, {"type": ["null", "integer"]}, {"type": "boolean"}, {"const": 2.5}]}, None),
     ({"oneOf": [{"const": "x"}, {"enum": ["y", 1]}]}, None),
+    ({"oneOf": [{"const": 10**400}, {"const": "x"}]}, None),  # (an integer past a float's range: no OverflowError)
+    ({"oneOf": [{"const": 10**400}, {"type": "integer"}]}, "'oneOf' at # whose branches 0 and 1"),
     # pydantic's discriminated union: $refs to objects that each require the tag with their own const
     ({"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
       "discriminator": {"propertyName": "pet", "mapping": {"cat": "#/$defs/Cat", "dog": "#/$defs/Dog"}},
