@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from nightjar_jax.cli import STARTUP_ERRORS, add_engine_args, engine_config_from_args
+from nightjar_jax.interrupts import interrupted_import, startup_interrupts
 
 logger = logging.getLogger("nightjar_jax")
 
@@ -21,16 +21,20 @@ logger = logging.getLogger("nightjar_jax")
 def _generate(args: argparse.Namespace) -> int:
     import time
 
-    from nightjar_jax.engine.engine import LLMEngine
-    from nightjar_jax.engine.sampling_params import SamplingParams
-    from nightjar_jax.models.tokenizer import load_chat_template
+    from nightjar_jax.cli import STARTUP_ERRORS, engine_config_from_args
+
+    with startup_interrupts():
+        from nightjar_jax.engine.engine import LLMEngine
+        from nightjar_jax.engine.sampling_params import SamplingParams
+        from nightjar_jax.models.tokenizer import load_chat_template
 
     given = {name: value for name, value in (("temperature", args.temperature), ("max_tokens", args.max_tokens),
                                              ("seed", args.sampling_seed)) if value is not None}
     try:  # the sampling values and the template first: they fail before minutes of loading
         SamplingParams(**given)
         template = None if args.chat_template is None else load_chat_template(args.chat_template)
-        engine = LLMEngine(engine_config_from_args(args))
+        with startup_interrupts():
+            engine = LLMEngine(engine_config_from_args(args))
         # unset flags: the model's generation config (--generation-config, --override-generation-config), else
         # greedy and 64 tokens
         params = SamplingParams(**{"temperature": 0.0, "max_tokens": 64, **engine.generation_defaults, **given})
@@ -86,6 +90,8 @@ def _prog() -> str:
 def generate_parser(prog: str = "python -m nightjar_jax generate") -> argparse.ArgumentParser:
     """``generate``'s flags: the engine's, the one prompt's, and serve's launch forms (``generate MODEL``,
     ``--config YAML``)."""
+    from nightjar_jax.cli import add_engine_args
+
     gen = argparse.ArgumentParser(prog=prog, description="print one completion")
     gen.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                      help="the model (the same as --model), as serve takes it")
@@ -110,6 +116,16 @@ def generate_parser(prog: str = "python -m nightjar_jax generate") -> argparse.A
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except (KeyboardInterrupt, ImportError) as exc:  # (Ctrl-C while importing, loading, compiling or generating: it
+        if not isinstance(exc, KeyboardInterrupt) and not interrupted_import(exc):  # was a traceback)
+            raise
+        sys.stderr.write("\ninterrupted\n")
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     prog = _prog()
     parser = argparse.ArgumentParser(prog=prog, description="nightjar-jax: serve or generate")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,11 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(generate_parser(f"{prog} generate"), argv[1:])
     logging.basicConfig(level=logging.WARNING)
-    try:
-        return _generate(args)
-    except KeyboardInterrupt:  # (Ctrl-C while loading, compiling or generating: it was a page of traceback)
-        sys.stderr.write("\ninterrupted\n")
-        return 130
+    return _generate(args)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from nightjar_jax.config import (
 # traceback at debug level) and exit with code 2.
 STARTUP_ERRORS = (ValueError, OSError)  # (OSError: a cache dir that is a file, a log path that is a folder, ...)
 
+
 _CHOICES = {"dtype": (*DTYPES, *VLLM_DTYPES), "load_format": LOAD_FORMATS, "attention_impl": ATTENTION_IMPLS,
             "linear_impl": LINEAR_IMPLS, "weight_format": WEIGHT_FORMATS, "kv_cache_dtype": KV_CACHE_DTYPES,
             "draft_offload": DRAFT_OFFLOAD, "scheduling_policy": SCHEDULING_POLICIES}

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from nightjar_jax.cli import STARTUP_ERRORS, add_engine_args, engine_config_from_args
 from nightjar_jax.engine.sampling_params import MAX_LOGPROBS
+from nightjar_jax.interrupts import interrupted_import, startup_interrupts
 from nightjar_jax.models.tokenizer import load_chat_template  # noqa: F401 (serve's --chat-template; tests import it here)
 
 logger = logging.getLogger("nightjar_jax.serve")
@@ -538,11 +539,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m nightjar_jax.serv
     if args.served_model_name and not all(name.strip() for name in args.served_model_name):
         parser.error(f"--served-model-name {' '.join(repr(n) for n in args.served_model_name)}: a name must not be "
                      f"empty (responses would carry \"model\": \"\")")
-    import uvicorn
+    try:
+        with startup_interrupts():
+            import uvicorn
 
-    from nightjar_jax.server.app import ServerSettings, build_app
-    from nightjar_jax.server.async_engine import AsyncEngine
-
+            from nightjar_jax.server.app import ServerSettings, build_app
+            from nightjar_jax.server.async_engine import AsyncEngine
+    except (KeyboardInterrupt, ImportError) as exc:  # (while importing: it was a traceback)
+        if not isinstance(exc, KeyboardInterrupt) and not interrupted_import(exc):
+            raise
+        logger.warning("interrupted while starting: nothing was served")
+        return 130
     if not args.host.strip():  # (`--host "$HOST"` with HOST unset bound every interface, and the log said "http://:8000")
         parser.error(f"--host {args.host!r} is empty: give an address to bind, e.g. 127.0.0.1 (this machine only) or "
                      f"0.0.0.0 / :: (every IPv4 / IPv6 interface)")
@@ -551,7 +558,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m nightjar_jax.serv
     except OSError as exc:
         parser.error(f"--host {args.host} --port {args.port}: cannot listen there ({exc})")
     try:
-        engine = load_engine(args)
+        with startup_interrupts():
+            engine = load_engine(args)
     except STARTUP_ERRORS as exc:  # bad flags: one line, exit code 2
         sock.close()
         logger.debug("start-up failed", exc_info=True)

@@ -190,6 +190,43 @@ def test_ctrl_c_while_starting_exits_130_without_a_traceback(monkeypatch, capsys
     assert "interrupted" in captured.err and "Traceback" not in captured.err + captured.out
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (the one Python drops)
+def test_a_ctrl_c_python_drops_inside_a_gc_callback_still_stops_the_start(monkeypatch, caplog):
+    """A KeyboardInterrupt raised inside a garbage-collection callback (JAX registers one) is printed and dropped by
+    Python: a Ctrl-C 1.5-2 s into serve's start was lost and the server started anyway (QA, 2026-12-07).
+    startup_interrupts notes it and raises it at the block's end."""
+    import gc
+    import signal
+
+    from nightjar_jax.interrupts import startup_interrupts
+
+    def callback(phase, info):
+        if phase == "start":
+            signal.raise_signal(signal.SIGINT)
+
+    def collect():
+        gc.callbacks.append(callback)
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks.remove(callback)
+
+    previous = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with startup_interrupts():
+            collect()  # (dropped here: the block goes on to its end)
+            done = True
+    assert done and signal.getsignal(signal.SIGINT) is previous
+    with startup_interrupts():  # (no Ctrl-C: nothing raised)
+        gc.collect()
+
+    import nightjar_jax.serve as serve
+
+    monkeypatch.setattr(serve, "load_engine", lambda args: collect())  # (a start that loses the Ctrl-C)
+    assert serve.main(["--model", "stories260k", "--port", "0"]) == 130
+    assert "interrupted while starting" in caplog.text
+
+
 @pytest.mark.parametrize("argv0, prog", [("/usr/local/bin/nightjar", "nightjar"),
                                          ("/x/nightjar_jax/__main__.py", "python -m nightjar_jax")])
 def test_usage_names_the_command_that_ran(monkeypatch, capsys, argv0, prog):
