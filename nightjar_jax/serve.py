@@ -92,6 +92,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "weights from a checkpoint on the server's disk, served without a restart (an RL loop's weight sync)",
     )
     group.add_argument(
+        "--chat-template-content-format", choices=("auto", "string", "openai"), default="auto",
+        help="how the chat template gets each message's content (vLLM's flag): string (text parts joined by "
+             "newlines), openai (a list of {'type': 'text', 'text'} parts), or auto (parts for a template that loops "
+             "over a message's content, else a string)",
+    )
+    group.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="render a chat request's own 'chat_template' (vLLM's flag); without it such a request is a 400",
@@ -579,6 +585,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m nightjar_jax.serv
         enable_sleep_mode=args.enable_sleep_mode,
         enable_weight_updates=args.enable_weight_updates,
         trust_request_chat_template=args.trust_request_chat_template,
+        chat_template_content_format=args.chat_template_content_format,
         allowed_origins=tuple(args.allowed_origins),
         allow_credentials=args.allow_credentials,
         allowed_methods=tuple(args.allowed_methods),

@@ -253,13 +253,16 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them, each
         rendered with the model's chat template (or ``chat_template``), then generated as :meth:`generate` does; one
         output per conversation. ``tools`` (OpenAI function definitions) go to templates that render them (the
         calls a model writes can be read with ``nightjar_jax.server.tool_parsers.parse``); an assistant turn may
         carry ``tool_calls`` with ``content`` None. ``continue_final_message`` (with ``add_generation_prompt``
-        False) continues each conversation's last message; ``chat_template_kwargs`` are more template variables."""
+        False) continues each conversation's last message; ``chat_template_kwargs`` are more template variables.
+        ``chat_template_content_format`` (vLLM's): "auto" gives a template that loops over a message's content a
+        list of text parts, others a string (text parts joined by newlines); "string" / "openai" choose."""
         _no_lora(lora_request)
         for name, flag in (("add_generation_prompt", add_generation_prompt),
                            ("continue_final_message", continue_final_message)):
@@ -283,15 +286,14 @@ class LLM:
                     raise ValueError(f"each message must be a dict with a string 'role' and a 'content' that is a "
                                      f"string or a list of text parts ({{'type': 'text', 'text': ...}}; or None "
                                      f"beside 'tool_calls'): got {short_repr(m)}")
-        conversations = [[template_message({**m, "content": (m["content"] if isinstance(m["content"], str)
-                                                             else "\n".join(_text_parts(m["content"]) or []))})
-                          for m in c] for c in conversations]
+        conversations = [[template_message(m) for m in c] for c in conversations]
         if chat_template is not None:  # (a file's path read, as serve --chat-template; a name that is no file refused)
             chat_template = load_chat_template(chat_template, "chat_template")
         prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
                                                  chat_template=chat_template, tools=tools,
                                                  continue_final_message=continue_final_message,
-                                                 template_kwargs=chat_template_kwargs) for c in conversations]
+                                                 template_kwargs=chat_template_kwargs,
+                                                 content_format=chat_template_content_format) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 

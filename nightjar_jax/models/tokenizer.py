@@ -103,6 +103,38 @@ def model_chat_template(shipped: str | dict | None, vocab: dict[str, int]) -> st
     return shipped or default_chat_template(vocab)
 
 
+CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's --chat-template-content-format
+# a for-loop over a message's content (`{% for part in message['content'] %}`, `... in m.content %}`): such a
+# template renders parts, and a string's characters give it nothing
+_CONTENT_LOOP = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+\s*(?:\.\s*content\b|\[\s*['\"]content['\"]\s*\])")
+
+
+def chat_content_format(template: str, requested: str = "auto") -> str:
+    """How a template takes each message's content (vLLM's ``--chat-template-content-format``): "string" (one
+    string; text parts joined by newlines) or "openai" (a list of ``{"type": "text", "text": ...}`` parts; a
+    string is one part). "auto": "openai" for a template that loops over a message's content (given a string it
+    rendered none of the text, and the user's message was lost), else "string"."""
+    if requested not in CONTENT_FORMATS:
+        raise ChatTemplateArgumentError(f"chat template content format {requested!r} is invalid: allowed "
+                                        f"{', '.join(CONTENT_FORMATS)}", "chat_template_content_format")
+    if requested != "auto":
+        return requested
+    return "openai" if _CONTENT_LOOP.search(template) else "string"
+
+
+def _content_as(fmt: str, content: Any) -> Any:
+    """A message's content (a string, a list of text parts, or None) in format ``fmt``; anything else as it is."""
+    if content is None:
+        texts = []
+    elif isinstance(content, str):
+        texts = [content]
+    elif isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+        texts = [p["text"] for p in content]
+    else:
+        return content
+    return "\n".join(texts) if fmt == "string" else [{"type": "text", "text": t} for t in texts]
+
+
 def template_message(message: dict[str, Any]) -> dict[str, Any]:
     """A chat message as templates take it (vLLM's convention, and transformers' tool templates'): an assistant's
     tool-call ``arguments`` a JSON object, not the API's JSON string (``{}`` for none; a string that is no JSON object
@@ -472,7 +504,7 @@ class Tokenizer:
                             chat_template: str | None = None, tools: list[dict] | None = None,
                             continue_final_message: bool = False, documents: list[dict] | None = None,
                             template_kwargs: dict[str, Any] | None = None, *, tokenize: bool = False,
-                            **kwargs: Any) -> str | list[int]:
+                            content_format: str | None = None, **kwargs: Any) -> str | list[int]:
         """Render ``messages`` with the model's chat template, or ``chat_template`` when given (jinja2, sandboxed like
         transformers); ``tools`` (OpenAI's function definitions) and ``documents`` (transformers' RAG documents,
         dicts with "title" and "text") for templates that render them.
@@ -491,7 +523,10 @@ class Tokenizer:
         ``continue_final_message`` (transformers' and vLLM's): the text ends right after the last message's content,
         without its end-of-turn, so the model continues that message (a reply's start "prefilled"); not with
         ``add_generation_prompt``. ``template_kwargs``: more variables for the template (e.g. ``enable_thinking``);
-        they may not replace the ones set here."""
+        they may not replace the ones set here.
+
+        ``content_format`` (None: each message's content as given, as transformers'): "string", "openai" or "auto"
+        (:func:`chat_content_format`): the server and ``LLM.chat`` render with vLLM's default, "auto"."""
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateArgumentError("continue_final_message continues the last message, add_generation_prompt "
                                             "starts a new one: set at most one of them", "continue_final_message")
@@ -529,7 +564,13 @@ class Tokenizer:
         try:
             compiled = compile_chat_template(template)
         except TemplateError as e:  # (a syntax error: jinja's own type would leave the library's errors)
+            if chat_template is not None:  # (the caller's template, not the model's: the server's 400 names it)
+                raise ChatTemplateArgumentError(f"the chat template does not parse: {e}", "chat_template") from None
             raise ValueError(f"the chat template does not parse: {e}") from None
+        if content_format is not None:
+            fmt = chat_content_format(template, content_format)
+            messages = [{**m, "content": _content_as(fmt, m["content"])} if isinstance(m, dict) and "content" in m
+                        else m for m in messages]
         # transformers' variables: its special_tokens_map (each named special token the tokenizer has), the
         # template kwargs (which may replace those, not bos/eos: reserved above), the conversation, tools, documents
         variables = {**self.special_tokens_map, **(template_kwargs or {}), "tools": tools,
@@ -678,13 +719,19 @@ def _render_to_final_message(render, messages: list[dict[str, Any]]) -> str:
     content continues where the marker lands, as in transformers (which marks it the same way)."""
     if not messages:
         raise ChatTemplateArgumentError("continue_final_message needs a message to continue", "continue_final_message")
-    content = messages[-1].get("content")
+    content = parts = messages[-1].get("content")
     if isinstance(content, list):  # (OpenAI's content parts)
         content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
     if not isinstance(content, str):  # (empty text continues too, as transformers': the reply from its start)
         raise ChatTemplateArgumentError("continue_final_message needs a last message with text to continue",
                                         "continue_final_message")
-    marked = render([*messages[:-1], {**messages[-1], "content": content + _CUT}])
+    if isinstance(parts, list):  # (parts stay parts, the marker after the last one's text: a template that loops
+        # over them renders it)
+        cut = [*parts[:-1], {**parts[-1], "text": parts[-1].get("text", "") + _CUT}] if parts else [
+            {"type": "text", "text": _CUT}]
+    else:
+        cut = content + _CUT
+    marked = render([*messages[:-1], {**messages[-1], "content": cut}])
     if marked.count(_CUT) == 1:
         text = marked[:marked.index(_CUT)]
         trimmed = content != content.rstrip() and content not in render(messages)  # (the template trims it)

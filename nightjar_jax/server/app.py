@@ -92,6 +92,9 @@ class ServerSettings:
     enable_weight_updates: bool = False  # POST /update_weights_from_disk (SGLang's)
     # a chat request's own chat_template is rendered (vLLM's --trust-request-chat-template); else it is a 400
     trust_request_chat_template: bool = False
+    # how the template gets each message's content (vLLM's --chat-template-content-format): "auto" (parts for a
+    # template that loops over them, else a string), "string" or "openai" (tokenizer.chat_content_format)
+    chat_template_content_format: str = "auto"
     # vLLM's HTTP front: CORS (browser clients on other origins; vLLM's defaults allow any), an X-Request-Id header on
     # every response (--enable-request-id-headers: the request's own, else a new one), and FastAPI's /docs pages
     allowed_origins: tuple[str, ...] = ("*",)
@@ -1034,7 +1037,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                            param="continue_final_message")
         # (an assistant's earlier thought reaches interleaved-thinking templates, as in vLLM)
         extra = ("name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content")
-        rendered = [{"role": m.role, "content": m.text(),
+        rendered = [{"role": m.role, "content": m.content if not isinstance(m.content, list) else [
+                        {"type": "text", "text": part.text} for part in m.content],  # (as the template takes it:
+                     #                                                                 apply_chat_template's format)
                      **{k: v for k in extra if (v := getattr(m, k, None) or (m.model_extra or {}).get(k))}}
                     for m in req.messages]
         rendered = [template_message(m) for m in rendered]
@@ -1048,7 +1053,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
                                            tools=req.tools or None, continue_final_message=req.continue_final_message,
                                            documents=getattr(req, "documents", None),  # (chat's; /tokenize has none)
                                            template_kwargs=req.chat_template_kwargs,
-                                           chat_template=req.chat_template or None)  # ("": the server's, as vLLM)
+                                           chat_template=req.chat_template or None,  # ("": the server's, as vLLM)
+                                           content_format=settings.chat_template_content_format)
         except APIError:
             raise
         except Exception as exc:  # no template, or the template rejected the messages

@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import threading
 
+import pytest
 from fastapi.testclient import TestClient
 
-from nightjar_jax import LLM
+from nightjar_jax import LLM, SamplingParams
 from nightjar_jax.engine.structured import GrammarBackend
 from nightjar_jax.server.app import ServerSettings, build_app
 from nightjar_jax.server.async_engine import AsyncEngine
@@ -413,3 +414,58 @@ def test_a_client_gone_before_the_first_frame_aborts_its_request():
         assert not engine.has_unfinished_requests()
         assert engine.stats.num_generated_tokens < 100  # (aborted, not run to max_tokens)
     assert llm.engine.num_free_pages == llm.engine.num_total_pages
+
+
+PARTS_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {% for p in m.content %}{% if p['type'] == 'text' %}"
+                  "{{ p['text'] }}{% endif %}{% endfor %}\n{% endfor %}{% if add_generation_prompt %}assistant:"
+                  "{% endif %}")
+
+
+def test_a_template_that_loops_over_content_parts_gets_them():
+    """vLLM's --chat-template-content-format auto: a template that loops over a message's content got the content
+    as one string (its characters have no 'type'), rendered no text, and the user's message was lost without a
+    word (QA, 2026-12-07); it now gets [{"type": "text", "text"}] parts, a string as one part. "string" forces the
+    old form; a request template that does not parse is blamed on 'chat_template', not 'messages'."""
+    llm = LLM("stories260k", draft_model="none", max_model_len=128, num_pages=16)
+    llm.engine.tokenizer.chat_template = PARTS_TEMPLATE
+    messages = [{"role": "system", "content": "Be kind."},
+                {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    want = "system: Be kind.user: Hellothereassistant:"  # (trim_blocks, as transformers': no newline after a tag)
+
+    def rendered(client, **extra):
+        resp = client.post("/tokenize", json={"messages": messages, **extra})
+        assert resp.status_code == 200, resp.text
+        return client.post("/detokenize", json={"tokens": resp.json()["tokens"]}).json()["prompt"]
+
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s", trust_request_chat_template=True))) as c:
+        assert rendered(c).endswith(want)
+        resp = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "chat_template": "{{ x "})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template", resp.text
+        assert "does not parse" in resp.json()["error"]["message"]
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings(
+            "s", chat_template_content_format="string"))) as c:
+        assert rendered(c).endswith("system: user: assistant:")  # (what every request got before)
+    # the library: LLM.chat as the server, the tokenizer as transformers' (content as given) unless asked
+    tok = llm.get_tokenizer()
+    assert tok.apply_chat_template(messages, content_format="auto") == want
+    assert tok.apply_chat_template(messages[:1]) == "system: assistant:"  # (transformers': as given)
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=2))
+    assert tok.decode(out[0].prompt_token_ids).endswith(want)
+    # continuing the last message in parts: the marker rides in its last part
+    prefill = [*messages, {"role": "assistant", "content": [{"type": "text", "text": "Hi"}]}]
+    assert tok.apply_chat_template(prefill, add_generation_prompt=False, continue_final_message=True,
+                                   content_format="auto") == "system: Be kind.user: Hellothereassistant: Hi"
+    assert llm.engine.num_free_pages == llm.engine.num_total_pages
+
+
+def test_chat_content_format_reads_the_template():
+    from nightjar_jax.models.tokenizer import ChatTemplateArgumentError, chat_content_format
+
+    assert chat_content_format(PARTS_TEMPLATE) == "openai"
+    vision = ("{% for message in messages %}{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+              "{%- for content in message['content'] %}{{ content['text'] }}{% endfor %}{% endif %}{% endfor %}")
+    assert chat_content_format(vision) == "openai"
+    assert chat_content_format("{% for m in messages %}{{ m['content'] }}{% endfor %}") == "string"
+    assert chat_content_format(PARTS_TEMPLATE, "string") == "string"
+    with pytest.raises(ChatTemplateArgumentError, match="content format 'parts' is invalid: allowed auto, string"):
+        chat_content_format(PARTS_TEMPLATE, "parts")
