@@ -55,7 +55,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer <key>' on /v1/* (an unknown /v1 path too), /invocations, "
                        "/tokenize, /detokenize, /reset_prefix_cache and the sleep and weight-update endpoints; "
                        "/health, /ping, /load, /version, /metrics and the docs stay open (stricter than vLLM, which "
-                       "guards /v1 only); an empty key is no key: auth stays off")
+                       "guards /v1 only); an empty key is no key: auth stays off. Default: $VLLM_API_KEY, as vLLM's")
     group.add_argument("--served-model-name", default=None, nargs="+",
                        help="model name in the API (default: --model); several: requests may name any of them, and "
                        "responses carry the first (vLLM's)")
@@ -500,15 +500,19 @@ def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
 
 
 def api_key(args: argparse.Namespace) -> str | None:
-    """``--api-key``; an empty one is none, as in vLLM (``--api-key "$KEY"`` with KEY unset), with a warning; one
-    with leading or trailing whitespace is a ValueError (``main`` makes it a usage error)."""
-    if args.api_key == "":
-        logger.warning("--api-key is empty: API-key auth is off (no endpoint needs a key)")
-    elif args.api_key is not None and args.api_key != args.api_key.strip():
+    """``--api-key``, else ``$VLLM_API_KEY`` (as vLLM reads it: a server started with it alone served everyone); an
+    empty one is none, as in vLLM (``--api-key "$KEY"`` with KEY unset), with a warning; one with leading or trailing
+    whitespace is a ValueError (``main`` makes it a usage error)."""
+    key, where = args.api_key, "--api-key"
+    if key is None and os.environ.get("VLLM_API_KEY") is not None:
+        key, where = os.environ["VLLM_API_KEY"], "$VLLM_API_KEY"
+    if key == "":
+        logger.warning("%s is empty: API-key auth is off (no endpoint needs a key)", where)
+    elif key is not None and key != key.strip():
         # (a key file's trailing newline: no request could match it, every one was a 401)
-        raise ValueError("--api-key has leading or trailing whitespace, which no client's key can match: give the "
+        raise ValueError(f"{where} has leading or trailing whitespace, which no client's key can match: give the "
                          "key alone")
-    return args.api_key or None
+    return key or None
 
 
 def run_server(server, sock: socket.socket, async_engine) -> int:

@@ -594,10 +594,12 @@ def test_a_good_tls_setup_passes_the_check(tls_files):
     check_ssl(args, parser)  # (no SystemExit)
 
 
-def test_an_empty_api_key_is_no_key(caplog):
+def test_an_empty_api_key_is_no_key(caplog, monkeypatch):
     """As vLLM's: --api-key "$KEY" with KEY unset leaves auth off, with a warning (it locked out every client that
     sent no literal 'Bearer ' header)."""
     from nightjar_jax.serve import api_key
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
 
     assert api_key(build_parser().parse_args(["--api-key", ""])) is None
     assert "--api-key is empty: API-key auth is off" in caplog.text
@@ -606,6 +608,21 @@ def test_an_empty_api_key_is_no_key(caplog):
     for padded in (" k", "k\n", " "):  # (no request could match it: every one was a 401)
         with pytest.raises(ValueError, match="--api-key has leading or trailing whitespace"):
             api_key(build_parser().parse_args(["--api-key", padded]))
+
+
+def test_vllm_api_key_is_the_key_without_the_flag(monkeypatch, caplog):
+    """vLLM reads $VLLM_API_KEY when --api-key is not given; here it was ignored, and a server its operator had
+    keyed served everyone (QA, 2026-12-07). The flag wins; the same checks apply."""
+    from nightjar_jax.serve import api_key
+
+    monkeypatch.setenv("VLLM_API_KEY", "sk-env")
+    assert api_key(build_parser().parse_args([])) == "sk-env"
+    assert api_key(build_parser().parse_args(["--api-key", "k"])) == "k"
+    monkeypatch.setenv("VLLM_API_KEY", "sk-env\n")
+    with pytest.raises(ValueError, match=r"\$VLLM_API_KEY has leading or trailing whitespace"):
+        api_key(build_parser().parse_args([]))
+    monkeypatch.setenv("VLLM_API_KEY", "")
+    assert api_key(build_parser().parse_args([])) is None and "$VLLM_API_KEY is empty" in caplog.text
 
 
 def test_an_empty_served_model_name_is_refused(capsys):
