@@ -332,7 +332,6 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Serv
         if not async_engine.is_alive:
             async_engine.start()
         yield
-        logger.info("shutting down: aborting %d in-flight request(s)", async_engine.num_active_groups)
         await asyncio.get_running_loop().run_in_executor(None, async_engine.stop)
         metrics_executor.shutdown(wait=False)
 

@@ -172,12 +172,17 @@ class AsyncEngine:
         waiting (bare 500s, cut streams). For the same reason, when the engine thread has not aborted the running
         requests within ``grace`` seconds (a step still runs), their groups are answered from here: each member
         its latest output, finish reason "abort" (:meth:`_close_groups`); the engine aborts them after the step."""
+        in_flight = self.num_active_groups
         with self._cond:
-            self._stopping = True
+            first, self._stopping = not self._stopping, True
             queued = [c for c in self._commands if isinstance(c, (_Add, _Call))]
             for command in queued:
                 self._commands.remove(command)
             self._cond.notify()
+        if first:  # (logged here, where they are aborted: the server's shutdown stops the engine before the end of
+            # --shutdown-timeout, and a count taken after that said 0)
+            logger.log(logging.WARNING if in_flight else logging.INFO,
+                       "shutting down: aborting %d in-flight request(s)", in_flight)
         for command in queued:
             if isinstance(command, _Add):
                 self._resolve(command.ack, EngineShuttingDown())

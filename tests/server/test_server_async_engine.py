@@ -110,7 +110,7 @@ def test_step_failure_errors_requests_and_keeps_serving(async_engine, engine, mo
     assert ok.outputs[0].token_ids == fake_greedy_continuation([7, 8], 20, VOCAB)
 
 
-def test_stop_aborts_in_flight(engine):
+def test_stop_aborts_in_flight(engine, caplog):
     ae = AsyncEngine(engine)
     ae.start()
 
@@ -124,6 +124,11 @@ def test_stop_aborts_in_flight(engine):
     assert not ae.is_alive
     assert final.outputs[0].finish_reason == "abort"
     assert engine.num_free_pages == engine.num_total_pages
+    # the count is logged where they are aborted, once (the server's shutdown logged it after the timeout's stop had
+    # aborted them: "aborting 0", QA 2026-12-07)
+    assert caplog.text.count("shutting down: aborting 1 in-flight request(s)") == 1
+    ae.stop()
+    assert caplog.text.count("shutting down: aborting") == 1
 
     async def after():
         await ae.add([[1]], [greedy(1)])
