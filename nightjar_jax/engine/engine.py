@@ -930,9 +930,12 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (vLLM's ``reset_prefix_cache``): later requests compute their prompts whole
-        until pages are registered again. Running requests keep their pages. Returns the pages forgotten."""
-        for r in self.scheduler.running:  # (their pages computed so far are not registered again; later ones are)
-            r.num_registered_pages = min(r.num_computed, r.num_tokens) // self.allocator.page_size
+        until pages are registered again. Running requests keep their pages and register none of them, the ones
+        they compute from now on included (``stale_kv``): a page's cache entry is found only through the pages
+        before it, and those are forgotten (registered, their later pages were counted as cached and never hit).
+        Returns the pages forgotten."""
+        for r in self.scheduler.running:
+            r.stale_kv = True
         return self.allocator.reset_prefix_cache()
 
     @property

@@ -81,9 +81,10 @@ class Request:
     num_registered_pages: int = 0
     num_draft_cached_pages: int = 0
     num_cached_tokens: int = 0
-    # its pages hold K/V of weights since replaced (it ran through LLMEngine.update_weights): none of them is ever
-    # registered, since even the pages it computes after the update attend to the old ones; cleared when a
-    # preemption frees its pages (it computes everything again under the new weights)
+    # its pages hold K/V of weights since replaced (it ran through LLMEngine.update_weights), or its first pages'
+    # cache entries were forgotten (LLMEngine.reset_prefix_cache): none of them is ever registered, since even the
+    # pages it computes afterwards attend to the old ones (and could only be found through the forgotten ones);
+    # cleared when a preemption frees its pages (it computes everything again)
     stale_kv: bool = False
 
     def __post_init__(self) -> None:

@@ -482,6 +482,10 @@ def test_reset_prefix_cache_forgets_every_page_and_keeps_running_requests():
     assert engine.reset_prefix_cache() > 0
     assert engine.allocator.num_cached_free == 0 and engine.allocator.lookup(engine.requests[rid].page_hashes) == []
     engine.allocator.check()
+    # the running request registers none of its pages, the later ones included: each is found only through the
+    # ones before it, which are forgotten (they were counted as cached and never hit, QA 2026-12-07)
+    run_all(engine)
+    assert engine.allocator.num_cached_free == 0
     again = generate_outputs(engine, PROMPTS[:1], [greedy(4)])  # nothing cached: computed whole
     assert engine.stats.num_prefix_cache_hits == 12 and again
     assert engine.num_free_pages == engine.num_total_pages
