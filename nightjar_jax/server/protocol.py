@@ -556,27 +556,7 @@ class ChatCompletionRequest(_SamplingFields):
             if choice not in (None, "none"):
                 raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
             return None
-        if len(self.tools) > MAX_TOOLS:  # (a "required" call's grammar over thousands of tools took seconds and GBs)
-            raise APIError(400, f"{len(self.tools)} tools: allowed at most {MAX_TOOLS}, as OpenAI's", param="tools")
-        tools = []
-        for i, tool in enumerate(self.tools):
-            fn = tool.get("function") if tool.get("type") == "function" else None
-            name = fn.get("name") if isinstance(fn, dict) else None
-            params = fn.get("parameters", {"type": "object", "properties": {}}) if isinstance(fn, dict) else None
-            if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name) and isinstance(params, dict)):
-                raise APIError(400, f"'tools'[{i}] must be {{'type': 'function', 'function': {{'name': <1-64 "
-                                    f"letters, digits, '_', '.' or '-'>, 'parameters': <a JSON schema object, "
-                                    f"optional>}}}}", param="tools")
-            kind = params.get("type", "object")  # (none: OpenAI's parameters are an object's; {} is "no parameters")
-            if not (kind == "object" or (isinstance(kind, list) and "object" in kind)):  # (["object", "null"]: as
-                #                                                                           an object's: a call has one)
-                raise APIError(400, f"'tools'[{i}] ({name}): 'parameters' must be an object's JSON schema (a call's "
-                                    f"arguments are a JSON object, as OpenAI's), got 'type' {short_repr(kind)}",
-                                    param="tools")
-            if any(t["name"] == name for t in tools):  # (the name is all a call says of which function it calls)
-                raise APIError(400, f"'tools'[{i}]: a second function named {name!r}: give each tool its own name",
-                               param="tools")
-            tools.append({"name": name, "parameters": {**params, "type": "object"}})
+        tools = checked_tools(self.tools)
         choice = self.tool_choice if self.tool_choice is not None else "auto"
         if choice == "none":
             return None
@@ -676,6 +656,33 @@ def _rebase_refs(schema: Any, base: str) -> Any:
     return out
 
 
+def checked_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's ``tools`` (OpenAI's function definitions) checked, as ``{"name", "parameters"}`` each; an
+    ``APIError`` naming ``tools`` for what OpenAI refuses (chat and ``/tokenize`` alike)."""
+    if len(tools) > MAX_TOOLS:  # (a "required" call's grammar over thousands of tools took seconds and GBs)
+        raise APIError(400, f"{len(tools)} tools: allowed at most {MAX_TOOLS}, as OpenAI's", param="tools")
+    checked: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if tool.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        params = fn.get("parameters", {"type": "object", "properties": {}}) if isinstance(fn, dict) else None
+        if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name) and isinstance(params, dict)):
+            raise APIError(400, f"'tools'[{i}] must be {{'type': 'function', 'function': {{'name': <1-64 "
+                                f"letters, digits, '_', '.' or '-'>, 'parameters': <a JSON schema object, "
+                                f"optional>}}}}", param="tools")
+        kind = params.get("type", "object")  # (none: OpenAI's parameters are an object's; {} is "no parameters")
+        if not (kind == "object" or (isinstance(kind, list) and "object" in kind)):  # (["object", "null"]: as
+            #                                                                           an object's: a call has one)
+            raise APIError(400, f"'tools'[{i}] ({name}): 'parameters' must be an object's JSON schema (a call's "
+                                f"arguments are a JSON object, as OpenAI's), got 'type' {short_repr(kind)}",
+                                param="tools")
+        if any(t["name"] == name for t in checked):  # (the name is all a call says of which function it calls)
+            raise APIError(400, f"'tools'[{i}]: a second function named {name!r}: give each tool its own name",
+                           param="tools")
+        checked.append({"name": name, "parameters": {**params, "type": "object"}})
+    return checked
+
+
 class TokenizeRequest(_Strict):
     """vLLM's ``POST /tokenize``: a prompt, or chat messages through the chat template."""
 
@@ -699,6 +706,8 @@ class TokenizeRequest(_Strict):
             if getattr(self, name) and self.messages is None:
                 raise APIError(400, f"'{name}' goes with 'messages' (a chat template renders them), not with "
                                     f"'prompt'", param=name)
+        if self.tools:  # (as chat checks them: a malformed one was a template error blamed on 'messages')
+            checked_tools(self.tools)
 
 
 class UpdateWeightsRequest(_Strict):

@@ -180,6 +180,16 @@ def test_tokenize_refuses_empty_messages_as_chat_does(client):
     assert chat["param"] == tok["param"] == "messages" and chat["message"] == tok["message"]
 
 
+def test_tokenize_checks_tools_as_chat_does(client):
+    """A malformed tool on /tokenize was the template's TypeError blamed on 'messages', and one without its 'type'
+    a 200 there and a 400 on chat (QA, 2026-12-07)."""
+    for tools in ([{"type": "function"}], [{"function": {"name": "f", "parameters": {"type": "object"}}}]):
+        chat = error(client, "/v1/chat/completions", {"messages": USER, "tools": tools})
+        tok = error(client, "/tokenize", {"messages": USER, "tools": tools})
+        assert chat["param"] == tok["param"] == "tools" and chat["message"] == tok["message"]
+        assert "'tools'[0] must be {'type': 'function'" in tok["message"]
+
+
 def test_tool_choice_required_or_auto_with_no_tools_is_none(client):
     """"required" beside an empty tools list generates plainly (vLLM's rule), and so does "auto" (no tool to call:
     it was a 400 here; vLLM's needs --enable-auto-tool-choice); tools missing or null beside a tool_choice is a 400."""
