@@ -945,8 +945,18 @@ class ResponsesRequest(_Strict):
             return [*out, {"role": "user", "content": self.input}]
         if not self.input:
             raise APIError(400, "'input' is empty: give the text or the messages to answer", param="input")
+        thought: str | None = None  # a reasoning item's text, for the assistant message after it
         for i, item in enumerate(self.input):
             role, content = item.get("role"), item.get("content")
+            if item.get("type") == "reasoning":  # (an earlier response's output sent back, as OpenAI's multi-turn
+                # pattern does: the assistant turn's thought, which interleaved-thinking templates render)
+                parts = [*(item.get("content") or []), *(item.get("summary") or [])]
+                if not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+                    raise APIError(400, f"'input[{i}]' reasoning item's 'content' / 'summary' must be lists of "
+                                        f"{{'type': 'reasoning_text' | 'summary_text', 'text': ...}}",
+                                   param=f"input[{i}]")
+                thought = (thought + "\n" if thought else "") + "\n".join(p["text"] for p in parts)
+                continue
             if item.get("type", "message") != "message" or role not in ("user", "system", "developer", "assistant"):
                 raise APIError(400, f"'input[{i}]' must be a message {{'role': 'user' | 'system' | 'developer' | "
                                     f"'assistant', 'content': ...}}: other items (function calls, images, ...) are "
@@ -963,7 +973,14 @@ class ResponsesRequest(_Strict):
             if not isinstance(content, str):
                 raise APIError(400, f"'input[{i}].content' must be text or a list of text parts",
                                param=f"input[{i}].content")
-            out.append({"role": role, "content": content})
+            if thought is not None and role != "assistant":  # (a thought with no answer after it: its own turn)
+                out.append({"role": "assistant", "content": "", "reasoning_content": thought})
+                thought = None
+            out.append({"role": role, "content": content, **(
+                {"reasoning_content": thought} if thought is not None else {})})
+            thought = None
+        if thought is not None:
+            out.append({"role": "assistant", "content": "", "reasoning_content": thought})
         return out
 
     def response_format(self) -> dict[str, Any] | None:

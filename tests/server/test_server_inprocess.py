@@ -84,6 +84,32 @@ def test_responses_count_the_thoughts_generated_tokens():
     assert [(item["type"], item["status"]) for item in done] == [("reasoning", "incomplete"), ("message", "incomplete")]
 
 
+def test_responses_take_back_their_reasoning_items():
+    """OpenAI's multi-turn pattern sends a response's output items back as input: its reasoning item was a 400
+    ("must be a message", QA 2026-12-07). It is the next assistant message's reasoning_content now, which a template
+    that renders earlier thoughts gets."""
+    llm = stories_chat_llm()
+    llm.engine.tokenizer.chat_template = (
+        "{% for m in messages %}{{ m.role }}: {% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+        "{% endif %}{{ m.content }}\n{% endfor %}assistant: <think>\n")
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerSettings("s", reasoning_parser="deepseek_r1"))) as client:
+        first = client.post("/v1/responses", json={"input": "Tell a story", "max_output_tokens": 6,
+                                                   "temperature": 0}).json()
+        assert [item["type"] for item in first["output"]] == ["reasoning", "message"]
+        turn = [{"role": "user", "content": "Tell a story"}, *first["output"], {"role": "user", "content": "More"}]
+        resp = client.post("/v1/responses", json={"input": turn, "max_output_tokens": 2})
+        assert resp.status_code == 200, resp.text
+        without = client.post("/v1/responses", json={"input": [turn[0], turn[2], turn[3]], "max_output_tokens": 2})
+        assert resp.json()["usage"]["input_tokens"] > without.json()["usage"]["input_tokens"]  # (the thought is in)
+        bad = client.post("/v1/responses", json={"input": [turn[0], {"type": "reasoning", "summary": [3]}]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "input[1]", bad.text
+    from nightjar_jax.server.protocol import ResponsesRequest
+
+    got = ResponsesRequest(input=[{"type": "reasoning", "summary": [{"type": "summary_text", "text": "hmm"}]},
+                                  {"role": "user", "content": "Hi"}]).messages()
+    assert got == [{"role": "assistant", "content": "", "reasoning_content": "hmm"}, {"role": "user", "content": "Hi"}]
+
+
 def test_responses_take_vllms_extra_fields_and_check_text():
     """vLLM's Responses fields (top_k, logit_bias, skip_special_tokens, priority, cache_salt, mm_processor_kwargs)
     were 400s ("Extra inputs are not permitted") where chat takes them; 'text' took any keys, ignored them and echoed
