@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import re
 import typing
 from decimal import Decimal
@@ -35,6 +36,8 @@ from nightjar_jax.config import (
 # What bad flags raise while an engine starts: an invalid config value (ConfigError is a ValueError), an unknown
 # preset or an unreadable checkpoint or path, a bad sampling value. `generate` and `serve` report them in one line (the
 # traceback at debug level) and exit with code 2.
+logger = logging.getLogger(__name__)
+
 STARTUP_ERRORS = (ValueError, OSError)  # (OSError: a cache dir that is a file, a log path that is a folder, ...)
 
 
@@ -283,9 +286,25 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             given[name] = value
             flags.setdefault(name, f"--speculative-config {name}=")
     try:
-        return make_engine_config(**given)
+        config = make_engine_config(**given)
     except ConfigError as exc:  # (it named the config field, "max_num_seqs=0 is invalid", not the flag given)
         message = str(exc)
         if exc.field in flags and message.startswith(f"{exc.field}="):
             raise ConfigError(flags[exc.field] + message.removeprefix(exc.field + "="), exc.field) from None
         raise
+    if given.get("num_speculative_tokens") and not _has_drafts(config):  # (it decoded plainly without a word)
+        logger.warning("%s%d has no effect: no draft model (--draft-model %s%s), so every step decodes plainly; give "
+                       "--draft-model <model> or ngram", flags["num_speculative_tokens"],
+                       given["num_speculative_tokens"], config.spec.draft_model,
+                       ", and the model has no paired draft" if config.spec.draft_model == "auto" else "")
+    return config
+
+
+def _has_drafts(config: EngineConfig) -> bool:
+    """Whether the engine will have drafts to verify: a draft model (``auto``: the preset's pair) or n-gram lookup's."""
+    from nightjar_jax.models.presets import default_draft_for
+
+    spec = config.spec.draft_model
+    if spec is None or spec.lower() in ("none", ""):
+        return False
+    return spec.lower() != "auto" or default_draft_for(config.model) is not None

@@ -744,3 +744,21 @@ def test_generate_takes_the_model_as_a_word_and_a_config_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "stories260k", "--model", "smollm2-135m-instruct"])
     assert exc.value.code == 2 and "the model is given twice" in capsys.readouterr().err
+
+
+def test_speculative_tokens_without_a_draft_say_they_do_nothing(caplog):
+    """--num-speculative-tokens with no draft (none, or auto for a model without a pair) decoded plainly without a
+    word, where --planner static:3 there is an error (QA, 2026-12-07): a warning says so."""
+    def config(*argv):
+        caplog.clear()
+        return engine_config_from_args(build_parser().parse_args(["--model", "stories260k", *argv]))
+
+    config("--num-speculative-tokens", "4", "--draft-model", "none")
+    assert "--num-speculative-tokens 4 has no effect: no draft model (--draft-model none)" in caplog.text
+    config("--num-speculative-tokens", "8")
+    assert "(--draft-model auto, and the model has no paired draft)" in caplog.text
+    for argv in (["--num-speculative-tokens", "4", "--draft-model", "ngram"],
+                 ["--num-speculative-tokens", "3", "--draft-model", "stories260k@skip=2"],
+                 ["--num-speculative-tokens", "0", "--draft-model", "none"], ["--draft-model", "none"]):
+        config(*argv)
+        assert "has no effect" not in caplog.text, argv
