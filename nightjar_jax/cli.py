@@ -29,6 +29,7 @@ from nightjar_jax.config import (
     WEIGHT_FORMATS,
     ConfigError,
     EngineConfig,
+    SpecConfig,
     engine_config_fields,
     make_engine_config,
 )
@@ -292,7 +293,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         if exc.field in flags and message.startswith(f"{exc.field}="):
             raise ConfigError(flags[exc.field] + message.removeprefix(exc.field + "="), exc.field) from None
         raise
-    if given.get("num_speculative_tokens") and not _has_drafts(config):  # (it decoded plainly without a word)
+    # (the engine warns of a num_speculative_tokens other than the default without a draft; the default given as a
+    # flag decoded plainly without a word)
+    if given.get("num_speculative_tokens") == SpecConfig().num_speculative_tokens and not _has_drafts(config):
         logger.warning("%s%d has no effect: no draft model (--draft-model %s%s), so every step decodes plainly; give "
                        "--draft-model <model> or ngram", flags["num_speculative_tokens"],
                        given["num_speculative_tokens"], config.spec.draft_model,

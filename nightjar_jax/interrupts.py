@@ -43,6 +43,10 @@ def startup_interrupts():
     sys.unraisablehook = unraisable
     try:
         yield
+    except Exception as exc:  # (an error after a dropped Ctrl-C: the Ctrl-C wins, as the user asked to stop)
+        if interrupted:
+            raise KeyboardInterrupt from exc
+        raise
     finally:
         signal.signal(signal.SIGINT, previous)
         sys.unraisablehook = previous_hook

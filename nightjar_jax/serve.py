@@ -504,7 +504,7 @@ def api_key(args: argparse.Namespace) -> str | None:
     empty one is none, as in vLLM (``--api-key "$KEY"`` with KEY unset), with a warning; one with leading or trailing
     whitespace is a ValueError (``main`` makes it a usage error)."""
     key, where = args.api_key, "--api-key"
-    if key is None and os.environ.get("VLLM_API_KEY") is not None:
+    if not key and os.environ.get("VLLM_API_KEY"):  # (vLLM's `args.api_key or VLLM_API_KEY`: an empty flag too)
         key, where = os.environ["VLLM_API_KEY"], "$VLLM_API_KEY"
     if key == "":
         logger.warning("%s is empty: API-key auth is off (no endpoint needs a key)", where)

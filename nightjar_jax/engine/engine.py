@@ -63,13 +63,25 @@ LOOKUP_AR_BOOST_MAX_ROWS = 5
 PLANNER_STATE_SAVE_SECONDS = 60.0
 
 
-def _save_planner_state(planner, path: str) -> bool:
-    """``planner.save(path)``; False, with a warning, when it failed (serving goes on)."""
-    try:
-        planner.save(path)
-    except OSError as exc:
-        logger.warning("planner state not saved to %s: %s", path, exc)
-        return False
+def _save_planner_state(planner, path: str, saved: list) -> bool:
+    """``planner.save(path)`` unless nothing changed since the last save (``saved[0]``: its decision and observation
+    counts then; a closed engine collected later would otherwise write its old state over a newer engine's); False,
+    with a warning, when it failed (serving goes on)."""
+    version = (planner.num_decisions, planner.num_observations)
+    if saved and saved[0] == version:
+        return True
+    for attempt in range(3):
+        try:
+            planner.save(path)
+            break
+        except RuntimeError:  # (the engine thread changed the planner while it was written: a dict changed size)
+            if attempt == 2:
+                logger.warning("planner state not saved to %s: the planner kept changing while it was written", path)
+                return False
+        except OSError as exc:
+            logger.warning("planner state not saved to %s: %s", path, exc)
+            return False
+    saved[:] = [version]
     return True
 
 
@@ -533,6 +545,7 @@ class LLMEngine:
         planner = make_planner(name, self.gamma_max)
         self._planner_save_due = math.inf  # (monotonic time of the next periodic save of planner_state; inf: none)
         self._planner_state_path: str | None = None
+        self._planner_saved: list = []  # [(decisions, observations)] at the last save of planner_state
         if spec.planner_state is not None and self.gamma_max:
             planner = self._warm_planner(planner, spec.planner_state)
         elif spec.planner_state is not None:
@@ -578,10 +591,11 @@ class LLMEngine:
         except OSError as exc:  # (a folder, a read-only file or place, ...)
             raise ConfigError(f"planner_state={path!r} cannot be written ({exc.strerror or exc}): give the path of "
                               "a JSON file in a writable folder (the folder is created)") from None
+        self._planner_saved = [(planner.num_decisions, planner.num_observations)]
         self._planner_save_due = time.monotonic() + PLANNER_STATE_SAVE_SECONDS
         # written when the engine is collected without close(), or at exit (the finalizer holds the planner, not
-        # the engine)
-        weakref.finalize(self, _save_planner_state, planner, target)
+        # the engine), if it changed since its last save
+        weakref.finalize(self, _save_planner_state, planner, target, self._planner_saved)
         return planner
 
     @property
@@ -596,7 +610,7 @@ class LLMEngine:
         if self._planner_state_path is None:
             return False
         self._planner_save_due = time.monotonic() + PLANNER_STATE_SAVE_SECONDS
-        return _save_planner_state(self.planner, self._planner_state_path)
+        return _save_planner_state(self.planner, self._planner_state_path, self._planner_saved)
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def default_sampling_params(self, **fields) -> SamplingParams:

@@ -49,11 +49,12 @@ def load_llama2c(path: str | Path, *, name: str | None = None) -> tuple[ModelCon
     dim, hidden, num_layers, num_heads, num_kv_heads, vocab, seq_len = (
         int(x) for x in raw[: HEADER_INTS * 4].view(np.int32)
     )
-    if raw[:4].tobytes() == b"PK\x03\x04" or raw[0] == 0x80:  # (a zip archive or a pickle: torch.save's output)
-        raise ValueError(f"{path}: a PyTorch checkpoint (torch.save's zip or pickle), not a llama2.c export: PyTorch "
-                         f".bin weights are not read here (they run code as they load); save them as safetensors in "
-                         f"an HF folder (config.json + *.safetensors) and give the folder")
     if min(dim, hidden, num_layers, num_heads, num_kv_heads, seq_len) <= 0 or vocab == 0 or dim % num_heads:
+        if raw[:4].tobytes() == b"PK\x03\x04" or raw[0] == 0x80:  # (a zip or a pickle: torch.save's; only with an
+            # implausible header: a llama2.c dim of 128, 384, ... starts with 0x80 too)
+            raise ValueError(f"{path}: a PyTorch checkpoint (torch.save's zip or pickle), not a llama2.c export: "
+                             f"PyTorch .bin weights are not read here (they run code as they load); save them as "
+                             f"safetensors in an HF folder (config.json + *.safetensors) and give the folder")
         raise ValueError(
             f"{path}: implausible llama2.c header (dim={dim}, hidden_dim={hidden}, n_layers={num_layers}, "
             f"n_heads={num_heads}, n_kv_heads={num_kv_heads}, vocab_size={vocab}, seq_len={seq_len}); "

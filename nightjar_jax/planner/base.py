@@ -327,12 +327,18 @@ class Planner(abc.ABC):
             if not os.access(path, os.W_OK):
                 raise PermissionError(errno.EACCES, "Permission denied", str(path))
             mode = stat.S_IMODE(path.stat().st_mode)
+        text = self.to_json()
         partial = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}.partial")  # (one per save: threads too)
         try:
-            partial.write_text(self.to_json(), encoding="utf-8")
+            partial.write_text(text, encoding="utf-8")
             if mode is not None:
                 os.chmod(partial, mode)
-            os.replace(partial, path)
+            try:
+                os.replace(partial, path)
+            except OSError as exc:  # a bind-mounted file (a container's one-file volume) cannot be replaced: EBUSY;
+                if exc.errno not in (errno.EBUSY, errno.EXDEV):  # written in place, as a plain write would
+                    raise
+                path.write_text(text, encoding="utf-8")
         finally:
             partial.unlink(missing_ok=True)
 

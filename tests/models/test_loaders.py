@@ -207,6 +207,11 @@ def test_a_pytorch_bin_or_a_llama2c_header_with_bad_kv_heads_says_what_is_wrong(
                                          r"PyTorch .bin weights are not read here"):
         load_checkpoint(str(path))
     raw = bytearray((STORIES / "stories260K.bin").read_bytes())
+    header = np.frombuffer(bytes(raw[:28]), np.int32).copy()
+    header[0] = 128  # (a dim whose first byte is 0x80, as a pickle's: a plausible header is a llama2.c file's)
+    (tmp_path / "d128.bin").write_bytes(header.tobytes())
+    with pytest.raises(ValueError, match=r"d128.bin: expected \d+ bytes"):  # (read as llama2.c: its size is wrong)
+        load_checkpoint(str(tmp_path / "d128.bin"))
     raw[16:20] = np.array([3], np.int32).tobytes()  # n_kv_heads 3 for 8 heads
     (tmp_path / "m.bin").write_bytes(bytes(raw))
     with pytest.raises(ValueError, match=r"n_kv_heads=3 for n_heads=8: allowed a divisor of n_heads"):

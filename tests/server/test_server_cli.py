@@ -219,6 +219,10 @@ def test_a_ctrl_c_python_drops_inside_a_gc_callback_still_stops_the_start(monkey
     assert done and signal.getsignal(signal.SIGINT) is previous
     with startup_interrupts():  # (no Ctrl-C: nothing raised)
         gc.collect()
+    with pytest.raises(KeyboardInterrupt):  # (an error after a dropped Ctrl-C: the Ctrl-C wins, exit 130 not 2)
+        with startup_interrupts():
+            collect()
+            raise ValueError("a bad flag")
 
     import nightjar_jax.serve as serve
 
@@ -618,11 +622,13 @@ def test_vllm_api_key_is_the_key_without_the_flag(monkeypatch, caplog):
     monkeypatch.setenv("VLLM_API_KEY", "sk-env")
     assert api_key(build_parser().parse_args([])) == "sk-env"
     assert api_key(build_parser().parse_args(["--api-key", "k"])) == "k"
+    assert api_key(build_parser().parse_args(["--api-key", ""])) == "sk-env"  # (vLLM's `api_key or VLLM_API_KEY`)
     monkeypatch.setenv("VLLM_API_KEY", "sk-env\n")
     with pytest.raises(ValueError, match=r"\$VLLM_API_KEY has leading or trailing whitespace"):
         api_key(build_parser().parse_args([]))
     monkeypatch.setenv("VLLM_API_KEY", "")
-    assert api_key(build_parser().parse_args([])) is None and "$VLLM_API_KEY is empty" in caplog.text
+    assert api_key(build_parser().parse_args(["--api-key", ""])) is None and "--api-key is empty" in caplog.text
+    assert api_key(build_parser().parse_args([])) is None
 
 
 def test_an_empty_served_model_name_is_refused(capsys):
@@ -755,8 +761,10 @@ def test_speculative_tokens_without_a_draft_say_they_do_nothing(caplog):
 
     config("--num-speculative-tokens", "4", "--draft-model", "none")
     assert "--num-speculative-tokens 4 has no effect: no draft model (--draft-model none)" in caplog.text
-    config("--num-speculative-tokens", "8")
+    config("--num-speculative-tokens", "4")
     assert "(--draft-model auto, and the model has no paired draft)" in caplog.text
+    config("--num-speculative-tokens", "8", "--draft-model", "none")  # (the engine warns of this one, as it loads:
+    assert "has no effect" not in caplog.text  # not twice)
     for argv in (["--num-speculative-tokens", "4", "--draft-model", "ngram"],
                  ["--num-speculative-tokens", "3", "--draft-model", "stories260k@skip=2"],
                  ["--num-speculative-tokens", "0", "--draft-model", "none"], ["--draft-model", "none"]):

@@ -264,3 +264,63 @@ def test_a_warm_planner_state_warms_the_gammas_it_chose_first(tmp_path, monkeypa
     monkeypatch.setattr(eng.runner, "warmup_prefill", lambda **kw: [])
     eng.warmup(sampled=False)
     assert calls[0] == (None, [0]) and calls[1:len(order) + 1] == [([b], [g]) for b, g in order]
+
+
+def test_a_closed_engine_collected_later_does_not_write_over_a_newer_ones_state(tmp_path):
+    """A closed engine's exit-time save wrote its old state over the file a newer engine had saved since (QA review,
+    2026-12-07): a save is skipped when nothing changed since the engine's last one."""
+    import gc
+
+    from nightjar_jax.planner import Planner
+
+    path = tmp_path / "planner.json"
+    first = _nightjar_engine(planner_state=path)
+    _run_prompts(first)
+    first.close()
+    second = _nightjar_engine(planner_state=path)
+    _run_prompts(second, 40)
+    second.close()
+    newer = Planner.load(path).num_observations
+    assert newer > first.planner.num_observations
+    del first
+    gc.collect()  # (its finalizer runs now)
+    assert Planner.load(path).num_observations == newer
+
+
+def test_planner_state_saves_survive_a_busy_file_and_a_planner_that_changes_meanwhile(tmp_path, monkeypatch):
+    """os.replace cannot move a file over a bind-mounted one (EBUSY: a container's one-file volume): it is written in
+    place. A planner changed by the engine thread while another writes it (RuntimeError: a dict changed size) is
+    written again, and a save that keeps failing warns instead of raising out of close()."""
+    import errno
+    import os
+
+    from nightjar_jax.planner import Planner
+
+    path = tmp_path / "planner.json"
+    eng = _nightjar_engine(planner_state=path)
+    _run_prompts(eng)
+
+    def busy(src, dst):
+        raise OSError(errno.EBUSY, "Device or resource busy")
+
+    monkeypatch.setattr(os, "replace", busy)
+    assert eng.save_planner_state() and Planner.load(path).num_observations == eng.planner.num_observations
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["planner.json"]
+    monkeypatch.undo()
+
+    calls = []
+    real_save = type(eng.planner).save
+
+    def flaky(self, target):
+        calls.append(target)
+        if len(calls) < 3:
+            raise RuntimeError("dictionary changed size during iteration")
+        real_save(self, target)
+
+    monkeypatch.setattr(type(eng.planner), "save", flaky)
+    eng.planner.observe(0, 1, 1, 0.01)  # (something new to save)
+    assert eng.save_planner_state() and len(calls) == 3
+    monkeypatch.setattr(type(eng.planner), "save", lambda self, target: (_ for _ in ()).throw(RuntimeError("x")))
+    eng.planner.observe(0, 1, 1, 0.01)
+    assert eng.save_planner_state() is False
+    eng.close()  # (warns, does not raise)
