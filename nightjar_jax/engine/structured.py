@@ -230,6 +230,10 @@ def _resolved(root: Any, node: Any) -> dict | None:
     """``node`` with its local ``$ref`` (``#`` or ``#/...``) followed, up to 16 hops; None where it does not resolve to
     a schema object."""
     for _ in range(16):
+        if isinstance(node, dict) and isinstance(node.get("allOf"), list) and len(node["allOf"]) == 1 and not (
+                set(node) - _REF_ANNOTATIONS - {"allOf"}):  # ({"allOf": [{"$ref": ...}]}: pydantic's, OpenAPI's)
+            node = node["allOf"][0]
+            continue
         ref = node.get("$ref") if isinstance(node, dict) else None
         if not isinstance(ref, str):
             break
@@ -241,7 +245,8 @@ def _resolved(root: Any, node: Any) -> dict | None:
             if not isinstance(node, dict) or part not in node:
                 return None
             node = node[part]
-    return node if isinstance(node, dict) and not isinstance(node.get("$ref"), str) else None
+    return node if isinstance(node, dict) and not isinstance(node.get("$ref"), str) and not (
+        isinstance(node.get("allOf"), list) and len(node["allOf"]) == 1) else None
 
 
 def _canonical(value: Any) -> str:
@@ -298,6 +303,12 @@ def _exclusive(root: Any, a: Any, b: Any) -> bool:
     if values_a is not None and values_b is not None and not values_a & values_b:
         return True
     props_a, props_b, req_a, req_b = a.get("properties"), b.get("properties"), a.get("required"), b.get("required")
+    for props, closed, required in ((props_a, a.get("additionalProperties"), req_b),
+                                    (props_b, b.get("additionalProperties"), req_a)):
+        # (one allows no property but its own, and the other requires one it does not have)
+        if closed is False and isinstance(props, dict) and isinstance(required, list) and any(
+                isinstance(r, str) and r not in props for r in required):
+            return True
     if not (isinstance(props_a, dict) and isinstance(props_b, dict) and isinstance(req_a, list)
             and isinstance(req_b, list)):
         return False
@@ -310,6 +321,51 @@ def _exclusive(root: Any, a: Any, b: Any) -> bool:
             if values_a is not None and values_b is not None and not values_a & values_b:
                 return True
     return False
+
+
+MAX_ONEOF_PAIRS = 2016  # branch pairs the oneOf check compares one by one (64 branches); past it only fast paths
+
+
+def _oneof_overlap(root: Any, node: dict) -> tuple[int, int] | None:
+    """Two branches of ``node``'s ``oneOf`` that may both match (xgrammar compiles oneOf as anyOf: a value matching
+    two came back with finish reason "stop"), or None. An OpenAPI ``discriminator`` beside it picks the branch by
+    name, and is taken as such. Branches that all list their values (``const`` / ``enum``, the "enum with
+    descriptions" pattern) or all require one property with listed values (a discriminator) are compared as one set
+    (linear: thousands of branches compared pairwise took seconds per request); others pairwise up to
+    ``MAX_ONEOF_PAIRS`` pairs, past which the oneOf is taken as vLLM takes it."""
+    branches = node.get("oneOf")
+    if not isinstance(branches, list) or len(branches) < 2 or "discriminator" in node:
+        return None
+    resolved = [_resolved(root, b) for b in branches]
+
+    def first_repeat(value_sets: list[set[str]]) -> tuple[int, int] | None:
+        seen: dict[str, int] = {}
+        for j, values in enumerate(value_sets):
+            for v in values:
+                if v in seen and seen[v] != j:
+                    return seen[v], j
+                seen.setdefault(v, j)
+        return None
+
+    listed = [_listed_values(r) if r is not None else None for r in resolved]
+    if all(v is not None for v in listed):
+        return first_repeat(listed)
+    def properties(r: dict) -> dict:
+        return r["properties"] if isinstance(r.get("properties"), dict) else {}
+
+    if all(r is not None for r in resolved):
+        for name in properties(resolved[0]):
+            subs = [_resolved(root, properties(r).get(name)) if isinstance(r.get("required"), list)
+                    and name in r["required"] else None for r in resolved]
+            tags = [_listed_values(sub) if sub is not None else None for sub in subs]
+            if all(t is not None for t in tags) and first_repeat(tags) is None:
+                return None
+    if len(branches) * (len(branches) - 1) // 2 > MAX_ONEOF_PAIRS:
+        return None
+    for i, j in itertools.combinations(range(len(branches)), 2):
+        if not _exclusive(root, branches[i], branches[j]):
+            return i, j
+    return None
 
 
 def unenforced_schema_feature(schema: Any) -> str | None:
@@ -326,13 +382,11 @@ def unenforced_schema_feature(schema: Any) -> str | None:
                 return f"'{keyword}' at {path}"
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             return f"'allOf' of {len(node['allOf'])} schemas at {path} (one is enforced)"
-        branches = node.get("oneOf")
-        if isinstance(branches, list):  # (compiled as anyOf: a value two branches match came back with "stop")
-            for i, j in itertools.combinations(range(len(branches)), 2):
-                if not _exclusive(schema, branches[i], branches[j]):
-                    return (f"'oneOf' at {path} whose branches {i} and {j} may both match (exactly one must: use "
-                            "'anyOf', or branches told apart by 'type', 'const' / 'enum' values or a required "
-                            "property's 'const')")
+        overlap = _oneof_overlap(schema, node)
+        if overlap is not None:
+            return (f"'oneOf' at {path} whose branches {overlap[0]} and {overlap[1]} may both match (exactly one "
+                    "must: use 'anyOf', or branches told apart by 'type', 'const' / 'enum' values or a required "
+                    "property's 'const')")
         ref = node.get("$ref")
         if isinstance(ref, str):
             if not (ref == "#" or ref.startswith("#/")):

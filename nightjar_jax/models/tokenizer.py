@@ -106,7 +106,8 @@ def model_chat_template(shipped: str | dict | None, vocab: dict[str, int]) -> st
 CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's --chat-template-content-format
 # a for-loop over a message's content (`{% for part in message['content'] %}`, `... in m.content %}`): such a
 # template renders parts, and a string's characters give it nothing
-_CONTENT_LOOP = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+\s*(?:\.\s*content\b|\[\s*['\"]content['\"]\s*\])")
+_CONTENT_LOOP = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+\s*(?:\.\s*content\b|\[\s*['\"]content['\"]\s*\])"
+                           r"\s*(?:-?%\}|\||if\b)")  # (the content itself: `... .split('\n') %}` loops over a string)
 
 
 def chat_content_format(template: str, requested: str = "auto") -> str:

@@ -561,6 +561,17 @@ def test_the_grammar_cache_is_bounded(llm, monkeypatch):
                     "type": "integer"}}, "required": ["pet", "lives"]},
                 "Dog": {"type": "object", "properties": {"pet": {"enum": ["dog"], "type": "string"}},
                         "required": ["pet"]}}}, None),
+    # (review, 2026-12-07) objects one of which allows only its own properties while the other requires another;
+    # branches written as allOf of one $ref; OpenAPI's discriminator, which names the branch
+    ({"oneOf": [{"type": "object", "properties": {"a": {}}, "required": ["a"], "additionalProperties": False},
+                {"type": "object", "properties": {"b": {}}, "required": ["b"]}]}, None),
+    ({"oneOf": [{"allOf": [{"$ref": "#/$defs/A"}]}, {"allOf": [{"$ref": "#/$defs/B"}], "description": "b"}],
+      "$defs": {"A": {"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+                "B": {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}}}, None),
+    ({"oneOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}], "discriminator": {"propertyName": "k"},
+      "$defs": {"A": {"type": "object", "properties": {"k": {"type": "string"}}},
+                "B": {"type": "object", "properties": {"k": {"type": "string"}}}}}, None),
+    ({"oneOf": [{"type": "object", "properties": [1]}, {"type": "object", "properties": {"k": {}}}]}, "'oneOf' at #"),
     # enforced: none found (a property merely named like a keyword is no keyword)
     ({"type": "object", "properties": {"uniqueItems": {"type": "integer", "multipleOf": 5, "minimum": 0},
                                        "when": {"type": "string", "format": "date-time"},
@@ -582,3 +593,22 @@ def test_unenforced_schema_features_are_found(schema, found):
 
     got = unenforced_schema_feature(schema)
     assert got == found if found is None else got.startswith(found), got
+
+
+def test_a_long_oneof_is_checked_in_one_pass(monkeypatch):
+    """The "enum with descriptions" pattern, thousands of const branches, and discriminated objects are compared as
+    one set (pairwise, 2000 branches took ~10 s per request, before the grammar cache); a long oneOf with neither is
+    taken as vLLM takes it, past MAX_ONEOF_PAIRS (review, 2026-12-07)."""
+    from nightjar_jax.engine import structured
+
+    def pairwise(*args):
+        raise AssertionError("compared pairwise")
+
+    monkeypatch.setattr(structured, "_exclusive", pairwise)
+    consts = [{"const": f"v{i}", "description": str(i)} for i in range(2000)]
+    assert structured.unenforced_schema_feature({"oneOf": consts}) is None
+    assert structured.unenforced_schema_feature({"oneOf": [*consts, {"enum": ["x", "v7"]}]}).startswith(
+        "'oneOf' at # whose branches 7 and 2000")
+    tagged = [{"type": "object", "properties": {"t": {"const": i}, "x": {}}, "required": ["t"]} for i in range(500)]
+    assert structured.unenforced_schema_feature({"oneOf": tagged}) is None
+    assert structured.unenforced_schema_feature({"oneOf": [{"type": "object"}] * 100}) is None  # (past the pairs)

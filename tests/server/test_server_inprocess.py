@@ -492,6 +492,9 @@ def test_chat_content_format_reads_the_template():
               "{%- for content in message['content'] %}{{ content['text'] }}{% endfor %}{% endif %}{% endfor %}")
     assert chat_content_format(vision) == "openai"
     assert chat_content_format("{% for m in messages %}{{ m['content'] }}{% endfor %}") == "string"
+    lines = "{% for m in messages %}{% for line in m['content'].split('\\n') %}{{ line }}{% endfor %}{% endfor %}"
+    assert chat_content_format(lines) == "string"  # (a loop over the string's lines, not over parts: review)
+    assert chat_content_format("{%- for p in message.content | selectattr('type', 'eq', 'text') -%}") == "openai"
     assert chat_content_format(PARTS_TEMPLATE, "string") == "string"
     with pytest.raises(ChatTemplateArgumentError, match="content format 'parts' is invalid: allowed auto, string"):
         chat_content_format(PARTS_TEMPLATE, "parts")
