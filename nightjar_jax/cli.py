@@ -304,10 +304,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _has_drafts(config: EngineConfig) -> bool:
-    """Whether the engine will have drafts to verify: a draft model (``auto``: the preset's pair) or n-gram lookup's."""
-    from nightjar_jax.models.presets import default_draft_for
+    """Whether the engine will have drafts to verify: a draft model (``LLMEngine.resolve_draft_spec``: ``auto`` is
+    the preset's pair) or n-gram lookup's alone (``ngram``)."""
+    from nightjar_jax.engine.engine import LLMEngine
 
-    spec = config.spec.draft_model
-    if spec is None or spec.lower() in ("none", ""):
-        return False
-    return spec.lower() != "auto" or default_draft_for(config.model) is not None
+    return (config.spec.draft_model or "").lower() == "ngram" or LLMEngine.resolve_draft_spec(config) is not None

@@ -310,8 +310,9 @@ class SpecConfig:
     planner: str = "nightjar"
     planner_log: str | None = None  # JSONL path for decisions and rewards (opt-in)
     # A JSON file that keeps the planner's learned state across runs (a warm start): read at start when it exists
-    # (a state of this planner and γ_max, e.g. one an earlier run wrote), written at close (llm.close(), server
-    # shutdown, exit) and every minute while decoding. None: each run starts cold.
+    # (a state of this planner and γ_max, e.g. one an earlier run wrote), written at start, at close (llm.close(),
+    # server shutdown), when the engine is collected or at exit, and every minute while decoding. None: each run
+    # starts cold.
     planner_state: str | None = None
     # Decode steps at γ verify a static token tree of up to this many drafted nodes, depth γ (the draft's
     # top-ranked tokens per node; nightjar_jax/spec/tree.py) instead of a chain of γ, greedy or sampled (recursive

@@ -290,10 +290,9 @@ def _types(node: dict) -> set[str] | None:
     return set(types) | ({"integer"} if "number" in types else set())  # (an integer is a number)
 
 
-def _exclusive(root: Any, a: Any, b: Any) -> bool:
-    """Whether no value can match both schemas, as far as their types, listed values or a required property's
-    listed values (a discriminator) show; False when that cannot be told."""
-    a, b = _resolved(root, a), _resolved(root, b)
+def _exclusive(root: Any, a: dict | None, b: dict | None) -> bool:
+    """Whether no value can match both schemas (resolved: ``_resolved``), as far as their types, listed values or a
+    required property's listed values (a discriminator) show; False when that cannot be told."""
     if a is None or b is None:
         return False
     types_a, types_b = _types(a), _types(b)
@@ -350,6 +349,7 @@ def _oneof_overlap(root: Any, node: dict) -> tuple[int, int] | None:
     listed = [_listed_values(r) if r is not None else None for r in resolved]
     if all(v is not None for v in listed):
         return first_repeat(listed)
+
     def properties(r: dict) -> dict:
         return r["properties"] if isinstance(r.get("properties"), dict) else {}
 
@@ -363,7 +363,7 @@ def _oneof_overlap(root: Any, node: dict) -> tuple[int, int] | None:
     if len(branches) * (len(branches) - 1) // 2 > MAX_ONEOF_PAIRS:
         return None
     for i, j in itertools.combinations(range(len(branches)), 2):
-        if not _exclusive(root, branches[i], branches[j]):
+        if not _exclusive(root, resolved[i], resolved[j]):
             return i, j
     return None
 
